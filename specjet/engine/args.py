@@ -1,0 +1,51 @@
+"""Engine arguments, with SGLang's names so users can move between the two."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    model_path: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    page_size: int = 1
+    max_running_requests: int = 32
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of free memory
+    mem_fraction_static: float = 0.05
+    max_prefill_tokens: int = 4096
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    disable_overlap_schedule: bool = False
+    grammar_backend: str = "xgrammar"
+    random_seed: int | None = None
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    log_level: str = "warning"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Engine got unknown argument(s): {', '.join(unknown)}")
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} is too small for page_size {self.page_size}")
+        if self.grammar_backend != "xgrammar":
+            raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
+        if self.speculative_algorithm is not None:
+            raise NotImplementedError(
+                f"speculative_algorithm={self.speculative_algorithm!r}: speculative decoding is not available yet"
+            )

@@ -1,0 +1,73 @@
+"""What one model forward needs: token ids, positions, KV slots to write, attention metadata.
+
+Built by the scheduler (or a speculative worker) from its requests; the model only reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from specjet.kernels.attention import AttentionMetadata, build_attention_metadata
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"  # prefill, possibly after a cached prefix
+    DECODE = "decode"  # one new token per request
+    VERIFY = "verify"  # several new tokens per request under a caller-given mask (draft tree)
+
+
+# Hidden-state capture: None, "last" (final normed hidden, what the LM head sees), or layer ids
+# (residual stream after those decoder layers, for EAGLE-3 style drafters).
+CaptureHidden = None | str | tuple[int, ...]
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64, new tokens of all requests, flattened in batch order
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot each new token writes
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor | None  # [N] rows of T that need logits; None = all rows
+    capture_hidden: CaptureHidden = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.attn.q_lens.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        kv_lens: torch.Tensor,
+        q_lens: torch.Tensor,
+        custom_mask: torch.Tensor | None = None,
+        logits: str = "last",
+        capture_hidden: CaptureHidden = None,
+    ) -> "ForwardBatch":
+        """``logits``: "last" (last new token of each request), "all", or "none"."""
+        attn = build_attention_metadata(req_to_token, req_pool_indices, kv_lens, q_lens, custom_mask)
+        if logits == "last":
+            logits_indices = attn.q_starts + attn.q_lens - 1
+        elif logits == "all":
+            logits_indices = None
+        elif logits == "none":
+            logits_indices = torch.zeros(0, dtype=torch.int64, device=input_ids.device)
+        else:
+            raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
+        return cls(mode, input_ids, positions, out_cache_loc, attn, logits_indices, capture_hidden)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [N, vocab] float32
+    hidden: torch.Tensor | None = None  # [T, hidden] for capture "last"
+    layer_hidden: dict[int, torch.Tensor] | None = None  # layer id -> [T, hidden]

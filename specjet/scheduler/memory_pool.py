@@ -1,0 +1,149 @@
+"""KV memory bookkeeping: which request position lives in which KV slot, and which slots are free.
+
+`ReqToTokenPool` gives each live request a row mapping its token positions to KV slots.
+`TokenToKVPoolAllocator` hands out slots a page at a time. Page 0 is reserved as the padding page
+(padded batch positions point at slot 0), so the pool's usable size is ``(num_pages - 1) * page_size``.
+
+Per request the scheduler tracks ``kv_committed_len`` (positions whose KV is valid and accepted) and
+``kv_allocated_len`` (positions with a slot reserved, including speculative room); slots beyond the
+committed length are released when the request finishes.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, num_rows: int, max_context_len: int, device):
+        self.table = torch.zeros((num_rows, max_context_len), dtype=torch.int64, device=device)
+        self.max_context_len = max_context_len
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.num_rows = num_rows
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    @property
+    def available(self) -> int:
+        return len(self._free_rows)
+
+
+class OutOfKVMemory(RuntimeError):
+    pass
+
+
+class TokenToKVPoolAllocator:
+    def __init__(self, num_slots: int, page_size: int, device):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_slots < 2 * page_size:
+            raise ValueError(f"a KV pool of {num_slots} slots is too small for page_size {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.device = device
+        # Pages 1..num_pages-1 are free; page 0 is the padding page. Popping from the end hands out
+        # low pages first, which keeps tests' slot numbers readable.
+        self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
+
+    @property
+    def size(self) -> int:
+        """Slots that can ever be handed out (the padding page excluded)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def slots_needed(self, allocated_len: int, new_len: int) -> int:
+        """Slots a request must take from the pool to grow from ``allocated_len`` to ``new_len`` positions."""
+        p = self.page_size
+        return max(0, -(-new_len // p) - -(-allocated_len // p)) * p
+
+    def can_extend(self, allocated_len: int, new_len: int) -> bool:
+        return self.slots_needed(allocated_len, new_len) <= self.num_free_slots
+
+    def extend(self, row_slots: torch.Tensor, allocated_len: int, new_len: int) -> torch.Tensor:
+        """Slots for positions [allocated_len, new_len) of a request whose row is ``row_slots``.
+
+        Positions first fill the rest of the request's last page, then take whole new pages.
+        Raises OutOfKVMemory (and takes nothing) when the pool cannot cover it.
+        """
+        if new_len <= allocated_len:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        p = self.page_size
+        num_new_pages = -(-new_len // p) - -(-allocated_len // p)
+        if num_new_pages > len(self._free_pages):
+            raise OutOfKVMemory(f"need {num_new_pages} pages, {len(self._free_pages)} free")
+        pages = [self._free_pages.pop() for _ in range(num_new_pages)]
+        if p == 1:
+            return torch.tensor(pages, dtype=torch.int64, device=self.device)
+        positions = torch.arange(allocated_len, new_len)
+        page_of = positions // p
+        first_new_page = -(-allocated_len // p)
+        page_ids = torch.empty_like(page_of)
+        is_new = page_of >= first_new_page
+        if (~is_new).any():  # positions inside the request's current (partly filled) last page
+            last_page = int(row_slots[allocated_len - 1]) // p
+            page_ids[~is_new] = last_page
+        page_ids[is_new] = torch.tensor(pages, dtype=torch.int64)[page_of[is_new] - first_new_page]
+        return (page_ids * p + positions % p).to(self.device)
+
+    def free_request(self, row_slots: torch.Tensor, allocated_len: int) -> None:
+        """Release every page that positions [0, allocated_len) of a request occupy."""
+        if allocated_len <= 0:
+            return
+        p = self.page_size
+        slots = row_slots[:allocated_len]
+        # Positions 0, p, 2p, ... each start a page; one slot per page identifies it.
+        pages = (slots[::p] // p).tolist()
+        self._free_pages.extend(reversed(pages))
+
+    def free_slots(self, slots: Iterable[int]) -> None:
+        """Release individual slots (page_size 1 only: e.g. rejected speculative positions)."""
+        if self.page_size != 1:
+            raise ValueError("free_slots is only defined for page_size 1; free whole requests instead")
+        self._free_pages.extend(int(s) for s in slots)
+
+    def snapshot(self) -> list[int]:
+        return list(self._free_pages)
+
+    def restore(self, snapshot: list[int]) -> None:
+        self._free_pages = list(snapshot)
+
+    def free_page_ids(self) -> list[int]:
+        return list(self._free_pages)
+
+
+def check_kv_invariant(allocator: TokenToKVPoolAllocator, owned_slots_by_request: dict[object, torch.Tensor]) -> None:
+    """free + owned == pool size, no page owned twice, no page both owned and free.
+
+    ``owned_slots_by_request`` maps a request id to the slots of positions [0, kv_allocated_len).
+    Raises AssertionError naming the problem.
+    """
+    p = allocator.page_size
+    free = allocator.free_page_ids()
+    if len(set(free)) != len(free):
+        raise AssertionError("a page appears twice in the free list")
+    if 0 in free:
+        raise AssertionError("the padding page 0 is in the free list")
+    owned: dict[int, object] = {}
+    for rid, slots in owned_slots_by_request.items():
+        for page in set((slots // p).tolist()):
+            if page in owned:
+                raise AssertionError(f"page {page} owned by both {owned[page]!r} and {rid!r}")
+            if page == 0:
+                raise AssertionError(f"request {rid!r} owns the padding page")
+            owned[page] = rid
+    both = set(owned) & set(free)
+    if both:
+        raise AssertionError(f"pages both free and owned: {sorted(both)[:5]}")
+    total = len(free) + len(owned)
+    if total != allocator.num_pages - 1:
+        raise AssertionError(
+            f"KV leak: {len(free)} free + {len(owned)} owned pages != {allocator.num_pages - 1} in the pool"
+        )

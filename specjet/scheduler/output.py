@@ -1,0 +1,42 @@
+"""The dicts a caller receives: ``text``, ``output_ids``, ``meta_info`` (SGLang's names)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from specjet.scheduler.detokenizer import streamable_len
+from specjet.scheduler.request import Req
+
+
+def meta_info(req: Req) -> dict[str, Any]:
+    now = req.finished_at or time.perf_counter()
+    info = {
+        "id": req.rid,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "finish_reason": req.finished_reason,
+        "e2e_latency": now - req.created_at,
+        "ttft": None if req.first_token_at is None else req.first_token_at - req.created_at,
+        "retractions": req.retract_count,
+    }
+    if req.spec_verify_ct:
+        info["spec_verify_ct"] = req.spec_verify_ct
+        info["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct
+    return info
+
+
+def final_output(req: Req) -> dict[str, Any]:
+    return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+
+
+def stream_chunk(req: Req) -> dict[str, Any] | None:
+    """The increment since the last chunk (text and ids), or None when there is nothing new to send.
+    The final chunk always goes out, carrying ``finish_reason``."""
+    end = streamable_len(req)
+    new_ids = req.output_ids[req.sent_ids:]
+    if not req.finished and end <= req.sent_len:
+        return None
+    chunk = {"text": req.text[req.sent_len:end], "output_ids": new_ids, "meta_info": meta_info(req)}
+    req.sent_len = end
+    req.sent_ids = len(req.output_ids)
+    return chunk

@@ -1,0 +1,52 @@
+"""A request as the scheduler sees it: its tokens, its KV bookkeeping, its grammar and its sink."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from specjet.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    # Called on the scheduler thread with each output dict (and the final one); must not block.
+    sink: Callable[[dict[str, Any]], None] | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (see memory_pool): positions with valid KV, and positions with a slot reserved.
+    req_pool_idx: int | None = None
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+
+    grammar_future: Future | None = None
+    grammar: Any = None  # specjet.grammar.RequestGrammar once compiled
+    generator: torch.Generator | None = None
+
+    finished_reason: dict[str, Any] | None = None
+    to_abort: bool = False
+    retract_count: int = 0
+    text: str = ""  # detokenized output (stop strings cut it)
+    sent_len: int = 0  # characters of text already streamed
+    sent_ids: int = 0
+
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    spec_verify_ct: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV a (re)prefill must compute: the prompt and what was generated so far."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None

@@ -1,0 +1,356 @@
+"""The scheduler: decides which requests run each iteration, runs them, and hands results back.
+
+It owns the waiting queue, the running batch, the KV pools and the per-request grammar matchers.
+It runs on its own thread behind the Engine; requests and aborts arrive through an inbox queue
+and results leave through each request's sink, so nothing here blocks on a caller.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
+from specjet.kernels.sampling import SamplingTensors, sample
+from specjet.models.runner import ModelRunner
+from specjet.scheduler.batch import BatchKind, ScheduledBatch, build_decode_batch, build_prefill_batch
+from specjet.scheduler.detokenizer import update_text
+from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
+from specjet.scheduler.output import final_output, stream_chunk
+from specjet.scheduler.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int = 1
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 4096
+    context_len: int = 8192
+    random_seed: int | None = None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tokenizer, grammar_backend, config: SchedulerConfig):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.grammar_backend = grammar_backend
+        self.config = config
+        self.device = runner.device
+        self.allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, config.page_size, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 1, config.context_len, self.device)
+        self.vocab_size = runner.config.vocab_size
+        self.eos_token_ids = set(runner.config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._seed_rng = random.Random(config.random_seed)
+        self._stop = threading.Event()
+        self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0}
+
+    # ---------------------------------------------------------------- requests in and out
+    def submit(self, req: Req) -> None:
+        """Thread-safe: queue a request; grammar compilation starts at once, off this thread."""
+        key = req.sampling.grammar_key
+        if key is not None:
+            req.grammar_future = self.grammar_backend.compile(*key)
+        self.inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def run_in_loop(self, fn):
+        """Thread-safe: run ``fn`` on the scheduler thread between two iterations; returns a Future."""
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self.inbox.put(("call", (fn, future)))
+        return future
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("stop", None))
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = 0.05 if block else None
+        while True:
+            try:
+                kind, value = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            if kind == "add":
+                self._admit(value)
+            elif kind == "call":  # run a function between iterations, on this thread
+                fn, future = value
+                try:
+                    future.set_result(fn())
+                except Exception as exc:
+                    future.set_exception(exc)
+            elif kind == "abort":
+                for req in self.waiting + self.running:
+                    if req.rid == value:
+                        req.to_abort = True
+
+    def _admit(self, req: Req) -> None:
+        sp = req.sampling
+        if sp.temperature > 0 and sp.top_k != 1:
+            seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+            req.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.waiting.append(req)
+
+    # ---------------------------------------------------------------- the loop
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def event_loop_normal(self) -> None:
+        """Plain loop: schedule, run, process, one after the other. The overlap loop (which runs
+        batch N's forward while the host processes batch N-1) will sit beside this one."""
+        while not self._stop.is_set():
+            try:
+                self._iteration_normal()
+            except Exception as exc:  # last resort: never let the scheduler thread die
+                logger.error("scheduler iteration failed: %s", traceback.format_exc())
+                for req in self.waiting + self.running:
+                    self._finish(req, {"type": "abort", "message": f"internal error: {exc!r}"})
+        self._shutdown_requests()
+
+    def _iteration_normal(self) -> None:
+        self._drain_inbox(block=not self.has_work())
+        if self._stop.is_set():
+            return
+        batch = self.get_next_batch()
+        if batch is None:
+            if self.waiting:  # e.g. grammars still compiling
+                time.sleep(0.001)
+            return
+        try:
+            next_ids = self.run_batch(batch)
+        except Exception as exc:  # one failing batch must not take the engine down
+            logger.error("batch failed: %s", traceback.format_exc())
+            for req in batch.reqs:
+                self._finish(req, {"type": "abort", "message": f"internal error: {exc!r}"})
+            return
+        self.process_batch_result(batch, next_ids)
+
+    def _shutdown_requests(self) -> None:
+        for req in self.waiting + self.running:
+            self._finish(req, {"type": "abort", "message": "engine shut down"})
+
+    # ---------------------------------------------------------------- scheduling
+    def get_next_batch(self) -> ScheduledBatch | None:
+        self.stats["iterations"] += 1
+        self._remove_aborted()
+        prefill = self._schedule_prefill()
+        if prefill:
+            self.stats["prefill_batches"] += 1
+            return ScheduledBatch(BatchKind.PREFILL, prefill)
+        if self.running:
+            decode = self._prepare_decode()
+            if decode:
+                self.stats["decode_batches"] += 1
+                return ScheduledBatch(BatchKind.DECODE, decode)
+        return None
+
+    def _remove_aborted(self) -> None:
+        for req in [r for r in self.waiting + self.running if r.to_abort]:
+            self._finish(req, {"type": "abort", "message": "aborted by the caller"})
+
+    def _grammar_ready(self, req: Req) -> bool:
+        """False while the grammar is compiling. A compile error finishes the request (alone)."""
+        if req.grammar is not None or req.grammar_future is None:
+            return True
+        if not req.grammar_future.done():
+            return False
+        try:
+            req.grammar = RequestGrammar(req.grammar_future.result())
+        except Exception as exc:  # GrammarError names the problem; it fails this request alone
+            self._finish(req, {"type": "abort", "message": str(exc)})
+            return False
+        return True
+
+    def _schedule_prefill(self) -> list[Req]:
+        chosen: list[Req] = []
+        budget = self.config.max_prefill_tokens
+        for req in list(self.waiting):
+            if not self._grammar_ready(req):
+                continue
+            if len(self.running) + len(chosen) >= self.config.max_running_requests:
+                break
+            num_tokens = len(req.fill_ids)
+            if chosen and num_tokens > budget:
+                break
+            # Keep a page of headroom per running request so admitting this one does not force
+            # an immediate retraction of another.
+            headroom = (len(self.running) + len(chosen)) * self.allocator.page_size
+            need = self.allocator.slots_needed(0, num_tokens)
+            if need + headroom > self.allocator.num_free_slots:
+                break
+            row = self.req_to_token_pool.alloc()
+            if row is None:
+                break
+            req.req_pool_idx = row
+            self._reserve(req, num_tokens)
+            self.waiting.remove(req)
+            chosen.append(req)
+            budget -= num_tokens
+        return chosen
+
+    def _reserve(self, req: Req, new_len: int) -> None:
+        """Make sure positions [0, new_len) of ``req`` have KV slots (the allocator raises if it cannot)."""
+        if new_len <= req.kv_allocated_len:
+            return
+        row = self.req_to_token_pool.table[req.req_pool_idx]
+        slots = self.allocator.extend(row, req.kv_allocated_len, new_len)
+        row[req.kv_allocated_len:new_len] = slots
+        req.kv_allocated_len = new_len
+
+    def _prepare_decode(self) -> list[Req]:
+        """Every running request needs a slot for one more position; retract the newest requests
+        (free their KV, requeue them to re-prefill later) until the rest fit."""
+        while self.running:
+            need = sum(self.allocator.slots_needed(r.kv_allocated_len, r.kv_committed_len + 1) for r in self.running)
+            if need <= self.allocator.num_free_slots:
+                break
+            if len(self.running) == 1:
+                req = self.running[0]
+                self._finish(req, {"type": "abort", "message":
+                                   f"KV pool exhausted: the request needs more than the pool's {self.allocator.size} slots"})
+                return []
+            self._retract(self.running[-1])
+        for req in self.running:
+            self._reserve(req, req.kv_committed_len + 1)
+        return list(self.running)
+
+    def _retract(self, req: Req) -> None:
+        self.stats["retractions"] += 1
+        req.retract_count += 1
+        self.running.remove(req)
+        self._release_kv(req)
+        self.waiting.insert(0, req)
+
+    def _release_kv(self, req: Req) -> None:
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token_pool.table[req.req_pool_idx]
+        self.allocator.free_request(row, req.kv_allocated_len)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_committed_len = req.kv_allocated_len = 0
+
+    # ---------------------------------------------------------------- running a batch
+    def run_batch(self, batch: ScheduledBatch) -> list[int]:
+        table = self.req_to_token_pool.table
+        if batch.kind is BatchKind.PREFILL:
+            fb = build_prefill_batch(batch.reqs, table, self.device)
+        else:
+            fb = build_decode_batch(batch.reqs, table, self.device)
+        logits = self.runner.forward(fb).logits
+        for req in batch.reqs:
+            req.kv_committed_len = len(req.fill_ids)
+        return self.sample(batch.reqs, logits)
+
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if grammar_rows:
+            bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
+            for i in grammar_rows:
+                reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+            logits = logits.cpu() if logits.device.type != "cpu" else logits
+            apply_token_bitmask_(logits, bitmask, indices=grammar_rows)
+        sps = [r.sampling for r in reqs]
+        st = SamplingTensors.from_lists(
+            [0.0 if sp.is_greedy else sp.temperature for sp in sps],
+            [sp.top_k for sp in sps],
+            [sp.top_p for sp in sps],
+            [sp.min_p for sp in sps],
+            device=logits.device,
+        )
+        uniforms = None
+        if not st.all_greedy:
+            uniforms = torch.tensor(
+                [float(torch.rand((), generator=r.generator)) if r.generator is not None else 0.0 for r in reqs],
+                device=logits.device,
+            )
+        return sample(logits, st, uniforms).tolist()
+
+    # ---------------------------------------------------------------- results
+    def process_batch_result(self, batch: ScheduledBatch, next_ids: list[int]) -> None:
+        now = time.perf_counter()
+        if batch.kind is BatchKind.PREFILL:
+            self.running.extend(r for r in batch.reqs if not r.finished)
+        for req, token in zip(batch.reqs, next_ids):
+            if req.finished:
+                continue
+            if req.sampling.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            req.output_ids.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            reason = self._check_finished(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.stream and req.sink is not None:
+                chunk = stream_chunk(req)
+                if chunk is not None:
+                    req.sink(chunk)
+
+    def _check_finished(self, req: Req, token: int) -> dict | None:
+        sp = req.sampling
+        if req.grammar is not None:
+            if not req.grammar.accept_token(token):
+                return {"type": "abort", "message": f"grammar rejected token {token}"}
+            if req.grammar.is_terminated():
+                update_text(req, self.tokenizer)
+                return {"type": "stop", "matched": token}
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            update_text(req, self.tokenizer)
+            return {"type": "stop", "matched": token}
+        needs_text = bool(sp.stop) or req.stream
+        stop = update_text(req, self.tokenizer) if needs_text else None
+        if stop is not None:
+            return {"type": "stop", "matched": stop}
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if len(req.fill_ids) >= self.config.context_len:
+            return {"type": "length", "length": len(req.output_ids), "message": "context length reached"}
+        return None
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        if req.finished:
+            return
+        req.finished_reason = reason
+        req.finished_at = time.perf_counter()
+        if not isinstance(reason.get("matched"), str):  # a stop-string finish has already cut the text
+            update_text(req, self.tokenizer)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release_kv(req)
+        if req.grammar_future is not None and not req.grammar_future.done():
+            req.grammar_future.cancel()
+        if req.sink is not None:
+            req.sink(stream_chunk(req) if req.stream else final_output(req))
+
+    # ---------------------------------------------------------------- checks
+    def check_kv_invariant(self) -> None:
+        """free + owned == pool size; callable when the loop is idle (tests call it after each workload)."""
+        table = self.req_to_token_pool.table
+        owned = {r.rid: table[r.req_pool_idx, :r.kv_allocated_len] for r in self.running + self.waiting
+                 if r.req_pool_idx is not None}
+        check_kv_invariant(self.allocator, owned)
+        live_rows = sum(1 for r in self.running + self.waiting if r.req_pool_idx is not None)
+        if live_rows + self.req_to_token_pool.available != self.req_to_token_pool.num_rows:
+            raise AssertionError("a ReqToTokenPool row leaked")

@@ -1,0 +1,68 @@
+"""Shared fixtures: the real default model's directory, and a tiny random-weight Llama for fast tests."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pathlib
+
+import pytest
+import torch
+
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> pathlib.Path:
+    from specjet.models.weights import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+def make_tiny_model_dir(path: pathlib.Path, tokenizer_dir: pathlib.Path, model_type: str = "llama", seed: int = 0,
+                        tie: bool = True) -> pathlib.Path:
+    """A 2-layer random-weight model of the given family that shares the default model's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    extra = {"head_dim": 16} if model_type == "qwen3" else {}
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger weights than the default init, so the logits are peaked enough to be stable
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def dev_schemas() -> list[dict]:
+    """The dev set of JSON schemas with prompts (../shared/data/jsonschema)."""
+    import json
+
+    folder = SHARED_DATA / "jsonschema"
+    entries = json.loads((folder / "index.json").read_text())["schemas"]
+    return [dict(e, schema=json.loads((folder / e["file"]).read_text())) for e in entries]

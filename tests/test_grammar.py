@@ -1,0 +1,304 @@
+"""The grammar layer over xgrammar, with the real SmolLM2 tokenizer and the dev set of schemas.
+
+The decoding tests drive the grammar with random logits instead of a model, so that what they
+check is the mask alone: whatever the logits, masked sampling must produce text that the
+independent oracles (`json` + `jsonschema`, `re.fullmatch`) accept.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from specjet.grammar import (
+    GrammarBackend,
+    GrammarError,
+    RequestGrammar,
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+)
+
+VOCAB_SIZE = 49152  # SmolLM2's LM head
+MAX_TOKENS = 2000
+
+# Dev-set schemas for the random walks: enums, anyOf/oneOf with const, patterns, $ref and
+# definitions, a recursive $defs tree, patternProperties, and two large Github_hard schemas.
+WALK_SCHEMAS = [
+    "agent_01.json",  # tool call, enums
+    "agent_05.json",  # parallel tool calls: anyOf, const, patterns, minItems
+    "agent_07.json",  # intent routing: anyOf, pattern
+    "agent_08.json",  # recursive file tree ($defs + $ref)
+    "014_Github_easy.json",  # pattern
+    "022_Github_medium.json",  # oneOf, $ref, patternProperties
+    "033_Github_hard.json",  # oneOf, const, definitions
+    "040_Github_hard.json",  # oneOf, definitions, minItems, 11 kB
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    backend = GrammarBackend(tokenizer, VOCAB_SIZE, max_threads=2)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def closing_bias(backend) -> torch.Tensor:
+    """+6 on the stop tokens and on tokens containing `"`, `,`, `]` or `}`.
+
+    Uniformly random logits would almost never pick the one token that closes a string among
+    ~49k that continue it; this fixed bias (a function of the vocabulary only, not of the grammar
+    state) makes random walks end within a few hundred tokens. The mask still decides legality.
+    """
+    bias = torch.zeros(VOCAB_SIZE)
+    for token_id, text in enumerate(backend.tokenizer_info.decoded_vocab):
+        if any(c in text for c in (b'"', b",", b"]", b"}")):
+            bias[token_id] = 6.0
+    bias[backend.tokenizer_info.stop_token_ids] = 6.0
+    return bias
+
+
+def random_walk(grammar: RequestGrammar, bias: torch.Tensor, seed: int) -> list[int]:
+    """Sample from masked random logits until the grammar terminates; the token ids taken."""
+    generator = torch.Generator().manual_seed(seed)
+    bitmask = allocate_token_bitmask(1, VOCAB_SIZE)
+    token_ids = []
+    while not grammar.is_terminated() and len(token_ids) < MAX_TOKENS:
+        logits = torch.randn(1, VOCAB_SIZE, generator=generator) * 2 + bias
+        grammar.fill_next_token_bitmask(bitmask, 0)
+        apply_token_bitmask_(logits, bitmask)
+        token_id = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        assert grammar.accept_token(token_id), "a token allowed by the mask was rejected"
+        token_ids.append(token_id)
+    assert grammar.is_terminated(), f"no stop token after {MAX_TOKENS} tokens"
+    return token_ids
+
+
+def decode(tokenizer, backend, token_ids: list[int]) -> str:
+    stop = set(backend.tokenizer_info.stop_token_ids)
+    assert token_ids[-1] in stop and not stop & set(token_ids[:-1])
+    return tokenizer.decode(token_ids[:-1])
+
+
+def allowed_tokens(bitmask: torch.Tensor, row: int) -> torch.Tensor:
+    """Token ids whose bit is set, decoded here independently of xgrammar."""
+    ids = torch.arange(VOCAB_SIZE)
+    return ids[(bitmask[row, ids // 32] >> (ids % 32)) & 1 == 1]
+
+
+def test_dev_set_schemas_compile(backend, dev_schemas):
+    futures = {e["file"]: backend.compile("json_schema", e["schema"]) for e in dev_schemas}
+    failures = {}
+    for name, future in futures.items():
+        try:
+            future.result()
+        except GrammarError as error:
+            assert str(error).startswith("json_schema could not be compiled: ")
+            failures[name] = str(error)
+    # The index records which schemas xgrammar 0.2.8 compiles; those must compile here too.
+    expected_to_compile = {e["file"] for e in dev_schemas if e["xgrammar_compiles"]}
+    assert not expected_to_compile & failures.keys(), failures
+
+
+@pytest.mark.parametrize("name", WALK_SCHEMAS)
+def test_random_walk_is_valid_json_for_schema(name, backend, tokenizer, closing_bias, dev_schemas):
+    entry = next(e for e in dev_schemas if e["file"] == name)
+    grammar = RequestGrammar(backend.compile("json_schema", entry["schema"]).result())
+    text = decode(tokenizer, backend, random_walk(grammar, closing_bias, seed=0))
+    validator = getattr(jsonschema, f"{entry['draft']}Validator")
+    validator(entry["schema"]).validate(json.loads(text))
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"[a-z]{3,8}@example\.(com|org)", r"\(\d{3}\) \d{3}-\d{4}", r"(yes|no|maybe)( because [a-z ]{1,20})?"],
+)
+def test_random_walk_matches_regex(pattern, backend, tokenizer, closing_bias):
+    grammar = RequestGrammar(backend.compile("regex", pattern).result())
+    for seed in range(3):
+        grammar.reset()
+        text = decode(tokenizer, backend, random_walk(grammar, closing_bias, seed))
+        assert re.fullmatch(pattern, text), text
+
+
+def test_builtin_json_and_ebnf(backend, tokenizer, closing_bias):
+    grammar = RequestGrammar(backend.compile("json").result())
+    json.loads(decode(tokenizer, backend, random_walk(grammar, closing_bias, seed=1)))
+
+    ebnf = 'root ::= "answer: " ("yes" | "no")'
+    grammar = RequestGrammar(backend.compile("ebnf", ebnf).result())
+    text = decode(tokenizer, backend, random_walk(grammar, closing_bias, seed=1))
+    assert text in ("answer: yes", "answer: no")
+
+
+def test_invalid_json_schema_string(backend):
+    future = backend.compile("json_schema", '{"type": "object" "properties": {}}')
+    with pytest.raises(GrammarError, match=r"^invalid json_schema: Expecting ',' delimiter: line 1 column 19$"):
+        future.result()
+
+
+def test_unsupported_schema_bad_regex_and_unknown_kind(backend):
+    with pytest.raises(GrammarError, match=r'^json_schema could not be compiled: Unsupported type "foo"'):
+        backend.compile("json_schema", {"type": "foo"}).result()
+    with pytest.raises(GrammarError, match=r"^regex could not be compiled: .*parenthesis is not closed"):
+        backend.compile("regex", "a(b").result()
+    with pytest.raises(GrammarError, match=r"^ebnf could not be compiled: .*Rule \"value\" is not defined"):
+        backend.compile("ebnf", "root ::= value").result()
+    with pytest.raises(GrammarError, match=r"^unsupported grammar kind 'foo'"):
+        backend.compile("foo", "x").result()
+
+
+def test_failed_compile_is_not_cached(backend):
+    first = backend.compile("regex", "a(b")
+    with pytest.raises(GrammarError):
+        first.result()
+    assert backend.compile("regex", "a(b") is not first
+
+
+def test_schema_that_strict_mode_cannot_express_still_compiles(backend, tokenizer):
+    # Strict mode forbids unlisted properties, so it cannot satisfy minProperties here; the
+    # backend falls back to strict_mode=False, which still enforces minProperties.
+    grammar = RequestGrammar(backend.compile("json_schema", {"type": "object", "minProperties": 1}).result())
+    ids = tokenizer.encode('{"a": 1}', add_special_tokens=False)
+    assert grammar.accept_tokens(ids) == len(ids)
+    assert grammar.accept_token(backend.tokenizer_info.stop_token_ids[0])
+    grammar.reset()
+    ids = tokenizer.encode("{}", add_special_tokens=False)
+    assert grammar.accept_tokens(ids) < len(ids)
+
+
+def test_same_schema_is_compiled_once(backend):
+    schema = {"title": "cache-test", "type": "object", "properties": {"n": {"type": "integer"}}}
+    as_dict = backend.compile("json_schema", schema)
+    as_text = backend.compile("json_schema", json.dumps(schema, indent=2))  # same schema, other layout
+    assert as_dict is as_text
+    assert as_dict.result() is backend.compile("json_schema", schema).result()
+
+
+def test_concurrent_compiles_share_one_future(backend):
+    schema = {"title": "concurrency-test", "type": "array", "items": {"type": "string", "maxLength": 5}}
+    barrier = threading.Barrier(8)
+    futures = []
+
+    def request():
+        barrier.wait()
+        futures.append(backend.compile("json_schema", schema))
+
+    threads = [threading.Thread(target=request) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(f) for f in futures}) == 1
+    assert futures[0].result() is not None
+
+
+def test_property_order_is_part_of_the_cache_key(backend, tokenizer):
+    # xgrammar emits properties in schema order, so reordering them is a different grammar.
+    integer = {"type": "integer"}
+    ab = {"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]}
+    ba = {"type": "object", "properties": {"b": integer, "a": integer}, "required": ["a", "b"]}
+    for schema, text in ((ab, '{"a": 1, "b": 2}'), (ba, '{"b": 1, "a": 2}')):
+        grammar = RequestGrammar(backend.compile("json_schema", schema).result())
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert grammar.accept_tokens(ids) == len(ids)
+
+
+def test_accept_tokens_counts_until_first_rejection(backend, tokenizer):
+    grammar = RequestGrammar(backend.compile("regex", r"ab[0-9]+").result())
+    ids = tokenizer.encode("ab12x3", add_special_tokens=False)
+    accepted = grammar.accept_tokens(ids)
+    assert tokenizer.decode(ids[:accepted]) == "ab12"
+    assert grammar.find_jump_forward_string() == ""
+
+
+def test_rollback_restores_the_state(backend, closing_bias, dev_schemas):
+    schema = next(e["schema"] for e in dev_schemas if e["file"] == "agent_05.json")
+    compiled = backend.compile("json_schema", schema).result()
+    grammar = RequestGrammar(compiled)
+    token_ids = random_walk(RequestGrammar(compiled), closing_bias, seed=2)
+    masks = allocate_token_bitmask(len(token_ids) + 1, VOCAB_SIZE)
+    for step, token_id in enumerate(token_ids):
+        grammar.fill_next_token_bitmask(masks, step)
+        assert grammar.accept_token(token_id)
+    assert grammar.is_terminated()
+
+    for k in (1, 5, len(token_ids)):  # undo the stop token, a few tokens, everything
+        grammar.rollback(k)
+        after = allocate_token_bitmask(1, VOCAB_SIZE)
+        grammar.fill_next_token_bitmask(after, 0)
+        step = len(token_ids) - k
+        assert torch.equal(after[0], masks[step]), f"rollback({k})"
+        assert not grammar.is_terminated()
+        assert grammar.accept_tokens(token_ids[step:]) == k
+
+
+def test_fork_is_independent(backend, tokenizer):
+    grammar = RequestGrammar(backend.compile("regex", r"(cat|car)s?").result())
+    grammar.accept_tokens(tokenizer.encode("ca", add_special_tokens=False))
+    fork = grammar.fork()
+    ids = tokenizer.encode("ts", add_special_tokens=False)
+    assert fork.accept_tokens(ids) == len(ids)
+    before, after = allocate_token_bitmask(2, VOCAB_SIZE), allocate_token_bitmask(1, VOCAB_SIZE)
+    grammar.fill_next_token_bitmask(before, 0)
+    fork.fill_next_token_bitmask(before, 1)
+    assert not torch.equal(before[0], before[1])
+    grammar.fill_next_token_bitmask(after, 0)
+    assert torch.equal(before[0], after[0])
+
+
+def test_jump_forward_string(backend):
+    schema = {"type": "object", "properties": {"kind": {"const": "tool_call"}}, "required": ["kind"]}
+    grammar = RequestGrammar(backend.compile("json_schema", schema).result())
+    assert grammar.find_jump_forward_string() == '{"kind": "tool_call"}'
+
+
+def test_apply_bitmask_leaves_unconstrained_rows_untouched(backend, tokenizer):
+    grammar = RequestGrammar(backend.compile("regex", r"[0-9]+").result())
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB_SIZE, generator=generator)
+    original = logits.clone()
+    bitmask = allocate_token_bitmask(3, VOCAB_SIZE)
+    grammar.fill_next_token_bitmask(bitmask, 1)
+
+    apply_token_bitmask_(logits, bitmask, indices=[1])
+    assert torch.equal(logits[0], original[0]) and torch.equal(logits[2], original[2])
+    allowed = allowed_tokens(bitmask, 1)
+    assert 0 < len(allowed) < VOCAB_SIZE
+    assert torch.equal(torch.isfinite(logits[1]).nonzero()[:, 0], allowed)
+    assert torch.equal(logits[1, allowed], original[1, allowed])
+    assert all(tokenizer.decode([t]).isdigit() for t in allowed.tolist())
+
+    # Without indices an all-ones row (as allocated) masks nothing.
+    logits = original.clone()
+    apply_token_bitmask_(logits, bitmask)
+    assert torch.equal(logits[0], original[0]) and torch.equal(logits[2], original[2])
+    assert torch.isfinite(logits[1]).sum() == len(allowed)
+
+    logits = original.clone()
+    apply_token_bitmask_(logits, bitmask, indices=[])
+    assert torch.equal(logits, original)
+
+
+def test_cache_evicts_least_recently_used_beyond_its_limit(tokenizer):
+    backend = GrammarBackend(tokenizer, VOCAB_SIZE, cache_limit_bytes=1)  # room for one grammar
+    try:
+        first = backend.compile("regex", "[a-z]+")
+        first.result()
+        second = backend.compile("regex", "[0-9]+")
+        second.result()
+        assert backend.compile("regex", "[0-9]+") is second
+        assert backend.compile("regex", "[a-z]+") is not first
+    finally:
+        backend.shutdown()

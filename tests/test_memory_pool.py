@@ -1,0 +1,92 @@
+"""The KV allocator and request-to-token table: paging, freeing, snapshots, and the leak check."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specjet.scheduler.memory_pool import (
+    OutOfKVMemory,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    check_kv_invariant,
+)
+
+
+def grow(alloc, table, row, old, new):
+    slots = alloc.extend(table[row], old, new)
+    table[row, old:new] = slots
+    return slots
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_extend_fills_pages_then_frees_everything(page_size):
+    alloc = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
+    pool = ReqToTokenPool(4, 256, "cpu")
+    assert alloc.size == 63 * page_size
+    row = pool.alloc()
+    grow(alloc, pool.table, row, 0, 5)
+    grow(alloc, pool.table, row, 5, 6)
+    end = 3 * page_size + 7
+    grow(alloc, pool.table, row, 6, end)
+    slots = pool.table[row, :end]
+    assert len(set(slots.tolist())) == len(slots)  # every position its own slot
+    assert (slots >= page_size).all()  # never the padding page
+    # positions inside one page share that page, in order
+    pages = slots // page_size
+    assert (slots % page_size == torch.arange(len(slots)) % page_size).all()
+    assert (pages[: page_size] == pages[0]).all()
+    check_kv_invariant(alloc, {"r": slots})
+    alloc.free_request(pool.table[row], end)
+    pool.free(row)
+    check_kv_invariant(alloc, {})
+    assert alloc.num_free_slots == alloc.size
+
+
+def test_slots_needed_counts_only_new_pages():
+    alloc = TokenToKVPoolAllocator(16 * 8, 8, "cpu")
+    assert alloc.slots_needed(0, 1) == 8
+    assert alloc.slots_needed(1, 8) == 0
+    assert alloc.slots_needed(8, 9) == 8
+    assert alloc.slots_needed(5, 17) == 16
+
+
+def test_out_of_memory_takes_nothing():
+    alloc = TokenToKVPoolAllocator(8, 1, "cpu")  # 7 usable slots
+    table = torch.zeros(1, 32, dtype=torch.int64)
+    grow(alloc, table, 0, 0, 6)
+    free_before = alloc.num_free_slots
+    with pytest.raises(OutOfKVMemory):
+        alloc.extend(table[0], 6, 9)
+    assert alloc.num_free_slots == free_before
+
+
+def test_snapshot_restore_releases_scratch_slots():
+    alloc = TokenToKVPoolAllocator(32, 1, "cpu")
+    table = torch.zeros(2, 32, dtype=torch.int64)
+    grow(alloc, table, 0, 0, 4)
+    snap = alloc.snapshot()
+    grow(alloc, table, 1, 0, 10)  # scratch, e.g. a drafter's
+    alloc.restore(snap)
+    check_kv_invariant(alloc, {"r": table[0, :4]})
+
+
+def test_invariant_catches_leak_and_double_ownership():
+    alloc = TokenToKVPoolAllocator(16, 1, "cpu")
+    table = torch.zeros(2, 16, dtype=torch.int64)
+    grow(alloc, table, 0, 0, 3)
+    with pytest.raises(AssertionError, match="leak"):
+        check_kv_invariant(alloc, {})  # the request's slots are not accounted for
+    with pytest.raises(AssertionError, match="owned by both"):
+        check_kv_invariant(alloc, {"a": table[0, :3], "b": table[0, 1:2]})
+    alloc.free_request(table[0], 3)
+    alloc.free_request(table[0], 3)  # double free
+    with pytest.raises(AssertionError):
+        check_kv_invariant(alloc, {})
+
+
+def test_req_to_token_rows_are_reused():
+    pool = ReqToTokenPool(2, 8, "cpu")
+    a, b = pool.alloc(), pool.alloc()
+    assert {a, b} == {0, 1} and pool.alloc() is None
+    pool.free(a)
+    assert pool.alloc() == a

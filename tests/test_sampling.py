@@ -1,0 +1,73 @@
+"""Batched sampling against independent computations of each filter."""
+from __future__ import annotations
+
+import torch
+
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample
+
+
+def st(B, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
+    return SamplingTensors.from_lists([temperature] * B, [top_k] * B, [top_p] * B, [min_p] * B)
+
+
+def test_greedy_rows_take_the_argmax_even_in_a_mixed_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    tensors = SamplingTensors.from_lists([0.0, 1.0, 0.0, 0.7], [-1] * 4, [1.0] * 4, [0.0] * 4)
+    ids = sample(logits, tensors, torch.rand(4))
+    assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax()
+
+
+def test_filters_match_a_direct_computation():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50) * 3
+    p = torch.softmax(logits[0] / 0.8, -1)
+    order = p.argsort(descending=True)
+
+    probs = filtered_probs(logits, st(1, 0.8, top_k=5))[0]
+    assert set(probs.nonzero().flatten().tolist()) == set(order[:5].tolist())
+    torch.testing.assert_close(probs[order[:5]], p[order[:5]] / p[order[:5]].sum())
+
+    probs = filtered_probs(logits, st(1, 0.8, top_p=0.6))[0]
+    cum = 0.0
+    keep = []
+    for i in order.tolist():  # smallest prefix of the sorted tokens reaching mass 0.6
+        keep.append(i)
+        cum += float(p[i])
+        if cum >= 0.6:
+            break
+    assert set(probs.nonzero().flatten().tolist()) == set(keep)
+
+    probs = filtered_probs(logits, st(1, 0.8, min_p=0.2))[0]
+    assert set(probs.nonzero().flatten().tolist()) == set((p >= 0.2 * p.max()).nonzero().flatten().tolist())
+
+
+def test_sampling_follows_the_distribution():
+    """Total-variation distance between 20k draws and the softmax is small; a biased sampler fails it."""
+    torch.manual_seed(2)
+    logits = torch.randn(1, 8)
+    probs = torch.softmax(logits[0], -1)
+    g = torch.Generator().manual_seed(3)
+    n = 20000
+    counts = torch.zeros(8)
+    u = torch.rand(n, generator=g)
+    ids = sample(logits.expand(n, 8).contiguous(), st(n), u)
+    counts += torch.bincount(ids, minlength=8)
+    tv = 0.5 * (counts / n - probs).abs().sum()
+    assert tv < 0.02
+
+
+def test_same_uniforms_give_same_tokens_whatever_the_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 200)
+    u = torch.rand(3)
+    together = sample(logits, st(3, top_p=0.9), u)
+    alone = torch.stack([sample(logits[i:i + 1], st(1, top_p=0.9), u[i:i + 1])[0] for i in range(3)])
+    assert torch.equal(together, alone)
+
+
+def test_masked_tokens_are_never_sampled():
+    logits = torch.zeros(1000, 10)
+    logits[:, :5] = float("-inf")
+    ids = sample(logits, st(1000), torch.rand(1000))
+    assert (ids >= 5).all()
