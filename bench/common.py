@@ -1,0 +1,139 @@
+"""What the benchmarks share: engine-argument flags, GSM8K prompts, a description of the machine."""
+from __future__ import annotations
+
+# Every model directory is local; transformers must not try a hub.
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+# flag dest -> Engine keyword (SGLang's names, see specjet/engine/args.py)
+_ENGINE_FLAGS = {
+    "model_path": "model_path",
+    "dtype": "dtype",
+    "device": "device",
+    "page_size": "page_size",
+    "max_running_requests": "max_running_requests",
+    "max_total_tokens": "max_total_tokens",
+    "disable_overlap_schedule": "disable_overlap_schedule",
+    "random_seed": "random_seed",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The Engine's flags. Each defaults to None (the Engine's own default); a benchmark that needs
+    another default sets it with ``parser.set_defaults(...)``."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model-path", default=None,
+                       help="model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
+    group.add_argument("--page-size", type=int, default=None)
+    group.add_argument("--max-running-requests", type=int, default=None)
+    group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    group.add_argument("--disable-overlap-schedule", action="store_true", default=None)
+    group.add_argument("--random-seed", type=int, default=None)
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """Engine keywords for the flags that were set (None means: leave it to the Engine)."""
+    return {kw: getattr(args, dest) for dest, kw in _ENGINE_FLAGS.items() if getattr(args, dest, None) is not None}
+
+
+def gsm8k_questions(n: int | None = None, data_path: str | os.PathLike = GSM8K_TEST) -> list[dict]:
+    """The first ``n`` GSM8K items (all when None), each a dict with ``question`` and ``answer``
+    (the reference solution, ending in ``#### <number>``), in file order."""
+    items = []
+    with open(data_path, encoding="utf-8") as f:
+        for line in f:
+            if n is not None and len(items) >= n:
+                break
+            if line.strip():
+                record = json.loads(line)
+                items.append({"question": record["question"], "answer": record["answer"]})
+    if n is not None and len(items) < n:
+        raise ValueError(f"{data_path} has only {len(items)} items, {n} asked for")
+    return items
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as one user turn in the model's chat template, ready for the assistant's reply
+    (what ``Engine.apply_chat_template(text)`` gives)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def command_line() -> str:
+    """How this process was started, as something to paste into a shell."""
+    module = sys.modules["__main__"].__spec__
+    head = ["python", "-m", module.name] if module is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def machine_info() -> dict:
+    """CPU model, core counts, load, library versions and the checkout's commit: what a reader of a
+    recorded figure needs to judge it."""
+    import torch
+    import transformers
+
+    import specjet
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specjet": specjet.__version__,
+        "git_commit": _git_commit(),
+    }
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, allow_nan=False) + "\n")

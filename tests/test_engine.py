@@ -1,0 +1,208 @@
+"""Engine behaviour on a tiny random-weight Llama: batching, paging, sampling, stops, aborts,
+retraction under KV pressure, bad input, streaming and async. Every test ends with the KV check."""
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import specjet
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3,",
+    "JSON is",
+    "A much longer prompt that goes on for a while so that the batch has requests of quite different lengths in it",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, random_seed=0) as eng:
+        yield eng
+
+
+@pytest.fixture(autouse=True)
+def kv_invariant_after_each_test(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        eng.wait_idle()
+        eng.check_kv_invariant()
+
+
+def ids_of(outs):
+    return [o["output_ids"] for o in outs]
+
+
+def test_batched_equals_one_at_a_time(engine):
+    batched = engine.generate(PROMPTS, GREEDY)
+    single = [engine.generate(p, GREEDY) for p in PROMPTS]
+    assert ids_of(batched) == ids_of(single)
+    assert all(len(o["output_ids"]) == 24 for o in batched)
+    assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 24} for o in batched)
+
+
+def test_page_size_16_gives_the_same_outputs(engine, tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, page_size=16) as paged:
+        out = paged.generate(PROMPTS, GREEDY)
+        paged.check_kv_invariant()
+    assert ids_of(out) == ids_of(engine.generate(PROMPTS, GREEDY))
+
+
+def test_result_shape_and_meta_info(engine):
+    out = engine.generate("Hello", {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert set(out) >= {"text", "output_ids", "meta_info"}
+    info = out["meta_info"]
+    assert info["prompt_tokens"] == len(engine.tokenizer("Hello")["input_ids"])
+    assert info["completion_tokens"] == 5
+    assert 0 < info["ttft"] <= info["e2e_latency"]
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+
+
+def test_input_ids_and_prompt_agree(engine):
+    ids = engine.tokenizer("Hello there")["input_ids"]
+    assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == \
+        engine.generate("Hello there", GREEDY)["output_ids"]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    params = {"temperature": 1.0, "top_p": 0.95, "top_k": 50, "max_new_tokens": 16, "seed": 1234, "ignore_eos": True}
+    a = engine.generate(PROMPTS[0], params)
+    b = engine.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [dict(params, seed=7), params, dict(params, seed=8)])[1]
+    assert a["output_ids"] == b["output_ids"]
+    other = engine.generate(PROMPTS[0], dict(params, seed=999))
+    assert other["output_ids"] != a["output_ids"]  # a different seed draws differently (16 tokens from a flat-ish model)
+
+
+def test_stop_string_cuts_text(engine):
+    full = engine.generate(PROMPTS[1], GREEDY)
+    text = full["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), "need a visible stop string"
+    out = engine.generate(PROMPTS[1], dict(GREEDY, stop=[stop]))
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.find(stop)]
+    assert stop not in out["text"]
+
+
+def test_stop_token_ids_and_max_new_tokens(engine):
+    full = engine.generate(PROMPTS[2], GREEDY)["output_ids"]
+    target = full[5]
+    out = engine.generate(PROMPTS[2], dict(GREEDY, stop_token_ids=[target]))
+    assert out["output_ids"] == full[: full.index(target) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+    assert len(engine.generate(PROMPTS[2], dict(GREEDY, max_new_tokens=3))["output_ids"]) == 3
+
+
+def test_abort_while_streaming(engine):
+    stream = engine.generate(PROMPTS[0], {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}, stream=True)
+    first = next(stream)
+    engine.abort_request(first["meta_info"]["id"])
+    chunks = [first, *stream]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sum(len(c["output_ids"]) for c in chunks) < 2000
+
+
+def test_streaming_concatenates_to_the_full_output(engine):
+    full = engine.generate(PROMPTS[3], GREEDY)
+    chunks = list(engine.generate(PROMPTS[3], GREEDY, stream=True))
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_kv_exhaustion_retracts_and_keeps_outputs(tiny_model_dir, engine):
+    expected = ids_of(engine.generate(PROMPTS * 2, dict(GREEDY, max_new_tokens=40)))
+    # 8 usable pages of 16: far less than 10 requests x ~60 tokens; requests must take turns.
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=160, page_size=16) as small:
+        out = small.generate(PROMPTS * 2, dict(GREEDY, max_new_tokens=40))
+        small.check_kv_invariant()
+        retractions = small.get_server_info()["stats"]["retractions"]
+    assert ids_of(out) == expected
+    assert retractions > 0
+
+
+def test_prompt_larger_than_pool_is_rejected_and_engine_lives_on(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=32) as small:
+        with pytest.raises(ValueError, match="KV slots"):
+            small.generate(input_ids=list(range(100, 140)), sampling_params=GREEDY)
+        # a request that fits its prompt but cannot grow further ends with a clear abort, alone
+        out = small.generate(input_ids=list(range(100, 120)), sampling_params=dict(GREEDY, max_new_tokens=100))
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "KV pool exhausted" in out["meta_info"]["finish_reason"]["message"]
+        assert len(small.generate("hi", dict(GREEDY, max_new_tokens=3))["output_ids"]) == 3
+        small.check_kv_invariant()
+
+
+def test_bad_input_gives_clear_errors(engine):
+    with pytest.raises(TypeError, match="temprature"):
+        engine.generate("x", {"temprature": 0.5})
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=[5] * 5000, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate("x", {"top_p": 0})
+    with pytest.raises(ValueError, match="exactly one"):
+        engine.generate()
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate(input_ids=[10**9])
+    # a bad item in a list raises before anything is queued
+    with pytest.raises(TypeError):
+        engine.generate(["a", "b"], [GREEDY, {"bogus": 1}])
+
+
+def test_unknown_engine_arg_is_named(tiny_model_dir):
+    with pytest.raises(TypeError, match="max_batch_size"):
+        specjet.Engine(model_path=str(tiny_model_dir), max_batch_size=4)
+
+
+def test_invalid_schema_fails_alone(engine):
+    outs = engine.generate(
+        [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+        [GREEDY, dict(GREEDY, json_schema='{"type": "object", "properties": '), dict(GREEDY, regex="[a-z]+")],
+    )
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "length"
+    reason = outs[1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "json_schema" in reason["message"]
+    assert outs[2]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
+def test_regex_constrains_a_random_model(engine):
+    import re
+
+    out = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 30, "regex": r"(yes|no), [0-9]{2,4}"})
+    assert re.fullmatch(r"(yes|no), [0-9]{2,4}", out["text"])
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_async_many_tasks_match_sync(engine):
+    expected = ids_of(engine.generate(PROMPTS, GREEDY))
+    results: list = [None] * len(PROMPTS)
+    streamed: list = [None] * len(PROMPTS)
+
+    async def one(i):
+        results[i] = await engine.async_generate(PROMPTS[i], GREEDY)
+
+    async def one_stream(i):
+        ids = []
+        async for chunk in await engine.async_generate(PROMPTS[i], GREEDY, stream=True):
+            ids.extend(chunk["output_ids"])
+        streamed[i] = ids
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+                tg.start_soon(one_stream, i)
+
+    anyio.run(main)
+    assert ids_of(results) == expected
+    assert streamed == expected
+
+
+def test_chat_template_and_tokenizer(engine):
+    text = engine.apply_chat_template("What is 2+2?")
+    assert text.endswith("<|im_start|>assistant\n") and "What is 2+2?" in text
+    assert engine.tokenizer.decode(engine.tokenizer("abc")["input_ids"]) == "abc"
