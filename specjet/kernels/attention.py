@@ -99,14 +99,15 @@ def paged_attention_reference(
     """q: [T, H, D] flat new tokens; k_cache/v_cache: [num_slots, H_kv, D]. Returns [T, H, D]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
+    batch = meta.kv_indices.shape[0]
     qp = q[meta.q_gather].transpose(1, 2)  # [B, H, max_q, D]
-    k = k_cache[meta.kv_indices].transpose(1, 2)  # [B, H_kv, max_kv, D]
-    v = v_cache[meta.kv_indices].transpose(1, 2)
-    if num_kv_heads != num_heads:
-        group = num_heads // num_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale)  # [B, H, max_q, D]
+    # index_select on the flat index is ~4x faster than advanced indexing with a 2-D index on CPU.
+    flat = meta.kv_indices.reshape(-1)
+    k = k_cache.index_select(0, flat).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    # enable_gqa lets SDPA map query heads to their KV head without materialising repeated K/V.
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
+                                         enable_gqa=num_kv_heads != num_heads)  # [B, H, max_q, D]
     out = out.transpose(1, 2)  # [B, max_q, H, D]
     if meta.max_q == 1 and num_tokens == out.shape[0]:
         return out.reshape(num_tokens, num_heads, head_dim)

@@ -11,9 +11,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels.attention import paged_attention
+from specjet.kernels.linear import linear, pack_weight
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with W stored transposed ([in, out]); see kernels/linear.py for why."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # set by pack_for_decode() after loading
+
+    def pack_for_decode(self) -> None:
+        self.packed = pack_weight(self.weight_t.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight_t, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -58,8 +75,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -82,8 +99,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -111,12 +128,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(config, self.embed_tokens.weight.device)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        # The LM head is its own transposed copy even when tied to the embedding: the embedding
+        # lookup wants [vocab, hidden] rows, the head's matmul wants [hidden, vocab].
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ModelOutput:
@@ -135,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = self.norm(x)
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
-        logits = F.linear(logits_in, self.lm_head_weight).float()
+        logits = self.lm_head(logits_in).float()
         return ModelOutput(logits=logits, hidden=hidden if capture == "last" else None, layer_hidden=layer_hidden)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -145,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
 
         def put(name: str, tensor: torch.Tensor) -> None:
+            if name.endswith("_proj.weight") or name == "lm_head.weight":
+                name, tensor = name.removesuffix("weight") + "weight_t", tensor.t()
             param = params[name]
             if param.shape != tensor.shape:
                 raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
@@ -154,8 +170,7 @@ class LlamaForCausalLM(nn.Module):
 
         put("embed_tokens.weight", sd["embed_tokens.weight"])
         put("norm.weight", sd["norm.weight"])
-        if not self.config.tie_word_embeddings:
-            put("lm_head.weight", sd["lm_head.weight"])
+        put("lm_head.weight", sd["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
             attn = p + "self_attn."
@@ -173,3 +188,6 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_decode()
