@@ -24,6 +24,9 @@ class EngineArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 4
+    speculative_ngram_max_bfs_breadth: int = 4
     log_level: str = "warning"
 
     @classmethod
@@ -45,7 +48,11 @@ class EngineArgs:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} is too small for page_size {self.page_size}")
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
-        if self.speculative_algorithm is not None:
+        if self.speculative_algorithm not in (None, "NGRAM"):
             raise NotImplementedError(
-                f"speculative_algorithm={self.speculative_algorithm!r}: speculative decoding is not available yet"
+                f"speculative_algorithm={self.speculative_algorithm!r} is not available yet (available: NGRAM)"
             )
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")

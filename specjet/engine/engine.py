@@ -201,7 +201,12 @@ class Engine:
             time.sleep(0.01)
 
     def get_server_info(self) -> dict[str, Any]:
-        return {"args": self.args, "stats": dict(self.scheduler.stats),
+        stats = dict(self.scheduler.stats)
+        if self.scheduler.spec is not None:
+            stats.update(self.scheduler.spec.stats)
+            if stats["spec_verify_ct"]:
+                stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+        return {"args": self.args, "stats": stats,
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots}
 
     def shutdown(self) -> None:

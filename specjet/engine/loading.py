@@ -11,6 +11,8 @@ from specjet.models.config import ModelConfig
 from specjet.models.runner import ModelRunner
 from specjet.models.weights import load_state_dict, resolve_model_path
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
+from specjet.scheduler.spec_decode import SpecConfig
+from specjet.spec_v2.ngram import NgramConfig
 
 
 def load_components(args: EngineArgs, device: torch.device):
@@ -25,11 +27,21 @@ def load_components(args: EngineArgs, device: torch.device):
                          args.mem_fraction_static, args.page_size)
     grammar = GrammarBackend(tokenizer, config.vocab_size)
     context_len = args.context_length or config.max_position_embeddings
+    spec = None
+    if args.speculative_algorithm == "NGRAM":
+        num_nodes = args.speculative_num_draft_tokens or 8
+        spec = SpecConfig("NGRAM", num_nodes, NgramConfig(
+            num_draft_tokens=num_nodes,
+            max_window=args.speculative_ngram_max_match_window_size,
+            min_window=args.speculative_ngram_min_match_window_size,
+            max_branches=args.speculative_ngram_max_bfs_breadth,
+        ))
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         context_len=context_len,
         random_seed=args.random_seed,
+        spec=spec,
     ))
     return tokenizer, scheduler

@@ -22,6 +22,7 @@ def meta_info(req: Req) -> dict[str, Any]:
     if req.spec_verify_ct:
         info["spec_verify_ct"] = req.spec_verify_ct
         info["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct
+        info["spec_accept_histogram"] = dict(sorted(req.spec_accept_hist.items()))
     return info
 
 

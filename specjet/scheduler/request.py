@@ -40,7 +40,8 @@ class Req:
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-    spec_verify_ct: int = 0
+    spec_verify_ct: int = 0  # verify forwards that served this request
+    spec_accept_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per verify -> count
 
     @property
     def fill_ids(self) -> list[int]:

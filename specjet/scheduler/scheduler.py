@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
-from specjet.kernels.sampling import SamplingTensors, sample
+from specjet.kernels.sampling import sample
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind, ScheduledBatch, build_decode_batch, build_prefill_batch
 from specjet.scheduler.detokenizer import update_text
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
 from specjet.scheduler.output import final_output, stream_chunk
 from specjet.scheduler.request import Req
+from specjet.scheduler.spec_decode import SpecConfig, SpecDecoder, sampling_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     context_len: int = 8192
     random_seed: int | None = None
+    spec: "SpecConfig | None" = None
 
 
 class Scheduler:
@@ -51,6 +53,8 @@ class Scheduler:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 
+        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len)
+                     if config.spec is not None else None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -219,7 +223,7 @@ class Scheduler:
         """Every running request needs a slot for one more position; retract the newest requests
         (free their KV, requeue them to re-prefill later) until the rest fit."""
         while self.running:
-            need = sum(self.allocator.slots_needed(r.kv_allocated_len, r.kv_committed_len + 1) for r in self.running)
+            need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
             if need <= self.allocator.num_free_slots:
                 break
             if len(self.running) == 1:
@@ -229,8 +233,14 @@ class Scheduler:
                 return []
             self._retract(self.running[-1])
         for req in self.running:
-            self._reserve(req, req.kv_committed_len + 1)
+            self._reserve(req, self._decode_len(req))
         return list(self.running)
+
+    def _decode_len(self, req: Req) -> int:
+        """Positions that must have KV slots before this request's next decode iteration: one more,
+        or a whole draft tree's worth with speculation (capped by the context length)."""
+        ahead = self.spec.max_nodes if self.spec is not None else 1
+        return min(req.kv_committed_len + ahead, self.config.context_len)
 
     def _retract(self, req: Req) -> None:
         self.stats["retractions"] += 1
@@ -249,8 +259,15 @@ class Scheduler:
         req.kv_committed_len = req.kv_allocated_len = 0
 
     # ---------------------------------------------------------------- running a batch
-    def run_batch(self, batch: ScheduledBatch) -> list[int]:
+    def run_batch(self, batch: ScheduledBatch) -> list[list[int]]:
+        """New tokens per request: one for prefill and plain decode, one or more with speculation."""
         table = self.req_to_token_pool.table
+        if batch.kind is BatchKind.DECODE and self.spec is not None:
+            new_tokens = self.spec.run(batch.reqs, table)
+            for req, tokens in zip(batch.reqs, new_tokens):
+                # The root and the accepted draft nodes now have KV; the bonus token is the next root.
+                req.kv_committed_len += len(tokens)
+            return new_tokens
         if batch.kind is BatchKind.PREFILL:
             fb = build_prefill_batch(batch.reqs, table, self.device)
         else:
@@ -258,7 +275,7 @@ class Scheduler:
         logits = self.runner.forward(fb).logits
         for req in batch.reqs:
             req.kv_committed_len = len(req.fill_ids)
-        return self.sample(batch.reqs, logits)
+        return [[t] for t in self.sample(batch.reqs, logits)]
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
@@ -268,14 +285,7 @@ class Scheduler:
                 reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
             logits = logits.cpu() if logits.device.type != "cpu" else logits
             apply_token_bitmask_(logits, bitmask, indices=grammar_rows)
-        sps = [r.sampling for r in reqs]
-        st = SamplingTensors.from_lists(
-            [0.0 if sp.is_greedy else sp.temperature for sp in sps],
-            [sp.top_k for sp in sps],
-            [sp.top_p for sp in sps],
-            [sp.min_p for sp in sps],
-            device=logits.device,
-        )
+        st = sampling_tensors(reqs, logits.device)
         uniforms = None
         if not st.all_greedy:
             uniforms = torch.tensor(
@@ -285,20 +295,24 @@ class Scheduler:
         return sample(logits, st, uniforms).tolist()
 
     # ---------------------------------------------------------------- results
-    def process_batch_result(self, batch: ScheduledBatch, next_ids: list[int]) -> None:
+    def process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
         now = time.perf_counter()
         if batch.kind is BatchKind.PREFILL:
             self.running.extend(r for r in batch.reqs if not r.finished)
-        for req, token in zip(batch.reqs, next_ids):
+        for req, tokens in zip(batch.reqs, new_tokens):
             if req.finished:
                 continue
             if req.sampling.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            req.output_ids.append(token)
             if req.first_token_at is None:
                 req.first_token_at = now
-            reason = self._check_finished(req, token)
+            reason = None
+            for token in tokens:  # a finishing token cuts the accepted run: later ones are dropped
+                req.output_ids.append(token)
+                reason = self._check_finished(req, token)
+                if reason is not None:
+                    break
             if reason is not None:
                 self._finish(req, reason)
             elif req.stream and req.sink is not None:
@@ -339,6 +353,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self._release_kv(req)
+        if self.spec is not None:
+            self.spec.release(req)
         if req.grammar_future is not None and not req.grammar_future.done():
             req.grammar_future.cancel()
         if req.sink is not None:

@@ -1,0 +1,314 @@
+"""Triton kernels for draft trees, used on CUDA: tree tensors, greedy and sampling verification,
+KV slot assignment.
+
+Same contracts as the torch references in ``tree.py`` and ``tree_verify.py``. Each kernel runs one
+program per request: a tree has at most a few dozen nodes, so a whole request fits in one block
+of ``BLOCK_N`` lanes (nodes), and [BLOCK_N, BLOCK_N] tiles stand in for the references'
+[B, N, N] comparisons. What the references do with a batched loop over depth (walking the tree)
+each program does with a scalar loop over depth, and it writes every output element exactly once,
+so no output needs to be pre-filled and no two lanes race.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specjet.kernels.tree import TreeInfo
+
+
+def _block_nodes(num_nodes: int) -> int:
+    return max(16, triton.next_power_of_2(num_nodes))
+
+
+# --- build_tree ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _build_tree_kernel(
+    parents_ptr, seq_lens_ptr,
+    mask_ptr, depths_ptr, positions_ptr, retrive_index_ptr, next_token_ptr, next_sibling_ptr,
+    num_nodes,
+    BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    valid = offs < num_nodes
+    row = parents_ptr + req * num_nodes
+    parent = tl.load(row + offs, mask=valid, other=-2).to(tl.int32)  # -2 on padding: nobody's parent
+
+    # seen[i, j]: j is i or an ancestor of i. Chase each node's ancestor chain one step per round;
+    # a chain is at most num_nodes long.
+    anc = tl.where(valid, offs, -1)
+    seen = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32)
+    for _ in range(num_nodes):
+        seen = seen | ((anc[:, None] == offs[None, :]) & (anc[:, None] >= 0)).to(tl.int32)
+        anc = tl.load(row + anc, mask=anc >= 0, other=-1).to(tl.int32)
+    depth = tl.sum(seen, axis=1) - 1
+
+    # Children of i: the j with parent[j] == i, the first in index order being the best draft.
+    is_child = (parent[None, :] == offs[:, None]) & valid[None, :]  # [i, j]
+    first_child = tl.min(tl.where(is_child, offs[None, :], BLOCK_N), axis=1)
+    # Next sibling of i: the first j > i with i's parent; the root has no siblings.
+    same_parent = (parent[None, :] == parent[:, None]) & valid[None, :]
+    is_next = same_parent & (offs[None, :] > offs[:, None]) & (offs[:, None] > 0)
+    next_sibling = tl.min(tl.where(is_next, offs[None, :], BLOCK_N), axis=1)
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    out = req * num_nodes + offs
+    tl.store(depths_ptr + out, depth, mask=valid)
+    tl.store(positions_ptr + out, seq_len + depth, mask=valid)
+    tl.store(retrive_index_ptr + out, out, mask=valid)
+    tl.store(next_token_ptr + out, tl.where(first_child < BLOCK_N, first_child, -1), mask=valid)
+    tl.store(next_sibling_ptr + out, tl.where(next_sibling < BLOCK_N, next_sibling, -1), mask=valid)
+    mask_ptrs = mask_ptr + req * num_nodes * num_nodes + offs[:, None] * num_nodes + offs[None, :]
+    tl.store(mask_ptrs, seen.to(mask_ptr.dtype.element_ty), mask=valid[:, None] & valid[None, :])
+
+
+def build_tree_triton(parents: torch.Tensor, seq_lens: torch.Tensor, max_depth: int | None = None) -> TreeInfo:
+    # No input checks here (they would stall the stream); the reference checks the same contract.
+    parents = parents.to(torch.int64).contiguous()
+    batch, num_nodes = parents.shape
+    device = parents.device
+    seq_lens = seq_lens.to(device=device, dtype=torch.int64).contiguous()
+    mask = torch.empty((batch, num_nodes, num_nodes), dtype=torch.bool, device=device)
+    depths, positions, retrive_index, next_token, next_sibling = (
+        torch.empty((batch, num_nodes), dtype=torch.int64, device=device) for _ in range(5)
+    )
+    if batch and num_nodes:
+        _build_tree_kernel[(batch,)](
+            parents, seq_lens,
+            mask.view(torch.uint8), depths, positions, retrive_index, next_token, next_sibling,
+            num_nodes,
+            BLOCK_N=_block_nodes(num_nodes),
+            num_warps=4,
+        )
+    if max_depth is None:
+        max_depth = int(depths.max()) if depths.numel() else 0
+    return TreeInfo(
+        parents=parents, mask=mask, depths=depths, positions=positions, retrive_index=retrive_index,
+        retrive_next_token=next_token, retrive_next_sibling=next_sibling, max_depth=max_depth,
+    )
+
+
+# --- greedy verification ---------------------------------------------------------------------
+
+
+@triton.jit
+def _verify_greedy_kernel(
+    tokens_ptr, parents_ptr, target_ptr,
+    path_ptr, lens_ptr, bonus_ptr,
+    num_nodes, max_depth,
+    BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    valid = offs < num_nodes
+    parent = tl.load(parents_ptr + req * num_nodes + offs, mask=valid, other=-2).to(tl.int32)
+    token = tl.load(tokens_ptr + req * num_nodes + offs, mask=valid, other=-1)
+    target_row = target_ptr + req * num_nodes
+    path_row = path_ptr + req * (max_depth + 1)
+
+    tl.store(path_row, 0)
+    cur = tl.program_id(0) * 0  # int32 scalar: the root
+    active = cur == 0
+    length = cur + 1
+    for depth in range(1, max_depth + 1):
+        want = tl.load(target_row + cur)
+        hit = (parent == cur) & (token == want) & valid
+        nxt = tl.min(tl.where(hit, offs, BLOCK_N), axis=0)
+        active = active & (nxt < BLOCK_N)
+        tl.store(path_row + depth, tl.where(active, nxt, -1))
+        cur = tl.where(active, nxt, cur)
+        length += active.to(tl.int32)
+    tl.store(lens_ptr + req, length)
+    tl.store(bonus_ptr + req, tl.load(target_row + cur))
+
+
+def verify_tree_greedy_triton(tokens: torch.Tensor, tree: TreeInfo, target_ids: torch.Tensor):
+    batch, num_nodes = tokens.shape
+    device = tokens.device
+    path = torch.empty((batch, tree.max_depth + 1), dtype=torch.int64, device=device)
+    lens = torch.empty(batch, dtype=torch.int64, device=device)
+    bonus = torch.empty(batch, dtype=torch.int64, device=device)
+    if batch:
+        _verify_greedy_kernel[(batch,)](
+            tokens.to(torch.int64).contiguous(), tree.parents.to(torch.int64).contiguous(),
+            target_ids.to(torch.int64).contiguous(),
+            path, lens, bonus,
+            num_nodes, tree.max_depth,
+            BLOCK_N=_block_nodes(num_nodes),
+            num_warps=1,
+        )
+    return path, lens, bonus
+
+
+# --- sampling verification -------------------------------------------------------------------
+
+
+@triton.jit
+def _residual_block(prob_row, stride_pv, start, vocab, token, claimed_by, BLOCK_V: tl.constexpr):
+    """Vocab ids [start, start + BLOCK_V) and the node's probabilities there, zeroed at the tokens
+    of the nodes flagged in ``claimed_by`` (its children)."""
+    ids = start + tl.arange(0, BLOCK_V)
+    probs = tl.load(prob_row + ids * stride_pv, mask=ids < vocab, other=0.0).to(tl.float32)
+    claimed = tl.max(((ids[:, None] == token[None, :]) & claimed_by[None, :]).to(tl.int32), axis=1)
+    return ids, tl.where(claimed > 0, 0.0, probs)
+
+
+@triton.jit
+def _verify_sampling_kernel(
+    tokens_ptr, parents_ptr, probs_ptr, uniforms_ptr,
+    path_ptr, lens_ptr, bonus_ptr,
+    num_nodes, vocab, max_depth,
+    stride_pb, stride_pn, stride_pv,
+    stride_ub, stride_un,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    valid = offs < num_nodes
+    parent = tl.load(parents_ptr + req * num_nodes + offs, mask=valid, other=-2).to(tl.int32)
+    token = tl.load(tokens_ptr + req * num_nodes + offs, mask=valid, other=-1).to(tl.int32)
+    coin = tl.load(uniforms_ptr + req * stride_ub + offs * stride_un, mask=valid, other=1.0).to(tl.float32)
+    prob_base = probs_ptr + req * stride_pb
+    path_row = path_ptr + req * (max_depth + 1)
+
+    # A sibling repeating an earlier sibling's token finds r(x) already zero: never accepted.
+    same = (parent[:, None] == parent[None, :]) & (token[:, None] == token[None, :]) & (offs[None, :] < offs[:, None])
+    fresh = tl.max(same.to(tl.int32), axis=1) == 0
+    later_or_same = offs[None, :] >= offs[:, None]  # [j, k]: k is tried at or after j
+
+    tl.store(path_row, 0)
+    cur = tl.program_id(0) * 0  # int32 scalar: the root
+    active = cur == 0
+    length = cur + 1
+    for depth in range(1, max_depth + 1):
+        prob_row = prob_base + cur.to(tl.int64) * stride_pn
+        is_child = (parent == cur) & (offs > 0) & valid
+        tried = is_child & fresh
+        child_mass = tl.load(prob_row + token * stride_pv, mask=tried, other=0.0).to(tl.float32)
+        unclaimed = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float32), axis=0)
+        for start in range(0, vocab, BLOCK_V):
+            ids, residual = _residual_block(prob_row, stride_pv, start, vocab, token, is_child, BLOCK_V)
+            unclaimed += tl.sum(residual, axis=0)
+        # When child j is tried the residual holds the unclaimed mass and the children from j on.
+        from_here = tl.sum(tl.where(later_or_same, child_mass[None, :], 0.0), axis=1)
+        remaining = unclaimed + from_here
+        ratio = tl.where(remaining > 0, child_mass / tl.where(remaining > 0, remaining, 1.0), 0.0)
+        accepted = tried & (coin < ratio)
+        nxt = tl.min(tl.where(accepted, offs, BLOCK_N), axis=0)
+        active = active & (nxt < BLOCK_N)
+        tl.store(path_row + depth, tl.where(active, nxt, -1))
+        cur = tl.where(active, nxt, cur)
+        length += active.to(tl.int32)
+
+    # Bonus: inverse CDF over the last node's residual (every child tried and rejected), with the
+    # root's coin. The first pass finds the total as the end of the running CDF (the second pass
+    # recomputes the very same values, so "reaches the total" is exact) and the node's argmax (for
+    # a residual with no mass at all).
+    prob_row = prob_base + cur.to(tl.int64) * stride_pn
+    is_child = (parent == cur) & (offs > 0) & valid
+    total = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float32), axis=0)
+    best = total - 1.0
+    best_id = cur * 0
+    for start in range(0, vocab, BLOCK_V):
+        ids, residual = _residual_block(prob_row, stride_pv, start, vocab, token, is_child, BLOCK_V)
+        total = tl.max(total + tl.cumsum(residual, axis=0), axis=0)
+        probs = tl.load(prob_row + ids * stride_pv, mask=ids < vocab, other=-1.0).to(tl.float32)
+        block_best = tl.max(probs, axis=0)
+        block_best_id = tl.min(tl.where(probs == block_best, ids, vocab), axis=0)
+        best_id = tl.where(block_best > best, block_best_id, best_id)
+        best = tl.maximum(best, block_best)
+    threshold = tl.load(uniforms_ptr + req * stride_ub).to(tl.float32) * total
+    carry = total * 0.0
+    pick = cur * 0 + vocab
+    reach = cur * 0 + vocab
+    for start in range(0, vocab, BLOCK_V):
+        ids, residual = _residual_block(prob_row, stride_pv, start, vocab, token, is_child, BLOCK_V)
+        cdf = carry + tl.cumsum(residual, axis=0)
+        real = ids < vocab
+        pick = tl.minimum(pick, tl.min(tl.where((cdf > threshold) & real, ids, vocab), axis=0))
+        reach = tl.minimum(reach, tl.min(tl.where((cdf >= total) & real, ids, vocab), axis=0))
+        carry = tl.max(cdf, axis=0)
+    pick = tl.where(pick < vocab, pick, reach)  # u * total rounded up to the total
+    pick = tl.where(total > 0, pick, best_id)
+    tl.store(lens_ptr + req, length)
+    tl.store(bonus_ptr + req, pick)
+
+
+def verify_tree_sampling_triton(
+    tokens: torch.Tensor, tree: TreeInfo, target_probs: torch.Tensor, uniforms: torch.Tensor
+):
+    batch, num_nodes = tokens.shape
+    vocab = target_probs.shape[-1]
+    device = tokens.device
+    path = torch.empty((batch, tree.max_depth + 1), dtype=torch.int64, device=device)
+    lens = torch.empty(batch, dtype=torch.int64, device=device)
+    bonus = torch.empty(batch, dtype=torch.int64, device=device)
+    if batch:
+        _verify_sampling_kernel[(batch,)](
+            tokens.to(torch.int64).contiguous(), tree.parents.to(torch.int64).contiguous(),
+            target_probs, uniforms,
+            path, lens, bonus,
+            num_nodes, vocab, tree.max_depth,
+            *target_probs.stride(), *uniforms.stride(),
+            BLOCK_N=_block_nodes(num_nodes),
+            # [BLOCK_V, BLOCK_N] membership tiles: keep them near 16k elements.
+            BLOCK_V=max(16, min(1024, 16384 // _block_nodes(num_nodes), triton.next_power_of_2(vocab))),
+            num_warps=4,
+        )
+    return path, lens, bonus
+
+
+# --- KV slot assignment ----------------------------------------------------------------------
+
+
+@triton.jit
+def _assign_slots_kernel(
+    node_slots_ptr, path_ptr, accepted_slots_ptr, rejected_slots_ptr,
+    num_nodes, path_len,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    valid = offs < num_nodes
+    slot_row = node_slots_ptr + req * num_nodes
+    slots = tl.load(slot_row + offs, mask=valid, other=-1)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    valid_d = offs_d < path_len
+    path = tl.load(path_ptr + req * path_len + offs_d, mask=valid_d, other=-1)
+    on_path = path >= 0
+    accepted = tl.load(slot_row + path, mask=on_path, other=-1)
+    tl.store(accepted_slots_ptr + req * path_len + offs_d, accepted, mask=valid_d)
+
+    kept = tl.max(((path[:, None] == offs[None, :]) & on_path[:, None]).to(tl.int32), axis=0) > 0
+    rejected = valid & (kept == 0)
+    rank = tl.cumsum(rejected.to(tl.int32), axis=0) - 1  # place of each rejected node in the output
+    # Output place p takes the rejected node ranked p (a gather written as a masked reduction).
+    pick = (rank[None, :] == offs[:, None]) & rejected[None, :]  # [p, j]
+    value = tl.sum(tl.where(pick, slots[None, :], 0), axis=1)
+    has = tl.max(pick.to(tl.int32), axis=1) > 0
+    out = rejected_slots_ptr + req * (num_nodes - 1) + offs
+    tl.store(out, tl.where(has, value, -1), mask=offs < num_nodes - 1)
+
+
+def assign_accepted_slots_triton(node_slots: torch.Tensor, accepted_nodes: torch.Tensor):
+    batch, num_nodes = node_slots.shape
+    path_len = accepted_nodes.shape[1]
+    device = node_slots.device
+    accepted_slots = torch.empty((batch, path_len), dtype=torch.int64, device=device)
+    rejected_slots = torch.empty((batch, max(num_nodes - 1, 0)), dtype=torch.int64, device=device)
+    if batch and num_nodes:
+        _assign_slots_kernel[(batch,)](
+            node_slots.to(torch.int64).contiguous(), accepted_nodes.to(torch.int64).contiguous(),
+            accepted_slots, rejected_slots,
+            num_nodes, path_len,
+            BLOCK_N=_block_nodes(num_nodes),
+            BLOCK_D=max(16, triton.next_power_of_2(path_len)),
+            num_warps=1,
+        )
+    return accepted_slots, rejected_slots

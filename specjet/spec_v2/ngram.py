@@ -1,0 +1,108 @@
+"""N-gram drafting: no model, no training.
+
+Drafts come from matching the last tokens of a request (its prompt and output so far) against
+earlier places in the same sequence: what followed those earlier occurrences is proposed as the
+continuation. Several matches branch into a tree (a trie of continuations), so the verifier can
+accept whichever one the target agrees with. Good on JSON (keys and punctuation repeat) and on
+tasks that copy from the prompt.
+
+``NgramIndex`` is the per-request suffix index: for every n-gram length 1..max_window it maps the
+n-gram to the positions where it ends, updated incrementally as tokens are accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    num_draft_tokens: int = 8  # tree nodes including the root
+    max_window: int = 4  # longest suffix matched
+    min_window: int = 1  # shortest suffix matched (1 matches any earlier occurrence of the last token)
+    max_branches: int = 4  # distinct continuations tried per draft
+    max_matches_scanned: int = 32  # most recent occurrences looked at per window
+
+
+class NgramIndex:
+    def __init__(self, max_window: int):
+        self.max_window = max_window
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            self.tokens.append(tok)
+            t = len(self.tokens) - 1
+            for w in range(1, min(self.max_window, t + 1) + 1):
+                key = tuple(self.tokens[t - w + 1: t + 1])
+                self._ends.setdefault(key, []).append(t)
+
+    def continuations(self, cfg: NgramConfig, max_len: int) -> list[list[int]]:
+        """Up to ``cfg.max_branches`` distinct continuations of the current suffix, best first:
+        longer matched windows first, then more recent occurrences."""
+        n = len(self.tokens)
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for w in range(min(cfg.max_window, n - 1), cfg.min_window - 1, -1):
+            ends = self._ends.get(tuple(self.tokens[n - w:]), ())
+            scanned = 0
+            for end in reversed(ends):
+                if end >= n - 1:  # the suffix itself
+                    continue
+                scanned += 1
+                if scanned > cfg.max_matches_scanned:
+                    break
+                cont = self.tokens[end + 1: end + 1 + max_len]
+                key = tuple(cont)
+                if cont and key not in seen:
+                    seen.add(key)
+                    found.append(cont)
+                    if len(found) >= cfg.max_branches:
+                        return found
+        return found
+
+
+def build_trie(root_token: int, continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Merge continuations into a tree with at most ``max_nodes`` nodes (root included).
+
+    Returns (tokens, parents) with the root at index 0 (parent -1), every parent before its
+    children, and children in the order their continuations were given (best first)."""
+    tokens, parents = [root_token], [-1]
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cont in continuations:
+        node = 0
+        for tok in cont:
+            nxt = children.get((node, tok))
+            if nxt is None:
+                if len(tokens) >= max_nodes:
+                    break
+                nxt = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                children[(node, tok)] = nxt
+            node = nxt
+    return tokens, parents  # creation order: parents before children, siblings best first
+
+
+class NgramDrafter:
+    """Proposes a draft tree per request from its own n-gram index."""
+
+    def __init__(self, cfg: NgramConfig):
+        self.cfg = cfg
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def observe(self, rid: str, all_tokens: list[int]) -> None:
+        """Bring the request's index up to date with its full token list (prompt + output)."""
+        index = self._indexes.get(rid)
+        if index is None or len(index.tokens) > len(all_tokens):
+            index = self._indexes[rid] = NgramIndex(self.cfg.max_window)
+        index.extend(all_tokens[len(index.tokens):])
+
+    def propose(self, rid: str, max_nodes: int) -> tuple[list[int], list[int]]:
+        index = self._indexes[rid]
+        max_nodes = min(max_nodes, self.cfg.num_draft_tokens)
+        conts = index.continuations(self.cfg, max_len=max_nodes - 1) if max_nodes > 1 else []
+        return build_trie(index.tokens[-1], conts, max_nodes)
+
+    def release(self, rid: str) -> None:
+        self._indexes.pop(rid, None)

@@ -1,0 +1,114 @@
+"""Verification of draft trees: one target forward over every node, then the accepted path.
+
+Shared by every drafter (EAGLE, n-gram): a drafter proposes (tokens, parents) per request, this
+module runs the target over all nodes under the tree mask, walks the tree (greedy or lossless
+rejection sampling), and moves the accepted nodes' KV into the request's next positions. It knows
+nothing of the scheduler: requests arrive as ``SpecRequest`` views.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specjet.kernels.sampling import SamplingTensors, filtered_probs
+from specjet.kernels.tree import build_tree
+from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from specjet.models.runner import ModelRunner
+
+
+@dataclass
+class SpecRequest:
+    row: int  # the request's row in the request-to-token table
+    committed_len: int  # positions with valid KV; the root goes at this position
+    tokens: list[int]  # draft tree, root (the last verified token) first
+    parents: list[int]  # parent of each node, -1 for the root; parents before children
+    uniforms: torch.Tensor | None  # [len(tokens)] coins for sampling verification; None when greedy
+    root_bitmask: torch.Tensor | None = None  # grammar mask for the token after the root
+
+
+@dataclass
+class VerifyResult:
+    accepted_tokens: list[list[int]]  # per request: accepted draft tokens, then the bonus token
+    accepted_nodes: list[list[int]]  # per request: the path's node indices, root first
+    output: ModelOutput  # the verify forward's output (hidden states for drafters that need them)
+    node_offsets: list[int]  # first row of each request's nodes in the flat forward
+
+
+class TreeVerifier:
+    def __init__(self, runner: ModelRunner, capture_hidden=None):
+        self.runner = runner
+        self.capture_hidden = capture_hidden
+
+    def verify(self, reqs: list[SpecRequest], req_to_token: torch.Tensor, sampling: SamplingTensors,
+               extra_kv_caches=()) -> VerifyResult:
+        device = req_to_token.device
+        sizes = [len(r.tokens) for r in reqs]
+        trees = [build_tree(torch.tensor([r.parents], dtype=torch.int64, device=device),
+                            torch.tensor([r.committed_len], dtype=torch.int64, device=device)) for r in reqs]
+        max_n = max(sizes)
+        mask = torch.zeros((len(reqs), max_n, max_n), dtype=torch.bool, device=device)
+        for b, (tree, n) in enumerate(zip(trees, sizes)):
+            mask[b, :n, :n] = tree.mask[0]
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device)
+        committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
+        batch = ForwardBatch.build(
+            ForwardMode.VERIFY,
+            input_ids=torch.tensor([t for r in reqs for t in r.tokens], dtype=torch.int64, device=device),
+            positions=torch.cat([tree.positions[0] for tree in trees]),
+            out_cache_loc=torch.cat([req_to_token[r.row, r.committed_len:r.committed_len + n]
+                                     for r, n in zip(reqs, sizes)]),
+            req_to_token=req_to_token,
+            req_pool_indices=rows,
+            kv_lens=committed + torch.tensor(sizes, device=device),
+            q_lens=torch.tensor(sizes, dtype=torch.int64, device=device),
+            custom_mask=mask,
+            logits="all",
+            capture_hidden=self.capture_hidden,
+        )
+        out = self.runner.forward(batch)
+        logits = out.logits
+        offsets = [0]
+        for n in sizes[:-1]:
+            offsets.append(offsets[-1] + n)
+        for r, off in zip(reqs, offsets):  # the grammar constrains the token after the root
+            if r.root_bitmask is not None:
+                from specjet.grammar import apply_token_bitmask_
+
+                apply_token_bitmask_(logits[off:off + 1], r.root_bitmask[None])
+        probs = None
+        if not sampling.all_greedy:
+            per_node = SamplingTensors(
+                temperatures=sampling.temperatures.repeat_interleave(torch.tensor(sizes)),
+                top_ks=sampling.top_ks.repeat_interleave(torch.tensor(sizes)),
+                top_ps=sampling.top_ps.repeat_interleave(torch.tensor(sizes)),
+                min_ps=sampling.min_ps.repeat_interleave(torch.tensor(sizes)),
+                all_greedy=False, need_sort=sampling.need_sort)
+            probs = filtered_probs(logits, per_node)
+        argmax = logits.argmax(-1)
+
+        accepted_tokens, accepted_nodes = [], []
+        for b, (r, tree, n, off) in enumerate(zip(reqs, trees, sizes, offsets)):
+            tokens = torch.tensor([r.tokens], dtype=torch.int64, device=device)
+            if r.uniforms is None:
+                path, lens, bonus = verify_tree_greedy(tokens, tree, argmax[None, off:off + n])
+            else:
+                path, lens, bonus = verify_tree_sampling(tokens, tree, probs[None, off:off + n], r.uniforms[None])
+            nodes = path[0, : int(lens[0])].tolist()
+            accepted_nodes.append(nodes)
+            accepted_tokens.append([r.tokens[i] for i in nodes[1:]] + [int(bonus[0])])
+            self._commit_kv(r, nodes, req_to_token, extra_kv_caches)
+        return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
+
+    def _commit_kv(self, r: SpecRequest, nodes: list[int], req_to_token: torch.Tensor, extra_kv_caches) -> None:
+        """Node i's KV sits at position committed+i; the j-th node of the path must sit at committed+j.
+        Rejected nodes' slots stay reserved for the request and are overwritten next iteration."""
+        moves = [(i, j) for j, i in enumerate(nodes) if i != j]
+        if not moves:
+            return
+        base = req_to_token[r.row, r.committed_len:r.committed_len + len(r.tokens)]
+        src = base[torch.tensor([i for i, _ in moves])]
+        dst = base[torch.tensor([j for _, j in moves])]
+        for cache in (self.runner.kv_cache, *extra_kv_caches):
+            cache.move_slots(src, dst)

@@ -1,0 +1,180 @@
+"""The Triton draft-tree kernels against their torch references, on random batched trees.
+
+The kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The flag is
+read when a kernel is decorated, i.e. when the kernel module is first imported, and another test
+may already have imported triton in this process; so the checks run once in a subprocess of this
+very file (``--kernel-worker``) with the flag set, and report one verdict per case back as JSON.
+Every output here is integer (or bool), so "equal" means exactly equal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the worker runs this file as a script
+
+from test_tree_kernels import (  # noqa: E402
+    probs_favouring_children,
+    random_parents,
+    targets_following_tree,
+)
+
+
+@dataclass
+class Case:
+    kernel: str  # "build_tree" | "greedy" | "sampling" | "slots"
+    batch: int
+    num_nodes: int
+    vocab: int = 20
+    chain_bias: float = 0.5  # 1.0 = every tree a chain
+    probs: str = "dense"  # sampling targets: "dense" | "top_k" | "one_hot"
+    dtype: torch.dtype = torch.float32
+    strided: bool = False  # probabilities and coins as slices of wider tensors
+    seed: int = 0
+
+
+CASES = {
+    "build_tree_root_only": Case("build_tree", 3, 1),
+    "build_tree_small": Case("build_tree", 4, 6),
+    "build_tree_17": Case("build_tree", 5, 17, seed=1),
+    "build_tree_64": Case("build_tree", 3, 64, seed=2),
+    "build_tree_chain_40": Case("build_tree", 2, 40, chain_bias=1.0),
+    "greedy_root_only": Case("greedy", 4, 1),
+    "greedy_small": Case("greedy", 8, 6, seed=3),
+    "greedy_17": Case("greedy", 6, 17, seed=4),
+    "greedy_64": Case("greedy", 3, 64, seed=5),
+    "sampling_root_only": Case("sampling", 4, 1, vocab=50),
+    "sampling_small_vocab": Case("sampling", 16, 8, vocab=10, seed=6),  # siblings repeat tokens
+    "sampling_top_k": Case("sampling", 16, 12, vocab=40, probs="top_k", seed=7),
+    "sampling_one_hot": Case("sampling", 8, 12, vocab=40, probs="one_hot", seed=8),
+    # Several vocab blocks per pass (BLOCK_V is 256 at 64 nodes), strided inputs.
+    "sampling_64_strided": Case("sampling", 6, 64, vocab=700, strided=True, seed=9),
+    "sampling_fp16": Case("sampling", 6, 17, vocab=300, dtype=torch.float16, seed=10),
+    "slots_small": Case("slots", 6, 6, seed=11),
+    "slots_64": Case("slots", 4, 64, seed=12),
+    "slots_root_only": Case("slots", 3, 1),
+}
+
+
+def build_inputs(case: Case) -> dict:
+    gen = torch.Generator().manual_seed(case.seed)
+    parents = random_parents(case.batch, case.num_nodes, gen, chain_bias=case.chain_bias)
+    tokens = torch.randint(0, case.vocab, (case.batch, case.num_nodes), generator=gen)
+    seq_lens = torch.randint(0, 1000, (case.batch,), generator=gen)
+    inputs = dict(parents=parents, tokens=tokens, seq_lens=seq_lens)
+    if case.kernel in ("greedy", "slots"):
+        inputs["target_ids"] = targets_following_tree(parents, tokens, case.vocab, gen)
+    if case.kernel == "slots":
+        inputs["node_slots"] = torch.randperm(10 * case.batch * case.num_nodes, generator=gen)[
+            : case.batch * case.num_nodes].view(case.batch, case.num_nodes)
+    if case.kernel == "sampling":
+        if case.probs == "one_hot":
+            target = targets_following_tree(parents, tokens, case.vocab, gen)
+            probs = torch.nn.functional.one_hot(target, case.vocab).float()
+        else:
+            probs = probs_favouring_children(parents, tokens, case.vocab, gen, top_k=5 if case.probs == "top_k" else 0)
+        probs = probs.to(case.dtype)
+        coins = torch.rand(case.batch, case.num_nodes, generator=gen)
+        if case.strided:
+            wide = torch.zeros(case.batch, case.num_nodes, case.vocab + 37, dtype=case.dtype)
+            wide[:, :, 5: 5 + case.vocab] = probs
+            probs = wide[:, :, 5: 5 + case.vocab]
+            coins = torch.cat([coins, torch.rand(case.batch, 3, generator=gen)], 1)[:, : case.num_nodes]
+            assert not probs.is_contiguous() and not coins.is_contiguous()
+        inputs.update(probs=probs, coins=coins)
+    return inputs
+
+
+def run_case(case: Case) -> dict:
+    """Both implementations on one case; the verdict as a JSON-able dict."""
+    from specjet.kernels.tree import build_tree_reference
+    from specjet.kernels.tree_verify import (
+        assign_accepted_slots_reference,
+        verify_tree_greedy_reference,
+        verify_tree_sampling_reference,
+    )
+    from specjet.kernels.triton_tree import (
+        assign_accepted_slots_triton,
+        build_tree_triton,
+        verify_tree_greedy_triton,
+        verify_tree_sampling_triton,
+    )
+
+    inputs = build_inputs(case)
+    tree = build_tree_reference(inputs["parents"], inputs["seq_lens"])
+    if case.kernel == "build_tree":
+        got = build_tree_triton(inputs["parents"], inputs["seq_lens"])
+        names = ["mask", "depths", "positions", "retrive_index", "retrive_next_token", "retrive_next_sibling"]
+        mismatched = [n for n in names if not (getattr(got, n).dtype == getattr(tree, n).dtype
+                                               and torch.equal(getattr(got, n), getattr(tree, n)))]
+        if got.max_depth != tree.max_depth:
+            mismatched.append("max_depth")
+        return {"mismatched": mismatched, "max_depth": tree.max_depth}
+    if case.kernel == "greedy":
+        args = (inputs["tokens"], tree, inputs["target_ids"])
+        ref, got = verify_tree_greedy_reference(*args), verify_tree_greedy_triton(*args)
+    elif case.kernel == "sampling":
+        args = (inputs["tokens"], tree, inputs["probs"], inputs["coins"])
+        ref, got = verify_tree_sampling_reference(*args), verify_tree_sampling_triton(*args)
+    else:
+        path = verify_tree_greedy_reference(inputs["tokens"], tree, inputs["target_ids"])[0]
+        ref = assign_accepted_slots_reference(inputs["node_slots"], path)
+        got = assign_accepted_slots_triton(inputs["node_slots"], path)
+    if case.kernel == "slots":
+        names = ["accepted_slots", "rejected_slots"]
+    else:
+        names = ["accepted_nodes", "accept_lens", "bonus_ids"]
+    mismatched = [n for n, r, g in zip(names, ref, got) if not (r.dtype == g.dtype and torch.equal(r, g))]
+    # How deep the paths went, so a case that accepts nothing cannot pass unnoticed.
+    longest = int(ref[1].max()) if case.kernel != "slots" else None
+    return {"mismatched": mismatched, "longest_path": longest, "max_depth": tree.max_depth}
+
+
+def _kernel_worker() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    report = {}
+    for name, case in CASES.items():
+        try:
+            report[name] = run_case(case)
+        except Exception as exc:  # reported per case so one failure does not hide the others
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    print("KERNEL_REPORT " + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def kernel_report() -> dict:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"triton cannot be imported: {exc}")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--kernel-worker"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KERNEL_REPORT ")]
+    assert proc.returncode == 0 and lines, f"kernel worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1].removeprefix("KERNEL_REPORT "))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_tree_kernel_matches_reference(kernel_report, name):
+    result = kernel_report[name]
+    assert "error" not in result, result.get("error")
+    assert result["mismatched"] == [], result
+    case = CASES[name]
+    if case.kernel in ("greedy", "sampling") and case.num_nodes > 1:
+        assert result["longest_path"] >= 3, result  # the walk went past the root's children
+
+
+if __name__ == "__main__" and "--kernel-worker" in sys.argv:
+    _kernel_worker()
