@@ -21,7 +21,7 @@ def default_model_dir() -> pathlib.Path:
 
 
 def make_tiny_model_dir(path: pathlib.Path, tokenizer_dir: pathlib.Path, model_type: str = "llama", seed: int = 0,
-                        tie: bool = True) -> pathlib.Path:
+                        tie: bool = True, weight_std: float = 0.15) -> pathlib.Path:
     """A 2-layer random-weight model of the given family that shares the default model's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -44,10 +44,10 @@ def make_tiny_model_dir(path: pathlib.Path, tokenizer_dir: pathlib.Path, model_t
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger weights than the default init, so the logits are peaked enough to be stable
+    with torch.no_grad():  # 0.15: larger than the default init, so the logits are peaked enough to be stable
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.15)
+                p.normal_(0, weight_std)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -48,10 +48,14 @@ class EngineArgs:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} is too small for page_size {self.page_size}")
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
-        if self.speculative_algorithm not in (None, "NGRAM"):
+        if self.speculative_algorithm not in (None, "NGRAM", "EAGLE"):
             raise NotImplementedError(
-                f"speculative_algorithm={self.speculative_algorithm!r} is not available yet (available: NGRAM)"
+                f"speculative_algorithm={self.speculative_algorithm!r} is not available (available: EAGLE, NGRAM)"
             )
+        for name in ("speculative_num_steps", "speculative_eagle_topk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:

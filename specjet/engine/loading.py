@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import torch
 
@@ -12,6 +13,8 @@ from specjet.models.runner import ModelRunner
 from specjet.models.weights import load_state_dict, resolve_model_path
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
 from specjet.scheduler.spec_decode import SpecConfig
+from specjet.models.eagle import default_eagle_path, load_eagle
+from specjet.spec_v2.eagle_worker import EagleParams
 from specjet.spec_v2.ngram import NgramConfig
 
 
@@ -36,6 +39,17 @@ def load_components(args: EngineArgs, device: torch.device):
             min_window=args.speculative_ngram_min_match_window_size,
             max_branches=args.speculative_ngram_max_bfs_breadth,
         ))
+    elif args.speculative_algorithm == "EAGLE":
+        head_dir = args.speculative_draft_model_path or default_eagle_path()
+        if not pathlib.Path(head_dir).exists():
+            raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
+        head = load_eagle(head_dir, config, dtype=runner.dtype, device=runner.device)
+        params = EagleParams(
+            num_steps=args.speculative_num_steps or 4,
+            topk=args.speculative_eagle_topk or 4,
+            num_draft_tokens=args.speculative_num_draft_tokens or 12,
+        )
+        spec = SpecConfig("EAGLE", params.num_draft_tokens, eagle=params, eagle_head=head)
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

@@ -21,7 +21,7 @@ class ScheduledBatch:
     reqs: list[Req]
 
 
-def build_prefill_batch(reqs: list[Req], req_to_token: torch.Tensor, device) -> ForwardBatch:
+def build_prefill_batch(reqs: list[Req], req_to_token: torch.Tensor, device, capture_hidden=None) -> ForwardBatch:
     """Extend every request from its committed length to the end of its fill ids."""
     ids, positions, slots, q_lens, kv_lens = [], [], [], [], []
     for req in reqs:
@@ -42,6 +42,7 @@ def build_prefill_batch(reqs: list[Req], req_to_token: torch.Tensor, device) -> 
         kv_lens=torch.tensor(kv_lens, dtype=torch.int64, device=device),
         q_lens=torch.tensor(q_lens, dtype=torch.int64, device=device),
         logits="last",
+        capture_hidden=capture_hidden,
     )
 
 

@@ -53,7 +53,7 @@ class Scheduler:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 
-        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len)
+        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator)
                      if config.spec is not None else None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -224,6 +224,8 @@ class Scheduler:
         (free their KV, requeue them to re-prefill later) until the rest fit."""
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
+            if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
+                need += self.spec.scratch_slots(len(self.running))
             if need <= self.allocator.num_free_slots:
                 break
             if len(self.running) == 1:
@@ -268,14 +270,18 @@ class Scheduler:
                 # The root and the accepted draft nodes now have KV; the bonus token is the next root.
                 req.kv_committed_len += len(tokens)
             return new_tokens
+        capture = "last" if (self.spec is not None and self.spec.needs_prefill_hidden) else None
         if batch.kind is BatchKind.PREFILL:
-            fb = build_prefill_batch(batch.reqs, table, self.device)
+            fb = build_prefill_batch(batch.reqs, table, self.device, capture_hidden=capture)
         else:
             fb = build_decode_batch(batch.reqs, table, self.device)
-        logits = self.runner.forward(fb).logits
+        out = self.runner.forward(fb)
+        tokens = self.sample(batch.reqs, out.logits)
+        if capture is not None and batch.kind is BatchKind.PREFILL:
+            self.spec.after_prefill(batch.reqs, out.hidden, tokens, table)
         for req in batch.reqs:
             req.kv_committed_len = len(req.fill_ids)
-        return [[t] for t in self.sample(batch.reqs, logits)]
+        return [[t] for t in tokens]
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]

@@ -1,0 +1,247 @@
+"""The EAGLE draft head (EAGLE-1 shape; drafted in EAGLE-2 trees by spec_v2).
+
+The target's final normed hidden state at position t (``ModelOutput.hidden`` with
+``capture_hidden="last"``: what its LM head sees) is the *feature* f_t. The head reads the pair
+(token x_{t+1}, feature f_t) at position t and regresses the next feature f_{t+1}:
+
+    x   = fc([embed(x_{t+1}) ; f_t])            fc: 2h -> h, with bias
+    h_t = DecoderLayer(x)                        one Llama block of the target's shape
+    logits = lm_head(h_t)                        the target's head (or its "hot token" rows)
+
+No final norm: h_t stands in for f_{t+1}, which is already normed. Drafting k tokens feeds h_t back
+as the feature of the next step. The embedding and the LM head are the target's (``bind_target``);
+the draft's checkpoint holds only fc, the layer and the hot token ids.
+
+A reduced "hot token" head keeps the K most frequent target ids (``hot_token_ids``, sorted): the
+logits have K columns, and ``hot_to_full`` maps a column index back to the target's token id.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specjet.models.config import ModelConfig
+from specjet.models.forward_batch import ForwardBatch
+from specjet.models.kv_cache import KVCache
+from specjet.models.llama import DecoderLayer, Linear, LlamaForCausalLM, Rotary, apply_rotary
+
+FORMAT = "specjet-eagle"
+FORMAT_VERSION = 1
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+DEFAULT_HEAD_NAME = "smollm2-135m-instruct"
+# The shape fields a head must share with the target it drafts for.
+TARGET_SHAPE_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+
+
+@dataclass
+class SharedTarget:
+    """References into the target model; the draft never owns (or saves) these."""
+
+    embed: nn.Embedding  # the target's token embedding, [vocab, hidden]
+    lm_head: Linear  # the target's head, or a [hidden, K] copy of its hot token columns
+
+
+class EagleDraftModel(nn.Module):
+    def __init__(self, config: ModelConfig, hot_token_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = Linear(2 * h, h, bias=True)
+        self.layer = DecoderLayer(config, layer_id=0)  # layer 0 of its own 1-layer KV cache
+        if hot_token_ids is not None:
+            hot_token_ids = torch.as_tensor(hot_token_ids, dtype=torch.int64)
+            if hot_token_ids.dim() != 1 or not bool((hot_token_ids[1:] > hot_token_ids[:-1]).all()):
+                raise ValueError("hot_token_ids must be a 1-D, strictly increasing list of target token ids")
+            if int(hot_token_ids.min()) < 0 or int(hot_token_ids.max()) >= config.vocab_size:
+                raise ValueError(f"hot_token_ids must lie in [0, {config.vocab_size})")
+        self.register_buffer("hot_token_ids", hot_token_ids)  # [K] int64, or None: the full vocabulary
+        self.rotary = Rotary(config)
+        self.target: SharedTarget | None = None  # set by bind_target()
+        self.reset_parameters()
+
+    # ---------------------------------------------------------------- set-up
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Hugging Face's Llama initialisation: N(0, std) weights, zero biases, unit norms."""
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("weight_t"):
+                    p.normal_(0.0, std)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.fill_(1.0)
+
+    def bind_target(self, target: LlamaForCausalLM) -> "EagleDraftModel":
+        """Share ``target``'s embedding and LM head (the hot head takes a copy of their K columns)."""
+        for name in TARGET_SHAPE_FIELDS:
+            if getattr(target.config, name) != getattr(self.config, name):
+                raise ValueError(f"draft head and target differ in {name}: "
+                                 f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
+        head = target.lm_head
+        if self.hot_token_ids is not None:
+            weight_t = head.weight_t.detach()[:, self.hot_token_ids.to(head.weight_t.device)].contiguous()
+            head = Linear(weight_t.shape[0], weight_t.shape[1], bias=False)
+            head.weight_t = nn.Parameter(weight_t, requires_grad=False)
+            if target.lm_head.packed is not None:  # packed like the target's head (never while training)
+                head.pack_for_decode()
+        self.target = SharedTarget(embed=target.embed_tokens, lm_head=head)
+        self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
+        return self
+
+    def pack_for_decode(self) -> None:
+        """Pack the projections for inference (see kernels/linear.py). Training must not call it:
+        the packed copy would go stale as the weights change."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_decode()
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
+
+    def hot_to_full(self, ids: torch.Tensor) -> torch.Tensor:
+        """Column indices of ``logits`` -> target token ids (the identity without a hot head)."""
+        return ids if self.hot_token_ids is None else self.hot_token_ids[ids]
+
+    def _shared(self) -> SharedTarget:
+        if self.target is None:
+            raise RuntimeError("call bind_target(target) before running the draft head")
+        return self.target
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> [..., K or V] float32 through the (hot) LM head."""
+        logits = self._shared().lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def _fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        embeds = self._shared().embed(input_ids).to(features.dtype)
+        fused = torch.cat([embeds, features], dim=-1)
+        return self.fc(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape)
+
+    # ---------------------------------------------------------------- inference (paged KV)
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, features: torch.Tensor, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over specjet's paged KV.
+
+        ``batch.input_ids[i]`` is the token that follows the one whose feature is ``features[i]``;
+        ``batch.positions``/``out_cache_loc`` are the feature's position and slot (the target's own).
+        ``kv_cache`` has one layer. Returns (hidden [T, h], logits [N, K or V] float32 for the rows
+        ``batch.logits_indices``)."""
+        x = self._fuse(batch.input_ids, features)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        hidden = self.layer(x, cos, sin, batch, kv_cache)
+        logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
+        return hidden, self.logits(logits_in)
+
+    # ---------------------------------------------------------------- training (whole sequences)
+    def forward_train(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T], features [B, T, h] -> hidden [B, T, h], causal over each row.
+
+        The same block as ``forward``, with plain SDPA in place of the paged KV. Rows are
+        right-padded: a padded tail never influences the real positions before it."""
+        batch, seq, _ = features.shape
+        x = self._fuse(input_ids, features).reshape(batch * seq, -1)
+        positions = torch.arange(seq, device=features.device).repeat(batch)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        layer = self.layer
+        x = x + self._causal_attention(layer.input_layernorm(x), cos, sin, batch, seq)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x.reshape(batch, seq, -1)
+
+    def _causal_attention(self, x, cos, sin, batch: int, seq: int) -> torch.Tensor:
+        attn = self.layer.self_attn
+        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.view(batch * seq, attn.num_heads, attn.head_dim)
+        k = k.view(batch * seq, attn.num_kv_heads, attn.head_dim)
+        v = v.view(batch * seq, attn.num_kv_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:  # [B*T, H, D] -> [B, H, T, D]
+            return t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                             scale=attn.scale, enable_gqa=attn.num_kv_heads != attn.num_heads)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch * seq, attn.q_size))
+
+
+# ---------------------------------------------------------------- checkpoints
+def default_eagle_path() -> pathlib.Path:
+    """The head trained for the default model, shipped inside the package."""
+    return pathlib.Path(__file__).resolve().parents[1] / "assets" / "eagle" / DEFAULT_HEAD_NAME
+
+
+def target_identity(config: ModelConfig, gguf_name: str | None = None) -> dict:
+    ident = {"model_type": config.model_type, "num_layers": config.num_layers}
+    ident.update({name: getattr(config, name) for name in TARGET_SHAPE_FIELDS})
+    if gguf_name is not None:
+        ident["gguf"] = gguf_name
+    return ident
+
+
+def save_eagle(model: EagleDraftModel, directory, target_gguf: str | None = None, training: dict | None = None,
+               dtype: torch.dtype = torch.float16) -> pathlib.Path:
+    """Write ``model.safetensors`` (fc, the layer, the hot ids; never the target's tensors) and
+    ``config.json`` (format, target identity, hot vocabulary size, training summary)."""
+    from safetensors.torch import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
+    if model.hot_token_ids is not None:
+        tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "architecture": "EagleDraftModel",
+        "feature": "target final normed hidden state (ModelOutput.hidden, capture_hidden='last')",
+        "num_layers": 1,
+        "hot_vocab_size": model.draft_vocab_size if model.hot_token_ids is not None else None,
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "target": target_identity(model.config, target_gguf),
+        "training": training or {},
+    }
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def read_eagle_config(directory) -> dict:
+    path = pathlib.Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no EAGLE head at {directory} (missing {CONFIG_NAME})")
+    config = json.loads(path.read_text())
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} head "
+                         f"(format {config.get('format')!r} v{config.get('format_version')!r})")
+    return config
+
+
+def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu") -> EagleDraftModel:
+    """Load a head saved by ``save_eagle``; fails loudly if it was trained for another target shape.
+    Call ``bind_target`` on the result before running it."""
+    from safetensors.torch import load_file
+
+    directory = pathlib.Path(directory)
+    config = read_eagle_config(directory)
+    trained_for = config["target"]
+    for name in TARGET_SHAPE_FIELDS + ("num_layers",):
+        if trained_for.get(name) != getattr(target_config, name):
+            raise ValueError(f"EAGLE head {directory} was trained for a target with {name}={trained_for.get(name)}, "
+                             f"this target has {getattr(target_config, name)}")
+    tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
+    model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"))
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"EAGLE head {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.pack_for_decode()
+    return model

@@ -1,0 +1,175 @@
+"""The EAGLE draft head: paged inference forward vs whole-sequence training forward, the hot token
+head, checkpoints, and the head shipped for the default model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model_harness import load_runner
+from specjet.models.eagle import EagleDraftModel, default_eagle_path, load_eagle, read_eagle_config, save_eagle
+from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.kv_cache import KVCache
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return load_runner(tiny_model_dir, tokens=512)
+
+
+def make_head(runner, hot=None, seed=0) -> EagleDraftModel:
+    torch.manual_seed(seed)
+    head = EagleDraftModel(runner.config, hot_token_ids=hot)
+    head.reset_parameters(std=0.1)  # larger than the training init, so the layer visibly matters
+    return head.bind_target(runner.model).eval()
+
+
+def paged_forward(head, ids: list[torch.Tensor], feats: list[torch.Tensor], chunks: list[int]):
+    """Run the head over several requests through a 1-layer paged KV cache, each request fed in
+    pieces of ``chunks`` tokens (an extend, then more extends/decodes), slots scattered in reverse
+    order so that no request's slots are contiguous. Returns each request's hidden [L, h] and the
+    logits of its last token."""
+    cfg = head.config
+    lens = [len(x) for x in ids]
+    kv = KVCache(1, 1 + sum(lens), cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    table = torch.zeros(len(ids), max(lens), dtype=torch.int64)
+    free = list(range(sum(lens), 0, -1))
+    for r, n in enumerate(lens):
+        table[r, :n] = torch.tensor([free.pop(0) for _ in range(n)])
+    hidden = [[] for _ in ids]
+    last_logits = [None] * len(ids)
+    done = [0] * len(ids)
+    for chunk in chunks:
+        rows = [r for r in range(len(ids)) if done[r] < lens[r]]
+        q = [min(chunk, lens[r] - done[r]) for r in rows]
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND if max(q) > 1 else ForwardMode.DECODE,
+            input_ids=torch.cat([ids[r][done[r]:done[r] + n] for r, n in zip(rows, q)]),
+            positions=torch.cat([torch.arange(done[r], done[r] + n) for r, n in zip(rows, q)]),
+            out_cache_loc=torch.cat([table[r, done[r]:done[r] + n] for r, n in zip(rows, q)]),
+            req_to_token=table,
+            req_pool_indices=torch.tensor(rows),
+            kv_lens=torch.tensor([done[r] + n for r, n in zip(rows, q)]),
+            q_lens=torch.tensor(q),
+            logits="last",
+        )
+        features = torch.cat([feats[r][done[r]:done[r] + n] for r, n in zip(rows, q)])
+        h, logits = head(batch, features, kv)
+        for (r, n), part, lg in zip(zip(rows, q), h.split(q), logits):
+            hidden[r].append(part)
+            done[r] += n
+            if done[r] == lens[r]:
+                last_logits[r] = lg
+    return [torch.cat(h) for h in hidden], torch.stack(last_logits)
+
+
+def test_paged_forward_matches_training_forward(runner):
+    head = make_head(runner)
+    h = runner.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    lens = [11, 7]
+    ids = [torch.randint(0, runner.config.vocab_size, (n,), generator=g) for n in lens]
+    feats = [torch.randn(n, h, generator=g) for n in lens]
+
+    hidden, last_logits = paged_forward(head, ids, feats, chunks=[5, 3, 1, 1, 1])
+
+    padded_ids = torch.zeros(2, max(lens), dtype=torch.int64)
+    padded_feats = torch.zeros(2, max(lens), h)
+    for r, n in enumerate(lens):
+        padded_ids[r, :n], padded_feats[r, :n] = ids[r], feats[r]
+    with torch.no_grad():
+        train_hidden = head.forward_train(padded_ids, padded_feats)
+        for r, n in enumerate(lens):
+            torch.testing.assert_close(hidden[r], train_hidden[r, :n], rtol=1e-4, atol=1e-4)
+        expected_logits = torch.stack([head.logits(train_hidden[r, n - 1]) for r, n in enumerate(lens)])
+    torch.testing.assert_close(last_logits, expected_logits, rtol=1e-4, atol=1e-4)
+    assert last_logits.dtype == torch.float32 and last_logits.shape == (2, runner.config.vocab_size)
+
+
+def test_hot_head_is_the_full_head_restricted_to_hot_ids(runner):
+    vocab = runner.config.vocab_size
+    hot = torch.tensor(sorted(torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:300].tolist()))
+    full, reduced = make_head(runner, seed=3), make_head(runner, hot=hot, seed=3)
+    assert reduced.draft_vocab_size == 300 and full.draft_vocab_size == vocab
+    x = torch.randn(6, runner.config.hidden_size)
+    with torch.no_grad():
+        full_logits, hot_logits = full.logits(x), reduced.logits(x)
+    torch.testing.assert_close(hot_logits, full_logits[:, hot], rtol=1e-5, atol=1e-5)
+    columns = torch.tensor([0, 5, 299])
+    assert reduced.hot_to_full(columns).tolist() == hot[columns].tolist()
+    assert torch.equal(full.hot_to_full(columns), columns)
+    # The best hot column maps to the best target id among the hot ids.
+    best_hot = reduced.hot_to_full(hot_logits.argmax(-1))
+    assert torch.equal(best_hot, hot[full_logits[:, hot].argmax(-1)])
+
+
+def test_hot_ids_must_be_sorted_and_in_range(runner):
+    with pytest.raises(ValueError, match="strictly increasing"):
+        EagleDraftModel(runner.config, hot_token_ids=torch.tensor([5, 3]))
+    with pytest.raises(ValueError, match=r"\[0, "):
+        EagleDraftModel(runner.config, hot_token_ids=torch.tensor([1, runner.config.vocab_size]))
+
+
+def test_unbound_head_says_so(runner):
+    head = EagleDraftModel(runner.config)
+    with pytest.raises(RuntimeError, match="bind_target"):
+        head.forward_train(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, runner.config.hidden_size))
+
+
+def test_save_load_round_trip(runner, tmp_path):
+    hot = torch.arange(0, runner.config.vocab_size, 7)
+    head = make_head(runner, hot=hot, seed=4)
+    save_eagle(head, tmp_path / "exact", training={"steps": 3}, dtype=torch.float32)
+    save_eagle(head, tmp_path / "fp16")
+    ids = torch.randint(0, runner.config.vocab_size, (1, 9))
+    feats = torch.randn(1, 9, runner.config.hidden_size)
+    with torch.no_grad():
+        expected = head.forward_train(ids, feats)
+        exact = load_eagle(tmp_path / "exact", runner.config).bind_target(runner.model)
+        torch.testing.assert_close(exact.forward_train(ids, feats), expected, rtol=0, atol=0)
+        half = load_eagle(tmp_path / "fp16", runner.config).bind_target(runner.model)
+        torch.testing.assert_close(half.forward_train(ids, feats), expected, rtol=1e-2, atol=1e-2)
+    assert torch.equal(exact.hot_token_ids, hot) and torch.equal(half.hot_token_ids, hot)
+    # Only the head's own tensors are stored: the target's embedding and LM head are not.
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "fp16" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == {n for n, _ in head.named_parameters()} | {"hot_token_ids"}
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    config = read_eagle_config(tmp_path / "exact")
+    assert config["hot_vocab_size"] == len(hot) and config["training"] == {"steps": 3}
+    assert config["target"]["hidden_size"] == runner.config.hidden_size
+
+
+def test_load_refuses_another_target(runner, tmp_path):
+    import dataclasses
+
+    save_eagle(make_head(runner), tmp_path)
+    other = dataclasses.replace(runner.config, hidden_size=runner.config.hidden_size * 2)
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_eagle(tmp_path, other)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, format_version=99)))
+    with pytest.raises(ValueError, match="not a specjet-eagle v1 head"):
+        load_eagle(tmp_path, runner.config)
+    with pytest.raises(FileNotFoundError, match="no EAGLE head"):
+        load_eagle(tmp_path / "missing", runner.config)
+
+
+def test_default_head_loads_for_the_default_model(default_model_dir):
+    path = default_eagle_path()
+    if not (path / "config.json").is_file():
+        pytest.skip(f"no packaged EAGLE head at {path} yet (train one with `python -m specjet.train eagle`)")
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.weights import default_gguf_path
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(default_model_dir))
+    head = load_eagle(path, config)
+    meta = read_eagle_config(path)
+    assert meta["target"]["gguf"] == default_gguf_path().name
+    assert head.draft_vocab_size == (meta["hot_vocab_size"] or config.vocab_size)
+    assert sum((path / name).stat().st_size for name in ("model.safetensors", "config.json")) < 16 * 2**20

@@ -1,0 +1,145 @@
+"""EAGLE speculative decoding is lossless whatever the head: exact token ids against the plain path
+for mixed batches, page sizes 1 and 16, topk 1 and 4, num_steps 1, 3 and 5, cuts mid-run, and the
+target's distribution under sampling; the KV invariant after every workload. Tiny random target;
+random heads (always wrong) and random heads restricted to tokens the target often says (often
+right, so multi-node acceptance, KV moves and draft extends are exercised)."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import specjet
+from specjet.models.config import ModelConfig
+from specjet.models.eagle import EagleDraftModel, save_eagle
+from conftest import make_tiny_model_dir
+
+PROMPTS = [
+    "a b c a b c a b c a b",
+    "The cat sat on the mat. The cat",
+    "1 2 3 4 1 2",
+    "Hello",
+    "A longer prompt with some words, some more words, and then some more of the same words again",
+]
+
+
+def greedy(n, **extra):
+    return dict({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}, **extra)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """Smaller weights than the shared tiny model: its greedy output falls into short cycles over a
+    dozen tokens, so a random head restricted to those tokens guesses right often."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cyclic"), default_model_dir, weight_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    return [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40))]
+
+
+def random_head(tmp_path, model_dir, hot_ids=None, seed=0):
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    torch.manual_seed(seed)
+    head = EagleDraftModel(config, hot_token_ids=None if hot_ids is None else torch.tensor(sorted(hot_ids)))
+    head.reset_parameters(std=0.3)
+    return save_eagle(head, tmp_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def wrong_head(tmp_path_factory, tiny_model_dir):
+    return random_head(tmp_path_factory.mktemp("wrong-head"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def lucky_head(tmp_path_factory, tiny_model_dir, expected):
+    """A "copy" head: fc passes the token embedding through and the layer adds nothing, so it
+    predicts that the next token repeats the current one (tied embeddings) - right most of the time
+    on this cyclic target, wrong at every change, with a hot vocabulary of the tokens it says."""
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    hot = torch.tensor(sorted({t for ids in expected for t in ids} | {0, 1, 2}))
+    head = EagleDraftModel(config, hot_token_ids=hot)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("weight_t") or name.endswith("bias"):
+                p.zero_()
+        h = config.hidden_size
+        head.fc.weight_t[:h] = torch.eye(h)
+    return save_eagle(head, tmp_path_factory.mktemp("copy-head"), dtype=torch.float32)
+
+
+def eagle_engine(model_dir, head, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    return specjet.Engine(model_path=str(model_dir), speculative_algorithm="EAGLE",
+                          speculative_draft_model_path=str(head), **kw)
+
+
+@pytest.mark.parametrize("page_size,topk,steps,nodes", [
+    (1, 1, 3, 4), (16, 4, 3, 8), (1, 4, 5, 12), (16, 2, 1, 3), (1, 4, 1, 5), (16, 1, 5, 6)])
+def test_greedy_equals_plain_with_a_lucky_head(tiny_model_dir, lucky_head, expected, page_size, topk, steps, nodes):
+    with eagle_engine(tiny_model_dir, lucky_head, page_size=page_size, speculative_eagle_topk=topk,
+                      speculative_num_steps=steps, speculative_num_draft_tokens=nodes) as eng:
+        outs = eng.generate(PROMPTS, greedy(40))
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]  # drafts were really accepted
+
+
+def test_always_wrong_head_still_gives_identical_output(tiny_model_dir, wrong_head, expected):
+    with eagle_engine(tiny_model_dir, wrong_head, speculative_eagle_topk=4, speculative_num_steps=3,
+                      speculative_num_draft_tokens=8) as eng:
+        outs = eng.generate(PROMPTS, greedy(40))
+        one_by_one = [eng.generate(p, greedy(40))["output_ids"] for p in PROMPTS]
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == expected
+    assert one_by_one == expected
+
+
+def test_cuts_stops_and_retraction(tiny_model_dir, lucky_head, plain, expected):
+    text = plain.generate(PROMPTS[0], greedy(40))["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    ref_stop = plain.generate(PROMPTS[0], greedy(40, stop=[stop]))
+    with eagle_engine(tiny_model_dir, lucky_head, speculative_num_draft_tokens=8) as eng:
+        for n in (1, 2, 5, 11):
+            assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]
+        out = eng.generate(PROMPTS[0], greedy(40, stop=[stop]))
+        assert out["output_ids"] == ref_stop["output_ids"] and out["text"] == ref_stop["text"]
+        eng.check_kv_invariant()
+    with eagle_engine(tiny_model_dir, lucky_head, max_total_tokens=320, page_size=16) as small:
+        outs = small.generate(PROMPTS * 2, greedy(40))
+        small.check_kv_invariant()
+        assert small.get_server_info()["stats"]["retractions"] > 0
+    assert [o["output_ids"] for o in outs] == expected * 2
+
+
+def test_sampling_matches_the_target_distribution(tiny_model_dir, lucky_head):
+    from test_spec_ngram import exact_two_token_distribution
+
+    prompt = PROMPTS[0]
+    n = 2000
+    with eagle_engine(tiny_model_dir, lucky_head, speculative_eagle_topk=2, speculative_num_steps=2,
+                      speculative_num_draft_tokens=4) as eng:
+        ids = eng.tokenizer(prompt)["input_ids"]
+        params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
+                  for s in range(n)]
+        outs = eng.generate([prompt] * n, params)
+        eng.check_kv_invariant()
+    accepted = sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs)
+    exact = exact_two_token_distribution(tiny_model_dir, ids, top_k=3)
+    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.05, tv
+    assert accepted > n // 20
