@@ -26,6 +26,18 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _dispatch_async_outputs(outbox: queue.SimpleQueue) -> None:
+    """Hands outputs to event loops from a thread of its own, so the scheduler never waits on one."""
+    while True:
+        token, send, item = outbox.get()
+        if token is None:
+            return
+        try:
+            anyio.from_thread.run_sync(send.send_nowait, item, token=token)
+        except Exception:  # the caller went away (loop closed, stream closed): drop it
+            pass
+
+
 class Engine:
     """``Engine(model_path=None, **args)``; see ``EngineArgs`` for the arguments (SGLang's names)."""
 
@@ -39,7 +51,10 @@ class Engine:
         self._closed = False
         self._thread = threading.Thread(target=self.scheduler.event_loop_normal, name="specjet-scheduler", daemon=True)
         self._thread.start()
-        self._dispatcher = threading.Thread(target=self._dispatch_async_outputs, name="specjet-async-out", daemon=True)
+        # The thread gets the queue, not the engine: a thread holding the last reference to the engine
+        # would free its tensors off the main thread, which aborts if that happens at interpreter exit.
+        self._dispatcher = threading.Thread(target=_dispatch_async_outputs, args=(self._async_outbox,),
+                                            name="specjet-async-out", daemon=True)
         self._dispatcher.start()
 
     # ---------------------------------------------------------------- request construction
@@ -164,17 +179,6 @@ class Engine:
                 for req in reqs:
                     self.scheduler.abort(req.rid)
 
-    def _dispatch_async_outputs(self) -> None:
-        """Hands outputs to event loops from a thread of its own, so the scheduler never waits on one."""
-        while True:
-            token, send, item = self._async_outbox.get()
-            if token is None:
-                return
-            try:
-                anyio.from_thread.run_sync(send.send_nowait, item, token=token)
-            except Exception:  # the caller went away (loop closed, stream closed): drop it
-                pass
-
     # ---------------------------------------------------------------- helpers
     def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True, **kwargs) -> str:
         """The tokenizer's chat template as text; a bare string becomes one user message."""
@@ -216,6 +220,7 @@ class Engine:
         self.scheduler.stop()
         self._thread.join(timeout=30)
         self._async_outbox.put((None, None, None))
+        self._dispatcher.join(timeout=30)
         self.scheduler.grammar_backend.shutdown()
 
     def __enter__(self) -> "Engine":
