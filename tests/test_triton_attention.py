@@ -9,20 +9,19 @@ report one error figure per case back as JSON.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from triton_interpreter import print_report, run_kernel_worker
 import torch
 
 from specjet.kernels.attention import build_attention_metadata, paged_attention_reference
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -223,24 +222,12 @@ def _kernel_worker() -> None:
             }
         except Exception as exc:  # reported per case so one failure does not hide the others
             report[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    print("KERNEL_REPORT " + json.dumps(report))
+    print_report(report)
 
 
 @pytest.fixture(scope="module")
 def kernel_report() -> dict:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"triton cannot be imported: {exc}")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__, "--kernel-worker"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KERNEL_REPORT ")]
-    assert proc.returncode == 0 and lines, f"kernel worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1].removeprefix("KERNEL_REPORT "))
+    return run_kernel_worker(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))
