@@ -194,9 +194,14 @@ class Scheduler:
             num_tokens = len(req.fill_ids)
             if chosen and num_tokens > budget:
                 break
-            # Keep a page of headroom per running request so admitting this one does not force
+            # Keep one decode iteration's worth of room per running request (a page, or a draft
+            # tree and the drafter's scratch with speculation) so admitting this one does not force
             # an immediate retraction of another.
-            headroom = (len(self.running) + len(chosen)) * self.allocator.page_size
+            ahead = self.spec.max_nodes if self.spec is not None else 1
+            others = len(self.running) + len(chosen)
+            headroom = others * self.allocator.slots_needed(0, ahead)
+            if self.spec is not None:
+                headroom += self.spec.scratch_slots(others + 1)
             need = self.allocator.slots_needed(0, num_tokens)
             if need + headroom > self.allocator.num_free_slots:
                 break

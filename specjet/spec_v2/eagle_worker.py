@@ -124,7 +124,10 @@ class EagleDrafter:
         cur_feat = torch.stack([s.hidden for s in states])[:, None, :].expand(batch, k, -1)
         chains = torch.zeros((batch, k, 0), dtype=torch.int64, device=device)  # ancestors' scratch slots
         width = int(committed.max()) + p.num_steps
-        prefix = req_to_token[torch.tensor([v.row for v in views], device=device), :width]  # [B, W]
+        rows = torch.tensor([v.row for v in views], device=device)
+        prefix = torch.zeros((batch, width), dtype=torch.int64, device=device)  # [B, W]; may outgrow the table
+        copied = min(width, req_to_token.shape[1])
+        prefix[:, :copied] = req_to_token[rows, :copied]
         snapshot = self.allocator.snapshot()
         try:
             for step in range(1, p.num_steps):
