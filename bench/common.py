@@ -1,4 +1,5 @@
-"""What the benchmarks share: engine-argument flags, GSM8K prompts, a description of the machine."""
+"""What the benchmarks share: engine-argument flags, GSM8K and JSON-schema prompts, a description of
+the machine."""
 from __future__ import annotations
 
 # Every model directory is local; transformers must not try a hub.
@@ -17,6 +18,7 @@ import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+JSONSCHEMA_DIR = REPO_ROOT.parent / "shared" / "data" / "jsonschema"  # index.json + one file per schema
 
 # flag dest -> Engine keyword (SGLang's names, see specjet/engine/args.py)
 _ENGINE_FLAGS = {
@@ -28,7 +30,14 @@ _ENGINE_FLAGS = {
     "max_total_tokens": "max_total_tokens",
     "disable_overlap_schedule": "disable_overlap_schedule",
     "random_seed": "random_seed",
+    "speculative_algorithm": "speculative_algorithm",
+    "speculative_num_steps": "speculative_num_steps",
+    "speculative_eagle_topk": "speculative_eagle_topk",
+    "speculative_num_draft_tokens": "speculative_num_draft_tokens",
+    "speculative_draft_model_path": "speculative_draft_model_path",
+    "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
 }
+SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,12 +53,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--disable-overlap-schedule", action="store_true", default=None)
     group.add_argument("--random-seed", type=int, default=None)
+    spec = parser.add_argument_group("speculative decoding (engine defaults where unset)")
+    spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "NGRAM"])
+    spec.add_argument("--speculative-num-steps", type=int, default=None, help="EAGLE draft depth (default 4)")
+    spec.add_argument("--speculative-eagle-topk", type=int, default=None,
+                      help="EAGLE branching per draft step (default 4)")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                      help="tree nodes per verify, root included (default: EAGLE 12, NGRAM 8)")
+    spec.add_argument("--speculative-draft-model-path", default=None,
+                      help="EAGLE head directory (default: the head shipped in specjet/assets/eagle)")
+    spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
+                      help="NGRAM distinct continuations per draft (default 4)")
     return parser
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Engine keywords for the flags that were set (None means: leave it to the Engine)."""
     return {kw: getattr(args, dest) for dest, kw in _ENGINE_FLAGS.items() if getattr(args, dest, None) is not None}
+
+
+def without_speculation(kwargs: dict) -> dict:
+    """The same Engine keywords with every ``speculative_*`` one dropped: the plain engine."""
+    return {k: v for k, v in kwargs.items() if k not in SPECULATIVE_KWARGS}
 
 
 def gsm8k_questions(n: int | None = None, data_path: str | os.PathLike = GSM8K_TEST) -> list[dict]:
@@ -66,6 +91,20 @@ def gsm8k_questions(n: int | None = None, data_path: str | os.PathLike = GSM8K_T
     if n is not None and len(items) < n:
         raise ValueError(f"{data_path} has only {len(items)} items, {n} asked for")
     return items
+
+
+def jsonschema_prompts(n: int | None = None, folder: str | os.PathLike = JSONSCHEMA_DIR) -> list[dict]:
+    """The first ``n`` entries of ``folder/index.json`` (all when None), in index order, each a dict
+    with ``name``, ``file``, ``prompt`` (a request for a JSON object, naming its fields) and ``schema``
+    (the schema file's text)."""
+    folder = pathlib.Path(folder)
+    entries = json.loads((folder / "index.json").read_text(encoding="utf-8"))["schemas"]
+    if n is not None:
+        if len(entries) < n:
+            raise ValueError(f"{folder / 'index.json'} has only {len(entries)} schemas, {n} asked for")
+        entries = entries[:n]
+    return [{"name": e.get("name", e["file"]), "file": e["file"], "prompt": e["prompt"],
+             "schema": (folder / e["file"]).read_text(encoding="utf-8")} for e in entries]
 
 
 def chat_prompt(tokenizer, text: str) -> str:

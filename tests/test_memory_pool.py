@@ -60,13 +60,18 @@ def test_out_of_memory_takes_nothing():
     assert alloc.num_free_slots == free_before
 
 
-def test_snapshot_restore_releases_scratch_slots():
-    alloc = TokenToKVPoolAllocator(32, 1, "cpu")
-    table = torch.zeros(2, 32, dtype=torch.int64)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_snapshot_restore_releases_scratch_slots(page_size):
+    alloc = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
+    table = torch.zeros(2, 64 * page_size, dtype=torch.int64)
     grow(alloc, table, 0, 0, 4)
+    free_before = sorted(alloc.free_page_ids())
     snap = alloc.snapshot()
-    grow(alloc, table, 1, 0, 10)  # scratch, e.g. a drafter's
+    for _ in range(3):  # scratch, e.g. a drafter's, taken over several steps
+        alloc.extend(torch.empty(0, dtype=torch.int64), 0, 5 * page_size)
+    assert alloc.num_free_slots < len(free_before) * page_size
     alloc.restore(snap)
+    assert sorted(alloc.free_page_ids()) == free_before
     check_kv_invariant(alloc, {"r": table[0, :4]})
 
 

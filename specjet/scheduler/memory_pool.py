@@ -49,6 +49,10 @@ class TokenToKVPoolAllocator:
         # Pages 1..num_pages-1 are free; page 0 is the padding page. Popping from the end hands out
         # low pages first, which keeps tests' slot numbers readable.
         self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
+        # Pages taken while a snapshot is open, so restoring costs what drafting took, not a copy
+        # of the whole free list (which can hold millions of pages).
+        self._taken_log: list[int] = []
+        self._open_snapshots = 0
 
     @property
     def size(self) -> int:
@@ -80,6 +84,8 @@ class TokenToKVPoolAllocator:
         if num_new_pages > len(self._free_pages):
             raise OutOfKVMemory(f"need {num_new_pages} pages, {len(self._free_pages)} free")
         pages = [self._free_pages.pop() for _ in range(num_new_pages)]
+        if self._open_snapshots:
+            self._taken_log.extend(pages)
         if p == 1:
             return torch.tensor(pages, dtype=torch.int64, device=self.device)
         positions = torch.arange(allocated_len, new_len)
@@ -109,11 +115,17 @@ class TokenToKVPoolAllocator:
             raise ValueError("free_slots is only defined for page_size 1; free whole requests instead")
         self._free_pages.extend(int(s) for s in slots)
 
-    def snapshot(self) -> list[int]:
-        return list(self._free_pages)
+    def snapshot(self) -> int:
+        """Mark the free list; ``restore(mark)`` gives back every page taken since (a drafter's
+        scratch). Pages taken after a snapshot must not be freed before the restore."""
+        self._open_snapshots += 1
+        return len(self._taken_log)
 
-    def restore(self, snapshot: list[int]) -> None:
-        self._free_pages = list(snapshot)
+    def restore(self, mark: int) -> None:
+        taken = self._taken_log[mark:]
+        del self._taken_log[mark:]
+        self._free_pages.extend(reversed(taken))
+        self._open_snapshots -= 1
 
     def free_page_ids(self) -> list[int]:
         return list(self._free_pages)
