@@ -1,0 +1,460 @@
+"""Several engine configurations side by side, in one process and on the same requests: decode
+tokens/s, accept length, and whether greedy outputs equal the first configuration's.
+
+    python -m bench.compare [--configs none NGRAM:speculative_algorithm=NGRAM EAGLE:speculative_algorithm=EAGLE]
+                            [--workload gsm8k|json [--json-constrained]] [--num-prompts 8] [--batch-sizes 1 8]
+                            [--max-new-tokens 64] [--repeats 3] [--chart bench/out/compare.png]
+                            [--result-file bench/out/compare.jsonl] [engine flags: the base of every configuration]
+
+A configuration is ``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE``, KEY an Engine argument (SGLang's names,
+``-`` or ``_``) and VALUE an int, a float, true/false, none, or a string; it overrides the engine flags
+given on the command line, which every configuration starts from. For example
+``none: NGRAM:speculative_algorithm=NGRAM EAGLE:speculative_algorithm=EAGLE``, or
+``overlap:disable_overlap_schedule=false no-overlap:disable_overlap_schedule=true``, or
+``eagle-s2:speculative_algorithm=EAGLE,speculative_num_steps=2``. The first configuration is the
+reference of the speed-up and identity columns.
+
+Requests: ``--num-prompts`` chat-formatted prompts, tokenized once and sent as the same token ids to
+every engine: GSM8K test questions (``--workload gsm8k``) or the prompts of
+``../shared/data/jsonschema`` (``--workload json``; decoded without their schemas unless
+``--json-constrained``). Every request generates exactly N = ``--max-new-tokens`` tokens greedily, EOS
+ignored (under a schema a request ends where its object does, so decode tokens are counted).
+
+Decode tokens/s is measured as bench.latency measures it: the prompts are cycled up to a multiple of
+the batch size B and cut into batches of B (one ``Engine.generate`` call each); a pass runs all
+batches in turn; a run times the same batches twice, t_1 with max_new_tokens=1 (prefill and first
+token) and t_N with N, and
+
+    decode tokens/s = decode tokens (after each request's first) / (t_N - t_1)
+
+so that what both passes share (prefill, scheduling, returning a request) cancels. Accept length =
+accepted tokens / verify forwards over the N-token passes, from the engine's running totals read
+around each pass. The table gives the median over ``--repeats`` runs with min and max. Every engine
+is loaded up front and warmed up at each batch size; runs are interleaved (repeat, batch size,
+configuration; the order of configurations reversed every other repeat) so that drifting load on a
+shared machine hits every configuration alike.
+
+Greedy outputs must not depend on the configuration: each N-token pass's output ids are compared,
+request by request, with the first configuration's at the same batch size and repeat. A mismatch is
+printed in capitals and fails the command (after the table, the chart and the record are written).
+
+``--chart out.png`` draws decode tokens/s and accept length per configuration and batch size (needs
+matplotlib: ``pip install matplotlib`` or the ``bench`` extra); ``--result-file`` appends one JSON
+record (command, date, machine, arguments, configurations, every timing and the figures).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
+                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now)
+from bench.engine_info import describe_engine, spec_str, spec_totals
+
+DEFAULT_CONFIGS = ["none", "NGRAM:speculative_algorithm=NGRAM", "EAGLE:speculative_algorithm=EAGLE"]
+NO_MATPLOTLIB = ("--chart needs matplotlib, which is not installed (pip install matplotlib, or "
+                 "pip install -e '.[bench]'); the table and the record are written, the chart is not")
+
+
+# ---------------------------------------------------------------- configurations
+@dataclass
+class Config:
+    name: str
+    overrides: dict  # Engine keywords this configuration sets on top of the command line's
+
+
+def parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_config(spec: str) -> Config:
+    """``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` -> Config; raises ValueError naming what is wrong."""
+    from specjet.engine.args import EngineArgs
+
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"configuration {spec!r} has no name (NAME or NAME:KEY=VALUE,...)")
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    overrides = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key:
+            raise ValueError(f"configuration {name!r}: {item!r} is not KEY=VALUE")
+        if key not in known:
+            raise ValueError(f"configuration {name!r}: {key!r} is not an Engine argument "
+                             f"(known: {', '.join(sorted(known))})")
+        overrides[key] = parse_value(value.strip())
+    return Config(name, overrides)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME[:KEY=VALUE,...]",
+                        help=f"default: {' '.join(DEFAULT_CONFIGS)}")
+    parser.add_argument("--workload", choices=["gsm8k", "json"], default="gsm8k")
+    parser.add_argument("--json-constrained", action="store_true",
+                        help="json workload: decode under each entry's schema (json_schema)")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts; a pass generates for all of them")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="N, tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration and batch size")
+    parser.add_argument("--data-path", default=str(GSM8K_TEST), help="GSM8K-style JSONL (field `question`)")
+    parser.add_argument("--json-path", default=str(JSONSCHEMA_DIR), help="folder with the schemas' index.json")
+    parser.add_argument("--chart", default=None, metavar="PNG", help="save a chart here (needs matplotlib)")
+    parser.add_argument("--result-file", default=None, help="append a JSON record to this .jsonl file")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be at least 2 (decode starts after the first token)")
+    if args.repeats < 1 or args.num_prompts < 1 or min(args.batch_sizes) < 1:
+        parser.error("--repeats, --num-prompts and --batch-sizes must be positive")
+    if args.json_constrained and args.workload != "json":
+        parser.error("--json-constrained needs --workload json")
+    args.batch_sizes = sorted(set(args.batch_sizes))
+    try:
+        args.config_list = [parse_config(c) for c in args.configs]
+    except ValueError as exc:
+        parser.error(str(exc))
+    names = [c.name for c in args.config_list]
+    if len(set(names)) != len(names):
+        parser.error(f"configuration names must differ: {' '.join(names)}")
+    if args.chart and importlib.util.find_spec("matplotlib") is None:
+        print(f"bench.compare: {NO_MATPLOTLIB}", file=sys.stderr)
+    return args
+
+
+# ---------------------------------------------------------------- requests
+@dataclass
+class Prompt:
+    ids: list[int]
+    json_schema: str | None = None
+
+
+def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list[Prompt], str]:
+    """The workload's prompts, chat-formatted and tokenized once, and a description of them."""
+    def ids(text: str) -> list[int]:
+        return tokenizer(chat_prompt(tokenizer, text))["input_ids"]
+
+    if args.workload == "gsm8k":
+        return ([Prompt(ids(q["question"])) for q in gsm8k_questions(args.num_prompts, args.data_path)],
+                "chat-formatted GSM8K test questions")
+    entries = jsonschema_prompts(args.num_prompts, args.json_path)
+    how = "decoded under their schemas" if args.json_constrained else "decoded without the grammar"
+    return ([Prompt(ids(e["prompt"]), e["schema"] if args.json_constrained else None) for e in entries],
+            f"chat-formatted JSON-schema prompts, {how}")
+
+
+def make_batches(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
+    """The prompts cycled up to a multiple of ``batch_size``, cut into batches."""
+    total = -(-len(prompts) // batch_size) * batch_size
+    cycled = [prompts[i % len(prompts)] for i in range(total)]
+    return [cycled[i:i + batch_size] for i in range(0, total, batch_size)]
+
+
+# ---------------------------------------------------------------- measuring
+@dataclass
+class Cell:
+    """One configuration at one batch size: the raw timings of its runs."""
+    config: str
+    batch_size: int
+    requests: int  # per pass
+    t_1: list[float] = field(default_factory=list)  # seconds per pass, max_new_tokens=1
+    t_n: list[float] = field(default_factory=list)  # seconds per pass, max_new_tokens=N
+    decode_tokens: list[int] = field(default_factory=list)  # per N-token pass: tokens after each request's first
+    verify_ct: list[int] = field(default_factory=list)  # speculative: verify forwards per N-token pass
+    accepted: list[int] = field(default_factory=list)  # speculative: tokens they committed
+    outputs: list[list[list[int]]] = field(default_factory=list)  # per N-token pass: each request's output ids
+
+    @property
+    def rates(self) -> list[float]:
+        """Decode tokens/s of each run; NaN where noise made t_N <= t_1."""
+        return [tokens / (n - one) if n > one else math.nan
+                for one, n, tokens in zip(self.t_1, self.t_n, self.decode_tokens)]
+
+    @property
+    def median(self) -> float | None:
+        valid = [r for r in self.rates if not math.isnan(r)]
+        return statistics.median(valid) if valid else None
+
+    @property
+    def accept_length(self) -> float | None:
+        return sum(self.accepted) / sum(self.verify_ct) if sum(self.verify_ct) else None
+
+
+def generate(engine, batch: list[Prompt], max_new_tokens: int) -> list[dict]:
+    params = [dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+                   **({"json_schema": p.json_schema} if p.json_schema is not None else {})) for p in batch]
+    outs = engine.generate(input_ids=[p.ids for p in batch], sampling_params=params)
+    for prompt, out in zip(batch, outs):  # a short or aborted request would make the figure meaningless
+        got, reason = out["meta_info"]["completion_tokens"], out["meta_info"]["finish_reason"]
+        ok = got == max_new_tokens if prompt.json_schema is None else (1 <= got <= max_new_tokens
+                                                                        and reason["type"] != "abort")
+        if not ok:
+            raise RuntimeError(f"a request returned {got} tokens, not {max_new_tokens}: {reason}")
+    return outs
+
+
+def timed_pass(engine, batches: list[list[Prompt]], max_new_tokens: int) -> tuple[float, list[dict]]:
+    outs = []
+    start = time.perf_counter()
+    for batch in batches:
+        outs.extend(generate(engine, batch, max_new_tokens))
+    return time.perf_counter() - start, outs
+
+
+def timed_run(engine, batches: list[list[Prompt]], n: int, cell: Cell) -> None:
+    """The 1-token pass, then the N-token pass with the speculative totals read around it."""
+    t_1, _ = timed_pass(engine, batches, 1)
+    before = spec_totals(engine)
+    t_n, outs = timed_pass(engine, batches, n)
+    after = spec_totals(engine)
+    cell.t_1.append(t_1)
+    cell.t_n.append(t_n)
+    cell.decode_tokens.append(sum(o["meta_info"]["completion_tokens"] - 1 for o in outs))
+    if before is not None:
+        cell.verify_ct.append(after[0] - before[0])
+        cell.accepted.append(after[1] - before[1])
+    cell.outputs.append([o["output_ids"] for o in outs])
+
+
+def measure(engines: dict, prompts: list[Prompt], args: argparse.Namespace) -> dict[tuple[str, int], Cell]:
+    from tqdm.auto import tqdm
+
+    n = args.max_new_tokens
+    batches = {bs: make_batches(prompts, bs) for bs in args.batch_sizes}
+    cells = {(name, bs): Cell(name, bs, sum(map(len, batches[bs]))) for bs in args.batch_sizes for name in engines}
+    with tqdm(total=len(cells) * (1 + args.repeats), unit="run", desc="bench.compare", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for (name, bs) in cells:
+            bar.set_description(f"warm-up {name} bs={bs}")
+            generate(engines[name], batches[bs][0], n)
+            generate(engines[name], batches[bs][0], 1)
+            bar.update()
+        for repeat in range(args.repeats):
+            order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+            for bs in args.batch_sizes:
+                for name in order:
+                    bar.set_description(f"run {repeat + 1}/{args.repeats} {name} bs={bs}")
+                    cell = cells[(name, bs)]
+                    timed_run(engines[name], batches[bs], n, cell)
+                    rate = cell.rates[-1]
+                    bar.set_postfix_str(f"{rate:.1f} tok/s" if not math.isnan(rate) else "t_N <= t_1")
+                    bar.update()
+    return cells
+
+
+def compare_outputs(cells: dict[tuple[str, int], Cell], reference: str) -> dict:
+    """Every configuration's N-token outputs against ``reference``'s at the same batch size and
+    repeat, request by request. Per (configuration, batch size): requests compared and differing."""
+    per_cell, mismatches = {}, []
+    for (name, bs), cell in cells.items():
+        if name == reference:
+            continue
+        compared = differing = 0
+        for run, (got_pass, want_pass) in enumerate(zip(cell.outputs, cells[(reference, bs)].outputs)):
+            for i, (got, want) in enumerate(zip(got_pass, want_pass)):
+                compared += 1
+                if got != want:
+                    differing += 1
+                    position = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    mismatches.append({"config": name, "batch_size": bs, "run": run, "request": i,
+                                       "first_differing_token": position})
+        per_cell[(name, bs)] = {"requests": compared, "differing": differing}
+    return {"reference": reference, "identical": not mismatches,
+            "requests": sum(c["requests"] for c in per_cell.values()), "mismatched_requests": len(mismatches),
+            "mismatches": mismatches[:20], "per_cell": per_cell}
+
+
+# ---------------------------------------------------------------- reporting
+def _num(x, spec=".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def identical_cell(identity: dict, name: str, bs: int) -> str:
+    if name == identity["reference"]:
+        return "reference"
+    c = identity["per_cell"][(name, bs)]
+    return "yes" if c["differing"] == 0 else f"NO ({c['differing']}/{c['requests']})"
+
+
+def result_rows(cells: dict[tuple[str, int], Cell], identity: dict) -> list[dict]:
+    reference = identity["reference"]
+    rows = []
+    for (name, bs), cell in cells.items():
+        valid = [r for r in cell.rates if not math.isnan(r)]
+        ref = cells[(reference, bs)].median
+        rows.append({
+            "config": name, "batch_size": bs, "requests": cell.requests,
+            "decode_tok_s": {"median": cell.median, "min": min(valid) if valid else None,
+                             "max": max(valid) if valid else None},
+            "runs_decode_tok_s": [None if math.isnan(r) else r for r in cell.rates],
+            "t_1_s": cell.t_1, "t_n_s": cell.t_n, "decode_tokens": cell.decode_tokens,
+            "accept_length": cell.accept_length, "verify_ct": cell.verify_ct, "accepted_tokens": cell.accepted,
+            "speedup": cell.median / ref if cell.median is not None and ref else None,
+            "identical": identical_cell(identity, name, bs),
+        })
+    return sorted(rows, key=lambda r: r["batch_size"])  # stable: configurations keep their order
+
+
+def identity_line(identity: dict, names: list[str]) -> str:
+    others = ", ".join(n for n in names if n != identity["reference"])
+    if not others:
+        return "outputs identical: n/a (one configuration)"
+    if identity["identical"]:
+        return (f"outputs identical: yes ({others} vs {identity['reference']}, greedy: "
+                f"{identity['requests']} requests compared)")
+    first = identity["mismatches"][0]
+    return (f"!!! OUTPUTS DIFFER: {identity['mismatched_requests']} of {identity['requests']} greedy requests are not "
+            f"identical to {identity['reference']}'s; first: {first['config']} bs{first['batch_size']} run "
+            f"{first['run'] + 1} request {first['request']} from token {first['first_differing_token']} !!!")
+
+
+def format_report(header: dict, rows: list[dict], identity: dict) -> str:
+    m = header["machine"]
+    lines = [
+        f"# command: {header['command']}",
+        f"# date: {header['date']}",
+        f"# machine: {m['cpu']}; {m['usable_cores']}/{m['cores']} cores usable, torch threads {m['torch_threads']}, "
+        f"load avg {m['load_avg']} before, {m['load_avg_after']} after" + (f", GPU {m['gpu']}" if m["gpu"] else ""),
+        f"# model: {header['model_dir']}",
+    ]
+    for c in header["configs"]:
+        e = c["engine"]
+        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}, speculative {spec_str(e['speculative'])}"
+                     + (f"; set: {', '.join(f'{k}={v}' for k, v in c['overrides'].items())}" if c["overrides"] else ""))
+    t = header["prompt_tokens"]
+    lines += [
+        f"# {t['count']} {header['workload_description']} ({t['min']}-{t['max']} prompt tokens, mean {t['mean']:.0f}); "
+        f"N={header['max_new_tokens']} new tokens per request, greedy, EOS ignored; median of {header['repeats']} runs",
+        "# decode tok/s = decode tokens / (t_N - t_1), wall clock of the same batches with N and 1 new tokens; "
+        "accept = accepted tokens / verify forwards; speed-up and identical: against "
+        f"{header['configs'][0]['name']} at the same batch size",
+        "",
+    ]
+    width = max(8, *(len(r["config"]) for r in rows))
+    lines.append(f"{'config':<{width}} {'batch':>5} {'decode tok/s':>12} {'min':>8} {'max':>8} {'t_1 s':>8} "
+                 f"{'t_N s':>8} {'accept':>7} {'speed-up':>8}  identical")
+    for r in rows:
+        d = r["decode_tok_s"]
+        lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {_num(d['median']):>12} {_num(d['min']):>8} "
+                     f"{_num(d['max']):>8} {statistics.median(r['t_1_s']):>8.3f} {statistics.median(r['t_n_s']):>8.3f} "
+                     f"{_num(r['accept_length'], '.2f'):>7} {_num(r['speedup'], '.2f') + 'x':>8}  {r['identical']}")
+    lines += ["", identity_line(identity, [c["name"] for c in header["configs"]])]
+    return "\n".join(lines)
+
+
+def save_chart(path: str, rows: list[dict], title: str) -> None:
+    """Grouped bars per batch size: decode tok/s (left) and accept length (right; speculative only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    sizes = sorted({r["batch_size"] for r in rows})
+    by = {(r["config"], r["batch_size"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(names)
+    for panel, (ax, label) in enumerate(zip(axes, ["decode tokens/s (median)", "accept length"])):
+        for k, name in enumerate(names):
+            xs, ys = [], []
+            for j, bs in enumerate(sizes):
+                r = by[(name, bs)]
+                y = r["decode_tok_s"]["median"] if panel == 0 else r["accept_length"]
+                if y is not None:
+                    xs.append(j + (k - (len(names) - 1) / 2) * width)
+                    ys.append(y)
+            bars = ax.bar(xs, ys, width, label=name)
+            ax.bar_label(bars, fmt="%.1f" if panel == 0 else "%.2f", fontsize=7)
+        ax.set_xticks(range(len(sizes)), [f"batch {bs}" for bs in sizes])
+        ax.set_title(label)
+    axes[1].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # plain decoding: one token per forward
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    command, date, machine = command_line(), now(), machine_info()
+
+    import specjet
+    from specjet.models.weights import resolve_model_path
+
+    base = engine_kwargs(args)
+    model_dir = resolve_model_path(args.model_path)
+    engines = {}
+    try:
+        for config in args.config_list:
+            kwargs = dict(base, **config.overrides)
+            print(f"loading {config.name}: Engine({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) ...",
+                  file=sys.stderr)
+            try:
+                engines[config.name] = specjet.Engine(**kwargs)
+            except (TypeError, ValueError, NotImplementedError, FileNotFoundError) as exc:
+                raise SystemExit(f"bench.compare: configuration {config.name!r} cannot be loaded: {exc}") from None
+        first = engines[args.config_list[0].name]
+        prompts, description = load_prompts(args, first.tokenizer)
+        cells = measure(engines, prompts, args)
+        configs = [{"name": c.name, "overrides": c.overrides, "engine_kwargs": dict(base, **c.overrides),
+                    "engine": describe_engine(engines[c.name])} for c in args.config_list]
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+    identity = compare_outputs(cells, args.config_list[0].name)
+    rows = result_rows(cells, identity)
+    lengths = [len(p.ids) for p in prompts]
+    header = {"benchmark": "compare", "record_version": 1, "command": command, "date": date,
+              "machine": dict(machine, load_avg_after=machine_info()["load_avg"]), "model_dir": str(model_dir),
+              "configs": configs, "workload": args.workload, "workload_description": description,
+              "prompt_tokens": {"count": len(lengths), "min": min(lengths), "max": max(lengths),
+                                "mean": sum(lengths) / len(lengths)},
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_sizes": args.batch_sizes}
+    print(format_report(header, rows, identity), flush=True)
+    if not identity["identical"]:
+        print(identity_line(identity, [c["name"] for c in configs]), file=sys.stderr)
+
+    chart = None
+    if args.chart:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(f"# chart: not written: {NO_MATPLOTLIB}", flush=True)
+        else:
+            save_chart(args.chart, rows, f"{description}, N={args.max_new_tokens}, greedy ({date})")
+            chart = args.chart
+            print(f"# chart: {chart}", flush=True)
+    record = dict(header, args={k: v for k, v in vars(args).items() if k != "config_list"}, results=rows,
+                  outputs_identical={k: v for k, v in identity.items() if k != "per_cell"}, chart=chart)
+    if args.result_file:
+        append_jsonl(args.result_file, record)
+        print(f"# appended to {args.result_file}", flush=True)
+    if not identity["identical"]:
+        raise SystemExit("bench.compare: greedy outputs differ between configurations (see above)")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""What a benchmark reports about an engine it ran: the configuration in effect (the engine's defaults
+filled in) and its running speculative totals."""
+from __future__ import annotations
+
+
+def spec_totals(engine) -> tuple[int, int] | None:
+    """The engine's running (verify forwards, accepted tokens); None without speculation. Read it
+    before and after a stretch of work: the difference is that stretch's."""
+    stats = engine.get_server_info()["stats"]
+    if "spec_verify_ct" not in stats:
+        return None
+    return stats["spec_verify_ct"], stats["spec_accepted_tokens"]
+
+
+def accept_length(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Accepted tokens / verify forwards between two ``spec_totals`` readings (None: no speculation,
+    or no verify forward in between)."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
+def describe_engine(engine) -> dict:
+    """dtype, device, request limit and speculative settings as the engine resolved them."""
+    scheduler = engine.scheduler
+    desc = {"dtype": str(scheduler.runner.dtype).removeprefix("torch."), "device": str(scheduler.device),
+            "max_running_requests": engine.args.max_running_requests, "page_size": engine.args.page_size,
+            "speculative": None}
+    spec = getattr(scheduler.spec, "cfg", None)
+    if spec is not None:
+        if spec.algorithm == "EAGLE":
+            desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,
+                                   "num_draft_tokens": spec.eagle.num_draft_tokens}
+        else:
+            desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens,
+                                   "max_bfs_breadth": spec.ngram.max_branches,
+                                   "match_window": [spec.ngram.min_window, spec.ngram.max_window]}
+    return desc
+
+
+def spec_str(spec: dict | None) -> str:
+    """``describe_engine(...)["speculative"]`` in one line."""
+    if spec is None:
+        return "off"
+    if spec["algorithm"] == "EAGLE":
+        return f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}"
+    return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
+            f"max_bfs_breadth={spec['max_bfs_breadth']}")

@@ -1,0 +1,142 @@
+"""`python -m bench.compare`: configuration parsing, the identity check, and the CLI end to end."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` does not put the root on the path
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.compare import Cell, compare_outputs, main, parse_config, result_rows
+
+ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(n/a|[\d.]+)\s+"
+                 r"([\d.]+)x\s+(reference|yes|NO \(\d+/\d+\))$", re.M)
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run_compare(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "bench.compare", *flags], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(stdout: str) -> dict[tuple[str, int], tuple]:
+    return {(m[1], int(m[2])): m.groups()[2:] for m in ROW.finditer(stdout)}
+
+
+def test_parse_config():
+    assert parse_config("none").overrides == {} and parse_config("none:").name == "none"
+    c = parse_config("eagle-s2:speculative-algorithm=EAGLE,speculative_num_steps=2,disable_overlap_schedule=true")
+    assert c.name == "eagle-s2"
+    assert c.overrides == {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
+                           "disable_overlap_schedule": True}
+    assert parse_config("plain:speculative_algorithm=none").overrides == {"speculative_algorithm": None}
+    with pytest.raises(ValueError, match="not an Engine argument"):
+        parse_config("x:speculative_steps=2")
+    with pytest.raises(ValueError, match="not KEY=VALUE"):
+        parse_config("x:speculative_algorithm")
+    with pytest.raises(ValueError, match="no name"):
+        parse_config(":page_size=4")
+
+
+def test_identity_check_flags_the_request_that_differs():
+    cells = {}
+    for name in ("a", "b", "c"):
+        cells[(name, 2)] = Cell(name, 2, 2, t_1=[0.1], t_n=[1.1], decode_tokens=[10],
+                                outputs=[[[1, 2, 3], [4, 5, 6]]])
+    cells[("c", 2)].outputs = [[[1, 2, 3], [4, 9, 6]]]
+    identity = compare_outputs(cells, "a")
+    assert not identity["identical"] and identity["requests"] == 4
+    assert identity["mismatches"] == [{"config": "c", "batch_size": 2, "run": 0, "request": 1,
+                                       "first_differing_token": 1}]
+    rows = {r["config"]: r for r in result_rows(cells, identity)}
+    assert [rows[n]["identical"] for n in "abc"] == ["reference", "yes", "NO (1/2)"]
+    assert rows["b"]["decode_tok_s"]["median"] == pytest.approx(10.0) and rows["b"]["speedup"] == pytest.approx(1)
+
+
+def random_eagle_head(path: pathlib.Path, model_dir: pathlib.Path) -> pathlib.Path:
+    """An untrained EAGLE head that fits the model: its drafts are mostly wrong, its outputs exact."""
+    import torch
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.eagle import EagleDraftModel, save_eagle
+
+    torch.manual_seed(0)
+    head = EagleDraftModel(ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir)))
+    head.reset_parameters(std=0.3)
+    return save_eagle(head, path, dtype=torch.float32)
+
+
+def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
+    result_file, chart = tmp_path / "compare.jsonl", tmp_path / "chart" / "compare.png"
+    head = random_eagle_head(tmp_path / "head", tiny_model_dir)
+    eagle = f"EAGLE:speculative_algorithm=EAGLE,speculative_draft_model_path={head},speculative_num_steps=2"
+    proc = run_compare("--model-path", str(tiny_model_dir), "--configs", "none:", "NGRAM:speculative_algorithm=NGRAM",
+                       eagle, "--batch-sizes", "1", "2", "--num-prompts", "2", "--max-new-tokens", "16",
+                       "--repeats", "1", "--chart", str(chart), "--result-file", str(result_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = proc.stdout
+    rows = table_rows(stdout)
+    assert set(rows) == {(name, bs) for name in ("none", "NGRAM", "EAGLE") for bs in (1, 2)}
+    for (name, _), (median, low, high, t_1, t_n, accept, speedup, identical) in rows.items():
+        assert 0 < float(low) <= float(median) <= float(high) and 0 < float(t_1) < float(t_n)
+        assert identical == ("reference" if name == "none" else "yes")
+        assert (accept == "n/a") == (name == "none")
+    assert "outputs identical: yes (NGRAM, EAGLE vs none, greedy: 8 requests compared)" in stdout
+    assert "# config NGRAM: float32 on cpu, speculative NGRAM num_draft_tokens=8" in stdout
+    assert "# config EAGLE: float32 on cpu, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
+    if HAS_MATPLOTLIB:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "# chart: not written: --chart needs matplotlib" in stdout and not chart.exists()
+
+    record = json.loads(result_file.read_text())
+    assert record["benchmark"] == "compare" and record["machine"]["cores"] >= 1
+    assert [c["name"] for c in record["configs"]] == ["none", "NGRAM", "EAGLE"]
+    assert record["configs"][1]["engine_kwargs"] == {"model_path": str(tiny_model_dir),
+                                                     "speculative_algorithm": "NGRAM"}
+    assert record["outputs_identical"]["identical"] is True
+    assert record["chart"] == (str(chart) if HAS_MATPLOTLIB else None)
+    for r in record["results"]:
+        assert r["requests"] == 2 and r["decode_tokens"] == [2 * 15]
+        # The figure is recomputable from the raw timings.
+        assert r["decode_tok_s"]["median"] == pytest.approx(30 / (r["t_n_s"][0] - r["t_1_s"][0]))
+        if r["config"] != "none":
+            assert r["verify_ct"][0] >= 1 and r["accept_length"] == r["accepted_tokens"][0] / r["verify_ct"][0]
+
+
+def test_compare_fails_loudly_when_outputs_differ(tiny_model_dir, tmp_path, capsys):
+    # Two different models cannot give the same greedy tokens: the check must say so and fail.
+    from conftest import make_tiny_model_dir
+
+    other = make_tiny_model_dir(tmp_path / "other", tiny_model_dir, seed=1)
+    result_file = tmp_path / "compare.jsonl"
+    with pytest.raises(SystemExit, match="greedy outputs differ"):
+        main(["--model-path", str(tiny_model_dir), "--configs", "a", f"b:model_path={other}", "--batch-sizes", "2",
+              "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--result-file", str(result_file)])
+    stdout = capsys.readouterr().out
+    assert "!!! OUTPUTS DIFFER: 2 of 2 greedy requests are not identical to a's" in stdout
+    assert table_rows(stdout)[("b", 2)][-1] == "NO (2/2)"
+    assert json.loads(result_file.read_text())["outputs_identical"]["identical"] is False
+
+
+@pytest.mark.e2e
+def test_compare_default_model(tmp_path):
+    result_file = tmp_path / "compare.jsonl"
+    proc = run_compare("--configs", "none", "NGRAM:speculative_algorithm=NGRAM", "--batch-sizes", "2",
+                       "--num-prompts", "2", "--max-new-tokens", "16", "--repeats", "1", "--workload", "json",
+                       "--result-file", str(result_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert set(table_rows(proc.stdout)) == {("none", 2), ("NGRAM", 2)}
+    assert "outputs identical: yes" in proc.stdout
+    record = json.loads(result_file.read_text())
+    assert record["workload"] == "json" and record["prompt_tokens"]["count"] == 2
