@@ -87,6 +87,19 @@ def test_paged_forward_matches_training_forward(runner):
     assert last_logits.dtype == torch.float32 and last_logits.shape == (2, runner.config.vocab_size)
 
 
+def test_forward_without_logits(runner):
+    """A draft extend whose rows only fill the KV cache asks for no logits."""
+    head = make_head(runner, hot=torch.arange(10))
+    cfg = runner.config
+    kv = KVCache(1, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    table = torch.arange(1, 5)[None]
+    batch = ForwardBatch.build(ForwardMode.EXTEND, torch.tensor([3, 4, 5, 6]), torch.arange(4), table[0], table,
+                               torch.tensor([0]), torch.tensor([4]), torch.tensor([4]), logits="none")
+    hidden, logits = head(batch, torch.randn(4, cfg.hidden_size), kv)
+    assert hidden.shape == (4, cfg.hidden_size) and logits.shape == (0, 10)
+    assert kv.k[0, 1:5].abs().sum() > 0 and kv.k[0, 5:].abs().sum() == 0  # wrote exactly its slots
+
+
 def test_hot_head_is_the_full_head_restricted_to_hot_ids(runner):
     vocab = runner.config.vocab_size
     hot = torch.tensor(sorted(torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:300].tolist()))

@@ -78,7 +78,7 @@ class EagleDraftModel(nn.Module):
                     p.fill_(1.0)
 
     def bind_target(self, target: LlamaForCausalLM) -> "EagleDraftModel":
-        """Share ``target``'s embedding and LM head (the hot head takes a copy of their K columns)."""
+        """Share ``target``'s embedding and LM head (a hot head copies the head's K hot columns)."""
         for name in TARGET_SHAPE_FIELDS:
             if getattr(target.config, name) != getattr(self.config, name):
                 raise ValueError(f"draft head and target differ in {name}: "
@@ -129,10 +129,11 @@ class EagleDraftModel(nn.Module):
     def forward(self, batch: ForwardBatch, features: torch.Tensor, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over specjet's paged KV.
 
-        ``batch.input_ids[i]`` is the token that follows the one whose feature is ``features[i]``;
-        ``batch.positions``/``out_cache_loc`` are the feature's position and slot (the target's own).
-        ``kv_cache`` has one layer. Returns (hidden [T, h], logits [N, K or V] float32 for the rows
-        ``batch.logits_indices``)."""
+        Row i: ``features[i]`` is the feature at position ``batch.positions[i]`` (the target's, or
+        from the second draft step on the head's own hidden state) and ``batch.input_ids[i]`` the
+        token at the next position, the one that feature chose. ``out_cache_loc`` is the slot of
+        ``positions`` (for verified positions, the target's own slot). ``kv_cache`` has one layer.
+        Returns (hidden [T, h], logits [N, K or V] float32 for the rows ``batch.logits_indices``)."""
         x = self._fuse(batch.input_ids, features)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         hidden = self.layer(x, cos, sin, batch, kv_cache)
@@ -198,6 +199,7 @@ def save_eagle(model: EagleDraftModel, directory, target_gguf: str | None = None
     if model.hot_token_ids is not None:
         tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
+    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a head is package data
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

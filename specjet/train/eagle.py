@@ -1,0 +1,261 @@
+"""``python -m specjet.train eagle``: train an EAGLE draft head for a target model on CPU.
+
+Stages, each cached under ``--work-dir`` so a rerun (or a run after an interruption) skips what
+is done:
+  1. data      GSM8K *train* questions answered by the target itself (greedy; in the chat
+               template, and in the GSM8K benchmark's plain few-shot form) and by GSM8K's
+               reference solutions, JSON instances the target writes under the schemas of
+               ``--jsonschema-dir`` (chat), and any ``--extra-jsonl``;
+  2. features  the target's final normed hidden state at every position (fp16 shards);
+  3. train     EAGLE-1 loss (feature regression + the target's next-token distribution);
+  4. evaluate  chain-drafting accept length on held-out target-greedy replies;
+  5. save      the head (own weights + hot ids, fp16) and a config.json with this run's summary.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specjet.train eagle", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--work-dir", type=pathlib.Path, default=None,
+                   help="cache for generated data, features and checkpoints (default: <specjet cache>/train/eagle-<model>)")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="where to write the head (default: <work-dir>/head)")
+    data = p.add_argument_group("data")
+    data.add_argument("--gsm8k", type=pathlib.Path, default=SHARED_DATA / "gsm8k" / "train.jsonl",
+                      help="GSM8K *train* jsonl (question, answer); never point this at the test split")
+    data.add_argument("--jsonschema-dir", type=pathlib.Path, default=SHARED_DATA / "jsonschema",
+                      help="folder with index.json (schema files and prompts); '' to skip")
+    data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
+                      help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
+    data.add_argument("--num-target-replies", type=int, default=200,
+                      help="GSM8K train questions the target answers greedily for training")
+    data.add_argument("--num-few-shot-replies", type=int, default=120,
+                      help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
+    data.add_argument("--num-human-replies", type=int, default=600, help="GSM8K reference solutions for training")
+    data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
+    data.add_argument("--num-few-shot-eval", type=int, default=24,
+                      help="of those, how many are also evaluated in the few-shot form")
+    data.add_argument("--json-per-schema", type=int, default=2, help="instances per training schema (1 greedy, rest sampled)")
+    data.add_argument("--json-eval-every", type=int, default=5, help="every n-th schema is held out for evaluation")
+    data.add_argument("--max-new-tokens", type=int, default=320, help="longest target reply to a GSM8K question")
+    data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
+    data.add_argument("--max-len", type=int, default=1024, help="longest sequence (prompt and reply), in tokens")
+    data.add_argument("--max-running-requests", type=int, default=64, help="generation batch")
+    model = p.add_argument_group("head and training")
+    model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
+    model.add_argument("--steps", type=int, default=800)
+    model.add_argument("--batch-tokens", type=int, default=2048)
+    model.add_argument("--max-prompt", type=int, default=256,
+                       help="training sees at most this many prompt tokens before a reply (the few-shot prompts are ~750)")
+    model.add_argument("--lr", type=float, default=1e-3)
+    model.add_argument("--warmup-steps", type=int, default=40)
+    model.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
+    model.add_argument("--p-weight", type=float, default=0.3,
+                       help="weight of the cross-entropy term (the paper: 0.1; 0.3 drafted better here)")
+    model.add_argument("--checkpoint-every", type=int, default=100)
+    model.add_argument("--eval-steps", type=int, default=5, help="draft steps k evaluated: 1..n")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores not busy with other work, at least 1)")
+    return p
+
+
+def default_threads() -> int:
+    # On a shared machine a thread pool wider than the idle cores loses far more to waiting on a
+    # descheduled thread than it gains; count the cores the load average says are free.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(cores, cores - busy))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads or default_threads())
+    print(f"specjet.train eagle: {torch.get_num_threads()} torch thread(s)")
+    summary = run(args)
+    print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.eagle import EagleDraftModel, save_eagle
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict, resolve_model_path, specjet_cache_dir
+    from specjet.train import data as D
+    from specjet.train.evaluate import evaluate, format_report
+    from specjet.train.features import extract_features, load_sequences
+    from specjet.train.trainer import TrainConfig, train
+
+    model_dir = resolve_model_path(args.model_path)
+    work = args.work_dir or specjet_cache_dir() / "train" / f"eagle-{model_dir.name}"
+    out = args.out or work / "head"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+
+    # ---- 1. data
+    t0 = time.perf_counter()
+    train_samples, eval_samples = collect_samples(args, tokenizer, work / "data")
+    timings["data"] = round(time.perf_counter() - t0, 1)
+    for name, samples in (("train", train_samples), ("eval", eval_samples)):
+        print(f"{name}: {describe(samples)}")
+
+    # ---- 2. features
+    runner = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 2048 + 64, 0.0, 1)
+    features_dir = work / "features"
+    train_dir = features_dir / f"train-{fingerprint(train_samples)}"
+    eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}"
+    timings["features"] = round(extract_features(runner, train_samples, train_dir, "features (train)")
+                                + extract_features(runner, eval_samples, eval_dir, "features (eval)"), 1)
+    train_seqs, eval_seqs = load_sequences(train_dir), load_sequences(eval_dir)
+
+    # ---- 3. train
+    eos = tuple(config.eos_token_ids) + (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),)
+    hot = D.hot_token_ids(train_samples, args.hot_vocab, config.vocab_size, eos) if args.hot_vocab else None
+    if hot is not None:
+        print(f"hot vocabulary: {len(hot)} ids, covering {D.coverage(eval_samples, hot):.2%} of held-out reply tokens")
+    target = runner.model
+    target.requires_grad_(False)
+    target.lm_head.packed = None  # the packed matmul has no backward; the full-vocab head trains through it
+    torch.manual_seed(args.seed)
+    head = EagleDraftModel(config, hot_token_ids=hot).bind_target(target)
+    cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt, lr=args.lr,
+                      warmup_steps=args.warmup_steps,
+                      noise=args.noise, p_weight=args.p_weight, seed=args.seed, checkpoint_every=args.checkpoint_every)
+    t0 = time.perf_counter()
+    run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), args.hot_vocab]).encode()).hexdigest()[:12]
+    result = train(head, train_seqs, cfg, train_dir / f"checkpoint-{run_key}.pt")
+    timings["train"] = round(time.perf_counter() - t0, 1)
+    print(f"training: {result['steps']} steps, first step {result['first']}, last steps (mean) {result['final']}")
+
+    # ---- 4. evaluate
+    t0 = time.perf_counter()
+    report = evaluate(head, eval_seqs, args.eval_steps)
+    timings["evaluate"] = round(time.perf_counter() - t0, 1)
+    print(format_report(report))
+
+    # ---- 5. save
+    timings["total"] = round(time.perf_counter() - started, 1)
+    summary = {
+        "command": "python -m specjet.train eagle " + " ".join(_argv_for_summary(args)),
+        "data": {"train": describe(train_samples), "eval": describe(eval_samples)},
+        "hot_vocab_coverage_eval": round(D.coverage(eval_samples, hot), 4) if hot is not None else 1.0,
+        "steps": result["steps"],
+        "final_losses": result["final"],
+        "initial_losses": result["first"],
+        "train_config": result["config"],
+        "eval": report,
+        "timings_s": timings,
+        "torch_threads": torch.get_num_threads(),
+    }
+    save_eagle(head, out, target_gguf=_gguf_name(args.model_path), training=summary)
+    print(f"wrote {out}")
+    return summary
+
+
+def collect_samples(args, tokenizer, data_dir: pathlib.Path):
+    """(train, eval) samples. Replies the target must write are generated once and cached."""
+    from specjet.train import data as D
+    from specjet.train.generate import generate_cached, gsm8k_few_shot_requests, gsm8k_requests, json_requests
+
+    shots, eval_records, rest = D.gsm8k_split(args.gsm8k, args.num_eval, args.seed)
+    train = D.gsm8k_human_samples(tokenizer, rest[:args.num_human_replies], args.max_len)
+    for path in args.extra_jsonl:
+        train += D.extra_samples(tokenizer, path, args.max_len)
+
+    mnt = args.max_new_tokens
+    jobs = {  # cache file -> requests, in a fixed order
+        f"gsm8k_target_eval-s{args.seed}-n{mnt}.jsonl": gsm8k_requests(tokenizer, eval_records, mnt, "gsm8k"),
+        f"gsm8k_target_train-s{args.seed}-n{mnt}.jsonl":
+            gsm8k_requests(tokenizer, rest[:args.num_target_replies], mnt, "gsm8k_target"),
+        f"gsm8k_fewshot_eval-s{args.seed}-n{mnt}.jsonl":
+            gsm8k_few_shot_requests(tokenizer, shots, eval_records[:args.num_few_shot_eval], mnt, "gsm8k_fewshot"),
+        f"gsm8k_fewshot_train-s{args.seed}-n{mnt}.jsonl":
+            gsm8k_few_shot_requests(tokenizer, shots, rest[:args.num_few_shot_replies], mnt, "gsm8k_fewshot_target"),
+    }
+    if str(args.jsonschema_dir) and args.json_per_schema > 0:
+        schemas = D.load_schemas(args.jsonschema_dir)
+        held = [s for i, s in enumerate(schemas) if (i + 1) % args.json_eval_every == 0]
+        kept = [s for i, s in enumerate(schemas) if (i + 1) % args.json_eval_every != 0]
+        jmnt = args.json_max_new_tokens
+        jobs[f"json_eval-s{args.seed}-n{jmnt}.jsonl"] = json_requests(tokenizer, held, 1, 0.0, jmnt, "json", args.seed)
+        jobs[f"json_train-s{args.seed}-n{jmnt}.jsonl"] = json_requests(tokenizer, kept, args.json_per_schema, 0.7, jmnt,
+                                                                       "json_target", args.seed)
+    engine = None
+
+    def get_engine():
+        nonlocal engine
+        if engine is None:
+            from specjet import Engine
+
+            engine = Engine(model_path=args.model_path, max_running_requests=args.max_running_requests,
+                            max_total_tokens=args.max_running_requests * (args.max_len + args.max_new_tokens),
+                            random_seed=args.seed)
+        return engine
+
+    try:
+        generated = generate_cached(get_engine, {data_dir / name: requests for name, requests in jobs.items()},
+                                    "generate (target replies)")
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    evaluation = []
+    for cache, samples in generated.items():
+        samples = [D.Sample(s.ids[:args.max_len], s.prompt_len, s.source) for s in samples]
+        (evaluation if "_eval" in cache.name else train).extend(samples)
+    return train, evaluation
+
+
+def describe(samples) -> dict:
+    by_source: dict[str, dict] = {}
+    for s in samples:
+        d = by_source.setdefault(s.source, {"sequences": 0, "tokens": 0, "reply_tokens": 0})
+        d["sequences"] += 1
+        d["tokens"] += len(s.ids)
+        d["reply_tokens"] += len(s.ids) - s.prompt_len
+    return by_source
+
+
+def fingerprint(samples) -> str:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(json.dumps([s.ids, s.prompt_len, s.source]).encode())
+    return h.hexdigest()[:12]
+
+
+def _gguf_name(model_path) -> str | None:
+    from specjet.models.weights import default_gguf_path
+
+    if model_path is None:
+        return default_gguf_path().name
+    return pathlib.Path(model_path).name if str(model_path).lower().endswith(".gguf") else None
+
+
+def _argv_for_summary(args) -> list[str]:
+    """The flags that change the result (paths left out: they differ between machines)."""
+    flags = []
+    for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
+                "json_per_schema", "max_new_tokens",
+                "json_max_new_tokens", "max_len",
+                "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight", "seed"):
+        flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return flags

@@ -1,0 +1,182 @@
+"""The EAGLE-1 training loop: teacher forcing on target features, with noise on the inputs.
+
+At position t the head reads (x_{t+1}, f_t + noise) and is scored on
+  - feature regression: smooth-L1(h_t, f_{t+1});
+  - token distribution: cross-entropy of its logits against softmax(lm_head(f_{t+1})), the
+    target's own next-token distribution (over the hot vocabulary when the head has one),
+loss = v_weight * regression + p_weight * cross-entropy (the paper uses 1.0 and 0.1; 0.3 drafted
+better on our held-out set). The noise (uniform, width ``noise``) stands in for the error of the
+head's own predicted features, which it reads from the second draft step on.
+
+Seeded and resumable: batches are fixed by the seed, and a checkpoint every ``checkpoint_every``
+steps holds the weights, the optimizer, the schedule position and the noise generator.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from specjet.models.eagle import EagleDraftModel
+from specjet.train.features import Sequence
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 800
+    batch_tokens: int = 2048  # padded tokens per step (sequences of similar length share a batch)
+    max_prompt: int = 256  # prompt tokens kept before each reply (see crop_prompt)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05  # cosine decay to lr * min_lr_ratio
+    warmup_steps: int = 40
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    noise: float = 0.2
+    v_weight: float = 1.0
+    p_weight: float = 0.3
+    seed: int = 0
+    checkpoint_every: int = 100
+
+
+def crop_prompt(seq: Sequence, max_prompt: int) -> Sequence:
+    """Drop all but the last ``max_prompt`` prompt tokens. Only replies are scored, so a long prompt
+    (the ~750-token few-shot ones) would cost layer compute for context that a one-layer head
+    barely looks at; its features still come from the full prompt. Evaluation keeps everything."""
+    cut = max(0, seq.prompt_len - max_prompt)
+    if cut == 0:
+        return seq
+    return Sequence(ids=seq.ids[cut:], features=seq.features[cut:], prompt_len=seq.prompt_len - cut, source=seq.source)
+
+
+def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Sequence indices grouped by similar length, each group padding to at most ``batch_tokens``
+    tokens (a longer sequence goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def collate(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, L] and float32 features [B, L, h]; the mask [B, L - 1] of inputs scored.
+
+    Input t is scored when feature t + 1 exists and predicts a reply token: t >= prompt_len - 1,
+    where the first draft after prefill sits. Earlier positions still run (their KV is the
+    context), but the head never drafts prompt text, so it is not trained to."""
+    max_len = max(len(s.ids) for s in seqs)
+    hidden = seqs[0].features.shape[1]
+    ids = torch.zeros(len(seqs), max_len, dtype=torch.int64)
+    feats = torch.zeros(len(seqs), max_len, hidden)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s.ids)] = s.ids
+        feats[i, :len(s.ids)] = s.features.float()
+    lens = torch.tensor([len(s.ids) for s in seqs])
+    first = torch.tensor([max(s.prompt_len - 1, 0) for s in seqs])
+    t = torch.arange(max_len - 1)[None, :]
+    return ids, feats, (t < (lens - 1)[:, None]) & (t >= first[:, None])
+
+
+def batch_loss(model: EagleDraftModel, ids, feats, valid, cfg: TrainConfig, generator=None) -> dict:
+    """Losses of one batch (tensors, the total differentiable) and the top-1 agreement."""
+    inputs = feats[:, :-1]
+    if cfg.noise > 0:
+        inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * cfg.noise
+    hidden = model.forward_train(ids[:, 1:], inputs)[valid]  # [N, h]
+    next_feature = feats[:, 1:][valid]
+    regression = F.smooth_l1_loss(hidden, next_feature)
+    with torch.no_grad():
+        target_logits = model.logits(next_feature)
+    logits = model.logits(hidden)
+    cross_entropy = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+    top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    total = cfg.v_weight * regression + cfg.p_weight * cross_entropy
+    return {"loss": total, "regression": regression, "cross_entropy": cross_entropy, "top1": top1}
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkpoint: pathlib.Path | None) -> dict:
+    """Train ``model`` in place (bound to its target, unpacked). Returns a summary with the mean
+    losses of the last tenth of the steps (at most 50) and the wall time."""
+    torch.manual_seed(cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    step, history = 0, []
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
+                             "delete it (or the work dir) to start over")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        noise_gen.set_state(state["noise_generator"])
+        step, history = state["step"], state["history"]
+        print(f"resuming from step {step} ({checkpoint})")
+
+    seqs = [crop_prompt(s, cfg.max_prompt) for s in seqs]
+    lengths = [len(s.ids) for s in seqs]
+    model.train()
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc="train eagle", unit="step")
+    groups = length_groups(lengths, cfg.batch_tokens)
+    order, epoch = None, -1
+    while step < cfg.steps:
+        if step // len(groups) != epoch:
+            # Each epoch's order is fixed by (seed, epoch), so a resumed run sees the same batches.
+            epoch = step // len(groups)
+            order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        batch = [seqs[i] for i in groups[int(order[step % len(groups)])]]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        losses = batch_loss(model, *collate(batch), cfg, noise_gen)
+        optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
+        recent = history[-50:]
+        mean = {k: sum(h[k] for h in recent) / len(recent) for k in recent[0]}
+        bar.update()
+        bar.set_postfix(loss=f"{mean['loss']:.3f}", reg=f"{mean['regression']:.3f}",
+                        ce=f"{mean['cross_entropy']:.2f}", top1=f"{mean['top1']:.3f}")
+        if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            _save_checkpoint(checkpoint, model, optimizer, noise_gen, step, history, cfg)
+    bar.close()
+    model.eval()
+    recent = history[-max(1, min(50, cfg.steps // 10)):]
+    return {
+        "steps": cfg.steps,
+        "final": {k: round(sum(h[k] for h in recent) / len(recent), 4) for k in recent[0]} if recent else {},
+        "first": history[0] if history else {},
+        "seconds_this_run": round(time.perf_counter() - start, 1),
+        "config": asdict(cfg),
+    }
+
+
+def _save_checkpoint(path: pathlib.Path, model, optimizer, noise_gen, step, history, cfg) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "noise_generator": noise_gen.get_state(), "step": step, "history": history,
+                "config": asdict(cfg)}, tmp)
+    tmp.replace(path)

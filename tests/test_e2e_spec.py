@@ -1,0 +1,66 @@
+"""Speculative decoding on the real default model: EAGLE with the packaged head and NGRAM give the
+plain engine's greedy tokens exactly, in mixed batches, with and without a grammar."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+import specjet
+
+pytestmark = pytest.mark.e2e
+
+QUESTIONS = [
+    "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. "
+    "How much in dollars does she make every day at the farmers' market?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+    "Copy this list exactly: red, green, blue, red, green, blue, red, green, blue.",
+    "What is the capital of France?",
+]
+PARAMS = {"temperature": 0, "max_new_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    with specjet.Engine(max_total_tokens=8192) as eng:
+        prompts = [eng.apply_chat_template(q) for q in QUESTIONS]
+        return prompts, [o["output_ids"] for o in eng.generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"speculative_algorithm": "EAGLE"},
+    {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "speculative_num_steps": 5,
+     "speculative_num_draft_tokens": 6, "page_size": 16},
+    {"speculative_algorithm": "NGRAM"},
+])
+def test_speculative_greedy_equals_plain(plain_outputs, kwargs):
+    prompts, expected = plain_outputs
+    with specjet.Engine(max_total_tokens=8192, **kwargs) as eng:
+        outs = eng.generate(prompts, PARAMS)
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
+
+
+def test_eagle_accepts_several_tokens_per_verify_on_gsm8k(plain_outputs):
+    prompts, _ = plain_outputs
+    with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE") as eng:
+        eng.generate(prompts[:2], PARAMS)
+        assert eng.get_server_info()["stats"]["spec_accept_length"] > 1.5  # a trained head, not a random one
+
+
+def test_json_schema_with_eagle_is_valid_and_exact():
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = {"temperature": 0, "max_new_tokens": 60, "json_schema": schema}
+    with specjet.Engine(max_total_tokens=8192) as eng:
+        prompt = eng.apply_chat_template("Give a person's name and age as JSON.")
+        expected = eng.generate([prompt, prompt], [params, PARAMS])
+    with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE") as eng:
+        outs = eng.generate([prompt, prompt], [params, PARAMS])
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    jsonschema.validate(json.loads(outs[0]["text"]), schema)

@@ -1,0 +1,242 @@
+"""The EAGLE training pipeline on a tiny random target: data, features, a short training run that
+lowers the loss and resumes exactly, the accept-length evaluation against a direct oracle, and
+the CLI end to end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import SHARED_DATA
+from model_harness import load_runner
+from specjet.models.eagle import EagleDraftModel, load_eagle, read_eagle_config, save_eagle
+from specjet.train import data as D
+from specjet.train import trainer as T
+from specjet.train.evaluate import chain_draft, evaluate, format_report
+from specjet.train.features import Sequence, extract_features, load_sequences, target_features
+
+GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    runner = load_runner(tiny_model_dir, tokens=1024)
+    runner.model.requires_grad_(False)
+    runner.model.lm_head.packed = None  # as the pipeline does: the full-vocab head must take gradients
+    return runner
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    records = D.read_jsonl(GSM8K_TRAIN)[:6]
+    return D.gsm8k_human_samples(tokenizer, records, max_len=96)
+
+
+@pytest.fixture(scope="module")
+def sequences(runner, samples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("features")
+    extract_features(runner, samples, out, "features", shard_size=4, max_tokens=200)
+    return load_sequences(out)
+
+
+def test_samples_are_chat_formatted_prompt_then_reply(tokenizer, samples):
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    records = D.read_jsonl(GSM8K_TRAIN)[:6]
+    assert samples[0].ids[:samples[0].prompt_len] == D.prompt_ids(tokenizer, D.gsm8k_question(records[0]))
+    assert max(len(s.ids) for s in samples) == 96  # cut at max_len
+    for s in D.gsm8k_human_samples(tokenizer, records, max_len=10_000):
+        assert s.ids[-1] == eos and eos not in s.ids[s.prompt_len:-1]
+    for s, r in zip(D.gsm8k_human_samples(tokenizer, records, max_len=10_000), records):
+        # The reference solution verbatim, calculator notes included (the few-shot target writes them too).
+        assert tokenizer.decode(s.ids[s.prompt_len:-1]) == r["answer"]
+
+
+def test_features_are_the_runners_final_hidden_state(runner, samples, sequences):
+    assert len(sequences) == len(samples)  # two shards, read back in order
+    for seq, s in zip(sequences, samples):
+        assert seq.ids.tolist() == s.ids and seq.prompt_len == s.prompt_len and seq.source == "gsm8k_human"
+    alone = target_features(runner, [samples[5]])[0]  # the same sample in a forward of its own
+    torch.testing.assert_close(sequences[5].features.float(), alone.float(), rtol=2e-3, atol=2e-3)
+    assert sequences[5].features.dtype == torch.float16
+
+
+def test_few_shot_form_is_the_benchmarks(tokenizer):
+    from bench import gsm8k as bench_gsm8k
+
+    shots, held, rest = D.gsm8k_split(GSM8K_TRAIN, 30, seed=0)
+    records = D.read_jsonl(GSM8K_TRAIN)
+    assert shots == records[:D.NUM_SHOTS]
+    questions = {r["question"] for r in held} | {r["question"] for r in rest}
+    assert not questions & {r["question"] for r in shots}  # the shots are never a training or eval question
+    assert not {r["question"] for r in held} & {r["question"] for r in rest}
+    assert len(held) + len(rest) == len(records) - D.NUM_SHOTS
+    q = rest[0]["question"]
+    assert D.few_shot_prompt(shots, q) == bench_gsm8k.few_shot_prompt(records[:bench_gsm8k.parse_args([]).num_shots], q)
+    assert D.FEW_SHOT_STOP == bench_gsm8k.STOP
+
+
+def test_shared_prefix_runs_once_with_the_same_features(runner):
+    """Samples with a long common prefix (few-shot prompts): prefix once, then the rest against it."""
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 1000, (40,), generator=g).tolist()
+    samples = [D.Sample(ids=prefix + torch.randint(0, 1000, (n,), generator=g).tolist(), prompt_len=40, source="x")
+               for n in (5, 9, 1)]
+    together = target_features(runner, samples)
+    for s, f in zip(samples, together):
+        alone = target_features(runner, [s])[0]
+        assert f.shape == alone.shape == (len(s.ids), runner.config.hidden_size)
+        torch.testing.assert_close(f.float(), alone.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_crop_prompt_keeps_the_reply():
+    seq = Sequence(ids=torch.arange(10), features=torch.arange(10.0)[:, None], prompt_len=7, source="x")
+    cropped = T.crop_prompt(seq, 3)
+    assert cropped.ids.tolist() == list(range(4, 10)) and cropped.prompt_len == 3
+    assert cropped.features[:, 0].tolist() == list(range(4, 10))
+    assert T.crop_prompt(seq, 7) is seq
+
+
+def test_hot_token_ids_are_the_most_frequent(samples):
+    hot = D.hot_token_ids(samples, 64, 49152, always=(2,))
+    assert len(hot) == 64 and torch.equal(hot, hot.sort().values) and 2 in hot.tolist()
+    counts = torch.bincount(torch.tensor([t for s in samples for t in s.ids]), minlength=49152)
+    others = torch.ones(49152, dtype=torch.bool)
+    others[hot] = False
+    assert counts[hot].min() >= counts[others].max()
+    assert 0.0 < D.coverage(samples, hot) <= 1.0
+    assert len(D.hot_token_ids(samples[:1], 5000, 49152)) == 5000  # padded when the data has fewer ids
+
+
+def new_head(runner, hot=None) -> EagleDraftModel:
+    torch.manual_seed(0)
+    return EagleDraftModel(runner.config, hot_token_ids=hot).bind_target(runner.model)
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(runner, samples, sequences, tmp_path, monkeypatch):
+    hot = D.hot_token_ids(samples, 512, runner.config.vocab_size, always=(2,))
+    cfg = T.TrainConfig(steps=60, batch_tokens=256, lr=3e-3, warmup_steps=3, checkpoint_every=20, seed=0)
+    head = new_head(runner, hot)
+    result = T.train(head, sequences, cfg, tmp_path / "a.pt")
+    first, final = result["first"], result["final"]
+    assert final["loss"] < 0.9 * first["loss"]
+    assert final["regression"] < first["regression"] and final["cross_entropy"] < first["cross_entropy"]
+
+    # Interrupt a second run after 33 steps; it restarts from its step-20 checkpoint and ends identical.
+    calls = {"n": 0}
+    real_batch_loss = T.batch_loss
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 34:
+            raise KeyboardInterrupt
+        return real_batch_loss(*args, **kwargs)
+
+    monkeypatch.setattr(T, "batch_loss", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(new_head(runner, hot), sequences, cfg, tmp_path / "b.pt")
+    monkeypatch.setattr(T, "batch_loss", real_batch_loss)
+    resumed = new_head(runner, hot)
+    T.train(resumed, sequences, cfg, tmp_path / "b.pt")
+    for (name, p), q in zip(head.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+
+    with pytest.raises(ValueError, match="another training config"):
+        T.train(new_head(runner, hot), sequences, T.TrainConfig(steps=30), tmp_path / "b.pt")
+
+    save_eagle(head, tmp_path / "head", training=result)
+    loaded = load_eagle(tmp_path / "head", runner.config).bind_target(runner.model)
+    assert torch.equal(loaded.hot_token_ids, hot)
+    assert read_eagle_config(tmp_path / "head")["training"]["steps"] == 60
+
+
+def test_chain_draft_matches_a_direct_oracle(runner, sequences):
+    """Accepted drafts from the batched paged evaluation == drafting each position one at a time
+    with the training forward over the explicit draft sequence."""
+    hot = torch.arange(0, runner.config.vocab_size, 3)
+    head = new_head(runner, hot)
+    head.reset_parameters(std=0.1)
+    seq = sequences[0]
+    steps = 3
+    result = chain_draft(head, seq, steps)
+    ids, feats = seq.ids, seq.features.float()
+    n, first = len(ids), seq.prompt_len - 1
+    expected_drafts, expected_accepted = [], []
+    with torch.no_grad():
+        for t in range(first, n - 2):
+            tokens, features, drafts = list(ids[1:t + 2]), list(feats[:t + 1]), []
+            for _ in range(steps):
+                hidden = head.forward_train(torch.tensor(tokens)[None], torch.stack(features)[None])[0, -1]
+                drafts.append(int(head.hot_to_full(head.logits(hidden).argmax(-1))))
+                tokens.append(drafts[-1])
+                features.append(hidden)
+            truth = ids[t + 2:t + 2 + steps].tolist()
+            accepted = 0
+            while accepted < min(steps, len(truth)) and drafts[accepted] == truth[accepted]:
+                accepted += 1
+            expected_drafts.append(drafts)
+            expected_accepted.append(accepted)
+    assert result["drafts"].tolist() == expected_drafts
+    assert result["accepted"].tolist() == expected_accepted
+
+
+def test_evaluate_report(runner, sequences):
+    report = evaluate(new_head(runner, torch.arange(0, runner.config.vocab_size, 2)), sequences[:3], max_steps=4)
+    assert set(report) == {"gsm8k_human", "all"}
+    r = report["all"]
+    lengths = [r["accept_length"][k] for k in range(1, 5)]
+    assert all(1.0 <= a <= 1 + k for a, k in zip(lengths, range(1, 5))) and lengths == sorted(lengths)
+    assert 0.0 <= r["top1"] <= r["top4"] <= 1.0
+    assert "k=4" in format_report(report)
+
+
+def test_cli_end_to_end(tiny_model_dir, tmp_path):
+    """Generation through the Engine, features, training, evaluation and the saved head."""
+    from specjet.train.__main__ import main
+
+    schemas = tmp_path / "schemas"
+    schemas.mkdir()
+    index = json.loads((SHARED_DATA / "jsonschema" / "index.json").read_text())
+    index["schemas"] = index["schemas"][:2]
+    for entry in index["schemas"]:
+        (schemas / entry["file"]).write_text((SHARED_DATA / "jsonschema" / entry["file"]).read_text())
+    (schemas / "index.json").write_text(json.dumps(index))
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog."}) + "\n"
+                     + json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": "Hello!"}]}) + "\n")
+    out = tmp_path / "head"
+    main(["eagle", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+          "--jsonschema-dir", str(schemas), "--json-eval-every", "2", "--json-per-schema", "2",
+          "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
+          "--num-few-shot-replies", "2", "--num-few-shot-eval", "1",
+          "--max-new-tokens", "12", "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
+          "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1"])
+    meta = read_eagle_config(out)
+    training = meta["training"]
+    assert meta["hot_vocab_size"] == 300 and training["steps"] == 6
+    assert training["data"]["train"]["gsm8k_human"]["sequences"] == 4
+    assert training["data"]["train"]["gsm8k_target"]["sequences"] == 3
+    assert training["data"]["train"]["json_target"]["sequences"] == 2  # schema 1 kept, two instances
+    assert training["data"]["train"]["extra"]["sequences"] == 2
+    assert training["data"]["train"]["gsm8k_fewshot_target"]["sequences"] == 2
+    assert training["data"]["eval"]["gsm8k"]["sequences"] == 2
+    assert training["data"]["eval"]["gsm8k_fewshot"]["sequences"] == 1
+    assert set(training["data"]["eval"]) == {"gsm8k", "gsm8k_fewshot", "json"}
+    assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
+    load_eagle(out, load_runner(tiny_model_dir, tokens=64).config)
+    # A rerun finds everything cached: no generation, no features, the training checkpoint reused.
+    main(["eagle", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+          "--jsonschema-dir", str(schemas), "--json-eval-every", "2", "--json-per-schema", "2",
+          "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
+          "--num-few-shot-replies", "2", "--num-few-shot-eval", "1",
+          "--max-new-tokens", "12", "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
+          "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1"])
+    assert read_eagle_config(out)["training"]["timings_s"]["features"] < 1.0
