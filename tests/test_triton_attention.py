@@ -10,14 +10,13 @@ report one error figure per case back as JSON.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from triton_interpreter import print_report, run_kernel_worker
+from triton_interpreter import report_cases, run_kernel_worker
 import torch
 
 from specjet.kernels.attention import build_attention_metadata, paged_attention_reference
@@ -201,28 +200,24 @@ def _patch_interpreter_bf16_dot() -> bool:
 
 def _kernel_worker() -> None:
     """Run in the subprocess: every case through the interpreted kernel, errors printed as JSON."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
     from specjet.kernels.triton_attention import paged_attention_triton
 
     bf16_ok = _patch_interpreter_bf16_dot()
-    report = {}
-    for name, case in CASES.items():
+
+    def run_case(case):
         if case.dtype == torch.bfloat16 and not bf16_ok:
-            report[name] = {"skip": "the Triton interpreter cannot compute bf16 tl.dot (triton#11584)"}
-            continue
-        try:
-            inputs = build_inputs(case)
-            args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["meta"], inputs["scale"])
-            ref = paged_attention_reference(*args)
-            out = paged_attention_triton(*args)
-            report[name] = {
-                "shape_ok": out.shape == ref.shape and out.dtype == ref.dtype,
-                "tolerance_ratio": tolerance_ratio(out, ref, case.dtype),
-                "finite": bool(torch.isfinite(out).all()),
-            }
-        except Exception as exc:  # reported per case so one failure does not hide the others
-            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    print_report(report)
+            return {"skip": "the Triton interpreter cannot compute bf16 tl.dot (triton#11584)"}
+        inputs = build_inputs(case)
+        args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["meta"], inputs["scale"])
+        ref = paged_attention_reference(*args)
+        out = paged_attention_triton(*args)
+        return {
+            "shape_ok": out.shape == ref.shape and out.dtype == ref.dtype,
+            "tolerance_ratio": tolerance_ratio(out, ref, case.dtype),
+            "finite": bool(torch.isfinite(out).all()),
+        }
+
+    report_cases(CASES, run_case)
 
 
 @pytest.fixture(scope="module")

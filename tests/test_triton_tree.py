@@ -8,14 +8,13 @@ Every output here is integer (or bool), so "equal" means exactly equal.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from triton_interpreter import print_report, run_kernel_worker
+from triton_interpreter import report_cases, run_kernel_worker
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the worker runs this file as a script
@@ -138,14 +137,7 @@ def run_case(case: Case) -> dict:
 
 
 def _kernel_worker() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    report = {}
-    for name, case in CASES.items():
-        try:
-            report[name] = run_case(case)
-        except Exception as exc:  # reported per case so one failure does not hide the others
-            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    print_report(report)
+    report_cases(CASES, run_case)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,16 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPORT_PREFIX = "KERNEL_REPORT "
 
 
-def print_report(report: dict) -> None:
-    """Called in the worker subprocess with {case name: result dict}."""
+def report_cases(cases: dict, run_case) -> None:
+    """In the worker subprocess: run every case, one JSON report line {case name: result dict};
+    an exception is reported per case so one failure does not hide the others."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    report = {}
+    for name, case in cases.items():
+        try:
+            report[name] = run_case(case)
+        except Exception as exc:
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
     print(REPORT_PREFIX + json.dumps(report))
 
 
