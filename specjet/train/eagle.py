@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
     data.add_argument("--num-target-replies", type=int, default=200,
                       help="GSM8K train questions the target answers greedily for training")
-    data.add_argument("--num-few-shot-replies", type=int, default=120,
+    data.add_argument("--num-few-shot-replies", type=int, default=64,
                       help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
     data.add_argument("--num-human-replies", type=int, default=600, help="GSM8K reference solutions for training")
     data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
