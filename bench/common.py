@@ -36,6 +36,7 @@ _ENGINE_FLAGS = {
     "speculative_num_draft_tokens": "speculative_num_draft_tokens",
     "speculative_draft_model_path": "speculative_draft_model_path",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
+    "speculative_grammar_aware": "speculative_grammar_aware",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
 
@@ -64,7 +65,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="EAGLE head directory (default: the head shipped in specjet/assets/eagle)")
     spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
                       help="NGRAM distinct continuations per draft (default 4)")
+    spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",
+                      help="grammar-aware drafting for constrained requests (default true)")
     return parser
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

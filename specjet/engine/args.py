@@ -27,6 +27,9 @@ class EngineArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 4
     speculative_ngram_max_bfs_breadth: int = 4
+    # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
+    # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
+    speculative_grammar_aware: bool = True
     log_level: str = "warning"
 
     @classmethod

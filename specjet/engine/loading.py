@@ -38,7 +38,7 @@ def load_components(args: EngineArgs, device: torch.device):
             max_window=args.speculative_ngram_max_match_window_size,
             min_window=args.speculative_ngram_min_match_window_size,
             max_branches=args.speculative_ngram_max_bfs_breadth,
-        ))
+        ), grammar_aware=args.speculative_grammar_aware)
     elif args.speculative_algorithm == "EAGLE":
         head_dir = args.speculative_draft_model_path or default_eagle_path()
         if not pathlib.Path(head_dir).exists():
@@ -49,7 +49,8 @@ def load_components(args: EngineArgs, device: torch.device):
             topk=args.speculative_eagle_topk or 4,
             num_draft_tokens=args.speculative_num_draft_tokens or 12,
         )
-        spec = SpecConfig("EAGLE", params.num_draft_tokens, eagle=params, eagle_head=head)
+        spec = SpecConfig("EAGLE", params.num_draft_tokens, eagle=params, eagle_head=head,
+                          grammar_aware=args.speculative_grammar_aware)
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

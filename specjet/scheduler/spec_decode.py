@@ -34,6 +34,7 @@ class SpecConfig:
     ngram: NgramConfig = NgramConfig()
     eagle: EagleParams = EagleParams()
     eagle_head: object = field(default=None, compare=False)  # a loaded EagleDraftModel for "EAGLE"
+    grammar_aware: bool = True  # grammar-legal draft top-k and forced continuations as free nodes
 
 
 class SpecDecoder:
