@@ -49,7 +49,7 @@ class Engine:
         self.tokenizer, self.scheduler = load_components(self.args, _resolve_device(self.args.device))
         self._async_outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self.scheduler.event_loop_normal, name="specjet-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self.scheduler.event_loop, name="specjet-scheduler", daemon=True)
         self._thread.start()
         # The thread gets the queue, not the engine: a thread holding the last reference to the engine
         # would free its tensors off the main thread, which aborts if that happens at interpreter exit.
@@ -204,8 +204,12 @@ class Engine:
                 raise TimeoutError("engine still busy")
             time.sleep(0.01)
 
-    def get_server_info(self) -> dict[str, Any]:
+    def get_server_info(self, reset_timings: bool = False) -> dict[str, Any]:
+        """Counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
+        side's median time and how long it waited for the host (``reset_timings`` starts afresh)."""
         stats = dict(self.scheduler.stats)
+        stats["overlap"] = self.scheduler.run_in_loop(
+            lambda: self.scheduler.overlap_stats(reset=reset_timings)).result(timeout=60)
         if self.scheduler.spec is not None:
             stats.update(self.scheduler.spec.stats)
             if stats["spec_verify_ct"]:

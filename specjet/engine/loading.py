@@ -58,5 +58,6 @@ def load_components(args: EngineArgs, device: torch.device):
         context_len=context_len,
         random_seed=args.random_seed,
         spec=spec,
+        overlap=not args.disable_overlap_schedule,
     ))
     return tokenizer, scheduler

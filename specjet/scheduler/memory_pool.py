@@ -10,6 +10,7 @@ committed length are released when the request finishes.
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -53,6 +54,10 @@ class TokenToKVPoolAllocator:
         # of the whole free list (which can hold millions of pages).
         self._taken_log: list[int] = []
         self._open_snapshots = 0
+        # The overlap loop's host thread reserves and frees while the compute thread drafts with
+        # scratch pages; the lock is held from snapshot to restore so that restoring gives back the
+        # drafter's pages only, and every other change of the free list takes it too.
+        self._lock = threading.RLock()
 
     @property
     def size(self) -> int:
@@ -61,7 +66,8 @@ class TokenToKVPoolAllocator:
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
+        with self._lock:
+            return len(self._free_pages) * self.page_size
 
     def slots_needed(self, allocated_len: int, new_len: int) -> int:
         """Slots a request must take from the pool to grow from ``allocated_len`` to ``new_len`` positions."""
@@ -79,6 +85,10 @@ class TokenToKVPoolAllocator:
         """
         if new_len <= allocated_len:
             return torch.empty(0, dtype=torch.int64, device=self.device)
+        with self._lock:
+            return self._extend(row_slots, allocated_len, new_len)
+
+    def _extend(self, row_slots: torch.Tensor, allocated_len: int, new_len: int) -> torch.Tensor:
         p = self.page_size
         num_new_pages = -(-new_len // p) - -(-allocated_len // p)
         if num_new_pages > len(self._free_pages):
@@ -107,28 +117,36 @@ class TokenToKVPoolAllocator:
         slots = row_slots[:allocated_len]
         # Positions 0, p, 2p, ... each start a page; one slot per page identifies it.
         pages = (slots[::p] // p).tolist()
-        self._free_pages.extend(reversed(pages))
+        with self._lock:
+            self._free_pages.extend(reversed(pages))
 
     def free_slots(self, slots: Iterable[int]) -> None:
         """Release individual slots (page_size 1 only: e.g. rejected speculative positions)."""
         if self.page_size != 1:
             raise ValueError("free_slots is only defined for page_size 1; free whole requests instead")
-        self._free_pages.extend(int(s) for s in slots)
+        with self._lock:
+            self._free_pages.extend(int(s) for s in slots)
 
     def snapshot(self) -> int:
         """Mark the free list; ``restore(mark)`` gives back every page taken since (a drafter's
-        scratch). Pages taken after a snapshot must not be freed before the restore."""
+        scratch). Pages taken after a snapshot must not be freed before the restore. Other threads
+        wait from snapshot to restore, which must happen on the same thread."""
+        self._lock.acquire()
         self._open_snapshots += 1
         return len(self._taken_log)
 
     def restore(self, mark: int) -> None:
-        taken = self._taken_log[mark:]
-        del self._taken_log[mark:]
-        self._free_pages.extend(reversed(taken))
-        self._open_snapshots -= 1
+        try:
+            taken = self._taken_log[mark:]
+            del self._taken_log[mark:]
+            self._free_pages.extend(reversed(taken))
+            self._open_snapshots -= 1
+        finally:
+            self._lock.release()
 
     def free_page_ids(self) -> list[int]:
-        return list(self._free_pages)
+        with self._lock:
+            return list(self._free_pages)
 
 
 def check_kv_invariant(allocator: TokenToKVPoolAllocator, owned_slots_by_request: dict[object, torch.Tensor]) -> None:

@@ -42,6 +42,10 @@ class Req:
     finished_at: float | None = None
     spec_verify_ct: int = 0  # verify forwards that served this request
     spec_accept_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per verify -> count
+    # Overlap loop: launched batches holding this request whose results the host has not processed;
+    # a request that finishes meanwhile keeps its KV until they are processed (release_pending).
+    inflight: int = 0
+    release_pending: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

@@ -21,6 +21,8 @@ from specjet.kernels.sampling import sample
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind, ScheduledBatch, build_decode_batch, build_prefill_batch
 from specjet.scheduler.detokenizer import update_text
+from specjet.scheduler.event_loops import EventLoopsMixin
+from specjet.scheduler.future_map import ComputeView, FutureMap
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
 from specjet.scheduler.output import final_output, stream_chunk
 from specjet.scheduler.request import Req
@@ -37,9 +39,10 @@ class SchedulerConfig:
     context_len: int = 8192
     random_seed: int | None = None
     spec: "SpecConfig | None" = None
+    overlap: bool = True  # False: the plain loop (disable_overlap_schedule)
 
 
-class Scheduler:
+class Scheduler(EventLoopsMixin):
     def __init__(self, runner: ModelRunner, tokenizer, grammar_backend, config: SchedulerConfig):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -55,12 +58,14 @@ class Scheduler:
 
         self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator)
                      if config.spec is not None else None)
+        self.future_map = FutureMap(self.req_to_token_pool.num_rows)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seed_rng = random.Random(config.random_seed)
         self._stop = threading.Event()
         self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0}
+        self._init_loop_state()
 
     # ---------------------------------------------------------------- requests in and out
     def submit(self, req: Req) -> None:
@@ -113,40 +118,7 @@ class Scheduler:
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.waiting.append(req)
 
-    # ---------------------------------------------------------------- the loop
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def event_loop_normal(self) -> None:
-        """Plain loop: schedule, run, process, one after the other. The overlap loop (which runs
-        batch N's forward while the host processes batch N-1) will sit beside this one."""
-        while not self._stop.is_set():
-            try:
-                self._iteration_normal()
-            except Exception as exc:  # last resort: never let the scheduler thread die
-                logger.error("scheduler iteration failed: %s", traceback.format_exc())
-                for req in self.waiting + self.running:
-                    self._finish(req, {"type": "abort", "message": f"internal error: {exc!r}"})
-        self._shutdown_requests()
-
-    def _iteration_normal(self) -> None:
-        self._drain_inbox(block=not self.has_work())
-        if self._stop.is_set():
-            return
-        batch = self.get_next_batch()
-        if batch is None:
-            if self.waiting:  # e.g. grammars still compiling
-                time.sleep(0.001)
-            return
-        try:
-            next_ids = self.run_batch(batch)
-        except Exception as exc:  # one failing batch must not take the engine down
-            logger.error("batch failed: %s", traceback.format_exc())
-            for req in batch.reqs:
-                self._finish(req, {"type": "abort", "message": f"internal error: {exc!r}"})
-            return
-        self.process_batch_result(batch, next_ids)
-
+    # ---------------------------------------------------------------- the loop (event_loops.py)
     def _shutdown_requests(self) -> None:
         for req in self.waiting + self.running:
             self._finish(req, {"type": "abort", "message": "engine shut down"})
@@ -233,6 +205,8 @@ class Scheduler:
                 need += self.spec.scratch_slots(len(self.running))
             if need <= self.allocator.num_free_slots:
                 break
+            if self._flush_inflight():  # its finished requests may free enough; decide on exact state
+                continue
             if len(self.running) == 1:
                 req = self.running[0]
                 self._finish(req, {"type": "abort", "message":
@@ -245,9 +219,10 @@ class Scheduler:
 
     def _decode_len(self, req: Req) -> int:
         """Positions that must have KV slots before this request's next decode iteration: one more,
-        or a whole draft tree's worth with speculation (capped by the context length)."""
+        or a whole draft tree's worth with speculation, plus as much for each launched iteration the
+        host has not processed yet (capped by the context length)."""
         ahead = self.spec.max_nodes if self.spec is not None else 1
-        return min(req.kv_committed_len + ahead, self.config.context_len)
+        return min(req.kv_committed_len + ahead * (1 + req.inflight), self.config.context_len)
 
     def _retract(self, req: Req) -> None:
         self.stats["retractions"] += 1
@@ -256,46 +231,65 @@ class Scheduler:
         self._release_kv(req)
         self.waiting.insert(0, req)
 
+    def _release(self, req: Req) -> None:
+        """Give back a finished request's KV and drafter state, once no launched batch uses them."""
+        if req.inflight > 0:
+            req.release_pending = True
+            return
+        req.release_pending = False
+        self._release_kv(req)
+        if self.spec is not None:
+            self.spec.release(req)
+
     def _release_kv(self, req: Req) -> None:
         if req.req_pool_idx is None:
             return
+        self.future_map.release(req.req_pool_idx)
         row = self.req_to_token_pool.table[req.req_pool_idx]
         self.allocator.free_request(row, req.kv_allocated_len)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_committed_len = req.kv_allocated_len = 0
 
-    # ---------------------------------------------------------------- running a batch
-    def run_batch(self, batch: ScheduledBatch) -> list[list[int]]:
-        """New tokens per request: one for prefill and plain decode, one or more with speculation."""
+    # ---------------------------------------------------------------- compute side
+    # These run on the compute stream and see requests through ComputeViews (future_map.py): they
+    # read and advance the compute side's tokens and lengths, never the host's.
+    def compute_forward(self, kind: BatchKind, views: list[ComputeView]):
         table = self.req_to_token_pool.table
-        if batch.kind is BatchKind.DECODE and self.spec is not None:
-            new_tokens = self.spec.run(batch.reqs, table)
-            for req, tokens in zip(batch.reqs, new_tokens):
-                # The root and the accepted draft nodes now have KV; the bonus token is the next root.
-                req.kv_committed_len += len(tokens)
-            return new_tokens
-        capture = "last" if (self.spec is not None and self.spec.needs_prefill_hidden) else None
-        if batch.kind is BatchKind.PREFILL:
-            fb = build_prefill_batch(batch.reqs, table, self.device, capture_hidden=capture)
+        if kind is BatchKind.PREFILL:
+            capture = "last" if (self.spec is not None and self.spec.needs_prefill_hidden) else None
+            fb = build_prefill_batch(views, table, self.device, capture_hidden=capture)
         else:
-            fb = build_decode_batch(batch.reqs, table, self.device)
-        out = self.runner.forward(fb)
-        tokens = self.sample(batch.reqs, out.logits)
-        if capture is not None and batch.kind is BatchKind.PREFILL:
-            self.spec.after_prefill(batch.reqs, out.hidden, tokens, table)
-        for req in batch.reqs:
-            req.kv_committed_len = len(req.fill_ids)
+            fb = build_decode_batch(views, table, self.device)
+        return self.runner.forward(fb)
+
+    def compute_sample(self, kind: BatchKind, views: list[ComputeView], forward, grammar_mask) -> list[list[int]]:
+        """Sample each request's next token from the forward's logits (masked by the host-built
+        grammar bitmask) and publish it to the compute side's views."""
+        out = forward.result()
+        logits = out.logits
+        if grammar_mask is not None:
+            bitmask, rows = grammar_mask
+            logits = logits.cpu() if logits.device.type != "cpu" else logits
+            apply_token_bitmask_(logits, bitmask, indices=rows)
+        tokens = self.sample(views, logits)
+        if kind is BatchKind.PREFILL and self.spec is not None and self.spec.needs_prefill_hidden:
+            self.spec.after_prefill(views, out.hidden, tokens, self.req_to_token_pool.table)
+        for view, token in zip(views, tokens):
+            view.kv_committed_len = len(view.fill_ids) if kind is BatchKind.PREFILL else view.kv_committed_len + 1
+            view.output_ids.append(token)
         return [[t] for t in tokens]
 
-    def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
-        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if grammar_rows:
-            bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
-            for i in grammar_rows:
-                reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-            logits = logits.cpu() if logits.device.type != "cpu" else logits
-            apply_token_bitmask_(logits, bitmask, indices=grammar_rows)
+    def compute_spec(self, views: list[ComputeView]) -> list[list[int]]:
+        """One speculative iteration: draft, verify, accept; the root and the accepted draft nodes
+        now have KV, and the bonus token is the next root."""
+        new_tokens = self.spec.run(views, self.req_to_token_pool.table)
+        for view, tokens in zip(views, new_tokens):
+            view.kv_committed_len += len(tokens)
+            view.output_ids.extend(tokens)
+        return new_tokens
+
+    def sample(self, reqs, logits: torch.Tensor) -> list[int]:
         st = sampling_tensors(reqs, logits.device)
         uniforms = None
         if not st.all_greedy:
@@ -305,14 +299,28 @@ class Scheduler:
             )
         return sample(logits, st, uniforms).tolist()
 
+    # ---------------------------------------------------------------- host side of a batch
+    def grammar_mask(self, reqs: list[Req]):
+        """(bitmask, rows) for the constrained requests of a plain batch, from the host's grammar
+        state (which must include every token before this batch's), or None."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
+        if not rows:
+            return None
+        bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
+        for i in rows:
+            reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        return bitmask, rows
+
     # ---------------------------------------------------------------- results
     def process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
         now = time.perf_counter()
-        if batch.kind is BatchKind.PREFILL:
-            self.running.extend(r for r in batch.reqs if not r.finished)
         for req, tokens in zip(batch.reqs, new_tokens):
             if req.finished:
                 continue
+            if batch.kind is BatchKind.DECODE:  # plain: the input token; speculation: root + accepted nodes
+                req.kv_committed_len += len(tokens)
+                if self.spec is not None:
+                    self._count_verify(req, len(tokens))
             if req.sampling.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
@@ -330,6 +338,12 @@ class Scheduler:
                 chunk = stream_chunk(req)
                 if chunk is not None:
                     req.sink(chunk)
+
+    def _count_verify(self, req: Req, num_tokens: int) -> None:
+        req.spec_verify_ct += 1
+        req.spec_accept_hist[num_tokens] = req.spec_accept_hist.get(num_tokens, 0) + 1
+        self.spec.stats["spec_verify_ct"] += 1
+        self.spec.stats["spec_accepted_tokens"] += num_tokens
 
     def _check_finished(self, req: Req, token: int) -> dict | None:
         sp = req.sampling
@@ -363,9 +377,7 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self._release_kv(req)
-        if self.spec is not None:
-            self.spec.release(req)
+        self._release(req)
         if req.grammar_future is not None and not req.grammar_future.done():
             req.grammar_future.cancel()
         if req.sink is not None:
@@ -375,9 +387,9 @@ class Scheduler:
     def check_kv_invariant(self) -> None:
         """free + owned == pool size; callable when the loop is idle (tests call it after each workload)."""
         table = self.req_to_token_pool.table
-        owned = {r.rid: table[r.req_pool_idx, :r.kv_allocated_len] for r in self.running + self.waiting
-                 if r.req_pool_idx is not None}
+        live = self.running + self.waiting + self._pending_release()
+        owned = {r.rid: table[r.req_pool_idx, :r.kv_allocated_len] for r in live if r.req_pool_idx is not None}
         check_kv_invariant(self.allocator, owned)
-        live_rows = sum(1 for r in self.running + self.waiting if r.req_pool_idx is not None)
+        live_rows = sum(1 for r in live if r.req_pool_idx is not None)
         if live_rows + self.req_to_token_pool.available != self.req_to_token_pool.num_rows:
             raise AssertionError("a ReqToTokenPool row leaked")

@@ -51,6 +51,8 @@ class SpecDecoder:
         else:
             raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
         self.verifier = TreeVerifier(runner, capture_hidden="last" if self.eagle is not None else None)
+        # Counted by the scheduler when it commits a verify's tokens (an overlapped iteration for a
+        # request that had already finished is not counted).
         self.stats = {"spec_verify_ct": 0, "spec_accepted_tokens": 0}
 
     @property
@@ -117,11 +119,6 @@ class SpecDecoder:
                                       extra_kv_caches=())
         if self.eagle is not None:
             self._draft_extend(reqs, result, req_to_token)
-        for req, accepted in zip(reqs, result.accepted_tokens):
-            req.spec_verify_ct += 1
-            req.spec_accept_hist[len(accepted)] = req.spec_accept_hist.get(len(accepted), 0) + 1
-            self.stats["spec_verify_ct"] += 1
-            self.stats["spec_accepted_tokens"] += len(accepted)
         return result.accepted_tokens
 
     def _draft_extend(self, reqs: list[Req], result: VerifyResult, req_to_token: torch.Tensor) -> None:

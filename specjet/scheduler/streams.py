@@ -1,0 +1,135 @@
+"""Where forwards run: one ordered queue of work, on a worker thread (CPU) or a CUDA stream.
+
+The overlap loop submits iteration N's work and goes on with iteration N-1's host work (grammar,
+stop checks, streaming) while N runs. Work items run in submission order, so N+1's forward can read
+what N wrote (the future map) without the host looking at it in between. ``submit`` returns a
+``concurrent.futures.Future``: ``.result()`` is the host's sync point, and it re-raises the work's
+exception on the caller's thread.
+
+- ``CpuStream``: torch ops on the CPU are synchronous, so the work runs on one worker thread; torch
+  releases the GIL inside its kernels, so the host's Python and xgrammar really run beside it.
+- ``CudaStream``: the host thread itself launches the work on a compute stream (launches are
+  asynchronous); the returned future is already resolved and its tensors become valid once the
+  stream reaches them, so results meant for the host are copied with ``non_blocking`` and an event.
+
+Both stamp each item (submitted, started, ended) so the loop can report how long the compute side
+waited for the host. Nothing above this module branches on the device type.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class WorkTiming:
+    submitted: float
+    started: float = 0.0
+    ended: float = 0.0
+
+
+class Stream:
+    """An ordered queue of work for the compute side."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block until everything submitted so far has run."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def take_timings(self) -> list[WorkTiming]:
+        """Timings of the items that ended since the last call, in order."""
+        with self._timings_lock:
+            out, self._timings = self._timings, []
+        return out
+
+    def _init_timings(self) -> None:
+        self._timings: list[WorkTiming] = []
+        self._timings_lock = threading.Lock()
+
+    def _record(self, timing: WorkTiming) -> None:
+        with self._timings_lock:
+            self._timings.append(timing)
+
+
+class CpuStream(Stream):
+    """One worker thread that runs submitted work in order."""
+
+    def __init__(self, name: str = "specjet-compute"):
+        self._init_timings()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((fn, args, future, WorkTiming(time.perf_counter())))
+        return future
+
+    def synchronize(self) -> None:
+        self.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, future, timing = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            timing.started = time.perf_counter()
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to whoever waits on the future
+                timing.ended = time.perf_counter()
+                self._record(timing)
+                future.set_exception(exc)
+            else:
+                timing.ended = time.perf_counter()
+                self._record(timing)
+                future.set_result(result)
+
+
+class CudaStream(Stream):
+    """Work is launched from the calling thread onto a dedicated compute stream."""
+
+    def __init__(self, device: torch.device):
+        self._init_timings()
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        timing = WorkTiming(time.perf_counter())
+        future: Future = Future()
+        timing.started = time.perf_counter()
+        try:
+            with torch.cuda.stream(self.stream):
+                result = fn(*args)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        timing.ended = time.perf_counter()  # launch time; the GPU may still be busy
+        self._record(timing)
+        return future
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+def make_stream(device: torch.device) -> Stream:
+    return CudaStream(device) if device.type == "cuda" else CpuStream()

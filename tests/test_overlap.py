@@ -1,0 +1,146 @@
+"""The overlap loop (the default) gives exactly the plain loop's outputs, and the compute stream runs
+work in order and hands exceptions back. Tiny random-weight model; every workload ends with the KV
+invariant."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import specjet
+from specjet.scheduler.streams import CpuStream
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3,",
+    "JSON is",
+    "A much longer prompt that goes on for a while so that the batch has requests of quite different lengths",
+    "a b c a b c a b c a b",
+]
+SCHEMA = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}'
+
+
+def mixed_params(stop_text: str | None = None) -> list[dict]:
+    """Plain text, JSON schema, regex; requests that finish early (short max_new_tokens, a stop
+    string) beside long ones."""
+    base = {"temperature": 0, "ignore_eos": True}
+    params = [
+        dict(base, max_new_tokens=40),
+        dict(base, max_new_tokens=30, json_schema=SCHEMA),
+        dict(base, max_new_tokens=3),
+        dict(base, max_new_tokens=25, regex=r"(yes|no), [0-9]{2,4}"),
+        dict(base, max_new_tokens=33),
+        dict(base, max_new_tokens=1),
+    ]
+    if stop_text:
+        params[4]["stop"] = [stop_text]
+    return params
+
+
+def run_workload(engine) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, mixed_params(stop_text=" the"))
+    singles = [engine.generate(p, sp) for p, sp in zip(PROMPTS[:3], mixed_params()[:3])]
+    engine.wait_idle()
+    engine.check_kv_invariant()
+    return [o["output_ids"] for o in outs + singles]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096,
+                        disable_overlap_schedule=True) as eng:
+        yield run_workload(eng)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"page_size": 16},
+    {"speculative_algorithm": "NGRAM"},
+    {"speculative_algorithm": "NGRAM", "disable_overlap_schedule": True, "page_size": 16},
+])
+def test_overlap_matches_the_plain_loop(tiny_model_dir, reference, kwargs):
+    kwargs = dict({"max_total_tokens": 4096}, **kwargs)
+    with specjet.Engine(model_path=str(tiny_model_dir), **kwargs) as eng:
+        assert run_workload(eng) == reference
+        overlap = eng.get_server_info()["stats"]["overlap"]
+    assert overlap["iterations"] > 0 and overlap["compute_ms_median"] > 0
+
+
+def test_retraction_under_kv_pressure_matches(tiny_model_dir):
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    outs = {}
+    for overlap in (False, True):
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=160, page_size=16,
+                            disable_overlap_schedule=not overlap) as eng:
+            outs[overlap] = [o["output_ids"] for o in eng.generate(PROMPTS * 2, params)]
+            eng.check_kv_invariant()
+            assert eng.get_server_info()["stats"]["retractions"] > 0
+    assert outs[True] == outs[False]
+
+
+def test_abort_mid_flight_leaves_the_rest_intact(tiny_model_dir, reference):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        victim = eng.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True},
+                              stream=True)
+        first = next(victim)
+        results = {}
+        worker = threading.Thread(target=lambda: results.update(out=eng.generate(PROMPTS, mixed_params(" the"))))
+        worker.start()
+        time.sleep(0.05)  # the batch is running with the victim in it
+        eng.abort_request(first["meta_info"]["id"])
+        chunks = [first, *victim]
+        worker.join(timeout=120)
+        eng.wait_idle()
+        eng.check_kv_invariant()
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert [o["output_ids"] for o in results["out"]] == reference[:len(PROMPTS)]
+
+
+def test_invalid_schema_fails_alone_under_overlap(tiny_model_dir, reference):
+    params = mixed_params(" the")
+    params[2] = dict(params[2], json_schema='{"type": "object", "properties": ')
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        outs = eng.generate(PROMPTS, params)
+        eng.check_kv_invariant()
+    assert outs[2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "json_schema" in outs[2]["meta_info"]["finish_reason"]["message"]
+    others = [o["output_ids"] for i, o in enumerate(outs) if i != 2]
+    assert others == [ids for i, ids in enumerate(reference[:len(PROMPTS)]) if i != 2]
+
+
+def test_cpu_stream_runs_in_submission_order_on_its_own_thread():
+    stream = CpuStream()
+    seen = []
+    try:
+        def work(i):
+            time.sleep(0.002 * (5 - i))  # earlier items take longer: order must still hold
+            seen.append((i, threading.current_thread().name))
+            return i * i
+
+        futures = [stream.submit(work, i) for i in range(5)]
+        assert [f.result(timeout=10) for f in futures] == [0, 1, 4, 9, 16]
+        assert [i for i, _ in seen] == list(range(5))
+        assert {name for _, name in seen} == {"specjet-compute"}
+        timings = stream.take_timings()
+        assert len(timings) == 5
+        assert all(t.submitted <= t.started <= t.ended for t in timings)
+        assert all(a.ended <= b.started for a, b in zip(timings, timings[1:]))
+    finally:
+        stream.close()
+
+
+def test_cpu_stream_propagates_exceptions_and_keeps_running():
+    stream = CpuStream()
+    try:
+        def boom():
+            raise ValueError("broken work")
+
+        failed = stream.submit(boom)
+        after = stream.submit(lambda: "still here")
+        with pytest.raises(ValueError, match="broken work"):
+            failed.result(timeout=10)
+        assert after.result(timeout=10) == "still here"
+    finally:
+        stream.close()
