@@ -1,5 +1,5 @@
-"""What the benchmarks share: engine-argument flags, GSM8K and JSON-schema prompts, a description of
-the machine."""
+"""What the benchmarks share: engine-argument flags, GSM8K and JSON-schema prompts, sending requests
+concurrently, a description of the machine."""
 from __future__ import annotations
 
 # Every model directory is local; transformers must not try a hub.
@@ -123,6 +123,33 @@ def chat_prompt(tokenizer, text: str) -> str:
     (what ``Engine.apply_chat_template(text)`` gives)."""
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
+
+
+def generate_all(engine, prompts: list, params: dict | list[dict], parallel: int, bar=None) -> list[dict]:
+    """Every prompt (text, or a list of token ids) through ``engine.async_generate``, at most
+    ``parallel`` in flight; ``params`` one sampling-params dict for all or one per prompt. Results in
+    prompt order. ``bar`` (a tqdm) advances as answers come back."""
+    import anyio
+
+    results: list[dict | None] = [None] * len(prompts)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+
+    async def run() -> None:
+        limiter = anyio.CapacityLimiter(parallel)
+
+        async def one(i: int) -> None:
+            prompt = {"input_ids": prompts[i]} if isinstance(prompts[i], list) else {"prompt": prompts[i]}
+            async with limiter:
+                results[i] = await engine.async_generate(sampling_params=per_prompt[i], **prompt)
+            if bar is not None:
+                bar.update()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+
+    anyio.run(run)
+    return results
 
 
 def command_line() -> str:
