@@ -196,6 +196,20 @@ def machine_info() -> dict:
     return info
 
 
+def report_header_lines(command: str, date: str, machine: dict) -> list[str]:
+    """A report's first lines: the command, the date, the machine and the versions. ``machine`` is a
+    ``machine_info()`` taken before the run, with ``load_avg_after`` added from one taken after."""
+    m = machine
+    return [
+        f"# command: {command}",
+        f"# date: {date}",
+        f"# machine: {m['cpu']}; {m['usable_cores']}/{m['cores']} cores usable, torch threads {m['torch_threads']}, "
+        f"load avg {m['load_avg']} before, {m['load_avg_after']} after" + (f", GPU {m['gpu']}" if m["gpu"] else ""),
+        f"# versions: torch {m['torch']}, transformers {m['transformers']}, specjet {m['specjet']}, "
+        f"python {m['python']}, commit {m['git_commit']}",
+    ]
+
+
 def _git_commit() -> str | None:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
