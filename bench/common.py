@@ -1,5 +1,5 @@
-"""What the benchmarks share: engine-argument flags, GSM8K and JSON-schema prompts, a description of
-the machine."""
+"""What the benchmarks share: engine-argument flags, GSM8K and JSON-schema prompts, sending requests
+concurrently, a description of the machine."""
 from __future__ import annotations
 
 # Every model directory is local; transformers must not try a hub.
@@ -125,6 +125,33 @@ def chat_prompt(tokenizer, text: str) -> str:
                                          add_generation_prompt=True)
 
 
+def generate_all(engine, prompts: list, params: dict | list[dict], parallel: int, bar=None) -> list[dict]:
+    """Every prompt (text, or a list of token ids) through ``engine.async_generate``, at most
+    ``parallel`` in flight; ``params`` one sampling-params dict for all or one per prompt. Results in
+    prompt order. ``bar`` (a tqdm) advances as answers come back."""
+    import anyio
+
+    results: list[dict | None] = [None] * len(prompts)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+
+    async def run() -> None:
+        limiter = anyio.CapacityLimiter(parallel)
+
+        async def one(i: int) -> None:
+            prompt = {"input_ids": prompts[i]} if isinstance(prompts[i], list) else {"prompt": prompts[i]}
+            async with limiter:
+                results[i] = await engine.async_generate(sampling_params=per_prompt[i], **prompt)
+            if bar is not None:
+                bar.update()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+
+    anyio.run(run)
+    return results
+
+
 def command_line() -> str:
     """How this process was started, as something to paste into a shell."""
     module = sys.modules["__main__"].__spec__
@@ -167,6 +194,20 @@ def machine_info() -> dict:
         "git_commit": _git_commit(),
     }
     return info
+
+
+def report_header_lines(command: str, date: str, machine: dict) -> list[str]:
+    """A report's first lines: the command, the date, the machine and the versions. ``machine`` is a
+    ``machine_info()`` taken before the run, with ``load_avg_after`` added from one taken after."""
+    m = machine
+    return [
+        f"# command: {command}",
+        f"# date: {date}",
+        f"# machine: {m['cpu']}; {m['usable_cores']}/{m['cores']} cores usable, torch threads {m['torch_threads']}, "
+        f"load avg {m['load_avg']} before, {m['load_avg_after']} after" + (f", GPU {m['gpu']}" if m["gpu"] else ""),
+        f"# versions: torch {m['torch']}, transformers {m['transformers']}, specjet {m['specjet']}, "
+        f"python {m['python']}, commit {m['git_commit']}",
+    ]
 
 
 def _git_commit() -> str | None:

@@ -41,8 +41,8 @@ import sys
 import time
 
 from bench.answer_parsing import gold_answer, last_number, number_str
-from bench.common import (GSM8K_TEST, add_engine_args, append_jsonl, command_line, engine_kwargs, gsm8k_questions,
-                          machine_info, now)
+from bench.common import (GSM8K_TEST, add_engine_args, append_jsonl, command_line, engine_kwargs, generate_all,
+                          gsm8k_questions, machine_info, now)
 from bench.engine_info import accept_length, describe_engine, spec_str, spec_totals
 
 GSM8K_DIR = pathlib.Path(GSM8K_TEST).parent  # train.jsonl (the shots) and test.jsonl (the questions)
@@ -94,31 +94,7 @@ def build_prompts(shots: list[dict], questions: list[dict], chat_template=None) 
     return [chat_template(chat_messages(shots, q["question"])) for q in questions]
 
 
-# ---------------------------------------------------------------- running
-def generate_all(engine, prompts: list[str], params: dict, parallel: int, bar=None) -> list[dict]:
-    """Every prompt through ``engine.async_generate``, at most ``parallel`` in flight; results in
-    prompt order. ``bar`` (a tqdm) advances as answers come back."""
-    import anyio
-
-    results: list[dict | None] = [None] * len(prompts)
-
-    async def run() -> None:
-        limiter = anyio.CapacityLimiter(parallel)
-
-        async def one(i: int) -> None:
-            async with limiter:
-                results[i] = await engine.async_generate(prompts[i], params)
-            if bar is not None:
-                bar.update()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-
-    anyio.run(run)
-    return results
-
-
+# ---------------------------------------------------------------- scoring
 def score(questions: list[dict], outputs: list[dict]) -> dict:
     """Accuracy and invalid rate of the outputs against the questions' gold answers."""
     golds = [gold_answer(q["answer"]) for q in questions]

@@ -67,7 +67,8 @@ import time
 from dataclasses import dataclass, field
 
 from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
-                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, without_speculation)
+                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, report_header_lines,
+                          without_speculation)
 
 WORKLOADS = ("gsm8k", "json")
 PLAIN = "specjet"
@@ -481,14 +482,7 @@ def _num(x, spec=".1f") -> str:
 
 
 def header_lines(header: dict) -> list[str]:
-    m = header["machine"]
-    return [
-        f"# command: {header['command']}",
-        f"# date: {header['date']}",
-        f"# machine: {m['cpu']}; {m['usable_cores']}/{m['cores']} cores usable, torch threads {m['torch_threads']}, "
-        f"load avg {m['load_avg']} before, {m['load_avg_after']} after" + (f", GPU {m['gpu']}" if m["gpu"] else ""),
-        f"# versions: torch {m['torch']}, transformers {m['transformers']}, specjet {m['specjet']}, "
-        f"python {m['python']}, commit {m['git_commit']}",
+    return report_header_lines(header["command"], header["date"], header["machine"]) + [
         f"# model: {header['model_dir']} on {header['device']}; specjet {header['specjet_dtype']}"
         + (f", HF {header['hf_dtype']}" if header.get("hf_dtype") else ""),
     ]
