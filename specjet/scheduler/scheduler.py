@@ -53,7 +53,8 @@ class Scheduler:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 
-        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator)
+        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator,
+                                 tokenizer=tokenizer)
                      if config.spec is not None else None)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
