@@ -36,6 +36,11 @@ from specjet.models.runner import ModelRunner
 from specjet.spec_v2.grammar_guide import GrammarGuide
 
 
+# A forced-chain token is drafted as a sure node (no siblings) only where the head, under the grammar,
+# puts at least this much mass on it; elsewhere the head's alternatives are worth their tree slots.
+CHAIN_MIN_PROB = 0.9
+
+
 @dataclass(frozen=True)
 class EagleParams:
     num_steps: int = 4
@@ -132,15 +137,16 @@ class EagleDrafter:
         guides = guides if guides is not None else [None] * batch
         chains = chains if chains is not None else [[] for _ in views]
         states = [self.states[v.rid] for v in views]
+        start_hidden = torch.stack([s.hidden for s in states])
+        start_logits = torch.stack([s.logits for s in states])
+        if any(chains):
+            chains, start_hidden, start_logits = self._advance_chains(views, guides, chains, start_hidden,
+                                                                      start_logits, req_to_token)
         committed = torch.tensor([v.committed_len for v in views], dtype=torch.int64, device=device)
         # The learned tree's root is the chain's last token (the root itself without a chain); its
         # children sit at position `base`.
         base = committed + torch.tensor([len(c) for c in chains], dtype=torch.int64, device=device)
-        start_hidden = torch.stack([s.hidden for s in states])
-        end_logits = None
-        if any(chains):
-            start_hidden, end_logits = self._advance_chains(views, chains, start_hidden, req_to_token)
-        top_ids, top_logp = self._root_children(states, guides, chains, end_logits)
+        top_ids, top_logp = self._root_children(states, guides, chains, start_logits)
         step_tokens = [top_ids[:, None, :]]  # [B, 1, k]
         step_scores = [top_logp.float()[:, None, :]]
         frontiers: list[torch.Tensor] = []
@@ -207,21 +213,37 @@ class EagleDrafter:
             trees.append((tree_tokens[: p.num_draft_tokens], tree_parents[: p.num_draft_tokens]))
         return trees
 
-    def _advance_chains(self, views: list[DraftView], chains: list[list[int]], hidden: torch.Tensor,
-                        req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the head along each forced chain, one position per forward (each feeds on the
-        previous one's output, as a deeper draft node does). Returns the head's hidden state [B, h]
-        and logits [B, K] at each chain's end (rows without a chain: hidden unchanged, logits 0).
+    def _advance_chains(self, views: list[DraftView], guides: list[GrammarGuide | None], chains: list[list[int]],
+                        hidden: torch.Tensor, logits: torch.Tensor, req_to_token: torch.Tensor
+                        ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """Run the head along each forced chain for as long as it agrees with it; return the chains
+        so cut, and the head's hidden state [B, h] and logits [B, K] at each chain's end.
 
-        The chain's draft KV goes to the request's own slots at positions committed .. committed +
-        c - 1, not to scratch: the scheduler reserved them for the verify (a separate KV cache), and
-        the draft extend after verification rewrites the accepted positions with the target's
-        features, so no later forward reads these guesses."""
+        The forced text is certain, its tokenization is not: under a grammar a model often spells
+        a key in pieces ('a', 'rg', 'um', 'ents') where the tokenizer says 'arguments', and a
+        chain the target rejects at its first token takes the whole tree down with it. So a
+        chain token is kept only while it is the head's own top choice among the grammar-legal
+        tokens there; at the first disagreement the learned tree takes over, with the head's
+        alternatives (other splits of the same text) as siblings. What the chain still buys is
+        depth: its nodes cost no top-k branching, so the tree reaches past ``num_steps``.
+
+        One forward per chain position (each feeds on the previous one's output, as a deeper
+        draft node does). The chain's draft KV goes to the request's own slots at positions
+        committed .. committed + c - 1, not to scratch: the scheduler reserved them for the
+        verify (which writes the target's KV cache, not this one), and the draft extend after
+        verification rewrites the accepted positions with the target's features, so no later
+        forward reads these guesses."""
         device = req_to_token.device
-        hidden = hidden.clone()
-        end_logits = torch.zeros((len(views), self.head.draft_vocab_size), device=device)
-        for j in range(max(len(c) for c in chains)):
-            active = [b for b, c in enumerate(chains) if len(c) > j]
+        hidden, logits = hidden.clone(), logits.clone()
+        kept = [0] * len(chains)
+        active = [b for b, chain in enumerate(chains) if chain]
+        j = 0
+        while active:
+            agrees = self._head_agrees(logits[active], [guides[b] for b in active],
+                                       [chains[b][:j] for b in active], [chains[b][j] for b in active])
+            active = [b for b, ok in zip(active, agrees) if ok]
+            if not active:
+                break
             at = torch.tensor(active, dtype=torch.int64, device=device)
             rows = torch.tensor([views[b].row for b in active], dtype=torch.int64, device=device)
             positions = torch.tensor([views[b].committed_len + j for b in active], dtype=torch.int64, device=device)
@@ -234,25 +256,40 @@ class EagleDrafter:
                 req_pool_indices=rows,
                 kv_lens=positions + 1,
                 q_lens=torch.ones(len(active), dtype=torch.int64, device=device),
-                logits="none",
+                logits="all",
             )
-            out, _ = self.head(fb, hidden[at], self.kv_cache)
-            hidden[at] = out
-            ending = [i for i, b in enumerate(active) if len(chains[b]) == j + 1]
-            if ending:
-                end_logits[at[ending]] = self.head.logits(out[ending])
-        return hidden, end_logits
+            hidden[at], logits[at] = self.head(fb, hidden[at], self.kv_cache)
+            j += 1
+            for b in active:
+                kept[b] = j
+            active = [b for b in active if len(chains[b]) > j]
+        return [chain[:n] for chain, n in zip(chains, kept)], hidden, logits
+
+    def _head_agrees(self, logits: torch.Tensor, guides: list[GrammarGuide | None], prefixes: list[list[int]],
+                     tokens: list[int]) -> list[bool]:
+        """Whether the head puts at least ``CHAIN_MIN_PROB`` of its mass on each token, among what
+        the grammar allows after its prefix (unconstrained rows: among everything)."""
+        logits = logits.clone()
+        guided = [i for i, g in enumerate(guides) if g is not None]
+        if guided:
+            masks = torch.cat([guides[i].masks_after([prefixes[i]]) for i in guided])
+            allowed = bitmask_allows(masks, self._draft_vocab_ids()).to(logits.device)
+            logits[guided] = logits[guided].masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(logits, -1)
+        best_prob, best = probs.max(-1)
+        best = self.head.hot_to_full(best)
+        return [int(t) == tok and float(p) >= CHAIN_MIN_PROB for t, p, tok in zip(best.tolist(), best_prob, tokens)]
 
     def _root_children(self, states: list[DraftState], guides: list[GrammarGuide | None], chains: list[list[int]],
-                       end_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       start_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k children of each learned tree's root: [B, k] target ids and log-probabilities. An
         unconstrained request without a chain keeps the top-k its draft state already holds."""
         top_ids = torch.stack([s.top_ids for s in states])
         top_logp = torch.stack([s.top_logp for s in states]).float()
-        for b, (state, guide, chain) in enumerate(zip(states, guides, chains)):
+        for b, (guide, chain) in enumerate(zip(guides, chains)):
             if guide is None and not chain:
                 continue
-            logits = (end_logits[b] if chain else state.logits)[None]
+            logits = start_logits[b][None]
             logp = self._masked_logp(logits, guide.masks_after([chain])) if guide is not None \
                 else torch.log_softmax(logits, -1)
             logp, idx = logp.topk(self.params.topk, dim=-1)
