@@ -1,7 +1,8 @@
 """Grammar-constrained decoding over xgrammar: compile cache, per-request matcher, bitmasks."""
 
 from specjet.grammar.backend import GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError
-from specjet.grammar.matcher import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
+from specjet.grammar.matcher import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, bitmask_allows
+from specjet.grammar.tree_mask import TreeMasks, mask_draft_tree
 
 __all__ = [
     "GRAMMAR_KINDS",
@@ -11,4 +12,7 @@ __all__ = [
     "RequestGrammar",
     "allocate_token_bitmask",
     "apply_token_bitmask_",
+    "bitmask_allows",
+    "mask_draft_tree",
+    "TreeMasks",
 ]

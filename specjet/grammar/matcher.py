@@ -49,6 +49,25 @@ class RequestGrammar:
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
 
+    def fill_draft_tree_bitmask(
+        self,
+        next_token: torch.Tensor,
+        next_sibling: torch.Tensor,
+        tokens: torch.Tensor,
+        bitmask: torch.Tensor,
+    ) -> None:
+        """Masks for every node of a draft tree in one walk (xgrammar's `traverse_draft_tree`).
+
+        next_token / next_sibling / tokens: 1-D int64 CPU tensors of one tree (`TreeInfo`'s
+        `retrive_next_token[b]`, `retrive_next_sibling[b]`, node-local, -1 = none); node 0 is the
+        root, whose token this matcher has already accepted. Row i of `bitmask` ([N, W] int32)
+        becomes the mask for the token after node i. What xgrammar 0.2.8 does beyond that
+        (tests/test_spec_grammar.py pins it): a node whose token its parent's row forbids gets an
+        all-zero row and its subtree is not visited, so those rows keep whatever they held; a
+        node after the stop token gets an all-zero row; the matcher's state is unchanged.
+        """
+        self._matcher.traverse_draft_tree(next_token, next_sibling, tokens, bitmask)
+
     def is_terminated(self) -> bool:
         """True once the stop token has been accepted."""
         return self._matcher.is_terminated()
@@ -69,6 +88,17 @@ class RequestGrammar:
 def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed bitmask, int32 [batch_size, ceil(vocab_size / 32)], on the CPU."""
     return xgr.allocate_token_bitmask(batch_size, vocab_size)
+
+
+def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `bitmask` allows each token: [R, W] int32 x [M] int64 -> [R, M] bool.
+
+    The gather form (rather than unpacking whole rows) costs R x M, which matters when M is a
+    draft head's few thousand hot tokens rather than the whole vocabulary.
+    """
+    token_ids = token_ids.to(device=bitmask.device, dtype=torch.int64)
+    words = bitmask[:, token_ids >> 5].to(torch.int64)  # [R, M]
+    return ((words >> (token_ids & 31)) & 1).bool()
 
 
 def apply_token_bitmask_(

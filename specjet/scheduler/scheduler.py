@@ -56,7 +56,8 @@ class Scheduler(EventLoopsMixin):
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 
-        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator)
+        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator,
+                                 tokenizer=tokenizer)
                      if config.spec is not None else None)
         self.future_map = FutureMap(self.req_to_token_pool.num_rows)
         self.waiting: list[Req] = []

@@ -1,17 +1,24 @@
 """A decode iteration with speculation: draft a tree per request, verify all of them in one target
 forward, hand back each request's accepted tokens. The scheduler owns the requests; the drafters
-and the verifier (spec_v2) see only views of them."""
+and the verifier (spec_v2) see only views of them.
+
+A grammar-constrained request speculates like any other: its tree is masked node by node with the
+grammar state of each node's path and pruned of illegal nodes before verification (always), and
+with ``grammar_aware`` its drafts are grammar-legal to begin with and the grammar's forced text
+enters the tree as a chain of sure nodes (spec_v2/grammar_guide.py). The grammar's state is left
+untouched here: the scheduler advances it by the accepted tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from specjet.grammar import allocate_token_bitmask
 from specjet.kernels.sampling import SamplingTensors
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.request import Req
 from specjet.spec_v2.eagle_worker import DraftView, EagleDrafter, EagleParams
+from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.ngram import NgramConfig, NgramDrafter
 from specjet.spec_v2.tree_verifier import SpecRequest, TreeVerifier, VerifyResult
 
@@ -38,8 +45,12 @@ class SpecConfig:
 
 
 class SpecDecoder:
-    def __init__(self, runner: ModelRunner, cfg: SpecConfig, vocab_size: int, context_len: int, allocator):
+    def __init__(self, runner: ModelRunner, cfg: SpecConfig, vocab_size: int, context_len: int, allocator,
+                 tokenizer=None):
         self.cfg = cfg
+        # Jump-forward needs the model's tokenizer to turn the grammar's forced text into tokens.
+        self._tokenize = None if tokenizer is None else (
+            lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.vocab_size = vocab_size
         self.context_len = context_len
         if cfg.algorithm == "NGRAM":
@@ -69,10 +80,7 @@ class SpecDecoder:
 
     def tree_budget(self, req: Req) -> int:
         """Nodes this request's tree may have: never more tokens than it may still produce or the
-        context can hold; a grammar-constrained request decodes its root only (per-node grammar
-        masks arrive with grammar-masked trees)."""
-        if req.grammar is not None:
-            return 1
+        context can hold."""
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         room = self.context_len - req.kv_committed_len
         return max(1, min(self.cfg.num_draft_tokens, remaining, room))
@@ -90,31 +98,36 @@ class SpecDecoder:
         token_lists = [r.fill_ids[1:] + [tok] for r, tok in zip(reqs, first_tokens)]
         self.eagle.extend(views, token_lists, hidden, req_to_token)
 
-    def _propose(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    def _guide(self, req: Req) -> GrammarGuide | None:
+        return GrammarGuide(req.grammar, self.vocab_size, self._tokenize) if req.grammar is not None else None
+
+    def _propose(self, reqs: list[Req], guides: list[GrammarGuide | None], req_to_token: torch.Tensor
+                 ) -> list[tuple[list[int], list[int]]]:
         budgets = [self.tree_budget(r) for r in reqs]
+        aware = self.cfg.grammar_aware
+        chains = [g.forced_chain(n - 1) if aware and g is not None else [] for g, n in zip(guides, budgets)]
         if self.ngram is not None:
             out = []
-            for req, budget in zip(reqs, budgets):
+            for req, guide, chain, budget in zip(reqs, guides, chains, budgets):
                 self.ngram.observe(req.rid, req.fill_ids)
-                out.append(self.ngram.propose(req.rid, budget))
+                legal_len = partial(guide.legal_prefix_len, chain) if aware and guide is not None else None
+                out.append(self.ngram.propose(req.rid, budget, chain, legal_len))
             return out
-        tokens, parents = self.eagle.propose([self._view(r) for r in reqs], [r.output_ids[-1] for r in reqs],
-                                             req_to_token)
-        return [(tokens[b, :n].tolist(), parents[b, :n].tolist()) for b, n in enumerate(budgets)]
+        trees = self.eagle.propose([self._view(r) for r in reqs], [r.output_ids[-1] for r in reqs], req_to_token,
+                                   guides=guides if aware else None, chains=chains)
+        return [(tokens[:n], parents[:n]) for (tokens, parents), n in zip(trees, budgets)]
 
     def run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
+        guides = [self._guide(r) for r in reqs]
         spec_reqs = []
-        for req, (tokens, parents) in zip(reqs, self._propose(reqs, req_to_token)):
+        for req, guide, (tokens, parents) in zip(reqs, guides, self._propose(reqs, guides, req_to_token)):
+            bitmask = None
+            if guide is not None:
+                tokens, parents, bitmask = guide.mask_tree(tokens, parents)
             uniforms = None
             if req.generator is not None:
                 uniforms = torch.rand(len(tokens), generator=req.generator)
-            root_bitmask = None
-            if req.grammar is not None:
-                root_bitmask = allocate_token_bitmask(1, self.vocab_size)
-                req.grammar.fill_next_token_bitmask(root_bitmask, 0)
-                root_bitmask = root_bitmask[0]
-            spec_reqs.append(SpecRequest(req.req_pool_idx, req.kv_committed_len, tokens, parents, uniforms,
-                                         root_bitmask))
+            spec_reqs.append(SpecRequest(req.req_pool_idx, req.kv_committed_len, tokens, parents, uniforms, bitmask))
         result = self.verifier.verify(spec_reqs, req_to_token, sampling_tensors(reqs, req_to_token.device),
                                       extra_kv_caches=())
         if self.eagle is not None:

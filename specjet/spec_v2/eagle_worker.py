@@ -16,6 +16,10 @@ The tree nodes' draft KV lives in scratch slots taken from the allocator after a
 back by restoring it. Each frontier node attends to the request's committed draft KV, its
 ancestors' scratch KV and itself: it is run as its own single-token row whose slot list is the
 request's prefix followed by its ancestor chain, so no tree mask is needed in the draft forwards.
+
+Under a grammar (spec_v2/grammar_guide.py) every top-k is taken over the tokens the grammar allows
+after the node, and the grammar's forced tokens enter as a chain under the root: the head runs
+along the chain (no top-k there) and drafts its tree from the chain's end.
 """
 from __future__ import annotations
 
@@ -23,11 +27,18 @@ from dataclasses import dataclass
 
 import torch
 
+from specjet.grammar import bitmask_allows
 from specjet.kernels.tree import flatten_expansion_steps, select_draft_nodes
 from specjet.models.eagle import EagleDraftModel
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
+from specjet.spec_v2.grammar_guide import GrammarGuide
+
+
+# A forced-chain token is drafted as a sure node (no siblings) only where the head, under the grammar,
+# puts at least this much mass on it; elsewhere the head's alternatives are worth their tree slots.
+CHAIN_MIN_PROB = 0.9
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class DraftState:
     hidden: torch.Tensor  # [h] head output at the last committed position
     top_ids: torch.Tensor  # [topk] target ids of the predicted next tokens, best first
     top_logp: torch.Tensor  # [topk] their log-probabilities
+    logits: torch.Tensor  # [K] the head's logits there (K: its hot vocabulary), for grammar-masked top-k
 
 
 @dataclass
@@ -65,6 +77,7 @@ class EagleDrafter:
         self.kv_cache = KVCache(1, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim, runner.dtype,
                                 runner.device)
         self.states: dict[str, DraftState] = {}
+        self._vocab_ids: torch.Tensor | None = None
 
     def scratch_slots(self, batch_size: int) -> int:
         """Slots the drafting of one batch borrows (and returns) from the allocator."""
@@ -104,26 +117,45 @@ class EagleDrafter:
         top_logp, top_idx = torch.log_softmax(logits, -1).topk(self.params.topk, dim=-1)
         top_ids = self.head.hot_to_full(top_idx)
         for b, view in enumerate(views):
-            self.states[view.rid] = DraftState(last_hidden[b], top_ids[b], top_logp[b])
+            self.states[view.rid] = DraftState(last_hidden[b], top_ids[b], top_logp[b], logits[b])
 
     # ---------------------------------------------------------------- drafting
-    def propose(self, views: list[DraftView], root_tokens: list[int], req_to_token: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE-2 trees for a batch: (tokens [B, N], parents [B, N]), root at node 0, nodes in rank
-        order (any prefix of the node list is itself a tree)."""
+    def propose(self, views: list[DraftView], root_tokens: list[int], req_to_token: torch.Tensor,
+                guides: list[GrammarGuide | None] | None = None, chains: list[list[int]] | None = None
+                ) -> list[tuple[list[int], list[int]]]:
+        """EAGLE-2 trees for a batch: per request (tokens, parents), root at node 0, nodes in rank
+        order (any prefix of the node list is itself a tree), at most ``num_draft_tokens`` nodes.
+
+        Grammar-aware drafting: ``guides[b]`` (or None) makes every top-k of request b, the root's
+        included, range over the tokens its grammar allows after that node, so no tree slot goes
+        to a token verification must reject; ``chains[b]`` (the grammar's forced tokens, or [])
+        becomes nodes 1..c, a chain under the root ranked above every drafted node (probability
+        1), and the learned tree grows from the chain's end."""
         p = self.params
         device = req_to_token.device
         batch, k = len(views), p.topk
+        guides = guides if guides is not None else [None] * batch
+        chains = chains if chains is not None else [[] for _ in views]
         states = [self.states[v.rid] for v in views]
+        start_hidden = torch.stack([s.hidden for s in states])
+        start_logits = torch.stack([s.logits for s in states])
+        if any(chains):
+            chains, start_hidden, start_logits = self._advance_chains(views, guides, chains, start_hidden,
+                                                                      start_logits, req_to_token)
         committed = torch.tensor([v.committed_len for v in views], dtype=torch.int64, device=device)
-        step_tokens = [torch.stack([s.top_ids for s in states])[:, None, :]]  # [B, 1, k]
-        step_scores = [torch.stack([s.top_logp for s in states]).float()[:, None, :]]
+        # The learned tree's root is the chain's last token (the root itself without a chain); its
+        # children sit at position `base`.
+        base = committed + torch.tensor([len(c) for c in chains], dtype=torch.int64, device=device)
+        top_ids, top_logp = self._root_children(states, guides, chains, start_logits)
+        step_tokens = [top_ids[:, None, :]]  # [B, 1, k]
+        step_scores = [top_logp.float()[:, None, :]]
         frontiers: list[torch.Tensor] = []
-        cur_tokens = step_tokens[0].reshape(batch, k)
+        cur_tokens = top_ids
         cur_scores = step_scores[0].reshape(batch, k)
-        cur_feat = torch.stack([s.hidden for s in states])[:, None, :].expand(batch, k, -1)
-        chains = torch.zeros((batch, k, 0), dtype=torch.int64, device=device)  # ancestors' scratch slots
-        width = int(committed.max()) + p.num_steps
+        cur_feat = start_hidden[:, None, :].expand(batch, k, -1)
+        ancestors = torch.zeros((batch, k, 0), dtype=torch.int64, device=device)  # ancestors' scratch slots
+        paths = torch.zeros((batch, k, 0), dtype=torch.int64, device=device)  # frontier paths' tokens
+        width = int(base.max()) + p.num_steps
         rows = torch.tensor([v.row for v in views], device=device)
         prefix = torch.zeros((batch, width), dtype=torch.int64, device=device)  # [B, W]; may outgrow the table
         copied = min(width, req_to_token.shape[1])
@@ -134,14 +166,15 @@ class EagleDrafter:
                 frontiers.append(torch.arange(k, device=device).expand(batch, k) if step == 1 else next_frontier)
                 own = self.allocator.extend(torch.empty(0, dtype=torch.int64), 0, batch * k)[: batch * k]
                 own = own.to(device).view(batch, k, 1)
-                chains = torch.cat([chains, own], dim=-1)  # [B, k, step]: depth-1 .. depth-step nodes
+                ancestors = torch.cat([ancestors, own], dim=-1)  # [B, k, step]: depth-1 .. depth-step nodes
+                paths = torch.cat([paths, cur_tokens[:, :, None]], dim=-1)
                 depth = step
-                # One row per frontier node: the request's committed prefix, then its chain.
+                # One row per frontier node: the request's prefix (chain included), then its ancestors.
                 table = prefix[:, None, :].expand(batch, k, width).clone()
-                cols = committed[:, None, None] + torch.arange(depth, device=device)[None, None, :]
-                table.scatter_(2, cols, chains)
+                cols = base[:, None, None] + torch.arange(depth, device=device)[None, None, :]
+                table.scatter_(2, cols, ancestors)
                 table = table.view(batch * k, width)
-                positions = (committed + depth - 1).repeat_interleave(k)
+                positions = (base + depth - 1).repeat_interleave(k)
                 fb = ForwardBatch.build(
                     ForwardMode.DECODE,
                     input_ids=cur_tokens.reshape(-1),
@@ -154,7 +187,8 @@ class EagleDrafter:
                     logits="all",
                 )
                 hidden, logits = self.head(fb, cur_feat.reshape(batch * k, -1), self.kv_cache)
-                logp, idx = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B*k, k]
+                logp = self._frontier_logp(logits, guides, chains, paths)
+                logp, idx = logp.topk(k, dim=-1)  # [B*k, k]
                 child_ids = self.head.hot_to_full(idx).view(batch, k, k)
                 child_scores = cur_scores[:, :, None] + logp.view(batch, k, k)
                 step_tokens.append(child_ids)
@@ -165,13 +199,140 @@ class EagleDrafter:
                     cur_tokens = child_ids.view(batch, k * k).gather(1, next_frontier)
                     cur_scores = child_scores.view(batch, k * k).gather(1, next_frontier)
                     cur_feat = hidden.view(batch, k, -1).gather(1, parent[:, :, None].expand(-1, -1, hidden.shape[-1]))
-                    chains = chains.gather(1, parent[:, :, None].expand(-1, -1, chains.shape[-1]))
+                    ancestors = ancestors.gather(1, parent[:, :, None].expand(-1, -1, ancestors.shape[-1]))
+                    paths = paths.gather(1, parent[:, :, None].expand(-1, -1, paths.shape[-1]))
         finally:
             self.allocator.restore(snapshot)
         cand_tokens, cand_parents, cand_scores = flatten_expansion_steps(step_tokens, step_scores, frontiers)
-        roots = torch.tensor(root_tokens, dtype=torch.int64, device=device)
+        roots = torch.tensor([c[-1] if c else r for c, r in zip(chains, root_tokens)], dtype=torch.int64, device=device)
         num_nodes = min(p.num_draft_tokens, cand_tokens.shape[1] + 1)
-        return select_draft_nodes(roots, cand_tokens, cand_parents, cand_scores, num_nodes)
+        tokens, parents = select_draft_nodes(roots, cand_tokens, cand_parents, cand_scores, num_nodes)
+        trees = []
+        for b, (root, chain) in enumerate(zip(root_tokens, chains)):
+            tree_tokens, tree_parents = _hang_below_chain(root, chain, tokens[b].tolist(), parents[b].tolist())
+            trees.append((tree_tokens[: p.num_draft_tokens], tree_parents[: p.num_draft_tokens]))
+        return trees
+
+    def _advance_chains(self, views: list[DraftView], guides: list[GrammarGuide | None], chains: list[list[int]],
+                        hidden: torch.Tensor, logits: torch.Tensor, req_to_token: torch.Tensor
+                        ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """Run the head along each forced chain for as long as it agrees with it; return the chains
+        so cut, and the head's hidden state [B, h] and logits [B, K] at each chain's end.
+
+        The forced text is certain, its tokenization is not: under a grammar a model often spells
+        a key in pieces ('a', 'rg', 'um', 'ents') where the tokenizer says 'arguments', and a
+        chain the target rejects at its first token takes the whole tree down with it. So a
+        chain token is kept only while it is the head's own top choice among the grammar-legal
+        tokens there; at the first disagreement the learned tree takes over, with the head's
+        alternatives (other splits of the same text) as siblings. What the chain still buys is
+        depth: its nodes cost no top-k branching, so the tree reaches past ``num_steps``.
+
+        One forward per chain position (each feeds on the previous one's output, as a deeper
+        draft node does). The chain's draft KV goes to the request's own slots at positions
+        committed .. committed + c - 1, not to scratch: the scheduler reserved them for the
+        verify (which writes the target's KV cache, not this one), and the draft extend after
+        verification rewrites the accepted positions with the target's features, so no later
+        forward reads these guesses."""
+        device = req_to_token.device
+        hidden, logits = hidden.clone(), logits.clone()
+        kept = [0] * len(chains)
+        active = [b for b, chain in enumerate(chains) if chain]
+        j = 0
+        while active:
+            agrees = self._head_agrees(logits[active], [guides[b] for b in active],
+                                       [chains[b][:j] for b in active], [chains[b][j] for b in active])
+            active = [b for b, ok in zip(active, agrees) if ok]
+            if not active:
+                break
+            at = torch.tensor(active, dtype=torch.int64, device=device)
+            rows = torch.tensor([views[b].row for b in active], dtype=torch.int64, device=device)
+            positions = torch.tensor([views[b].committed_len + j for b in active], dtype=torch.int64, device=device)
+            fb = ForwardBatch.build(
+                ForwardMode.DECODE,
+                input_ids=torch.tensor([chains[b][j] for b in active], dtype=torch.int64, device=device),
+                positions=positions,
+                out_cache_loc=req_to_token[rows, positions],
+                req_to_token=req_to_token,
+                req_pool_indices=rows,
+                kv_lens=positions + 1,
+                q_lens=torch.ones(len(active), dtype=torch.int64, device=device),
+                logits="all",
+            )
+            hidden[at], logits[at] = self.head(fb, hidden[at], self.kv_cache)
+            j += 1
+            for b in active:
+                kept[b] = j
+            active = [b for b in active if len(chains[b]) > j]
+        return [chain[:n] for chain, n in zip(chains, kept)], hidden, logits
+
+    def _head_agrees(self, logits: torch.Tensor, guides: list[GrammarGuide | None], prefixes: list[list[int]],
+                     tokens: list[int]) -> list[bool]:
+        """Whether the head puts at least ``CHAIN_MIN_PROB`` of its mass on each token, among what
+        the grammar allows after its prefix (unconstrained rows: among everything)."""
+        logits = logits.clone()
+        guided = [i for i, g in enumerate(guides) if g is not None]
+        if guided:
+            masks = torch.cat([guides[i].masks_after([prefixes[i]]) for i in guided])
+            allowed = bitmask_allows(masks, self._draft_vocab_ids()).to(logits.device)
+            logits[guided] = logits[guided].masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(logits, -1)
+        best_prob, best = probs.max(-1)
+        best = self.head.hot_to_full(best)
+        return [int(t) == tok and float(p) >= CHAIN_MIN_PROB for t, p, tok in zip(best.tolist(), best_prob, tokens)]
+
+    def _root_children(self, states: list[DraftState], guides: list[GrammarGuide | None], chains: list[list[int]],
+                       start_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k children of each learned tree's root: [B, k] target ids and log-probabilities. An
+        unconstrained request without a chain keeps the top-k its draft state already holds."""
+        top_ids = torch.stack([s.top_ids for s in states])
+        top_logp = torch.stack([s.top_logp for s in states]).float()
+        for b, (guide, chain) in enumerate(zip(guides, chains)):
+            if guide is None and not chain:
+                continue
+            logits = start_logits[b][None]
+            logp = self._masked_logp(logits, guide.masks_after([chain])) if guide is not None \
+                else torch.log_softmax(logits, -1)
+            logp, idx = logp.topk(self.params.topk, dim=-1)
+            top_ids[b], top_logp[b] = self.head.hot_to_full(idx[0]), logp[0]
+        return top_ids, top_logp
+
+    def _frontier_logp(self, logits: torch.Tensor, guides: list[GrammarGuide | None], chains: list[list[int]],
+                       paths: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of each frontier node's children [B*k, K]; a guided request's rows are
+        restricted to what its grammar allows after the node's path (chain, then ``paths[b, f]``)."""
+        logp = torch.log_softmax(logits, -1)
+        k = self.params.topk
+        guided = [b for b, g in enumerate(guides) if g is not None]
+        if guided:
+            masks = torch.cat([guides[b].masks_after([chains[b] + path for path in paths[b].tolist()])
+                               for b in guided])
+            rows = torch.cat([torch.arange(b * k, (b + 1) * k) for b in guided]).to(logits.device)
+            logp[rows] = self._masked_logp(logits[rows], masks)
+        return logp
+
+    def _masked_logp(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """log_softmax over the grammar-allowed part of the head's vocabulary, -inf elsewhere. The
+        renormalisation makes a forced token score 0 (probability 1), so deeper nodes under it
+        keep their rank; a row with no allowed hot token is all -inf (its node gets no children)."""
+        allowed = bitmask_allows(bitmask, self._draft_vocab_ids()).to(logits.device)
+        logp = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+        return logp.masked_fill(~allowed, float("-inf"))  # an all-masked row is NaN before this
+
+    def _draft_vocab_ids(self) -> torch.Tensor:
+        """Target token id of each column of the head's logits (on the CPU, where bitmasks live)."""
+        if self._vocab_ids is None:
+            ids = self.head.hot_token_ids
+            self._vocab_ids = (torch.arange(self.head.draft_vocab_size) if ids is None else ids).cpu()
+        return self._vocab_ids
 
     def release(self, rid: str) -> None:
         self.states.pop(rid, None)
+
+
+def _hang_below_chain(root: int, chain: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """The full tree: root, the forced chain as nodes 1..c, then the learned tree whose own root
+    (``tokens[0]``, the chain's last token) is node c."""
+    if not chain:
+        return tokens, parents
+    c = len(chain)
+    return [root] + chain + tokens[1:], [-1] + list(range(c)) + [q + c for q in parents[1:]]

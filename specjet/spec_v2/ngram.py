@@ -12,6 +12,7 @@ n-gram to the positions where it ends, updated incrementally as tokens are accep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,22 @@ class NgramIndex:
                 key = tuple(self.tokens[t - w + 1: t + 1])
                 self._ends.setdefault(key, []).append(t)
 
-    def continuations(self, cfg: NgramConfig, max_len: int) -> list[list[int]]:
+    def continuations(self, cfg: NgramConfig, max_len: int, after: list[int] = ()) -> list[list[int]]:
         """Up to ``cfg.max_branches`` distinct continuations of the current suffix, best first:
-        longer matched windows first, then more recent occurrences."""
+        longer matched windows first, then more recent occurrences. ``after``: tokens taken as
+        already following the sequence (a grammar's forced chain): the suffix matched ends with
+        them, and continuations are of the extended sequence."""
+        after = list(after)
         n = len(self.tokens)
+        seq_len = n + len(after)
+        tail = self.tokens[-cfg.max_window:] + after
         found: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for w in range(min(cfg.max_window, n - 1), cfg.min_window - 1, -1):
-            ends = self._ends.get(tuple(self.tokens[n - w:]), ())
+        for w in range(min(cfg.max_window, seq_len - 1), cfg.min_window - 1, -1):
+            ends = self._ends.get(tuple(tail[len(tail) - w:]), ())
             scanned = 0
             for end in reversed(ends):
-                if end >= n - 1:  # the suffix itself
+                if end >= seq_len - 1:  # the suffix itself
                     continue
                 scanned += 1
                 if scanned > cfg.max_matches_scanned:
@@ -98,11 +104,21 @@ class NgramDrafter:
             index = self._indexes[rid] = NgramIndex(self.cfg.max_window)
         index.extend(all_tokens[len(index.tokens):])
 
-    def propose(self, rid: str, max_nodes: int) -> tuple[list[int], list[int]]:
+    def propose(self, rid: str, max_nodes: int, chain: list[int] = (),
+                legal_len: Callable[[list[int]], int] | None = None) -> tuple[list[int], list[int]]:
+        """A trie of continuations under the last token. Grammar-aware drafting passes ``chain``
+        (the grammar's forced tokens: the trie's first, sure, branch and the place continuations
+        are matched from) and ``legal_len`` (how many tokens of a continuation after the chain
+        the grammar accepts): each continuation is cut at its first illegal token, so the node
+        budget goes to tokens verification can accept."""
         index = self._indexes[rid]
         max_nodes = min(max_nodes, self.cfg.num_draft_tokens)
-        conts = index.continuations(self.cfg, max_len=max_nodes - 1) if max_nodes > 1 else []
-        return build_trie(index.tokens[-1], conts, max_nodes)
+        chain = list(chain)[: max(0, max_nodes - 1)]
+        room = max_nodes - 1 - len(chain)
+        conts = index.continuations(self.cfg, max_len=room, after=chain) if room > 0 else []
+        if legal_len is not None:
+            conts = [cont[: legal_len(cont)] for cont in conts]
+        return build_trie(index.tokens[-1], [chain + cont for cont in conts] or [chain], max_nodes)
 
     def release(self, rid: str) -> None:
         self._indexes.pop(rid, None)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specjet.grammar import allocate_token_bitmask, apply_token_bitmask_
 from specjet.kernels.sampling import SamplingTensors, filtered_probs
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
@@ -25,7 +26,9 @@ class SpecRequest:
     tokens: list[int]  # draft tree, root (the last verified token) first
     parents: list[int]  # parent of each node, -1 for the root; parents before children
     uniforms: torch.Tensor | None  # [len(tokens)] coins for sampling verification; None when greedy
-    root_bitmask: torch.Tensor | None = None  # grammar mask for the token after the root
+    # [len(tokens), W] int32 grammar masks, row i for the token after node i (spec_v2.grammar_guide);
+    # None without a grammar
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,11 +75,7 @@ class TreeVerifier:
         offsets = [0]
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + n)
-        for r, off in zip(reqs, offsets):  # the grammar constrains the token after the root
-            if r.root_bitmask is not None:
-                from specjet.grammar import apply_token_bitmask_
-
-                apply_token_bitmask_(logits[off:off + 1], r.root_bitmask[None])
+        self._apply_grammar_masks(reqs, logits, offsets)
         probs = None
         if not sampling.all_greedy:
             per_node = SamplingTensors(
@@ -100,6 +99,19 @@ class TreeVerifier:
             accepted_tokens.append([r.tokens[i] for i in nodes[1:]] + [int(bonus[0])])
             self._commit_kv(r, nodes, req_to_token, extra_kv_caches)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
+
+    @staticmethod
+    def _apply_grammar_masks(reqs: list[SpecRequest], logits: torch.Tensor, offsets: list[int]) -> None:
+        """Mask each constrained node's logits with the grammar state of its own path, in place: the
+        greedy walk and the rejection sampling then see, at every node, exactly what plain
+        constrained decoding would sample from after that path."""
+        rows = [torch.arange(off, off + len(r.tokens)) for r, off in zip(reqs, offsets) if r.bitmask is not None]
+        if not rows:
+            return
+        bitmask = torch.cat([r.bitmask for r in reqs if r.bitmask is not None])
+        full = allocate_token_bitmask(logits.shape[0], logits.shape[1])
+        full[torch.cat(rows)] = bitmask
+        apply_token_bitmask_(logits, full, indices=torch.cat(rows).tolist())
 
     def _commit_kv(self, r: SpecRequest, nodes: list[int], req_to_token: torch.Tensor, extra_kv_caches) -> None:
         """Node i's KV sits at position committed+i; the j-th node of the path must sit at committed+j.

@@ -1,0 +1,96 @@
+"""A constrained request's grammar as speculation uses it within one decode iteration.
+
+Three uses, each leaving the grammar's state exactly as it found it (every accept is rolled back),
+because the scheduler advances the matcher later, by the accepted tokens only:
+
+- verification (always): per-node masks of the draft tree, and the tree without its illegal
+  nodes (`mask_tree`);
+- grammar-aware drafting: the mask after any draft path (`masks_after`), so a drafter spends no
+  tree slot on a token the grammar forbids, and the legal prefix of an n-gram continuation;
+- jump-forward folded into speculation: the tokens of the text the grammar forces next
+  (`forced_chain`). They enter the tree as a chain under the root with probability 1; the target
+  still verifies them, so a tokenization it would not have chosen is only a rejected branch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, bitmask_allows, mask_draft_tree
+
+
+class GrammarGuide:
+    def __init__(self, grammar: RequestGrammar, vocab_size: int,
+                 tokenize: Callable[[str], list[int]] | None = None):
+        self.grammar = grammar
+        self.vocab_size = vocab_size
+        self.tokenize = tokenize  # text -> token ids as the model's tokenizer splits it; None: no chains
+
+    # ------------------------------------------------------------------ jump-forward
+    def forced_chain(self, max_len: int) -> list[int]:
+        """Tokens of the grammar's forced continuation, at most `max_len`, each accepted in turn.
+
+        The last token of the forced text's tokenization is left out unless the grammar can only
+        stop after it: at the text's end the model may merge it with what follows (' "' then
+        'web' versus ' "web'), and the drafter, which sees the grammar mask there, proposes that
+        boundary token better than a tokenizer that cannot see past the forced text."""
+        if self.tokenize is None or max_len <= 0:
+            return []
+        text = self.grammar.find_jump_forward_string()
+        if not text:
+            return []
+        ids = self.tokenize(text)
+        accepted = self.grammar.accept_tokens(ids)
+        try:
+            keep = accepted if accepted < len(ids) or self._only_stop_allowed() else len(ids) - 1
+        finally:
+            self.grammar.rollback(accepted)
+        return ids[:min(keep, max_len)]
+
+    def _only_stop_allowed(self) -> bool:
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        self.grammar.fill_next_token_bitmask(bitmask, 0)
+        stops = torch.tensor(self.grammar.compiled.tokenizer_info.stop_token_ids, dtype=torch.int64)
+        num_allowed = int(_popcount(bitmask).sum())
+        return num_allowed == int(bitmask_allows(bitmask, stops).sum())
+
+    # ------------------------------------------------------------------ drafting
+    def masks_after(self, paths: list[list[int]]) -> torch.Tensor:
+        """[len(paths), W] int32: the tokens allowed after each path from the root (an illegal
+        path, or one through the stop token, gets an all-zero row: nothing may follow it)."""
+        bitmask = allocate_token_bitmask(len(paths), self.vocab_size)
+        for i, path in enumerate(paths):
+            taken = self.grammar.accept_tokens(path)
+            if taken == len(path) and not self.grammar.is_terminated():
+                self.grammar.fill_next_token_bitmask(bitmask, i)
+            else:
+                bitmask[i] = 0
+            self.grammar.rollback(taken)
+        return bitmask
+
+    def legal_prefix_len(self, prefix: list[int], tokens: list[int]) -> int:
+        """How many of `tokens` the grammar accepts after `prefix` (itself assumed legal)."""
+        taken = self.grammar.accept_tokens(list(prefix) + list(tokens))
+        self.grammar.rollback(taken)
+        return max(0, taken - len(prefix))
+
+    # ------------------------------------------------------------------ verification
+    def mask_tree(self, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+        """The tree without its illegal nodes (and their subtrees), and the grammar mask after
+        each kept node: (tokens, parents, bitmask [kept, W]). Kept nodes keep their order, so
+        parents still come before children and siblings keep their draft order."""
+        masks = mask_draft_tree(self.grammar, tokens, parents, self.vocab_size)
+        keep = [i for i, ok in enumerate(masks.legal) if ok]
+        if len(keep) == len(tokens):
+            return tokens, parents, masks.bitmask
+        new_index = {old: new for new, old in enumerate(keep)}
+        kept_parents = [-1] + [new_index[parents[i]] for i in keep[1:]]
+        return [tokens[i] for i in keep], kept_parents, masks.bitmask[keep]
+
+
+def _popcount(bitmask: torch.Tensor) -> torch.Tensor:
+    """Set bits per row of an int32 bitmask [R, W] -> [R]."""
+    words = bitmask.to(torch.int64) & 0xFFFFFFFF
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int64)) & 1
+    return bits.sum(dim=(1, 2))

@@ -1,0 +1,244 @@
+"""Speculation under a grammar is lossless: per-node grammar masks of a draft tree against walking
+each path with a forked matcher; exact token ids of speculative constrained decoding (EAGLE and
+NGRAM, grammar-aware drafting on and off) against the plain constrained path, for JSON schemas,
+regexes and mixed batches; the masked target distribution under sampling; the KV invariant after
+every workload; every output valid under its schema (jsonschema, re.fullmatch). Tiny random model;
+the e2e test shows accept lengths above 1 on the real model."""
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+import specjet
+from specjet.grammar import GrammarBackend, RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
+from specjet.spec_v2.grammar_guide import GrammarGuide
+from test_spec_eagle import random_head
+
+VOCAB_SIZE = 49152
+
+# Bounded: enums, a capped integer, a short string, a short array, so that even a random model's
+# output ends (and can be validated) within the token budget. The keys are forced text, which
+# grammar-aware drafting turns into chains.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+        "label": {"type": "string", "maxLength": 6},
+    },
+    "required": ["color", "n", "tags", "ok", "label"],
+}
+REGEX = r"(hello world, ){2}[a-c ]{3,12}"
+PROMPTS = ["a b c a b c a b", "The cat sat on the mat. The cat", "1 2 3 4 1 2", "Hello"]
+
+
+def greedy(n, **extra):
+    return dict({"temperature": 0, "max_new_tokens": n}, **extra)
+
+
+# Constrained and unconstrained requests in one batch.
+MIXED = [greedy(64, json_schema=SCHEMA), greedy(40, regex=REGEX), greedy(30, ignore_eos=True),
+         greedy(64, json_schema=SCHEMA)]
+
+
+def check_valid(outs, params):
+    for out, p in zip(outs, params):
+        if "json_schema" in p:
+            jsonschema.validate(json.loads(out["text"]), p["json_schema"])
+        if "regex" in p:
+            assert re.fullmatch(p["regex"], out["text"]), out["text"]
+
+
+# ------------------------------------------------------------------ grammar units
+@pytest.fixture(scope="module")
+def backend(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    backend = GrammarBackend(tokenizer, VOCAB_SIZE)
+    backend.tokenizer = tokenizer
+    yield backend
+    backend.shutdown()
+
+
+def ids(backend, text):
+    return backend.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_tree_masks_equal_walking_each_path_with_a_forked_matcher(backend):
+    grammar = RequestGrammar(backend.compile("regex", "(abc|abd|x)yz").result())
+    (a,), (b,), (c,), (d,), (x,), (y,), (z,) = (ids(backend, t) for t in "abcdxyz")
+    stop = backend.tokenizer_info.stop_token_ids[0]
+    # root -> a -> b -> {c -> y, d}; root -> x -> y -> z -> stop; root -> c (illegal) -> y
+    tokens = [0, a, x, c, b, y, y, c, d, z, stop, y]
+    parents = [-1, 0, 0, 0, 1, 2, 3, 4, 4, 5, 9, 7]
+    before = allocate_token_bitmask(1, VOCAB_SIZE)
+    grammar.fill_next_token_bitmask(before, 0)
+
+    masked, kept_parents, bitmask = GrammarGuide(grammar, VOCAB_SIZE).mask_tree(tokens, parents)
+
+    assert masked == [0, a, x, b, y, c, d, z, stop, y]  # the illegal 'c' and its child are gone
+    assert kept_parents == [-1, 0, 0, 1, 2, 3, 3, 4, 7, 5]
+    for i, token in enumerate(masked):  # oracle: replay the path root..i on a fork, then fill
+        path, node = [], i
+        while node > 0:
+            path.append(masked[node])
+            node = kept_parents[node]
+        fork = grammar.fork()
+        assert fork.accept_tokens(path[::-1]) == len(path)
+        expected = allocate_token_bitmask(1, VOCAB_SIZE)
+        if fork.is_terminated():  # after the stop token nothing is masked (the scheduler stops there)
+            expected.fill_(-1)
+        else:
+            fork.fill_next_token_bitmask(expected, 0)
+        assert torch.equal(bitmask[i], expected[0]), (i, token)
+    # The matcher's state is what it was: same mask, and it still takes a legal path.
+    after = allocate_token_bitmask(1, VOCAB_SIZE)
+    grammar.fill_next_token_bitmask(after, 0)
+    assert torch.equal(before, after)
+    assert grammar.accept_tokens([x, y, z]) == 3
+
+
+def test_forced_chain_and_draft_masks_leave_the_state_alone(backend):
+    schema = {"type": "object", "properties": {"name": {"enum": ["web_search", "translate"]}}, "required": ["name"]}
+    grammar = RequestGrammar(backend.compile("json_schema", schema).result())
+    guide = GrammarGuide(grammar, VOCAB_SIZE, lambda text: ids(backend, text))
+    forced = grammar.find_jump_forward_string()
+    assert forced == '{"name": "'
+    chain = guide.forced_chain(16)
+    # The forced text's tokens but the last, which may merge with the enum value that follows.
+    assert chain == ids(backend, forced)[:-1] and chain
+    assert guide.forced_chain(1) == chain[:1]
+    masks = guide.masks_after([chain, chain + [ids(backend, "}")[0]]])
+    assert masks[0].any() and not masks[1].any()  # an illegal path allows nothing after it
+    assert guide.legal_prefix_len(chain, ids(backend, ' "web_search"}') + [0]) == len(ids(backend, ' "web_search"}'))
+    assert grammar.find_jump_forward_string() == forced  # nothing was left accepted
+    assert grammar.accept_tokens(ids(backend, forced)) == len(ids(backend, forced))
+
+
+# ------------------------------------------------------------------ engines (tiny model)
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    outs = plain.generate(PROMPTS, MIXED)
+    check_valid(outs, MIXED)
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory, tiny_model_dir):
+    return random_head(tmp_path_factory.mktemp("grammar-head"), tiny_model_dir)
+
+
+def spec_engine(tiny_model_dir, algorithm, head=None, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    if head is not None:
+        kw["speculative_draft_model_path"] = str(head)
+    return specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm=algorithm, **kw)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE"])
+@pytest.mark.parametrize("aware", [True, False])
+def test_greedy_constrained_equals_plain(tiny_model_dir, head, expected, algorithm, aware):
+    extra = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8} \
+        if algorithm == "EAGLE" else {}
+    with spec_engine(tiny_model_dir, algorithm, head if algorithm == "EAGLE" else None,
+                     speculative_grammar_aware=aware, **extra) as eng:
+        outs = eng.generate(PROMPTS, MIXED)  # one mixed batch
+        single = eng.generate(PROMPTS[0], MIXED[0])
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert single["output_ids"] == expected[0]
+    check_valid(outs, MIXED)
+    constrained = [o for o, p in zip(outs, MIXED) if "json_schema" in p or "regex" in p]
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in constrained)
+    if aware:  # forced keys become chains: constrained requests commit several tokens per verify
+        assert stats["spec_accepted_tokens"] > 1.3 * stats["spec_verify_ct"]
+        assert all(o["meta_info"]["spec_accept_length"] > 1.3 for o in constrained if o["meta_info"]["spec_verify_ct"])
+
+
+def test_page_size_and_tight_budgets(tiny_model_dir, head, plain):
+    params = [greedy(n, json_schema=SCHEMA) for n in (1, 2, 5, 9)] + [greedy(40, regex=REGEX)]
+    prompts = PROMPTS + PROMPTS[:1]
+    ref = [o["output_ids"] for o in plain.generate(prompts, params)]
+    with spec_engine(tiny_model_dir, "EAGLE", head, page_size=16, speculative_eagle_topk=4,
+                     speculative_num_steps=2, speculative_num_draft_tokens=12) as eng:
+        outs = eng.generate(prompts, params)
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == ref
+
+
+def masked_topk_probs(model, grammar, prompt_ids, prefix, top_k):
+    """The target's top-k distribution after prompt + prefix, restricted to what the grammar allows
+    after prefix (HF transformers for the logits, a forked xgrammar matcher for the mask)."""
+    fork = grammar.fork()
+    assert fork.accept_tokens(prefix) == len(prefix)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + prefix])).logits[0, -1:].float()
+    bitmask = allocate_token_bitmask(1, logits.shape[-1])
+    fork.fill_next_token_bitmask(bitmask, 0)
+    apply_token_bitmask_(logits, bitmask)
+    vals, idx = logits[0].topk(top_k)
+    return dict(zip(idx.tolist(), torch.softmax(vals, -1).tolist()))
+
+
+def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, backend):
+    """1000 seeded draws of three tokens with NGRAM: the (t1, t2) histogram matches the exact
+    grammar-masked top-k distribution (t2 and t3 come from tree verification)."""
+    from transformers import AutoModelForCausalLM
+
+    regex = r"( ?[abc]){3,8}"
+    prompt = PROMPTS[0]
+    n = 1000
+    with spec_engine(tiny_model_dir, "NGRAM") as eng:
+        prompt_ids = eng.tokenizer(prompt)["input_ids"]
+        params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "regex": regex, "seed": s} for s in range(n)]
+        outs = eng.generate([prompt] * n, params)
+        eng.check_kv_invariant()
+    assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs) > n // 20  # drafts were accepted
+    grammar = RequestGrammar(backend.compile("regex", regex).result())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    exact = {}
+    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, [], 3).items():
+        for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, [t1], 3).items():
+            exact[(t1, t2)] = p1 * p2
+    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.07, tv
+
+
+# ------------------------------------------------------------------ real model
+@pytest.mark.e2e
+def test_constrained_requests_speculate_on_the_real_model(dev_schemas):
+    """EAGLE with the packaged head: schema requests now commit several tokens per verify, with
+    grammar-aware drafting on or off, and give the plain engine's tokens exactly."""
+    entries = [e for e in dev_schemas if e["file"] in ("agent_01.json", "022_Github_medium.json")]
+    params = [greedy(64, json_schema=e["schema"]) for e in entries]
+    with specjet.Engine(max_total_tokens=8192) as eng:
+        prompts = [eng.apply_chat_template(e["prompt"]) for e in entries]
+        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+    accept = {}
+    for aware in (True, False):
+        with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE",
+                            speculative_grammar_aware=aware) as eng:
+            outs = eng.generate(prompts, params)
+            eng.check_kv_invariant()
+            accept[aware] = eng.get_server_info()["stats"]["spec_accept_length"]
+        assert [o["output_ids"] for o in outs] == expected
+        for out, e in zip(outs, entries):
+            if out["meta_info"]["finish_reason"]["type"] == "stop":
+                jsonschema.validate(json.loads(out["text"]), e["schema"])
+    assert accept[False] > 1.5 and accept[True] > 2.5, accept
