@@ -20,6 +20,7 @@ from specjet.grammar import (
     RequestGrammar,
     allocate_token_bitmask,
     apply_token_bitmask_,
+    fill_token_bitmasks,
 )
 
 VOCAB_SIZE = 49152  # SmolLM2's LM head
@@ -257,6 +258,22 @@ def test_fork_is_independent(backend, tokenizer):
     assert not torch.equal(before[0], before[1])
     grammar.fill_next_token_bitmask(after, 0)
     assert torch.equal(before[0], after[0])
+
+
+def test_batch_fill_matches_one_by_one(backend, tokenizer):
+    """The batched fill writes each grammar's own row at scattered indices and leaves others alone."""
+    grammars = [RequestGrammar(backend.compile("regex", pattern).result())
+                for pattern in (r"(cat|car)s?", r"[0-9]{2,4}", r"(yes|no)")]
+    grammars[0].accept_tokens(tokenizer.encode("ca", add_special_tokens=False))
+    rows = [4, 0, 2]
+    batched = allocate_token_bitmask(5, VOCAB_SIZE)
+    fill_token_bitmasks(grammars, batched, rows)
+    expected = allocate_token_bitmask(5, VOCAB_SIZE)
+    for grammar, row in zip(grammars, rows):
+        grammar.fill_next_token_bitmask(expected, row)
+    assert torch.equal(batched, expected)
+    assert torch.equal(batched[1], allocate_token_bitmask(1, VOCAB_SIZE)[0])  # untouched: all allowed
+    assert not torch.equal(batched[0], batched[4])
 
 
 def test_jump_forward_string(backend):

@@ -85,6 +85,17 @@ class RequestGrammar:
         self._matcher.reset()
 
 
+# One native call fills a whole batch's rows. Measured on the 2-core dev box (a JSON schema, 32
+# matchers): 0.015 ms with one thread against 0.040 ms for a Python loop over the matchers, while two
+# threads cost ~1.4 ms (thread start-up) and would take a core from the forward running beside it.
+_BATCH_MATCHER = xgr.BatchGrammarMatcher(max_threads=1)
+
+
+def fill_token_bitmasks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, indices: Sequence[int]) -> None:
+    """Row ``indices[i]`` of ``bitmask`` gets the allowed next tokens of ``grammars[i]``."""
+    _BATCH_MATCHER.batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, list(indices))
+
+
 def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed bitmask, int32 [batch_size, ceil(vocab_size / 32)], on the CPU."""
     return xgr.allocate_token_bitmask(batch_size, vocab_size)

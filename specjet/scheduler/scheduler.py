@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.grammar import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, fill_token_bitmasks
 from specjet.kernels.sampling import sample
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind, ScheduledBatch, build_decode_batch, build_prefill_batch
@@ -308,8 +308,7 @@ class Scheduler(EventLoopsMixin):
         if not rows:
             return None
         bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
-        for i in rows:
-            reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        fill_token_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)
         return bitmask, rows
 
     # ---------------------------------------------------------------- results
