@@ -114,8 +114,9 @@ def paged_attention_reference(
     return out[meta.q_valid]
 
 
-# Score-matrix elements per chunk of query rows in the invariant path (float64: 8 bytes each).
-INVARIANT_CHUNK_ELEMENTS = 1 << 22
+# Query rows per chunk in the invariant path: bounds the score buffer, and lets a causal chunk stop at
+# its last key (a prefill computes about half the score matrix).
+INVARIANT_Q_CHUNK = 64
 
 
 def paged_attention_invariant(
@@ -125,47 +126,55 @@ def paged_attention_invariant(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Batch-invariant attention: a query row's output depends only on its q and the K/V it may see,
-    not on the other rows of the forward, the padding, or where its visible keys sit among masked ones
-    (a tree node's ancestors are interleaved with its non-ancestors; alone, the same token sees them
-    contiguously).
+    """Batch-invariant attention: a query row's output depends only on its q and the keys and values
+    it may see - not on the other rows of the forward, the padding, or where its visible keys sit among
+    masked ones (a tree node's ancestors lie between its non-ancestors; decoded alone, the same token
+    sees them contiguously).
 
     SDPA's CPU kernel is not invariant: its blocking and GEMM kernels change with the number of query
-    rows and keys, and its sums follow key positions. Here the two reductions run in float64:
-    a q.k product of bf16 values is exact in float64 and a 64-term sum of them is exact as well
-    (short of extreme exponent ranges), so scores do not depend on the reduction order at all; the
-    softmax is elementwise; and the sums over keys (softmax denominator, weights x V) carry float64
-    rounding only (relative 1e-16), far below the rounding to the model dtype at the end. Masked keys
-    contribute exact zeros. [T, H, D] in, [T, H, D] out, in q's dtype.
+    rows and keys, and its sums follow key positions. Here the math runs in float64. A q.k product of
+    bf16 values is exact in float64, and so is a head_dim-term sum of them (short of extreme exponent
+    ranges), so a score does not depend on the order of its sum at all; scaling, masking (exact zeros
+    for masked keys) and exp are elementwise; the sums over keys (softmax denominator, weights x V)
+    carry float64 rounding only, ~1e-16 relative, far below the final rounding to the model dtype, so
+    the order in which a kernel adds them does not reach the output. (For fp32 models the scores are
+    not exact either, but their float64 rounding is as far below fp32's.) [T, H, D] in and out.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     batch, max_q, max_kv = meta.kv_indices.shape[0], meta.max_q, meta.max_kv
+    f64 = torch.float64
     flat = meta.kv_indices.reshape(-1)
-    # [B*KV, D, L] and [B*KV, L, D] in float64
-    k = (k_cache.index_select(0, flat).to(torch.float64).view(batch, max_kv, num_kv_heads, head_dim)
-         .permute(0, 2, 3, 1).reshape(batch * num_kv_heads, head_dim, max_kv))
-    v = (v_cache.index_select(0, flat).to(torch.float64).view(batch, max_kv, num_kv_heads, head_dim)
-         .transpose(1, 2).reshape(batch * num_kv_heads, max_kv, head_dim))
+    k = k_cache.index_select(0, flat).view(batch, max_kv, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, flat).view(batch, max_kv, num_kv_heads, head_dim)
+    # Heads-major float64 copies (rows of head_dim stay contiguous, so the copies stream); bmm reads K
+    # transposed through strides.
+    k64 = torch.empty(batch, num_kv_heads, max_kv, head_dim, dtype=f64, device=q.device)
+    k64.copy_(k.transpose(1, 2))
+    v64 = torch.empty(batch, num_kv_heads, max_kv, head_dim, dtype=f64, device=q.device)
+    v64.copy_(v.transpose(1, 2))
+    k64 = k64.view(batch * num_kv_heads, max_kv, head_dim).transpose(1, 2)  # [B*KV, D, L]
+    v64 = v64.view(batch * num_kv_heads, max_kv, head_dim)
     decode = max_q == 1 and num_tokens == batch
-    qp = q.to(torch.float64) if decode else q.to(torch.float64)[meta.q_gather]  # [B, max_q, H, D]
-    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)  # [B, KV, max_q, g, D]
-    out = torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=torch.float64, device=q.device)
-    step = max(1, INVARIANT_CHUNK_ELEMENTS // max(1, batch * num_heads * max_kv))
-    for q0 in range(0, max_q, step):
-        q1 = min(max_q, q0 + step)
+    qp = q.to(f64) if decode else q.to(f64)[meta.q_gather]  # [B, max_q, H, D]
+    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).transpose(1, 2)  # [B, KV, max_q, g, D]
+    out = torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64, device=q.device)
+    causal = meta.custom_mask is None and max_q > 1
+    max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
+    for q0 in range(0, max_q, INVARIANT_Q_CHUNK):
+        q1 = min(max_q, q0 + INVARIANT_Q_CHUNK)
+        kv_end = min(max_kv, max_prefix + q1) if causal else max_kv  # later keys are masked for every row
         rows = (q1 - q0) * group
-        qc = qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim)
-        s = torch.bmm(qc, k).view(batch, num_kv_heads, q1 - q0, group, max_kv)
+        s = torch.bmm(qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim), k64[:, :, :kv_end])
         if meta.mask is not None:
-            s.masked_fill_(~meta.mask[:, 0, None, q0:q1, None, :], float("-inf"))
-        s = s.view(batch * num_kv_heads, rows, max_kv)
+            s.view(batch, num_kv_heads, q1 - q0, group, kv_end).masked_fill_(
+                ~meta.mask[:, 0, None, q0:q1, None, :kv_end], float("-inf"))
         s = s.mul_(scale)
         s = s.sub_(s.amax(-1, keepdim=True)).exp_()
-        o = torch.bmm(s, v).div_(s.sum(-1, keepdim=True))
+        o = torch.bmm(s, v64[:, :kv_end]).div_(s.sum(-1, keepdim=True))
         out[:, :, q0:q1] = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
-    out = out.permute(0, 2, 1, 3, 4).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
+    out = out.transpose(1, 2).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
     if decode:
         return out.view(num_tokens, num_heads, head_dim)
     return out[meta.q_valid]

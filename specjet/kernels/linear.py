@@ -2,22 +2,24 @@
 
 Lossless speculative decoding compares a verify forward (many rows per request) against plain
 decoding (one row per request) token for token, so a projection must give a row the same bits
-whether it is computed alone or among 96 others. The CPU GEMM libraries do not promise that: their
-kernel choice, blocking and reduction order depend on the row count M. Measured with torch 2.13 on
-an AMX CPU (SmolLM2-135M shapes): bf16 matmuls are row-invariant for M <= 32 and not beyond;
-fp32 matmuls give a single row (a GEMV) other bits than the same row in a call of 2+ rows.
+whether it is computed alone or among 96 others. CPU GEMM libraries do not promise that: kernel
+choice, blocking and reduction order follow the row count M. Measured with torch 2.13 / oneDNN on an
+AMX CPU (SmolLM2-135M shapes): plain bf16 matmuls are row-invariant for M <= 32 only; fp32 gives a
+single row (GEMV) other bits than the same row among 2+ rows (MKL everywhere, oneDNN for in=1536).
 
-So every weight gets a **row plan** (``min_rows``, ``max_rows``): a call of M rows runs as chunks of
+The kernel is oneDNN's matmul against a weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, torch's CPU freezing path). Without the reorder oneDNN
+re-blocks a plain bf16 weight on every call, which made bf16 decoding slower than fp32. The reorder
+takes a batch-size hint that picks the blocked format, and the format decides invariance: bf16 with
+hint 1 stays row-invariant up to M = 128 at no cost in speed.
+
+Every weight gets a **plan** (hint, ``min_rows``, ``max_rows``): a call of M rows runs as chunks of
 at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero rows. The plan is not
 assumed but measured once per (shape, dtype, bias, thread count) on the weight itself: a random input
 is run at every chunk size in the range and each row must equal the same row run alone (padded to
-``min_rows``); the widest plan that passes wins, falling back to one row per call, which is exact by
-construction. Plan and kernel are chosen together, so any CPU gets an exact plan.
-
-The kernel is oneDNN's matmul against a weight reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, the layout torch's CPU freezing path uses). Without the
-reorder, oneDNN re-blocks a plain bf16 weight on every call, which made bf16 decoding slower than
-fp32. The torch reference (also the path for training, where ``packed`` is None) is ``x @ weight_t + bias``.
+``min_rows``); the first plan that passes wins, falling back to one row per call, which is exact by
+construction. So any CPU gets an exact plan. The torch reference (also the path for training,
+where ``packed`` is None) is ``x @ weight_t + bias``.
 """
 from __future__ import annotations
 
@@ -27,11 +29,6 @@ from dataclasses import dataclass
 import torch
 
 logger = logging.getLogger(__name__)
-
-# Chunk sizes tried, widest first; 1 row per call is always exact.
-MAX_ROWS_CANDIDATES = (32, 16, 8, 4, 2)
-MIN_ROWS_CANDIDATES = (1, 2)
-
 
 def linear_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
@@ -80,52 +77,70 @@ def can_block(weight_t: torch.Tensor) -> bool:
     return weight_t.dtype == torch.float32
 
 
-# (in, out, dtype, has_bias, threads, blocked) -> (min_rows, max_rows)
-_PLANS: dict[tuple, tuple[int, int]] = {}
+# Plans tried, in order: (reorder hint or None = oneDNN's default, min_rows, max_rows). Wide chunks
+# first (fewer weight reads for verify and prefill); an unpadded plan before the padded one of the
+# same width. fp32 stops at 32 rows: beyond that its GEMMs are compute-bound, so wider chunks would
+# gain little and cost seconds of measuring at load.
+BLOCKED_PLANS = {
+    torch.bfloat16: [(1, 1, 128), (1, 1, 64), (None, 1, 32), (1, 1, 32), (None, 1, 16), (None, 1, 8)],
+    torch.float32: [(None, 1, 32), (None, 2, 32), (None, 1, 16), (None, 2, 16), (None, 2, 8)],
+}
+PLAIN_PLANS = [(None, 1, 32), (None, 2, 32), (None, 1, 16), (None, 2, 16), (None, 1, 8), (None, 2, 8)]
+
+# (in, out, dtype, has_bias, threads, blocked) -> plan
+_PLANS: dict[tuple, tuple[int | None, int, int]] = {}
 
 
-def _plan_is_exact(packed: PackedLinear, x: torch.Tensor, min_rows: int, max_rows: int) -> bool:
-    trial = PackedLinear(packed.weight, packed.bias, packed.blocked, min_rows, max_rows)
-    alone = torch.cat([trial.run_chunk(x[i:i + 1]) for i in range(max_rows)])
-    for rows in range(min_rows, max_rows + 1):
-        if not torch.equal(trial.kernel(x[:rows]), alone[:rows]):
+def _make(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool, plan) -> PackedLinear:
+    hint, min_rows, max_rows = plan
+    if not blocked:
+        return PackedLinear(weight_t, bias, False, min_rows, max_rows)
+    dense = weight_t.t().contiguous()
+    weight = (torch.ops.mkldnn._reorder_linear_weight(dense) if hint is None
+              else torch.ops.mkldnn._reorder_linear_weight(dense, hint))
+    return PackedLinear(weight, bias, True, min_rows, max_rows)
+
+
+# Row counts checked: every count up to 17, then the usual blocking edges up to 128.
+CHECK_ROWS = tuple(range(1, 18)) + (24, 31, 32, 33, 40, 47, 48, 63, 64, 65, 80, 96, 112, 127, 128)
+CHECK_DISTINCT = 16  # distinct input rows, repeated down the call: few rows to run alone
+
+
+def _is_exact(packed: PackedLinear, x: torch.Tensor) -> bool:
+    """Each row of calls of min_rows..max_rows rows (CHECK_ROWS among them) equals that row run alone."""
+    alone = torch.cat([packed.run_chunk(x[i:i + 1]) for i in range(CHECK_DISTINCT)])
+    rows_list = [r for r in CHECK_ROWS if packed.min_rows <= r <= packed.max_rows]
+    for rows in sorted(set(rows_list) | {packed.max_rows}, reverse=True):  # wide calls fail first
+        reps = -(-rows // CHECK_DISTINCT)
+        if not torch.equal(packed.kernel(x.repeat(reps, 1)[:rows]), alone.repeat(reps, 1)[:rows]):
             return False
     return True
 
 
-def calibrate(packed: PackedLinear, in_features: int, out_features: int) -> None:
-    """Set ``packed``'s row plan: the widest (min_rows, max_rows) under which a row's output is the same
-    at every chunk size (measured on this weight, cached per shape)."""
-    key = (in_features, out_features, packed.weight.dtype, packed.bias is not None, torch.get_num_threads(),
-           packed.blocked)
-    plan = _PLANS.get(key)
-    if plan is None:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(max(MAX_ROWS_CANDIDATES), in_features, generator=gen).to(packed.weight.dtype)
-        plan = (1, 1)
-        with torch.inference_mode():
-            for max_rows in MAX_ROWS_CANDIDATES:
-                found = next((m for m in MIN_ROWS_CANDIDATES if _plan_is_exact(packed, x, m, max_rows)), None)
-                if found is not None:
-                    plan = (found, max_rows)
-                    break
-        if plan == (1, 1):
-            logger.warning("linear %s: no batch-invariant chunking found; running one row per call", key)
-        _PLANS[key] = plan
-    packed.min_rows, packed.max_rows = plan
-
-
 def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """Prepare ``weight_t`` ([in, out]) for inference: reorder it for oneDNN where possible and measure
-    the row plan that keeps its matmul batch-invariant."""
+    """Prepare ``weight_t`` ([in, out]) for inference: reorder it for oneDNN where possible, under the
+    first plan measured to keep its matmul batch-invariant."""
     weight_t = weight_t.detach()
     bias = None if bias is None else bias.detach()
-    if can_block(weight_t):
-        weight = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous())
-        packed = PackedLinear(weight, bias, blocked=True)
-    else:
-        packed = PackedLinear(weight_t, bias, blocked=False)
-    calibrate(packed, weight_t.shape[0], weight_t.shape[1])
+    blocked = can_block(weight_t)
+    in_features, out_features = weight_t.shape
+    key = (in_features, out_features, weight_t.dtype, bias is not None, torch.get_num_threads(), blocked)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return _make(weight_t, bias, blocked, plan)
+    candidates = BLOCKED_PLANS[weight_t.dtype] if blocked else PLAIN_PLANS
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(CHECK_DISTINCT, in_features, generator=gen).to(weight_t.dtype)
+    with torch.inference_mode():
+        for plan in candidates:
+            packed = _make(weight_t, bias, blocked, plan)
+            if _is_exact(packed, x):
+                break
+        else:
+            plan = (None, 1, 1)
+            packed = _make(weight_t, bias, blocked, plan)
+            logger.warning("linear %s: no batch-invariant chunking found; running one row per call", key)
+    _PLANS[key] = plan
     return packed
 
 
