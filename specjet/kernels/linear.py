@@ -79,11 +79,10 @@ def can_block(weight_t: torch.Tensor) -> bool:
 
 # Plans tried, in order: (reorder hint or None = oneDNN's default, min_rows, max_rows). Wide chunks
 # first (fewer weight reads for verify and prefill); an unpadded plan before the padded one of the
-# same width. fp32 stops at 32 rows: beyond that its GEMMs are compute-bound, so wider chunks would
-# gain little and cost seconds of measuring at load.
+# same width.
 BLOCKED_PLANS = {
     torch.bfloat16: [(1, 1, 128), (1, 1, 64), (None, 1, 32), (1, 1, 32), (None, 1, 16), (None, 1, 8)],
-    torch.float32: [(None, 1, 32), (None, 2, 32), (None, 1, 16), (None, 2, 16), (None, 2, 8)],
+    torch.float32: [(None, 1, 128), (None, 2, 128), (None, 1, 32), (None, 2, 32), (None, 2, 16), (None, 2, 8)],
 }
 PLAIN_PLANS = [(None, 1, 32), (None, 2, 32), (None, 1, 16), (None, 2, 16), (None, 1, 8), (None, 2, 8)]
 
