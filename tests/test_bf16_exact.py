@@ -143,7 +143,7 @@ QUESTIONS = [
     "Copy this list exactly: red, green, blue, red, green, blue, red, green, blue.",
     "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
 ]
-PARAMS = {"temperature": 0, "max_new_tokens": 96}
+PARAMS = {"temperature": 0, "max_new_tokens": 48}
 
 
 @pytest.mark.e2e
