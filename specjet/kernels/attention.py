@@ -8,6 +8,11 @@ sees the earlier ones (causal) or, for tree verification, those a caller-given m
 
 ``AttentionMetadata`` is built once per forward and shared by every layer, so the gather indices
 and the mask cost one construction, not one per layer.
+
+Two torch paths: ``paged_attention_reference`` (SDPA; fast, but a row's bits depend on the rest of
+the batch) and ``paged_attention_invariant`` (float64 math; a row's bits depend only on what it
+sees), which ``paged_attention`` runs on CPU because lossless speculative decoding needs a verify
+forward to reproduce plain decoding bit for bit.
 """
 from __future__ import annotations
 

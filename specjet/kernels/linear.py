@@ -18,7 +18,8 @@ at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero ro
 assumed but measured once per (shape, dtype, bias, thread count) on the weight itself: a random input
 is run at every chunk size in the range and each row must equal the same row run alone (padded to
 ``min_rows``); the first plan that passes wins, falling back to one row per call, which is exact by
-construction. So any CPU gets an exact plan. The torch reference (also the path for training,
+construction. So any CPU gets an exact plan. Plans hold for the torch thread count they were
+measured under (the one at load; nothing in specjet changes it later). The torch reference (also the path for training,
 where ``packed`` is None) is ``x @ weight_t + bias``.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 logger = logging.getLogger(__name__)
+
 
 def linear_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
@@ -129,7 +131,7 @@ def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> Pac
         return _make(weight_t, bias, blocked, plan)
     candidates = BLOCKED_PLANS[weight_t.dtype] if blocked else PLAIN_PLANS
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(CHECK_DISTINCT, in_features, generator=gen).to(weight_t.dtype)
+    x = torch.randn(CHECK_DISTINCT, in_features, generator=gen).to(device=weight_t.device, dtype=weight_t.dtype)
     with torch.inference_mode():
         for plan in candidates:
             packed = _make(weight_t, bias, blocked, plan)
