@@ -8,6 +8,11 @@ sees the earlier ones (causal) or, for tree verification, those a caller-given m
 
 ``AttentionMetadata`` is built once per forward and shared by every layer, so the gather indices
 and the mask cost one construction, not one per layer.
+
+Two torch paths: ``paged_attention_reference`` (SDPA; fast, but a row's bits depend on the rest of
+the batch) and ``paged_attention_invariant`` (float64 math; a row's bits depend only on what it
+sees), which ``paged_attention`` runs on CPU because lossless speculative decoding needs a verify
+forward to reproduce plain decoding bit for bit.
 """
 from __future__ import annotations
 
@@ -114,6 +119,72 @@ def paged_attention_reference(
     return out[meta.q_valid]
 
 
+# Query rows per chunk in the invariant path: bounds the score buffer, and lets a causal chunk stop at
+# its last key (a prefill computes about half the score matrix).
+INVARIANT_Q_CHUNK = 64
+
+
+def paged_attention_invariant(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Batch-invariant attention: a query row's output depends only on its q and the keys and values
+    it may see - not on the other rows of the forward, the padding, or where its visible keys sit among
+    masked ones (a tree node's ancestors lie between its non-ancestors; decoded alone, the same token
+    sees them contiguously).
+
+    SDPA's CPU kernel is not invariant: its blocking and GEMM kernels change with the number of query
+    rows and keys, and its sums follow key positions. Here the math runs in float64. A q.k product of
+    bf16 values is exact in float64, and so is a head_dim-term sum of them (short of extreme exponent
+    ranges), so a score does not depend on the order of its sum at all; scaling, masking (exact zeros
+    for masked keys) and exp are elementwise; the sums over keys (softmax denominator, weights x V)
+    carry float64 rounding only, ~1e-16 relative, far below the final rounding to the model dtype, so
+    the order in which a kernel adds them does not reach the output. (For fp32 models the scores are
+    not exact either, but their float64 rounding is as far below fp32's.) [T, H, D] in and out.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    batch, max_q, max_kv = meta.kv_indices.shape[0], meta.max_q, meta.max_kv
+    f64 = torch.float64
+    flat = meta.kv_indices.reshape(-1)
+    k = k_cache.index_select(0, flat).view(batch, max_kv, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, flat).view(batch, max_kv, num_kv_heads, head_dim)
+    # Heads-major float64 copies (rows of head_dim stay contiguous, so the copies stream); bmm reads K
+    # transposed through strides.
+    k64 = torch.empty(batch, num_kv_heads, max_kv, head_dim, dtype=f64, device=q.device)
+    k64.copy_(k.transpose(1, 2))
+    v64 = torch.empty(batch, num_kv_heads, max_kv, head_dim, dtype=f64, device=q.device)
+    v64.copy_(v.transpose(1, 2))
+    k64 = k64.view(batch * num_kv_heads, max_kv, head_dim).transpose(1, 2)  # [B*KV, D, L]
+    v64 = v64.view(batch * num_kv_heads, max_kv, head_dim)
+    decode = max_q == 1 and num_tokens == batch
+    qp = q.to(f64) if decode else q.to(f64)[meta.q_gather]  # [B, max_q, H, D]
+    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).transpose(1, 2)  # [B, KV, max_q, g, D]
+    out = torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64, device=q.device)
+    causal = meta.custom_mask is None and max_q > 1
+    max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
+    for q0 in range(0, max_q, INVARIANT_Q_CHUNK):
+        q1 = min(max_q, q0 + INVARIANT_Q_CHUNK)
+        kv_end = min(max_kv, max_prefix + q1) if causal else max_kv  # later keys are masked for every row
+        rows = (q1 - q0) * group
+        s = torch.bmm(qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim), k64[:, :, :kv_end])
+        if meta.mask is not None:
+            s.view(batch, num_kv_heads, q1 - q0, group, kv_end).masked_fill_(
+                ~meta.mask[:, 0, None, q0:q1, None, :kv_end], float("-inf"))
+        s = s.mul_(scale)
+        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
+        o = torch.bmm(s, v64[:, :kv_end]).div_(s.sum(-1, keepdim=True))
+        out[:, :, q0:q1] = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
+    out = out.transpose(1, 2).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
+    if decode:
+        return out.view(num_tokens, num_heads, head_dim)
+    return out[meta.q_valid]
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -121,9 +192,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Dispatch: the Triton kernel on CUDA, the batch-invariant torch path elsewhere."""
     if q.is_cuda:
         from specjet.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    return paged_attention_invariant(q, k_cache, v_cache, meta, scale)

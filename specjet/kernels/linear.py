@@ -1,36 +1,151 @@
-"""Dense projections for the decode hot path.
+"""Dense projections, batch-invariant: a row's output never depends on the other rows of the call.
 
-Weights are kept transposed ([in, out], contiguous): on CPU, MKL's sgemm is faster against that
-layout for the few-row inputs of decoding. For fp32 on CPU, batches of 2+ rows additionally use an
-MKL-packed copy of the weight (the packed GEMM torch's own CPU freezing path uses), which runs a
-batch of 8 rows about 1.5x faster than plain sgemm; single rows stay on the plain path, where the
-packed kernel is slower. The torch reference is ``x @ weight_t + bias``.
+Lossless speculative decoding compares a verify forward (many rows per request) against plain
+decoding (one row per request) token for token, so a projection must give a row the same bits
+whether it is computed alone or among 96 others. CPU GEMM libraries do not promise that: kernel
+choice, blocking and reduction order follow the row count M. Measured with torch 2.13 / oneDNN on an
+AMX CPU (SmolLM2-135M shapes): plain bf16 matmuls are row-invariant for M <= 32 only; fp32 gives a
+single row (GEMV) other bits than the same row among 2+ rows (MKL everywhere, oneDNN for in=1536).
+
+The kernel is oneDNN's matmul against a weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, torch's CPU freezing path). Without the reorder oneDNN
+re-blocks a plain bf16 weight on every call, which made bf16 decoding slower than fp32. The reorder
+takes a batch-size hint that picks the blocked format, and the format decides invariance: bf16 with
+hint 1 stays row-invariant up to M = 128 at no cost in speed.
+
+Every weight gets a **plan** (hint, ``min_rows``, ``max_rows``): a call of M rows runs as chunks of
+at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero rows. The plan is not
+assumed but measured once per (shape, dtype, bias, thread count) on the weight itself: a random input
+is run at every chunk size in the range and each row must equal the same row run alone (padded to
+``min_rows``); the first plan that passes wins, falling back to one row per call, which is exact by
+construction. So any CPU gets an exact plan. Plans hold for the torch thread count they were
+measured under (the one at load; nothing in specjet changes it later). The torch reference (also the path for training,
+where ``packed`` is None) is ``x @ weight_t + bias``.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
-# Rows the packed layout is tuned for; it serves any row count, fastest near this one.
-PACK_ROWS = 8
+logger = logging.getLogger(__name__)
 
 
 def linear_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
-def can_pack(weight_t: torch.Tensor) -> bool:
-    return (weight_t.device.type == "cpu" and weight_t.dtype == torch.float32
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and torch.backends.mkl.is_available())
+@dataclass
+class PackedLinear:
+    """A weight prepared for inference: the kernel's weight operand and the row plan it is exact under."""
+
+    weight: torch.Tensor  # oneDNN-blocked weight, or weight_t itself where no reorder applies
+    bias: torch.Tensor | None
+    blocked: bool  # True: ``weight`` is oneDNN-blocked
+    min_rows: int = 1
+    max_rows: int = 1
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return linear_reference(x, self.weight, self.bias)
+
+    def run_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows >= self.min_rows:
+            return self.kernel(x)
+        pad = x.new_zeros(self.min_rows - rows, x.shape[1])
+        return self.kernel(torch.cat([x, pad]))[:rows]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.shape[0]
+        if rows <= self.max_rows:
+            out = self.run_chunk(x)
+        else:
+            out = torch.cat([self.run_chunk(x[i:i + self.max_rows]) for i in range(0, rows, self.max_rows)])
+        return out.reshape(*lead, out.shape[-1])
 
 
-def pack_weight(weight_t: torch.Tensor) -> torch.Tensor | None:
-    """An MKL-packed copy of the weight for multi-row inputs, or None where packing does not apply."""
-    if not can_pack(weight_t):
-        return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), PACK_ROWS)
+def can_block(weight_t: torch.Tensor) -> bool:
+    if weight_t.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight_t.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight_t.dtype == torch.float32
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    if packed is not None and x.shape[0] > 1:
-        return torch.ops.mkl._mkl_linear(x, packed, weight_t.t(), bias, PACK_ROWS)
-    return linear_reference(x, weight_t, bias)
+# Plans tried, in order: (reorder hint or None = oneDNN's default, min_rows, max_rows). Wide chunks
+# first (fewer weight reads for verify and prefill); an unpadded plan before the padded one of the
+# same width.
+BLOCKED_PLANS = {
+    torch.bfloat16: [(1, 1, 128), (1, 1, 64), (None, 1, 32), (1, 1, 32), (None, 1, 16), (None, 1, 8)],
+    torch.float32: [(None, 1, 128), (None, 2, 128), (None, 1, 32), (None, 2, 32), (None, 2, 16), (None, 2, 8)],
+}
+PLAIN_PLANS = [(None, 1, 32), (None, 2, 32), (None, 1, 16), (None, 2, 16), (None, 1, 8), (None, 2, 8)]
+
+# (in, out, dtype, has_bias, threads, blocked) -> plan
+_PLANS: dict[tuple, tuple[int | None, int, int]] = {}
+
+
+def _make(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool, plan) -> PackedLinear:
+    hint, min_rows, max_rows = plan
+    if not blocked:
+        return PackedLinear(weight_t, bias, False, min_rows, max_rows)
+    dense = weight_t.t().contiguous()
+    weight = (torch.ops.mkldnn._reorder_linear_weight(dense) if hint is None
+              else torch.ops.mkldnn._reorder_linear_weight(dense, hint))
+    return PackedLinear(weight, bias, True, min_rows, max_rows)
+
+
+# Row counts checked: every count up to 17, then the usual blocking edges up to 128.
+CHECK_ROWS = tuple(range(1, 18)) + (24, 31, 32, 33, 40, 47, 48, 63, 64, 65, 80, 96, 112, 127, 128)
+CHECK_DISTINCT = 16  # distinct input rows, repeated down the call: few rows to run alone
+
+
+def _is_exact(packed: PackedLinear, x: torch.Tensor) -> bool:
+    """Each row of calls of min_rows..max_rows rows (CHECK_ROWS among them) equals that row run alone."""
+    alone = torch.cat([packed.run_chunk(x[i:i + 1]) for i in range(CHECK_DISTINCT)])
+    rows_list = [r for r in CHECK_ROWS if packed.min_rows <= r <= packed.max_rows]
+    for rows in sorted(set(rows_list) | {packed.max_rows}, reverse=True):  # wide calls fail first
+        reps = -(-rows // CHECK_DISTINCT)
+        if not torch.equal(packed.kernel(x.repeat(reps, 1)[:rows]), alone.repeat(reps, 1)[:rows]):
+            return False
+    return True
+
+
+def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """Prepare ``weight_t`` ([in, out]) for inference: reorder it for oneDNN where possible, under the
+    first plan measured to keep its matmul batch-invariant."""
+    weight_t = weight_t.detach()
+    bias = None if bias is None else bias.detach()
+    blocked = can_block(weight_t)
+    in_features, out_features = weight_t.shape
+    key = (in_features, out_features, weight_t.dtype, bias is not None, torch.get_num_threads(), blocked)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return _make(weight_t, bias, blocked, plan)
+    candidates = BLOCKED_PLANS[weight_t.dtype] if blocked else PLAIN_PLANS
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(CHECK_DISTINCT, in_features, generator=gen).to(device=weight_t.device, dtype=weight_t.dtype)
+    with torch.inference_mode():
+        for plan in candidates:
+            packed = _make(weight_t, bias, blocked, plan)
+            if _is_exact(packed, x):
+                break
+        else:
+            plan = (None, 1, 1)
+            packed = _make(weight_t, bias, blocked, plan)
+            logger.warning("linear %s: no batch-invariant chunking found; running one row per call", key)
+    _PLANS[key] = plan
+    return packed
+
+
+def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor:
+    if packed is None:
+        return linear_reference(x, weight_t, bias)
+    return packed(x)

@@ -11,23 +11,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels.attention import paged_attention
-from specjet.kernels.linear import linear, pack_weight
+from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W stored transposed ([in, out]); see kernels/linear.py for why."""
+    """y = x W^T + b, with W stored transposed ([in, out]). After loading, ``pack_for_decode`` prepares a
+    batch-invariant inference copy (see kernels/linear.py); ``packed = None`` means the plain
+    autograd-friendly matmul (training)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # set by pack_for_decode() after loading
+        self.packed: PackedLinear | None = None  # set by pack_for_decode() after loading
 
     def pack_for_decode(self) -> None:
-        self.packed = pack_weight(self.weight_t.data)
+        self.packed = pack_weight(self.weight_t.data, None if self.bias is None else self.bias.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight_t, self.bias, self.packed)
