@@ -11,10 +11,10 @@ plus the median TPOT of the requests. Appends a JSONL record to ``--result-file`
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from bench import common
+from bench.json import latency_figures
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,29 +29,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def tpot(out: dict) -> float | None:
-    meta = out["meta_info"]
-    n = meta["completion_tokens"]
-    if n < 2 or meta.get("ttft") is None:
-        return None
-    return (meta["e2e_latency"] - meta["ttft"]) / (n - 1)
-
-
 def run_cell(engine, prompts: list[str], params: list[dict], batch_size: int, repeats: int) -> dict:
     batch = [prompts[i % len(prompts)] for i in range(batch_size)]
     sps = [params[i % len(params)] for i in range(batch_size)]
     engine.generate(batch, sps)  # warm-up
     engine.get_server_info(reset_timings=True)
-    tpots, tokens, wall = [], 0, 0.0
+    outs, wall = [], 0.0
     for _ in range(repeats):
         start = time.perf_counter()
-        outs = engine.generate(batch, sps)
+        outs += engine.generate(batch, sps)
         wall += time.perf_counter() - start
-        tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
-        tpots += [t for t in map(tpot, outs) if t is not None]
+    figures = latency_figures(outs, wall)  # TPOT median over every request of every pass
     overlap = engine.get_server_info(reset_timings=True)["stats"]["overlap"]
-    return {"batch_size": batch_size, "tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
-            "output_tok_s": tokens / wall, **overlap}
+    return {"batch_size": batch_size, "tpot_ms": figures["tpot_ms"], "output_tok_s": figures["output_tok_s"],
+            **overlap}
 
 
 def main(argv=None) -> dict:
@@ -73,6 +64,7 @@ def main(argv=None) -> dict:
                 print(f"overlap={'on ' if overlap else 'off'} bs={bs:<3} compute {row.get('compute_ms_median', 0):6.1f} ms"
                       f"  wait {row.get('wait_ms_median', 0):6.2f} ms ({100 * row.get('wait_fraction_median', 0):4.1f} %)"
                       f"  TPOT {row['tpot_ms'] or 0:6.1f} ms  {row['output_tok_s']:6.1f} tok/s", flush=True)
+            engine.check_kv_invariant()  # a loop that leaks KV must not pass for a fast one
     print("\n| batch | loop | compute ms/iter | wait ms/iter | wait % (median) | wait % (total) | TPOT ms | tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["batch_size"], not r["overlap"])):

@@ -98,6 +98,15 @@ def test_greedy_equals_plain_with_a_lucky_head(tiny_model_dir, lucky_head, expec
     assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]  # drafts were really accepted
 
 
+def test_plain_loop_gives_the_same_ids_as_the_overlap_loop(tiny_model_dir, lucky_head, expected):
+    with eagle_engine(tiny_model_dir, lucky_head, disable_overlap_schedule=True, page_size=16) as eng:
+        outs = eng.generate(PROMPTS, greedy(40))
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]
+
+
 def test_always_wrong_head_still_gives_identical_output(tiny_model_dir, wrong_head, expected):
     with eagle_engine(tiny_model_dir, wrong_head, speculative_eagle_topk=4, speculative_num_steps=3,
                       speculative_num_draft_tokens=8) as eng:
