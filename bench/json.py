@@ -24,7 +24,11 @@ Requests: the ``prompt`` of each of the first ``--num-schemas`` entries of ``--s
 ``json_schema``; greedy, at most ``--max-new-tokens``, ending where the grammar ends the object. At
 batch size B, B requests are in flight at once (``async_generate`` under a capacity limiter) until
 all are answered. The no-spec engine (the first ``--overlap`` setting) also runs the same prompts
-*unconstrained* (no ``json_schema``) at every batch size, the baseline of the "x uncon." column.
+*unconstrained* (no ``json_schema``) at every batch size, the baseline of the "x uncon." column. The
+unconstrained run is length-matched: each request decodes exactly as many tokens as it did in that
+engine's constrained run just before (``max_new_tokens`` = that count, ``ignore_eos``), so the ratio
+compares the same work with and without the grammar (left free, an unconstrained request writes on
+past the object's end to ``--max-new-tokens`` and changes the batch's shape, not the grammar's cost).
 
 Warm-up, per engine, outside every figure: every request once with max_new_tokens=1 (so the timed
 runs find each schema compiled in the engine's grammar cache: compiling is not in TTFT) and one
@@ -217,8 +221,13 @@ class Cell:
     spec_after: tuple[int, int] | None = None
 
 
-def sampling_params(entries: list[dict], max_new_tokens: int, constrained: bool) -> list[dict]:
+def sampling_params(entries: list[dict], max_new_tokens: int, constrained: bool,
+                    lengths: list[int] | None = None) -> list[dict]:
+    """Greedy requests; with ``lengths`` (unconstrained, length-matched) request i decodes exactly
+    ``lengths[i]`` tokens."""
     base = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    if lengths is not None:
+        return [dict(base, max_new_tokens=max(1, n), ignore_eos=True) for n in lengths]
     return [dict(base, json_schema=e["schema"]) if constrained else dict(base) for e in entries]
 
 
@@ -230,8 +239,9 @@ def warm_up(engine, prompts: list[str], entries: list[dict], unconstrained: bool
         engine.generate(prompts[0], sampling_params(entries[:1], WARMUP_TOKENS, False)[0])
 
 
-def timed_run(engine, cell: Cell, prompts: list[str], entries: list[dict], max_new_tokens: int, bar) -> Cell:
-    params = sampling_params(entries, max_new_tokens, cell.constrained)
+def timed_run(engine, cell: Cell, prompts: list[str], entries: list[dict], max_new_tokens: int, bar,
+              lengths: list[int] | None = None) -> Cell:
+    params = sampling_params(entries, max_new_tokens, cell.constrained, lengths)
     cell.spec_before = spec_totals(engine)
     start = time.perf_counter()
     cell.outputs = generate_all(engine, prompts, params, cell.batch_size, bar)
@@ -264,12 +274,15 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
                 bar.set_description(f"warm-up {config.name}")
                 warm_up(engine, prompts, entries, config is baseline)
                 for bs in args.batch_sizes:
-                    kinds = [True] + ([False] if config is baseline else [])
-                    for constrained in kinds:
-                        name = config.name if constrained else UNCONSTRAINED
-                        bar.set_description(f"{name} bs={bs}")
-                        cells.append(timed_run(engine, Cell(name, bs, constrained), prompts, entries,
-                                               args.max_new_tokens, bar))
+                    bar.set_description(f"{config.name} bs={bs}")
+                    constrained = timed_run(engine, Cell(config.name, bs, True), prompts, entries,
+                                            args.max_new_tokens, bar)
+                    cells.append(constrained)
+                    if config is baseline:  # the same work without the grammar (length-matched)
+                        bar.set_description(f"{UNCONSTRAINED} bs={bs}")
+                        lengths = [o["meta_info"]["completion_tokens"] for o in constrained.outputs]
+                        cells.append(timed_run(engine, Cell(UNCONSTRAINED, bs, False), prompts, entries,
+                                               args.max_new_tokens, bar, lengths))
                 desc = describe_engine(engine)
                 desc.update(disable_overlap_schedule=engine.args.disable_overlap_schedule,
                             speculative_grammar_aware=engine.args.speculative_grammar_aware)

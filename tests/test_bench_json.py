@@ -163,6 +163,11 @@ def test_tiny_model_ngram_overlap_on_and_off(tiny_model_dir, tmp_path, capsys):
     assert re.search(r"^goal: no-spec constrained >= 0.95x unconstrained out tok/s at batch 4", stdout, re.M) is None
     assert json.loads(result_file.read_text()) == json.loads(json.dumps(record))
     check_record(record, rows, 2)
+    # The unconstrained baseline is length-matched: each request decodes what it did under the grammar.
+    results = {(r["config"], r["batch_size"]): r for r in record["results"]}
+    for bs in (1, 2):
+        assert [q["completion_tokens"] for q in results[("unconstrained", bs)]["per_request"]] == \
+            [q["completion_tokens"] for q in results[("none/on", bs)]["per_request"]]
     ngram = next(c for c in record["configs"] if c["name"] == "NGRAM-GA/off")["engine"]
     assert ngram["speculative"]["num_draft_tokens"] == 4 and ngram["speculative_grammar_aware"] is True
     assert ngram["disable_overlap_schedule"] is True

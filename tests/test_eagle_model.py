@@ -87,6 +87,47 @@ def test_paged_forward_matches_training_forward(runner):
     assert last_logits.dtype == torch.float32 and last_logits.shape == (2, runner.config.vocab_size)
 
 
+def chain_hidden(head, ids: torch.Tensor, feats: torch.Tensor, root: int, depth: int) -> torch.Tensor:
+    """The head's hidden state at draft step ``depth`` of a chain rooted at position ``root``, run the
+    way the drafter runs it: an extend over the verified positions 0..root (target features), then
+    one decode per step at position root + j reading the real next token and the previous step's
+    hidden state, attending to the verified KV and its own chain's slots."""
+    cfg = head.config
+    n = root + 1
+    kv = KVCache(1, 2 + n + depth, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    table = torch.arange(1, n + depth + 1)[None] + 0  # positions 0..root+depth -> slots 1..
+    table[0, n:] = torch.arange(n + 1, n + depth + 1).flip(0)  # chain slots elsewhere in the pool
+    batch = ForwardBatch.build(ForwardMode.EXTEND, ids[1:n + 1], torch.arange(n), table[0, :n], table,
+                               torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), logits="none")
+    hidden, _ = head(batch, feats[:n], kv)
+    h = hidden[-1:]
+    for j in range(1, depth + 1):
+        pos = torch.tensor([root + j])
+        batch = ForwardBatch.build(ForwardMode.DECODE, ids[root + j + 1:root + j + 2], pos, table[0, pos], table,
+                                   torch.tensor([0]), pos + 1, torch.tensor([1]), logits="all")
+        h, _ = head(batch, h, kv)
+    return h[0]
+
+
+def test_unrolled_training_forward_is_chain_drafting(runner):
+    """Training-time test: depth d of the unrolled forward at position t is the d-th draft step of
+    the chain rooted at t - d, exactly as drafting computes it."""
+    head = make_head(runner, seed=4)
+    g = torch.Generator().manual_seed(5)
+    n = 12
+    ids = torch.randint(0, runner.config.vocab_size, (n,), generator=g)
+    feats = torch.randn(n, runner.config.hidden_size, generator=g)
+    with torch.no_grad():
+        unrolled = head.forward_train_unrolled(ids[None, 1:], feats[None, :-1], depths=3)
+        torch.testing.assert_close(unrolled[0], head.forward_train(ids[None, 1:], feats[None, :-1]))
+        for depth in (1, 2):
+            for t in (depth, depth + 2, n - 2):
+                expected = chain_hidden(head, ids, feats, t - depth, depth)
+                torch.testing.assert_close(unrolled[depth][0, t], expected, rtol=1e-4, atol=1e-4)
+        # Depth 1 differs from teacher forcing: it reads the head's guess, not the target's feature.
+        assert not torch.allclose(unrolled[1][0, 3:], unrolled[0][0, 3:], atol=1e-3)
+
+
 def test_forward_without_logits(runner):
     """A draft extend whose rows only fill the KV cache asks for no logits."""
     head = make_head(runner, hot=torch.arange(10))

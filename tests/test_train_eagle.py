@@ -157,6 +157,25 @@ def test_training_lowers_the_loss_and_resumes_exactly(runner, samples, sequences
     assert read_eagle_config(tmp_path / "head")["training"]["steps"] == 60
 
 
+def test_unrolled_training_scores_every_draft_depth(runner, samples, sequences):
+    """Training-time test: with depths=3 the loss covers draft steps 1 and 2 (run on the head's own
+    hidden states) as well as teacher forcing, and training improves the deep steps' agreement."""
+    hot = D.hot_token_ids(samples, 512, runner.config.vocab_size, always=(2,))
+    cfg = T.TrainConfig(steps=60, batch_tokens=256, lr=3e-3, warmup_steps=3, seed=0, depths=3)
+    head = new_head(runner, hot)
+    batch = T.collate(sequences[:2])
+    one = T.batch_loss(head, *batch, T.TrainConfig(noise=0.0))
+    three = T.batch_loss(head, *batch, T.TrainConfig(noise=0.0, depths=3))
+    assert set(three) == set(one) | {"top1_d1", "top1_d2"}
+    assert torch.equal(three["regression"], one["regression"])  # depth 0 is teacher forcing either way
+    assert not torch.isclose(three["loss"], one["loss"])  # the deeper depths enter the total
+
+    result = T.train(head, sequences, cfg, None)
+    first, final = result["first"], result["final"]
+    assert final["loss"] < 0.9 * first["loss"]
+    assert final["top1_d2"] > first["top1_d2"]
+
+
 def test_chain_draft_matches_a_direct_oracle(runner, sequences):
     """Accepted drafts from the batched paged evaluation == drafting each position one at a time
     with the training forward over the explicit draft sequence."""

@@ -16,6 +16,8 @@ forward to reproduce plain decoding bit for bit.
 """
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,30 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool for the reference; None = no masking needed
     max_q: int
     max_kv: int
+    # Requests grouped by similar KV length for the invariant path (computed on first use, then
+    # shared by every layer); None until then.
+    length_groups: list[torch.Tensor] | None = None
+
+    def select(self, rows: torch.Tensor) -> "AttentionMetadata":
+        """The metadata of the requests ``rows`` alone, padded only to their own longest q and KV;
+        their new tokens numbered from 0 in the order they appear in the full batch."""
+        q_lens, kv_lens = self.q_lens[rows], self.kv_lens[rows]
+        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+        q_valid = self.q_valid[rows, :max_q]
+        q_starts = torch.cumsum(q_lens, 0) - q_lens
+        pos_q = torch.arange(max_q, device=q_lens.device)
+        return AttentionMetadata(
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            q_starts=q_starts,
+            kv_indices=self.kv_indices[rows, :max_kv],
+            q_gather=torch.where(q_valid, q_starts[:, None] + pos_q[None, :], torch.zeros_like(q_valid, dtype=torch.int64)),
+            q_valid=q_valid,
+            custom_mask=None if self.custom_mask is None else self.custom_mask[rows, :max_q, :max_q],
+            mask=None if self.mask is None else self.mask[rows, :, :max_q, :max_kv],
+            max_q=max_q,
+            max_kv=max_kv,
+        )
 
 
 def build_attention_metadata(
@@ -119,6 +145,32 @@ def paged_attention_reference(
     return out[meta.q_valid]
 
 
+# A batch whose KV padding (rows x longest KV) exceeds its real KV by more than this factor is run in
+# groups of similar length: the invariant path converts every padded key to float64, so a batch that
+# mixes 100- and 1000-token requests would otherwise pay for 1000 keys in every row.
+PADDING_SLACK = 1.25
+
+
+def _length_groups(meta: AttentionMetadata) -> list[torch.Tensor]:
+    """Batch rows in groups of similar KV length (one group when padding is cheap)."""
+    if meta.length_groups is None:
+        lens = meta.kv_lens.tolist()
+        if len(lens) * meta.max_kv <= PADDING_SLACK * sum(lens):
+            meta.length_groups = [torch.arange(len(lens), device=meta.kv_lens.device)]
+        else:
+            groups, current, total = [], [], 0
+            for i in sorted(range(len(lens)), key=lambda i: lens[i]):
+                # Ascending order: row i would be the group's longest.
+                if current and (len(current) + 1) * lens[i] > PADDING_SLACK * (total + lens[i]):
+                    groups.append(current)
+                    current, total = [], 0
+                current.append(i)
+                total += lens[i]
+            groups.append(current)
+            meta.length_groups = [torch.tensor(sorted(g), device=meta.kv_lens.device) for g in groups]
+    return meta.length_groups
+
+
 # Query rows per chunk in the invariant path: bounds the score buffer, and lets a causal chunk stop at
 # its last key (a prefill computes about half the score matrix).
 INVARIANT_Q_CHUNK = 64
@@ -144,42 +196,81 @@ def paged_attention_invariant(
     carry float64 rounding only, ~1e-16 relative, far below the final rounding to the model dtype, so
     the order in which a kernel adds them does not reach the output. (For fp32 models the scores are
     not exact either, but their float64 rounding is as far below fp32's.) [T, H, D] in and out.
+
+    Requests of very different KV lengths run in separate groups (``_length_groups``); since a row's
+    result does not depend on its batch, grouping changes no bit of it.
     """
+    groups = _length_groups(meta)
+    if len(groups) == 1:
+        return _attention_float64(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    for rows in groups:
+        tokens = meta.q_gather[rows][meta.q_valid[rows]]  # the group's flat token indices, in batch order
+        out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, meta.select(rows), scale)
+    return out
+
+
+_workspace = threading.local()  # per thread: engines in one process run forwards on their own threads
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A reused scratch tensor of ``shape``; valid until the next call with the same name."""
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    numel = math.prod(shape)
+    # Inference-mode tensors may not be written outside inference mode, nor normal ones inside it.
+    key = (name, dtype, str(device), torch.is_inference_mode_enabled())
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def _gather_float64(cache: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+    """cache[flat] as float64 [N, H_kv, D], in this thread's buffers."""
+    shape = (flat.shape[0], *cache.shape[1:])
+    gathered = torch.index_select(cache, 0, flat, out=_buffer(name + "_gather", shape, cache.dtype, cache.device))
+    return _buffer(name + "_f64", shape, torch.float64, cache.device).copy_(gathered)
+
+
+def _attention_float64(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention_invariant`` for one group, padded to its longest request."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     batch, max_q, max_kv = meta.kv_indices.shape[0], meta.max_q, meta.max_kv
     f64 = torch.float64
     flat = meta.kv_indices.reshape(-1)
-    k = k_cache.index_select(0, flat).view(batch, max_kv, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, flat).view(batch, max_kv, num_kv_heads, head_dim)
-    # Heads-major float64 copies (rows of head_dim stay contiguous, so the copies stream); bmm reads K
-    # transposed through strides.
-    k64 = torch.empty(batch, num_kv_heads, max_kv, head_dim, dtype=f64, device=q.device)
-    k64.copy_(k.transpose(1, 2))
-    v64 = torch.empty(batch, num_kv_heads, max_kv, head_dim, dtype=f64, device=q.device)
-    v64.copy_(v.transpose(1, 2))
-    k64 = k64.view(batch * num_kv_heads, max_kv, head_dim).transpose(1, 2)  # [B*KV, D, L]
-    v64 = v64.view(batch * num_kv_heads, max_kv, head_dim)
+    # float64 copies in the cache's own layout, in reused buffers: a fresh tensor of this size costs
+    # its page faults on every call (~10x the conversion itself at batch 64), and a transposing copy
+    # is slower than a straight one. Each KV head's [B, L, D] slice is a strided bmm operand.
+    k64 = _gather_float64(k_cache, flat, "k").view(batch, max_kv, num_kv_heads, head_dim)
+    v64 = _gather_float64(v_cache, flat, "v").view(batch, max_kv, num_kv_heads, head_dim)
     decode = max_q == 1 and num_tokens == batch
     qp = q.to(f64) if decode else q.to(f64)[meta.q_gather]  # [B, max_q, H, D]
-    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).transpose(1, 2)  # [B, KV, max_q, g, D]
-    out = torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64, device=q.device)
+    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim)
+    out = torch.empty(batch, max_q, num_kv_heads, group, head_dim, dtype=f64, device=q.device)
     causal = meta.custom_mask is None and max_q > 1
     max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
     for q0 in range(0, max_q, INVARIANT_Q_CHUNK):
         q1 = min(max_q, q0 + INVARIANT_Q_CHUNK)
         kv_end = min(max_kv, max_prefix + q1) if causal else max_kv  # later keys are masked for every row
         rows = (q1 - q0) * group
-        s = torch.bmm(qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim), k64[:, :, :kv_end])
-        if meta.mask is not None:
-            s.view(batch, num_kv_heads, q1 - q0, group, kv_end).masked_fill_(
-                ~meta.mask[:, 0, None, q0:q1, None, :kv_end], float("-inf"))
-        s = s.mul_(scale)
-        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
-        o = torch.bmm(s, v64[:, :kv_end]).div_(s.sum(-1, keepdim=True))
-        out[:, :, q0:q1] = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
-    out = out.transpose(1, 2).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
+        hidden = None if meta.mask is None else ~meta.mask[:, 0, q0:q1, None, :kv_end]  # [B, q, 1, L]
+        for h in range(num_kv_heads):
+            s = torch.bmm(qp[:, q0:q1, h].reshape(batch, rows, head_dim), k64[:, :kv_end, h].transpose(1, 2))
+            if hidden is not None:
+                s.view(batch, q1 - q0, group, kv_end).masked_fill_(hidden, float("-inf"))
+            s = s.mul_(scale)
+            s = s.sub_(s.amax(-1, keepdim=True)).exp_()
+            o = torch.bmm(s, v64[:, :kv_end, h]).div_(s.sum(-1, keepdim=True))  # [B, q * g, D]
+            out[:, q0:q1, h] = o.view(batch, q1 - q0, group, head_dim)
+    out = out.view(batch, max_q, num_heads, head_dim).to(q.dtype)
     if decode:
         return out.view(num_tokens, num_heads, head_dim)
     return out[meta.q_valid]

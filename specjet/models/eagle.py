@@ -142,20 +142,43 @@ class EagleDraftModel(nn.Module):
 
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T], features [B, T, h] -> hidden [B, T, h], causal over each row.
+        """input_ids [B, T], features [B, T, h] -> hidden [B, T, h], causal over each row (teacher
+        forcing: every position reads the target's feature). See ``forward_train_unrolled``."""
+        return self.forward_train_unrolled(input_ids, features, 1)[0]
 
-        The same block as ``forward``, with plain SDPA in place of the paged KV. Rows are
-        right-padded: a padded tail never influences the real positions before it."""
+    def forward_train_unrolled(self, input_ids: torch.Tensor, features: torch.Tensor, depths: int) -> list[torch.Tensor]:
+        """The head as drafting runs it, at every position at once ("training-time test").
+
+        Depth 0 is teacher forcing: position t reads (x_{t+1}, f_t) and attends to depth 0 at
+        positions <= t, as the draft extend over verified tokens does. Depth d >= 1 is the d-th draft
+        step of a chain rooted at t - d: position t reads (x_{t+1}, h^{d-1}_{t-1}), the head's own
+        output one position and one depth earlier, and attends to depth 0 at positions <= t - d (the
+        verified prefix) and to depth j at position t - d + j for j = 1..d (its ancestors, itself
+        last), exactly the keys a drafting forward sees. Returns the hidden states of each depth,
+        [B, T, h] each; rows are right-padded (a padded tail never influences real positions).
+        Gradients flow through the fed-back hidden states."""
         batch, seq, _ = features.shape
-        x = self._fuse(input_ids, features).reshape(batch * seq, -1)
+        embeds = self._shared().embed(input_ids).to(features.dtype)
         positions = torch.arange(seq, device=features.device).repeat(batch)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, features.dtype)
         layer = self.layer
-        x = x + self._causal_attention(layer.input_layernorm(x), cos, sin, batch, seq)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x.reshape(batch, seq, -1)
+        keys, values, outputs = [], [], []
+        feats = features
+        for depth in range(depths):
+            fused = torch.cat([embeds, feats], dim=-1)
+            x = self.fc(fused.reshape(batch * seq, -1))
+            q, k, v = self._qkv(layer.input_layernorm(x), cos, sin, batch, seq)
+            keys.append(k)
+            values.append(v)
+            x = x + self._unrolled_attention(q, keys, values, depth)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            hidden = x.reshape(batch, seq, -1)
+            outputs.append(hidden)
+            feats = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # depth d + 1 at t reads depth d's output at t - 1
+        return outputs
 
-    def _causal_attention(self, x, cos, sin, batch: int, seq: int) -> torch.Tensor:
+    def _qkv(self, x, cos, sin, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q, k, v of the layer, heads first: [B, H, T, D]."""
         attn = self.layer.self_attn
         q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = q.view(batch * seq, attn.num_heads, attn.head_dim)
@@ -168,8 +191,21 @@ class EagleDraftModel(nn.Module):
         def heads_first(t: torch.Tensor) -> torch.Tensor:  # [B*T, H, D] -> [B, H, T, D]
             return t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
-                                             scale=attn.scale, enable_gqa=attn.num_kv_heads != attn.num_heads)
+        return heads_first(q), heads_first(k), heads_first(v)
+
+    def _unrolled_attention(self, q, keys: list[torch.Tensor], values: list[torch.Tensor], depth: int) -> torch.Tensor:
+        attn = self.layer.self_attn
+        batch, _, seq, _ = q.shape
+        gqa = attn.num_kv_heads != attn.num_heads
+        if depth == 0:
+            out = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=attn.scale, enable_gqa=gqa)
+        else:
+            t = torch.arange(seq, device=q.device)
+            blocks = [t[None, :] <= t[:, None] - depth]  # depth 0: the verified prefix
+            blocks += [t[None, :] == t[:, None] - depth + j for j in range(1, depth + 1)]  # ancestors, then itself
+            mask = torch.cat(blocks, dim=1)  # [T, (depth + 1) T]
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
+                                                 scale=attn.scale, enable_gqa=gqa)
         return attn.o_proj(out.transpose(1, 2).reshape(batch * seq, attn.q_size))
 
 

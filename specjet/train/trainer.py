@@ -1,4 +1,6 @@
-"""The EAGLE-1 training loop: teacher forcing on target features, with noise on the inputs.
+"""The EAGLE training loop: teacher forcing on target features (with noise on the inputs), and
+"training-time test": the head also runs unrolled as drafting runs it, on its own fed-back hidden
+states, and is scored at every draft depth.
 
 At position t the head reads (x_{t+1}, f_t + noise) and is scored on
   - feature regression: smooth-L1(h_t, f_{t+1});
@@ -7,6 +9,12 @@ At position t the head reads (x_{t+1}, f_t + noise) and is scored on
 loss = v_weight * regression + p_weight * cross-entropy (the paper uses 1.0 and 0.1; 0.3 drafted
 better on our held-out set). The noise (uniform, width ``noise``) stands in for the error of the
 head's own predicted features, which it reads from the second draft step on.
+
+With ``depths`` > 1 the head is also run as the d-th draft step of a chain at every position
+(``EagleDraftModel.forward_train_unrolled``: fed its own hidden state of depth d - 1, attending to
+the verified prefix and its chain), and depth d's losses, against the same targets, enter with weight
+``depth_decay ** d`` (normalised). Teacher forcing alone never shows the head the feature errors it
+makes itself; at depth d it learns to draft from them (EAGLE-3's observation).
 
 Seeded and resumable: batches are fixed by the seed, and a checkpoint every ``checkpoint_every``
 steps holds the weights, the optimizer, the schedule position and the noise generator.
@@ -42,6 +50,8 @@ class TrainConfig:
     p_weight: float = 0.3
     seed: int = 0
     checkpoint_every: int = 100
+    depths: int = 1  # 1: teacher forcing only; d > 1: also train draft steps 1..d-1 unrolled
+    depth_decay: float = 0.8
 
 
 def crop_prompt(seq: Sequence, max_prompt: int) -> Sequence:
@@ -89,20 +99,39 @@ def collate(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def batch_loss(model: EagleDraftModel, ids, feats, valid, cfg: TrainConfig, generator=None) -> dict:
-    """Losses of one batch (tensors, the total differentiable) and the top-1 agreement."""
+    """Losses of one batch (tensors, the total differentiable) and the top-1 agreement (depth 0;
+    ``top1_d<d>`` for deeper draft steps)."""
     inputs = feats[:, :-1]
     if cfg.noise > 0:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * cfg.noise
-    hidden = model.forward_train(ids[:, 1:], inputs)[valid]  # [N, h]
+    hiddens = model.forward_train_unrolled(ids[:, 1:], inputs, cfg.depths)
     next_feature = feats[:, 1:][valid]
-    regression = F.smooth_l1_loss(hidden, next_feature)
     with torch.no_grad():
         target_logits = model.logits(next_feature)
-    logits = model.logits(hidden)
-    cross_entropy = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
-    top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    total = cfg.v_weight * regression + cfg.p_weight * cross_entropy
-    return {"loss": total, "regression": regression, "cross_entropy": cross_entropy, "top1": top1}
+        target_probs, target_top = target_logits.softmax(-1), target_logits.argmax(-1)
+    out, total, weights = {}, 0.0, 0.0
+    for depth, hidden in enumerate(hiddens):
+        # Depth d at t drafts from the chain rooted at t - d: the root must be a drafting position too.
+        rooted = valid.clone()
+        if depth:
+            rooted[:, :depth] = False
+            rooted[:, depth:] &= valid[:, :-depth]
+        keep = rooted[valid]  # rows of this depth among the valid positions
+        if not bool(keep.any()):
+            continue
+        h = hidden[rooted]
+        regression = F.smooth_l1_loss(h, next_feature[keep])
+        logits = model.logits(h)
+        cross_entropy = -(target_probs[keep] * logits.log_softmax(-1)).sum(-1).mean()
+        top1 = (logits.argmax(-1) == target_top[keep]).float().mean()
+        weight = cfg.depth_decay ** depth
+        total = total + weight * (cfg.v_weight * regression + cfg.p_weight * cross_entropy)
+        weights += weight
+        if depth == 0:
+            out.update(regression=regression, cross_entropy=cross_entropy, top1=top1)
+        else:
+            out[f"top1_d{depth}"] = top1
+    return {"loss": total / weights, **out}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -154,11 +183,11 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
         optimizer.step()
         step += 1
         history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
-        recent = history[-50:]
-        mean = {k: sum(h[k] for h in recent) / len(recent) for k in recent[0]}
+        mean = _mean(history[-50:])
         bar.update()
         bar.set_postfix(loss=f"{mean['loss']:.3f}", reg=f"{mean['regression']:.3f}",
-                        ce=f"{mean['cross_entropy']:.2f}", top1=f"{mean['top1']:.3f}")
+                        ce=f"{mean['cross_entropy']:.2f}", top1=f"{mean['top1']:.3f}",
+                        **({"top1_d1": f"{mean['top1_d1']:.3f}"} if "top1_d1" in mean else {}))
         if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
             _save_checkpoint(checkpoint, model, optimizer, noise_gen, step, history, cfg)
     bar.close()
@@ -166,11 +195,17 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
     recent = history[-max(1, min(50, cfg.steps // 10)):]
     return {
         "steps": cfg.steps,
-        "final": {k: round(sum(h[k] for h in recent) / len(recent), 4) for k in recent[0]} if recent else {},
+        "final": {k: round(v, 4) for k, v in _mean(recent).items()},
         "first": history[0] if history else {},
         "seconds_this_run": round(time.perf_counter() - start, 1),
         "config": asdict(cfg),
     }
+
+
+def _mean(history: list[dict]) -> dict:
+    """Mean of each logged value over the steps that logged it."""
+    keys = {k for h in history for k in h}
+    return {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in sorted(keys)}
 
 
 def _save_checkpoint(path: pathlib.Path, model, optimizer, noise_gen, step, history, cfg) -> None:
