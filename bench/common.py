@@ -37,6 +37,7 @@ _ENGINE_FLAGS = {
     "speculative_draft_model_path": "speculative_draft_model_path",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
+    "enable_deterministic_inference": "enable_deterministic_inference",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
 
@@ -54,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--disable-overlap-schedule", action="store_true", default=None)
     group.add_argument("--random-seed", type=int, default=None)
+    group.add_argument("--enable-deterministic-inference", default=None, type=_parse_bool, metavar="{true,false}",
+                       help="batch-invariant attention on CPU (default true; false: SDPA, faster at large batches)")
     spec = parser.add_argument_group("speculative decoding (engine defaults where unset)")
     spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "NGRAM"])
     spec.add_argument("--speculative-num-steps", type=int, default=None, help="EAGLE draft depth (default 4)")

@@ -54,3 +54,36 @@ def test_grouping_matches_the_reference_attention():
     assert len(meta.length_groups) >= 2
     expected = A.paged_attention_reference(q, k, v, meta, 0.25)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_flag_switches_cpu_attention_to_sdpa(tiny_model_dir, monkeypatch):
+    """enable_deterministic_inference=False reaches every attention layer and runs SDPA; greedy
+    text of a short request matches the invariant engine's (fp32: the two agree to ~1e-6)."""
+    import specjet
+
+    calls = {"reference": 0, "invariant": 0}
+    for name in calls:
+        real = getattr(A, f"paged_attention_{name}")
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(A, f"paged_attention_{name}", spy)
+    params = {"max_new_tokens": 8, "temperature": 0}
+    outputs = {}
+    for flag in (True, False):
+        eng = specjet.Engine(model_path=str(tiny_model_dir), enable_deterministic_inference=flag,
+                             max_total_tokens=512, random_seed=0)
+        try:
+            layers = [m for m in eng.scheduler.runner.model.modules() if hasattr(m, "batch_invariant")]
+            assert layers and all(m.batch_invariant is flag for m in layers)
+            before = dict(calls)
+            outputs[flag] = eng.generate("Hello there", params)["output_ids"]
+            used = "invariant" if flag else "reference"
+            assert calls[used] > before[used]
+            assert calls["reference" if flag else "invariant"] == before["reference" if flag else "invariant"]
+            eng.check_kv_invariant()
+        finally:
+            eng.shutdown()
+    assert outputs[True] == outputs[False]

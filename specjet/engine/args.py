@@ -30,6 +30,11 @@ class EngineArgs:
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
     speculative_grammar_aware: bool = True
+    # Batch-invariant attention on CPU (SGLang's name; on by default here): a token's logits do not
+    # depend on what else is in its batch, which bf16 speculative decoding needs to reproduce plain
+    # decoding bit for bit. Off: SDPA, ~3x faster attention at large batches and long prompts, for
+    # work that never compares outputs across batch shapes (serving without speculation, data runs).
+    enable_deterministic_inference: bool = True
     log_level: str = "warning"
 
     @classmethod

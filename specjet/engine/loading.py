@@ -27,7 +27,8 @@ def load_components(args: EngineArgs, device: torch.device):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, device, args.max_total_tokens,
-                         args.mem_fraction_static, args.page_size)
+                         args.mem_fraction_static, args.page_size,
+                         batch_invariant=args.enable_deterministic_inference)
     grammar = GrammarBackend(tokenizer, config.vocab_size)
     context_len = args.context_length or config.max_position_embeddings
     spec = None

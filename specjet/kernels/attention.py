@@ -282,10 +282,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    invariant: bool = True,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the batch-invariant torch path elsewhere."""
+    """Dispatch: the Triton kernel on CUDA; elsewhere the batch-invariant torch path, or SDPA when
+    ``invariant`` is off."""
     if q.is_cuda:
         from specjet.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    if not invariant:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
     return paged_attention_invariant(q, k_cache, v_cache, meta, scale)

@@ -74,6 +74,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
+        self.batch_invariant = True  # see LlamaForCausalLM.set_batch_invariant
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -93,7 +94,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_cache.write(self.layer_id, batch.out_cache_loc, k, v)
-        out = paged_attention(q, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch.attn, self.scale)
+        out = paged_attention(q, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch.attn, self.scale,
+                              invariant=self.batch_invariant)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -153,6 +155,13 @@ class LlamaForCausalLM(nn.Module):
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         logits = self.lm_head(logits_in).float()
         return ModelOutput(logits=logits, hidden=hidden if capture == "last" else None, layer_hidden=layer_hidden)
+
+    def set_batch_invariant(self, flag: bool) -> None:
+        """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; linears are invariant
+        either way (kernels/linear.py)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.batch_invariant = flag
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch."""

@@ -55,11 +55,13 @@ class ModelRunner:
         max_total_tokens: int | None,
         mem_fraction_static: float,
         page_size: int,
+        batch_invariant: bool = True,
     ):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = config
         self.model = build_model(config, state_dict, self.dtype, self.device)
+        self.model.set_batch_invariant(batch_invariant)
         per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         if max_total_tokens is None:
             max_total_tokens = int(total_memory_bytes(self.device) * mem_fraction_static) // per_token

@@ -40,15 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder with index.json (schema files and prompts); '' to skip")
     data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
                       help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
-    data.add_argument("--num-target-replies", type=int, default=200,
+    data.add_argument("--num-target-replies", type=int, default=1000,
                       help="GSM8K train questions the target answers greedily for training")
     data.add_argument("--num-few-shot-replies", type=int, default=64,
                       help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
-    data.add_argument("--num-human-replies", type=int, default=600, help="GSM8K reference solutions for training")
+    data.add_argument("--num-human-replies", type=int, default=200, help="GSM8K reference solutions for training")
     data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
     data.add_argument("--num-few-shot-eval", type=int, default=24,
                       help="of those, how many are also evaluated in the few-shot form")
-    data.add_argument("--json-per-schema", type=int, default=2, help="instances per training schema (1 greedy, rest sampled)")
+    data.add_argument("--json-per-schema", type=int, default=6, help="instances per training schema (1 greedy, rest sampled)")
     data.add_argument("--json-eval-every", type=int, default=5, help="every n-th schema is held out for evaluation")
     data.add_argument("--max-new-tokens", type=int, default=320, help="longest target reply to a GSM8K question")
     data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
