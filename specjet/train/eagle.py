@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder with index.json (schema files and prompts); '' to skip")
     data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
                       help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
-    data.add_argument("--num-target-replies", type=int, default=1000,
+    data.add_argument("--num-target-replies", type=int, default=617,
                       help="GSM8K train questions the target answers greedily for training")
     data.add_argument("--num-few-shot-replies", type=int, default=64,
                       help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
     data.add_argument("--num-few-shot-eval", type=int, default=24,
                       help="of those, how many are also evaluated in the few-shot form")
-    data.add_argument("--json-per-schema", type=int, default=6, help="instances per training schema (1 greedy, rest sampled)")
+    data.add_argument("--json-per-schema", type=int, default=2, help="instances per training schema (1 greedy, rest sampled)")
     data.add_argument("--json-eval-every", type=int, default=5, help="every n-th schema is held out for evaluation")
     data.add_argument("--max-new-tokens", type=int, default=320, help="longest target reply to a GSM8K question")
     data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{name}: {describe(samples)}")
 
     # ---- 2. features
-    runner = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 2048 + 64, 0.0, 1)
+    runner = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
     features_dir = work / "features"
     train_dir = features_dir / f"train-{fingerprint(train_samples)}"
     eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}"
@@ -215,7 +215,9 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         if engine is None:
             from specjet import Engine
 
-            engine = Engine(model_path=args.model_path, dtype=args.generate_dtype,
+            # Batch invariance buys nothing here (no output is compared across batch shapes) and SDPA
+            # attention is ~3x faster at a batch of 64.
+            engine = Engine(model_path=args.model_path, dtype=args.generate_dtype, enable_deterministic_inference=False,
                             max_running_requests=args.max_running_requests,
                             max_total_tokens=args.max_running_requests * (args.max_len + args.max_new_tokens),
                             random_seed=args.seed)
