@@ -20,7 +20,7 @@ apply to every configuration where they mean something; ``--speculative-algorith
 ``--speculative-grammar-aware`` and ``--disable-overlap-schedule`` are the axes above and are refused.
 
 Requests: the ``prompt`` of each of the first ``--num-schemas`` entries of ``--schema-dir``/index.json
-(all by default), as one user turn in the engine's chat template, with the entry's schema file as
+(all by default; or of the entries at ``--schema-indices``), as one user turn in the engine's chat template, with the entry's schema file as
 ``json_schema``; greedy, at most ``--max-new-tokens``, ending where the grammar ends the object. At
 batch size B, B requests are in flight at once (``async_generate`` under a capacity limiter) until
 all are answered. The no-spec engine (the first ``--overlap`` setting) also runs the same prompts
@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schema-dir", default=str(JSONSCHEMA_DIR),
                         help="folder with index.json (entries under `schemas` with `file` and `prompt`)")
     parser.add_argument("--num-schemas", type=int, default=None, help="the first N entries (default: all)")
+    parser.add_argument("--schema-indices", type=int, nargs="+", default=None,
+                        help="only these entries (0-based positions in index.json), e.g. the schemas a draft head "
+                             "never saw in training: 4 9 14 ... 49 for the packaged head")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=["none", "EAGLE", "EAGLE-GA"])
     parser.add_argument("--overlap", nargs="+", choices=list(OVERLAP), default=["on", "off"])
@@ -108,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-new-tokens must be at least 2 (TPOT needs a token after the first)")
     if min(args.batch_sizes) < 1 or (args.num_schemas is not None and args.num_schemas < 1):
         parser.error("--batch-sizes and --num-schemas must be positive")
+    if args.schema_indices is not None and args.num_schemas is not None:
+        parser.error("give --num-schemas or --schema-indices, not both")
     if not (pathlib.Path(args.schema_dir) / "index.json").is_file():
         parser.error(f"--schema-dir {args.schema_dir} has no index.json")
     args.algorithms = list(dict.fromkeys(args.algorithms))
@@ -392,6 +397,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         entries = jsonschema_prompts(args.num_schemas, args.schema_dir)
+        if args.schema_indices is not None:
+            bad = [i for i in args.schema_indices if not 0 <= i < len(entries)]
+            if bad:
+                raise ValueError(f"--schema-indices {bad} out of range: {len(entries)} entries")
+            entries = [entries[i] for i in args.schema_indices]
     except ValueError as exc:
         raise SystemExit(f"bench.json: {exc}") from None
     validators = [load_validator(e["schema"]) for e in entries]

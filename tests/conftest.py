@@ -66,3 +66,12 @@ def dev_schemas() -> list[dict]:
     folder = SHARED_DATA / "jsonschema"
     entries = json.loads((folder / "index.json").read_text())["schemas"]
     return [dict(e, schema=json.loads((folder / e["file"]).read_text())) for e in entries]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    """A plain (non-speculative) engine on the tiny model: the reference of the speculative tests."""
+    import specjet
+
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        yield eng

@@ -191,3 +191,32 @@ def test_default_model_none_and_eagle(tmp_path):
     check_record(record, rows, 2)
     eagle = next(r for r in record["results"] if r["config"] == "EAGLE/on")
     assert eagle["accept_length"] >= 1 and eagle["spec_verify_ct"] >= 1
+
+
+def test_schema_indices_pick_entries(tiny_model_dir, capsys):
+    """--schema-indices runs exactly those dev-set entries, in that order (e.g. a head's held-out
+    schemas); an index past the end is refused."""
+    record = main(["--model-path", str(tiny_model_dir), "--schema-indices", "3", "1", "--max-new-tokens", "2",
+                   "--algorithms", "none", "--overlap", "on", "--batch-sizes", "1", "--skip-unconstrained"])
+    names = [e["name"] for e in jsonschema_prompts()]
+    assert [q["schema"] for q in record["results"][0]["per_request"]] == [names[3], names[1]]
+    with pytest.raises(SystemExit, match="out of range"):
+        main(["--model-path", str(tiny_model_dir), "--schema-indices", str(len(names)), "--algorithms", "none",
+              "--overlap", "on", "--batch-sizes", "1"])
+    capsys.readouterr()
+
+
+def test_boolean_engine_flags_parse_and_refuse_bad_values(capsys):
+    """--speculative-grammar-aware and --enable-deterministic-inference take true/false spellings and
+    refuse anything else with a usage error."""
+    import argparse
+
+    from bench.common import add_engine_args, engine_kwargs
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--speculative-grammar-aware", "off", "--enable-deterministic-inference", "True"])
+    assert engine_kwargs(args) == {"speculative_grammar_aware": False, "enable_deterministic_inference": True}
+    for flag in ("--speculative-grammar-aware", "--enable-deterministic-inference"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "maybe"])
+        assert "expected true or false, got 'maybe'" in capsys.readouterr().err

@@ -36,12 +36,6 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
 def expected(plain):
     return [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40))]
 

@@ -125,12 +125,6 @@ def test_forced_chain_and_draft_masks_leave_the_state_alone(backend):
 
 # ------------------------------------------------------------------ engines (tiny model)
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
 def expected(plain):
     outs = plain.generate(PROMPTS, MIXED)
     check_valid(outs, MIXED)
