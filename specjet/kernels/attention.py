@@ -228,11 +228,16 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> to
     return buf[:numel].view(shape)
 
 
-def _gather_float64(cache: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """cache[flat] as float64 [N, H_kv, D], in this thread's buffers."""
-    shape = (flat.shape[0], *cache.shape[1:])
-    gathered = torch.index_select(cache, 0, flat, out=_buffer(name + "_gather", shape, cache.dtype, cache.device))
-    return _buffer(name + "_f64", shape, torch.float64, cache.device).copy_(gathered)
+def _gather_float64(cache: torch.Tensor, flat: torch.Tensor, batch: int, name: str) -> torch.Tensor:
+    """cache[flat] as float64, heads-major: [batch * H_kv, L, D] (flat holds batch rows of L slots),
+    in this thread's buffers."""
+    num_kv_heads, head_dim = cache.shape[1:]
+    length = flat.shape[0] // batch
+    gathered = torch.index_select(cache, 0, flat, out=_buffer(name + "_gather", (flat.shape[0], num_kv_heads, head_dim),
+                                                             cache.dtype, cache.device))
+    out = _buffer(name + "_f64", (batch, num_kv_heads, length, head_dim), torch.float64, cache.device)
+    out.copy_(gathered.view(batch, length, num_kv_heads, head_dim).transpose(1, 2))
+    return out.view(batch * num_kv_heads, length, head_dim)
 
 
 def _attention_float64(
@@ -249,31 +254,30 @@ def _attention_float64(
     batch, max_q, max_kv = meta.kv_indices.shape[0], meta.max_q, meta.max_kv
     f64 = torch.float64
     flat = meta.kv_indices.reshape(-1)
-    # float64 copies in the cache's own layout, in reused buffers: a fresh tensor of this size costs
-    # its page faults on every call (~10x the conversion itself at batch 64), and a transposing copy
-    # is slower than a straight one. Each KV head's [B, L, D] slice is a strided bmm operand.
-    k64 = _gather_float64(k_cache, flat, "k").view(batch, max_kv, num_kv_heads, head_dim)
-    v64 = _gather_float64(v_cache, flat, "v").view(batch, max_kv, num_kv_heads, head_dim)
+    # Heads-major float64 copies in reused buffers (a fresh tensor of this size pays its page faults
+    # on every call: ~10x the conversion itself at batch 64), so one bmm covers every (request, KV
+    # head); a few ops per layer matter at batch 1, where attention is dispatch-bound.
+    k64 = _gather_float64(k_cache, flat, batch, "k").transpose(1, 2)  # [B*KV, D, L]
+    v64 = _gather_float64(v_cache, flat, batch, "v")  # [B*KV, L, D]
     decode = max_q == 1 and num_tokens == batch
     qp = q.to(f64) if decode else q.to(f64)[meta.q_gather]  # [B, max_q, H, D]
-    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim)
-    out = torch.empty(batch, max_q, num_kv_heads, group, head_dim, dtype=f64, device=q.device)
+    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).transpose(1, 2)  # [B, KV, max_q, g, D]
+    out = torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64, device=q.device)
     causal = meta.custom_mask is None and max_q > 1
     max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
     for q0 in range(0, max_q, INVARIANT_Q_CHUNK):
         q1 = min(max_q, q0 + INVARIANT_Q_CHUNK)
         kv_end = min(max_kv, max_prefix + q1) if causal else max_kv  # later keys are masked for every row
         rows = (q1 - q0) * group
-        hidden = None if meta.mask is None else ~meta.mask[:, 0, q0:q1, None, :kv_end]  # [B, q, 1, L]
-        for h in range(num_kv_heads):
-            s = torch.bmm(qp[:, q0:q1, h].reshape(batch, rows, head_dim), k64[:, :kv_end, h].transpose(1, 2))
-            if hidden is not None:
-                s.view(batch, q1 - q0, group, kv_end).masked_fill_(hidden, float("-inf"))
-            s = s.mul_(scale)
-            s = s.sub_(s.amax(-1, keepdim=True)).exp_()
-            o = torch.bmm(s, v64[:, :kv_end, h]).div_(s.sum(-1, keepdim=True))  # [B, q * g, D]
-            out[:, q0:q1, h] = o.view(batch, q1 - q0, group, head_dim)
-    out = out.view(batch, max_q, num_heads, head_dim).to(q.dtype)
+        s = torch.bmm(qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim), k64[:, :, :kv_end])
+        if meta.mask is not None:
+            s.view(batch, num_kv_heads, q1 - q0, group, kv_end).masked_fill_(
+                ~meta.mask[:, 0, None, q0:q1, None, :kv_end], float("-inf"))
+        s = s.mul_(scale)
+        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
+        o = torch.bmm(s, v64[:, :kv_end]).div_(s.sum(-1, keepdim=True))
+        out[:, :, q0:q1] = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
+    out = out.transpose(1, 2).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
     if decode:
         return out.view(num_tokens, num_heads, head_dim)
     return out[meta.q_valid]
