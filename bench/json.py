@@ -288,6 +288,7 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
                         lengths = [o["meta_info"]["completion_tokens"] for o in constrained.outputs]
                         cells.append(timed_run(engine, Cell(UNCONSTRAINED, bs, False), prompts, entries,
                                                args.max_new_tokens, bar, lengths))
+                engine.check_kv_invariant()  # a configuration that leaks KV must not pass for a fast one
                 desc = describe_engine(engine)
                 desc.update(disable_overlap_schedule=engine.args.disable_overlap_schedule,
                             speculative_grammar_aware=engine.args.speculative_grammar_aware)

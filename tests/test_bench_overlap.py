@@ -19,3 +19,4 @@ def test_both_loops_report_waits_and_tpot(tiny_model_dir, tmp_path, capsys):
     assert "| 2 | overlap |" in out and "| 2 | plain |" in out
     assert "bs=1: TPOT overlap/plain = " in out
     assert json.loads(result_file.read_text().splitlines()[-1])["rows"] == json.loads(json.dumps(record["rows"]))
+

@@ -158,6 +158,12 @@ def test_unknown_engine_arg_is_named(tiny_model_dir):
         specjet.Engine(model_path=str(tiny_model_dir), max_batch_size=4)
 
 
+def test_speculation_without_batch_invariance_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="enable_deterministic_inference=True"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="NGRAM",
+                       enable_deterministic_inference=False)
+
+
 def test_invalid_schema_fails_alone(engine):
     outs = engine.generate(
         [PROMPTS[0], PROMPTS[1], PROMPTS[2]],

@@ -32,9 +32,9 @@ class EngineArgs:
     speculative_grammar_aware: bool = True
     # Batch-invariant attention on CPU (SGLang's name; on by default here): a token's logits do not
     # depend on what else is in its batch, which bf16 speculative decoding needs to reproduce plain
-    # decoding bit for bit. Off: SDPA, ~3x faster attention at large batches and long prompts, for
+    # decoding bit for bit. Off: SDPA (a batch-64 decode step ~3x faster, bench.step), for
     # work that never compares outputs across batch shapes (serving without speculation, data runs).
-    enable_deterministic_inference: bool = True
+    enable_deterministic_inference: bool = True  # speculation refuses False (args.validate)
     log_level: str = "warning"
 
     @classmethod
@@ -66,5 +66,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        if self.speculative_algorithm is not None and not self.enable_deterministic_inference:
+            # Without batch-invariant attention a verify forward rounds differently from a decode step
+            # (bf16: 9 of 36 greedy outputs diverged), so speculation would change the output.
+            raise ValueError("speculative decoding needs enable_deterministic_inference=True: its greedy output "
+                             "must equal plain decoding token for token")
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")

@@ -45,21 +45,29 @@ class AttentionMetadata:
         their new tokens numbered from 0 in the order they appear in the full batch."""
         q_lens, kv_lens = self.q_lens[rows], self.kv_lens[rows]
         max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
-        q_valid = self.q_valid[rows, :max_q]
-        q_starts = torch.cumsum(q_lens, 0) - q_lens
-        pos_q = torch.arange(max_q, device=q_lens.device)
+        q_starts, q_valid, q_gather = _query_layout(q_lens, max_q)
         return AttentionMetadata(
             q_lens=q_lens,
             kv_lens=kv_lens,
             q_starts=q_starts,
             kv_indices=self.kv_indices[rows, :max_kv],
-            q_gather=torch.where(q_valid, q_starts[:, None] + pos_q[None, :], torch.zeros_like(q_valid, dtype=torch.int64)),
+            q_gather=q_gather,
             q_valid=q_valid,
             custom_mask=None if self.custom_mask is None else self.custom_mask[rows, :max_q, :max_q],
             mask=None if self.mask is None else self.mask[rows, :, :max_q, :max_kv],
             max_q=max_q,
             max_kv=max_kv,
         )
+
+
+def _query_layout(q_lens: torch.Tensor, max_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each request's new tokens sit in the flat q: (q_starts [B], q_valid [B, max_q],
+    q_gather [B, max_q], the flat index of each padded query, padding -> 0)."""
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    pos_q = torch.arange(max_q, device=q_lens.device)
+    q_valid = pos_q[None, :] < q_lens[:, None]
+    q_gather = torch.where(q_valid, q_starts[:, None] + pos_q[None, :], torch.zeros_like(q_valid, dtype=torch.int64))
+    return q_starts, q_valid, q_gather
 
 
 def build_attention_metadata(
@@ -82,7 +90,7 @@ def build_attention_metadata(
     batch = kv_lens.shape[0]
     max_q = int(q_lens.max()) if batch else 0
     max_kv = int(kv_lens.max()) if batch else 0
-    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    q_starts, q_valid, q_gather = _query_layout(q_lens, max_q)
 
     pos_kv = torch.arange(max_kv, device=device)
     kv_valid = pos_kv[None, :] < kv_lens[:, None]  # [B, max_kv]
@@ -90,8 +98,6 @@ def build_attention_metadata(
     kv_indices = torch.where(kv_valid, kv_indices, torch.zeros_like(kv_indices))
 
     pos_q = torch.arange(max_q, device=device)
-    q_valid = pos_q[None, :] < q_lens[:, None]  # [B, max_q]
-    q_gather = torch.where(q_valid, q_starts[:, None] + pos_q[None, :], torch.zeros_like(q_valid, dtype=torch.int64))
 
     prefix_lens = kv_lens - q_lens
     # Offset of each kv position inside the new-token block (negative = cached prefix).

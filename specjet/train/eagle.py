@@ -215,8 +215,8 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         if engine is None:
             from specjet import Engine
 
-            # Batch invariance buys nothing here (no output is compared across batch shapes) and SDPA
-            # attention is ~3x faster at a batch of 64.
+            # Batch invariance buys nothing here (no output is compared across batch shapes), and with
+            # SDPA a batch-64 decode step is ~3x faster (bench.step).
             engine = Engine(model_path=args.model_path, dtype=args.generate_dtype, enable_deterministic_inference=False,
                             max_running_requests=args.max_running_requests,
                             max_total_tokens=args.max_running_requests * (args.max_len + args.max_new_tokens),

@@ -1,0 +1,86 @@
+"""One model forward, no scheduler: how long a decode step (or a verify of N tree nodes) takes for B
+requests with L cached tokens each, with the batch-invariant CPU attention and with SDPA.
+
+    python -m bench.step [--batch-size 64] [--context 400] [--nodes 1] [--repeats 5] [--dtype bfloat16]
+
+The model (``--model-path``, default the embedded one) is loaded once; each request owns L + N
+contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
+tokens per request (N = 1: decode; N > 1: a chain of N verify nodes under a tree mask) at positions
+L .. L+N-1, writing the same slots every time. Prints the median and min/max of ``--repeats`` steps
+per attention path, after one warm-up step each.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench.common import command_line, machine_info, now, report_header_lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None, help="model directory or .gguf (default: the embedded model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--context", type=int, default=400, help="cached tokens per request (L)")
+    p.add_argument("--nodes", type=int, default=1, help="new tokens per request (N; > 1 = verify a chain)")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    if min(args.batch_size, args.context, args.nodes, args.repeats) < 1:
+        p.error("--batch-size, --context, --nodes and --repeats must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.forward_batch import ForwardBatch, ForwardMode
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict, resolve_model_path
+
+    machine, date = machine_info(), now()
+    model_dir = resolve_model_path(args.model_path)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    b, length, n = args.batch_size, args.context, args.nodes
+    runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, "cpu", b * (length + n), 0.0, 1)
+    table = torch.arange(1, b * (length + n) + 1).view(b, length + n)  # slot 0 is the padding slot
+    rows = torch.arange(b)
+
+    def forward(mode, positions: torch.Tensor, q_len: int, mask=None):
+        batch = ForwardBatch.build(
+            mode, input_ids=torch.randint(0, config.vocab_size, (b * q_len,)), positions=positions,
+            out_cache_loc=table[:, positions[:q_len]].reshape(-1), req_to_token=table, req_pool_indices=rows,
+            kv_lens=torch.full((b,), int(positions[q_len - 1]) + 1),
+            q_lens=torch.full((b,), q_len), custom_mask=mask, logits="last")
+        runner.forward(batch)
+
+    forward(ForwardMode.EXTEND, torch.arange(length).repeat(b), length)  # the cached context
+    step_positions = torch.arange(length, length + n).repeat(b)
+    mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
+    mask = None if n == 1 else torch.tril(torch.ones(b, n, n, dtype=torch.bool))
+    results = {}
+    for name, invariant in (("invariant", True), ("sdpa", False)):
+        runner.model.set_batch_invariant(invariant)
+        times = []
+        for i in range(args.repeats + 1):
+            start = time.perf_counter()
+            forward(mode, step_positions, n, mask)
+            if i:  # the first is the warm-up
+                times.append(time.perf_counter() - start)
+        results[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    machine["load_avg_after"] = machine_info()["load_avg"]
+    for line in report_header_lines(command_line(), date, machine):
+        print(line)
+    print(f"# {args.dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
+    print(f"{'attention':<10} {'median ms':>10} {'min':>8} {'max':>8}")
+    for name, r in results.items():
+        print(f"{name:<10} {1000 * r['median_s']:>10.1f} {1000 * r['min_s']:>8.1f} {1000 * r['max_s']:>8.1f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
