@@ -174,13 +174,15 @@ def check_output(output: dict, validator) -> tuple[str, str | None]:
 
 
 def request_outcomes(entries: list[dict], outputs: list[dict], validators: list) -> list[dict]:
-    """Per request: schema name, ``check_output`` status and why, text, completion tokens, finish type."""
+    """Per request: schema name, ``check_output`` status and why, text, completion tokens, finish type,
+    and for speculative engines its verify forwards (``spec_verify_ct``; accept length = tokens / that)."""
     outcomes = []
     for entry, out, validator in zip(entries, outputs, validators, strict=True):
         status, why = check_output(out, validator)
         m = out["meta_info"]
         outcomes.append({"schema": entry["name"], "status": status, "why": why, "text": out["text"],
-                         "completion_tokens": m["completion_tokens"], "finish": (m["finish_reason"] or {}).get("type")})
+                         "completion_tokens": m["completion_tokens"], "finish": (m["finish_reason"] or {}).get("type"),
+                         "spec_verify_ct": m.get("spec_verify_ct")})
     return outcomes
 
 

@@ -9,7 +9,7 @@ import torch
 
 from model_harness import load_runner
 from specjet.models.eagle import EagleDraftModel, default_eagle_path, load_eagle, read_eagle_config, save_eagle
-from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 
 
@@ -18,11 +18,20 @@ def runner(tiny_model_dir):
     return load_runner(tiny_model_dir, tokens=512)
 
 
-def make_head(runner, hot=None, seed=0) -> EagleDraftModel:
+def make_head(runner, hot=None, seed=0, feature_layers=()) -> EagleDraftModel:
     torch.manual_seed(seed)
-    head = EagleDraftModel(runner.config, hot_token_ids=hot)
+    head = EagleDraftModel(runner.config, hot_token_ids=hot, feature_layers=feature_layers)
     head.reset_parameters(std=0.1)  # larger than the training init, so the layer visibly matters
+    if feature_layers:
+        with torch.no_grad():  # every fused part matters (the training init reads f^last only)
+            head.fuse.weight_t.normal_(0.0, 0.1)
+            for norm in head.feature_norms:
+                norm.weight.uniform_(0.5, 1.5)
     return head.bind_target(runner.model).eval()
+
+
+# EAGLE-1 (final hidden state) and EAGLE-3 (plus the residual after layer 0 of the 2-layer target).
+HEAD_KINDS = pytest.mark.parametrize("feature_layers", [(), (0,)], ids=["eagle1", "eagle3"])
 
 
 def paged_forward(head, ids: list[torch.Tensor], feats: list[torch.Tensor], chunks: list[int]):
@@ -55,7 +64,7 @@ def paged_forward(head, ids: list[torch.Tensor], feats: list[torch.Tensor], chun
             logits="last",
         )
         features = torch.cat([feats[r][done[r]:done[r] + n] for r, n in zip(rows, q)])
-        h, logits = head(batch, features, kv)
+        h, logits = head(batch, features, kv, from_target=True)
         for (r, n), part, lg in zip(zip(rows, q), h.split(q), logits):
             hidden[r].append(part)
             done[r] += n
@@ -64,9 +73,10 @@ def paged_forward(head, ids: list[torch.Tensor], feats: list[torch.Tensor], chun
     return [torch.cat(h) for h in hidden], torch.stack(last_logits)
 
 
-def test_paged_forward_matches_training_forward(runner):
-    head = make_head(runner)
-    h = runner.config.hidden_size
+@HEAD_KINDS
+def test_paged_forward_matches_training_forward(runner, feature_layers):
+    head = make_head(runner, feature_layers=feature_layers)
+    h = head.feature_width
     g = torch.Generator().manual_seed(1)
     lens = [11, 7]
     ids = [torch.randint(0, runner.config.vocab_size, (n,), generator=g) for n in lens]
@@ -99,7 +109,7 @@ def chain_hidden(head, ids: torch.Tensor, feats: torch.Tensor, root: int, depth:
     table[0, n:] = torch.arange(n + 1, n + depth + 1).flip(0)  # chain slots elsewhere in the pool
     batch = ForwardBatch.build(ForwardMode.EXTEND, ids[1:n + 1], torch.arange(n), table[0, :n], table,
                                torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), logits="none")
-    hidden, _ = head(batch, feats[:n], kv)
+    hidden, _ = head(batch, feats[:n], kv, from_target=True)
     h = hidden[-1:]
     for j in range(1, depth + 1):
         pos = torch.tensor([root + j])
@@ -109,14 +119,15 @@ def chain_hidden(head, ids: torch.Tensor, feats: torch.Tensor, root: int, depth:
     return h[0]
 
 
-def test_unrolled_training_forward_is_chain_drafting(runner):
+@HEAD_KINDS
+def test_unrolled_training_forward_is_chain_drafting(runner, feature_layers):
     """Training-time test: depth d of the unrolled forward at position t is the d-th draft step of
     the chain rooted at t - d, exactly as drafting computes it."""
-    head = make_head(runner, seed=4)
+    head = make_head(runner, seed=4, feature_layers=feature_layers)
     g = torch.Generator().manual_seed(5)
     n = 12
     ids = torch.randint(0, runner.config.vocab_size, (n,), generator=g)
-    feats = torch.randn(n, runner.config.hidden_size, generator=g)
+    feats = torch.randn(n, head.feature_width, generator=g)
     with torch.no_grad():
         unrolled = head.forward_train_unrolled(ids[None, 1:], feats[None, :-1], depths=3)
         torch.testing.assert_close(unrolled[0], head.forward_train(ids[None, 1:], feats[None, :-1]))
@@ -171,13 +182,14 @@ def test_unbound_head_says_so(runner):
         head.forward_train(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, runner.config.hidden_size))
 
 
-def test_save_load_round_trip(runner, tmp_path):
+@HEAD_KINDS
+def test_save_load_round_trip(runner, tmp_path, feature_layers):
     hot = torch.arange(0, runner.config.vocab_size, 7)
-    head = make_head(runner, hot=hot, seed=4)
+    head = make_head(runner, hot=hot, seed=4, feature_layers=feature_layers)
     save_eagle(head, tmp_path / "exact", training={"steps": 3}, dtype=torch.float32)
     save_eagle(head, tmp_path / "fp16")
     ids = torch.randint(0, runner.config.vocab_size, (1, 9))
-    feats = torch.randn(1, 9, runner.config.hidden_size)
+    feats = torch.randn(1, 9, head.feature_width)
     with torch.no_grad():
         expected = head.forward_train(ids, feats)
         exact = load_eagle(tmp_path / "exact", runner.config).bind_target(runner.model)
@@ -185,6 +197,7 @@ def test_save_load_round_trip(runner, tmp_path):
         half = load_eagle(tmp_path / "fp16", runner.config).bind_target(runner.model)
         torch.testing.assert_close(half.forward_train(ids, feats), expected, rtol=1e-2, atol=1e-2)
     assert torch.equal(exact.hot_token_ids, hot) and torch.equal(half.hot_token_ids, hot)
+    assert exact.feature_layers == feature_layers and exact.feature_capture == head.feature_capture
     # Only the head's own tensors are stored: the target's embedding and LM head are not.
     from safetensors import safe_open
 
@@ -195,6 +208,54 @@ def test_save_load_round_trip(runner, tmp_path):
     config = read_eagle_config(tmp_path / "exact")
     assert config["hot_vocab_size"] == len(hot) and config["training"] == {"steps": 3}
     assert config["target"]["hidden_size"] == runner.config.hidden_size
+
+
+def test_eagle3_feature_capture_is_the_residuals_then_the_final_hidden_state(runner):
+    """``FeatureLayers`` gives every row's residual after the chosen layers and the final normed
+    hidden state, concatenated, even when only some rows need logits (a verify, an extend)."""
+    head = make_head(runner, feature_layers=(0,))
+    assert head.feature_capture == FeatureLayers((0,))
+    n = 6
+    ids = torch.randint(0, runner.config.vocab_size, (n,), generator=torch.Generator().manual_seed(8))
+
+    def forward(capture, slot0):
+        slots = torch.arange(slot0, slot0 + n)
+        batch = ForwardBatch.build(ForwardMode.EXTEND, ids, torch.arange(n), slots, slots[None], torch.tensor([0]),
+                                   torch.tensor([n]), torch.tensor([n]), logits="last", capture_hidden=capture)
+        return runner.forward(batch)
+
+    fused = forward(head.feature_capture, 1)
+    layers = forward((0,), 1 + n)
+    last = forward("last", 1 + 2 * n)
+    h = runner.config.hidden_size
+    assert fused.hidden.shape == (n, 2 * h)
+    torch.testing.assert_close(fused.hidden, torch.cat([layers.layer_hidden[0], last.hidden], dim=-1), rtol=0, atol=0)
+    torch.testing.assert_close(fused.logits, last.logits, rtol=0, atol=0)
+
+
+def test_eagle3_settings_are_checked(runner):
+    with pytest.raises(ValueError, match="feature_layers must be increasing"):
+        EagleDraftModel(runner.config, feature_layers=(1, 0))
+    with pytest.raises(ValueError, match="feature_layers must be increasing"):
+        EagleDraftModel(runner.config, feature_layers=(runner.config.num_layers - 1,))  # the last is f^last
+    head = make_head(runner, feature_layers=(0,))
+    with pytest.raises(ValueError, match="target features have width"):
+        head.forward_train(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, runner.config.hidden_size))
+
+
+def test_eagle3_head_starts_as_the_eagle1_head(runner):
+    """Training starts from fuse = identity on f^last: the fused head computes what an EAGLE-1 head
+    with the same weights computes, whatever the residual part holds."""
+    torch.manual_seed(0)
+    eagle1 = EagleDraftModel(runner.config).bind_target(runner.model)
+    eagle3 = EagleDraftModel(runner.config, feature_layers=(0,)).bind_target(runner.model)
+    eagle3.load_state_dict(eagle1.state_dict(), strict=False)
+    ids = torch.randint(0, runner.config.vocab_size, (1, 7))
+    last = torch.randn(1, 7, runner.config.hidden_size)
+    with torch.no_grad():
+        expected = eagle1.forward_train(ids, last)
+        got = eagle3.forward_train(ids, torch.cat([100 * torch.randn_like(last), last], dim=-1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_load_refuses_another_target(runner, tmp_path):

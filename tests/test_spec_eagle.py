@@ -40,13 +40,17 @@ def expected(plain):
     return [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40))]
 
 
-def random_head(tmp_path, model_dir, hot_ids=None, seed=0):
+def random_head(tmp_path, model_dir, hot_ids=None, seed=0, feature_layers=()):
     from transformers import AutoConfig
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     torch.manual_seed(seed)
-    head = EagleDraftModel(config, hot_token_ids=None if hot_ids is None else torch.tensor(sorted(hot_ids)))
+    head = EagleDraftModel(config, hot_token_ids=None if hot_ids is None else torch.tensor(sorted(hot_ids)),
+                           feature_layers=feature_layers)
     head.reset_parameters(std=0.3)
+    if feature_layers:
+        with torch.no_grad():
+            head.fuse.weight_t.normal_(0.0, 0.3)
     return save_eagle(head, tmp_path, dtype=torch.float32)
 
 
@@ -55,23 +59,31 @@ def wrong_head(tmp_path_factory, tiny_model_dir):
     return random_head(tmp_path_factory.mktemp("wrong-head"), tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def lucky_head(tmp_path_factory, tiny_model_dir, expected):
+def copy_head(tmp_path, model_dir, expected, feature_layers=()):
     """A "copy" head: fc passes the token embedding through and the layer adds nothing, so it
     predicts that the next token repeats the current one (tied embeddings) - right most of the time
-    on this cyclic target, wrong at every change, with a hot vocabulary of the tokens it says."""
+    on this cyclic target, wrong at every change, with a hot vocabulary of the tokens it says. An
+    EAGLE-3 copy head also adds a little of its fused features, so that they reach the draft."""
     from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     hot = torch.tensor(sorted({t for ids in expected for t in ids} | {0, 1, 2}))
-    head = EagleDraftModel(config, hot_token_ids=hot)
+    head = EagleDraftModel(config, hot_token_ids=hot, feature_layers=feature_layers)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("weight_t") or name.endswith("bias"):
                 p.zero_()
         h = config.hidden_size
         head.fc.weight_t[:h] = torch.eye(h)
-    return save_eagle(head, tmp_path_factory.mktemp("copy-head"), dtype=torch.float32)
+        if feature_layers:
+            head.fuse.weight_t.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
+            head.fc.weight_t[h:] = 0.05 * torch.eye(h)
+    return save_eagle(head, tmp_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def lucky_head(tmp_path_factory, tiny_model_dir, expected):
+    return copy_head(tmp_path_factory.mktemp("copy-head"), tiny_model_dir, expected)
 
 
 def eagle_engine(model_dir, head, **kw):
@@ -109,6 +121,22 @@ def test_always_wrong_head_still_gives_identical_output(tiny_model_dir, wrong_he
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in outs] == expected
     assert one_by_one == expected
+
+
+def test_eagle3_heads_are_lossless(tiny_model_dir, expected, tmp_path):
+    """Heads reading fused multi-layer features (the target's verify and prefill capture them): a
+    random one and a copy head that gets drafts accepted, identical ids either way."""
+    heads = {"random": random_head(tmp_path / "random", tiny_model_dir, feature_layers=(0,)),
+             "copy": copy_head(tmp_path / "copy", tiny_model_dir, expected, feature_layers=(0,))}
+    for name, head in heads.items():
+        with eagle_engine(tiny_model_dir, head, speculative_eagle_topk=4, speculative_num_steps=3,
+                          speculative_num_draft_tokens=8, page_size=16) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+        assert [o["output_ids"] for o in outs] == expected, name
+        if name == "copy":
+            assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]
 
 
 def test_cuts_stops_and_retraction(tiny_model_dir, lucky_head, plain, expected):

@@ -232,13 +232,15 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
                      + json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                 {"role": "assistant", "content": "Hello!"}]}) + "\n")
     out = tmp_path / "head"
-    main(["eagle", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"), "--out", str(out),
-          "--jsonschema-dir", str(schemas), "--json-eval-every", "2", "--json-per-schema", "2",
-          "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
-          "--num-few-shot-replies", "2", "--num-few-shot-eval", "1",
-          "--max-new-tokens", "12", "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
-          "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1"])
+    argv = ["eagle", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+            "--jsonschema-dir", str(schemas), "--json-eval-every", "2", "--json-per-schema", "2",
+            "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
+            "--num-few-shot-replies", "2", "--num-few-shot-eval", "1", "--max-new-tokens", "12",
+            "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
+            "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1", "--feature-layers", "0"]
+    main(argv)
     meta = read_eagle_config(out)
+    assert meta["feature_layers"] == [0]  # an EAGLE-3 head: trained on fused features, loads as one
     training = meta["training"]
     assert meta["hot_vocab_size"] == 300 and training["steps"] == 6
     assert training["data"]["train"]["gsm8k_human"]["sequences"] == 4
@@ -252,10 +254,5 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
     load_eagle(out, load_runner(tiny_model_dir, tokens=64).config)
     # A rerun finds everything cached: no generation, no features, the training checkpoint reused.
-    main(["eagle", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"), "--out", str(out),
-          "--jsonschema-dir", str(schemas), "--json-eval-every", "2", "--json-per-schema", "2",
-          "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
-          "--num-few-shot-replies", "2", "--num-few-shot-eval", "1",
-          "--max-new-tokens", "12", "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
-          "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1"])
+    main(argv)
     assert read_eagle_config(out)["training"]["timings_s"]["features"] < 1.0

@@ -36,9 +36,11 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool for the reference; None = no masking needed
     max_q: int
     max_kv: int
-    # Requests grouped by similar KV length for the invariant path (computed on first use, then
-    # shared by every layer); None until then.
-    length_groups: list[torch.Tensor] | None = None
+    # Per-forward caches of the invariant path, computed on first use and shared by every layer:
+    # requests grouped by similar KV length (rows, their flat token indices, their own metadata),
+    # and the float64 additive mask (0 where a query may look, -inf elsewhere).
+    length_groups: list[tuple[torch.Tensor, torch.Tensor, "AttentionMetadata"]] | None = None
+    mask_bias: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> "AttentionMetadata":
         """The metadata of the requests ``rows`` alone, padded only to their own longest q and KV;
@@ -157,12 +159,13 @@ def paged_attention_reference(
 PADDING_SLACK = 1.25
 
 
-def _length_groups(meta: AttentionMetadata) -> list[torch.Tensor]:
-    """Batch rows in groups of similar KV length (one group when padding is cheap)."""
+def _length_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
+    """Batch rows in groups of similar KV length (one group when padding is cheap), each with its
+    flat token indices (in batch order) and its own metadata."""
     if meta.length_groups is None:
         lens = meta.kv_lens.tolist()
         if len(lens) * meta.max_kv <= PADDING_SLACK * sum(lens):
-            meta.length_groups = [torch.arange(len(lens), device=meta.kv_lens.device)]
+            meta.length_groups = [(torch.arange(len(lens), device=meta.kv_lens.device), None, meta)]
         else:
             groups, current, total = [], [], 0
             for i in sorted(range(len(lens)), key=lambda i: lens[i]):
@@ -173,8 +176,19 @@ def _length_groups(meta: AttentionMetadata) -> list[torch.Tensor]:
                 current.append(i)
                 total += lens[i]
             groups.append(current)
-            meta.length_groups = [torch.tensor(sorted(g), device=meta.kv_lens.device) for g in groups]
+            meta.length_groups = []
+            for g in groups:
+                rows = torch.tensor(sorted(g), device=meta.kv_lens.device)
+                meta.length_groups.append((rows, meta.q_gather[rows][meta.q_valid[rows]], meta.select(rows)))
     return meta.length_groups
+
+
+def _mask_bias(meta: AttentionMetadata) -> torch.Tensor | None:
+    """The mask as a float64 addend shaped like the scores, [B, 1, max_q, 1, max_kv] (None: no mask)."""
+    if meta.mask is not None and meta.mask_bias is None:
+        bias = torch.zeros(meta.mask.shape, dtype=torch.float64, device=meta.mask.device)
+        meta.mask_bias = bias.masked_fill_(~meta.mask, float("-inf"))[:, :, :, None, :]
+    return meta.mask_bias
 
 
 # Query rows per chunk in the invariant path: bounds the score buffer, and lets a causal chunk stop at
@@ -210,9 +224,8 @@ def paged_attention_invariant(
     if len(groups) == 1:
         return _attention_float64(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    for rows in groups:
-        tokens = meta.q_gather[rows][meta.q_valid[rows]]  # the group's flat token indices, in batch order
-        out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, meta.select(rows), scale)
+    for _rows, tokens, group_meta in groups:
+        out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, group_meta, scale)
     return out
 
 
@@ -266,23 +279,32 @@ def _attention_float64(
     k64 = _gather_float64(k_cache, flat, batch, "k").transpose(1, 2)  # [B*KV, D, L]
     v64 = _gather_float64(v_cache, flat, batch, "v")  # [B*KV, L, D]
     decode = max_q == 1 and num_tokens == batch
-    qp = q.to(f64) if decode else q.to(f64)[meta.q_gather]  # [B, max_q, H, D]
+    # Scaling q rather than the scores: fewer elements, and still elementwise (for head_dim 64 the
+    # scale is 1/8, exact).
+    qp = q.to(f64).mul_(scale)
+    qp = qp if decode else qp[meta.q_gather]  # [B, max_q, H, D]
     qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).transpose(1, 2)  # [B, KV, max_q, g, D]
-    out = torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64, device=q.device)
+    bias = _mask_bias(meta)
     causal = meta.custom_mask is None and max_q > 1
     max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
-    for q0 in range(0, max_q, INVARIANT_Q_CHUNK):
+    chunks = range(0, max_q, INVARIANT_Q_CHUNK)
+    # One chunk (decode, verify, short extends) writes its result straight out; several fill a buffer.
+    out = None if len(chunks) == 1 else torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64,
+                                                    device=q.device)
+    for q0 in chunks:
         q1 = min(max_q, q0 + INVARIANT_Q_CHUNK)
         kv_end = min(max_kv, max_prefix + q1) if causal else max_kv  # later keys are masked for every row
         rows = (q1 - q0) * group
         s = torch.bmm(qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim), k64[:, :, :kv_end])
-        if meta.mask is not None:
-            s.view(batch, num_kv_heads, q1 - q0, group, kv_end).masked_fill_(
-                ~meta.mask[:, 0, None, q0:q1, None, :kv_end], float("-inf"))
-        s = s.mul_(scale)
+        if bias is not None:
+            s.view(batch, num_kv_heads, q1 - q0, group, kv_end).add_(bias[:, :, q0:q1, :, :kv_end])
         s = s.sub_(s.amax(-1, keepdim=True)).exp_()
         o = torch.bmm(s, v64[:, :kv_end]).div_(s.sum(-1, keepdim=True))
-        out[:, :, q0:q1] = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
+        o = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
+        if out is None:
+            out = o
+        else:
+            out[:, :, q0:q1] = o
     out = out.transpose(1, 2).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
     if decode:
         return out.view(num_tokens, num_heads, head_dim)

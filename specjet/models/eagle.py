@@ -8,7 +8,16 @@ The target's final normed hidden state at position t (``ModelOutput.hidden`` wit
     h_t = DecoderLayer(x)                        one Llama block of the target's shape
     logits = lm_head(h_t)                        the target's head (or its "hot token" rows)
 
-No final norm: h_t stands in for f_{t+1}, which is already normed. Drafting k tokens feeds h_t back
+No final norm: h_t stands in for f_{t+1}, which is already normed.
+
+EAGLE-3 features (``feature_layers``, e.g. (1, 14)): the target gives the residual stream after
+those layers besides its final normed hidden state (``FeatureLayers`` capture, [T, (n + 1) h]), and
+the head fuses them first, f_t = fuse([norm_1(r1_t) ; ... ; f_t^last]) (fuse: (n + 1) h -> h, no bias;
+one learned RMSNorm per residual, whose scales grow ~10x through the stack). Low and middle layers
+still carry what the last layer has already specialised away for predicting the next token only,
+which is what the head needs to predict the token after it. ``fuse`` starts as the identity on
+f^last, i.e. as the EAGLE-1 head. Only the target's features are fused (``embed_features``): from
+the second draft step on, the head reads its own h_t as before. Drafting k tokens feeds h_t back
 as the feature of the next step. The embedding and the LM head are the target's (``bind_target``);
 the draft's checkpoint holds only fc, the layer and the hot token ids.
 
@@ -26,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.models.config import ModelConfig
-from specjet.models.forward_batch import ForwardBatch
+from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
-from specjet.models.llama import DecoderLayer, Linear, LlamaForCausalLM, Rotary, apply_rotary
+from specjet.models.llama import DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
 
 FORMAT = "specjet-eagle"
 FORMAT_VERSION = 1
@@ -48,10 +57,19 @@ class SharedTarget:
 
 
 class EagleDraftModel(nn.Module):
-    def __init__(self, config: ModelConfig, hot_token_ids: torch.Tensor | None = None):
+    def __init__(self, config: ModelConfig, hot_token_ids: torch.Tensor | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = config
         h = config.hidden_size
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        if any(b <= a for a, b in zip(self.feature_layers, self.feature_layers[1:])) or any(
+                not 0 <= i < config.num_layers - 1 for i in self.feature_layers):
+            raise ValueError(f"feature_layers must be increasing layer ids in [0, {config.num_layers - 1}), "
+                             f"got {list(self.feature_layers)}")
+        if self.feature_layers:
+            self.feature_norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in self.feature_layers)
+            self.fuse = Linear(self.feature_width, h, bias=False)
         self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(config, layer_id=0)  # layer 0 of its own 1-layer KV cache
         if hot_token_ids is not None:
@@ -76,6 +94,11 @@ class EagleDraftModel(nn.Module):
                     p.zero_()
                 else:
                     p.fill_(1.0)
+        if self.feature_layers:  # start as the EAGLE-1 head: the fused feature is f^last
+            h = self.config.hidden_size
+            with torch.no_grad():
+                self.fuse.weight_t.zero_()
+                self.fuse.weight_t[-h:].copy_(torch.eye(h))
 
     def bind_target(self, target: LlamaForCausalLM) -> "EagleDraftModel":
         """Share ``target``'s embedding and LM head (a hot head copies the head's K hot columns)."""
@@ -102,6 +125,29 @@ class EagleDraftModel(nn.Module):
                 module.pack_for_decode()
 
     @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads: (len(feature_layers) + 1) * hidden."""
+        return (len(self.feature_layers) + 1) * self.config.hidden_size
+
+    @property
+    def feature_capture(self) -> CaptureHidden:
+        """What the target's forward must capture for this head."""
+        return FeatureLayers(self.feature_layers) if self.feature_layers else "last"
+
+    def embed_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_width] -> the head's feature input [..., h] (identity for
+        an EAGLE-1 head). Called where target features enter: draft extend, training, evaluation."""
+        if features.shape[-1] != self.feature_width:
+            raise ValueError(f"target features have width {features.shape[-1]}, this head reads {self.feature_width}")
+        if not self.feature_layers:
+            return features
+        h = self.config.hidden_size
+        chunks = features.split(h, dim=-1)
+        parts = [norm(c) for norm, c in zip(self.feature_norms, chunks)] + [chunks[-1]]
+        fused = torch.cat(parts, dim=-1)
+        return self.fuse(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape[:-1], h)
+
+    @property
     def draft_vocab_size(self) -> int:
         return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
 
@@ -126,14 +172,18 @@ class EagleDraftModel(nn.Module):
 
     # ---------------------------------------------------------------- inference (paged KV)
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, features: torch.Tensor, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: ForwardBatch, features: torch.Tensor, kv_cache: KVCache,
+                from_target: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over specjet's paged KV.
 
-        Row i: ``features[i]`` is the feature at position ``batch.positions[i]`` (the target's, or
-        from the second draft step on the head's own hidden state) and ``batch.input_ids[i]`` the
+        Row i: ``features[i]`` is the feature at position ``batch.positions[i]`` (the target's, through
+        ``embed_features`` when ``from_target``, or from the second draft step on the head's own hidden
+        state) and ``batch.input_ids[i]`` the
         token at the next position, the one that feature chose. ``out_cache_loc`` is the slot of
         ``positions`` (for verified positions, the target's own slot). ``kv_cache`` has one layer.
         Returns (hidden [T, h], logits [N, K or V] float32 for the rows ``batch.logits_indices``)."""
+        if from_target:
+            features = self.embed_features(features)
         x = self._fuse(batch.input_ids, features)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         hidden = self.layer(x, cos, sin, batch, kv_cache)
@@ -142,7 +192,7 @@ class EagleDraftModel(nn.Module):
 
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T], features [B, T, h] -> hidden [B, T, h], causal over each row (teacher
+        """input_ids [B, T], target features [B, T, feature_width] -> hidden [B, T, h], causal over each row (teacher
         forcing: every position reads the target's feature). See ``forward_train_unrolled``."""
         return self.forward_train_unrolled(input_ids, features, 1)[0]
 
@@ -163,7 +213,7 @@ class EagleDraftModel(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, features.dtype)
         layer = self.layer
         keys, values, outputs = [], [], []
-        feats = features
+        feats = self.embed_features(features)
         for depth in range(depths):
             fused = torch.cat([embeds, feats], dim=-1)
             x = self.fc(fused.reshape(batch * seq, -1))
@@ -240,7 +290,10 @@ def save_eagle(model: EagleDraftModel, directory, target_gguf: str | None = None
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "architecture": "EagleDraftModel",
-        "feature": "target final normed hidden state (ModelOutput.hidden, capture_hidden='last')",
+        "feature": ("target final normed hidden state (ModelOutput.hidden, capture_hidden='last')"
+                    if not model.feature_layers else
+                    "residual stream after feature_layers, then the final normed hidden state (FeatureLayers capture)"),
+        "feature_layers": list(model.feature_layers),
         "num_layers": 1,
         "hot_vocab_size": model.draft_vocab_size if model.hot_token_ids is not None else None,
         "weights_dtype": str(dtype).removeprefix("torch."),
@@ -275,7 +328,8 @@ def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, devic
             raise ValueError(f"EAGLE head {directory} was trained for a target with {name}={trained_for.get(name)}, "
                              f"this target has {getattr(target_config, name)}")
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
-    model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"))
+    model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"),
+                            feature_layers=tuple(config.get("feature_layers", ())))
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
     if missing or unexpected:

@@ -18,9 +18,18 @@ class ForwardMode(Enum):
     VERIFY = "verify"  # several new tokens per request under a caller-given mask (draft tree)
 
 
-# Hidden-state capture: None, "last" (final normed hidden, what the LM head sees), or layer ids
-# (residual stream after those decoder layers, for EAGLE-3 style drafters).
-CaptureHidden = None | str | tuple[int, ...]
+@dataclass(frozen=True)
+class FeatureLayers:
+    """Capture for EAGLE-3 style drafters: ``ModelOutput.hidden`` is the residual stream after each
+    of ``layers`` and the final normed hidden state, concatenated in that order ([T, (n + 1) h]),
+    for every row (like "last")."""
+
+    layers: tuple[int, ...]
+
+
+# Hidden-state capture: None, "last" (final normed hidden, what the LM head sees), FeatureLayers, or
+# layer ids (``ModelOutput.layer_hidden``: residual stream after those decoder layers, for tests).
+CaptureHidden = None | str | FeatureLayers | tuple[int, ...]
 
 
 @dataclass
@@ -69,5 +78,5 @@ class ForwardBatch:
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [N, vocab] float32
-    hidden: torch.Tensor | None = None  # [T, hidden] for capture "last"
+    hidden: torch.Tensor | None = None  # [T, hidden] for capture "last", [T, (n + 1) hidden] for FeatureLayers
     layer_hidden: dict[int, torch.Tensor] | None = None  # layer id -> [T, hidden]

@@ -13,7 +13,7 @@ from torch import nn
 from specjet.kernels.attention import paged_attention
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
-from specjet.models.forward_batch import ForwardBatch, ModelOutput
+from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 
 
@@ -141,12 +141,17 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         capture = batch.capture_hidden
+        feature_layers = capture.layers if isinstance(capture, FeatureLayers) else ()
+        every_row = capture == "last" or bool(feature_layers)  # the hidden state of every row is wanted
         layer_hidden = {} if isinstance(capture, tuple) else None
+        residuals = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, kv_cache)
             if layer_hidden is not None and i in capture:
                 layer_hidden[i] = x
-        if batch.logits_indices is not None and capture != "last":
+            if i in feature_layers:
+                residuals.append(x)
+        if batch.logits_indices is not None and not every_row:
             x = x[batch.logits_indices]  # only the rows that need logits go through the head
             hidden = self.norm(x)
             logits_in = hidden
@@ -154,7 +159,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.norm(x)
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         logits = self.lm_head(logits_in).float()
-        return ModelOutput(logits=logits, hidden=hidden if capture == "last" else None, layer_hidden=layer_hidden)
+        if feature_layers:
+            hidden = torch.cat([*residuals, hidden], dim=-1)
+        return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; linears are invariant

@@ -258,7 +258,7 @@ class Scheduler(EventLoopsMixin):
     def compute_forward(self, kind: BatchKind, views: list[ComputeView]):
         table = self.req_to_token_pool.table
         if kind is BatchKind.PREFILL:
-            capture = "last" if (self.spec is not None and self.spec.needs_prefill_hidden) else None
+            capture = self.spec.target_capture if self.spec is not None else None
             fb = build_prefill_batch(views, table, self.device, capture_hidden=capture)
         else:
             fb = build_decode_batch(views, table, self.device)

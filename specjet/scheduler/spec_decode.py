@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from specjet.kernels.sampling import SamplingTensors
+from specjet.models.forward_batch import CaptureHidden
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.request import Req
 from specjet.spec_v2.eagle_worker import DraftView, EagleDrafter, EagleParams
@@ -61,7 +62,7 @@ class SpecDecoder:
             self.eagle = EagleDrafter(runner, cfg.eagle_head, cfg.eagle, allocator)
         else:
             raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
-        self.verifier = TreeVerifier(runner, capture_hidden="last" if self.eagle is not None else None)
+        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture)
         # Counted by the scheduler when it commits a verify's tokens (an overlapped iteration for a
         # request that had already finished is not counted).
         self.stats = {"spec_verify_ct": 0, "spec_accepted_tokens": 0}
@@ -69,6 +70,11 @@ class SpecDecoder:
     @property
     def needs_prefill_hidden(self) -> bool:
         return self.eagle is not None
+
+    @property
+    def target_capture(self) -> CaptureHidden:
+        """What the target's prefill and verify forwards capture for the drafter (None: nothing)."""
+        return self.eagle.head.feature_capture if self.eagle is not None else None
 
     @property
     def max_nodes(self) -> int:

@@ -112,7 +112,7 @@ class EagleDrafter:
             q_lens=q_lens,
             logits="last",
         )
-        hidden, logits = self.head(batch, features.to(self.runner.dtype), self.kv_cache)
+        hidden, logits = self.head(batch, features.to(self.runner.dtype), self.kv_cache, from_target=True)
         last_hidden = hidden[batch.logits_indices]
         top_logp, top_idx = torch.log_softmax(logits, -1).topk(self.params.topk, dim=-1)
         top_ids = self.head.hot_to_full(top_idx)

@@ -6,7 +6,8 @@ is done:
                template, and in the GSM8K benchmark's plain few-shot form) and by GSM8K's
                reference solutions, JSON instances the target writes under the schemas of
                ``--jsonschema-dir`` (chat), and any ``--extra-jsonl``;
-  2. features  the target's final normed hidden state at every position (fp16 shards);
+  2. features  the target's final normed hidden state at every position (fp16 shards), and the
+               residual stream after `--feature-layers` (EAGLE-3 features) when given;
   3. train     EAGLE-1 loss (feature regression + the target's next-token distribution), at
                teacher forcing and at ``--depths - 1`` unrolled draft steps (training-time test);
   4. evaluate  chain-drafting accept length on held-out target-greedy replies;
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dtype of the engine that writes the target's replies (bf16 decodes a batch ~2x faster here)")
     model = p.add_argument_group("head and training")
     model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
+    model.add_argument("--feature-layers", type=int, nargs="*", default=[1, 14],
+                       help="EAGLE-3 features: the head also reads the target's residual stream after these layers "
+                            "(default: a low and a middle layer of the 30; give the flag alone for the final hidden "
+                            "state only, EAGLE-1)")
     model.add_argument("--steps", type=int, default=800)
     model.add_argument("--batch-tokens", type=int, default=2048)
     model.add_argument("--max-prompt", type=int, default=256,
@@ -104,6 +109,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from specjet.models.config import ModelConfig
     from specjet.models.eagle import EagleDraftModel, save_eagle
+    from specjet.models.forward_batch import FeatureLayers
     from specjet.models.runner import ModelRunner
     from specjet.models.weights import load_state_dict, resolve_model_path, specjet_cache_dir
     from specjet.train import data as D
@@ -129,10 +135,13 @@ def run(args: argparse.Namespace) -> dict:
     # ---- 2. features
     runner = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
     features_dir = work / "features"
-    train_dir = features_dir / f"train-{fingerprint(train_samples)}"
-    eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}"
-    timings["features"] = round(extract_features(runner, train_samples, train_dir, "features (train)")
-                                + extract_features(runner, eval_samples, eval_dir, "features (eval)"), 1)
+    feature_layers = tuple(args.feature_layers)
+    capture = FeatureLayers(feature_layers) if feature_layers else "last"
+    layers_tag = "-L" + "-".join(map(str, feature_layers)) if feature_layers else ""
+    train_dir = features_dir / f"train-{fingerprint(train_samples)}{layers_tag}"
+    eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}{layers_tag}"
+    timings["features"] = round(extract_features(runner, train_samples, train_dir, "features (train)", capture=capture)
+                                + extract_features(runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
     train_seqs, eval_seqs = load_sequences(train_dir), load_sequences(eval_dir)
 
     # ---- 3. train
@@ -144,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     target.requires_grad_(False)
     target.lm_head.packed = None  # the packed matmul has no backward; the full-vocab head trains through it
     torch.manual_seed(args.seed)
-    head = EagleDraftModel(config, hot_token_ids=hot).bind_target(target)
+    head = EagleDraftModel(config, hot_token_ids=hot, feature_layers=feature_layers).bind_target(target)
     cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt, lr=args.lr,
                       warmup_steps=args.warmup_steps,
                       noise=args.noise, p_weight=args.p_weight, seed=args.seed, checkpoint_every=args.checkpoint_every,
@@ -270,4 +279,4 @@ def _argv_for_summary(args) -> list[str]:
                 "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight",
                 "depths", "depth_decay", "generate_dtype", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return flags
+    return flags + ["--feature-layers", *map(str, args.feature_layers)]

@@ -38,7 +38,7 @@ def chain_draft(model: EagleDraftModel, seq: Sequence, max_steps: int) -> dict:
     prefix = torch.arange(1, n).unsqueeze(0)
     batch = ForwardBatch.build(ForwardMode.EXTEND, ids[1:], torch.arange(n - 1), prefix[0], prefix,
                                torch.tensor([0]), torch.tensor([n - 1]), torch.tensor([n - 1]), logits="all")
-    hidden, logits = model(batch, feats[:-1], kv)
+    hidden, logits = model(batch, feats[:-1], kv, from_target=True)
     hidden, logits = hidden[chains], logits[chains]
     truth = ids[chains + 2]
     top4 = model.hot_to_full(logits.topk(min(4, logits.shape[-1]), -1).indices)

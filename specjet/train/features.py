@@ -1,7 +1,8 @@
-"""Target features for draft training: the target's final normed hidden state at every position.
+"""Target features for draft training: the target's final normed hidden state at every position
+(and, for an EAGLE-3 head, the residual stream after its ``feature_layers`` before it).
 
 The feature is exactly what specjet's runner gives at inference (``ModelOutput.hidden`` of a
-forward with ``capture_hidden="last"``), so the head trains on what it will be fed. Features are
+forward with the head's ``feature_capture``), so the head trains on what it will be fed. Features are
 stored in fp16 shards of ``shard_size`` samples beside the token ids; a shard that exists is not
 computed again, so extraction resumes after an interruption and training reruns for free.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.forward_batch import CaptureHidden, ForwardBatch, ForwardMode
 from specjet.models.runner import ModelRunner
 from specjet.train.data import Sample
 
@@ -22,24 +23,24 @@ from specjet.train.data import Sample
 @dataclass
 class Sequence:
     ids: torch.Tensor  # [L] int64
-    features: torch.Tensor  # [L, h] float16: feature t predicts ids[t + 1]
+    features: torch.Tensor  # [L, feature width] float16: feature t predicts ids[t + 1]
     prompt_len: int
     source: str
 
 
 @torch.inference_mode()
-def target_features(runner: ModelRunner, samples: list[Sample]) -> list[torch.Tensor]:
+def target_features(runner: ModelRunner, samples: list[Sample], capture: CaptureHidden = "last") -> list[torch.Tensor]:
     """Features of every sample. The prefix all samples share (a system prompt, few-shot examples)
     runs once; each sample's rest is a request that attends to the shared prefix's KV."""
     shared = _common_prefix_len([s.ids for s in samples])
     prefix_hidden = None
     if shared:
-        prefix_hidden = _extend(runner, [samples[0].ids[:shared]], 0)[0]
-    rest = _extend(runner, [s.ids[shared:] for s in samples], shared)
+        prefix_hidden = _extend(runner, [samples[0].ids[:shared]], 0, capture)[0]
+    rest = _extend(runner, [s.ids[shared:] for s in samples], shared, capture)
     return [h if prefix_hidden is None else torch.cat([prefix_hidden, h]) for h in rest]
 
 
-def _extend(runner: ModelRunner, id_lists: list[list[int]], shared: int) -> list[torch.Tensor]:
+def _extend(runner: ModelRunner, id_lists: list[list[int]], shared: int, capture: CaptureHidden) -> list[torch.Tensor]:
     """One extend forward: request i brings ``id_lists[i]`` after ``shared`` positions already in
     slots 1..shared (written by the previous call); its own tokens get fresh slots after those."""
     lens = torch.tensor([len(ids) for ids in id_lists])
@@ -62,7 +63,7 @@ def _extend(runner: ModelRunner, id_lists: list[list[int]], shared: int) -> list
         kv_lens=lens + shared,
         q_lens=lens,
         logits="none",
-        capture_hidden="last",
+        capture_hidden=capture,
     )
     hidden = runner.forward(batch).hidden.to(torch.float16)
     return list(hidden.split(lens.tolist()))
@@ -100,7 +101,7 @@ def _packs(samples: list[Sample], max_tokens: int) -> list[list[int]]:
 
 
 def extract_features(runner: ModelRunner, samples: list[Sample], out_dir: pathlib.Path, desc: str,
-                     shard_size: int = 256, max_tokens: int = 2048) -> float:
+                     shard_size: int = 256, max_tokens: int = 2048, capture: CaptureHidden = "last") -> float:
     """Write ``out_dir/shard_NNNN.safetensors`` for every shard not yet there. Returns seconds spent."""
     from safetensors.torch import save_file
 
@@ -116,7 +117,7 @@ def extract_features(runner: ModelRunner, samples: list[Sample], out_dir: pathli
             continue
         features: list[torch.Tensor] = []
         for pack in _packs(shard, max_tokens):
-            features += target_features(runner, [shard[i] for i in pack])
+            features += target_features(runner, [shard[i] for i in pack], capture)
             bar.update(sum(len(shard[i].ids) for i in pack))
         lens = torch.tensor([len(s.ids) for s in shard])
         tensors = {

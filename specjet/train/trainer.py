@@ -2,7 +2,8 @@
 "training-time test": the head also runs unrolled as drafting runs it, on its own fed-back hidden
 states, and is scored at every draft depth.
 
-At position t the head reads (x_{t+1}, f_t + noise) and is scored on
+At position t the head reads (x_{t+1}, f_t + noise) and is scored on (f^last: the final normed part
+of an EAGLE-3 head's fused feature)
   - feature regression: smooth-L1(h_t, f_{t+1});
   - token distribution: cross-entropy of its logits against softmax(lm_head(f_{t+1})), the
     target's own next-token distribution (over the hot vocabulary when the head has one),
@@ -105,7 +106,7 @@ def batch_loss(model: EagleDraftModel, ids, feats, valid, cfg: TrainConfig, gene
     if cfg.noise > 0:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * cfg.noise
     hiddens = model.forward_train_unrolled(ids[:, 1:], inputs, cfg.depths)
-    next_feature = feats[:, 1:][valid]
+    next_feature = feats[:, 1:, -model.config.hidden_size:][valid]  # f^last: what the target's head reads
     with torch.no_grad():
         target_logits = model.logits(next_feature)
         target_probs, target_top = target_logits.softmax(-1), target_logits.argmax(-1)
