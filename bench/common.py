@@ -37,6 +37,7 @@ _ENGINE_FLAGS = {
     "speculative_draft_model_path": "speculative_draft_model_path",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
+    "speculative_hybrid_ngram_tokens": "speculative_hybrid_ngram_tokens",
     "enable_deterministic_inference": "enable_deterministic_inference",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
@@ -70,6 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="NGRAM distinct continuations per draft (default 4)")
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",
                       help="grammar-aware drafting for constrained requests (default true)")
+    spec.add_argument("--speculative-hybrid-ngram-tokens", type=int, default=None,
+                      help="EAGLE trees also take the best n-gram continuation, up to this many nodes (default 0: off)")
     return parser
 
 

@@ -30,7 +30,8 @@ def describe_engine(engine) -> dict:
     if spec is not None:
         if spec.algorithm == "EAGLE":
             desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,
-                                   "num_draft_tokens": spec.eagle.num_draft_tokens}
+                                   "num_draft_tokens": spec.eagle.num_draft_tokens,
+                                   "hybrid_ngram_tokens": spec.ngram.num_draft_tokens - 1 if spec.hybrid_ngram else 0}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens,
                                    "max_bfs_breadth": spec.ngram.max_branches,
@@ -43,6 +44,7 @@ def spec_str(spec: dict | None) -> str:
     if spec is None:
         return "off"
     if spec["algorithm"] == "EAGLE":
-        return f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}"
+        hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
+        return f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}{hybrid}"
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}")

@@ -13,6 +13,8 @@ in turn, warmed up once, reused for every batch size, shut down before the next 
     EAGLE       speculative_algorithm=EAGLE, speculative_grammar_aware=False (drafts ignore the grammar)
     EAGLE-GA    speculative_algorithm=EAGLE, speculative_grammar_aware=True (grammar-aware drafting)
     NGRAM, NGRAM-GA   the same with n-gram drafting
+    EAGLE-HEAD-GA     EAGLE-GA with the head's trees alone (speculative_hybrid_ngram_tokens=0; by default
+                      EAGLE trees also hold the best n-gram continuation)
     overlap on / off  disable_overlap_schedule=False / True
 
 The other engine flags (``--dtype``, ``--speculative-num-steps``, ``--speculative-draft-model-path``, ...)
@@ -79,6 +81,9 @@ ALGORITHMS = {
     "EAGLE-GA": {"speculative_algorithm": "EAGLE", "speculative_grammar_aware": True},
     "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_grammar_aware": False},
     "NGRAM-GA": {"speculative_algorithm": "NGRAM", "speculative_grammar_aware": True},
+    # EAGLE-GA with the trained head's trees alone (no n-gram nodes merged in: EAGLE-2 as SGLang runs it)
+    "EAGLE-HEAD-GA": {"speculative_algorithm": "EAGLE", "speculative_grammar_aware": True,
+                      "speculative_hybrid_ngram_tokens": 0},
 }
 OVERLAP = {"on": False, "off": True}  # --overlap value -> disable_overlap_schedule
 AXIS_FLAGS = ("speculative_algorithm", "speculative_grammar_aware", "disable_overlap_schedule")

@@ -73,7 +73,7 @@ from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_js
 WORKLOADS = ("gsm8k", "json")
 PLAIN = "specjet"
 SWEEP_DEFAULTS = {  # the grid of --sweep (bench/spec_sweep.py)
-    "EAGLE": {"num_steps": [1, 3, 5], "topk": [1, 4], "num_draft_tokens": [4, 8, 12, 16]},
+    "EAGLE": {"num_steps": [1, 3, 5], "topk": [1, 4], "num_draft_tokens": [4, 8, 12, 16], "hybrid_ngram_tokens": [0]},
     "NGRAM": {"num_draft_tokens": [4, 8, 12], "ngram_breadth": [1, 4]},
 }
 
@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sweep.add_argument("--sweep-num-draft-tokens", type=int, nargs="+", default=None,
                        help="default: EAGLE 4 8 12 16, NGRAM 4 8 12")
     sweep.add_argument("--sweep-ngram-breadth", type=int, nargs="+", default=None, help="NGRAM (default 1 4)")
+    sweep.add_argument("--sweep-hybrid-ngram-tokens", type=int, nargs="+", default=None,
+                       help="EAGLE: n-gram nodes merged into each tree (default 0)")
     add_engine_args(parser)
     parser.set_defaults(dtype="float32")
     args = parser.parse_args(argv)
@@ -117,12 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.workload = list(WORKLOADS) if args.speculative_algorithm else ["gsm8k"]
     args.workload = list(dict.fromkeys(args.workload))
     grid_flags = {"num_steps": args.sweep_num_steps, "topk": args.sweep_topk,
-                  "num_draft_tokens": args.sweep_num_draft_tokens, "ngram_breadth": args.sweep_ngram_breadth}
+                  "num_draft_tokens": args.sweep_num_draft_tokens, "ngram_breadth": args.sweep_ngram_breadth,
+                  "hybrid_ngram_tokens": args.sweep_hybrid_ngram_tokens}
     if args.sweep:
         if not args.speculative_algorithm:
             parser.error("--sweep needs --speculative-algorithm EAGLE or NGRAM")
         pinned = [f"--speculative-{name.replace('_', '-')}" for name in
-                  ("num_steps", "eagle_topk", "num_draft_tokens", "ngram_max_bfs_breadth")
+                  ("num_steps", "eagle_topk", "num_draft_tokens", "ngram_max_bfs_breadth", "hybrid_ngram_tokens")
                   if getattr(args, f"speculative_{name}") is not None]
         if pinned:
             parser.error(f"with --sweep, give the grid with --sweep-* flags, not {', '.join(pinned)}")
@@ -132,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if unused:
             parser.error(f"{', '.join(unused)} do not apply to {args.speculative_algorithm}")
         for k, v in grid_flags.items():
-            if k in defaults and v is not None and min(v) < 1:
+            if k in defaults and v is not None and min(v) < (0 if k == "hybrid_ngram_tokens" else 1):
                 parser.error(f"--sweep-{k.replace('_', '-')} values must be positive")
         args.sweep_grid = {k: sorted(set(grid_flags[k] or v)) for k, v in defaults.items()}
     elif any(v is not None for v in grid_flags.values()):
@@ -229,6 +232,7 @@ class SpecjetSystem:
             desc.update(num_steps=getattr(p, "num_steps", kw.get("speculative_num_steps")),
                         topk=getattr(p, "topk", kw.get("speculative_eagle_topk")),
                         num_draft_tokens=getattr(p, "num_draft_tokens", kw.get("speculative_num_draft_tokens")),
+                        hybrid_ngram_tokens=cfg.ngram.num_draft_tokens - 1 if getattr(cfg, "hybrid_ngram", False) else 0,
                         draft_model_path=str(kw.get("speculative_draft_model_path") or default_eagle_path()))
         else:
             p = getattr(cfg, "ngram", None)
@@ -243,8 +247,9 @@ class SpecjetSystem:
 
 def describe_spec(desc: dict) -> str:
     if desc["algorithm"] == "EAGLE":
-        return (f"EAGLE num_steps={desc['num_steps']} topk={desc['topk']} num_draft_tokens={desc['num_draft_tokens']}, "
-                f"head {desc['draft_model_path']}")
+        hybrid = f" + {desc['hybrid_ngram_tokens']} n-gram nodes" if desc.get("hybrid_ngram_tokens") else ""
+        return (f"EAGLE num_steps={desc['num_steps']} topk={desc['topk']} num_draft_tokens={desc['num_draft_tokens']}"
+                f"{hybrid}, head {desc['draft_model_path']}")
     window = desc.get("match_window") or [None, None]
     return (f"NGRAM num_draft_tokens={desc['num_draft_tokens']} max_bfs_breadth={desc['max_bfs_breadth']}, "
             f"match window {window[0]}-{window[1]}")

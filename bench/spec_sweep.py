@@ -3,7 +3,7 @@ chosen from data: ``python -m bench.latency --sweep --speculative-algorithm EAGL
 ``python -m bench.spec_sweep --speculative-algorithm ...``, the same flags).
 
 Grid (each axis overridable with ``--sweep-*``): EAGLE num_steps {1, 3, 5} x topk {1, 4} x
-num_draft_tokens {4, 8, 12, 16}, skipping trees the drafter cannot fill (num_draft_tokens >
+num_draft_tokens {4, 8, 12, 16} x hybrid n-gram nodes {0}, skipping trees the drafter cannot fill (num_draft_tokens >
 1 + topk + (num_steps - 1) * topk^2: the root plus every candidate it expands); NGRAM
 num_draft_tokens {4, 8, 12} x max_bfs_breadth {1, 4}. The other engine flags (``--dtype``,
 ``--speculative-draft-model-path``, ...) apply to every configuration, and the plain engine (the
@@ -42,9 +42,10 @@ def grid(algorithm: str, axes: dict) -> tuple[list[dict], list[dict]]:
     """The configurations (Engine keywords) of the grid, and the impossible ones skipped."""
     configs, skipped = [], []
     if algorithm == "EAGLE":
-        for steps, topk, nodes in itertools.product(axes["num_steps"], axes["topk"], axes["num_draft_tokens"]):
+        for steps, topk, nodes, hybrid in itertools.product(axes["num_steps"], axes["topk"], axes["num_draft_tokens"],
+                                                            axes["hybrid_ngram_tokens"]):
             kw = {"speculative_num_steps": steps, "speculative_eagle_topk": topk,
-                  "speculative_num_draft_tokens": nodes}
+                  "speculative_num_draft_tokens": nodes, "speculative_hybrid_ngram_tokens": hybrid}
             (skipped if nodes > eagle_max_nodes(steps, topk) else configs).append(kw)
     else:
         for nodes, breadth in itertools.product(axes["num_draft_tokens"], axes["ngram_breadth"]):
@@ -54,8 +55,11 @@ def grid(algorithm: str, axes: dict) -> tuple[list[dict], list[dict]]:
 
 def label(kw: dict) -> str:
     short = {"speculative_num_steps": "steps", "speculative_eagle_topk": "topk",
-             "speculative_num_draft_tokens": "draft", "speculative_ngram_max_bfs_breadth": "breadth"}
-    return " ".join(f"{name}={kw[key]}" for key, name in short.items() if key in kw)
+             "speculative_num_draft_tokens": "draft", "speculative_ngram_max_bfs_breadth": "breadth",
+             "speculative_hybrid_ngram_tokens": "ngram"}
+    # No n-gram nodes is EAGLE as it always was: not named.
+    return " ".join(f"{name}={kw[key]}" for key, name in short.items()
+                    if key in kw and (kw[key] or key != "speculative_hybrid_ngram_tokens"))
 
 
 def _geomean(values: list[float]) -> float | None:

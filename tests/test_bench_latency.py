@@ -184,6 +184,10 @@ def test_sweep_grid_skips_impossible_trees():
     assert sorted(map(label, configs)) == sorted(
         ["steps=1 topk=4 draft=4", "steps=3 topk=1 draft=4", "steps=5 topk=1 draft=4"]
         + [f"steps={s} topk=4 draft={d}" for s in (3, 5) for d in (4, 8, 12, 16)])
+    configs, _ = grid("EAGLE", dict(SWEEP_DEFAULTS["EAGLE"], num_steps=[4], topk=[4], num_draft_tokens=[12],
+                                    hybrid_ngram_tokens=[0, 4]))
+    assert list(map(label, configs)) == ["steps=4 topk=4 draft=12", "steps=4 topk=4 draft=12 ngram=4"]
+    assert configs[1]["speculative_hybrid_ngram_tokens"] == 4
     configs, skipped = grid("NGRAM", SWEEP_DEFAULTS["NGRAM"])
     assert len(configs) == 6 and not skipped
     assert label(configs[0]) == "draft=4 breadth=1"

@@ -158,6 +158,13 @@ def test_unknown_engine_arg_is_named(tiny_model_dir):
         specjet.Engine(model_path=str(tiny_model_dir), max_batch_size=4)
 
 
+def test_hybrid_ngram_needs_eagle_and_a_count(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs speculative_algorithm='EAGLE'"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="NGRAM", speculative_hybrid_ngram_tokens=4)
+    with pytest.raises(ValueError, match="speculative_hybrid_ngram_tokens must be >= 0"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="EAGLE", speculative_hybrid_ngram_tokens=-1)
+
+
 def test_speculation_without_batch_invariance_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="enable_deterministic_inference=True"):
         specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="NGRAM",

@@ -88,6 +88,7 @@ def lucky_head(tmp_path_factory, tiny_model_dir, expected):
 
 def eagle_engine(model_dir, head, **kw):
     kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("speculative_hybrid_ngram_tokens", 0)  # the head's own trees, unless a test merges n-grams in
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm="EAGLE",
                           speculative_draft_model_path=str(head), **kw)
 
@@ -139,6 +140,29 @@ def test_eagle3_heads_are_lossless(tiny_model_dir, expected, tmp_path):
             assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]
 
 
+def test_hybrid_ngram_trees_are_lossless_and_accept_more(tiny_model_dir, wrong_head, expected):
+    """EAGLE trees with the n-gram continuation merged in: an always-wrong head alone commits one
+    token per verify; with the n-gram path of this cyclic target's own output it commits more,
+    and the ids stay the target's, in a batch, alone and under sampling's tree walk (greedy here)."""
+    accept = {}
+    for extra in (0, 4):
+        with eagle_engine(tiny_model_dir, wrong_head, speculative_eagle_topk=4, speculative_num_steps=3,
+                          speculative_num_draft_tokens=8, speculative_hybrid_ngram_tokens=extra) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            alone = eng.generate(PROMPTS[1], greedy(40))
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+        assert [o["output_ids"] for o in outs] == expected and alone["output_ids"] == expected[1]
+        accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+    assert accept[0] < 1.2 and accept[4] > 1.5, accept
+    # Unset, EAGLE merges 6 n-gram nodes into each tree (the measured default); 0 turns it off.
+    from bench.engine_info import describe_engine
+
+    with eagle_engine(tiny_model_dir, wrong_head, speculative_hybrid_ngram_tokens=None) as eng:
+        assert describe_engine(eng)["speculative"]["hybrid_ngram_tokens"] == 6
+        assert eng.generate(PROMPTS[1], greedy(40))["output_ids"] == expected[1]
+
+
 def test_cuts_stops_and_retraction(tiny_model_dir, lucky_head, plain, expected):
     text = plain.generate(PROMPTS[0], greedy(40))["text"]
     stop = text[len(text) // 2: len(text) // 2 + 2]
@@ -156,13 +180,14 @@ def test_cuts_stops_and_retraction(tiny_model_dir, lucky_head, plain, expected):
     assert [o["output_ids"] for o in outs] == expected * 2
 
 
-def test_sampling_matches_the_target_distribution(tiny_model_dir, lucky_head):
+@pytest.mark.parametrize("hybrid", [0, 2], ids=["eagle", "eagle+ngram"])
+def test_sampling_matches_the_target_distribution(tiny_model_dir, lucky_head, hybrid):
     from test_spec_ngram import exact_two_token_distribution
 
     prompt = PROMPTS[0]
     n = 2000
     with eagle_engine(tiny_model_dir, lucky_head, speculative_eagle_topk=2, speculative_num_steps=2,
-                      speculative_num_draft_tokens=4) as eng:
+                      speculative_num_draft_tokens=4, speculative_hybrid_ngram_tokens=hybrid) as eng:
         ids = eng.tokenizer(prompt)["input_ids"]
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
                   for s in range(n)]

@@ -138,16 +138,20 @@ def head(tmp_path_factory, tiny_model_dir):
 
 def spec_engine(tiny_model_dir, algorithm, head=None, **kw):
     kw.setdefault("max_total_tokens", 4096)
+    if algorithm == "EAGLE":
+        kw.setdefault("speculative_hybrid_ngram_tokens", 0)  # the head's own trees, unless a test merges n-grams in
     if head is not None:
         kw["speculative_draft_model_path"] = str(head)
     return specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm=algorithm, **kw)
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "EAGLE+NGRAM"])
 @pytest.mark.parametrize("aware", [True, False])
 def test_greedy_constrained_equals_plain(tiny_model_dir, head, expected, algorithm, aware):
     extra = {"speculative_eagle_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8} \
-        if algorithm == "EAGLE" else {}
+        if algorithm.startswith("EAGLE") else {}
+    if algorithm == "EAGLE+NGRAM":  # EAGLE trees with the n-gram continuation merged in
+        algorithm, extra["speculative_hybrid_ngram_tokens"] = "EAGLE", 4
     with spec_engine(tiny_model_dir, algorithm, head if algorithm == "EAGLE" else None,
                      speculative_grammar_aware=aware, **extra) as eng:
         outs = eng.generate(PROMPTS, MIXED)  # one mixed batch

@@ -122,3 +122,26 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir):
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
     assert tv < 0.05, tv
     assert accepted_drafts > n // 20  # drafts were accepted often enough for the test to mean something
+
+
+def test_merge_trees_by_hand():
+    """EAGLE + n-gram trees: the n-gram path first, then the learned tree's nodes it lacks, a shared
+    path merged into one node (its subtree hanging there), parents before children, capped."""
+    from specjet.spec_v2.ngram import merge_trees
+
+    ngram = ([7, 1, 2, 3], [-1, 0, 1, 2])  # root 7, then the path 1 2 3
+    #            root 7
+    # learned: children 1 and 4 of the root; 5 and 2 under 1; 6 under 4; 9 under 1 -> 2
+    learned = ([7, 1, 4, 5, 6, 2, 9], [-1, 0, 0, 1, 2, 1, 5])
+    tokens, parents = merge_trees(ngram, learned, max_nodes=20)
+    # learned 1 = merged 1; 4 -> new 4; 5 under 1 -> new 5; 6 under 4 -> new 6; 2 under 1 = merged 2;
+    # 9 under that 2 -> new 7.
+    assert tokens == [7, 1, 2, 3, 4, 5, 6, 9]
+    assert parents == [-1, 0, 1, 2, 0, 1, 4, 2]
+    # Capped: the first tree's nodes first, then the learned ones in their order, a child never
+    # without its parent.
+    assert merge_trees(ngram, learned, max_nodes=5) == ([7, 1, 2, 3, 4], [-1, 0, 1, 2, 0])
+    assert merge_trees(ngram, learned, max_nodes=3) == ([7, 1, 2], [-1, 0, 1])
+    assert merge_trees(([7], [-1]), learned, max_nodes=4) == ([7, 1, 4, 5], [-1, 0, 0, 1])
+    with pytest.raises(ValueError, match="different roots"):
+        merge_trees(ngram, ([8], [-1]), max_nodes=4)

@@ -237,10 +237,14 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
             "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
             "--num-few-shot-replies", "2", "--num-few-shot-eval", "1", "--max-new-tokens", "12",
             "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
-            "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1", "--feature-layers", "0"]
+            "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1", "--feature-layers", "0",
+            "--feature-dtype", "bfloat16"]
     main(argv)
     meta = read_eagle_config(out)
     assert meta["feature_layers"] == [0]  # an EAGLE-3 head: trained on fused features, loads as one
+    # Features from a bf16 target, cached apart from fp32 ones.
+    assert "--feature-dtype bfloat16" in meta["training"]["command"]
+    assert [p.name.endswith("-L0-bfloat16") for p in (tmp_path / "work" / "features").iterdir()] == [True, True]
     training = meta["training"]
     assert meta["hot_vocab_size"] == 300 and training["steps"] == 6
     assert training["data"]["train"]["gsm8k_human"]["sequences"] == 4

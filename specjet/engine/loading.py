@@ -34,12 +34,8 @@ def load_components(args: EngineArgs, device: torch.device):
     spec = None
     if args.speculative_algorithm == "NGRAM":
         num_nodes = args.speculative_num_draft_tokens or 8
-        spec = SpecConfig("NGRAM", num_nodes, NgramConfig(
-            num_draft_tokens=num_nodes,
-            max_window=args.speculative_ngram_max_match_window_size,
-            min_window=args.speculative_ngram_min_match_window_size,
-            max_branches=args.speculative_ngram_max_bfs_breadth,
-        ), grammar_aware=args.speculative_grammar_aware)
+        spec = SpecConfig("NGRAM", num_nodes, ngram_config(args, num_nodes, args.speculative_ngram_max_bfs_breadth),
+                          grammar_aware=args.speculative_grammar_aware)
     elif args.speculative_algorithm == "EAGLE":
         head_dir = args.speculative_draft_model_path or default_eagle_path()
         if not pathlib.Path(head_dir).exists():
@@ -50,8 +46,11 @@ def load_components(args: EngineArgs, device: torch.device):
             topk=args.speculative_eagle_topk or 4,
             num_draft_tokens=args.speculative_num_draft_tokens or 12,
         )
-        spec = SpecConfig("EAGLE", params.num_draft_tokens, eagle=params, eagle_head=head,
-                          grammar_aware=args.speculative_grammar_aware)
+        extra = args.speculative_hybrid_ngram_tokens
+        extra = DEFAULT_HYBRID_NGRAM_TOKENS if extra is None else extra
+        spec = SpecConfig("EAGLE", params.num_draft_tokens + extra, eagle=params, eagle_head=head,
+                          grammar_aware=args.speculative_grammar_aware,
+                          ngram=ngram_config(args, extra + 1, 1), hybrid_ngram=extra > 0)
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
@@ -62,3 +61,12 @@ def load_components(args: EngineArgs, device: torch.device):
         overlap=not args.disable_overlap_schedule,
     ))
     return tokenizer, scheduler
+
+
+# n-gram nodes merged into each EAGLE tree unless speculative_hybrid_ngram_tokens says otherwise (see args.py).
+DEFAULT_HYBRID_NGRAM_TOKENS = 6
+
+
+def ngram_config(args: EngineArgs, num_nodes: int, branches: int) -> NgramConfig:
+    return NgramConfig(num_draft_tokens=num_nodes, max_window=args.speculative_ngram_max_match_window_size,
+                       min_window=args.speculative_ngram_min_match_window_size, max_branches=branches)

@@ -278,11 +278,13 @@ def _attention_float64(
     # head); a few ops per layer matter at batch 1, where attention is dispatch-bound.
     k64 = _gather_float64(k_cache, flat, batch, "k").transpose(1, 2)  # [B*KV, D, L]
     v64 = _gather_float64(v_cache, flat, batch, "v")  # [B*KV, L, D]
-    decode = max_q == 1 and num_tokens == batch
+    # Every request brings max_q tokens (a decode step, one request's verify or extend, equal trees):
+    # the flat q is already [B, max_q] and needs no padding gather, nor the output an unpadding one.
+    dense = num_tokens == batch * max_q
     # Scaling q rather than the scores: fewer elements, and still elementwise (for head_dim 64 the
     # scale is 1/8, exact).
     qp = q.to(f64).mul_(scale)
-    qp = qp if decode else qp[meta.q_gather]  # [B, max_q, H, D]
+    qp = qp if dense else qp[meta.q_gather]  # [B, max_q, H, D]
     qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).transpose(1, 2)  # [B, KV, max_q, g, D]
     bias = _mask_bias(meta)
     causal = meta.custom_mask is None and max_q > 1
@@ -306,7 +308,7 @@ def _attention_float64(
         else:
             out[:, :, q0:q1] = o
     out = out.transpose(1, 2).reshape(batch, max_q, num_heads, head_dim).to(q.dtype)
-    if decode:
+    if dense:
         return out.view(num_tokens, num_heads, head_dim)
     return out[meta.q_valid]
 

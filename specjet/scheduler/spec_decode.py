@@ -20,7 +20,7 @@ from specjet.models.runner import ModelRunner
 from specjet.scheduler.request import Req
 from specjet.spec_v2.eagle_worker import DraftView, EagleDrafter, EagleParams
 from specjet.spec_v2.grammar_guide import GrammarGuide
-from specjet.spec_v2.ngram import NgramConfig, NgramDrafter
+from specjet.spec_v2.ngram import NgramConfig, NgramDrafter, merge_trees
 from specjet.spec_v2.tree_verifier import SpecRequest, TreeVerifier, VerifyResult
 
 
@@ -43,6 +43,9 @@ class SpecConfig:
     eagle: EagleParams = EagleParams()
     eagle_head: object = field(default=None, compare=False)  # a loaded EagleDraftModel for "EAGLE"
     grammar_aware: bool = True  # grammar-legal draft top-k and forced continuations as free nodes
+    # EAGLE only: each tree also takes the request's best n-gram continuation (``ngram`` says how
+    # many nodes), merged with the learned tree; num_draft_tokens counts both.
+    hybrid_ngram: bool = False
 
 
 class SpecDecoder:
@@ -58,7 +61,7 @@ class SpecDecoder:
             self.ngram = NgramDrafter(cfg.ngram)
             self.eagle = None
         elif cfg.algorithm == "EAGLE":
-            self.ngram = None
+            self.ngram = NgramDrafter(cfg.ngram) if cfg.hybrid_ngram else None
             self.eagle = EagleDrafter(runner, cfg.eagle_head, cfg.eagle, allocator)
         else:
             raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
@@ -112,15 +115,19 @@ class SpecDecoder:
         budgets = [self.tree_budget(r) for r in reqs]
         aware = self.cfg.grammar_aware
         chains = [g.forced_chain(n - 1) if aware and g is not None else [] for g, n in zip(guides, budgets)]
+        ngram_trees = None
         if self.ngram is not None:
-            out = []
+            ngram_trees = []
             for req, guide, chain, budget in zip(reqs, guides, chains, budgets):
                 self.ngram.observe(req.rid, req.fill_ids)
                 legal_len = partial(guide.legal_prefix_len, chain) if aware and guide is not None else None
-                out.append(self.ngram.propose(req.rid, budget, chain, legal_len))
-            return out
+                ngram_trees.append(self.ngram.propose(req.rid, budget, chain, legal_len))
+            if self.eagle is None:
+                return ngram_trees
         trees = self.eagle.propose([self._view(r) for r in reqs], [r.output_ids[-1] for r in reqs], req_to_token,
                                    guides=guides if aware else None, chains=chains)
+        if ngram_trees is not None:  # hybrid: the n-gram path first, then the learned tree's nodes
+            return [merge_trees(ngram, tree, n) for ngram, tree, n in zip(ngram_trees, trees, budgets)]
         return [(tokens[:n], parents[:n]) for (tokens, parents), n in zip(trees, budgets)]
 
     def run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
@@ -150,5 +157,5 @@ class SpecDecoder:
     def release(self, req: Req) -> None:
         if self.ngram is not None:
             self.ngram.release(req.rid)
-        else:
+        if self.eagle is not None:
             self.eagle.release(req.rid)

@@ -90,6 +90,34 @@ def build_trie(root_token: int, continuations: list[list[int]], max_nodes: int) 
     return tokens, parents  # creation order: parents before children, siblings best first
 
 
+def merge_trees(first: tuple[list[int], list[int]], second: tuple[list[int], list[int]], max_nodes: int
+                ) -> tuple[list[int], list[int]]:
+    """The union of two draft trees under the same root, as one tree of at most ``max_nodes``
+    nodes: ``first``'s nodes in its order, then ``second``'s that it lacks (a node whose path
+    ``first`` already has is that node, so its subtree hangs there). Both trees list parents before
+    children, and so does the result: any prefix of it is a tree."""
+    tokens, parents = first[0][:max_nodes], first[1][:max_nodes]
+    if second[0][0] != tokens[0]:
+        raise ValueError(f"trees with different roots ({tokens[0]} vs {second[0][0]}) cannot be merged")
+    tokens, parents = list(tokens), list(parents)
+    node_of = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents)) if i}
+    mapped = {0: 0}  # second's node -> the result's
+    for j in range(1, len(second[0])):
+        parent = mapped.get(second[1][j])
+        if parent is None:  # its parent did not fit
+            continue
+        key = (parent, second[0][j])
+        node = node_of.get(key)
+        if node is None:
+            if len(tokens) >= max_nodes:
+                continue
+            node = node_of[key] = len(tokens)
+            tokens.append(second[0][j])
+            parents.append(parent)
+        mapped[j] = node
+    return tokens, parents
+
+
 class NgramDrafter:
     """Proposes a draft tree per request from its own n-gram index."""
 

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="EAGLE-3 features: the head also reads the target's residual stream after these layers "
                             "(default: a low and a middle layer of the 30; give the flag alone for the final hidden "
                             "state only, EAGLE-1)")
+    model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="dtype of the target whose features the head learns from (bf16 features drafted no "
+                            "better in a bf16 engine: bench/RESULTS.md)")
     model.add_argument("--steps", type=int, default=800)
     model.add_argument("--batch-tokens", type=int, default=2048)
     model.add_argument("--max-prompt", type=int, default=256,
@@ -133,15 +136,23 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{name}: {describe(samples)}")
 
     # ---- 2. features
-    runner = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    # The head trains in fp32 against an fp32 target (its embedding and LM head); the features it
+    # reads come from a target in --feature-dtype, the dtype it will draft for.
+    state_dict = load_state_dict(model_dir)
+    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    feature_runner = runner if args.feature_dtype == "float32" else ModelRunner(
+        config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
     features_dir = work / "features"
     feature_layers = tuple(args.feature_layers)
     capture = FeatureLayers(feature_layers) if feature_layers else "last"
-    layers_tag = "-L" + "-".join(map(str, feature_layers)) if feature_layers else ""
-    train_dir = features_dir / f"train-{fingerprint(train_samples)}{layers_tag}"
-    eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}{layers_tag}"
-    timings["features"] = round(extract_features(runner, train_samples, train_dir, "features (train)", capture=capture)
-                                + extract_features(runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
+    tag = ("-L" + "-".join(map(str, feature_layers)) if feature_layers else "") + (
+        "" if args.feature_dtype == "float32" else f"-{args.feature_dtype}")
+    train_dir = features_dir / f"train-{fingerprint(train_samples)}{tag}"
+    eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}{tag}"
+    timings["features"] = round(
+        extract_features(feature_runner, train_samples, train_dir, "features (train)", capture=capture)
+        + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
+    del feature_runner
     train_seqs, eval_seqs = load_sequences(train_dir), load_sequences(eval_dir)
 
     # ---- 3. train
@@ -277,6 +288,6 @@ def _argv_for_summary(args) -> list[str]:
                 "json_per_schema", "max_new_tokens",
                 "json_max_new_tokens", "max_len",
                 "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight",
-                "depths", "depth_decay", "generate_dtype", "seed"):
+                "depths", "depth_decay", "generate_dtype", "feature_dtype", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--feature-layers", *map(str, args.feature_layers)]
