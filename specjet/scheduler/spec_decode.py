@@ -6,7 +6,11 @@ A grammar-constrained request speculates like any other: its tree is masked node
 grammar state of each node's path and pruned of illegal nodes before verification (always), and
 with ``grammar_aware`` its drafts are grammar-legal to begin with and the grammar's forced text
 enters the tree as a chain of sure nodes (spec_v2/grammar_guide.py). The grammar's state is left
-untouched here: the scheduler advances it by the accepted tokens."""
+untouched here: the scheduler advances it by the accepted tokens.
+
+EAGLE trees also hold the request's best n-gram continuation when ``hybrid_ngram`` is set (the
+engine's default): the two drafters' trees are merged under the same root (spec_v2/ngram.py
+``merge_trees``) and verified as one."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,7 +42,7 @@ def sampling_tensors(reqs: list[Req], device) -> SamplingTensors:
 @dataclass(frozen=True)
 class SpecConfig:
     algorithm: str  # "NGRAM" or "EAGLE"
-    num_draft_tokens: int = 8
+    num_draft_tokens: int = 8  # tree nodes per request, root included (EAGLE's and the hybrid n-gram's)
     ngram: NgramConfig = NgramConfig()
     eagle: EagleParams = EagleParams()
     eagle_head: object = field(default=None, compare=False)  # a loaded EagleDraftModel for "EAGLE"
