@@ -72,7 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",
                       help="grammar-aware drafting for constrained requests (default true)")
     spec.add_argument("--speculative-hybrid-ngram-tokens", type=int, default=None,
-                      help="EAGLE trees also take the best n-gram continuation, up to this many nodes (default 0: off)")
+                      help="EAGLE trees also take the best n-gram continuation, up to this many nodes "
+                           "(default 6; 0: the head's trees alone)")
     return parser
 
 

@@ -31,7 +31,7 @@ def describe_engine(engine) -> dict:
         if spec.algorithm == "EAGLE":
             desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,
                                    "num_draft_tokens": spec.eagle.num_draft_tokens,
-                                   "hybrid_ngram_tokens": spec.ngram.num_draft_tokens - 1 if spec.hybrid_ngram else 0}
+                                   "hybrid_ngram_tokens": spec.hybrid_ngram_tokens}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens,
                                    "max_bfs_breadth": spec.ngram.max_branches,

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
                           engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, report_header_lines,
                           without_speculation)
+from bench.engine_info import describe_engine, spec_str
 
 WORKLOADS = ("gsm8k", "json")
 PLAIN = "specjet"
@@ -135,8 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if unused:
             parser.error(f"{', '.join(unused)} do not apply to {args.speculative_algorithm}")
         for k, v in grid_flags.items():
-            if k in defaults and v is not None and min(v) < (0 if k == "hybrid_ngram_tokens" else 1):
-                parser.error(f"--sweep-{k.replace('_', '-')} values must be positive")
+            least = 0 if k == "hybrid_ngram_tokens" else 1  # no n-gram nodes is a configuration
+            if k in defaults and v is not None and min(v) < least:
+                parser.error(f"--sweep-{k.replace('_', '-')} values must be >= {least}")
         args.sweep_grid = {k: sorted(set(grid_flags[k] or v)) for k, v in defaults.items()}
     elif any(v is not None for v in grid_flags.values()):
         parser.error("--sweep-* flags need --sweep")
@@ -219,26 +221,15 @@ class SpecjetSystem:
         return stats["spec_verify_ct"], stats["spec_accepted_tokens"]
 
     def describe(self) -> dict | None:
-        """The speculative configuration in effect (the engine's defaults filled in)."""
+        """The speculative configuration in effect (the engine's defaults filled in), with the EAGLE
+        head's directory."""
         if not self.algorithm:
             return None
-        kw = self.kwargs
-        desc = {"algorithm": self.algorithm}
-        cfg = getattr(getattr(self.engine.scheduler, "spec", None), "cfg", None)
+        desc = describe_engine(self.engine)["speculative"]
         if self.algorithm == "EAGLE":
             from specjet.models.eagle import default_eagle_path
 
-            p = getattr(cfg, "eagle", None)
-            desc.update(num_steps=getattr(p, "num_steps", kw.get("speculative_num_steps")),
-                        topk=getattr(p, "topk", kw.get("speculative_eagle_topk")),
-                        num_draft_tokens=getattr(p, "num_draft_tokens", kw.get("speculative_num_draft_tokens")),
-                        hybrid_ngram_tokens=cfg.ngram.num_draft_tokens - 1 if getattr(cfg, "hybrid_ngram", False) else 0,
-                        draft_model_path=str(kw.get("speculative_draft_model_path") or default_eagle_path()))
-        else:
-            p = getattr(cfg, "ngram", None)
-            desc.update(num_draft_tokens=getattr(p, "num_draft_tokens", kw.get("speculative_num_draft_tokens")),
-                        max_bfs_breadth=getattr(p, "max_branches", kw.get("speculative_ngram_max_bfs_breadth")),
-                        match_window=[getattr(p, "min_window", None), getattr(p, "max_window", None)])
+            desc["draft_model_path"] = str(self.kwargs.get("speculative_draft_model_path") or default_eagle_path())
         return desc
 
     def close(self) -> None:
@@ -246,13 +237,11 @@ class SpecjetSystem:
 
 
 def describe_spec(desc: dict) -> str:
+    """``SpecjetSystem.describe()`` in one line: the engine's settings, then where the drafts come from."""
     if desc["algorithm"] == "EAGLE":
-        hybrid = f" + {desc['hybrid_ngram_tokens']} n-gram nodes" if desc.get("hybrid_ngram_tokens") else ""
-        return (f"EAGLE num_steps={desc['num_steps']} topk={desc['topk']} num_draft_tokens={desc['num_draft_tokens']}"
-                f"{hybrid}, head {desc['draft_model_path']}")
+        return f"{spec_str(desc)}, head {desc['draft_model_path']}"
     window = desc.get("match_window") or [None, None]
-    return (f"NGRAM num_draft_tokens={desc['num_draft_tokens']} max_bfs_breadth={desc['max_bfs_breadth']}, "
-            f"match window {window[0]}-{window[1]}")
+    return f"{spec_str(desc)}, match window {window[0]}-{window[1]}"
 
 
 class HFSystem:

@@ -161,6 +161,7 @@ def test_hybrid_ngram_trees_are_lossless_and_accept_more(tiny_model_dir, wrong_h
     with eagle_engine(tiny_model_dir, wrong_head, speculative_hybrid_ngram_tokens=None) as eng:
         assert describe_engine(eng)["speculative"]["hybrid_ngram_tokens"] == 6
         assert eng.generate(PROMPTS[1], greedy(40))["output_ids"] == expected[1]
+        eng.check_kv_invariant()
 
 
 def test_cuts_stops_and_retraction(tiny_model_dir, lucky_head, plain, expected):

@@ -50,7 +50,7 @@ def load_components(args: EngineArgs, device: torch.device):
         extra = DEFAULT_HYBRID_NGRAM_TOKENS if extra is None else extra
         spec = SpecConfig("EAGLE", params.num_draft_tokens + extra, eagle=params, eagle_head=head,
                           grammar_aware=args.speculative_grammar_aware,
-                          ngram=ngram_config(args, extra + 1, 1), hybrid_ngram=extra > 0)
+                          ngram=ngram_config(args, extra + 1, 1), hybrid_ngram_tokens=extra)
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

@@ -37,9 +37,9 @@ class AttentionMetadata:
     max_q: int
     max_kv: int
     # Per-forward caches of the invariant path, computed on first use and shared by every layer:
-    # requests grouped by similar KV length (rows, their flat token indices, their own metadata),
-    # and the float64 additive mask (0 where a query may look, -inf elsewhere).
-    length_groups: list[tuple[torch.Tensor, torch.Tensor, "AttentionMetadata"]] | None = None
+    # requests grouped by similar KV length (their flat token indices, their own metadata), and the
+    # float64 additive mask (0 where a query may look, -inf elsewhere).
+    length_groups: list[tuple[torch.Tensor | None, "AttentionMetadata"]] | None = None
     mask_bias: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> "AttentionMetadata":
@@ -159,13 +159,13 @@ def paged_attention_reference(
 PADDING_SLACK = 1.25
 
 
-def _length_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
-    """Batch rows in groups of similar KV length (one group when padding is cheap), each with its
-    flat token indices (in batch order) and its own metadata."""
+def _length_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, AttentionMetadata]]:
+    """Batch rows in groups of similar KV length (one group when padding is cheap: (None, meta)),
+    each as its flat token indices (in batch order) and its own metadata."""
     if meta.length_groups is None:
         lens = meta.kv_lens.tolist()
         if len(lens) * meta.max_kv <= PADDING_SLACK * sum(lens):
-            meta.length_groups = [(torch.arange(len(lens), device=meta.kv_lens.device), None, meta)]
+            meta.length_groups = [(None, meta)]
         else:
             groups, current, total = [], [], 0
             for i in sorted(range(len(lens)), key=lambda i: lens[i]):
@@ -179,7 +179,7 @@ def _length_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Te
             meta.length_groups = []
             for g in groups:
                 rows = torch.tensor(sorted(g), device=meta.kv_lens.device)
-                meta.length_groups.append((rows, meta.q_gather[rows][meta.q_valid[rows]], meta.select(rows)))
+                meta.length_groups.append((meta.q_gather[rows][meta.q_valid[rows]], meta.select(rows)))
     return meta.length_groups
 
 
@@ -224,7 +224,7 @@ def paged_attention_invariant(
     if len(groups) == 1:
         return _attention_float64(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    for _rows, tokens, group_meta in groups:
+    for tokens, group_meta in groups:
         out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, group_meta, scale)
     return out
 

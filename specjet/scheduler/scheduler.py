@@ -274,7 +274,7 @@ class Scheduler(EventLoopsMixin):
             logits = logits.cpu() if logits.device.type != "cpu" else logits
             apply_token_bitmask_(logits, bitmask, indices=rows)
         tokens = self.sample(views, logits)
-        if kind is BatchKind.PREFILL and self.spec is not None and self.spec.needs_prefill_hidden:
+        if kind is BatchKind.PREFILL and self.spec is not None and self.spec.target_capture is not None:
             self.spec.after_prefill(views, out.hidden, tokens, self.req_to_token_pool.table)
         for view, token in zip(views, tokens):
             view.kv_committed_len = len(view.fill_ids) if kind is BatchKind.PREFILL else view.kv_committed_len + 1

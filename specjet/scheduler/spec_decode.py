@@ -8,12 +8,12 @@ with ``grammar_aware`` its drafts are grammar-legal to begin with and the gramma
 enters the tree as a chain of sure nodes (spec_v2/grammar_guide.py). The grammar's state is left
 untouched here: the scheduler advances it by the accepted tokens.
 
-EAGLE trees also hold the request's best n-gram continuation when ``hybrid_ngram`` is set (the
+EAGLE trees also hold the request's best n-gram continuation when ``hybrid_ngram_tokens`` > 0 (the
 engine's default): the two drafters' trees are merged under the same root (spec_v2/ngram.py
 ``merge_trees``) and verified as one."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -47,9 +47,9 @@ class SpecConfig:
     eagle: EagleParams = EagleParams()
     eagle_head: object = field(default=None, compare=False)  # a loaded EagleDraftModel for "EAGLE"
     grammar_aware: bool = True  # grammar-legal draft top-k and forced continuations as free nodes
-    # EAGLE only: each tree also takes the request's best n-gram continuation (``ngram`` says how
-    # many nodes), merged with the learned tree; num_draft_tokens counts both.
-    hybrid_ngram: bool = False
+    # EAGLE only: each tree also takes the request's best n-gram continuation, up to this many nodes
+    # (matched as ``ngram`` says), merged with the learned tree; num_draft_tokens counts both.
+    hybrid_ngram_tokens: int = 0
 
 
 class SpecDecoder:
@@ -65,7 +65,8 @@ class SpecDecoder:
             self.ngram = NgramDrafter(cfg.ngram)
             self.eagle = None
         elif cfg.algorithm == "EAGLE":
-            self.ngram = NgramDrafter(cfg.ngram) if cfg.hybrid_ngram else None
+            self.ngram = NgramDrafter(replace(cfg.ngram, num_draft_tokens=cfg.hybrid_ngram_tokens + 1, max_branches=1)
+                                      ) if cfg.hybrid_ngram_tokens else None
             self.eagle = EagleDrafter(runner, cfg.eagle_head, cfg.eagle, allocator)
         else:
             raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
@@ -73,10 +74,6 @@ class SpecDecoder:
         # Counted by the scheduler when it commits a verify's tokens (an overlapped iteration for a
         # request that had already finished is not counted).
         self.stats = {"spec_verify_ct": 0, "spec_accepted_tokens": 0}
-
-    @property
-    def needs_prefill_hidden(self) -> bool:
-        return self.eagle is not None
 
     @property
     def target_capture(self) -> CaptureHidden:
