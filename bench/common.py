@@ -73,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="grammar-aware drafting for constrained requests (default true)")
     spec.add_argument("--speculative-hybrid-ngram-tokens", type=int, default=None,
                       help="EAGLE trees also take the best n-gram continuation, up to this many nodes "
-                           "(default 6; 0: the head's trees alone)")
+                           "(default 14, half of it as a rule, more while the request's paths are taken whole; "
+                           "0: the head's trees alone)")
     return parser
 
 

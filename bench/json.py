@@ -3,7 +3,7 @@ accept length per engine configuration, beside unconstrained decoding of the sam
 
     python -m bench.json [--schema-dir ../shared/data/jsonschema] [--num-schemas N] [--max-new-tokens 512]
                          [--algorithms none EAGLE EAGLE-GA] [--overlap on off] [--batch-sizes 1 4]
-                         [--skip-unconstrained] [--result-file bench/out/json.jsonl]
+                         [--skip-unconstrained] [--repeats 1] [--result-file bench/out/json.jsonl]
                          [engine flags: --dtype bfloat16 --speculative-num-steps 4 ...]
 
 Configurations: every ``--algorithms`` entry with every ``--overlap`` setting, one Engine each (loaded
@@ -31,6 +31,9 @@ unconstrained run is length-matched: each request decodes exactly as many tokens
 engine's constrained run just before (``max_new_tokens`` = that count, ``ignore_eos``), so the ratio
 compares the same work with and without the grammar (left free, an unconstrained request writes on
 past the object's end to ``--max-new-tokens`` and changes the batch's shape, not the grammar's cost).
+With ``--repeats R`` every timed run is made R times in a row at each batch size (on the baseline
+engine: constrained, unconstrained, constrained, unconstrained, ...), so each constrained run has an
+unconstrained twin run right after it on a machine whose load drifts.
 
 Warm-up, per engine, outside every figure: every request once with max_new_tokens=1 (so the timed
 runs find each schema compiled in the engine's grammar cache: compiling is not in TTFT) and one
@@ -46,8 +49,14 @@ Figures, per configuration and batch size:
     TTFT       median over requests of meta_info ttft (submission to first token), ms
     TPOT       median over requests of (e2e_latency - ttft) / (completion_tokens - 1), ms
     out tok/s  all completion tokens / wall time of the run (first request sent to last answer back)
-    accept     accepted tokens / verify forwards over the run (the engine's totals), speculative only
-    x uncon.   out tok/s / the unconstrained run's at the same batch size
+    accept     accepted tokens / verify forwards over the runs (the engine's totals), speculative only
+    acc. done  the same over the requests that completed their object (finish "stop"), per request:
+               (completion tokens - 1) / its verify forwards, pooled. A request cut at
+               --max-new-tokens is often one looping over a repeated array, which speculation
+               predicts far better than a real object, so "accept" alone can flatter.
+    x uncon.   out tok/s / the unconstrained run's at the same batch size; with --repeats, the
+               median over repeats of run i / unconstrained run i (TTFT, TPOT, out tok/s: the
+               median over repeats)
     identical  output ids equal, request by request, to the reference (the first no-spec configuration)
                at the same batch size: greedy speculation and overlap scheduling are lossless
 
@@ -72,7 +81,7 @@ from bench.common import (JSONSCHEMA_DIR, add_engine_args, append_jsonl, command
 from bench.compare import Cell as CompareCell
 from bench.compare import compare_outputs as compare_ids
 from bench.compare import identical_cell, identity_line
-from bench.engine_info import accept_length, describe_engine, spec_str, spec_totals
+from bench.engine_info import describe_engine, spec_str, spec_totals
 
 # --algorithms name -> the Engine keywords it sets (the other speculative flags come from the command line)
 ALGORITHMS = {
@@ -106,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", nargs="+", choices=list(OVERLAP), default=["on", "off"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="requests in flight at once")
     parser.add_argument("--skip-unconstrained", action="store_true", help="no unconstrained baseline runs")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per configuration and batch size (figures: medians over them)")
     parser.add_argument("--result-file", default=None, help="append a JSON record to this .jsonl file")
     add_engine_args(parser)
     args = parser.parse_args(argv)
@@ -114,8 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"{', '.join(axis)}: set per configuration here; use --algorithms and --overlap")
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (TPOT needs a token after the first)")
-    if min(args.batch_sizes) < 1 or (args.num_schemas is not None and args.num_schemas < 1):
-        parser.error("--batch-sizes and --num-schemas must be positive")
+    if min(args.batch_sizes) < 1 or (args.num_schemas is not None and args.num_schemas < 1) or args.repeats < 1:
+        parser.error("--batch-sizes, --num-schemas and --repeats must be positive")
     if args.schema_indices is not None and args.num_schemas is not None:
         parser.error("give --num-schemas or --schema-indices, not both")
     if not (pathlib.Path(args.schema_dir) / "index.json").is_file():
@@ -227,6 +238,7 @@ class Cell:
     config: str
     batch_size: int
     constrained: bool
+    repeat: int = 0
     outputs: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     spec_before: tuple[int, int] | None = None
@@ -270,7 +282,7 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
     from tqdm.auto import tqdm
 
     baseline = None if args.skip_unconstrained else next((c for c in configs if c.algorithm == "none"), None)
-    runs = len(args.batch_sizes) * (len(configs) + (baseline is not None))
+    runs = len(args.batch_sizes) * (len(configs) + (baseline is not None)) * args.repeats
     cells, described, prompts = [], [], None
     with tqdm(total=runs * len(entries), unit="req", desc="bench.json", file=sys.stderr, dynamic_ncols=True) as bar:
         for config in configs:
@@ -286,15 +298,16 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
                 bar.set_description(f"warm-up {config.name}")
                 warm_up(engine, prompts, entries, config is baseline)
                 for bs in args.batch_sizes:
-                    bar.set_description(f"{config.name} bs={bs}")
-                    constrained = timed_run(engine, Cell(config.name, bs, True), prompts, entries,
-                                            args.max_new_tokens, bar)
-                    cells.append(constrained)
-                    if config is baseline:  # the same work without the grammar (length-matched)
-                        bar.set_description(f"{UNCONSTRAINED} bs={bs}")
-                        lengths = [o["meta_info"]["completion_tokens"] for o in constrained.outputs]
-                        cells.append(timed_run(engine, Cell(UNCONSTRAINED, bs, False), prompts, entries,
-                                               args.max_new_tokens, bar, lengths))
+                    for repeat in range(args.repeats):
+                        bar.set_description(f"{config.name} bs={bs} run {repeat + 1}/{args.repeats}")
+                        constrained = timed_run(engine, Cell(config.name, bs, True, repeat), prompts, entries,
+                                                args.max_new_tokens, bar)
+                        cells.append(constrained)
+                        if config is baseline:  # the same work without the grammar (length-matched)
+                            bar.set_description(f"{UNCONSTRAINED} bs={bs} run {repeat + 1}/{args.repeats}")
+                            lengths = [o["meta_info"]["completion_tokens"] for o in constrained.outputs]
+                            cells.append(timed_run(engine, Cell(UNCONSTRAINED, bs, False, repeat), prompts, entries,
+                                                   args.max_new_tokens, bar, lengths))
                 engine.check_kv_invariant()  # a configuration that leaks KV must not pass for a fast one
                 desc = describe_engine(engine)
                 desc.update(disable_overlap_schedule=engine.args.disable_overlap_schedule,
@@ -309,32 +322,62 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
 # ---------------------------------------------------------------- comparing
 def compare_outputs(cells: list[Cell], reference: str) -> dict:
     """Each constrained cell's output ids against the reference configuration's at the same batch
-    size, request by request (bench.compare's check: per (configuration, batch size) the requests
-    compared and differing, and the first mismatches)."""
-    by = {(c.config, c.batch_size): CompareCell(c.config, c.batch_size, len(c.outputs),
-                                                outputs=[[o["output_ids"] for o in c.outputs]])
-          for c in cells if c.constrained}
+    size and repeat, request by request (bench.compare's check: per (configuration, batch size) the
+    requests compared and differing, and the first mismatches)."""
+    by = {}
+    for c in sorted((c for c in cells if c.constrained), key=lambda c: c.repeat):
+        cell = by.setdefault((c.config, c.batch_size), CompareCell(c.config, c.batch_size, len(c.outputs)))
+        cell.outputs.append([o["output_ids"] for o in c.outputs])
     return compare_ids(by, reference)
 
 
 # ---------------------------------------------------------------- reporting
 def result_rows(cells: list[Cell], entries: list[dict], validators: list, identity: dict) -> list[dict]:
-    uncon = {c.batch_size: c for c in cells if not c.constrained}
+    """One row per configuration (and the unconstrained baseline) and batch size, its repeats folded:
+    validity from the first repeat (greedy: every repeat writes the same), timings as medians."""
+    groups: dict[tuple[str, int, bool], list[Cell]] = {}
+    for cell in sorted(cells, key=lambda c: c.repeat):
+        groups.setdefault((cell.config, cell.batch_size, cell.constrained), []).append(cell)
+    uncon = {bs: [latency_figures(c.outputs, c.wall_s)["output_tok_s"] for c in runs]
+             for (_, bs, constrained), runs in groups.items() if not constrained}
     rows = []
-    for cell in cells:
-        outcomes = request_outcomes(entries, cell.outputs, validators)
-        figures = dict(validity([o["status"] for o in outcomes]), **latency_figures(cell.outputs, cell.wall_s))
-        base = uncon.get(cell.batch_size)
-        base_rate = latency_figures(base.outputs, base.wall_s)["output_tok_s"] if base is not None else None
+    for (name, bs, constrained), runs in groups.items():
+        outcomes = request_outcomes(entries, runs[0].outputs, validators)
+        per_run = [latency_figures(c.outputs, c.wall_s) for c in runs]
+        ratios = None
+        if constrained and bs in uncon:
+            ratios = [f["output_tok_s"] / base for f, base in zip(per_run, uncon[bs]) if base]
+        verify = accepted = None
+        if runs[0].spec_before is not None:
+            verify = sum(c.spec_after[0] - c.spec_before[0] for c in runs)
+            accepted = sum(c.spec_after[1] - c.spec_before[1] for c in runs)
         rows.append(dict(
-            config=cell.config, batch_size=cell.batch_size, constrained=cell.constrained, **figures,
-            accept_length=accept_length(cell.spec_before, cell.spec_after),
-            spec_verify_ct=None if cell.spec_before is None else cell.spec_after[0] - cell.spec_before[0],
-            vs_unconstrained=figures["output_tok_s"] / base_rate if base_rate and cell.constrained else None,
-            identical=identical_cell(identity, cell.config, cell.batch_size) if cell.constrained else None,
+            config=name, batch_size=bs, constrained=constrained, repeats=len(runs),
+            **validity([o["status"] for o in outcomes]), **median_figures(per_run),
+            accept_length=accepted / verify if verify else None,
+            accept_completed=completed_accept_length(outcomes), spec_verify_ct=verify,
+            vs_unconstrained=_median(ratios) if ratios else None, vs_unconstrained_runs=ratios,
+            runs=per_run, identical=identical_cell(identity, name, bs) if constrained else None,
             finish_reasons=dict(collections.Counter(o["finish"] for o in outcomes)), per_request=outcomes))
     order = {name: i for i, name in enumerate(constrained_names(rows))}  # the unconstrained row last
     return sorted(rows, key=lambda r: (r["batch_size"], order.get(r["config"], len(order))))
+
+
+def median_figures(per_run: list[dict]) -> dict:
+    """``latency_figures`` of several runs of the same requests: each figure's median over the runs
+    (completion tokens: the first run's; greedy runs write the same)."""
+    out = {key: _median([f[key] for f in per_run if f[key] is not None])
+           for key in ("ttft_ms", "tpot_ms", "output_tok_s", "wall_s")}
+    return dict(out, completion_tokens=per_run[0]["completion_tokens"])
+
+
+def completed_accept_length(outcomes: list[dict]) -> float | None:
+    """Accept length over the requests that completed their object: tokens after the first (which
+    the prefill samples) / verify forwards, pooled over those requests (None: none completed, or no
+    speculation)."""
+    done = [o for o in outcomes if o["finish"] == "stop" and o["spec_verify_ct"]]
+    verifies = sum(o["spec_verify_ct"] for o in done)
+    return sum(o["completion_tokens"] - 1 for o in done) / verifies if verifies else None
 
 
 def constrained_names(rows: list[dict]) -> list[str]:
@@ -348,13 +391,14 @@ def _num(x, spec=".1f") -> str:
 def table_lines(rows: list[dict]) -> list[str]:
     width = max(12, *(len(r["config"]) for r in rows))
     lines = [f"{'config':<{width}} {'batch':>5} {'valid':>6} {'invalid':>7} {'non-JSON':>8} {'aborted':>7} "
-             f"{'TTFT ms':>8} {'TPOT ms':>8} {'out tok/s':>9} {'accept':>6} {'x uncon.':>8}  identical"]
+             f"{'TTFT ms':>8} {'TPOT ms':>8} {'out tok/s':>9} {'accept':>6} {'acc. done':>9} {'x uncon.':>8}  identical"]
     for r in rows:
         ratio = "-" if r["vs_unconstrained"] is None else f"{r['vs_unconstrained']:.2f}x"
         accept = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
+        done = "-" if r["accept_completed"] is None else f"{r['accept_completed']:.2f}"
         lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {_num(r['validity'], '.3f'):>6} {r['invalid']:>7} "
                      f"{r['not_json']:>8} {r['aborted']:>7} {_num(r['ttft_ms']):>8} {_num(r['tpot_ms']):>8} "
-                     f"{_num(r['output_tok_s']):>9} {accept:>6} {ratio:>8}  {r['identical'] or '-'}")
+                     f"{_num(r['output_tok_s']):>9} {accept:>6} {done:>9} {ratio:>8}  {r['identical'] or '-'}")
     return lines
 
 
@@ -365,7 +409,11 @@ def goal_line(rows: list[dict]) -> str | None:
              and r["vs_unconstrained"] is not None]
     if not cells:
         return None
-    verdicts = ", ".join(f"{r['config']} {r['vs_unconstrained']:.2f}x "
+    def runs(r: dict) -> str:
+        ratios = r["vs_unconstrained_runs"]
+        return f" (median of {' '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
+
+    verdicts = ", ".join(f"{r['config']} {r['vs_unconstrained']:.2f}x{runs(r)} "
                          f"{'met' if r['vs_unconstrained'] >= target else 'NOT met'}" for r in cells)
     return f"goal: no-spec constrained >= {target}x unconstrained out tok/s at batch {bs}: {verdicts}"
 
@@ -384,7 +432,9 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
         f"json_schema, greedy, at most {header['max_new_tokens']} new tokens; batch = requests in flight"
         + (f"; {UNCONSTRAINED} = {header['baseline']} without json_schema" if header["baseline"] else ""),
         "# valid = schema-valid / completed (aborted apart); TTFT, TPOT medians over requests; out tok/s = "
-        "completion tokens / wall time; accept = accepted tokens / verify forwards",
+        "completion tokens / wall time; accept = accepted tokens / verify forwards; acc. done = the same over "
+        "the requests that completed their object"
+        + (f"; timings: medians of {header['repeats']} runs" if header["repeats"] > 1 else ""),
         "",
     ]
     lines += table_lines(rows)
@@ -427,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
               "schema_dir": args.schema_dir, "schemas": [e["name"] for e in entries], "configs": described,
               "baseline": baseline.name if baseline else None,
               "prompt_tokens": {"count": len(lengths), "min": min(lengths), "max": max(lengths)},
-              "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes}
+              "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes, "repeats": args.repeats}
     print(format_report(header, rows, identity), flush=True)
     record = dict(header, args=vars(args), results=rows,
                   outputs_identical={k: v for k, v in identity.items() if k != "per_cell"})

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 
@@ -17,12 +18,12 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` do
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import JSONSCHEMA_DIR, jsonschema_prompts
-from bench.json import (Cell, Config, check_output, compare_outputs, latency_figures, load_validator, main,
-                        parse_args, validity)
+from bench.json import (Cell, Config, check_output, compare_outputs, completed_accept_length, latency_figures,
+                        load_validator, main, parse_args, validity)
 
-# config, batch, valid, invalid, non-JSON, aborted, TTFT, TPOT, out tok/s, accept, x uncon., identical
+# config, batch, valid, invalid, non-JSON, aborted, TTFT, TPOT, out tok/s, accept, acc. done, x uncon., identical
 ROW = re.compile(r"^(\S+)\s+(\d+)\s+(n/a|[\d.]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(n/a|[\d.]+)\s+(n/a|[\d.]+)\s+([\d.]+)\s+"
-                 r"(-|[\d.]+)\s+(-|[\d.]+x)\s+(reference|yes|NO \(\d+/\d+\)|-)$", re.M)
+                 r"(-|[\d.]+)\s+(-|[\d.]+)\s+(-|[\d.]+x)\s+(reference|yes|NO \(\d+/\d+\)|-)$", re.M)
 RECIPES = json.loads((JSONSCHEMA_DIR / "001_Glaiveai2K.json").read_text())  # required: keywords, cuisine, ingredients
 
 
@@ -106,6 +107,17 @@ def test_identity_check_flags_the_request_that_differs():
                                     ("EAGLE/on", 2): {"requests": 2, "differing": 0}}
 
 
+def test_completed_accept_length_counts_finished_objects_only():
+    """acc. done: tokens after the prefill's / verify forwards, pooled over the requests that
+    finished their object; cut-off and non-speculative requests are left out."""
+    outcomes = [{"finish": "stop", "completion_tokens": 11, "spec_verify_ct": 4},  # 10 tokens, 4 verifies
+                {"finish": "stop", "completion_tokens": 7, "spec_verify_ct": 1},  # 6 tokens, 1 verify
+                {"finish": "length", "completion_tokens": 65, "spec_verify_ct": 8}]  # cut: left out
+    assert completed_accept_length(outcomes) == pytest.approx(16 / 5)
+    assert completed_accept_length(outcomes[2:]) is None
+    assert completed_accept_length([{"finish": "stop", "completion_tokens": 5, "spec_verify_ct": None}]) is None
+
+
 # ---------------------------------------------------------------- configurations
 def test_configurations_and_their_engine_arguments():
     base = {"dtype": "float32", "speculative_num_steps": 2}
@@ -140,7 +152,8 @@ def check_record(record: dict, rows: dict, n: int) -> None:
             assert ok == (req["status"] == "valid"), req
             valid += ok
         assert r["valid"] == valid and r["aborted"] == 0 and r["completed"] == n
-        assert r["output_tok_s"] == pytest.approx(r["completion_tokens"] / r["wall_s"])
+        assert len(r["runs"]) == r["repeats"] == record["repeats"]
+        assert r["output_tok_s"] == pytest.approx(statistics.median(f["completion_tokens"] / f["wall_s"] for f in r["runs"]))
         assert 1 <= r["completion_tokens"] <= n * record["max_new_tokens"]
         printed = rows[(r["config"], r["batch_size"])]
         assert float(printed[0]) == pytest.approx(r["validity"], abs=5e-4)
@@ -173,6 +186,34 @@ def test_tiny_model_ngram_overlap_on_and_off(tiny_model_dir, tmp_path, capsys):
     assert ngram["disable_overlap_schedule"] is True
 
 
+def test_repeats_pair_each_constrained_run_with_an_unconstrained_one(tiny_model_dir, capsys):
+    """--repeats 2: two timed runs per cell, each constrained baseline run followed by its
+    length-matched unconstrained twin; x uncon. is the median of the per-run ratios, the goal line
+    names them, and every repeat's outputs are checked against the reference's."""
+    record = main(["--model-path", str(tiny_model_dir), "--num-schemas", "2", "--max-new-tokens", "5",
+                   "--algorithms", "none", "NGRAM-GA", "--overlap", "on", "--batch-sizes", "4",
+                   "--speculative-num-draft-tokens", "4", "--repeats", "2"])
+    stdout = capsys.readouterr().out
+    rows = table_rows(stdout)
+    check_record(record, rows, 2)
+    results = {r["config"]: r for r in record["results"]}
+    base, uncon = results["none/on"], results["unconstrained"]
+    assert record["repeats"] == 2 and all(len(r["runs"]) == 2 for r in record["results"])
+    ratios = [c["output_tok_s"] / u["output_tok_s"] for c, u in zip(base["runs"], uncon["runs"])]
+    assert base["vs_unconstrained_runs"] == pytest.approx(ratios)
+    assert base["vs_unconstrained"] == pytest.approx(statistics.median(ratios))
+    assert all(c["completion_tokens"] == u["completion_tokens"] for c, u in zip(base["runs"], uncon["runs"]))
+    goal = next(line for line in stdout.splitlines() if line.startswith("goal:"))
+    assert f"none/on {base['vs_unconstrained']:.2f}x (median of {ratios[0]:.2f} {ratios[1]:.2f})" in goal
+    assert record["outputs_identical"]["requests"] == 4  # NGRAM-GA's 2 requests in each of 2 repeats
+    assert "timings: medians of 2 runs" in stdout
+    spec = results["NGRAM-GA/on"]
+    if spec["accept_completed"] is not None:  # the tiny model may not finish any object in 5 tokens
+        done = [q for q in spec["per_request"] if q["finish"] == "stop"]
+        assert spec["accept_completed"] == pytest.approx(
+            sum(q["completion_tokens"] - 1 for q in done) / sum(q["spec_verify_ct"] for q in done))
+
+
 @pytest.mark.e2e
 def test_default_model_none_and_eagle(tmp_path):
     result_file = tmp_path / "json.jsonl"
@@ -184,7 +225,7 @@ def test_default_model_none_and_eagle(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = table_rows(proc.stdout)
     assert set(rows) == {("none/on", 2), ("EAGLE/on", 2), ("unconstrained", 2)}
-    assert rows[("EAGLE/on", 2)][-1] == "yes" and float(rows[("EAGLE/on", 2)][-3]) >= 1
+    assert rows[("EAGLE/on", 2)][-1] == "yes" and float(rows[("EAGLE/on", 2)][-4]) >= 1
     assert "# config EAGLE/on: float32 on cpu, speculative EAGLE" in proc.stdout
     assert "outputs identical: yes" in proc.stdout
     record = json.loads(result_file.read_text())

@@ -143,23 +143,39 @@ def test_eagle3_heads_are_lossless(tiny_model_dir, expected, tmp_path):
 def test_hybrid_ngram_trees_are_lossless_and_accept_more(tiny_model_dir, wrong_head, expected):
     """EAGLE trees with the n-gram continuation merged in: an always-wrong head alone commits one
     token per verify; with the n-gram path of this cyclic target's own output it commits more,
-    and the ids stay the target's, in a batch, alone and under sampling's tree walk (greedy here)."""
-    accept = {}
+    and the ids stay the target's, in a batch and alone. The path's length is fed back: with a
+    wrong head every draft token the target takes is an n-gram one, so what PathLength is told was
+    taken adds up to every accepted token but the bonus of each verify."""
+    from specjet.spec_v2.ngram import PathLength
+
+    accept, updates = {}, []
+    real_update = PathLength.update
+
+    def spy(self, rid, proposed, taken):
+        updates.append((proposed, taken))
+        real_update(self, rid, proposed, taken)
+
     for extra in (0, 4):
         with eagle_engine(tiny_model_dir, wrong_head, speculative_eagle_topk=4, speculative_num_steps=3,
                           speculative_num_draft_tokens=8, speculative_hybrid_ngram_tokens=extra) as eng:
-            outs = eng.generate(PROMPTS, greedy(40))
-            alone = eng.generate(PROMPTS[1], greedy(40))
+            PathLength.update = spy
+            try:
+                outs = eng.generate(PROMPTS, greedy(40))
+                alone = eng.generate(PROMPTS[1], greedy(40))
+            finally:
+                PathLength.update = real_update
             eng.check_kv_invariant()
             stats = eng.get_server_info()["stats"]
         assert [o["output_ids"] for o in outs] == expected and alone["output_ids"] == expected[1]
         accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
     assert accept[0] < 1.2 and accept[4] > 1.5, accept
-    # Unset, EAGLE merges 6 n-gram nodes into each tree (the measured default); 0 turns it off.
+    assert all(0 <= taken <= proposed <= 4 for proposed, taken in updates)
+    assert sum(taken for _, taken in updates) == stats["spec_accepted_tokens"] - stats["spec_verify_ct"]
+    # Unset, EAGLE merges an n-gram path of up to 14 nodes into each tree (the measured default); 0 turns it off.
     from bench.engine_info import describe_engine
 
     with eagle_engine(tiny_model_dir, wrong_head, speculative_hybrid_ngram_tokens=None) as eng:
-        assert describe_engine(eng)["speculative"]["hybrid_ngram_tokens"] == 6
+        assert describe_engine(eng)["speculative"]["hybrid_ngram_tokens"] == 14
         assert eng.generate(PROMPTS[1], greedy(40))["output_ids"] == expected[1]
         eng.check_kv_invariant()
 

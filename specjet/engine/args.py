@@ -28,9 +28,11 @@ class EngineArgs:
     speculative_ngram_max_match_window_size: int = 4
     speculative_ngram_max_bfs_breadth: int = 4
     # EAGLE + n-gram (specjet's own): each EAGLE tree also takes the request's best n-gram
-    # continuation, up to this many extra nodes; the n-gram window flags above apply. None: 6 with
-    # EAGLE (GSM8K at batch 1 in bf16: accept 2.45 -> 3.23, 1.99x -> 2.38x; bench/RESULTS.md);
-    # 0: the trained head's trees alone (EAGLE-2 as SGLang runs it).
+    # continuation, up to this many extra nodes (half as a rule, more while the request's paths are
+    # taken whole: spec_v2/ngram.py PathLength); the n-gram window flags above apply. None: 14 with
+    # EAGLE (GSM8K at batch 1 in bf16: accept 2.45 -> 3.2, ~1.6x -> ~1.9x; held-out JSON schemas:
+    # accept over completed objects 4.2; bench/RESULTS.md); 0: the trained head's trees alone
+    # (EAGLE-2 as SGLang runs it).
     speculative_hybrid_ngram_tokens: int | None = None
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).

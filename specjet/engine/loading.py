@@ -64,7 +64,7 @@ def load_components(args: EngineArgs, device: torch.device):
 
 
 # n-gram nodes merged into each EAGLE tree unless speculative_hybrid_ngram_tokens says otherwise (see args.py).
-DEFAULT_HYBRID_NGRAM_TOKENS = 6
+DEFAULT_HYBRID_NGRAM_TOKENS = 14
 
 
 def ngram_config(args: EngineArgs, num_nodes: int, branches: int) -> NgramConfig:

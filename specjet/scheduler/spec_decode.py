@@ -14,7 +14,6 @@ engine's default): the two drafters' trees are merged under the same root (spec_
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 
@@ -24,7 +23,7 @@ from specjet.models.runner import ModelRunner
 from specjet.scheduler.request import Req
 from specjet.spec_v2.eagle_worker import DraftView, EagleDrafter, EagleParams
 from specjet.spec_v2.grammar_guide import GrammarGuide
-from specjet.spec_v2.ngram import NgramConfig, NgramDrafter, merge_trees
+from specjet.spec_v2.ngram import NgramConfig, NgramDrafter, PathLength, first_path, merge_trees
 from specjet.spec_v2.tree_verifier import SpecRequest, TreeVerifier, VerifyResult
 
 
@@ -61,12 +60,16 @@ class SpecDecoder:
             lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.vocab_size = vocab_size
         self.context_len = context_len
+        self.path_length = None
         if cfg.algorithm == "NGRAM":
             self.ngram = NgramDrafter(cfg.ngram)
             self.eagle = None
         elif cfg.algorithm == "EAGLE":
-            self.ngram = NgramDrafter(replace(cfg.ngram, num_draft_tokens=cfg.hybrid_ngram_tokens + 1, max_branches=1)
+            # One n-gram path per tree, as long as the request's recent paths proved (PathLength).
+            self.ngram = NgramDrafter(replace(cfg.ngram, num_draft_tokens=cfg.num_draft_tokens, max_branches=1)
                                       ) if cfg.hybrid_ngram_tokens else None
+            if cfg.hybrid_ngram_tokens:
+                self.path_length = PathLength(cfg.hybrid_ngram_tokens)
             self.eagle = EagleDrafter(runner, cfg.eagle_head, cfg.eagle, allocator)
         else:
             raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
@@ -112,7 +115,9 @@ class SpecDecoder:
         return GrammarGuide(req.grammar, self.vocab_size, self._tokenize) if req.grammar is not None else None
 
     def _propose(self, reqs: list[Req], guides: list[GrammarGuide | None], req_to_token: torch.Tensor
-                 ) -> list[tuple[list[int], list[int]]]:
+                 ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], int]] | None]:
+        """Each request's tree; for the hybrid also its n-gram path (tokens under the root, and how
+        many of them are the forced chain it shares with the EAGLE tree), for ``PathLength``."""
         budgets = [self.tree_budget(r) for r in reqs]
         aware = self.cfg.grammar_aware
         chains = [g.forced_chain(n - 1) if aware and g is not None else [] for g, n in zip(guides, budgets)]
@@ -121,20 +126,28 @@ class SpecDecoder:
             ngram_trees = []
             for req, guide, chain, budget in zip(reqs, guides, chains, budgets):
                 self.ngram.observe(req.rid, req.fill_ids)
-                legal_len = partial(guide.legal_prefix_len, chain) if aware and guide is not None else None
+                legal_len = guide.legal_prefix_len if aware and guide is not None else None
+                if self.eagle is not None:  # hybrid: the chain is the EAGLE tree's too; the path's own length adapts
+                    budget = min(budget, 1 + len(chain) + self.path_length.limit(req.rid))
                 ngram_trees.append(self.ngram.propose(req.rid, budget, chain, legal_len))
             if self.eagle is None:
-                return ngram_trees
+                return ngram_trees, None
         trees = self.eagle.propose([self._view(r) for r in reqs], [r.output_ids[-1] for r in reqs], req_to_token,
                                    guides=guides if aware else None, chains=chains)
-        if ngram_trees is not None:  # hybrid: the n-gram path first, then the learned tree's nodes
-            return [merge_trees(ngram, tree, n) for ngram, tree, n in zip(ngram_trees, trees, budgets)]
-        return [(tokens[:n], parents[:n]) for (tokens, parents), n in zip(trees, budgets)]
+        if ngram_trees is None:
+            return [(tokens[:n], parents[:n]) for (tokens, parents), n in zip(trees, budgets)], None
+        # hybrid: the n-gram path first, then the learned tree's nodes
+        paths = []
+        for tree, chain in zip(ngram_trees, chains):
+            path = first_path(*tree)
+            paths.append((path, len(chain) if path[:len(chain)] == chain else 0))
+        return [merge_trees(ngram, tree, n) for ngram, tree, n in zip(ngram_trees, trees, budgets)], paths
 
     def run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
         guides = [self._guide(r) for r in reqs]
+        trees, ngram_paths = self._propose(reqs, guides, req_to_token)
         spec_reqs = []
-        for req, guide, (tokens, parents) in zip(reqs, guides, self._propose(reqs, guides, req_to_token)):
+        for req, guide, (tokens, parents) in zip(reqs, guides, trees):
             bitmask = None
             if guide is not None:
                 tokens, parents, bitmask = guide.mask_tree(tokens, parents)
@@ -144,6 +157,10 @@ class SpecDecoder:
             spec_reqs.append(SpecRequest(req.req_pool_idx, req.kv_committed_len, tokens, parents, uniforms, bitmask))
         result = self.verifier.verify(spec_reqs, req_to_token, sampling_tensors(reqs, req_to_token.device),
                                       extra_kv_caches=())
+        if ngram_paths is not None:
+            for req, (path, shared), accepted in zip(reqs, ngram_paths, result.accepted_tokens):
+                taken = next((i for i, (a, b) in enumerate(zip(path, accepted)) if a != b), min(len(path), len(accepted)))
+                self.path_length.update(req.rid, len(path) - shared, max(0, taken - shared))
         if self.eagle is not None:
             self._draft_extend(reqs, result, req_to_token)
         return result.accepted_tokens
@@ -158,5 +175,7 @@ class SpecDecoder:
     def release(self, req: Req) -> None:
         if self.ngram is not None:
             self.ngram.release(req.rid)
+        if self.path_length is not None:
+            self.path_length.release(req.rid)
         if self.eagle is not None:
             self.eagle.release(req.rid)

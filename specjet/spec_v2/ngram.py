@@ -118,6 +118,53 @@ def merge_trees(first: tuple[list[int], list[int]], second: tuple[list[int], lis
     return tokens, parents
 
 
+class PathLength:
+    """How many tokens each request's hybrid n-gram path may have: half of ``max_len`` as a rule, up to
+    all of it while its paths keep being taken whole.
+
+    The path costs verify nodes whether or not the target takes it. On repetitive text (a JSON array
+    of records, repeated keys and values) it is right a dozen tokens at a time; on prose it is right
+    now and then, for a few tokens, and a longer guess there only makes the verify dearer. So a
+    request's limit doubles (up to ``max_len``) each time its path is taken whole at the limit, and
+    after a miss drops to one past what was taken, but by half at most and never below the rule.
+    Measured (bench/RESULTS.md, session 5): the adaptive limit gives held-out JSON the accept of a
+    fixed ``max_len`` path and GSM8K the speed of a fixed half-length one."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.min_len = max(1, max_len // 2)
+        self._limits: dict[str, int] = {}
+
+    def limit(self, rid: str) -> int:
+        return self._limits.get(rid, self.min_len)
+
+    def update(self, rid: str, proposed: int, taken: int) -> None:
+        """After a verify: the path had ``proposed`` tokens (beyond any forced chain) and the target
+        took the first ``taken``. No path, nothing learned."""
+        if proposed <= 0:
+            return
+        limit = self.limit(rid)
+        if taken >= proposed:
+            if proposed >= limit:  # taken whole at the limit: try longer (a match that ran out says nothing)
+                self._limits[rid] = min(self.max_len, 2 * limit)
+        else:
+            self._limits[rid] = max(self.min_len, taken + 1, limit // 2)
+
+    def release(self, rid: str) -> None:
+        self._limits.pop(rid, None)
+
+
+def first_path(tokens: list[int], parents: list[int]) -> list[int]:
+    """The tokens of a tree's first root-to-leaf path, root left out: node 1, its first child, ... (in a
+    trie from ``build_trie`` that is its first branch)."""
+    path, node = [], 0
+    for i in range(1, len(tokens)):
+        if parents[i] == node:
+            path.append(tokens[i])
+            node = i
+    return path
+
+
 class NgramDrafter:
     """Proposes a draft tree per request from its own n-gram index."""
 
@@ -133,20 +180,33 @@ class NgramDrafter:
         index.extend(all_tokens[len(index.tokens):])
 
     def propose(self, rid: str, max_nodes: int, chain: list[int] = (),
-                legal_len: Callable[[list[int]], int] | None = None) -> tuple[list[int], list[int]]:
+                legal_len: Callable[[list[int], list[int]], int] | None = None) -> tuple[list[int], list[int]]:
         """A trie of continuations under the last token. Grammar-aware drafting passes ``chain``
-        (the grammar's forced tokens: the trie's first, sure, branch and the place continuations
-        are matched from) and ``legal_len`` (how many tokens of a continuation after the chain
-        the grammar accepts): each continuation is cut at its first illegal token, so the node
-        budget goes to tokens verification can accept."""
+        (the grammar's forced tokens: a sure branch, and the place continuations are matched from)
+        and ``legal_len`` (``legal_len(prefix, tokens)``: how many of ``tokens`` the grammar
+        accepts after ``prefix``): each continuation is cut at its first illegal token, so the
+        node budget goes to tokens verification can accept.
+
+        The forced *text* is certain but the chain is only the tokenizer's split of it, and a
+        constrained model often spells differently ('a', 'rg', 'um', 'en', 't', 's' where the
+        tokenizer says 'a', 'rguments'). So a legal continuation matched from the sequence itself
+        that leaves the chain within the chain's length goes first: once the request has written
+        that text before, its own spelling is the better guess. The chain's branch follows."""
         index = self._indexes[rid]
         max_nodes = min(max_nodes, self.cfg.num_draft_tokens)
         chain = list(chain)[: max(0, max_nodes - 1)]
+        respelled = []
+        if chain:
+            respelled = index.continuations(self.cfg, max_len=max_nodes - 1)
+            if legal_len is not None:
+                respelled = [cont[: legal_len([], cont)] for cont in respelled]
+            respelled = [cont for cont in respelled if cont and cont[: len(chain)] != chain[: len(cont)]]
         room = max_nodes - 1 - len(chain)
         conts = index.continuations(self.cfg, max_len=room, after=chain) if room > 0 else []
         if legal_len is not None:
-            conts = [cont[: legal_len(cont)] for cont in conts]
-        return build_trie(index.tokens[-1], [chain + cont for cont in conts] or [chain], max_nodes)
+            conts = [cont[: legal_len(chain, cont)] for cont in conts]
+        branches = respelled + [chain + cont for cont in conts]
+        return build_trie(index.tokens[-1], branches[: self.cfg.max_branches] + [chain], max_nodes)
 
     def release(self, rid: str) -> None:
         self._indexes.pop(rid, None)
