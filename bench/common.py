@@ -38,6 +38,7 @@ _ENGINE_FLAGS = {
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
     "speculative_hybrid_ngram_tokens": "speculative_hybrid_ngram_tokens",
+    "speculative_max_verify_tokens": "speculative_max_verify_tokens",
     "enable_deterministic_inference": "enable_deterministic_inference",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
@@ -75,6 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="EAGLE trees also take the best n-gram continuation, up to this many nodes "
                            "(default 14, half of it as a rule, more while the request's paths are taken whole; "
                            "0: the head's trees alone)")
+    spec.add_argument("--speculative-max-verify-tokens", type=int, default=None,
+                      help="tree nodes one verify may hold across the batch; each tree gets an even share "
+                           "(default: no cap)")
     return parser
 
 

@@ -36,6 +36,7 @@ def describe_engine(engine) -> dict:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens,
                                    "max_bfs_breadth": spec.ngram.max_branches,
                                    "match_window": [spec.ngram.min_window, spec.ngram.max_window]}
+        desc["speculative"]["max_verify_tokens"] = spec.max_verify_tokens
     return desc
 
 
@@ -43,8 +44,10 @@ def spec_str(spec: dict | None) -> str:
     """``describe_engine(...)["speculative"]`` in one line."""
     if spec is None:
         return "off"
+    cap = f", at most {spec['max_verify_tokens']} nodes per verify" if spec.get("max_verify_tokens") else ""
     if spec["algorithm"] == "EAGLE":
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
-        return f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}{hybrid}"
+        return (f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}"
+                f"{hybrid}{cap}")
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
-            f"max_bfs_breadth={spec['max_bfs_breadth']}")
+            f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")

@@ -216,3 +216,28 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir, lucky_head, hy
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
     assert tv < 0.05, tv
     assert accepted > n // 20
+
+
+def test_verify_token_cap_shares_nodes_across_the_batch(tiny_model_dir, lucky_head, expected):
+    """speculative_max_verify_tokens: each tree of a batch of B gets max(2, cap // B) nodes, at most
+    its configured size; the ids stay the target's. With the cap at 1 every tree is the root and one
+    guess, so no verify commits more than two tokens, however good the head."""
+    from types import SimpleNamespace
+
+    from specjet.scheduler.spec_decode import SpecConfig, SpecDecoder
+
+    def share(cap, batch_size, nodes=26):
+        return SpecDecoder.tree_share(SimpleNamespace(cfg=SpecConfig("EAGLE", nodes, max_verify_tokens=cap)), batch_size)
+
+    assert [share(64, b) for b in (1, 2, 4, 8, 16, 64)] == [26, 26, 16, 8, 4, 2]
+    assert share(None, 8) == 26 and share(64, 1, nodes=12) == 12
+    with eagle_engine(tiny_model_dir, lucky_head, speculative_num_draft_tokens=8, speculative_max_verify_tokens=1,
+                      speculative_hybrid_ngram_tokens=4) as eng:
+        outs = eng.generate(PROMPTS, greedy(40))
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(max(o["meta_info"]["spec_accept_histogram"]) <= 2 for o in outs)
+    assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]  # the one guess was often right
+    with pytest.raises(ValueError, match="speculative_max_verify_tokens must be >= 1"):
+        eagle_engine(tiny_model_dir, lucky_head, speculative_max_verify_tokens=0)

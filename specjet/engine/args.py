@@ -34,6 +34,11 @@ class EngineArgs:
     # accept over completed objects 4.2; bench/RESULTS.md); 0: the trained head's trees alone
     # (EAGLE-2 as SGLang runs it).
     speculative_hybrid_ngram_tokens: int | None = None
+    # Tree nodes one verify forward may hold across its batch (specjet's own): with B requests each
+    # tree gets at most max(2, this // B) nodes, its learned and n-gram parts cut in proportion. A
+    # CPU verify costs about its token count once the batch is past a few rows, so at batch 8 a
+    # full 26-node tree per request costs more than it saves. None: no cap.
+    speculative_max_verify_tokens: int | None = None
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
     speculative_grammar_aware: bool = True
@@ -78,6 +83,8 @@ class EngineArgs:
             # (bf16: 9 of 36 greedy outputs diverged), so speculation would change the output.
             raise ValueError("speculative decoding needs enable_deterministic_inference=True: its greedy output "
                              "must equal plain decoding token for token")
+        if self.speculative_max_verify_tokens is not None and self.speculative_max_verify_tokens < 1:
+            raise ValueError(f"speculative_max_verify_tokens must be >= 1, got {self.speculative_max_verify_tokens}")
         if self.speculative_hybrid_ngram_tokens is not None and self.speculative_hybrid_ngram_tokens < 0:
             raise ValueError(f"speculative_hybrid_ngram_tokens must be >= 0, got {self.speculative_hybrid_ngram_tokens}")
         if self.speculative_hybrid_ngram_tokens and self.speculative_algorithm != "EAGLE":

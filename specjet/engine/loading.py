@@ -35,7 +35,7 @@ def load_components(args: EngineArgs, device: torch.device):
     if args.speculative_algorithm == "NGRAM":
         num_nodes = args.speculative_num_draft_tokens or 8
         spec = SpecConfig("NGRAM", num_nodes, ngram_config(args, num_nodes, args.speculative_ngram_max_bfs_breadth),
-                          grammar_aware=args.speculative_grammar_aware)
+                          grammar_aware=args.speculative_grammar_aware, max_verify_tokens=args.speculative_max_verify_tokens)
     elif args.speculative_algorithm == "EAGLE":
         head_dir = args.speculative_draft_model_path or default_eagle_path()
         if not pathlib.Path(head_dir).exists():
@@ -50,7 +50,8 @@ def load_components(args: EngineArgs, device: torch.device):
         extra = DEFAULT_HYBRID_NGRAM_TOKENS if extra is None else extra
         spec = SpecConfig("EAGLE", params.num_draft_tokens + extra, eagle=params, eagle_head=head,
                           grammar_aware=args.speculative_grammar_aware,
-                          ngram=ngram_config(args, extra + 1, 1), hybrid_ngram_tokens=extra)
+                          ngram=ngram_config(args, extra + 1, 1), hybrid_ngram_tokens=extra,
+                          max_verify_tokens=args.speculative_max_verify_tokens)
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

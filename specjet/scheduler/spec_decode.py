@@ -49,6 +49,8 @@ class SpecConfig:
     # EAGLE only: each tree also takes the request's best n-gram continuation, up to this many nodes
     # (matched as ``ngram`` says), merged with the learned tree; num_draft_tokens counts both.
     hybrid_ngram_tokens: int = 0
+    # Tree nodes per verify across the batch (None: no cap): each request's tree gets an even share.
+    max_verify_tokens: int | None = None
 
 
 class SpecDecoder:
@@ -91,12 +93,18 @@ class SpecDecoder:
     def scratch_slots(self, batch_size: int) -> int:
         return self.eagle.scratch_slots(batch_size) if self.eagle is not None else 0
 
-    def tree_budget(self, req: Req) -> int:
-        """Nodes this request's tree may have: never more tokens than it may still produce or the
-        context can hold."""
+    def tree_share(self, batch_size: int) -> int:
+        """Nodes each tree of a batch may have: ``num_draft_tokens``, or an even share of
+        ``max_verify_tokens`` when that is less (two at least: the root and one guess)."""
+        cap = self.cfg.max_verify_tokens
+        return self.cfg.num_draft_tokens if cap is None else min(self.cfg.num_draft_tokens, max(2, cap // batch_size))
+
+    def tree_budget(self, req: Req, share: int | None = None) -> int:
+        """Nodes this request's tree may have: its share of the verify (``tree_share``), and never
+        more tokens than it may still produce or the context can hold."""
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         room = self.context_len - req.kv_committed_len
-        return max(1, min(self.cfg.num_draft_tokens, remaining, room))
+        return max(1, min(share or self.cfg.num_draft_tokens, remaining, room))
 
     @staticmethod
     def _view(req: Req) -> DraftView:
@@ -118,7 +126,8 @@ class SpecDecoder:
                  ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], int]] | None]:
         """Each request's tree; for the hybrid also its n-gram path (tokens under the root, and how
         many of them are the forced chain it shares with the EAGLE tree), for ``PathLength``."""
-        budgets = [self.tree_budget(r) for r in reqs]
+        share = self.tree_share(len(reqs))
+        budgets = [self.tree_budget(r, share) for r in reqs]
         aware = self.cfg.grammar_aware
         chains = [g.forced_chain(n - 1) if aware and g is not None else [] for g, n in zip(guides, budgets)]
         ngram_trees = None
@@ -127,8 +136,12 @@ class SpecDecoder:
             for req, guide, chain, budget in zip(reqs, guides, chains, budgets):
                 self.ngram.observe(req.rid, req.fill_ids)
                 legal_len = guide.legal_prefix_len if aware and guide is not None else None
-                if self.eagle is not None:  # hybrid: the chain is the EAGLE tree's too; the path's own length adapts
-                    budget = min(budget, 1 + len(chain) + self.path_length.limit(req.rid))
+                if self.eagle is not None:  # hybrid: the chain is the EAGLE tree's too; the path's own length
+                    # adapts, and shrinks with the tree's share of the verify
+                    limit = self.path_length.limit(req.rid)
+                    if share < self.cfg.num_draft_tokens:
+                        limit = max(1, limit * share // self.cfg.num_draft_tokens)
+                    budget = min(budget, 1 + len(chain) + limit)
                 ngram_trees.append(self.ngram.propose(req.rid, budget, chain, legal_len))
             if self.eagle is None:
                 return ngram_trees, None
