@@ -30,9 +30,9 @@ class EngineArgs:
     # EAGLE + n-gram (specjet's own): each EAGLE tree also takes the request's best n-gram
     # continuation, up to this many extra nodes (half as a rule, more while the request's paths are
     # taken whole: spec_v2/ngram.py PathLength); the n-gram window flags above apply. None: 14 with
-    # EAGLE (GSM8K at batch 1 in bf16: accept 2.45 -> 3.2, ~1.6x -> ~1.9x; held-out JSON schemas:
-    # accept over completed objects 4.2; bench/RESULTS.md); 0: the trained head's trees alone
-    # (EAGLE-2 as SGLang runs it).
+    # EAGLE (GSM8K at batch 1 in bf16: accept 2.45 -> 3.2; held-out JSON schemas under a grammar:
+    # accept 2.45 -> 5.3, 4.2 over completed objects; bench/RESULTS.md); 0: the trained head's
+    # trees alone (EAGLE-2 as SGLang runs it).
     speculative_hybrid_ngram_tokens: int | None = None
     # Tree nodes one verify forward may hold across its batch (specjet's own): with B requests each
     # tree gets at most max(2, this // B) nodes, its learned and n-gram parts cut in proportion. A
