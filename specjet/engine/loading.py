@@ -48,9 +48,10 @@ def load_components(args: EngineArgs, device: torch.device):
         )
         extra = args.speculative_hybrid_ngram_tokens
         extra = DEFAULT_HYBRID_NGRAM_TOKENS if extra is None else extra
+        # The hybrid's n-gram path is one branch whose length SpecDecoder sets per request (PathLength).
         spec = SpecConfig("EAGLE", params.num_draft_tokens + extra, eagle=params, eagle_head=head,
                           grammar_aware=args.speculative_grammar_aware,
-                          ngram=ngram_config(args, extra + 1, 1), hybrid_ngram_tokens=extra,
+                          ngram=ngram_config(args, params.num_draft_tokens + extra, 1), hybrid_ngram_tokens=extra,
                           max_verify_tokens=args.speculative_max_verify_tokens)
     scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
         page_size=args.page_size,
