@@ -47,8 +47,11 @@ def test_mixed_lengths_run_in_groups_and_match_each_request_alone(dtype, q_lens)
         offset += q_lens[r]
 
 
-def test_grouping_matches_the_reference_attention():
-    kv_lens, q_lens = [300, 5, 280, 9], [2, 1, 3, 1]
+@pytest.mark.parametrize("q_lens", [[2, 1, 3, 1], [3, 3, 3, 3]], ids=["padded", "dense"])
+def test_grouping_matches_the_reference_attention(q_lens):
+    """Against the reference: padded rows (gathered and ungathered) and rows that all bring max_q
+    tokens (equal trees: the dense path, no gathers)."""
+    kv_lens = [300, 5, 280, 9]
     q, k, v, table = make_batch(kv_lens, q_lens, torch.float32, seed=1)
     out, meta = run(q, k, v, table, kv_lens, q_lens)
     assert len(meta.length_groups) >= 2

@@ -129,7 +129,7 @@ def test_configurations_and_their_engine_arguments():
     args = parse_args([])
     assert (args.algorithms, args.overlap, args.batch_sizes) == (["none", "EAGLE", "EAGLE-GA"], ["on", "off"], [1, 4])
     for axis in (["--speculative-algorithm", "EAGLE"], ["--disable-overlap-schedule"],
-                 ["--speculative-grammar-aware", "true"]):
+                 ["--speculative-grammar-aware", "true"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             parse_args(axis)
 

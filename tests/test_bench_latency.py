@@ -207,7 +207,8 @@ def test_flags_and_output_comparison():
     assert parse_args([]).workload == ["gsm8k"] and "speculative_algorithm" not in engine_kwargs(parse_args([]))
     assert parse_args(["--sweep", "--speculative-algorithm", "NGRAM"]).batch_sizes == [1]
     for bad in (["--sweep"], ["--sweep", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"],
-                ["--sweep", "--speculative-algorithm", "NGRAM", "--sweep-topk", "2"], ["--sweep-topk", "2"]):
+                ["--sweep", "--speculative-algorithm", "NGRAM", "--sweep-topk", "2"], ["--sweep-topk", "2"],
+                ["--sweep", "--speculative-algorithm", "EAGLE", "--sweep-hybrid-ngram-tokens", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

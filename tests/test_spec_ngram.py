@@ -210,3 +210,18 @@ def test_first_path_follows_first_children():
     tokens, parents = build_trie(9, [[1, 2, 3], [1, 4], [5]], max_nodes=10)
     assert first_path(tokens, parents) == [1, 2, 3]
     assert first_path([9], [-1]) == []
+
+
+def test_verify_token_cap_keeps_ngram_output_exact(tiny_model_dir, plain):
+    """NGRAM under speculative_max_verify_tokens=1 (every trie is the root and one guess, whatever
+    the batch): ids equal plain decoding's, in a batch and alone, no verify commits more than two
+    tokens, and some of those guesses are taken."""
+    expected = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(32))]
+    with ngram_engine(tiny_model_dir, speculative_num_draft_tokens=8, speculative_max_verify_tokens=1) as eng:
+        outs = eng.generate(PROMPTS, greedy(32))
+        single = eng.generate(PROMPTS[0], greedy(32))
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected and single["output_ids"] == expected[0]
+    assert all(max(o["meta_info"]["spec_accept_histogram"]) <= 2 for o in outs + [single])
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]  # some guesses were taken

@@ -99,12 +99,12 @@ class SpecDecoder:
         cap = self.cfg.max_verify_tokens
         return self.cfg.num_draft_tokens if cap is None else min(self.cfg.num_draft_tokens, max(2, cap // batch_size))
 
-    def tree_budget(self, req: Req, share: int | None = None) -> int:
+    def tree_budget(self, req: Req, share: int) -> int:
         """Nodes this request's tree may have: its share of the verify (``tree_share``), and never
         more tokens than it may still produce or the context can hold."""
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         room = self.context_len - req.kv_committed_len
-        return max(1, min(share or self.cfg.num_draft_tokens, remaining, room))
+        return max(1, min(share, remaining, room))
 
     @staticmethod
     def _view(req: Req) -> DraftView:
