@@ -1,34 +1,162 @@
-"""Turning output ids into text for a request: stop strings, and what a stream may send so far."""
+"""Turning output ids into text for a request: stop strings, and what a stream may send so far.
+
+Detokenization is incremental, as SGLang's detokenizer does it: a step decodes only a window of
+recent ids, never the whole output, so a token costs O(1) however long the output grows (re-decoding
+everything made a streaming or stop-string request O(n^2) on the scheduler thread).
+
+The window (``req.detok_ids``) is a context part, ids whose text is already final (its decode is
+cached in ``req.detok_surr_text``: SGLang's "surr" offset), then the ids whose text is not final yet
+(from SGLang's "read" offset). The window's decode less the context's text is the new text; once it
+is non-empty and does not end in an incomplete UTF-8 character ("\\ufffd") it is final: it is
+appended to ``req.text`` and the new ids become the context of the next window. So ``req.text`` is
+always a prefix of the full decode of the output (until a stop string cuts it), and a stream can
+send all of it at once but for a possible stop string's start. Special tokens that decoding skips
+are left out of the window (they decode to nothing wherever they are), so a run of them (an
+``ignore_eos`` request repeating its EOS, say) does not grow it.
+
+A finished request's text is one full decode of its output (cut at the stop string that ended it),
+exactly ``tokenizer.decode(output_ids, skip_special_tokens=...)``: once per request.
+"""
 from __future__ import annotations
+
+import weakref
 
 from specjet.scheduler.request import Req
 
+_INCOMPLETE = "\ufffd"  # what decoding makes of an incomplete UTF-8 character at the end
+
+# Per tokenizer: the ids that decoding with skip_special_tokens=True drops (special added tokens).
+_skipped_ids: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+
 
 def update_text(req: Req, tokenizer) -> str | None:
-    """Re-decode the request's output; return the stop string that ended it, if any (and cut the text there)."""
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    """Bring ``req.text`` up to date with ``req.output_ids``; return the stop string that ended it, if
+    any (and cut the text there). Called after each appended token (incremental: O(1) a token), and
+    once more when the request has finished (one full decode: the exact final text)."""
+    if req.detok_stop is not None:  # already cut at a stop string: nothing more to do
+        return req.detok_stop
+    if req.finished:
+        return _final_text(req, tokenizer)
+    skip = req.sampling.skip_special_tokens
+    ids = req.output_ids
+    if len(ids) < req.detok_seen:  # output ids only grow; should they ever shrink, start over
+        _reset(req)
+    if len(ids) > req.detok_seen:
+        new_ids = ids[req.detok_seen:]
+        if skip:
+            dropped = _skipped(tokenizer)
+            new_ids = [t for t in new_ids if t not in dropped]
+        req.detok_ids.extend(new_ids)
+        req.detok_seen = len(ids)
+
+    pending = ""  # the window's text that is not final yet
     stops = req.sampling.stop
+    # Search for stop strings from where the text may have changed since the last step (the end of
+    # the text that was final then), less what a stop string beginning before it can span.
+    start = max(0, len(req.text) - _max_len(stops) + 1) if stops else 0
+    if len(req.detok_ids) > req.detok_surr_len:
+        window_text = tokenizer.decode(req.detok_ids, skip_special_tokens=skip)
+        prefix = req.detok_surr_text
+        new = window_text[len(prefix):]
+        if new and not new.endswith(_INCOMPLETE) and window_text.startswith(prefix):
+            _append_text(req, new)
+            del req.detok_ids[:req.detok_surr_len]  # the new ids are the next window's context
+            req.detok_surr_len = len(req.detok_ids)
+            req.detok_surr_text = tokenizer.decode(req.detok_ids, skip_special_tokens=skip)
+        else:
+            pending = new
     if stops:
-        # A stop string can only newly appear in the tail that changed since the last decode.
-        start = max(0, len(req.text) - max(len(s) for s in stops))
-        hits = [(text.find(s, start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            index, stop = min(hits)
-            req.text = text[:index]
-            return stop
-    req.text = text
+        tail = req.text[start:] + pending
+        hit = _first_stop(tail, stops)
+        if hit is not None:
+            return _cut(req, tokenizer, start, req.text[:start] + tail[:hit[0]], hit[1])
     return None
 
 
+def _final_text(req: Req, tokenizer) -> str | None:
+    """The finish path: one full decode, searched for a stop string in what no step has searched."""
+    full = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    stops = req.sampling.stop
+    if stops:
+        hit = _first_stop(full, stops, max(0, len(req.text) - _max_len(stops) + 1))
+        if hit is not None:
+            index, stop = hit
+            req.text = full[:index]
+            req.detok_stop = stop
+            return stop
+    req.text = full
+    return None
+
+
+def _cut(req: Req, tokenizer, start: int, text: str, stop: str) -> str:
+    """A step found a stop string (``text``: the incremental text cut before it): the request ends
+    here, so cut one full decode of the output at its first stop string instead (exact, once per
+    request); the incremental cut stands only if the full decode showed none, which a tokenizer whose
+    decode extends its prefixes' (as SGLang's scheme assumes) never does."""
+    full = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    exact = _first_stop(full, req.sampling.stop, start)
+    if exact is not None:
+        text, stop = full[:exact[0]], exact[1]
+    req.text = text
+    req.detok_stop = stop
+    return stop
+
+
+def _first_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in ``text[start:]``, or None."""
+    hits = [(text.find(s, start), s) for s in stops]
+    hits = [(i, s) for i, s in hits if i >= 0]
+    return min(hits) if hits else None
+
+
+def _max_len(stops: list[str]) -> int:
+    return max(len(s) for s in stops)
+
+
+def _append_text(req: Req, piece: str) -> None:
+    """``req.text += piece`` without copying the whole text: with the only reference in a local,
+    CPython appends in place (amortised O(len(piece))), where the attribute would copy it each time."""
+    text = req.text
+    req.text = ""
+    text += piece
+    req.text = text
+
+
+def _reset(req: Req) -> None:
+    req.text = ""
+    req.detok_ids = []
+    req.detok_surr_len = 0
+    req.detok_surr_text = ""
+    req.detok_seen = 0
+
+
+def _skipped(tokenizer) -> frozenset[int]:
+    """The ids that ``decode(..., skip_special_tokens=True)`` drops wherever they are: special added
+    tokens that decode to nothing alone (an id left out of this set merely stays in the window)."""
+    try:
+        return _skipped_ids[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: no cache, no filtering
+        return frozenset()
+    candidates = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    candidates.update(i for i, token in added.items() if getattr(token, "special", False))
+    ids = frozenset(i for i in candidates if tokenizer.decode([i], skip_special_tokens=True) == "")
+    try:
+        _skipped_ids[tokenizer] = ids
+    except TypeError:
+        pass
+    return ids
+
+
 def streamable_len(req: Req) -> int:
-    """How much of ``req.text`` a stream may send now: hold back an incomplete UTF-8 character and,
-    while running, anything that could still turn out to be the start of a stop string."""
+    """How much of ``req.text`` a stream may send now: all of it once finished; while running, all
+    but what could still turn out to be the start of a stop string (``req.text`` holds final text
+    only, an incomplete UTF-8 character stays in the detokenizer's window until it completes)."""
     n = len(req.text)
     if req.finished:
         return n
-    while n > 0 and req.text[n - 1] == "\ufffd":
-        n -= 1
     if req.sampling.stop:
-        n = min(n, len(req.text) - max(len(s) for s in req.sampling.stop) + 1)
+        n -= _max_len(req.sampling.stop) - 1
     return max(n, req.sent_len)

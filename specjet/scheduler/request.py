@@ -36,6 +36,16 @@ class Req:
     text: str = ""  # detokenized output (stop strings cut it)
     sent_len: int = 0  # characters of text already streamed
     sent_ids: int = 0
+    # Incremental detokenization (scheduler/detokenizer.py, as SGLang's detokenizer): `text` is final
+    # text only; a step decodes just the window detok_ids (recent output ids less skipped special
+    # tokens: detok_surr_len of context whose decode is detok_surr_text, then ids whose text is not
+    # final yet), so a token costs O(1). detok_seen: output ids taken in; detok_stop: the stop string
+    # that cut `text`, once one has.
+    detok_ids: list[int] = field(default_factory=list)
+    detok_surr_len: int = 0
+    detok_surr_text: str = ""
+    detok_seen: int = 0
+    detok_stop: str | None = None
 
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
