@@ -10,6 +10,7 @@ its own) each send one random call after another to the same Engine:
 - valid requests: greedy and seeded sampled text, ``json_schema`` (the JSON-schema dev set, as a dict
   or as text), ``regex``, ``ebnf``, stop strings, ``stop_token_ids``, ``input_ids``, lists of prompts,
   a long prompt, ``max_new_tokens`` 0 to 96 (mostly under 25), streamed (sync and async iterators) or not;
+  with a context of at most 2048 (``--context-length``), prompts that end a few tokens short of it;
 - invalid requests, which must raise TypeError/ValueError at the door: bad types and values of every
   sampling parameter, unknown parameter names, duplicate rids (in one list, and of a live request),
   malformed grammars, a 5000-deep schema, over-long prompts, bad prompts and input ids;
@@ -79,6 +80,8 @@ REGEXES = [r"[A-Z][a-z]{1,10}( [a-z]{1,10}){0,4}\.", r"\d{3}-\d{3}-\d{4}", r"(ye
            r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)"]
 EBNFS = ['root ::= "yes" | "no"', 'root ::= [0-9]+ ("," [0-9]+)*']
 DEEP = 5000
+# The "context_limit" case (a prompt a few tokens short of the context) runs only up to this context.
+NEAR_LIMIT_MAX_CONTEXT = 2048
 
 
 def _deep_schema_dict() -> dict:
@@ -134,6 +137,12 @@ class Workload:
         # Over-long: more tokens than the context holds.
         self.too_long_ids = [self.prompt_ids[0][0] if self.prompt_ids[0] else 1] * (self.context + 8)
         self.too_long_text = "hello " * (self.context + 64)
+        # Prompts that end a few tokens short of the context (where speculation must cut its trees):
+        # only where the context is short enough for such a prefill to be cheap (--context-length).
+        self.near_limit_ids = None
+        if self.context <= NEAR_LIMIT_MAX_CONTEXT and self.pool >= 4 * self.context:
+            ids = [t for p in self.prompt_ids for t in p]
+            self.near_limit_ids = (ids * (self.context // max(1, len(ids)) + 1))[: self.context - 1]
 
     # -- building blocks
     def prompt(self, rng) -> str:
@@ -205,6 +214,11 @@ class Workload:
                 return f"input_ids_list[{kind}]", {"input_ids": [ids, rng.choice(self.prompt_ids)],
                                                    "sampling_params": params}
             return f"input_ids[{kind}]", {"input_ids": ids, "sampling_params": params}
+        if r < 0.79 and self.near_limit_ids is not None:  # ends at the context limit: "length", no abort
+            room = rng.randint(1, 24)
+            return "context_limit", {"input_ids": self.near_limit_ids[: self.context - room],
+                                     "sampling_params": {"temperature": rng.choice([0, 0.8]), "ignore_eos": True,
+                                                         "max_new_tokens": room + rng.randint(0, 40)}}
         if r < 0.82:
             return "long_prompt", {"prompt": self.long_prompt,
                                    "sampling_params": {"temperature": 0, "max_new_tokens": rng.randint(1, 16)}}
@@ -721,6 +735,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
     parser.add_argument("--schema-dir", default=str(common.JSONSCHEMA_DIR))
     parser.add_argument("--result-file", default="bench/out/soak.jsonl")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help=f"the engine's context length; up to {NEAR_LIMIT_MAX_CONTEXT} the soak also sends "
+                             "prompts that end a few tokens short of it (default: the model's)")
     common.add_engine_args(parser)
     for action in parser._actions:  # one soak per algorithm named; "none" is the plain engine
         if action.dest == "speculative_algorithm":
@@ -887,6 +904,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     kwargs = common.engine_kwargs(args)
     kwargs.pop("speculative_algorithm", None)
+    if args.context_length is not None:
+        kwargs["context_length"] = args.context_length
     command, date, machine = common.command_line(), common.now(), common.machine_info()
     print("\n".join(common.report_header_lines(command, date, machine)), flush=True)
     records = [soak_one(args, algorithm, kwargs) for algorithm in args.speculative_algorithm]
