@@ -17,10 +17,13 @@ import torch
 from specjet.grammar import (
     GrammarBackend,
     GrammarError,
+    OutputCheck,
     RequestGrammar,
     allocate_token_bitmask,
     apply_token_bitmask_,
+    check_json_output,
     fill_token_bitmasks,
+    reachable_required,
 )
 
 VOCAB_SIZE = 49152  # SmolLM2's LM head
@@ -98,6 +101,14 @@ def allowed_tokens(bitmask: torch.Tensor, row: int) -> torch.Tensor:
     return ids[(bitmask[row, ids // 32] >> (ids % 32)) & 1 == 1]
 
 
+def count_compiles(backend, monkeypatch) -> list:
+    """The (kind, text) of every compile the backend starts from now on."""
+    compiles = []
+    real_compile = backend._compile
+    monkeypatch.setattr(backend, "_compile", lambda *key: compiles.append(key) or real_compile(*key))
+    return compiles
+
+
 def test_dev_set_schemas_compile(backend, dev_schemas):
     futures = {e["file"]: backend.compile("json_schema", e["schema"]) for e in dev_schemas}
     failures = {}
@@ -161,11 +172,12 @@ def test_unsupported_schema_bad_regex_and_unknown_kind(backend):
         backend.compile("foo", "x").result()
 
 
-def test_failed_compile_is_not_cached(backend):
-    first = backend.compile("regex", "a(b")
-    with pytest.raises(GrammarError):
-        first.result()
-    assert backend.compile("regex", "a(b") is not first
+def test_failed_compile_is_not_cached(backend, monkeypatch):
+    compiles = count_compiles(backend, monkeypatch)
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            backend.compile("regex", "a(b").result()
+    assert compiles == [("regex", "a(b")] * 2
 
 
 def test_schema_that_strict_mode_cannot_express_still_compiles(backend, tokenizer):
@@ -180,15 +192,18 @@ def test_schema_that_strict_mode_cannot_express_still_compiles(backend, tokenize
     assert grammar.accept_tokens(ids) < len(ids)
 
 
-def test_same_schema_is_compiled_once(backend):
+def test_same_schema_is_compiled_once(backend, monkeypatch):
+    compiles = count_compiles(backend, monkeypatch)
     schema = {"title": "cache-test", "type": "object", "properties": {"n": {"type": "integer"}}}
     as_dict = backend.compile("json_schema", schema)
     as_text = backend.compile("json_schema", json.dumps(schema, indent=2))  # same schema, other layout
-    assert as_dict is as_text
-    assert as_dict.result() is backend.compile("json_schema", schema).result()
+    assert as_dict is not as_text  # each request has a future of its own
+    assert as_dict.result() is as_text.result() is backend.compile("json_schema", schema).result()
+    assert len(compiles) == 1
 
 
-def test_concurrent_compiles_share_one_future(backend):
+def test_concurrent_compiles_share_one_compile(backend, monkeypatch):
+    compiles = count_compiles(backend, monkeypatch)
     schema = {"title": "concurrency-test", "type": "array", "items": {"type": "string", "maxLength": 5}}
     barrier = threading.Barrier(8)
     futures = []
@@ -202,8 +217,8 @@ def test_concurrent_compiles_share_one_future(backend):
         thread.start()
     for thread in threads:
         thread.join()
-    assert len({id(f) for f in futures}) == 1
-    assert futures[0].result() is not None
+    assert len({id(f.result()) for f in futures}) == 1
+    assert len(compiles) == 1
 
 
 def test_property_order_is_part_of_the_cache_key(backend, tokenizer):
@@ -312,11 +327,147 @@ def test_apply_bitmask_leaves_unconstrained_rows_untouched(backend, tokenizer):
 def test_cache_evicts_least_recently_used_beyond_its_limit(tokenizer):
     backend = GrammarBackend(tokenizer, VOCAB_SIZE, cache_limit_bytes=1)  # room for one grammar
     try:
-        first = backend.compile("regex", "[a-z]+")
-        first.result()
-        second = backend.compile("regex", "[0-9]+")
-        second.result()
-        assert backend.compile("regex", "[0-9]+") is second
-        assert backend.compile("regex", "[a-z]+") is not first
+        first = backend.compile("regex", "[a-z]+").result()
+        second = backend.compile("regex", "[0-9]+").result()
+        assert backend.compile("regex", "[0-9]+").result() is second
+        assert backend.compile("regex", "[a-z]+").result() is not first
     finally:
         backend.shutdown()
+
+
+# ---------------------------------------------------------------- required names kept reachable
+
+CREDENTIALS_SCHEMA = {  # draft-04, as found in the field: the required names are not listed
+    "$schema": "http://json-schema.org/draft-04/schema#",
+    "type": "object",
+    "properties": {"credentials": {"type": "string"}},
+    "required": ["username", "password"],
+}
+
+
+def test_required_names_are_appended_to_properties():
+    original = json.loads(json.dumps(CREDENTIALS_SCHEMA))
+    rewritten = reachable_required(CREDENTIALS_SCHEMA)
+    assert rewritten == {**CREDENTIALS_SCHEMA,
+                         "properties": {"credentials": {"type": "string"}, "username": {}, "password": {}}}
+    assert list(rewritten["properties"]) == ["credentials", "username", "password"]  # listed ones keep their places
+    assert CREDENTIALS_SCHEMA == original  # the input is not changed
+
+
+def test_required_names_take_the_schema_json_schema_gives_them():
+    schema = {
+        "required": ["b", "x_1", "c", "b", 7],  # a repeat and a non-name are ignored
+        "properties": {"a": {"type": "integer"}},
+        "patternProperties": {"^x_": {"type": "number"}, "_1$": {"minimum": 0}},
+        "additionalProperties": {"type": "string"},
+    }
+    assert reachable_required(schema)["properties"] == {
+        "a": {"type": "integer"},
+        "b": {"type": "string"},  # additionalProperties
+        "x_1": {"allOf": [{"type": "number"}, {"minimum": 0}]},  # every matching pattern
+        "c": {"type": "string"},
+    }
+    # No properties at all; additionalProperties absent means any value.
+    assert reachable_required({"type": "object", "required": ["a"]}) == {
+        "type": "object", "required": ["a"], "properties": {"a": {}}}
+    # Absent additionalProperties: unevaluatedProperties stands in for it.
+    assert reachable_required({"required": ["a"], "unevaluatedProperties": {"type": "null"}})["properties"] == {
+        "a": {"type": "null"}}
+
+
+def test_names_that_additional_properties_false_forbids_stay_out():
+    # Unsatisfiable by JSON Schema itself; listing "a" would make it satisfiable.
+    schema = {"properties": {"b": {}}, "additionalProperties": False, "required": ["a", "x"],
+              "patternProperties": {"^x$": {"type": "boolean"}}}
+    assert reachable_required(schema)["properties"] == {"b": {}, "x": {"type": "boolean"}}
+    unsatisfiable = {"properties": {"b": {}}, "additionalProperties": False, "required": ["a"]}
+    assert reachable_required(unsatisfiable) == unsatisfiable
+
+
+def test_every_subschema_is_rewritten_but_data_is_not():
+    inner = {"type": "object", "required": ["k"]}
+    fixed = {"type": "object", "required": ["k"], "properties": {"k": {}}}
+    schema = {
+        "properties": {"p": inner},
+        "items": inner,
+        "prefixItems": [inner],
+        "anyOf": [inner, True],
+        "oneOf": [inner],
+        "allOf": [inner],
+        "not": inner,
+        "if": inner, "then": inner, "else": inner,
+        "$defs": {"d": inner},
+        "definitions": {"d": inner},
+        "additionalProperties": inner,
+        "dependencies": {"p": inner, "q": ["p"]},
+        "const": inner, "enum": [inner], "default": inner, "examples": [inner],
+    }
+    rewritten = reachable_required(schema)
+    for key in ("items", "not", "if", "then", "else", "additionalProperties"):
+        assert rewritten[key] == fixed, key
+    for key in ("prefixItems", "oneOf", "allOf"):
+        assert rewritten[key] == [fixed], key
+    assert rewritten["anyOf"] == [fixed, True]
+    assert rewritten["properties"] == {"p": fixed}
+    assert rewritten["$defs"] == rewritten["definitions"] == {"d": fixed}
+    assert rewritten["dependencies"] == {"p": fixed, "q": ["p"]}
+    assert rewritten["items"] is not inner and inner == {"type": "object", "required": ["k"]}
+    for key in ("const", "default"):
+        assert rewritten[key] is inner
+    assert rewritten["enum"] == rewritten["examples"] == [inner]
+    # The tuple form of items (drafts 4 to 2019-09).
+    assert reachable_required({"items": [inner, {"type": "string"}]})["items"] == [fixed, {"type": "string"}]
+
+
+def test_required_names_not_in_properties_are_generated(backend, tokenizer, closing_bias):
+    grammar = RequestGrammar(backend.compile("json_schema", CREDENTIALS_SCHEMA).result())
+    # The object cannot close before both required names are written.
+    ids = tokenizer.encode('{"credentials": "c"', add_special_tokens=False)
+    assert grammar.accept_tokens(ids) == len(ids)
+    assert grammar.accept_tokens(tokenizer.encode("}", add_special_tokens=False)) == 0
+    grammar.reset()
+    text = decode(tokenizer, backend, random_walk(grammar, closing_bias, seed=0))
+    assert check_json_output(CREDENTIALS_SCHEMA, text) == OutputCheck(True), text
+
+
+# ---------------------------------------------------------------- output check
+
+
+PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                     "required": ["name"]})
+
+
+def test_output_check_valid_and_invalid():
+    assert check_json_output(PERSON, '{"name": "Ann", "age": 3}') == OutputCheck(True, None)
+    assert check_json_output(json.loads(PERSON), '{"name": "Ann"}') == OutputCheck(True)  # a dict schema too
+    assert check_json_output(PERSON, '{"name": "Ann", "age": "3"}') == OutputCheck(
+        False, "output does not match the schema at $.age: '3' is not of type 'integer'")
+    assert check_json_output(PERSON, '{"age": 3}') == OutputCheck(
+        False, "output does not match the schema at $: 'name' is a required property")
+    assert check_json_output(PERSON, '{"name": "Ann"') == OutputCheck(
+        False, "output is not JSON: Expecting ',' delimiter: line 1 column 15")
+    long = check_json_output({"enum": ["x"]}, json.dumps("y" * 1000))
+    assert long.valid is False and len(long.message) == 300 and long.message.endswith("...")
+
+
+def test_output_check_uses_the_schemas_draft():
+    # Draft 4's boolean exclusiveMaximum: 5 is out. (Under 2020-12 the schema itself would be invalid.)
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "maximum": 5, "exclusiveMaximum": True}
+    assert check_json_output(draft4, "4").valid is True
+    assert check_json_output(draft4, "5") == OutputCheck(
+        False, "output does not match the schema at $: 5 is greater than or equal to the maximum of 5")
+    draft2020 = {"maximum": 5, "exclusiveMaximum": True}
+    result = check_json_output(draft2020, "4")
+    assert result.valid is None
+    assert result.message.startswith("output not checked: the schema is not valid Draft202012: True is not of type")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "foo"},  # not a valid schema
+    '{"type": ',  # not JSON
+    {"$ref": "https://example.com/not-fetched.json"},  # unresolvable (jsonschema does not fetch)
+    {"pattern": "(unclosed"},  # a pattern Python's re cannot compile
+])
+def test_output_check_says_when_it_cannot_check(schema):
+    result = check_json_output(schema, '"text"')
+    assert result.valid is None and result.message.startswith("output not checked: "), result

@@ -1,8 +1,10 @@
 """Grammar-constrained decoding over xgrammar: compile cache, per-request matcher, bitmasks."""
 
-from specjet.grammar.backend import GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError
+from specjet.grammar.backend import GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError, GrammarTimeoutError
 from specjet.grammar.matcher import (RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, bitmask_allows,
                                     fill_token_bitmasks)
+from specjet.grammar.output_check import OutputCheck, check_json_output
+from specjet.grammar.schema_rewrite import reachable_required
 from specjet.grammar.tree_mask import TreeMasks, mask_draft_tree
 
 __all__ = [
@@ -10,11 +12,15 @@ __all__ = [
     "JSON_SCHEMA_OPTIONS",
     "GrammarBackend",
     "GrammarError",
+    "GrammarTimeoutError",
+    "OutputCheck",
     "RequestGrammar",
     "allocate_token_bitmask",
     "apply_token_bitmask_",
     "bitmask_allows",
+    "check_json_output",
     "fill_token_bitmasks",
     "mask_draft_tree",
+    "reachable_required",
     "TreeMasks",
 ]

@@ -2,22 +2,30 @@
 
 A request's constraint (`json_schema`, `regex`, `ebnf`, or any-JSON) becomes an
 `xgr.CompiledGrammar` through `GrammarBackend.compile`, which returns a Future at once: the
-scheduler keeps stepping other requests while the compile runs in a worker thread (xgrammar
+scheduler keeps stepping other requests while the compile runs in a thread of its own (xgrammar
 releases the GIL while it compiles), and admits the request when the future is done.
+
+Limits keep one bad spec from hurting other requests: a spec too big or too deeply nested fails
+before any compile (`check_spec`), and a compile that runs past `compile_timeout_s` fails its
+requests and gives its compile slot to the next grammar (see `timed_runner`).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import xgrammar as xgr
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "json")
+from specjet.grammar.spec import (DEFAULT_MAX_SPEC_BYTES, DEFAULT_MAX_SPEC_DEPTH, GRAMMAR_KINDS, GrammarError,
+                                  canonical_text)
+from specjet.grammar.timed_runner import Closed, Outcome, Overloaded, TimedOut, TimedRunner
+
+__all__ = ["GRAMMAR_KINDS", "JSON_SCHEMA_OPTIONS", "GrammarBackend", "GrammarError", "GrammarTimeoutError"]
 
 # How JSON schemas are laid out. With any_whitespace=True (xgrammar's default) whitespace is legal
 # between every pair of tokens, and a small model (or a random walk) can spend its whole budget
@@ -27,7 +35,8 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "json")
 # strict_mode=True keeps a model from inventing properties or items the schema does not list
 # (the schema's own additionalProperties would otherwise allow them); a schema that strict mode
 # cannot express (e.g. minProperties above the number of listed properties) falls back to
-# strict_mode=False rather than failing, see `_compile_json_schema`.
+# strict_mode=False rather than failing, see `_compile_json_schema`. Because strict mode writes
+# only listed properties, `required` names are listed first (`schema_rewrite`).
 JSON_SCHEMA_OPTIONS: dict[str, Any] = {
     "any_whitespace": False,
     "indent": None,
@@ -35,26 +44,59 @@ JSON_SCHEMA_OPTIONS: dict[str, Any] = {
     "strict_mode": True,
 }
 
-# Two workers, so that one slow schema (some take seconds) does not hold up a quick one queued
-# behind it; more would only compete with the model for the same cores.
-_COMPILE_WORKERS = 2
+# Two compiles at once, so that one slow schema (some take seconds) does not hold up a quick one
+# queued behind it; more would only compete with the model for the same cores.
+_COMPILE_SLOTS = 2
+
+# The slowest schema of the dev set compiles in about 2.3 s on one idle core of an AVX-512 EPYC,
+# and up to 4x that while the model and a second compile share the two cores of a small machine;
+# 10 s serves it there, and bounds how long a pathological schema holds its requests.
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+# Timed-out compiles still burn a core until they end; new compiles start only while fewer run.
+DEFAULT_MAX_ABANDONED_COMPILES = 2
+
+# How many timed-out specs are remembered (by digest) to fail again at once.
+_TIMED_OUT_MEMORY = 1024
 
 # xgrammar prefixes its messages with a timestamp and a C++ source location, and failed checks
 # with "Check failed: (...) is false:". Neither helps the user who wrote the schema.
 _XGRAMMAR_MESSAGE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-class GrammarError(ValueError):
-    """A grammar spec that cannot be used; the message names the problem."""
+class GrammarTimeoutError(GrammarError):
+    """The grammar's compile ran past the backend's compile_timeout_s (now, or an earlier time)."""
+
+
+class _Compile:
+    """One compile, shared by every request of its cache key until it is evicted."""
+
+    __slots__ = ("waiters", "grammar", "error", "done")
+
+    def __init__(self) -> None:
+        self.waiters: list[Future] = []  # the futures handed to requests while it runs
+        self.grammar: xgr.CompiledGrammar | None = None
+        self.error: GrammarError | None = None
+        self.done = False
 
 
 class GrammarBackend:
     """Compiles grammars for one tokenizer and caches the results.
 
-    The cache is keyed by (kind, canonical text) and holds futures, so concurrent requests for
-    the same grammar share one compile. A failed compile is evicted when it fails (a later
-    request recompiles); successful ones are evicted least-recently-used beyond
-    `cache_limit_bytes`.
+    The cache is keyed by (kind, canonical text), so concurrent requests for the same grammar
+    share one compile; each request still gets a Future of its own, which it may cancel without
+    touching the others'. A failed compile is evicted when it fails (a later request recompiles);
+    successful ones are evicted least-recently-used beyond `cache_limit_bytes`.
+
+    Limits, each failing the request with a GrammarError that names it:
+    - `max_spec_bytes`: the spec's text (a JSON schema as compact JSON); `max_spec_depth`: how
+      deep a JSON schema's objects and arrays nest. Both checked before compiling (`check_spec`).
+    - `compile_timeout_s` (None: no limit): wall time of one compile from its start (not its
+      wait for a slot). A compile past it fails its requests with `GrammarTimeoutError` and gives
+      up its slot; its thread runs on in C++, which cannot be stopped, and if it completes, its
+      grammar is cached. The spec is remembered: until then a request for it fails at once.
+    - `max_abandoned_compiles`: new compiles start only while fewer timed-out ones still run;
+      beyond that they fail at once (cached grammars are still served).
     """
 
     def __init__(
@@ -63,7 +105,17 @@ class GrammarBackend:
         vocab_size: int,
         max_threads: int = 1,
         cache_limit_bytes: int = 256 << 20,
+        compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S,
+        max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+        max_spec_depth: int = DEFAULT_MAX_SPEC_DEPTH,
+        max_abandoned_compiles: int = DEFAULT_MAX_ABANDONED_COMPILES,
     ) -> None:
+        if compile_timeout_s is not None and not compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be positive or None, got {compile_timeout_s!r}")
+        for name, value in (("max_spec_bytes", max_spec_bytes), ("max_spec_depth", max_spec_depth),
+                            ("max_abandoned_compiles", max_abandoned_compiles)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         # vocab_size is the model's: its LM head may be wider than the tokenizer's vocabulary
         # (padding rows), and the token bitmask must cover every logit.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
@@ -75,46 +127,91 @@ class GrammarBackend:
         )
         self._max_threads = max_threads
         self._uncached_compiler: xgr.GrammarCompiler | None = None
-        self._executor = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="specjet-grammar")
+        self.compile_timeout_s = compile_timeout_s
+        self.max_spec_bytes = max_spec_bytes
+        self.max_spec_depth = max_spec_depth
+        self._runner = TimedRunner(_COMPILE_SLOTS, compile_timeout_s, max_abandoned_compiles, "specjet-grammar")
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], _Compile] = OrderedDict()
         self._cache_bytes = 0
         self._cache_limit_bytes = cache_limit_bytes
+        self._timed_out: OrderedDict[bytes, None] = OrderedDict()
+        self._closed = False
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer_info.vocab_size
 
-    def compile(self, kind: str, spec: str | dict | None = None) -> Future:
+    @property
+    def abandoned_compiles(self) -> int:
+        """How many compiles that timed out are still running."""
+        return self._runner.abandoned
+
+    def check_spec(self, kind: str, spec: str | dict | bool | None = None) -> None:
+        """Raise GrammarError for what is wrong with a spec without compiling it: an unknown kind,
+        the wrong type, a JSON schema that does not parse, text over `max_spec_bytes`, a schema
+        nested deeper than `max_spec_depth`. Synchronous and cheap (parses the spec once)."""
+        self._canonical(kind, spec)
+
+    def compile(self, kind: str, spec: str | dict | bool | None = None) -> Future:
         """Future[xgr.CompiledGrammar] for a grammar of `kind`; errors arrive as GrammarError.
 
-        `spec` is a JSON schema (str or dict) for "json_schema", a regex for "regex", an EBNF
-        grammar for "ebnf", and ignored for "json" (any JSON value).
+        `spec` is a JSON schema (str, dict or bool) for "json_schema", a regex for "regex", an
+        EBNF grammar for "ebnf", and ignored for "json" (any JSON value). The Future is this
+        caller's own: cancelling it (while the compile runs) affects no other request.
         """
+        request: Future = Future()
         try:
-            key = (kind, _canonical_text(kind, spec))
+            key = (kind, self._canonical(kind, spec))
         except GrammarError as error:
-            failed: Future = Future()
-            failed.set_exception(error)
-            return failed
+            request.set_exception(error)
+            return request
+        start = False
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            entry = self._cache.get(key)
+            if self._closed:
+                error = GrammarError("the grammar backend is shut down")
+            elif entry is not None:
                 self._cache.move_to_end(key)
-                return future
-            future = self._executor.submit(self._compile, *key)
-            self._cache[key] = future
-        future.add_done_callback(lambda done: self._on_compiled(key, done))
-        return future
+                error = entry.error
+                if not entry.done:
+                    entry.waiters.append(request)
+            elif _digest(key) in self._timed_out:
+                error = self._timeout_error(kind, earlier=True)
+            else:
+                entry = self._cache[key] = _Compile()
+                entry.waiters.append(request)
+                error, start = None, True
+        if start:
+            self._runner.submit(
+                lambda: self._compile(*key),
+                on_done=lambda outcome: self._on_done(key, entry, outcome),
+                on_late=lambda outcome: self._on_late(key, outcome),
+            )
+        elif error is not None:
+            request.set_exception(error)
+        elif entry.done:
+            request.set_result(entry.grammar)
+        return request
 
     def shutdown(self, wait: bool = True) -> None:
-        """Cancel queued compiles, wait for running ones if `wait`, and drop the cache."""
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+        """Fail every compile not yet done and drop the cache. Prompt: it never waits for a
+        compile (`wait` is accepted for compatibility); compiles still running finish in their
+        own threads, which interpreter exit waits for."""
+        with self._lock:
+            self._closed = True
+            entries = [(key, entry) for key, entry in self._cache.items() if not entry.done]
+        self._runner.shutdown()
+        for key, entry in entries:
+            self._on_done(key, entry, (None, Closed()))
         with self._lock:
             self._cache.clear()
             self._cache_bytes = 0
 
-    # -- worker side ------------------------------------------------------------------------
+    # -- spec and compile ------------------------------------------------------------------
+
+    def _canonical(self, kind: str, spec: Any) -> str:
+        return canonical_text(kind, spec, max_bytes=self.max_spec_bytes, max_depth=self.max_spec_depth)
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
@@ -155,55 +252,97 @@ class GrammarBackend:
                 )
             return self._uncached_compiler
 
-    def _on_compiled(self, key: tuple[str, str], future: Future) -> None:
+    # -- outcomes --------------------------------------------------------------------------
+
+    def _on_done(self, key: tuple[str, str], entry: _Compile, outcome: Outcome) -> None:
+        grammar, raised = outcome
+        error = None if raised is None else self._as_grammar_error(key[0], raised)
         with self._lock:
-            if self._cache.get(key) is not future:
-                return  # already evicted or the cache was cleared
-            if future.cancelled() or future.exception() is not None:
-                del self._cache[key]
+            if entry.done:
+                return  # already failed by shutdown
+            entry.done, entry.grammar, entry.error = True, grammar, error
+            waiters, entry.waiters = entry.waiters, []
+            if isinstance(raised, TimedOut):
+                self._remember_timeout(key)
+            if self._cache.get(key) is entry:
+                if error is not None:
+                    del self._cache[key]
+                else:
+                    self._cache_bytes += grammar.memory_size_bytes
+                    self._evict_least_recently_used()
+        for request in waiters:
+            _settle(request, grammar, error)
+
+    def _on_late(self, key: tuple[str, str], outcome: Outcome) -> None:
+        # A timed-out compile that completes after all: cache its grammar, so that the spec is
+        # served from now on instead of failing as timed out. One that fails stays remembered.
+        grammar, raised = outcome
+        if raised is not None:
+            return
+        with self._lock:
+            if self._closed or key in self._cache:
                 return
-            self._cache_bytes += future.result().memory_size_bytes
+            self._timed_out.pop(_digest(key), None)
+            entry = self._cache[key] = _Compile()
+            entry.done, entry.grammar = True, grammar
+            self._cache_bytes += grammar.memory_size_bytes
             self._evict_least_recently_used()
 
+    def _remember_timeout(self, key: tuple[str, str]) -> None:
+        # Called with the lock held. Digests, not texts: specs may be large.
+        self._timed_out[_digest(key)] = None
+        while len(self._timed_out) > _TIMED_OUT_MEMORY:
+            self._timed_out.popitem(last=False)
+
+    def _timeout_error(self, kind: str, earlier: bool = False) -> GrammarTimeoutError:
+        when = "an earlier compile of this grammar" if earlier else "its compile"
+        return GrammarTimeoutError(
+            f"{kind} compile timed out: {when} ran past {self.compile_timeout_s:g} s "
+            f"(compile_timeout_s); the grammar is too complex to compile in time"
+        )
+
+    def _as_grammar_error(self, kind: str, raised: BaseException) -> GrammarError:
+        if isinstance(raised, GrammarError):
+            return raised
+        if isinstance(raised, TimedOut):
+            return self._timeout_error(kind)
+        if isinstance(raised, Overloaded):
+            return GrammarError(
+                f"{kind} not compiled: {raised.args[0]} compiles that timed out are still running "
+                f"(max_abandoned_compiles); try again later"
+            )
+        if isinstance(raised, Closed):
+            return GrammarError("the grammar backend is shut down")
+        return GrammarError(f"{kind} could not be compiled: {type(raised).__name__}: {raised}")
+
     def _evict_least_recently_used(self) -> None:
-        # Called with the lock held. Pending futures are skipped: their size is not known yet
+        # Called with the lock held. Running compiles are skipped: their size is not known yet
         # and their waiters need them.
         for key in list(self._cache):
             if self._cache_bytes <= self._cache_limit_bytes or len(self._cache) <= 1:
                 return
-            future = self._cache[key]
-            if future.done():
+            entry = self._cache[key]
+            if entry.done:
                 del self._cache[key]
-                self._cache_bytes -= future.result().memory_size_bytes
+                self._cache_bytes -= entry.grammar.memory_size_bytes
 
 
-def _canonical_text(kind: str, spec: str | dict | None) -> str:
-    """The text that is compiled and that keys the cache."""
-    if kind == "json_schema":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as error:
-                raise GrammarError(
-                    f"invalid json_schema: {error.msg}: line {error.lineno} column {error.colno}"
-                ) from None
-        if not isinstance(spec, (dict, bool)):
-            raise GrammarError(
-                f"invalid json_schema: expected an object or a boolean, got {type(spec).__name__}"
-            )
-        # Key order is kept, not sorted: xgrammar generates properties in the schema's order,
-        # so two schemas that differ only in the order of "properties" are different grammars.
-        try:
-            return json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
-        except (TypeError, ValueError) as error:
-            raise GrammarError(f"invalid json_schema: {error}") from None
-    if kind in ("regex", "ebnf"):
-        if not isinstance(spec, str):
-            raise GrammarError(f"{kind} must be a string, got {type(spec).__name__}")
-        return spec
-    if kind == "json":
-        return ""
-    raise GrammarError(f"unsupported grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+def _settle(request: Future, grammar: xgr.CompiledGrammar | None, error: GrammarError | None) -> None:
+    if request.cancelled():
+        return
+    try:
+        if error is not None:
+            # A copy per request: raising one exception object from many threads would grow its
+            # traceback with each.
+            request.set_exception(type(error)(*error.args))
+        else:
+            request.set_result(grammar)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
+
+
+def _digest(key: tuple[str, str]) -> bytes:
+    return hashlib.sha256(f"{key[0]}\0{key[1]}".encode("utf-8")).digest()
 
 
 def _xgrammar_message(error: RuntimeError) -> str:

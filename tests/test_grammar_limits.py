@@ -1,0 +1,240 @@
+"""Limits of the grammar backend: compile timeout, spec size and depth, checks at the door, and
+per-request futures, with the real SmolLM2 tokenizer.
+
+The slow grammar is a small JSON schema of fixed-length strings: xgrammar needs about a second of
+CPU per distinct length (on a 2024 server core), so a few of them outlast a timeout of a fraction of
+a second on any CPU, while the schema passes every size and depth check.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import xgrammar as xgr
+
+from specjet.grammar import GrammarBackend, GrammarError, GrammarTimeoutError
+
+VOCAB_SIZE = 49152  # SmolLM2's LM head
+TIMEOUT_S = 0.25
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    """Default limits, for the tests that do not depend on what was compiled before."""
+    backend = GrammarBackend(tokenizer, VOCAB_SIZE)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture
+def make_backend(tokenizer):
+    """GrammarBackend factory; at the end each is shut down and its timed-out compiles are waited
+    for, so that none is left burning a core (or running at interpreter exit)."""
+    made = []
+
+    def make(**kwargs) -> GrammarBackend:
+        backend = GrammarBackend(tokenizer, VOCAB_SIZE, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.shutdown()
+        wait_until(lambda: backend.abandoned_compiles == 0, timeout_s=120)
+
+
+def wait_until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def slow_schema(tag: int, properties: int = 3) -> dict:
+    """Seconds to compile; each `tag` gives other lengths, so xgrammar's cache cannot share them."""
+    lengths = [600 + 20 * tag + i for i in range(properties)]
+    return {
+        "type": "object",
+        "properties": {f"p{n}": {"type": "string", "minLength": n, "maxLength": n} for n in lengths},
+        "required": [f"p{n}" for n in lengths],
+    }
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# ---------------------------------------------------------------- timeout
+
+
+def test_timed_out_compiles_free_their_slots_for_quick_ones(make_backend):
+    backend = make_backend(compile_timeout_s=TIMEOUT_S, max_abandoned_compiles=3)
+    start = time.monotonic()
+    stalled = [backend.compile("json_schema", slow_schema(tag)) for tag in (0, 1)]  # both slots
+    quick = backend.compile("regex", r"[0-9]{3}")  # queued behind them
+    assert isinstance(quick.result(timeout=30), xgr.CompiledGrammar)
+    # Both stalled compiles are still running: the quick one did not wait for them to end.
+    assert backend.abandoned_compiles == 2
+    for future in stalled:
+        with pytest.raises(GrammarTimeoutError, match=rf"^json_schema compile timed out: its compile ran past "
+                                                      rf"{TIMEOUT_S:g} s \(compile_timeout_s\)"):
+            future.result(timeout=0)
+    assert time.monotonic() - start < 20
+
+    # The same spec again fails at once, without another compile.
+    start = time.monotonic()
+    again = backend.compile("json_schema", json.dumps(slow_schema(0), indent=2))  # same schema, other layout
+    with pytest.raises(GrammarTimeoutError, match="an earlier compile of this grammar ran past"):
+        again.result(timeout=0)
+    assert time.monotonic() - start < 0.5
+    assert backend.abandoned_compiles <= 2
+
+
+def test_at_the_abandoned_cap_new_compiles_fail_fast_and_cached_ones_are_served(make_backend):
+    backend = make_backend(compile_timeout_s=TIMEOUT_S, max_abandoned_compiles=1)
+    cached = backend.compile("regex", r"[a-z]+").result(timeout=30)
+    stalled = backend.compile("json_schema", slow_schema(2))
+    with pytest.raises(GrammarTimeoutError):
+        stalled.result(timeout=30)
+
+    start = time.monotonic()
+    refused = backend.compile("regex", r"[A-Z]+")
+    with pytest.raises(GrammarError, match=r"^regex not compiled: 1 compiles that timed out are still running "
+                                           r"\(max_abandoned_compiles\); try again later$"):
+        refused.result(timeout=1)
+    assert time.monotonic() - start < 0.5
+    assert backend.compile("regex", r"[a-z]+").result(timeout=0) is cached
+
+    # Once the stalled compile ends, compiles start again, and its late grammar is served.
+    wait_until(lambda: backend.abandoned_compiles == 0, timeout_s=120)
+    assert isinstance(backend.compile("regex", r"[A-Z]+").result(timeout=30), xgr.CompiledGrammar)
+    assert isinstance(backend.compile("json_schema", slow_schema(2)).result(timeout=0), xgr.CompiledGrammar)
+
+
+def test_shutdown_does_not_wait_for_a_running_compile(make_backend):
+    backend = make_backend(compile_timeout_s=None)
+    running = backend.compile("json_schema", slow_schema(3))
+    time.sleep(0.1)
+    start = time.monotonic()
+    backend.shutdown()
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(GrammarError, match="^the grammar backend is shut down$"):
+        running.result(timeout=1)
+    with pytest.raises(GrammarError, match="shut down"):
+        backend.compile("regex", "x").result(timeout=0)
+
+
+# ---------------------------------------------------------------- size, depth, check_spec
+
+
+def test_spec_over_the_size_limit_fails_at_once(make_backend):
+    backend = make_backend(max_spec_bytes=100)
+    backend.check_spec("regex", "é" * 50)  # 100 bytes in UTF-8
+    message = r"^regex is 102 bytes; the limit is 100 bytes \(max_spec_bytes\)$"
+    with pytest.raises(GrammarError, match=message):
+        backend.check_spec("regex", "é" * 51)
+    with pytest.raises(GrammarError, match=message):
+        backend.compile("regex", "é" * 51).result(timeout=0)
+    # A JSON schema is measured as compact JSON, whatever its layout.
+    schema = {"type": "object", "properties": {"name": {"type": "string", "description": "x" * 26}}}
+    assert len(json.dumps(schema, separators=(",", ":"))) == 100
+    backend.check_spec("json_schema", json.dumps(schema, indent=8))
+    schema["properties"]["name"]["description"] += "x"
+    with pytest.raises(GrammarError, match=r"^json_schema is 101 bytes; the limit is 100 bytes \(max_spec_bytes\)$"):
+        backend.check_spec("json_schema", schema)
+
+
+def test_default_size_limit(backend):
+    assert backend.max_spec_bytes == 128 << 10
+    with pytest.raises(GrammarError, match="max_spec_bytes"):
+        backend.check_spec("ebnf", 'root ::= "' + "a" * (128 << 10) + '"')
+
+
+@pytest.mark.parametrize("form", ["dict", "str"])
+def test_deeply_nested_schema_is_a_grammar_error_not_a_recursion_error(backend, form):
+    schema = nested_schema(5000)  # json.dumps and json.loads raise RecursionError on it
+    spec = schema if form == "dict" else '{"properties": {"a": ' * 5000 + "{}" + "}}" * 5000
+    message = r"^json_schema nests objects and arrays more than 128 levels deep \(max_spec_depth\)$"
+    with pytest.raises(GrammarError, match=message):
+        backend.check_spec("json_schema", spec)
+    with pytest.raises(GrammarError, match=message):
+        backend.compile("json_schema", spec).result(timeout=0)
+    backend.check_spec("json_schema", nested_schema(63))  # 127 levels of JSON
+
+
+def test_schema_that_contains_itself_is_refused(backend):
+    schema: dict = {"type": "object", "properties": {}}
+    schema["properties"]["self"] = schema
+    with pytest.raises(GrammarError, match="max_spec_depth"):
+        backend.check_spec("json_schema", schema)
+
+
+@pytest.mark.parametrize(
+    "kind, spec, message",
+    [
+        ("json_schema", '{"type": "object",}', r"^invalid json_schema: Expecting property name enclosed in double "
+                                                r"quotes: line 1 column 19$"),
+        ("json_schema", "[1, 2]", r"^invalid json_schema: expected an object or a boolean, got list$"),
+        ("json_schema", 5, r"^invalid json_schema: expected an object or a boolean, got int$"),
+        ("json_schema", {"maximum": float("nan")}, r"^invalid json_schema: Out of range float values"),
+        ("json_schema", {"enum": [{1, 2}]}, r"^invalid json_schema: Object of type set is not JSON serializable$"),
+        ("regex", None, r"^regex must be a string, got NoneType$"),
+        ("ebnf", {"root": "x"}, r"^ebnf must be a string, got dict$"),
+        ("regex", "a\ud800", r"^regex is not valid Unicode: surrogates not allowed at index 1$"),
+        ("yaml", "x", r"^unsupported grammar kind 'yaml'"),
+    ],
+)
+def test_check_spec_refuses_what_can_be_known_without_compiling(backend, kind, spec, message):
+    with pytest.raises(GrammarError, match=message):
+        backend.check_spec(kind, spec)
+    with pytest.raises(GrammarError, match=message):
+        backend.compile(kind, spec).result(timeout=0)
+
+
+def test_check_spec_accepts_good_specs_without_compiling(backend, monkeypatch):
+    compiles = []
+    monkeypatch.setattr(backend, "_compile", lambda *key: compiles.append(key))
+    for kind, spec in [("json_schema", {"type": "integer"}), ("json_schema", "true"), ("regex", "a(b"),
+                       ("ebnf", "root ::= value"), ("json", None)]:
+        assert backend.check_spec(kind, spec) is None  # xgrammar's own errors come from compiling
+    assert compiles == []
+
+
+@pytest.mark.parametrize("kwargs", [{"compile_timeout_s": 0}, {"compile_timeout_s": -1.0}, {"max_spec_bytes": 0},
+                                    {"max_spec_depth": 2.5}, {"max_abandoned_compiles": 0}])
+def test_bad_limits_are_refused(tokenizer, kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        GrammarBackend(tokenizer, VOCAB_SIZE, **kwargs)
+
+
+# ---------------------------------------------------------------- per-request futures
+
+
+def test_cancelling_one_request_leaves_the_shared_compile_to_the_others(make_backend, monkeypatch):
+    backend = make_backend()
+    compiles = []
+    real_compile = backend._compile
+    monkeypatch.setattr(backend, "_compile", lambda *key: compiles.append(key) or real_compile(*key))
+    schema = slow_schema(4, properties=1)
+    first, second = backend.compile("json_schema", schema), backend.compile("json_schema", schema)
+    assert first is not second
+    # What the scheduler does when a request is aborted while its grammar compiles.
+    assert not first.done() and first.cancel()
+    grammar = second.result(timeout=60)
+    assert isinstance(grammar, xgr.CompiledGrammar)
+    assert first.cancelled()
+    third = backend.compile("json_schema", schema)
+    assert third.result(timeout=0) is grammar
+    assert not third.cancel()  # done: cancelling is a no-op
+    assert len(compiles) == 1
