@@ -8,12 +8,14 @@ a second on any CPU, while the schema passes every size and depth check.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
 import xgrammar as xgr
 
 from specjet.grammar import GrammarBackend, GrammarError, GrammarTimeoutError
+from specjet.grammar.timed_runner import Closed, Outcome, Overloaded, TimedOut, TimedRunner
 
 VOCAB_SIZE = 49152  # SmolLM2's LM head
 TIMEOUT_S = 0.25
@@ -84,12 +86,12 @@ def test_timed_out_compiles_free_their_slots_for_quick_ones(make_backend):
     stalled = [backend.compile("json_schema", slow_schema(tag)) for tag in (0, 1)]  # both slots
     quick = backend.compile("regex", r"[0-9]{3}")  # queued behind them
     assert isinstance(quick.result(timeout=30), xgr.CompiledGrammar)
-    # Both stalled compiles are still running: the quick one did not wait for them to end.
-    assert backend.abandoned_compiles == 2
     for future in stalled:
         with pytest.raises(GrammarTimeoutError, match=rf"^json_schema compile timed out: its compile ran past "
                                                       rf"{TIMEOUT_S:g} s \(compile_timeout_s\)"):
-            future.result(timeout=0)
+            future.result(timeout=30)
+    # Both stalled compiles are still running: the quick one did not wait for them to end.
+    assert backend.abandoned_compiles == 2
     assert time.monotonic() - start < 20
 
     # The same spec again fails at once, without another compile.
@@ -238,3 +240,106 @@ def test_cancelling_one_request_leaves_the_shared_compile_to_the_others(make_bac
     assert third.result(timeout=0) is grammar
     assert not third.cancel()  # done: cancelling is a no-op
     assert len(compiles) == 1
+
+
+# ---------------------------------------------------------------- the runner under it, with Python calls
+
+
+class Recorder:
+    """on_done / on_late callbacks that record outcomes and let a test wait for them."""
+
+    def __init__(self):
+        self.done: dict[str, Outcome] = {}
+        self.late: dict[str, Outcome] = {}
+        self._changed = threading.Condition()
+
+    def on_done(self, name):
+        return lambda outcome: self._record(self.done, name, outcome)
+
+    def on_late(self, name):
+        return lambda outcome: self._record(self.late, name, outcome)
+
+    def _record(self, into, name, outcome):
+        with self._changed:
+            assert name not in into, f"{name} reported twice"
+            into[name] = outcome
+            self._changed.notify_all()
+
+    def wait(self, into, name, timeout_s=10.0) -> Outcome:
+        with self._changed:
+            assert self._changed.wait_for(lambda: name in into, timeout_s), f"no outcome for {name}"
+            return into[name]
+
+
+def blocked(release: threading.Event, value):
+    def call():
+        release.wait()
+        return value
+    return call
+
+
+def test_runner_hands_the_slot_of_a_timed_out_call_to_the_next():
+    runner, seen, release = TimedRunner(slots=1, timeout_s=0.05, max_abandoned=2), Recorder(), threading.Event()
+    runner.submit(blocked(release, "stuck"), seen.on_done("stuck"), seen.on_late("stuck"))
+    runner.submit(lambda: "quick", seen.on_done("quick"))  # waits for the only slot
+    assert seen.wait(seen.done, "quick") == ("quick", None)
+    result, error = seen.done["stuck"]
+    assert result is None and isinstance(error, TimedOut)
+    assert runner.abandoned == 1
+    runner.submit(blocked(release, "stuck too"), seen.on_done("stuck too"), seen.on_late("stuck too"))
+    assert isinstance(seen.wait(seen.done, "stuck too")[1], TimedOut)
+    # At the cap, a new call fails at once instead of starting.
+    runner.submit(lambda: "refused", seen.on_done("refused"))
+    result, error = seen.done["refused"]
+    assert isinstance(error, Overloaded) and error.args == (2,)
+    release.set()
+    assert seen.wait(seen.late, "stuck") == ("stuck", None)
+    assert seen.wait(seen.late, "stuck too") == ("stuck too", None)
+    wait_until(lambda: runner.abandoned == 0, timeout_s=10)
+    runner.submit(lambda: "again", seen.on_done("again"))
+    assert seen.wait(seen.done, "again") == ("again", None)
+
+
+def test_runner_reports_exceptions_and_runs_calls_in_order():
+    runner, seen = TimedRunner(slots=1, timeout_s=None, max_abandoned=1), Recorder()
+    order = []
+    release = threading.Event()
+    runner.submit(blocked(release, "first"), seen.on_done("first"))
+    for name in ("a", "b", "c"):
+        runner.submit(lambda name=name: order.append(name), seen.on_done(name))
+    runner.submit(lambda: 1 / 0, seen.on_done("raises"))
+    release.set()
+    assert isinstance(seen.wait(seen.done, "raises")[1], ZeroDivisionError)
+    assert order == ["a", "b", "c"]
+
+
+def test_runner_shutdown_fails_waiting_and_running_calls_at_once():
+    runner, seen, release = TimedRunner(slots=1, timeout_s=None, max_abandoned=1), Recorder(), threading.Event()
+    runner.submit(blocked(release, "running"), seen.on_done("running"), seen.on_late("running"))
+    runner.submit(lambda: "waiting", seen.on_done("waiting"))
+    start = time.monotonic()
+    runner.shutdown()
+    for name in ("running", "waiting"):
+        assert isinstance(seen.wait(seen.done, name, timeout_s=1)[1], Closed)
+    assert time.monotonic() - start < 1
+    runner.submit(lambda: "late", seen.on_done("after"))
+    assert isinstance(seen.done["after"][1], Closed)
+    release.set()
+    assert seen.wait(seen.late, "running") == ("running", None)
+
+
+def test_runner_without_threads_fails_the_call_not_the_runner(monkeypatch):
+    runner, seen = TimedRunner(slots=1, timeout_s=None, max_abandoned=1), Recorder()
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name.endswith("-wait"):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    runner.submit(lambda: "x", seen.on_done("x"))
+    assert str(seen.wait(seen.done, "x")[1]) == "can't start new thread"
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    runner.submit(lambda: "y", seen.on_done("y"))  # the slot was given back
+    assert seen.wait(seen.done, "y") == ("y", None)

@@ -48,8 +48,8 @@ JSON_SCHEMA_OPTIONS: dict[str, Any] = {
 # queued behind it; more would only compete with the model for the same cores.
 _COMPILE_SLOTS = 2
 
-# The slowest schema of the dev set compiles in about 2.3 s on one idle core of an AVX-512 EPYC,
-# and up to 4x that while the model and a second compile share the two cores of a small machine;
+# The slowest schema of the dev set takes about 2.5 s of CPU to compile (one server core); on a
+# small machine where the model and a second compile share the cores, its wall time is 2-4x that.
 # 10 s serves it there, and bounds how long a pathological schema holds its requests.
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 

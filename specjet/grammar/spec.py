@@ -17,9 +17,9 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "json")
 
 # The size limit bounds what one request can make the host parse, rewrite, hash and keep as a
 # cache key; the compile timeout bounds the compile itself. 128 KiB is 8x the largest schema of
-# the dev set (15 KB as compact JSON), room for a many-tool schema; realistic schema text compiles
-# at roughly 100 KB/s (a few hundred KB takes several seconds), so a spec near the limit still
-# compiles within the default timeout.
+# the dev set (15 KB as compact JSON), room for a many-tool schema; schema text like the dev set's
+# compiles at 50-100 KB/s on one core, so a spec at the limit still compiles within the default
+# timeout, while specs much larger would mostly time out after holding a compile slot.
 DEFAULT_MAX_SPEC_BYTES = 128 << 10
 
 # Nesting of the schema's JSON (every object and array counts). Python's json raises RecursionError

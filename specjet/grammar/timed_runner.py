@@ -107,15 +107,33 @@ class TimedRunner:
 
     def _start(self, calls: list[_Call], rejected: list[tuple[_Call, BaseException]]) -> None:
         # Called without the lock: on_done may take locks of its own.
-        for call, error in rejected:
-            call.on_done((None, error))
-        for call in calls:
-            # The supervisor only waits, in Python: a daemon thread is safe for it.
-            threading.Thread(target=self._supervise, args=(call,), name=f"{self._name}-wait", daemon=True).start()
+        calls, rejected = list(calls), list(rejected)
+        while calls or rejected:
+            for call, error in rejected:
+                call.on_done((None, error))
+            rejected = []
+            while calls:
+                call = calls.pop(0)
+                # The supervisor only waits, in Python: a daemon thread is safe for it.
+                supervisor = threading.Thread(target=self._supervise, args=(call,), name=f"{self._name}-wait",
+                                              daemon=True)
+                try:
+                    supervisor.start()
+                except RuntimeError as error:  # no thread to be had: fail this call, free its slot
+                    rejected.append((call, error))
+                    with self._lock:
+                        self._running.discard(call)
+                        more, refused = ([], []) if self._closed else self._take_startable()
+                    calls += more
+                    rejected += refused
 
     def _supervise(self, call: _Call) -> None:
         worker = threading.Thread(target=self._work, args=(call,), name=f"{self._name}-{next(self._ids)}")
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError as error:  # no thread to be had
+            call.outcome = (None, error)
+            call.wake.set()
         call.wake.wait(self.timeout_s)
         with self._lock:
             outcome = call.outcome
@@ -136,8 +154,10 @@ class TimedRunner:
         with self._lock:
             call.outcome = outcome
             late = call.abandoned
-            if late:
-                self._abandoned -= 1
         call.wake.set()
-        if late and call.on_late is not None:
-            call.on_late(outcome)
+        if late:
+            # on_late first: whoever sees the count drop also sees what the late call delivered.
+            if call.on_late is not None:
+                call.on_late(outcome)
+            with self._lock:
+                self._abandoned -= 1
