@@ -213,8 +213,9 @@ def test_check_spec_accepts_good_specs_without_compiling(backend, monkeypatch):
     assert compiles == []
 
 
-@pytest.mark.parametrize("kwargs", [{"compile_timeout_s": 0}, {"compile_timeout_s": -1.0}, {"max_spec_bytes": 0},
-                                    {"max_spec_depth": 2.5}, {"max_abandoned_compiles": 0}])
+@pytest.mark.parametrize("kwargs", [{"compile_timeout_s": 0}, {"compile_timeout_s": -1.0},
+                                    {"compile_timeout_s": float("nan")}, {"max_spec_bytes": 0},
+                                    {"max_spec_bytes": True}, {"max_spec_depth": 2.5}, {"max_abandoned_compiles": 0}])
 def test_bad_limits_are_refused(tokenizer, kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         GrammarBackend(tokenizer, VOCAB_SIZE, **kwargs)
@@ -343,3 +344,33 @@ def test_runner_without_threads_fails_the_call_not_the_runner(monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", real_start)
     runner.submit(lambda: "y", seen.on_done("y"))  # the slot was given back
     assert seen.wait(seen.done, "y") == ("y", None)
+
+
+def test_requests_racing_the_end_of_a_compile_each_get_one_outcome(backend):
+    # Requests arrive and cancel while compiles finish: compile() never raises, and every future
+    # not cancelled ends with the one shared grammar.
+    for round_ in range(10):
+        pattern = rf"round{round_}-[a-z]{{1,{8 + round_}}}"
+        barrier = threading.Barrier(8)
+        futures, errors = [], []
+
+        def request(index, pattern=pattern, barrier=barrier, futures=futures, errors=errors):
+            try:
+                barrier.wait()
+                for _ in range(5):
+                    future = backend.compile("regex", pattern)
+                    futures.append(future)
+                    if index % 2:
+                        future.cancel()
+                    time.sleep(0.001)
+            except Exception as error:  # noqa: BLE001
+                errors.append(error)
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        grammars = {id(f.result(timeout=30)) for f in futures if not f.cancelled()}
+        assert len(grammars) == 1

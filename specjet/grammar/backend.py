@@ -71,12 +71,11 @@ class GrammarTimeoutError(GrammarError):
 class _Compile:
     """One compile, shared by every request of its cache key until it is evicted."""
 
-    __slots__ = ("waiters", "grammar", "error", "done")
+    __slots__ = ("waiters", "grammar", "done")
 
     def __init__(self) -> None:
         self.waiters: list[Future] = []  # the futures handed to requests while it runs
         self.grammar: xgr.CompiledGrammar | None = None
-        self.error: GrammarError | None = None
         self.done = False
 
 
@@ -112,9 +111,11 @@ class GrammarBackend:
     ) -> None:
         if compile_timeout_s is not None and not compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be positive or None, got {compile_timeout_s!r}")
+        if compile_timeout_s == float("inf"):
+            compile_timeout_s = None  # no limit (a wait cannot take an infinite timeout)
         for name, value in (("max_spec_bytes", max_spec_bytes), ("max_spec_depth", max_spec_depth),
                             ("max_abandoned_compiles", max_abandoned_compiles)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         # vocab_size is the model's: its LM head may be wider than the tokenizer's vocabulary
         # (padding rows), and the token bitmask must cover every logit.
@@ -166,22 +167,23 @@ class GrammarBackend:
         except GrammarError as error:
             request.set_exception(error)
             return request
-        start = False
+        error, grammar, start = None, None, False
         with self._lock:
             entry = self._cache.get(key)
             if self._closed:
                 error = GrammarError("the grammar backend is shut down")
             elif entry is not None:
                 self._cache.move_to_end(key)
-                error = entry.error
-                if not entry.done:
-                    entry.waiters.append(request)
+                if entry.done:  # a cached entry is a successful one
+                    grammar = entry.grammar
+                else:
+                    entry.waiters.append(request)  # settled by _on_done
             elif _digest(key) in self._timed_out:
                 error = self._timeout_error(kind, earlier=True)
             else:
                 entry = self._cache[key] = _Compile()
                 entry.waiters.append(request)
-                error, start = None, True
+                start = True
         if start:
             self._runner.submit(
                 lambda: self._compile(*key),
@@ -190,8 +192,8 @@ class GrammarBackend:
             )
         elif error is not None:
             request.set_exception(error)
-        elif entry.done:
-            request.set_result(entry.grammar)
+        elif grammar is not None:
+            request.set_result(grammar)
         return request
 
     def shutdown(self, wait: bool = True) -> None:
@@ -260,7 +262,7 @@ class GrammarBackend:
         with self._lock:
             if entry.done:
                 return  # already failed by shutdown
-            entry.done, entry.grammar, entry.error = True, grammar, error
+            entry.done, entry.grammar = True, grammar
             waiters, entry.waiters = entry.waiters, []
             if isinstance(raised, TimedOut):
                 self._remember_timeout(key)
