@@ -1,6 +1,7 @@
 """Grammar-constrained decoding over xgrammar: compile cache, per-request matcher, bitmasks."""
 
-from specjet.grammar.backend import GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError, GrammarTimeoutError
+from specjet.grammar.backend import (GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError,
+                                    GrammarTimeoutError)
 from specjet.grammar.matcher import (RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, bitmask_allows,
                                     fill_token_bitmasks)
 from specjet.grammar.output_check import OutputCheck, check_json_output
