@@ -59,6 +59,13 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def cyclic_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
+    """Smaller weights than ``tiny_model_dir``: greedy output falls into short cycles, so n-gram
+    drafts are taken whole (and, with the overlap loop, the compute side runs far ahead of the host)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cyclic"), default_model_dir, weight_std=0.05)
+
+
+@pytest.fixture(scope="session")
 def dev_schemas() -> list[dict]:
     """The dev set of JSON schemas with prompts (../shared/data/jsonschema)."""
     import json

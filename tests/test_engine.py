@@ -172,9 +172,15 @@ def test_speculation_without_batch_invariance_is_refused(tiny_model_dir):
 
 
 def test_invalid_schema_fails_alone(engine):
+    # Not JSON: known before anything is queued, so the call raises for the whole list.
+    with pytest.raises(ValueError, match="json_schema"):
+        engine.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, dict(GREEDY, json_schema='{"type": "object", "properties": ')])
+    # JSON that the grammar compiler refuses (a dangling $ref) fails its request alone.
     outs = engine.generate(
         [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
-        [GREEDY, dict(GREEDY, json_schema='{"type": "object", "properties": '), dict(GREEDY, regex="[a-z]+")],
+        [GREEDY, dict(GREEDY, json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}},
+                                           "required": ["a"]}),
+         dict(GREEDY, regex="[a-z]+")],
     )
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "length"
     reason = outs[1]["meta_info"]["finish_reason"]

@@ -374,3 +374,22 @@ def test_requests_racing_the_end_of_a_compile_each_get_one_outcome(backend):
         assert not errors
         grammars = {id(f.result(timeout=30)) for f in futures if not f.cancelled()}
         assert len(grammars) == 1
+
+
+def test_compile_threads_are_not_daemons(default_model_dir):
+    """A compile thread that returns from xgrammar's C++ while the interpreter exits must not be a
+    daemon: a daemon thread then aborts the process ("terminate called without an active
+    exception", exit code 134). Started from the supervisor, a daemon, it would be one by default."""
+    import transformers
+
+    from specjet.grammar import GrammarBackend
+
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    backend = GrammarBackend(tok, len(tok), compile_timeout_s=0.05)
+    future = backend.compile("json_schema", slow_schema(40))
+    with pytest.raises(GrammarTimeoutError):
+        future.result(timeout=60)
+    workers = [t for t in threading.enumerate() if t.name.startswith("specjet-grammar-") and not t.name.endswith("-wait")]
+    assert workers and not any(t.daemon for t in workers)
+    for t in workers:
+        t.join(timeout=120)

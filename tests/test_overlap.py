@@ -100,7 +100,8 @@ def test_abort_mid_flight_leaves_the_rest_intact(tiny_model_dir, reference):
 
 def test_invalid_schema_fails_alone_under_overlap(tiny_model_dir, reference):
     params = mixed_params(" the")
-    params[2] = dict(params[2], json_schema='{"type": "object", "properties": ')
+    # valid JSON that the grammar compiler refuses (a dangling $ref): it fails its request alone
+    params[2] = dict(params[2], json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
         outs = eng.generate(PROMPTS, params)
         eng.check_kv_invariant()

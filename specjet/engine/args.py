@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+_TYPE_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+}
 
 
 @dataclass
@@ -18,6 +26,11 @@ class EngineArgs:
     context_length: int | None = None  # None: the model's max_position_embeddings
     disable_overlap_schedule: bool = False
     grammar_backend: str = "xgrammar"
+    # Limits on one grammar (specjet's own; each failure is a clear per-request error): seconds a
+    # compile may take (None: no limit; the dev set's slowest schema takes well under one) and the
+    # size of its spec text in bytes. Defaults: specjet.grammar.backend / spec.
+    grammar_compile_timeout: float | None = 10.0
+    grammar_max_spec_bytes: int = 128 << 10
     random_seed: int | None = None
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -49,6 +62,28 @@ class EngineArgs:
     enable_deterministic_inference: bool = True  # speculation refuses False (args.validate)
     log_level: str = "warning"
 
+    def _check_types(self) -> None:
+        """Each argument has the type its annotation names (bool is not an int here, an int is a
+        float), so a wrong type fails here with its name rather than deep inside loading."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kinds = [k.strip() for k in str(f.type).split("|")]
+            if value is None and "None" in kinds:
+                continue
+            ok = any(_TYPE_CHECKS[k](value) for k in kinds if k in _TYPE_CHECKS)
+            if not ok:
+                raise TypeError(f"Engine argument {f.name} must be {' or '.join(kinds)}, got {type(value).__name__} {value!r}")
+        for name in ("mem_fraction_static",):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        for name in ("max_prefill_tokens", "max_total_tokens", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level must be one of debug, info, warning, error, critical, got {self.log_level!r}")
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -60,12 +95,19 @@ class EngineArgs:
         return args
 
     def validate(self) -> None:
+        self._check_types()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} is too small for page_size {self.page_size}")
+        if self.grammar_compile_timeout is not None and not (
+                math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
+            raise ValueError(f"grammar_compile_timeout must be a positive number of seconds or None, "
+                             f"got {self.grammar_compile_timeout}")
+        if self.grammar_max_spec_bytes < 1:
+            raise ValueError(f"grammar_max_spec_bytes must be >= 1, got {self.grammar_max_spec_bytes}")
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
         if self.speculative_algorithm not in (None, "NGRAM", "EAGLE"):

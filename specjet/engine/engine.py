@@ -6,7 +6,7 @@ import math
 import queue
 import threading
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -14,6 +14,7 @@ import anyio.lowlevel
 import torch
 
 from specjet.engine.args import EngineArgs
+from specjet.engine.streams import AsyncStream, SyncStream
 from specjet.scheduler.request import Req
 from specjet.scheduler.sampling_params import SamplingParams
 
@@ -24,6 +25,37 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+# How often a caller waiting for output checks that the scheduler thread still lives.
+_LIVENESS_POLL_S = 1.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_id_lists(input_ids) -> tuple[list[list[int]], bool]:
+    """``input_ids`` as a list of token-id lists, and whether it was a single list."""
+    if not isinstance(input_ids, (list, tuple)):
+        raise TypeError(f"input_ids must be a list of ints or a list of such lists, got {type(input_ids).__name__}")
+    single = len(input_ids) == 0 or not isinstance(input_ids[0], (list, tuple))
+    if single:
+        return [list(input_ids)], True
+    if not all(isinstance(x, (list, tuple)) for x in input_ids):
+        raise TypeError("input_ids must be a list of ints or a list of such lists, not a mix")
+    return [list(x) for x in input_ids], False
+
+
+def _request_ids(rid, n: int) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    rids = [rid] if isinstance(rid, str) else rid
+    if not isinstance(rids, (list, tuple)) or not all(isinstance(r, str) for r in rids):
+        raise TypeError(f"rid must be a string or a list of strings, got {type(rid).__name__}")
+    if len(rids) != n:
+        raise ValueError(f"{len(rids)} rids for {n} prompts")
+    return list(rids)
 
 
 def _dispatch_async_outputs(outbox: queue.SimpleQueue) -> None:
@@ -61,43 +93,89 @@ class Engine:
     def _make_requests(self, prompt, sampling_params, input_ids, rid) -> tuple[list[Req], bool]:
         """Validate and tokenize everything before anything is submitted, so a bad item in a list
         raises without leaving half the list running."""
-        if self._closed:
-            raise RuntimeError("the engine has been shut down")
+        self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
+            if not single and not isinstance(prompt, (list, tuple)):
+                raise TypeError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
             prompts = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
                 raise TypeError("prompt must be a string or a list of strings")
             id_lists = [self.tokenizer(p)["input_ids"] for p in prompts]
         else:
-            single = len(input_ids) == 0 or isinstance(input_ids[0], int)
-            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
+            id_lists, single = _token_id_lists(input_ids)
         n = len(id_lists)
+        if n == 0:
+            raise ValueError("no prompts given")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != n:
                 raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params) for _ in range(n)]
-        rids = [rid] if isinstance(rid, str) else (list(rid) if rid is not None else [uuid.uuid4().hex for _ in range(n)])
-        if len(rids) != n:
-            raise ValueError(f"{len(rids)} rids for {n} prompts")
+        for sp in params:
+            sp.check_token_ids(self.scheduler.vocab_size)
+            key = sp.grammar_key
+            if key is not None:  # what can be known without compiling: bad JSON, too big, too deep
+                self.scheduler.grammar_backend.check_spec(*key)
+        rids = _request_ids(rid, n)
         vocab = self.scheduler.vocab_size
         ctx = self.scheduler.config.context_len
         pool = self.scheduler.allocator.size
         for ids in id_lists:
             if not ids:
                 raise ValueError("empty prompt: at least one input token is needed")
-            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            if any((not _is_int(t)) or t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"input_ids must be ints in [0, {vocab})")
             if len(ids) >= ctx:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length {ctx}")
-            if self.scheduler.allocator.slots_needed(0, len(ids) + 1) > pool:
-                raise ValueError(f"prompt of {len(ids)} tokens needs more KV slots than the pool holds ({pool})")
+            need = self.scheduler.slots_to_start(len(ids))
+            if need > pool:
+                raise ValueError(f"prompt of {len(ids)} tokens needs {need} KV slots to run (prompt, one "
+                                 f"iteration's growth and the drafter's scratch), more than the pool holds ({pool})")
         reqs = [Req(rid=r, input_ids=ids, sampling=sp) for r, ids, sp in zip(rids, id_lists, params)]
         return reqs, single
+
+    def _in_loop(self, fn, timeout: float = 60.0):
+        """``fn()`` run on the scheduler thread between two iterations; RuntimeError at once if the
+        thread is gone, TimeoutError if it does not get to it within ``timeout``."""
+        import concurrent.futures
+        import time
+
+        future = self.scheduler.run_in_loop(fn)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=min(_LIVENESS_POLL_S, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the engine is not running: its scheduler thread has stopped") from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the scheduler did not answer within {timeout} s") from None
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        reason = self.scheduler.closed_reason
+        if reason is not None or not self._thread.is_alive():
+            raise RuntimeError(f"the engine is not running: {reason or 'its scheduler thread has stopped'}")
+
+    def _wait(self, outbox: queue.SimpleQueue):
+        """The next item of a sync caller's outbox; RuntimeError, not a wait for ever, if the
+        scheduler thread is gone (it answers everything it holds when it stops; this covers a
+        thread that could not)."""
+        while True:
+            try:
+                return outbox.get(timeout=_LIVENESS_POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    try:
+                        return outbox.get_nowait()
+                    except queue.Empty:
+                        raise RuntimeError(f"the engine is not running: "
+                                           f"{self.scheduler.closed_reason or 'its scheduler thread has stopped'}") from None
 
     # ---------------------------------------------------------------- sync API
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None):
@@ -110,34 +188,19 @@ class Engine:
         for i, req in enumerate(reqs):
             req.stream = stream
             req.sink = (lambda item, i=i: outbox.put((i, item)))
-            self.scheduler.submit(req)
+        self.scheduler.submit(reqs)
         if stream:
-            return self._stream(outbox, reqs, single)
+            return SyncStream(self, outbox, reqs, single)
         results: list[dict | None] = [None] * len(reqs)
         try:
             for _ in reqs:
-                i, item = outbox.get()
+                i, item = self._wait(outbox)
                 results[i] = item
         except BaseException:  # e.g. KeyboardInterrupt: do not leave the requests running
             for req in reqs:
                 self.scheduler.abort(req.rid)
             raise
         return results[0] if single else results
-
-    def _stream(self, outbox, reqs, single) -> Iterator[dict]:
-        remaining = len(reqs)
-        try:
-            while remaining:
-                i, chunk = outbox.get()
-                if chunk["meta_info"]["finish_reason"] is not None:
-                    remaining -= 1
-                if not single:
-                    chunk["index"] = i
-                yield chunk
-        finally:
-            if remaining:
-                for req in reqs:
-                    self.scheduler.abort(req.rid)
 
     # ---------------------------------------------------------------- async API
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None):
@@ -148,14 +211,14 @@ class Engine:
         for i, req in enumerate(reqs):
             req.stream = stream
             req.sink = (lambda item, i=i: self._async_outbox.put((token, send, (i, item))))
-            self.scheduler.submit(req)
+        self.scheduler.submit(reqs)
         if stream:
-            return self._astream(recv, reqs, single)
+            return AsyncStream(self, recv, reqs, single)
         results: list[dict | None] = [None] * len(reqs)
         try:
             async with recv:
                 for _ in reqs:
-                    i, item = await recv.receive()
+                    i, item = await self._async_wait(recv)
                     results[i] = item
         except BaseException:  # cancelled: stop the work we asked for
             for req in reqs:
@@ -163,21 +226,17 @@ class Engine:
             raise
         return results[0] if single else results
 
-    async def _astream(self, recv, reqs, single) -> AsyncIterator[dict]:
-        remaining = len(reqs)
-        try:
-            async with recv:
-                while remaining:
-                    i, chunk = await recv.receive()
-                    if chunk["meta_info"]["finish_reason"] is not None:
-                        remaining -= 1
-                    if not single:
-                        chunk["index"] = i
-                    yield chunk
-        finally:
-            if remaining:
-                for req in reqs:
-                    self.scheduler.abort(req.rid)
+    async def _async_wait(self, recv):
+        """The next item for an async caller; RuntimeError if the scheduler thread is gone."""
+        while True:
+            with anyio.move_on_after(_LIVENESS_POLL_S):
+                return await recv.receive()
+            if not self._thread.is_alive():
+                try:
+                    return recv.receive_nowait()
+                except anyio.WouldBlock:
+                    raise RuntimeError(f"the engine is not running: "
+                                       f"{self.scheduler.closed_reason or 'its scheduler thread has stopped'}") from None
 
     # ---------------------------------------------------------------- helpers
     def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True, **kwargs) -> str:
@@ -189,17 +248,21 @@ class Engine:
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
+    def is_alive(self) -> bool:
+        """True while the engine can serve requests (not shut down, scheduler thread running)."""
+        return not self._closed and self.scheduler.closed_reason is None and self._thread.is_alive()
+
     def check_kv_invariant(self) -> None:
         """Raise AssertionError if a KV slot leaked (free + owned != pool size). Runs on the scheduler
         thread between two iterations, so it is exact even while requests are in flight."""
-        self.scheduler.run_in_loop(self.scheduler.check_kv_invariant).result(timeout=60)
+        self._in_loop(self.scheduler.check_kv_invariant)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until no request is waiting or running (e.g. after aborts, which land asynchronously)."""
         import time
 
         deadline = time.monotonic() + timeout
-        while self.scheduler.run_in_loop(self.scheduler.has_work).result(timeout=timeout):
+        while self._in_loop(self.scheduler.has_work, timeout):
             if time.monotonic() > deadline:
                 raise TimeoutError("engine still busy")
             time.sleep(0.01)
@@ -208,16 +271,20 @@ class Engine:
         """Counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
         side's median time and how long it waited for the host (``reset_timings`` starts afresh)."""
         stats = dict(self.scheduler.stats)
-        stats["overlap"] = self.scheduler.run_in_loop(
-            lambda: self.scheduler.overlap_stats(reset=reset_timings)).result(timeout=60)
+        try:
+            stats["overlap"] = self._in_loop(lambda: self.scheduler.overlap_stats(reset=reset_timings))
+        except RuntimeError:  # the loop has stopped: the health fields below say why
+            stats["overlap"] = {"iterations": 0}
         if self.scheduler.spec is not None:
             stats.update(self.scheduler.spec.stats)
             if stats["spec_verify_ct"]:
                 stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
-        return {"args": self.args, "stats": stats,
+        return {"args": self.args, "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots}
 
     def shutdown(self) -> None:
+        """Stop the engine: every request it holds, running, waiting or still in its inbox, is
+        answered with an abort, and later calls raise RuntimeError."""
         if self._closed:
             return
         self._closed = True

@@ -29,7 +29,8 @@ def load_components(args: EngineArgs, device: torch.device):
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, device, args.max_total_tokens,
                          args.mem_fraction_static, args.page_size,
                          batch_invariant=args.enable_deterministic_inference)
-    grammar = GrammarBackend(tokenizer, config.vocab_size)
+    grammar = GrammarBackend(tokenizer, config.vocab_size, compile_timeout_s=args.grammar_compile_timeout,
+                             max_spec_bytes=args.grammar_max_spec_bytes)
     context_len = args.context_length or config.max_position_embeddings
     spec = None
     if args.speculative_algorithm == "NGRAM":

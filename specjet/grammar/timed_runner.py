@@ -128,7 +128,10 @@ class TimedRunner:
                     rejected += refused
 
     def _supervise(self, call: _Call) -> None:
-        worker = threading.Thread(target=self._work, args=(call,), name=f"{self._name}-{next(self._ids)}")
+        # daemon=False said outright: a thread started from a daemon thread (the supervisor) is a
+        # daemon by default, and a daemon returning from C++ during interpreter exit aborts it.
+        worker = threading.Thread(target=self._work, args=(call,), name=f"{self._name}-{next(self._ids)}",
+                                  daemon=False)
         try:
             worker.start()
         except RuntimeError as error:  # no thread to be had

@@ -63,6 +63,9 @@ class Launched:
     forward: Future | None = None  # plain batches: the forward, then the sampling
     result: Future | None = None  # list[list[int]]: new tokens per request
     num_items: int = 0  # work items submitted for it (to attribute the stream's timings)
+    # Launched while the batch before it failed on the compute side: it read that batch's
+    # compute-side state, so if it fails too its other requests are re-run, not aborted.
+    after_failure: bool = False
 
 
 class EventLoopsMixin:
@@ -74,6 +77,7 @@ class EventLoopsMixin:
         self._iteration_records: list[dict] = []  # per batch: compute time and compute-side wait
         self._pending_timings: list[WorkTiming] = []  # stream timings of batches not processed yet
         self._last_compute_end: float | None = None
+        self._flush_before_launch = False  # a compute failure: settle the batch in flight first
 
     # ---------------------------------------------------------------- loops
     def has_work(self) -> bool:
@@ -86,6 +90,7 @@ class EventLoopsMixin:
         else:
             self._stream = InlineStream()
             step = self._iteration_normal
+        reason = "the engine has been shut down"
         try:
             while not self._stop.is_set():
                 try:
@@ -94,9 +99,15 @@ class EventLoopsMixin:
                     logger.error("scheduler iteration failed: %s", traceback.format_exc())
                     self._abort_everything(f"internal error: {exc!r}")
             self._flush_inflight()
+        except BaseException as exc:  # the loop cannot go on (even the last resort failed)
+            reason = f"the scheduler stopped after an internal error: {exc!r}"
+            logger.critical("scheduler thread stopping: %s", traceback.format_exc())
+            raise
         finally:
-            self._shutdown_requests()
-            self._stream.close()
+            try:
+                self._close(reason)
+            finally:
+                self._stream.close()
 
     def _iteration_normal(self) -> None:
         self._drain_inbox(block=not self.has_work())
@@ -115,6 +126,9 @@ class EventLoopsMixin:
         self._drain_inbox(block=not self.has_work())
         if self._stop.is_set():
             return
+        if self._flush_before_launch:  # N-1 failed: settle N before launching from its state
+            self._flush_before_launch = False
+            self._flush_inflight()
         batch = self.get_next_batch()
         launched = None
         if batch is not None:
@@ -123,10 +137,15 @@ class EventLoopsMixin:
             launched = self._launch(batch) if batch.reqs else None
         elif self._inflight is None and self.waiting:
             time.sleep(0.001)  # e.g. grammars still compiling
-        self._flush_inflight()  # N-1's host work runs while N's forward does
-        if launched is not None:
-            self._complete_launch(launched)
-            self._inflight = launched
+        # N is recorded before N-1 is processed, so no failure in N-1's host work can orphan it
+        # (its KV would never be released).
+        previous, self._inflight = self._inflight, launched
+        try:
+            if previous is not None:
+                self._process_launched(previous)  # N-1's host work runs while N's forward does
+        finally:
+            if launched is not None:
+                self._complete_launch(launched)
 
     def _needs_current_grammar(self, batch: ScheduledBatch) -> bool:
         """A speculative batch reads constrained requests' grammar state on the compute side."""
@@ -157,7 +176,13 @@ class EventLoopsMixin:
         the sampling."""
         if launched.result is not None:
             return
-        mask = self.grammar_mask(launched.batch.reqs)
+        try:
+            mask = self.grammar_mask(launched.batch.reqs)
+        except Exception as exc:  # no sampling without the masks: the batch fails like a compute item
+            failed: Future = Future()
+            failed.set_exception(exc)
+            launched.result = failed
+            return
         launched.result = self._stream.submit(self.compute_sample, launched.batch.kind, launched.views,
                                               launched.forward, mask)
         launched.num_items += 1
@@ -172,31 +197,63 @@ class EventLoopsMixin:
 
     def _process_launched(self, launched: Launched) -> None:
         batch = launched.batch
+        error = None
         try:
             new_tokens = launched.result.result()
         except Exception as exc:  # one failing batch must not take the engine down
-            logger.error("batch failed: %s", "".join(traceback.format_exception(exc)))
-            new_tokens = None
-            for req in batch.reqs:
-                self._finish(req, {"type": "abort", "message": f"internal error: {exc!r}"})
-        self._record_iteration(launched)
+            new_tokens, error = None, exc
+        try:
+            self._record_iteration(launched)
+        except Exception:
+            logger.error("recording the iteration's timings failed: %s", traceback.format_exc())
         for req in batch.reqs:
             req.inflight -= 1
-        if new_tokens is not None:
+        if error is not None:
+            self._on_compute_failure(launched, error)
+        else:
             self.process_batch_result(batch, new_tokens)
         for req in batch.reqs:
             if req.release_pending and req.inflight == 0:
                 self._release(req)
+
+    def _on_compute_failure(self, launched: Launched, exc: Exception) -> None:
+        """A batch's forward, sampling or verify raised: its requests end with the error. The batch
+        launched after it (overlap) read its compute-side state, so it is settled before anything
+        else launches, and if it failed too its other requests are re-run from the host's state
+        (retracted: re-prefilled from their committed tokens) instead of aborted."""
+        batch = launched.batch
+        logger.error("%s batch of %d failed: %s", batch.kind.value, len(batch.reqs),
+                     "".join(traceback.format_exception(exc)))
+        if launched.after_failure:
+            self.stats["batch_retries"] += 1
+            for req in batch.reqs:
+                if not req.finished and req in self.running:
+                    self._retract(req)
+            return
+        self.stats["batch_failures"] += 1
+        for req in batch.reqs:
+            self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {exc!r}"})
+        if self._inflight is not None:
+            self._inflight.after_failure = True
+            self._flush_before_launch = True
 
     def _pending_release(self) -> list:
         """Finished requests whose KV waits for a launched batch (the invariant counts them)."""
         return [r for r in (self._inflight.batch.reqs if self._inflight else []) if r.release_pending]
 
     def _abort_everything(self, message: str) -> None:
+        """The last resort after an unexpected failure of the loop itself: settle the batch in flight
+        and end every request, so the loop starts again from a clean state."""
+        self._flush_before_launch = False
         try:
             self._flush_inflight()
         except Exception:
-            self._inflight = None
+            logger.error("settling the batch in flight failed: %s", traceback.format_exc())
+            launched, self._inflight = self._inflight, None
+            for req in launched.batch.reqs if launched is not None else []:
+                req.inflight = 0  # the stream runs in order: later work cannot overtake what it wrote
+                if req.release_pending:
+                    self._release(req)
         for req in self.waiting + self.running:
             self._finish(req, {"type": "abort", "message": message})
 

@@ -19,6 +19,10 @@ def meta_info(req: Req) -> dict[str, Any]:
         "ttft": None if req.first_token_at is None else req.first_token_at - req.created_at,
         "retractions": req.retract_count,
     }
+    if req.output_check is not None:
+        info["json_schema_valid"] = req.output_check.valid  # None: jsonschema could not check it
+        if req.output_check.message:
+            info["json_schema_message"] = req.output_check.message
     if req.spec_verify_ct:
         info["spec_verify_ct"] = req.spec_verify_ct
         info["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct

@@ -31,6 +31,9 @@ class Req:
     generator: torch.Generator | None = None
 
     finished_reason: dict[str, Any] | None = None
+    # A json_schema request that finished with "stop": its output checked against the schema with
+    # jsonschema (specjet.grammar.OutputCheck), since the grammar does not enforce every keyword.
+    output_check: Any = None
     to_abort: bool = False
     retract_count: int = 0
     text: str = ""  # detokenized output (stop strings cut it)

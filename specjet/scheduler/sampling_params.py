@@ -1,10 +1,49 @@
-"""Per-request sampling parameters, with SGLang's names, validated at the door."""
+"""Per-request sampling parameters, with SGLang's names, validated at the door.
+
+Every value is checked for its type and range here, on the caller's thread, so that nothing that
+reaches the scheduler thread can fail there: each value becomes a float32 or int64 tensor entry
+(temperature, top_p, min_p, top_k), a ``torch.Generator`` seed, or a string the detokenizer
+searches for. Checks that need the model (token ids within the vocabulary) are in
+``check_token_ids``, which the engine calls with its vocabulary size.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+# Below this a temperature is greedy: dividing logits by it would overflow float32 (SGLang uses
+# the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+# Largest float32; a value above it becomes inf in the sampling tensors.
+_FLOAT32_MAX = 3.4028234663852886e38
+# A top_k at least this large keeps the whole vocabulary: it is stored as -1 (off), so the value
+# that reaches the int64 tensor is always small.
+TOP_K_ALL = 1 << 30
+# What torch.Generator.manual_seed accepts, less the negative half (an unsigned 64-bit seed).
+_SEED_LIMIT = 1 << 64
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _real(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value < low or (low_open and value == low) or value > high:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value}")
+    return value
 
 
 @dataclass
@@ -25,15 +64,25 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
-        params = dict(params or {})
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise TypeError(f"sampling_params must be a dict (or a list of dicts, one per prompt), "
+                            f"got {type(params).__name__}")
+        params = dict(params)
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
+        unknown = sorted(map(str, set(params) - known))
         if unknown:
             raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
-        if isinstance(params.get("json_schema"), dict):
-            params["json_schema"] = json.dumps(params["json_schema"])
+        if isinstance(params.get("json_schema"), (dict, bool)):
+            try:
+                params["json_schema"] = json.dumps(params["json_schema"])
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply") from None
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"json_schema is not JSON: {exc}") from None
         for key in ("stop", "stop_token_ids"):
             if params.get(key) is None:
                 params.pop(key, None)
@@ -42,24 +91,71 @@ class SamplingParams:
         return sp
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        """Type and range of every field; normalises top_k >= TOP_K_ALL to -1 and the lists to lists."""
+        if not _is_int(self.max_new_tokens):
+            raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.temperature = _real("temperature", self.temperature, 0.0, _FLOAT32_MAX)
+        self.top_p = _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        if not _is_int(self.top_k):
+            raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k >= TOP_K_ALL:
+            if self.top_k >= 1 << 63:  # could not be an int64 anywhere: surely a mistake
+                raise ValueError(f"top_k must be below 2**63, got {self.top_k}")
+            self.top_k = -1
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+            if not 0 <= self.seed < _SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        self.stop = self._string_list("stop", self.stop)
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty (an empty one would match at once)")
+        self.stop_token_ids = self._int_list("stop_token_ids", self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("json_schema", "regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                kinds = "a str or a dict" if name == "json_schema" else "a str"
+                raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
         constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(constraints) > 1:
             raise ValueError(f"give at most one of json_schema, regex, ebnf (got {', '.join(constraints)})")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids that become tensor indices must be inside the model's vocabulary."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+    @staticmethod
+    def _string_list(name: str, value: Any) -> list[str]:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__}")
+        for item in value:
+            if not isinstance(item, str):
+                raise TypeError(f"{name} must be a str or a list of str; it holds a {type(item).__name__}")
+        return list(value)
+
+    @staticmethod
+    def _int_list(name: str, value: Any) -> list[int]:
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
+        for item in value:
+            if not _is_int(item):
+                raise TypeError(f"{name} must be a list of ints; it holds a {type(item).__name__} {item!r}")
+        return list(value)
+
     @property
     def is_greedy(self) -> bool:
         # top_k == 1 is greedy too; treating it so skips the sort.
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def grammar_key(self) -> tuple[str, str] | None:

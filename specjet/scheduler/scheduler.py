@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.grammar import RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, fill_token_bitmasks
+from specjet.grammar import (RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, check_json_output,
+                             fill_token_bitmasks)
 from specjet.kernels.sampling import sample
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind, ScheduledBatch, build_decode_batch, build_prefill_batch
@@ -65,26 +66,49 @@ class Scheduler(EventLoopsMixin):
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seed_rng = random.Random(config.random_seed)
         self._stop = threading.Event()
-        self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0}
+        # Submission and the loop's last drain of the inbox take this lock, so no request can be
+        # queued after the loop has stopped answering (it would wait for ever).
+        self._submit_lock = threading.RLock()
+        self._live_rids: set[str] = set()  # submitted and not yet answered with a finish
+        self.closed_reason: str | None = None  # set when the loop stops for good (shut down or died)
+        self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0,
+                      "requests_submitted": 0, "request_errors": 0, "batch_failures": 0, "batch_retries": 0}
         self._init_loop_state()
 
     # ---------------------------------------------------------------- requests in and out
-    def submit(self, req: Req) -> None:
-        """Thread-safe: queue a request; grammar compilation starts at once, off this thread."""
-        key = req.sampling.grammar_key
-        if key is not None:
-            req.grammar_future = self.grammar_backend.compile(*key)
-        self.inbox.put(("add", req))
+    def submit(self, reqs: list[Req]) -> None:
+        """Thread-safe: queue requests, all or none; grammar compilation starts at once, off this
+        thread. Raises ValueError for a rid that is live (or repeated in ``reqs``) and RuntimeError
+        once the loop has stopped."""
+        with self._submit_lock:
+            if self.closed_reason is not None:
+                raise RuntimeError(f"the engine is not running: {self.closed_reason}")
+            rids = [r.rid for r in reqs]
+            clash = sorted({r for r in rids if r in self._live_rids or rids.count(r) > 1})
+            if clash:
+                raise ValueError(f"rid {clash[0]!r} is already in use by a live request (rids must be unique)")
+            self._live_rids.update(rids)
+            self.stats["requests_submitted"] += len(reqs)
+            for req in reqs:
+                key = req.sampling.grammar_key
+                if key is not None:
+                    req.grammar_future = self.grammar_backend.compile(*key)
+                self.inbox.put(("add", req))
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
 
     def run_in_loop(self, fn):
-        """Thread-safe: run ``fn`` on the scheduler thread between two iterations; returns a Future."""
+        """Thread-safe: run ``fn`` on the scheduler thread between two iterations; returns a Future
+        (failed at once with RuntimeError when the loop has stopped)."""
         from concurrent.futures import Future
 
         future: Future = Future()
-        self.inbox.put(("call", (fn, future)))
+        with self._submit_lock:
+            if self.closed_reason is not None:
+                future.set_exception(RuntimeError(f"the engine is not running: {self.closed_reason}"))
+            else:
+                self.inbox.put(("call", (fn, future)))
         return future
 
     def stop(self) -> None:
@@ -114,15 +138,28 @@ class Scheduler(EventLoopsMixin):
 
     def _admit(self, req: Req) -> None:
         sp = req.sampling
-        if sp.temperature > 0 and sp.top_k != 1:
+        if not sp.is_greedy:  # the seed was range-checked at the door (SamplingParams)
             seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.waiting.append(req)
 
     # ---------------------------------------------------------------- the loop (event_loops.py)
-    def _shutdown_requests(self) -> None:
-        for req in self.waiting + self.running:
-            self._finish(req, {"type": "abort", "message": "engine shut down"})
+    def _close(self, message: str) -> None:
+        """The loop is ending for good: answer every request it holds or will never read, and fail
+        every queued call, so no caller waits on a loop that is gone."""
+        for req in self.waiting + self.running + self._pending_release():
+            self._finish(req, {"type": "abort", "message": message})
+        with self._submit_lock:
+            self.closed_reason = message
+            while True:
+                try:
+                    kind, value = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    self._finish(value, {"type": "abort", "message": message})
+                elif kind == "call":
+                    value[1].set_exception(RuntimeError(f"the engine is not running: {message}"))
 
     # ---------------------------------------------------------------- scheduling
     def get_next_batch(self) -> ScheduledBatch | None:
@@ -232,6 +269,14 @@ class Scheduler(EventLoopsMixin):
         self._release_kv(req)
         self.waiting.insert(0, req)
 
+    def slots_to_start(self, num_prompt_tokens: int) -> int:
+        """KV slots a request of this prompt length needs to run at all, alone in the pool: its
+        prompt and one iteration's growth (a draft tree with speculation) plus the drafter's
+        scratch. A prompt that needs more than the pool could never be admitted."""
+        ahead = self.spec.max_nodes if self.spec is not None else 1
+        scratch = self.spec.scratch_slots(1) if self.spec is not None else 0
+        return self.allocator.slots_needed(0, min(num_prompt_tokens + ahead, self.config.context_len)) + scratch
+
     def _release(self, req: Req) -> None:
         """Give back a finished request's KV and drafter state, once no launched batch uses them."""
         if req.inflight > 0:
@@ -308,8 +353,18 @@ class Scheduler(EventLoopsMixin):
         if not rows:
             return None
         bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
-        fill_token_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)
-        return bitmask, rows
+        try:
+            fill_token_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)
+        except Exception:  # find the request whose grammar failed, one by one; the others go on
+            kept = []
+            for i in rows:
+                try:
+                    fill_token_bitmasks([reqs[i].grammar], bitmask, [i])
+                    kept.append(i)
+                except Exception as exc:
+                    self._fail_request(reqs[i], "building its grammar mask", exc)
+            rows = kept
+        return (bitmask, rows) if rows else None
 
     # ---------------------------------------------------------------- results
     def process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
@@ -317,27 +372,42 @@ class Scheduler(EventLoopsMixin):
         for req, tokens in zip(batch.reqs, new_tokens):
             if req.finished:
                 continue
-            if batch.kind is BatchKind.DECODE:  # plain: the input token; speculation: root + accepted nodes
-                req.kv_committed_len += len(tokens)
-                if self.spec is not None:
-                    self._count_verify(req, len(tokens))
-            if req.sampling.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "length": 0})
-                continue
-            if req.first_token_at is None:
-                req.first_token_at = now
-            reason = None
-            for token in tokens:  # a finishing token cuts the accepted run: later ones are dropped
-                req.output_ids.append(token)
-                reason = self._check_finished(req, token)
-                if reason is not None:
-                    break
+            try:
+                self._commit_tokens(req, batch.kind, tokens, now)
+            except Exception as exc:  # this request's host work failed: it alone ends
+                self._fail_request(req, "processing its output", exc)
+
+    def _commit_tokens(self, req: Req, kind: BatchKind, tokens: list[int], now: float) -> None:
+        """Append one request's new tokens (grammar, stop checks, detokenizing), then finish or stream."""
+        if kind is BatchKind.DECODE:  # plain: the input token; speculation: root + accepted nodes
+            if not tokens:  # a speculative iteration that had no room for this request (it is ending)
+                return
+            req.kv_committed_len += len(tokens)
+            if self.spec is not None:
+                self._count_verify(req, len(tokens))
+        if req.sampling.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        if req.first_token_at is None:
+            req.first_token_at = now
+        reason = None
+        for token in tokens:  # a finishing token cuts the accepted run: later ones are dropped
+            req.output_ids.append(token)
+            reason = self._check_finished(req, token)
             if reason is not None:
-                self._finish(req, reason)
-            elif req.stream and req.sink is not None:
-                chunk = stream_chunk(req)
-                if chunk is not None:
-                    req.sink(chunk)
+                break
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.stream and req.sink is not None:
+            chunk = stream_chunk(req)
+            if chunk is not None:
+                req.sink(chunk)
+
+    def _fail_request(self, req: Req, doing: str, exc: BaseException) -> None:
+        """A host-side failure that concerns one request: log it, finish that request alone."""
+        self.stats["request_errors"] += 1
+        logger.error("request %s failed while %s: %s", req.rid, doing, "".join(traceback.format_exception(exc)))
+        self._finish(req, {"type": "abort", "message": f"internal error while {doing}: {exc!r}"})
 
     def _count_verify(self, req: Req, num_tokens: int) -> None:
         req.spec_verify_ct += 1
@@ -367,21 +437,45 @@ class Scheduler(EventLoopsMixin):
         return None
 
     def _finish(self, req: Req, reason: dict) -> None:
+        """End a request: release what it holds and answer its caller. Never raises: it is what
+        every failure path ends in, so a failure in here (detokenizing, the caller's sink) is
+        logged and the request is still released and, where the sink allows, answered."""
         if req.finished:
             return
         req.finished_reason = reason
         req.finished_at = time.perf_counter()
-        if not isinstance(reason.get("matched"), str):  # a stop-string finish has already cut the text
-            update_text(req, self.tokenizer)
+        try:
+            if not isinstance(reason.get("matched"), str):  # a stop-string finish has already cut the text
+                update_text(req, self.tokenizer)
+        except Exception as exc:
+            logger.error("request %s: detokenizing its output failed: %r", req.rid, exc)
+        if reason["type"] == "stop" and req.sampling.json_schema is not None:
+            req.output_check = check_json_output(req.sampling.json_schema, req.text)  # never raises
+            if req.output_check.valid is False:  # the caller must not take it for a valid object
+                reason["message"] = req.output_check.message
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
-        if req.grammar_future is not None and not req.grammar_future.done():
-            req.grammar_future.cancel()
-        if req.sink is not None:
-            req.sink(stream_chunk(req) if req.stream else final_output(req))
+        try:
+            self._release(req)
+        except Exception:
+            logger.error("request %s: releasing its KV failed: %s", req.rid, traceback.format_exc())
+        # The grammar future is left alone: the compile cache shares it with every request of the
+        # same grammar (the backend hands each caller its own handle).
+        with self._submit_lock:
+            self._live_rids.discard(req.rid)
+        if req.sink is None:
+            return
+        try:
+            out = stream_chunk(req) if req.stream else final_output(req)
+        except Exception:
+            logger.error("request %s: building its result failed: %s", req.rid, traceback.format_exc())
+            out = {"text": "", "output_ids": [], "meta_info": {"id": req.rid, "finish_reason": reason}}
+        try:
+            req.sink(out)
+        except Exception:
+            logger.error("request %s: handing back its result failed: %s", req.rid, traceback.format_exc())
 
     # ---------------------------------------------------------------- checks
     def check_kv_invariant(self) -> None:

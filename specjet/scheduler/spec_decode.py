@@ -101,10 +101,12 @@ class SpecDecoder:
 
     def tree_budget(self, req: Req, share: int) -> int:
         """Nodes this request's tree may have: its share of the verify (``tree_share``), and never
-        more tokens than it may still produce or the context can hold."""
+        more tokens than it may still produce or the context can hold. 0: none at all (the
+        compute side, a batch ahead of the host, already took the request to its limit; the host
+        finishes it with ``length`` when it sees that batch)."""
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         room = self.context_len - req.kv_committed_len
-        return max(1, min(share, remaining, room))
+        return max(0, min(share, remaining, room))
 
     @staticmethod
     def _view(req: Req) -> DraftView:
@@ -157,6 +159,18 @@ class SpecDecoder:
         return [merge_trees(ngram, tree, n) for ngram, tree, n in zip(ngram_trees, trees, budgets)], paths
 
     def run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
+        """Accepted tokens per request ([] for a request with no room left: see ``tree_budget``)."""
+        share = self.tree_share(len(reqs))
+        live = [i for i, r in enumerate(reqs) if self.tree_budget(r, share) > 0]
+        if len(live) == len(reqs):
+            return self._run(reqs, req_to_token)
+        out: list[list[int]] = [[] for _ in reqs]
+        if live:
+            for i, tokens in zip(live, self._run([reqs[i] for i in live], req_to_token)):
+                out[i] = tokens
+        return out
+
+    def _run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
         guides = [self._guide(r) for r in reqs]
         trees, ngram_paths = self._propose(reqs, guides, req_to_token)
         spec_reqs = []

@@ -1,0 +1,181 @@
+"""Failures injected into the compute side (forward, sampling, verify) and the host side (output
+processing, grammar masks), once, with requests in flight, under the overlap and the plain loop:
+only the requests of the failing batch (or the one failing request) abort, with a message; the
+others finish with exactly their fault-free output; later calls succeed; no KV slot leaks."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import specjet
+from specjet.models.forward_batch import ForwardMode
+from robustness_helpers import assert_healthy, bounded
+
+RUNNERS = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
+VICTIM = "A request that joins while the others decode"
+LONG = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+SHORT = dict(LONG, max_new_tokens=12)
+
+
+class Fault:
+    """Wraps a callable: the first call for which ``when(*args)`` holds raises instead (every such
+    call with ``once=False``)."""
+
+    def __init__(self, fn, when=lambda *a, **k: True, once: bool = True):
+        self.fn, self.when, self.once = fn, when, once
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        if self.armed.is_set() and not (self.once and self.fired.is_set()) and self.when(*args, **kwargs):
+            self.fired.set()
+            raise RuntimeError("injected fault")
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=True) as eng:
+        return ([o["output_ids"] for o in eng.generate(RUNNERS, LONG)], eng.generate(VICTIM, SHORT)["output_ids"])
+
+
+def make_engine(tiny_model_dir, loop, **kwargs):
+    return specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096,
+                          disable_overlap_schedule=loop == "plain", **kwargs)
+
+
+def run_with_victim_joining(eng, fault: Fault):
+    """Three requests decode; once they are under way the fault is armed and a fourth joins."""
+    streams = [eng.generate(p, LONG, stream=True) for p in RUNNERS]
+    firsts = [next(s) for s in streams]
+    fault.armed.set()
+    victim = bounded(eng.generate, VICTIM, SHORT)
+    outs = []
+    for first, stream in zip(firsts, streams):
+        chunks = [first, *bounded(list, stream)]
+        outs.append(([t for c in chunks for t in c["output_ids"]], chunks[-1]["meta_info"]["finish_reason"]))
+    return victim, outs
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+@pytest.mark.parametrize("where", ["prefill forward", "prefill sampling"])
+def test_a_failing_prefill_aborts_only_its_request(tiny_model_dir, reference, loop, where):
+    runner_ids, victim_ids = reference
+    with make_engine(tiny_model_dir, loop) as eng:
+        sched = eng.scheduler
+        if where == "prefill forward":
+            fault = Fault(sched.runner.forward, lambda fb: fb.mode is ForwardMode.EXTEND)
+            sched.runner.forward = fault
+        else:
+            fault = Fault(sched.compute_sample, lambda kind, *a: kind.value == "prefill")
+            sched.compute_sample = fault
+        victim, outs = run_with_victim_joining(eng, fault)
+        assert fault.fired.is_set()
+        reason = victim["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        for (ids, reason), expected in zip(outs, runner_ids):
+            assert reason["type"] == "length" and ids == expected
+        assert bounded(eng.generate, VICTIM, SHORT)["output_ids"] == victim_ids  # later calls succeed
+        assert_healthy(eng)
+        if loop == "overlap":  # the decode batch launched after the failed prefill read its state
+            assert eng.get_server_info()["stats"]["batch_failures"] == 1
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_failing_decode_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
+    runner_ids, victim_ids = reference
+    with make_engine(tiny_model_dir, loop) as eng:
+        fault = Fault(eng.scheduler.runner.forward, lambda fb: fb.mode is ForwardMode.DECODE)
+        eng.scheduler.runner.forward = fault
+        fault.armed.set()
+        outs = bounded(eng.generate, RUNNERS, LONG)
+        assert fault.fired.is_set()
+        for out in outs:  # all three shared the failing decode batch
+            reason = out["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        assert [o["output_ids"] for o in bounded(eng.generate, RUNNERS, LONG)] == runner_ids
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_failing_verify_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
+    runner_ids, _ = reference
+    with make_engine(tiny_model_dir, loop, speculative_algorithm="NGRAM") as eng:
+        verifier = eng.scheduler.spec.verifier
+        fault = Fault(verifier.verify)
+        verifier.verify = fault
+        streams = [eng.generate(p, LONG, stream=True) for p in RUNNERS]
+        firsts = [next(s) for s in streams]
+        fault.armed.set()
+        reasons = [[first, *bounded(list, s)][-1]["meta_info"]["finish_reason"] for first, s in zip(firsts, streams)]
+        assert fault.fired.is_set()
+        assert any(r["type"] == "abort" and "injected fault" in r["message"] for r in reasons), reasons
+        assert all(r["type"] in ("abort", "length") for r in reasons)
+        assert [o["output_ids"] for o in bounded(eng.generate, RUNNERS, LONG)] == runner_ids
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+@pytest.mark.parametrize("where", ["stop checks", "streaming"])
+def test_a_failing_host_step_aborts_only_its_request(tiny_model_dir, reference, loop, where, monkeypatch):
+    """Host-side work (stop checks, detokenizing, the stream's chunk) is confined per request: the
+    failing one ends alone, its batch-mates finish exactly as without the fault."""
+    runner_ids, _ = reference
+    with make_engine(tiny_model_dir, loop) as eng:
+        sched = eng.scheduler
+        victim_rid = "victim"
+        if where == "stop checks":
+            fault = Fault(sched._check_finished, lambda req, token: req.rid == victim_rid)
+            sched._check_finished = fault
+        else:
+            import specjet.scheduler.scheduler as scheduler_module
+
+            fault = Fault(scheduler_module.stream_chunk, lambda req: req.rid == victim_rid)
+            monkeypatch.setattr(scheduler_module, "stream_chunk", fault)
+        fault.armed.set()
+        streams = [eng.generate(p, LONG, stream=True, rid=r)
+                   for p, r in zip(RUNNERS, [victim_rid, "b", "c"])]
+        chunks = [bounded(list, s) for s in streams]
+        assert fault.fired.is_set()
+        reason = chunks[0][-1]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        for got, expected in zip(chunks[1:], runner_ids[1:]):
+            assert [t for c in got for t in c["output_ids"]] == expected
+            assert got[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert eng.get_server_info()["stats"]["request_errors"] == 1
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_failing_grammar_mask_aborts_only_its_request(tiny_model_dir, loop, monkeypatch):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = dict(LONG, max_new_tokens=20, json_schema=schema)
+    with make_engine(tiny_model_dir, loop) as eng:
+        expected = [o["output_ids"] for o in eng.generate(["first", "second"], params)]
+        import specjet.scheduler.scheduler as scheduler_module
+
+        sched = eng.scheduler
+        victim = {}
+        grammar_ready = sched._grammar_ready
+
+        def note_victim_grammar(req):  # runs at admission, before any mask of the request is built
+            ready = grammar_ready(req)
+            if ready and req.rid == "v":
+                victim["grammar"] = req.grammar
+            return ready
+
+        sched._grammar_ready = note_victim_grammar
+        fill = scheduler_module.fill_token_bitmasks
+        # every mask fill that holds the victim's grammar fails: the batch's fill first, then the
+        # victim's own when the scheduler retries request by request to find the one that fails
+        fault = Fault(fill, lambda grammars, *a: any(g is victim.get("grammar") for g in grammars), once=False)
+        fault.armed.set()
+        monkeypatch.setattr(scheduler_module, "fill_token_bitmasks", fault)
+        outs = bounded(eng.generate, ["first", "second"], params, rid=["v", "ok"])
+        assert fault.fired.is_set()
+        reason = outs[0]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        assert outs[1]["output_ids"] == expected[1]
+        assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop"
+        assert_healthy(eng)

@@ -1,0 +1,166 @@
+"""No caller waits for ever and no abandoned request holds KV: async callers cancelled by
+``fail_after`` / ``move_on_after``, ``async for`` loops left early, stream iterators dropped
+unread; a scheduler thread that dies answers everyone (and later calls raise at once); 16 threads
+mixing plain, grammar, speculative and streaming requests through ``shutdown()``."""
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import threading
+import time
+
+import anyio
+import pytest
+
+import specjet
+from robustness_helpers import assert_healthy, bounded
+
+LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}
+SHORT = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, random_seed=0) as eng:
+        yield eng
+
+
+def assert_released(engine):
+    """Every abandoned request was aborted: the engine drains (LONG would run for seconds) and
+    free + owned KV == the pool, with nothing owned."""
+    assert_healthy(engine)
+    info = engine.get_server_info()
+    assert info["kv_free"] == info["kv_pool_size"]
+
+
+def test_async_fail_after_aborts_the_request(engine):
+    async def main():
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.3):
+                await engine.async_generate("a long one", LONG)
+    anyio.run(main)
+    assert_released(engine)
+
+
+def test_async_stream_cut_by_move_on_after_aborts(engine):
+    async def main():
+        got = 0
+        with anyio.move_on_after(0.3):
+            async for _ in await engine.async_generate("a long one", LONG, stream=True):
+                got += 1
+        return got
+    assert anyio.run(main) >= 1
+    assert_released(engine)
+
+
+def test_breaking_out_of_async_for_aborts(engine):
+    async def main():
+        async for chunk in await engine.async_generate(["one", "two"], LONG, stream=True):
+            return chunk
+    assert anyio.run(main)["output_ids"]
+    gc.collect()
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_stream_dropped_unread_aborts(engine, kind):
+    if kind == "sync":
+        stream = engine.generate("a long one", LONG, stream=True)
+    else:
+        async def start():
+            return await engine.async_generate("a long one", LONG, stream=True)
+        stream = anyio.run(start)
+    del stream
+    gc.collect()
+    assert_released(engine)
+
+
+def test_breaking_out_of_a_sync_stream_aborts(engine):
+    for chunk in engine.generate("a long one", LONG, stream=True):
+        break
+    gc.collect()
+    assert_released(engine)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread is meant to die
+@pytest.mark.parametrize("answers", [True, False], ids=["thread answers", "thread cannot answer"])
+def test_a_dead_scheduler_thread_fails_every_call_at_once(tiny_model_dir, answers):
+    """If the loop itself breaks (even its last-resort handler fails), the thread ends; callers
+    waiting get an abort or a RuntimeError, never a wait for ever, and later calls raise at once."""
+    eng = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096)
+    try:
+        sched = eng.scheduler
+        waiting = concurrent.futures.ThreadPoolExecutor(4)
+        futures = [waiting.submit(lambda: eng.generate("a long one", LONG)) for _ in range(3)]
+        time.sleep(0.2)
+
+        def broken(*a, **k):
+            raise RuntimeError("injected: the loop is broken")
+        sched.get_next_batch = broken
+        sched._abort_everything = broken
+        if not answers:
+            sched._close = broken
+        for f in futures:
+            try:
+                out = f.result(timeout=30)
+            except RuntimeError as exc:
+                assert "not running" in str(exc)
+            else:
+                assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        deadline = time.monotonic() + 10
+        while eng.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not eng.is_alive()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="not running"):
+            eng.generate("later", SHORT)
+        with pytest.raises(RuntimeError):
+            eng.check_kv_invariant()
+        info = eng.get_server_info()
+        assert time.monotonic() - started < 5
+        assert info["alive"] is False
+        if answers:
+            assert "injected" in info["error"]
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("spec", [None, "NGRAM"])
+def test_sixteen_threads_and_a_shutdown_mid_flight(tiny_model_dir, spec):
+    """Plain, grammar, sampled and streaming requests from 16 threads; ``shutdown()`` while they
+    run: every call returns (a finish reason) or raises RuntimeError within a bounded time."""
+    eng = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, max_running_requests=8,
+                         speculative_algorithm=spec)
+    kinds = ["plain", "grammar", "sampled", "stream"]
+    results: dict[int, object] = {}
+
+    def worker(i):
+        kind = kinds[i % 4]
+        for round_ in range(1000):
+            try:
+                if kind == "plain":
+                    out = eng.generate(f"thread {i} round {round_}", dict(SHORT, max_new_tokens=30))
+                elif kind == "grammar":
+                    out = eng.generate(f"thread {i}", dict(SHORT, max_new_tokens=40, json_schema=SCHEMA))
+                elif kind == "sampled":
+                    out = eng.generate(f"thread {i}", {"temperature": 0.9, "top_p": 0.8, "max_new_tokens": 30})
+                else:
+                    out = list(eng.generate(f"thread {i}", dict(SHORT, max_new_tokens=30), stream=True))[-1]
+                assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length", "abort")
+            except RuntimeError as exc:
+                results[i] = exc
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    served = eng.get_server_info()["stats"]["requests_submitted"]
+    bounded(eng.shutdown)
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a caller is still waiting after shutdown"
+    assert served >= 16
+    assert len(results) == 16 and all("shut down" in str(e) or "not running" in str(e) for e in results.values())

@@ -1,0 +1,247 @@
+"""One bad request fails alone: every parameter is checked at the door (a TypeError/ValueError
+naming it, nothing queued), and what gets past the door can never stop the scheduler thread, abort
+other requests or leak KV. Each numbered test is a defect of issue 13 that hung, aborted innocent
+requests or leaked before it was fixed. Tiny random-weight model; every test ends healthy (thread
+alive, idle, KV invariant)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import specjet
+from robustness_helpers import assert_healthy, bounded
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": True, "seed": 3}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module", params=["overlap", "plain"])
+def engine(request, tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, random_seed=0,
+                        disable_overlap_schedule=request.param == "plain") as eng:
+        yield eng
+
+
+@pytest.fixture(autouse=True)
+def healthy_after_each_test(request):
+    yield
+    if "engine" in request.fixturenames:
+        assert_healthy(request.getfixturevalue("engine"))
+
+
+@pytest.fixture(scope="module")
+def innocent_expected(engine):
+    return bounded(engine.generate, "An innocent request", GREEDY)["output_ids"]
+
+
+BAD_PARAMS = [
+    # (params, exception, words the message must contain)
+    ({"stop": [None]}, TypeError, "stop"),
+    ({"stop": 5}, TypeError, "stop"),
+    ({"stop": [["x"]]}, TypeError, "stop"),
+    ({"stop": ""}, ValueError, "stop"),
+    ({"stop": ["ok", ""]}, ValueError, "stop"),
+    ({"stop_token_ids": 5}, TypeError, "stop_token_ids"),
+    ({"stop_token_ids": ["5"]}, TypeError, "stop_token_ids"),
+    ({"stop_token_ids": [10**9]}, ValueError, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, TypeError, "stop_token_ids"),
+    ({"seed": "42"}, TypeError, "seed"),
+    ({"seed": 4.2}, TypeError, "seed"),
+    ({"seed": True}, TypeError, "seed"),
+    ({"seed": 2**64}, ValueError, "seed"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"top_k": 2**63}, ValueError, "top_k"),
+    ({"top_k": 0}, ValueError, "top_k"),
+    ({"top_k": 1.5}, TypeError, "top_k"),
+    ({"temperature": float("nan")}, ValueError, "temperature"),
+    ({"temperature": float("inf")}, ValueError, "temperature"),
+    ({"temperature": -0.1}, ValueError, "temperature"),
+    ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"temperature": 1e39}, ValueError, "temperature"),
+    ({"top_p": float("nan")}, ValueError, "top_p"),
+    ({"top_p": 0}, ValueError, "top_p"),
+    ({"top_p": None}, TypeError, "top_p"),
+    ({"min_p": float("nan")}, ValueError, "min_p"),
+    ({"min_p": 1.5}, ValueError, "min_p"),
+    ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
+    ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens"),
+    ({"max_new_tokens": True}, TypeError, "max_new_tokens"),
+    ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
+    ({"skip_special_tokens": 1}, TypeError, "skip_special_tokens"),
+    ({"json_schema": 5}, TypeError, "json_schema"),
+    ({"regex": ["a"]}, TypeError, "regex"),
+    ({"ebnf": 3}, TypeError, "ebnf"),
+    ({"json_schema": "{not json"}, ValueError, "json_schema"),
+    ({"temprature": 0.5}, TypeError, "temprature"),
+]
+
+
+@pytest.mark.parametrize("params,exc,words", BAD_PARAMS, ids=[repr(p[0]) for p in BAD_PARAMS])
+def test_bad_sampling_params_raise_at_the_door(engine, innocent_expected, params, exc, words):
+    """Defects 1-5: each of these used to reach the scheduler thread (killing it, aborting every
+    request, or leaking KV) or pass silently (stop="" ended every request after one token)."""
+    with pytest.raises(exc, match=words):
+        engine.generate("x", dict(GREEDY, **params))
+    # ... as an item of a list: nothing of the list is queued
+    with pytest.raises(exc, match=words):
+        engine.generate(["good", "bad"], [GREEDY, dict(GREEDY, **params)])
+    # the engine serves the next caller exactly as before
+    assert bounded(engine.generate, "An innocent request", GREEDY)["output_ids"] == innocent_expected
+
+
+def test_sampling_params_must_be_a_dict(engine):
+    with pytest.raises(TypeError, match="sampling_params"):
+        engine.generate("x", [("temperature", 0)])
+    with pytest.raises(TypeError, match="sampling_params"):
+        engine.generate("x", "greedy")
+
+
+@pytest.mark.parametrize("bad", [[1, True, 2], [1, 2.0], ["1"], [-3], [10**9]])
+def test_bad_input_ids_raise(engine, bad):
+    with pytest.raises((TypeError, ValueError), match="input_ids"):
+        engine.generate(input_ids=bad, sampling_params=GREEDY)
+
+
+def test_large_top_k_and_tiny_temperature_sample_like_their_limits(engine):
+    """A top_k beyond the vocabulary means no top-k; the output equals top_k=-1 with the same seed."""
+    a = bounded(engine.generate, "x y", dict(SAMPLED, top_k=2**40))
+    b = bounded(engine.generate, "x y", dict(SAMPLED, top_k=-1))
+    assert a["output_ids"] == b["output_ids"]
+    tiny = bounded(engine.generate, "x y", dict(SAMPLED, temperature=1e-30))
+    assert tiny["output_ids"] == bounded(engine.generate, "x y", GREEDY)["output_ids"]
+
+
+def test_duplicate_rids_are_refused(engine):
+    """Defect 10: two live requests with one rid corrupted per-rid state and aborted a batch."""
+    with pytest.raises(ValueError, match="rid"):
+        engine.generate(["a", "b"], GREEDY, rid=["same", "same"])
+    long = dict(GREEDY, max_new_tokens=400)
+    stream = engine.generate("a", long, rid="live-one", stream=True)
+    next(stream)
+    with pytest.raises(ValueError, match="live-one"):
+        engine.generate("b", GREEDY, rid="live-one")
+    engine.abort_request("live-one")
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    bounded(engine.wait_idle)
+    # once finished, the rid may be used again
+    assert bounded(engine.generate, "b", GREEDY, rid="live-one")["meta_info"]["id"] == "live-one"
+    with pytest.raises(TypeError, match="rid"):
+        engine.generate("b", GREEDY, rid=5)
+
+
+def test_abort_does_not_cancel_a_shared_grammar_compile(engine):
+    """Defect 9: aborting one request cancelled the compile its schema-twins were waiting on."""
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}}, "required": ["k"],
+              "title": "shared-compile-test"}
+    params = dict(GREEDY, max_new_tokens=30, json_schema=schema)
+    stream = engine.generate("first", params, rid="to-abort", stream=True)
+    engine.abort_request("to-abort")
+    other = bounded(engine.generate, "second", params)
+    assert other["meta_info"]["finish_reason"]["type"] == "stop", other["meta_info"]["finish_reason"]
+    json.loads(other["text"])
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_deeply_nested_schema_raises_before_anything_of_the_list_is_queued(engine):
+    """Defect 11: a schema nested thousands deep raised RecursionError mid-list."""
+    schema: dict = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    before = engine.get_server_info()["stats"]["requests_submitted"]
+    with pytest.raises(ValueError, match="json_schema"):
+        engine.generate(["fine", "too deep"], [GREEDY, dict(GREEDY, json_schema=schema)])
+    assert engine.get_server_info()["stats"]["requests_submitted"] == before
+
+
+def test_shutdown_answers_calls_still_in_the_inbox(tiny_model_dir):
+    """Defect 8: a call that slipped in just before shutdown was never answered."""
+    eng = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096)
+    futures = [specjet_call(eng, i) for i in range(8)]
+    eng.shutdown()
+    for f in futures:
+        out = f.result(timeout=30)
+        if isinstance(out, dict):  # served before the shutdown, or aborted by it
+            assert out["meta_info"]["finish_reason"]["type"] in ("length", "abort")
+        else:
+            assert isinstance(out, RuntimeError) and "shut down" in str(out)
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate("late", GREEDY)
+    assert not eng.is_alive()
+
+
+def specjet_call(eng, i):
+    from robustness_helpers import _pool
+
+    def call():
+        try:
+            return eng.generate(f"prompt {i}", dict(GREEDY, max_new_tokens=200))
+        except RuntimeError as exc:
+            return exc
+    return _pool.submit(call)
+
+
+def test_context_limit_under_ngram_and_overlap_finishes_with_length(cyclic_model_dir):
+    """Defect 6: with the host a batch behind, a request could reach a verify with no room left in
+    its context and abort its whole batch with an internal error."""
+    prompt = "a b c a b c a b c a b c a b c a b c a b c"
+    for context_length in (90, 93, 96):
+        with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length,
+                            speculative_algorithm="NGRAM", speculative_num_draft_tokens=8) as eng:
+            outs = bounded(eng.generate, [prompt, prompt + " a", "x y z"],
+                           {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True})
+            for out in outs:
+                reason = out["meta_info"]["finish_reason"]
+                assert reason["type"] == "length", reason
+                assert out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] == context_length
+            assert_healthy(eng)
+
+
+def test_eagle_prompt_that_leaves_no_room_for_drafting_is_refused_at_the_door(tiny_model_dir, tmp_path):
+    """Defect 7: a prompt that fit the pool but not the pool plus the drafter's scratch was accepted
+    and then blocked admission for every request behind it, for ever."""
+    from test_spec_eagle import random_head
+
+    head = random_head(tmp_path / "head", tiny_model_dir)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=256, speculative_algorithm="EAGLE",
+                        speculative_draft_model_path=str(head)) as eng:
+        with pytest.raises(ValueError, match="KV"):
+            eng.generate(input_ids=[100 + i % 50 for i in range(250)], sampling_params=GREEDY)
+        out = bounded(eng.generate, "a short one", GREEDY)
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("kwargs,exc,name", [
+    ({"page_size": "1"}, TypeError, "page_size"),
+    ({"max_total_tokens": True}, TypeError, "max_total_tokens"),
+    ({"mem_fraction_static": float("nan")}, ValueError, "mem_fraction_static"),
+    ({"random_seed": 1.5}, TypeError, "random_seed"),
+    ({"context_length": 0}, ValueError, "context_length"),
+    ({"log_level": "loud"}, ValueError, "log_level"),
+    ({"disable_overlap_schedule": "no"}, TypeError, "disable_overlap_schedule"),
+    ({"speculative_num_steps": 0, "speculative_algorithm": "EAGLE"}, ValueError, "speculative_num_steps"),
+])
+def test_bad_engine_arguments_raise_naming_the_argument(kwargs, exc, name):
+    from specjet.engine.args import EngineArgs
+
+    with pytest.raises(exc, match=name):
+        EngineArgs.from_kwargs(**kwargs)
+
+
+def test_a_grammar_over_the_compile_time_limit_fails_alone(tiny_model_dir):
+    """Defect 11: a pathological schema held its requests (and a compile slot) for as long as
+    xgrammar took; now it fails its request with a clear error and others go on."""
+    from test_grammar_limits import slow_schema
+
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, grammar_compile_timeout=0.05) as eng:
+        slow, quick = bounded(eng.generate, ["a", "b"], [dict(GREEDY, json_schema=slow_schema(11)),
+                                                         dict(GREEDY, regex="(yes|no)")])
+        reason = slow["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "timed out" in reason["message"] or "time" in reason["message"], reason
+        assert quick["meta_info"]["finish_reason"]["type"] == "stop" and quick["text"] in ("yes", "no")
+        with pytest.raises(ValueError, match="bytes"):
+            eng.generate("c", dict(GREEDY, regex="a" * (200 << 10)))
+        assert_healthy(eng)
