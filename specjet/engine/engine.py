@@ -151,16 +151,19 @@ class Engine:
                 return future.result(timeout=min(_LIVENESS_POLL_S, max(0.0, deadline - time.monotonic())))
             except concurrent.futures.TimeoutError:
                 if not self._thread.is_alive():
-                    raise RuntimeError("the engine is not running: its scheduler thread has stopped") from None
+                    raise self._stopped_error() from None
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"the scheduler did not answer within {timeout} s") from None
 
     def _check_running(self) -> None:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
-        reason = self.scheduler.closed_reason
-        if reason is not None or not self._thread.is_alive():
-            raise RuntimeError(f"the engine is not running: {reason or 'its scheduler thread has stopped'}")
+        if self.scheduler.closed_reason is not None or not self._thread.is_alive():
+            raise self._stopped_error()
+
+    def _stopped_error(self) -> RuntimeError:
+        return RuntimeError(f"the engine is not running: "
+                            f"{self.scheduler.closed_reason or 'its scheduler thread has stopped'}")
 
     def _wait(self, outbox: queue.SimpleQueue):
         """The next item of a sync caller's outbox; RuntimeError, not a wait for ever, if the
@@ -174,8 +177,7 @@ class Engine:
                     try:
                         return outbox.get_nowait()
                     except queue.Empty:
-                        raise RuntimeError(f"the engine is not running: "
-                                           f"{self.scheduler.closed_reason or 'its scheduler thread has stopped'}") from None
+                        raise self._stopped_error() from None
 
     # ---------------------------------------------------------------- sync API
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None):
@@ -235,8 +237,7 @@ class Engine:
                 try:
                     return recv.receive_nowait()
                 except anyio.WouldBlock:
-                    raise RuntimeError(f"the engine is not running: "
-                                       f"{self.scheduler.closed_reason or 'its scheduler thread has stopped'}") from None
+                    raise self._stopped_error() from None
 
     # ---------------------------------------------------------------- helpers
     def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True, **kwargs) -> str:
