@@ -204,7 +204,8 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir, lucky_head, hy
     prompt = PROMPTS[0]
     n = 2000
     with eagle_engine(tiny_model_dir, lucky_head, speculative_eagle_topk=2, speculative_num_steps=2,
-                      speculative_num_draft_tokens=4, speculative_hybrid_ngram_tokens=hybrid) as eng:
+                      speculative_num_draft_tokens=4, speculative_hybrid_ngram_tokens=hybrid,
+                      dtype="float32") as eng:  # the oracle's dtype
         ids = eng.tokenizer(prompt)["input_ids"]
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
                   for s in range(n)]

@@ -201,7 +201,7 @@ def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, back
     regex = r"( ?[abc]){3,8}"
     prompt = PROMPTS[0]
     n = 1000
-    with spec_engine(tiny_model_dir, "NGRAM") as eng:
+    with spec_engine(tiny_model_dir, "NGRAM", dtype="float32") as eng:  # the oracle's dtype
         prompt_ids = eng.tokenizer(prompt)["input_ids"]
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "regex": regex, "seed": s} for s in range(n)]
         outs = eng.generate([prompt] * n, params)

@@ -109,7 +109,7 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir):
     """2000 seeded draws of (t1, t2, t3) with NGRAM on: the (t1, t2) histogram is within a small total
     variation of the exact distribution. t2 and t3 come from tree verification (t1 from prefill)."""
     prompt = PROMPTS[0]
-    with ngram_engine(tiny_model_dir) as eng:
+    with ngram_engine(tiny_model_dir, dtype="float32") as eng:  # the oracle's dtype
         ids = eng.tokenizer(prompt)["input_ids"]
         n = 2000
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s} for s in range(n)]

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
@@ -17,12 +18,21 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+def auto_dtype(device: torch.device | str) -> torch.dtype:
+    """What ``dtype="auto"`` means on ``device``: bf16 on CUDA; on CPU bf16 where the CPU has native
+    bf16 matrix instructions (AVX-512 BF16, AMX), else fp32, since emulated bf16 matmuls cost ~8x
+    fp32 ones (see kernels/cpu_features.py)."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if has_native_bf16() else torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """'auto' (default): fp32 on CPU, bf16 on CUDA."""
+    """A dtype name (or None / 'auto': ``auto_dtype``) -> the torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -59,6 +69,9 @@ class ModelRunner:
     ):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        where = describe_cpu() if self.device.type == "cpu" else str(self.device)
+        logger.info("dtype %s (%s) on %s", str(self.dtype).removeprefix("torch."),
+                    "auto" if dtype in (None, "auto") else "asked for", where)
         self.config = config
         self.model = build_model(config, state_dict, self.dtype, self.device)
         self.model.set_batch_invariant(batch_invariant)

@@ -1,0 +1,55 @@
+"""The CPU's description and bf16 capability, and dtype="auto" following it."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from model_harness import load_runner
+from specjet.kernels import cpu_features
+from specjet.models.runner import auto_dtype, resolve_dtype
+
+
+def test_model_name_and_description():
+    name = cpu_features.cpu_model()
+    assert name and name.strip() == name
+    described = cpu_features.describe_cpu()
+    assert described.startswith(f"{name} (") and cpu_features.vector_isa() in described
+    assert ("no native bf16" in described) == (not cpu_features.has_native_bf16())
+
+
+def test_no_bf16_flag_means_no_native_bf16(monkeypatch):
+    monkeypatch.delenv(cpu_features.NATIVE_BF16_ENV, raising=False)
+    flags = cpu_features.cpu_flags()
+    if flags and not any(f in flags for f in cpu_features.BF16_FLAGS):
+        assert not cpu_features.has_native_bf16()
+    if cpu_features.has_native_bf16():
+        assert torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN must be allowed to use it
+
+
+@pytest.mark.parametrize("value,native", [("0", False), ("false", False), ("1", True), ("on", True)])
+def test_env_override_decides_auto_on_cpu(monkeypatch, value, native):
+    monkeypatch.setenv(cpu_features.NATIVE_BF16_ENV, value)
+    assert cpu_features.has_native_bf16() is native
+    expected = torch.bfloat16 if native else torch.float32
+    assert auto_dtype("cpu") == resolve_dtype("auto", torch.device("cpu")) == resolve_dtype(None, torch.device("cpu"))
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert "[forced]" in cpu_features.describe_cpu()
+    # An explicit dtype and CUDA's auto do not depend on the CPU.
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_bad_override_says_what_it_takes(monkeypatch):
+    monkeypatch.setenv(cpu_features.NATIVE_BF16_ENV, "maybe")
+    with pytest.raises(ValueError, match="SPECJET_CPU_NATIVE_BF16='maybe': use 0 or 1"):
+        cpu_features.has_native_bf16()
+
+
+def test_runner_logs_its_dtype_and_the_cpu(tiny_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="specjet.models.runner"):
+        runner = load_runner(tiny_model_dir, dtype="auto", tokens=64)
+    assert runner.dtype == auto_dtype("cpu")
+    dtype = str(runner.dtype).removeprefix("torch.")
+    assert f"dtype {dtype} (auto) on {cpu_features.describe_cpu()}" in caplog.text
