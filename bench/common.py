@@ -50,7 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
     group.add_argument("--model-path", default=None,
                        help="model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="default auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), "
+                            "else float32")
     group.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-running-requests", type=int, default=None)
@@ -91,7 +93,8 @@ def _parse_bool(text: str) -> bool:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """Engine keywords for the flags that were set (None means: leave it to the Engine)."""
+    """Engine keywords for the flags that were set (None means: leave it to the Engine; its dtype
+    ``auto`` follows the CPU: bf16 with native bf16 instructions, else fp32)."""
     return {kw: getattr(args, dest) for dest, kw in _ENGINE_FLAGS.items() if getattr(args, dest, None) is not None}
 
 
@@ -176,23 +179,18 @@ def now() -> str:
 
 
 def machine_info() -> dict:
-    """CPU model, core counts, load, library versions and the checkout's commit: what a reader of a
-    recorded figure needs to judge it."""
+    """CPU model and capability, core counts, load, library versions and the checkout's commit: what a
+    reader of a recorded figure needs to judge it."""
     import torch
     import transformers
 
     import specjet
+    from specjet.kernels.cpu_features import cpu_model, describe_cpu, has_native_bf16
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
+        "cpu_description": describe_cpu(),  # model, vector ISA, native bf16 or not
+        "cpu_native_bf16": has_native_bf16(),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -208,6 +206,17 @@ def machine_info() -> dict:
     return info
 
 
+def machine_line(machine: dict) -> str:
+    """The header's machine line: the CPU with its capability (bf16 figures mean little without it),
+    cores, torch threads and load (``load_avg_after`` too where the caller added it)."""
+    m = machine
+    load = f"load avg {m['load_avg']}"
+    if m.get("load_avg_after") is not None:
+        load += f" before, {m['load_avg_after']} after"
+    return (f"# machine: {m.get('cpu_description', m['cpu'])}; {m['usable_cores']}/{m['cores']} cores usable, "
+            f"torch threads {m['torch_threads']}, {load}" + (f", GPU {m['gpu']}" if m["gpu"] else ""))
+
+
 def report_header_lines(command: str, date: str, machine: dict) -> list[str]:
     """A report's first lines: the command, the date, the machine and the versions. ``machine`` is a
     ``machine_info()`` taken before the run, with ``load_avg_after`` added from one taken after."""
@@ -215,8 +224,7 @@ def report_header_lines(command: str, date: str, machine: dict) -> list[str]:
     return [
         f"# command: {command}",
         f"# date: {date}",
-        f"# machine: {m['cpu']}; {m['usable_cores']}/{m['cores']} cores usable, torch threads {m['torch_threads']}, "
-        f"load avg {m['load_avg']} before, {m['load_avg_after']} after" + (f", GPU {m['gpu']}" if m["gpu"] else ""),
+        machine_line(m),
         f"# versions: torch {m['torch']}, transformers {m['transformers']}, specjet {m['specjet']}, "
         f"python {m['python']}, commit {m['git_commit']}",
     ]

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 
 from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
-                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now)
+                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, report_header_lines)
 from bench.engine_info import describe_engine, spec_str, spec_totals
 
 DEFAULT_CONFIGS = ["none", "NGRAM:speculative_algorithm=NGRAM", "EAGLE:speculative_algorithm=EAGLE"]
@@ -330,14 +330,8 @@ def identity_line(identity: dict, names: list[str]) -> str:
 
 
 def format_report(header: dict, rows: list[dict], identity: dict) -> str:
-    m = header["machine"]
-    lines = [
-        f"# command: {header['command']}",
-        f"# date: {header['date']}",
-        f"# machine: {m['cpu']}; {m['usable_cores']}/{m['cores']} cores usable, torch threads {m['torch_threads']}, "
-        f"load avg {m['load_avg']} before, {m['load_avg_after']} after" + (f", GPU {m['gpu']}" if m["gpu"] else ""),
-        f"# model: {header['model_dir']}",
-    ]
+    lines = report_header_lines(header["command"], header["date"], header["machine"])
+    lines.append(f"# model: {header['model_dir']}")
     for c in header["configs"]:
         e = c["engine"]
         lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}, speculative {spec_str(e['speculative'])}"

@@ -7,9 +7,9 @@ decoding (EAGLE, NGRAM) against plain decoding, at batch sizes 1 and 8.
                             [--sweep [--sweep-num-steps ...]] [--result-file bench/out/latency.jsonl]
                             [engine flags]
 
-All systems load the same weights (the model directory ``resolve_model_path(--model-path)``; fp32
-unless ``--dtype bfloat16``, which puts all of them in bf16), get the same token ids (tokenized
-once) and generate exactly N = ``--max-new-tokens`` tokens greedily (EOS ignored: ``ignore_eos``
+All systems load the same weights (the model directory ``resolve_model_path(--model-path)``, all in
+``--dtype``; default auto: bf16 on a CPU with native bf16 instructions, else fp32), get the same
+token ids (tokenized once) and generate exactly N = ``--max-new-tokens`` tokens greedily (EOS ignored: ``ignore_eos``
 for specjet, ``min_new_tokens=N`` for transformers). A batch of B for transformers is left-padded
 with the pad token and run as one ``generate`` call; for specjet it is one ``Engine.generate`` call
 with B prompts.
@@ -107,7 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sweep.add_argument("--sweep-hybrid-ngram-tokens", type=int, nargs="+", default=None,
                        help="EAGLE: n-gram nodes merged into each tree (default 0)")
     add_engine_args(parser)
-    parser.set_defaults(dtype="float32")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (decode starts after the first token)")

@@ -14,6 +14,7 @@ import argparse
 import time
 
 from bench import common
+from bench.engine_info import describe_engine, spec_str
 from bench.json import latency_figures
 
 
@@ -51,10 +52,15 @@ def main(argv=None) -> dict:
 
     kwargs = common.engine_kwargs(args)
     kwargs.pop("disable_overlap_schedule", None)
+    command, date, machine = common.command_line(), common.now(), common.machine_info()
+    print("\n".join(common.report_header_lines(command, date, machine)), flush=True)
     entries = common.jsonschema_prompts(folder=args.schema_dir)
     rows = []
     for overlap in (True, False):
         with specjet.Engine(**kwargs, disable_overlap_schedule=not overlap) as engine:
+            desc = describe_engine(engine)
+            print(f"# {'overlap' if overlap else 'plain'} loop: {desc['dtype']} on {desc['device']}, "
+                  f"speculative {spec_str(desc['speculative'])}", flush=True)
             prompts = [common.chat_prompt(engine.tokenizer, e["prompt"]) for e in entries]
             params = [{"temperature": 0, "max_new_tokens": args.max_new_tokens,
                        **({} if args.unconstrained else {"json_schema": e["schema"]})} for e in entries]
@@ -76,8 +82,9 @@ def main(argv=None) -> dict:
         off = next(r for r in rows if r["batch_size"] == bs and not r["overlap"])
         if on["tpot_ms"] and off["tpot_ms"]:
             print(f"bs={bs}: TPOT overlap/plain = {on['tpot_ms'] / off['tpot_ms']:.3f}")
-    record = {"benchmark": "overlap", "command": common.command_line(), "date": common.now(),
-              "machine": common.machine_info(), "args": vars(args), "rows": rows}
+    machine["load_avg_after"] = common.machine_info()["load_avg"]
+    record = {"benchmark": "overlap", "command": command, "date": date, "machine": machine, "args": vars(args),
+              "rows": rows}
     common.append_jsonl(args.result_file, record)
     return record
 

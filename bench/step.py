@@ -1,7 +1,7 @@
 """One model forward, no scheduler: how long a decode step (or a verify of N tree nodes) takes for B
 requests with L cached tokens each, with the batch-invariant CPU attention and with SDPA.
 
-    python -m bench.step [--batch-size 64] [--context 400] [--nodes 1] [--repeats 5] [--dtype bfloat16]
+    python -m bench.step [--batch-size 64] [--context 400] [--nodes 1] [--repeats 5] [--dtype auto]
 
 The model (``--model-path``, default the embedded one) is loaded once; each request owns L + N
 contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
@@ -21,7 +21,8 @@ from bench.common import command_line, machine_info, now, report_header_lines
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="model directory or .gguf (default: the embedded model)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="default auto: bfloat16 on a CPU with native bf16 instructions, else float32")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--context", type=int, default=400, help="cached tokens per request (L)")
     p.add_argument("--nodes", type=int, default=1, help="new tokens per request (N; > 1 = verify a chain)")
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     machine["load_avg_after"] = machine_info()["load_avg"]
     for line in report_header_lines(command_line(), date, machine):
         print(line)
-    print(f"# {args.dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
+    dtype = str(runner.dtype).removeprefix("torch.")
+    print(f"# {dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
     print(f"{'attention':<10} {'median ms':>10} {'min':>8} {'max':>8}")
     for name, r in results.items():
         print(f"{name:<10} {1000 * r['median_s']:>10.1f} {1000 * r['min_s']:>8.1f} {1000 * r['max_s']:>8.1f}")

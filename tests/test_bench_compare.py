@@ -16,6 +16,8 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` do
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.compare import Cell, compare_outputs, main, parse_config, result_rows
+from specjet.kernels.cpu_features import describe_cpu
+from specjet.models.runner import auto_dtype
 
 ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(n/a|[\d.]+)\s+"
                  r"([\d.]+)x\s+(reference|yes|NO \(\d+/\d+\))$", re.M)
@@ -92,8 +94,10 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
         assert identical == ("reference" if name == "none" else "yes")
         assert (accept == "n/a") == (name == "none")
     assert "outputs identical: yes (NGRAM, EAGLE vs none, greedy: 8 requests compared)" in stdout
-    assert "# config NGRAM: float32 on cpu, speculative NGRAM num_draft_tokens=8" in stdout
-    assert "# config EAGLE: float32 on cpu, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
+    dtype = str(auto_dtype("cpu")).removeprefix("torch.")  # no --dtype: the CPU's auto choice
+    assert f"# config NGRAM: {dtype} on cpu, speculative NGRAM num_draft_tokens=8" in stdout
+    assert f"# config EAGLE: {dtype} on cpu, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
+    assert f"# machine: {describe_cpu()}; " in stdout
     if HAS_MATPLOTLIB:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:

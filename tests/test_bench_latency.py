@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
+from specjet.models.runner import auto_dtype
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^(specjet|HF)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", re.M)
 
@@ -35,6 +38,7 @@ def test_latency_against_hf_writes_table_and_record(tiny_model_dir, tmp_path):
 
     assert "# command: python -m bench.latency --model-path" in stdout
     assert re.search(r"^# machine: .+cores usable, torch threads \d+", stdout, re.M)
+    assert f"# machine: {describe_cpu()}; " in stdout  # the CPU's model and its bf16 capability
     rows = table_rows(stdout)
     assert set(rows) == {("specjet", 1), ("HF", 1), ("specjet", 2), ("HF", 2)}
     for median, low, high, t_1, t_n in rows.values():
@@ -48,7 +52,9 @@ def test_latency_against_hf_writes_table_and_record(tiny_model_dir, tmp_path):
     record = records[0]
     assert record["benchmark"] == "latency" and record["args"]["max_new_tokens"] == 24
     assert record["machine"]["cores"] >= 1 and record["machine"]["torch"]
-    assert record["specjet_dtype"] == record["hf_dtype"] == "float32"
+    # The default dtype follows the CPU (auto: bf16 with native bf16 instructions, else fp32).
+    assert record["specjet_dtype"] == record["hf_dtype"] == str(auto_dtype("cpu")).removeprefix("torch.")
+    assert record["machine"]["cpu_native_bf16"] == has_native_bf16()
     assert {(r["system"], r["batch_size"]) for r in record["results"]} == set(rows)
     for r in record["results"]:
         assert r["requests"] == 2 and r["workload"] == "gsm8k"

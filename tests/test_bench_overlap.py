@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from bench.overlap import main
+from specjet.kernels.cpu_features import describe_cpu
 
 
 def test_both_loops_report_waits_and_tpot(tiny_model_dir, tmp_path, capsys):
@@ -18,5 +19,7 @@ def test_both_loops_report_waits_and_tpot(tiny_model_dir, tmp_path, capsys):
         assert 0 <= row["wait_fraction_median"] < 1 and row["tpot_ms"] > 0 and row["output_tok_s"] > 0
     assert "| 2 | overlap |" in out and "| 2 | plain |" in out
     assert "bs=1: TPOT overlap/plain = " in out
+    assert out.startswith("# command: ") and f"\n# machine: {describe_cpu()}; " in out
+    assert record["machine"]["cpu_description"] == describe_cpu()
     assert json.loads(result_file.read_text().splitlines()[-1])["rows"] == json.loads(json.dumps(record["rows"]))
 

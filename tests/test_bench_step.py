@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from bench.step import main
+from specjet.kernels.cpu_features import describe_cpu
 
 
 def test_bench_step_times_both_attention_paths(tiny_model_dir, capsys):
@@ -14,3 +15,14 @@ def test_bench_step_times_both_attention_paths(tiny_model_dir, capsys):
     out = capsys.readouterr().out
     assert "batch 3, 20 cached tokens per request, 3 new token(s) per request" in out
     assert out.count("\ninvariant ") == 2 and out.count("\nsdpa ") == 2
+    assert out.count(f"# machine: {describe_cpu()}; ") == 2
+
+
+def test_bench_step_dtype_follows_the_cpu(tiny_model_dir, capsys, monkeypatch):
+    """No --dtype: fp32 on a CPU without native bf16 (emulated bf16 is ~8x slower), bf16 with it."""
+    for native, dtype in (("0", "float32"), ("1", "bfloat16")):
+        monkeypatch.setenv("SPECJET_CPU_NATIVE_BF16", native)
+        main(["--model-path", str(tiny_model_dir), "--batch-size", "2", "--context", "8", "--repeats", "1"])
+        out = capsys.readouterr().out
+        assert f"\n# {dtype}, batch 2," in out
+        assert ("no native bf16" in out) == (native == "0")
