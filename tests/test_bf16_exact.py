@@ -133,6 +133,27 @@ def test_linear_rows_are_invariant(runner):
             assert torch.equal(module(x[:rows]), alone[:rows]), f"{name}: rows changed with {rows} rows per call"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (576, 576), (576, 192), (576, 49152)])
+def test_linear_rows_are_invariant_at_the_default_models_shapes(shape, dtype):
+    """The default model's projection shapes, with inputs other than the plan check's (another seed,
+    256 distinct rows): a row alone equals the same row among 2..256. A lone bf16 row of the
+    1536 -> 576 projection once took a kernel 1 ulp apart on AVX-512 BF16 (Zen 4), which a 16-row
+    check missed; speculative output then differed from plain decoding under a JSON schema."""
+    from specjet.kernels.linear import pack_weight
+
+    gen = torch.Generator().manual_seed(7)
+    weight_t = (0.05 * torch.randn(*shape, generator=gen)).to(dtype)
+    packed = pack_weight(weight_t)
+    x = torch.randn(256, shape[0], generator=gen).to(dtype)
+    rows = 256 if shape[1] < 10000 else 40  # the LM head: fewer rows, same property
+    with torch.inference_mode():
+        alone = torch.cat([packed(x[i:i + 1]) for i in range(rows)])
+        for m in (2, 3, 17, 64, 128, 256):
+            calls = torch.cat([packed(x[i:min(i + m, rows)]) for i in range(0, rows, m)])
+            assert torch.equal(calls, alone), f"{shape} {dtype}: rows changed with {m} rows per call"
+
+
 # ---------------------------------------------------------------- end to end on the real default model
 QUESTIONS = [
     "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
@@ -163,3 +184,21 @@ def test_bf16_speculative_greedy_equals_plain_bf16():
                 eng.check_kv_invariant()
     assert outputs["EAGLE"] == outputs[None]
     assert outputs["NGRAM"] == outputs[None]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not has_native_bf16(), reason="no native bf16 on this CPU: see the test above")
+def test_bf16_speculation_under_the_demos_schema_equals_plain():
+    """make demo's request in bf16: EAGLE and NGRAM give plain decoding's ids (they parted at token 13
+    on a Zen 4 CPU before lone rows were padded to two)."""
+    from specjet.demo import PROMPT, SCHEMA
+
+    ids = {}
+    for algo in (None, "EAGLE", "NGRAM"):
+        kwargs = {} if algo is None else {"speculative_algorithm": algo}
+        with specjet.Engine(max_total_tokens=4096, dtype="bfloat16", **kwargs) as eng:
+            out = eng.generate(eng.apply_chat_template(PROMPT),
+                               {"json_schema": SCHEMA, "temperature": 0, "max_new_tokens": 128})
+            ids[algo] = out["output_ids"]
+            eng.check_kv_invariant()
+    assert ids["EAGLE"] == ids[None] and ids["NGRAM"] == ids[None]

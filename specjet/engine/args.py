@@ -16,7 +16,7 @@ _TYPE_CHECKS = {
 @dataclass
 class EngineArgs:
     model_path: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     page_size: int = 1
     max_running_requests: int = 32
