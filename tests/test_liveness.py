@@ -162,5 +162,7 @@ def test_sixteen_threads_and_a_shutdown_mid_flight(tiny_model_dir, spec):
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a caller is still waiting after shutdown"
+    eng.scheduler.check_kv_invariant()  # the loop's thread has ended: nothing owns a slot any more
+    assert eng.scheduler.allocator.num_free_slots == eng.scheduler.allocator.size
     assert served >= 16
     assert len(results) == 16 and all("shut down" in str(e) or "not running" in str(e) for e in results.values())

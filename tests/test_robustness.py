@@ -176,6 +176,8 @@ def test_shutdown_answers_calls_still_in_the_inbox(tiny_model_dir):
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("late", GREEDY)
     assert not eng.is_alive()
+    eng.scheduler.check_kv_invariant()  # the loop's thread has ended: nothing owns a slot any more
+    assert eng.scheduler.allocator.num_free_slots == eng.scheduler.allocator.size
 
 
 def specjet_call(eng, i):

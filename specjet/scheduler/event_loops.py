@@ -77,7 +77,6 @@ class EventLoopsMixin:
         self._iteration_records: list[dict] = []  # per batch: compute time and compute-side wait
         self._pending_timings: list[WorkTiming] = []  # stream timings of batches not processed yet
         self._last_compute_end: float | None = None
-        self._flush_before_launch = False  # a compute failure: settle the batch in flight first
 
     # ---------------------------------------------------------------- loops
     def has_work(self) -> bool:
@@ -126,8 +125,7 @@ class EventLoopsMixin:
         self._drain_inbox(block=not self.has_work())
         if self._stop.is_set():
             return
-        if self._flush_before_launch:  # N-1 failed: settle N before launching from its state
-            self._flush_before_launch = False
+        if self._inflight is not None and self._inflight.after_failure:  # N-1 failed: settle N first
             self._flush_inflight()
         batch = self.get_next_batch()
         launched = None
@@ -233,9 +231,8 @@ class EventLoopsMixin:
         self.stats["batch_failures"] += 1
         for req in batch.reqs:
             self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {exc!r}"})
-        if self._inflight is not None:
+        if self._inflight is not None:  # the next iteration settles it before launching anything
             self._inflight.after_failure = True
-            self._flush_before_launch = True
 
     def _pending_release(self) -> list:
         """Finished requests whose KV waits for a launched batch (the invariant counts them)."""
@@ -244,7 +241,6 @@ class EventLoopsMixin:
     def _abort_everything(self, message: str) -> None:
         """The last resort after an unexpected failure of the loop itself: settle the batch in flight
         and end every request, so the loop starts again from a clean state."""
-        self._flush_before_launch = False
         try:
             self._flush_inflight()
         except Exception:

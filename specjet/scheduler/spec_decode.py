@@ -124,12 +124,12 @@ class SpecDecoder:
     def _guide(self, req: Req) -> GrammarGuide | None:
         return GrammarGuide(req.grammar, self.vocab_size, self._tokenize) if req.grammar is not None else None
 
-    def _propose(self, reqs: list[Req], guides: list[GrammarGuide | None], req_to_token: torch.Tensor
+    def _propose(self, reqs: list[Req], guides: list[GrammarGuide | None], req_to_token: torch.Tensor,
+                 share: int, budgets: list[int]
                  ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], int]] | None]:
-        """Each request's tree; for the hybrid also its n-gram path (tokens under the root, and how
-        many of them are the forced chain it shares with the EAGLE tree), for ``PathLength``."""
-        share = self.tree_share(len(reqs))
-        budgets = [self.tree_budget(r, share) for r in reqs]
+        """Each request's tree (``budgets``: its nodes, of the batch's ``share``); for the hybrid also
+        its n-gram path (tokens under the root, and how many of them are the forced chain it shares
+        with the EAGLE tree), for ``PathLength``."""
         aware = self.cfg.grammar_aware
         chains = [g.forced_chain(n - 1) if aware and g is not None else [] for g, n in zip(guides, budgets)]
         ngram_trees = None
@@ -161,18 +161,20 @@ class SpecDecoder:
     def run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
         """Accepted tokens per request ([] for a request with no room left: see ``tree_budget``)."""
         share = self.tree_share(len(reqs))
-        live = [i for i, r in enumerate(reqs) if self.tree_budget(r, share) > 0]
+        budgets = [self.tree_budget(r, share) for r in reqs]
+        live = [i for i, n in enumerate(budgets) if n > 0]
         if len(live) == len(reqs):
-            return self._run(reqs, req_to_token)
+            return self._run(reqs, req_to_token, share, budgets)
         out: list[list[int]] = [[] for _ in reqs]
         if live:
-            for i, tokens in zip(live, self._run([reqs[i] for i in live], req_to_token)):
+            accepted = self._run([reqs[i] for i in live], req_to_token, share, [budgets[i] for i in live])
+            for i, tokens in zip(live, accepted):
                 out[i] = tokens
         return out
 
-    def _run(self, reqs: list[Req], req_to_token: torch.Tensor) -> list[list[int]]:
+    def _run(self, reqs: list[Req], req_to_token: torch.Tensor, share: int, budgets: list[int]) -> list[list[int]]:
         guides = [self._guide(r) for r in reqs]
-        trees, ngram_paths = self._propose(reqs, guides, req_to_token)
+        trees, ngram_paths = self._propose(reqs, guides, req_to_token, share, budgets)
         spec_reqs = []
         for req, guide, (tokens, parents) in zip(reqs, guides, trees):
             bitmask = None
