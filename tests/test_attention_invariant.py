@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specjet.kernels import attention as A
+from specjet.kernels.attention_metadata import build_attention_metadata
 
 
 def make_batch(kv_lens: list[int], q_lens: list[int], dtype, seed=0):
@@ -25,8 +26,8 @@ def make_batch(kv_lens: list[int], q_lens: list[int], dtype, seed=0):
 
 def run(q, k, v, table, kv_lens, q_lens, rows=None):
     rows = list(range(len(kv_lens))) if rows is None else rows
-    meta = A.build_attention_metadata(table, torch.tensor(rows), torch.tensor([kv_lens[r] for r in rows]),
-                                      torch.tensor([q_lens[r] for r in rows]))
+    meta = build_attention_metadata(table, torch.tensor(rows), torch.tensor([kv_lens[r] for r in rows]),
+                                    torch.tensor([q_lens[r] for r in rows]))
     starts = [sum(q_lens[:r]) for r in range(len(q_lens))]
     tokens = torch.cat([torch.arange(starts[r], starts[r] + q_lens[r]) for r in rows])
     return A.paged_attention_invariant(q[tokens], k, v, meta, 0.25), meta

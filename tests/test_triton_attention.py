@@ -19,7 +19,8 @@ import pytest
 from triton_interpreter import report_cases, run_kernel_worker
 import torch
 
-from specjet.kernels.attention import build_attention_metadata, paged_attention_reference
+from specjet.kernels.attention import paged_attention_reference
+from specjet.kernels.attention_metadata import build_attention_metadata
 
 
 

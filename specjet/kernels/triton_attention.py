@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specjet.kernels.attention import AttentionMetadata
+from specjet.kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

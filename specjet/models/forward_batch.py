@@ -9,7 +9,7 @@ from enum import Enum
 
 import torch
 
-from specjet.kernels.attention import AttentionMetadata, build_attention_metadata
+from specjet.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
 
 
 class ForwardMode(Enum):

@@ -1,0 +1,118 @@
+"""What one forward's attention needs to know about its batch, built once and shared by every layer
+(so the gather indices and the mask cost one construction, not one per layer) and by both
+attention implementations (``attention.py``'s torch paths, ``triton_attention.py``'s kernel).
+
+Every request in a batch owns a row of the request-to-token table: position p of the request
+lives in KV slot ``req_to_token[row, p]``. A forward brings ``q_len`` new tokens per request whose
+K/V have already been written into their slots; they sit at the last ``q_len`` of the request's
+``kv_len`` positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    q_lens: torch.Tensor  # [B] int64, new tokens per request (flattened in batch order)
+    kv_lens: torch.Tensor  # [B] int64, cached prefix + new tokens
+    q_starts: torch.Tensor  # [B] int64, offset of each request's first new token in the flat q
+    kv_indices: torch.Tensor  # [B, max_kv] int64, KV slot of each position (padding -> slot 0)
+    q_gather: torch.Tensor  # [B, max_q] int64, flat token index of each padded query (padding -> 0)
+    q_valid: torch.Tensor  # [B, max_q] bool
+    custom_mask: torch.Tensor | None  # [B, max_q, max_q] bool among new tokens, True = may attend
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool for the reference; None = no masking needed
+    max_q: int
+    max_kv: int
+    # Per-forward caches of the invariant path, computed on first use and shared by every layer:
+    # requests grouped by similar KV length (their flat token indices, their own metadata), and the
+    # float64 additive mask (0 where a query may look, -inf elsewhere).
+    length_groups: list[tuple[torch.Tensor | None, "AttentionMetadata"]] | None = None
+    mask_bias: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> "AttentionMetadata":
+        """The metadata of the requests ``rows`` alone, padded only to their own longest q and KV;
+        their new tokens numbered from 0 in the order they appear in the full batch."""
+        q_lens, kv_lens = self.q_lens[rows], self.kv_lens[rows]
+        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+        q_starts, q_valid, q_gather = _query_layout(q_lens, max_q)
+        return AttentionMetadata(
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            q_starts=q_starts,
+            kv_indices=self.kv_indices[rows, :max_kv],
+            q_gather=q_gather,
+            q_valid=q_valid,
+            custom_mask=None if self.custom_mask is None else self.custom_mask[rows, :max_q, :max_q],
+            mask=None if self.mask is None else self.mask[rows, :, :max_q, :max_kv],
+            max_q=max_q,
+            max_kv=max_kv,
+        )
+
+
+def _query_layout(q_lens: torch.Tensor, max_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each request's new tokens sit in the flat q: (q_starts [B], q_valid [B, max_q],
+    q_gather [B, max_q], the flat index of each padded query, padding -> 0)."""
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    pos_q = torch.arange(max_q, device=q_lens.device)
+    q_valid = pos_q[None, :] < q_lens[:, None]
+    q_gather = torch.where(q_valid, q_starts[:, None] + pos_q[None, :], torch.zeros_like(q_valid, dtype=torch.int64))
+    return q_starts, q_valid, q_gather
+
+
+def build_attention_metadata(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    custom_mask: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """Gather indices and masks for one forward.
+
+    req_to_token: [num_rows, max_context] int slot table; req_pool_indices: [B] rows of this batch;
+    kv_lens, q_lens: [B] (python ints or int64 tensors on the device of ``req_to_token``);
+    custom_mask: optional [B, max_q, max_q] bool; when None the new tokens attend causally.
+    """
+    device = req_to_token.device
+    kv_lens = torch.as_tensor(kv_lens, dtype=torch.int64, device=device)
+    q_lens = torch.as_tensor(q_lens, dtype=torch.int64, device=device)
+    req_pool_indices = torch.as_tensor(req_pool_indices, dtype=torch.int64, device=device)
+    batch = kv_lens.shape[0]
+    max_q = int(q_lens.max()) if batch else 0
+    max_kv = int(kv_lens.max()) if batch else 0
+    q_starts, q_valid, q_gather = _query_layout(q_lens, max_q)
+
+    pos_kv = torch.arange(max_kv, device=device)
+    kv_valid = pos_kv[None, :] < kv_lens[:, None]  # [B, max_kv]
+    kv_indices = req_to_token[req_pool_indices, :max_kv].to(torch.int64)
+    kv_indices = torch.where(kv_valid, kv_indices, torch.zeros_like(kv_indices))
+
+    pos_q = torch.arange(max_q, device=device)
+
+    prefix_lens = kv_lens - q_lens
+    # Offset of each kv position inside the new-token block (negative = cached prefix).
+    new_offset = pos_kv[None, :] - prefix_lens[:, None]  # [B, max_kv]
+    in_prefix = new_offset < 0
+    if custom_mask is None:
+        allowed_new = new_offset[:, None, :] <= pos_q[None, :, None]  # causal among new tokens
+    else:
+        idx = new_offset.clamp(0, max(max_q - 1, 0))[:, None, :].expand(batch, max_q, max_kv)
+        allowed_new = torch.gather(custom_mask.to(torch.bool), 2, idx)
+    mask = (in_prefix[:, None, :] | allowed_new) & kv_valid[:, None, :]
+    # Padded query rows would see nothing; let them see slot position 0 so softmax stays finite.
+    mask[:, :, 0] |= ~q_valid
+    need_mask = custom_mask is not None or max_q > 1 or bool((kv_lens != max_kv).any())
+    return AttentionMetadata(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        q_starts=q_starts,
+        kv_indices=kv_indices,
+        q_gather=q_gather,
+        q_valid=q_valid,
+        custom_mask=custom_mask,
+        mask=mask[:, None] if need_mask else None,
+        max_q=max_q,
+        max_kv=max_kv,
+    )
