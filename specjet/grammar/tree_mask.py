@@ -15,28 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar.matcher import RequestGrammar, allocate_token_bitmask
+from specjet.kernels.tree import traversal_arrays
 
 
 @dataclass
 class TreeMasks:
     legal: list[bool]  # per node: every token on the path root..node is allowed by the grammar
     bitmask: torch.Tensor  # [N, W] int32: row i = tokens allowed after node i (legal nodes only)
-
-
-def first_child_next_sibling(parents: list[int]) -> tuple[list[int], list[int]]:
-    """The traversal arrays of a tree given by its parents (root first, parents before children):
-    first child and next sibling of each node in index order, -1 for none."""
-    n = len(parents)
-    next_token, next_sibling = [-1] * n, [-1] * n
-    last_child: dict[int, int] = {}
-    for i in range(1, n):
-        parent = parents[i]
-        if parent in last_child:
-            next_sibling[last_child[parent]] = i
-        else:
-            next_token[parent] = i
-        last_child[parent] = i
-    return next_token, next_sibling
 
 
 def mask_draft_tree(grammar: RequestGrammar, tokens: list[int], parents: list[int], vocab_size: int) -> TreeMasks:
@@ -48,14 +33,14 @@ def mask_draft_tree(grammar: RequestGrammar, tokens: list[int], parents: list[in
     target's logits into NaN probabilities there.
     """
     n = len(tokens)
-    next_token, next_sibling = first_child_next_sibling(parents)
+    parent_ids = torch.tensor(parents, dtype=torch.int64)
+    next_token, next_sibling = traversal_arrays(parent_ids[None])
     bitmask = allocate_token_bitmask(n, vocab_size)
     token_ids = torch.tensor(tokens, dtype=torch.int64)
-    grammar.fill_draft_tree_bitmask(torch.tensor(next_token, dtype=torch.int64),
-                                    torch.tensor(next_sibling, dtype=torch.int64), token_ids, bitmask)
+    grammar.fill_draft_tree_bitmask(next_token[0], next_sibling[0], token_ids, bitmask)
     # Legal iff the parent is legal and its row allows the token. Rows below an illegal node were
     # not written by the walk; they are only read here for nodes already known to be illegal.
-    parent_rows = torch.tensor([max(p, 0) for p in parents], dtype=torch.int64)
+    parent_rows = parent_ids.clamp(min=0)
     words = bitmask[parent_rows, token_ids >> 5].to(torch.int64)
     allowed = ((words >> (token_ids & 31)) & 1).bool().tolist()
     legal = [True] * n

@@ -17,25 +17,10 @@ mask for the token after node i, and the root's own token is taken as already ac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class TreeInfo:
-    parents: torch.Tensor  # [B, N] int64, parent node of each node; -1 for the root (node 0)
-    mask: torch.Tensor  # [B, N, N] bool, mask[b, i, j]: node i attends to node j (j is i or an ancestor)
-    depths: torch.Tensor  # [B, N] int64, 0 for the root
-    positions: torch.Tensor  # [B, N] int64, seq_lens[b] + depths[b, i]: the root sits right after the cached prefix
-    retrive_index: torch.Tensor  # [B, N] int64, b * N + i: the node's row in the flat verify batch
-    retrive_next_token: torch.Tensor  # [B, N] int64, first child of the node (node-local), -1 if a leaf
-    retrive_next_sibling: torch.Tensor  # [B, N] int64, next sibling in draft order (node-local), -1 if last
-    max_depth: int  # bound on depths (a static one, e.g. num_steps, so CUDA callers need no sync)
-
-    @property
-    def num_nodes(self) -> int:
-        return self.parents.shape[1]
+from specjet.kernels.tree_info import TreeInfo
 
 
 def _check(ok: torch.Tensor | bool, message: str) -> None:
@@ -168,6 +153,25 @@ def _check_parents(parents: torch.Tensor) -> None:
                "every non-root node needs a parent with a smaller index")
 
 
+def traversal_arrays(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First child and next sibling of every node (``TreeInfo.retrive_next_token`` and
+    ``retrive_next_sibling``: node-local, -1 = none) of trees given by their parents, [B, N] int64
+    in the module's conventions (unchecked here)."""
+    num_nodes = parents.shape[1]
+    nodes = torch.arange(num_nodes, device=parents.device)
+    # Children of node i are the j with parents[j] == i; the first in index order is the best.
+    is_child = parents[:, None, :] == nodes[None, :, None]  # [B, i, j]: j is a child of i
+    none = torch.full_like(is_child, num_nodes, dtype=torch.int64)
+    first_child = torch.where(is_child, nodes, none).amin(-1)
+    # The next sibling of i is the first j > i with the same parent (the root has none).
+    same_parent = parents[:, None, :] == parents[:, :, None]
+    is_next_sibling = same_parent & (nodes[None, :] > nodes[:, None]) & (nodes > 0)[:, None]
+    next_sibling = torch.where(is_next_sibling, nodes, none).amin(-1)
+    minus_one = torch.full_like(first_child, -1)
+    return (torch.where(first_child < num_nodes, first_child, minus_one),
+            torch.where(next_sibling < num_nodes, next_sibling, minus_one))
+
+
 def build_tree_reference(parents: torch.Tensor, seq_lens: torch.Tensor, max_depth: int | None = None) -> TreeInfo:
     """parents: [B, N] int (-1 for the root, else a smaller index); seq_lens: [B] tokens whose KV is
     already cached (the root's position). max_depth: a static bound on the depths, or None to take
@@ -187,18 +191,7 @@ def build_tree_reference(parents: torch.Tensor, seq_lens: torch.Tensor, max_dept
         mask[:, i] |= mask[rows, parent]
         depths[:, i] = depths[rows, parent] + 1
 
-    # Children of node i are the j with parents[j] == i; the first in index order is the best.
-    is_child = parents[:, None, :] == nodes[None, :, None]  # [B, i, j]: j is a child of i
-    none = torch.full_like(is_child, num_nodes, dtype=torch.int64)
-    first_child = torch.where(is_child, nodes, none).amin(-1)
-    # The next sibling of i is the first j > i with the same parent (the root has none).
-    same_parent = parents[:, None, :] == parents[:, :, None]
-    is_next_sibling = same_parent & (nodes[None, :] > nodes[:, None]) & (nodes > 0)[:, None]
-    next_sibling = torch.where(is_next_sibling, nodes, none).amin(-1)
-
-    def or_minus_one(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x < num_nodes, x, torch.full_like(x, -1))
-
+    next_token, next_sibling = traversal_arrays(parents)
     if max_depth is None:
         max_depth = int(depths.max()) if depths.numel() else 0
     else:
@@ -209,8 +202,8 @@ def build_tree_reference(parents: torch.Tensor, seq_lens: torch.Tensor, max_dept
         depths=depths,
         positions=seq_lens.to(torch.int64).reshape(batch, 1) + depths,
         retrive_index=rows[:, None] * num_nodes + nodes[None, :],
-        retrive_next_token=or_minus_one(first_child),
-        retrive_next_sibling=or_minus_one(next_sibling),
+        retrive_next_token=next_token,
+        retrive_next_sibling=next_sibling,
         max_depth=max_depth,
     )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specjet.kernels.tree import TreeInfo
+from specjet.kernels.tree_info import TreeInfo
 
 
 def _first_child_where(parents: torch.Tensor, cur: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:

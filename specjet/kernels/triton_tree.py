@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specjet.kernels.tree import TreeInfo
+from specjet.kernels.tree_info import TreeInfo
 
 
 def _block_nodes(num_nodes: int) -> int:
