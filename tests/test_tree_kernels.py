@@ -1,5 +1,5 @@
 """Draft-tree kernels (torch references): tree tensors, EAGLE-2 rerank, greedy and sampling
-verification, KV slot assignment.
+verification.
 
 The oracles are a tree worked out by hand, plain-Python walks over parent lists that share no code
 with the vectorised references, and, for the sampling verifier, the target distribution itself:
@@ -13,11 +13,7 @@ import pytest
 import torch
 
 from specjet.kernels.tree import build_tree, flatten_expansion_steps, select_draft_nodes
-from specjet.kernels.tree_verify import (
-    assign_accepted_slots,
-    verify_tree_greedy,
-    verify_tree_sampling,
-)
+from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 
 # --- shared random inputs (also used by test_triton_tree.py) --------------------------------
 
@@ -504,36 +500,6 @@ def test_verify_sampling_never_rejects_a_child_holding_all_remaining_mass():
         path, lens, bonus = verify_tree_sampling(tokens, tree, probs, coins)
         assert int(lens[0]) == 2, (coin1, coin2)
         assert int(path[0, 1]) == (1 if coin1 < 0.7 else 2)
-
-
-# --- KV slot assignment ----------------------------------------------------------------------
-
-
-def test_assign_accepted_slots_by_hand():
-    node_slots = torch.tensor([[100, 101, 102, 103, 104, 105], [7, 3, 9, 4, 8, 6]])
-    accepted = torch.tensor([[0, 1, 3, 5, -1, -1], [0, -1, -1, -1, -1, -1]])
-    accepted_slots, rejected_slots = assign_accepted_slots(node_slots, accepted)
-    assert accepted_slots.tolist() == [[100, 101, 103, 105, -1, -1], [7, -1, -1, -1, -1, -1]]
-    assert rejected_slots.tolist() == [[102, 104, -1, -1, -1], [3, 9, 4, 8, 6]]
-
-
-def test_assign_accepted_slots_matches_naive():
-    gen = torch.Generator().manual_seed(9)
-    batch, num_nodes, vocab = 10, 16, 12
-    parents = random_parents(batch, num_nodes, gen)
-    tokens = torch.randint(0, vocab, (batch, num_nodes), generator=gen)
-    tree = build_tree(parents, torch.zeros(batch, dtype=torch.int64))
-    path, lens, _ = verify_tree_greedy(tokens, tree, targets_following_tree(parents, tokens, vocab, gen))
-    node_slots = torch.randperm(1000, generator=gen)[: batch * num_nodes].view(batch, num_nodes)
-    accepted_slots, rejected_slots = assign_accepted_slots(node_slots, path)
-    for b in range(batch):
-        on_path = path[b, : lens[b]].tolist()
-        slots = node_slots[b].tolist()
-        assert accepted_slots[b].tolist() == [slots[n] for n in on_path] + [-1] * (path.shape[1] - len(on_path))
-        off_path = [slots[n] for n in range(num_nodes) if n not in on_path]
-        assert rejected_slots[b].tolist() == off_path + [-1] * (num_nodes - 1 - len(off_path))
-        # Every slot is either kept or freed, exactly once.
-        assert sorted([s for s in accepted_slots[b].tolist() if s >= 0] + off_path) == sorted(slots)
 
 
 if __name__ == "__main__":  # pragma: no cover

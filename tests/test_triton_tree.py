@@ -28,7 +28,7 @@ from test_tree_kernels import (  # noqa: E402
 
 @dataclass
 class Case:
-    kernel: str  # "build_tree" | "greedy" | "sampling" | "slots"
+    kernel: str  # "build_tree" | "greedy" | "sampling"
     batch: int
     num_nodes: int
     vocab: int = 20
@@ -56,9 +56,6 @@ CASES = {
     # Several vocab blocks per pass (BLOCK_V is 256 at 64 nodes), strided inputs.
     "sampling_64_strided": Case("sampling", 6, 64, vocab=700, strided=True, seed=9),
     "sampling_fp16": Case("sampling", 6, 17, vocab=300, dtype=torch.float16, seed=10),
-    "slots_small": Case("slots", 6, 6, seed=11),
-    "slots_64": Case("slots", 4, 64, seed=12),
-    "slots_root_only": Case("slots", 3, 1),
 }
 
 
@@ -68,11 +65,8 @@ def build_inputs(case: Case) -> dict:
     tokens = torch.randint(0, case.vocab, (case.batch, case.num_nodes), generator=gen)
     seq_lens = torch.randint(0, 1000, (case.batch,), generator=gen)
     inputs = dict(parents=parents, tokens=tokens, seq_lens=seq_lens)
-    if case.kernel in ("greedy", "slots"):
+    if case.kernel == "greedy":
         inputs["target_ids"] = targets_following_tree(parents, tokens, case.vocab, gen)
-    if case.kernel == "slots":
-        inputs["node_slots"] = torch.randperm(10 * case.batch * case.num_nodes, generator=gen)[
-            : case.batch * case.num_nodes].view(case.batch, case.num_nodes)
     if case.kernel == "sampling":
         if case.probs == "one_hot":
             target = targets_following_tree(parents, tokens, case.vocab, gen)
@@ -94,13 +88,8 @@ def build_inputs(case: Case) -> dict:
 def run_case(case: Case) -> dict:
     """Both implementations on one case; the verdict as a JSON-able dict."""
     from specjet.kernels.tree import build_tree_reference
-    from specjet.kernels.tree_verify import (
-        assign_accepted_slots_reference,
-        verify_tree_greedy_reference,
-        verify_tree_sampling_reference,
-    )
+    from specjet.kernels.tree_verify import verify_tree_greedy_reference, verify_tree_sampling_reference
     from specjet.kernels.triton_tree import (
-        assign_accepted_slots_triton,
         build_tree_triton,
         verify_tree_greedy_triton,
         verify_tree_sampling_triton,
@@ -119,21 +108,13 @@ def run_case(case: Case) -> dict:
     if case.kernel == "greedy":
         args = (inputs["tokens"], tree, inputs["target_ids"])
         ref, got = verify_tree_greedy_reference(*args), verify_tree_greedy_triton(*args)
-    elif case.kernel == "sampling":
+    else:
         args = (inputs["tokens"], tree, inputs["probs"], inputs["coins"])
         ref, got = verify_tree_sampling_reference(*args), verify_tree_sampling_triton(*args)
-    else:
-        path = verify_tree_greedy_reference(inputs["tokens"], tree, inputs["target_ids"])[0]
-        ref = assign_accepted_slots_reference(inputs["node_slots"], path)
-        got = assign_accepted_slots_triton(inputs["node_slots"], path)
-    if case.kernel == "slots":
-        names = ["accepted_slots", "rejected_slots"]
-    else:
-        names = ["accepted_nodes", "accept_lens", "bonus_ids"]
+    names = ["accepted_nodes", "accept_lens", "bonus_ids"]
     mismatched = [n for n, r, g in zip(names, ref, got) if not (r.dtype == g.dtype and torch.equal(r, g))]
     # How deep the paths went, so a case that accepts nothing cannot pass unnoticed.
-    longest = int(ref[1].max()) if case.kernel != "slots" else None
-    return {"mismatched": mismatched, "longest_path": longest, "max_depth": tree.max_depth}
+    return {"mismatched": mismatched, "longest_path": int(ref[1].max()), "max_depth": tree.max_depth}
 
 
 def _kernel_worker() -> None:

@@ -1,4 +1,4 @@
-"""Verification of a draft tree against one target forward, and the KV slots that follow from it.
+"""Verification of a draft tree against one target forward.
 
 Tree conventions are those of ``tree.py`` (node 0 = root = last verified token, parents before
 children, siblings best first). The target forward ran over all N nodes of every request with
@@ -146,35 +146,6 @@ def verify_tree_sampling_reference(
     return path, (path >= 0).sum(-1), bonus
 
 
-def assign_accepted_slots_reference(
-    node_slots: torch.Tensor, accepted_nodes: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV bookkeeping after verification (SGLang's "assign req_to_token" step), as a pure function.
-
-    node_slots: [B, N] the KV slot the verify forward wrote for each node; accepted_nodes:
-    [B, D + 1] a verifier's path (-1 padded). Returns
-      accepted_slots [B, D + 1] int64: the slots of the path nodes in path order, -1 padded. The
-        request's positions seq_len .. seq_len + accept_len - 1 now live there: point its
-        request-to-token row at them (or copy their KV into slots of the caller's choosing);
-      rejected_slots [B, N - 1] int64: the slots of the nodes off the path, in node order, packed
-        to the front and -1 padded (N - accept_len of them): free ``rejected_slots[rejected_slots >= 0]``.
-    """
-    batch, num_nodes = node_slots.shape
-    node_slots = node_slots.to(torch.int64)
-    accepted_nodes = accepted_nodes.to(torch.int64)
-    on_path = accepted_nodes >= 0
-    path_slots = node_slots.gather(1, accepted_nodes.clamp(min=0))
-    accepted_slots = torch.where(on_path, path_slots, torch.full_like(accepted_nodes, -1))
-
-    nodes = torch.arange(num_nodes, device=node_slots.device)
-    kept = ((accepted_nodes[:, :, None] == nodes) & on_path[:, :, None]).any(1)  # [B, N]
-    # Stable sort of the "kept" flags moves the rejected nodes to the front in node order.
-    order = torch.sort(kept.to(torch.int8), dim=1, stable=True).indices[:, : num_nodes - 1]
-    packed = node_slots.gather(1, order)
-    rejected_slots = torch.where(kept.gather(1, order), torch.full_like(packed, -1), packed)
-    return accepted_slots, rejected_slots
-
-
 # --- dispatch: Triton on CUDA, the torch reference elsewhere --------------------------------
 
 
@@ -192,11 +163,3 @@ def verify_tree_sampling(tokens: torch.Tensor, tree: TreeInfo, target_probs: tor
 
         return verify_tree_sampling_triton(tokens, tree, target_probs, uniforms)
     return verify_tree_sampling_reference(tokens, tree, target_probs, uniforms)
-
-
-def assign_accepted_slots(node_slots: torch.Tensor, accepted_nodes: torch.Tensor):
-    if node_slots.is_cuda:
-        from specjet.kernels.triton_tree import assign_accepted_slots_triton
-
-        return assign_accepted_slots_triton(node_slots, accepted_nodes)
-    return assign_accepted_slots_reference(node_slots, accepted_nodes)

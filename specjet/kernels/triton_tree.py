@@ -1,5 +1,4 @@
-"""Triton kernels for draft trees, used on CUDA: tree tensors, greedy and sampling verification,
-KV slot assignment.
+"""Triton kernels for draft trees, used on CUDA: tree tensors, greedy and sampling verification.
 
 Same contracts as the torch references in ``tree.py`` and ``tree_verify.py``. Each kernel runs one
 program per request: a tree has at most a few dozen nodes, so a whole request fits in one block
@@ -260,55 +259,3 @@ def verify_tree_sampling_triton(
             num_warps=4,
         )
     return path, lens, bonus
-
-
-# --- KV slot assignment ----------------------------------------------------------------------
-
-
-@triton.jit
-def _assign_slots_kernel(
-    node_slots_ptr, path_ptr, accepted_slots_ptr, rejected_slots_ptr,
-    num_nodes, path_len,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    req = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_N)
-    valid = offs < num_nodes
-    slot_row = node_slots_ptr + req * num_nodes
-    slots = tl.load(slot_row + offs, mask=valid, other=-1)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    valid_d = offs_d < path_len
-    path = tl.load(path_ptr + req * path_len + offs_d, mask=valid_d, other=-1)
-    on_path = path >= 0
-    accepted = tl.load(slot_row + path, mask=on_path, other=-1)
-    tl.store(accepted_slots_ptr + req * path_len + offs_d, accepted, mask=valid_d)
-
-    kept = tl.max(((path[:, None] == offs[None, :]) & on_path[:, None]).to(tl.int32), axis=0) > 0
-    rejected = valid & (kept == 0)
-    rank = tl.cumsum(rejected.to(tl.int32), axis=0) - 1  # place of each rejected node in the output
-    # Output place p takes the rejected node ranked p (a gather written as a masked reduction).
-    pick = (rank[None, :] == offs[:, None]) & rejected[None, :]  # [p, j]
-    value = tl.sum(tl.where(pick, slots[None, :], 0), axis=1)
-    has = tl.max(pick.to(tl.int32), axis=1) > 0
-    out = rejected_slots_ptr + req * (num_nodes - 1) + offs
-    tl.store(out, tl.where(has, value, -1), mask=offs < num_nodes - 1)
-
-
-def assign_accepted_slots_triton(node_slots: torch.Tensor, accepted_nodes: torch.Tensor):
-    batch, num_nodes = node_slots.shape
-    path_len = accepted_nodes.shape[1]
-    device = node_slots.device
-    accepted_slots = torch.empty((batch, path_len), dtype=torch.int64, device=device)
-    rejected_slots = torch.empty((batch, max(num_nodes - 1, 0)), dtype=torch.int64, device=device)
-    if batch and num_nodes:
-        _assign_slots_kernel[(batch,)](
-            node_slots.to(torch.int64).contiguous(), accepted_nodes.to(torch.int64).contiguous(),
-            accepted_slots, rejected_slots,
-            num_nodes, path_len,
-            BLOCK_N=_block_nodes(num_nodes),
-            BLOCK_D=max(16, triton.next_power_of_2(path_len)),
-            num_warps=1,
-        )
-    return accepted_slots, rejected_slots

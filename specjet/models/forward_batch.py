@@ -4,7 +4,7 @@ Built by the scheduler (or a speculative worker) from its requests; the model on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -41,7 +41,6 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor | None  # [N] rows of T that need logits; None = all rows
     capture_hidden: CaptureHidden = None
-    extras: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
