@@ -22,21 +22,21 @@ def accept_length(before: tuple[int, int] | None, after: tuple[int, int] | None)
 
 def describe_engine(engine) -> dict:
     """dtype, device, request limit and speculative settings as the engine resolved them."""
-    scheduler = engine.scheduler
-    desc = {"dtype": str(scheduler.runner.dtype).removeprefix("torch."), "device": str(scheduler.device),
+    worker = engine.worker
+    desc = {"dtype": str(worker.runner.dtype).removeprefix("torch."), "device": str(worker.device),
             "max_running_requests": engine.args.max_running_requests, "page_size": engine.args.page_size,
             "speculative": None}
-    spec = getattr(scheduler.spec, "cfg", None)
-    if spec is not None:
+    spec = worker.speculator.cfg if worker.speculator is not None else None
+    if spec is not None:  # reported under the engine arguments' names (SGLang's)
         if spec.algorithm == "EAGLE":
             desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,
-                                   "num_draft_tokens": spec.eagle.num_draft_tokens,
-                                   "hybrid_ngram_tokens": spec.hybrid_ngram_tokens}
+                                   "num_draft_tokens": spec.eagle.tree_nodes,
+                                   "hybrid_ngram_tokens": spec.hybrid_path_nodes}
         else:
-            desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.num_draft_tokens,
+            desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
                                    "max_bfs_breadth": spec.ngram.max_branches,
                                    "match_window": [spec.ngram.min_window, spec.ngram.max_window]}
-        desc["speculative"]["max_verify_tokens"] = spec.max_verify_tokens
+        desc["speculative"]["max_verify_tokens"] = spec.max_verify_nodes
     return desc
 
 

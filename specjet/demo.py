@@ -33,7 +33,7 @@ def main() -> None:
         out = engine.generate(prompt, params)
         obj = json.loads(out["text"])
         info = out["meta_info"]
-        dtype = str(engine.scheduler.runner.dtype).removeprefix("torch.")
+        dtype = str(engine.worker.runner.dtype).removeprefix("torch.")
         print(json.dumps(obj, indent=2))
         print(f"# {info['completion_tokens']} tokens in {info['e2e_latency']:.2f}s: "
               f"{info['completion_tokens'] / info['e2e_latency']:.1f} tokens/s, "

@@ -63,13 +63,13 @@ def run_with_victim_joining(eng, fault: Fault):
 def test_a_failing_prefill_aborts_only_its_request(tiny_model_dir, reference, loop, where):
     runner_ids, victim_ids = reference
     with make_engine(tiny_model_dir, loop) as eng:
-        sched = eng.scheduler
+        worker = eng.worker
         if where == "prefill forward":
-            fault = Fault(sched.runner.forward, lambda fb: fb.mode is ForwardMode.EXTEND)
-            sched.runner.forward = fault
+            fault = Fault(worker.runner.forward, lambda fb: fb.mode is ForwardMode.EXTEND)
+            worker.runner.forward = fault
         else:
-            fault = Fault(sched.compute_sample, lambda kind, *a: kind.value == "prefill")
-            sched.compute_sample = fault
+            fault = Fault(worker.sample, lambda batch, *a: batch.kind.value == "prefill")
+            worker.sample = fault
         victim, outs = run_with_victim_joining(eng, fault)
         assert fault.fired.is_set()
         reason = victim["meta_info"]["finish_reason"]
@@ -86,8 +86,8 @@ def test_a_failing_prefill_aborts_only_its_request(tiny_model_dir, reference, lo
 def test_a_failing_decode_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
     runner_ids, victim_ids = reference
     with make_engine(tiny_model_dir, loop) as eng:
-        fault = Fault(eng.scheduler.runner.forward, lambda fb: fb.mode is ForwardMode.DECODE)
-        eng.scheduler.runner.forward = fault
+        fault = Fault(eng.worker.runner.forward, lambda fb: fb.mode is ForwardMode.DECODE)
+        eng.worker.runner.forward = fault
         fault.armed.set()
         outs = bounded(eng.generate, RUNNERS, LONG)
         assert fault.fired.is_set()
@@ -102,7 +102,7 @@ def test_a_failing_decode_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir
 def test_a_failing_verify_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
     runner_ids, _ = reference
     with make_engine(tiny_model_dir, loop, speculative_algorithm="NGRAM") as eng:
-        verifier = eng.scheduler.spec.verifier
+        verifier = eng.worker.speculator.verifier
         fault = Fault(verifier.verify)
         verifier.verify = fault
         streams = [eng.generate(p, LONG, stream=True) for p in RUNNERS]

@@ -98,10 +98,10 @@ def test_a_dead_scheduler_thread_fails_every_call_at_once(tiny_model_dir, answer
 
         def broken(*a, **k):
             raise RuntimeError("injected: the loop is broken")
-        sched.get_next_batch = broken
-        sched._abort_everything = broken
+        sched.next_batch = broken
+        sched.abort_all = broken
         if not answers:
-            sched._close = broken
+            sched.close = broken
         for f in futures:
             try:
                 out = f.result(timeout=30)

@@ -146,7 +146,7 @@ def test_hybrid_ngram_trees_are_lossless_and_accept_more(tiny_model_dir, wrong_h
     and the ids stay the target's, in a batch and alone. The path's length is fed back: with a
     wrong head every draft token the target takes is an n-gram one, so what PathLength is told was
     taken adds up to every accepted token but the bonus of each verify."""
-    from specjet.spec_v2.ngram import PathLength
+    from specjet.spec_v2.hybrid import PathLength
 
     accept, updates = {}, []
     real_update = PathLength.update
@@ -225,10 +225,11 @@ def test_verify_token_cap_shares_nodes_across_the_batch(tiny_model_dir, lucky_he
     guess, so no verify commits more than two tokens, however good the head."""
     from types import SimpleNamespace
 
-    from specjet.scheduler.spec_decode import SpecConfig, SpecDecoder
+    from specjet.spec_v2.config import SpecConfig
+    from specjet.spec_v2.speculator import Speculator
 
     def share(cap, batch_size, nodes=26):
-        return SpecDecoder.tree_share(SimpleNamespace(cfg=SpecConfig("EAGLE", nodes, max_verify_tokens=cap)), batch_size)
+        return Speculator.tree_share(SimpleNamespace(cfg=SpecConfig("EAGLE", nodes, max_verify_nodes=cap)), batch_size)
 
     assert [share(64, b) for b in (1, 2, 4, 8, 16, 64)] == [26, 26, 16, 8, 4, 2]
     assert share(None, 8) == 26 and share(64, 1, nodes=12) == 12

@@ -168,6 +168,39 @@ def test_greedy_constrained_equals_plain(tiny_model_dir, head, expected, algorit
         assert all(o["meta_info"]["spec_accept_length"] > 1.3 for o in constrained if o["meta_info"]["spec_verify_ct"])
 
 
+def test_only_the_scheduler_thread_touches_a_requests_matcher(tiny_model_dir, head, expected, monkeypatch):
+    """The thread boundary holds for grammar state: the request's own matcher is advanced and read
+    by the scheduler thread alone, and speculation, on the compute thread, drafts and verifies
+    against a fork of it (overlapped with the host's work), with the same tokens as plain decoding."""
+    import threading
+
+    calls = []  # (on a fork?, thread, method)
+    real_fork = RequestGrammar.fork
+
+    def fork(self):
+        forked = real_fork(self)
+        forked.is_fork = True
+        return forked
+
+    for name in ("accept_token", "accept_tokens", "rollback", "fill_next_token_bitmask", "fill_draft_tree_bitmask",
+                 "is_terminated", "find_jump_forward_string"):
+        def spy(self, *args, _real=getattr(RequestGrammar, name), _name=name, **kwargs):
+            calls.append((getattr(self, "is_fork", False), threading.current_thread().name, _name))
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(RequestGrammar, name, spy)
+    monkeypatch.setattr(RequestGrammar, "fork", fork)
+    with spec_engine(tiny_model_dir, "EAGLE", head, speculative_eagle_topk=2, speculative_num_steps=3,
+                     speculative_num_draft_tokens=8) as eng:
+        outs = eng.generate(PROMPTS, MIXED)
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == expected
+    own = {thread for is_fork, thread, _ in calls if not is_fork}
+    forked = {thread for is_fork, thread, _ in calls if is_fork}
+    assert own == {"specjet-scheduler"}, own
+    assert forked == {"specjet-compute"}, forked
+    assert {m for f, _, m in calls if f} >= {"accept_tokens", "fill_draft_tree_bitmask", "rollback"}
+
+
 def test_page_size_and_tight_budgets(tiny_model_dir, head, plain):
     params = [greedy(n, json_schema=SCHEMA) for n in (1, 2, 5, 9)] + [greedy(40, regex=REGEX)]
     prompts = PROMPTS + PROMPTS[:1]

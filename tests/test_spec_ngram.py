@@ -127,7 +127,7 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir):
 def test_merge_trees_by_hand():
     """EAGLE + n-gram trees: the n-gram path first, then the learned tree's nodes it lacks, a shared
     path merged into one node (its subtree hanging there), parents before children, capped."""
-    from specjet.spec_v2.ngram import merge_trees
+    from specjet.spec_v2.hybrid import merge_trees
 
     ngram = ([7, 1, 2, 3], [-1, 0, 1, 2])  # root 7, then the path 1 2 3
     #            root 7
@@ -151,7 +151,8 @@ def test_ngram_path_prefers_the_requests_own_spelling_of_forced_text():
     """Grammar-aware n-gram drafting: when the request has already written the forced text in
     other pieces than the tokenizer's chain, that spelling is the first branch; the chain stays
     as the next one. A continuation matched after the chain is used when nothing disagrees."""
-    from specjet.spec_v2.ngram import NgramConfig, NgramDrafter
+    from specjet.spec_v2.config import NgramConfig
+    from specjet.spec_v2.ngram import NgramDrafter
 
     text = {1: ' "', 2: "a", 3: "rg", 4: "um", 5: "en", 6: "ts", 7: "uments", 8: '":', 9: " 1", 10: ",", 11: "x"}
 
@@ -164,27 +165,27 @@ def test_ngram_path_prefers_the_requests_own_spelling_of_forced_text():
                 return n
         return len(tokens)
 
-    drafter = NgramDrafter(NgramConfig(num_draft_tokens=9, max_branches=2))
+    drafter = NgramDrafter(NgramConfig(max_branches=2))
     drafter.observe("r", [11, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 1, 2])  # wrote ' "a' 'rg' 'um' 'en' 'ts' before
-    tokens, parents = drafter.propose("r", 9, chain=[3, 7], legal_len=legal_len)
+    tokens, parents = drafter.tree_for("r", 9, chain=[3, 7], legal_len=legal_len)
     # Own spelling first (cut where the grammar stops it: after ','), then the chain.
     assert tokens == [2, 3, 4, 5, 6, 8, 9, 10, 7]
     assert parents == [-1, 0, 1, 2, 3, 4, 5, 6, 1]
     # No earlier spelling of the text: the chain, then what followed the chain's tokens before.
-    fresh = NgramDrafter(NgramConfig(num_draft_tokens=8, max_branches=2))
+    fresh = NgramDrafter(NgramConfig(max_branches=2))
     fresh.observe("r", [3, 7, 8, 9, 1, 2])
-    assert fresh.propose("r", 8, chain=[3, 7], legal_len=legal_len) == ([2, 3, 7, 8, 9], [-1, 0, 1, 2, 3])
+    assert fresh.tree_for("r", 8, chain=[3, 7], legal_len=legal_len) == ([2, 3, 7, 8, 9], [-1, 0, 1, 2, 3])
     # The same spelling as the chain is no second branch.
-    same = NgramDrafter(NgramConfig(num_draft_tokens=8, max_branches=2))
+    same = NgramDrafter(NgramConfig(max_branches=2))
     same.observe("r", [1, 2, 3, 7, 8, 9, 10, 1, 2])
-    assert same.propose("r", 8, chain=[3, 7], legal_len=legal_len) == ([2, 3, 7, 8, 9, 10], [-1, 0, 1, 2, 3, 4])
+    assert same.tree_for("r", 8, chain=[3, 7], legal_len=legal_len) == ([2, 3, 7, 8, 9, 10], [-1, 0, 1, 2, 3, 4])
 
 
 def test_hybrid_path_length_adapts_to_what_the_target_takes():
     """PathLength: half the cap as a rule; doubles (to the cap) when a path is taken whole at the
     limit; after a miss one past what was taken, by half at most, never below the rule; a path cut
     short by its match (taken whole, under the limit) or no path at all changes nothing."""
-    from specjet.spec_v2.ngram import PathLength
+    from specjet.spec_v2.hybrid import PathLength
 
     lengths = PathLength(14)
     assert lengths.limit("r") == 7
@@ -205,7 +206,8 @@ def test_hybrid_path_length_adapts_to_what_the_target_takes():
 
 
 def test_first_path_follows_first_children():
-    from specjet.spec_v2.ngram import build_trie, first_path
+    from specjet.spec_v2.hybrid import first_path
+    from specjet.spec_v2.ngram import build_trie
 
     tokens, parents = build_trie(9, [[1, 2, 3], [1, 4], [5]], max_nodes=10)
     assert first_path(tokens, parents) == [1, 2, 3]

@@ -32,25 +32,23 @@ class EngineArgs:
     grammar_compile_timeout: float | None = 10.0
     grammar_max_spec_bytes: int = 128 << 10
     random_seed: int | None = None
-    speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
+    # Speculative decoding (SGLang's names). None: the algorithm's default; every default and every
+    # range check is in one place, specjet/spec_v2/config.py (SpecConfig.from_args).
+    speculative_algorithm: str | None = None  # "EAGLE" or "NGRAM"
+    speculative_draft_model_path: str | None = None  # EAGLE head; None: the head shipped with specjet
+    speculative_num_steps: int | None = None  # EAGLE: draft forwards per iteration
+    speculative_eagle_topk: int | None = None  # EAGLE: branching per draft step
+    # Nodes of the drafter's tree, root included (EAGLE: the learned tree; NGRAM: the whole tree).
     speculative_num_draft_tokens: int | None = None
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 4
-    speculative_ngram_max_bfs_breadth: int = 4
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
+    speculative_ngram_max_bfs_breadth: int | None = None
     # EAGLE + n-gram (specjet's own): each EAGLE tree also takes the request's best n-gram
-    # continuation, up to this many extra nodes (half as a rule, more while the request's paths are
-    # taken whole: spec_v2/ngram.py PathLength); the n-gram window flags above apply. None: 14 with
-    # EAGLE (GSM8K at batch 1 in bf16: accept 2.45 -> 3.2; held-out JSON schemas under a grammar:
-    # accept 2.45 -> 5.3, 4.2 over completed objects; bench/RESULTS.md); 0: the trained head's
-    # trees alone (EAGLE-2 as SGLang runs it).
+    # continuation, a path of up to this many extra nodes (its length adapts per request); the
+    # n-gram window flags above apply. 0: the trained head's trees alone (EAGLE-2 as SGLang runs it).
     speculative_hybrid_ngram_tokens: int | None = None
     # Tree nodes one verify forward may hold across its batch (specjet's own): with B requests each
-    # tree gets at most max(2, this // B) nodes, its learned and n-gram parts cut in proportion. A
-    # CPU verify costs about its token count once the batch is past a few rows, so at batch 8 a
-    # full 26-node tree per request costs more than it saves. None: no cap.
+    # tree gets at most max(2, this // B) nodes, its learned and n-gram parts cut in proportion.
     speculative_max_verify_tokens: int | None = None
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
@@ -110,27 +108,11 @@ class EngineArgs:
             raise ValueError(f"grammar_max_spec_bytes must be >= 1, got {self.grammar_max_spec_bytes}")
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
-        if self.speculative_algorithm not in (None, "NGRAM", "EAGLE"):
-            raise NotImplementedError(
-                f"speculative_algorithm={self.speculative_algorithm!r} is not available (available: EAGLE, NGRAM)"
-            )
-        for name in ("speculative_num_steps", "speculative_eagle_topk"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
-            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        from specjet.spec_v2.config import SpecConfig
+
+        SpecConfig.from_args(self)  # raises naming the speculative argument that is out of range
         if self.speculative_algorithm is not None and not self.enable_deterministic_inference:
             # Without batch-invariant attention a verify forward rounds differently from a decode step
-            # (bf16: 9 of 36 greedy outputs diverged), so speculation would change the output.
+            # (bench/RESULTS.md counts the diverging outputs), so speculation would change the output.
             raise ValueError("speculative decoding needs enable_deterministic_inference=True: its greedy output "
                              "must equal plain decoding token for token")
-        if self.speculative_max_verify_tokens is not None and self.speculative_max_verify_tokens < 1:
-            raise ValueError(f"speculative_max_verify_tokens must be >= 1, got {self.speculative_max_verify_tokens}")
-        if self.speculative_hybrid_ngram_tokens is not None and self.speculative_hybrid_ngram_tokens < 0:
-            raise ValueError(f"speculative_hybrid_ngram_tokens must be >= 0, got {self.speculative_hybrid_ngram_tokens}")
-        if self.speculative_hybrid_ngram_tokens and self.speculative_algorithm != "EAGLE":
-            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
-                             "speculative_algorithm='EAGLE'")
-        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
-            raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")

@@ -78,10 +78,13 @@ class Engine:
         logging.getLogger("specjet").setLevel(self.args.log_level.upper())
         from specjet.engine.loading import load_components
 
-        self.tokenizer, self.scheduler = load_components(self.args, _resolve_device(self.args.device))
+        parts = load_components(self.args, _resolve_device(self.args.device))
+        # scheduler: requests, KV and results (host side); worker: forwards, sampling, speculation
+        # (compute side); loop: drives both on the scheduler thread.
+        self.tokenizer, self.scheduler, self.worker, self.loop = parts.tokenizer, parts.scheduler, parts.worker, parts.loop
         self._async_outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self.scheduler.event_loop, name="specjet-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run, name="specjet-scheduler", daemon=True)
         self._thread.start()
         # The thread gets the queue, not the engine: a thread holding the last reference to the engine
         # would free its tensors off the main thread, which aborts if that happens at interpreter exit.
@@ -273,13 +276,11 @@ class Engine:
         side's median time and how long it waited for the host (``reset_timings`` starts afresh)."""
         stats = dict(self.scheduler.stats)
         try:
-            stats["overlap"] = self._in_loop(lambda: self.scheduler.overlap_stats(reset=reset_timings))
+            stats["overlap"] = self._in_loop(lambda: self.loop.overlap_stats(reset=reset_timings))
         except RuntimeError:  # the loop has stopped: the health fields below say why
             stats["overlap"] = {"iterations": 0}
-        if self.scheduler.spec is not None:
-            stats.update(self.scheduler.spec.stats)
-            if stats["spec_verify_ct"]:
-                stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+        if stats.get("spec_verify_ct"):
+            stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
         return {"args": self.args, "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots}
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-import pathlib
+from dataclasses import dataclass
 
 import torch
 
@@ -11,14 +11,23 @@ from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
 from specjet.models.runner import ModelRunner
 from specjet.models.weights import load_state_dict, resolve_model_path
+from specjet.scheduler.event_loops import EventLoop
+from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
-from specjet.scheduler.spec_decode import SpecConfig
-from specjet.models.eagle import default_eagle_path, load_eagle
-from specjet.spec_v2.eagle_worker import EagleParams
-from specjet.spec_v2.ngram import NgramConfig
+from specjet.scheduler.worker import ModelWorker
+from specjet.spec_v2.config import SpecConfig
+from specjet.spec_v2.speculator import Speculator
 
 
-def load_components(args: EngineArgs, device: torch.device):
+@dataclass
+class Components:
+    tokenizer: object
+    scheduler: Scheduler  # the host side: requests, KV, results
+    worker: ModelWorker  # the compute side: forwards, sampling, speculation
+    loop: EventLoop  # runs both on the scheduler thread
+
+
+def load_components(args: EngineArgs, device: torch.device) -> Components:
     # Nothing is fetched from a hub: the model directory is local (or converted from a local GGUF).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoTokenizer
@@ -31,45 +40,20 @@ def load_components(args: EngineArgs, device: torch.device):
                          batch_invariant=args.enable_deterministic_inference)
     grammar = GrammarBackend(tokenizer, config.vocab_size, compile_timeout_s=args.grammar_compile_timeout,
                              max_spec_bytes=args.grammar_max_spec_bytes)
-    context_len = args.context_length or config.max_position_embeddings
-    spec = None
-    if args.speculative_algorithm == "NGRAM":
-        num_nodes = args.speculative_num_draft_tokens or 8
-        spec = SpecConfig("NGRAM", num_nodes, ngram_config(args, num_nodes, args.speculative_ngram_max_bfs_breadth),
-                          grammar_aware=args.speculative_grammar_aware, max_verify_tokens=args.speculative_max_verify_tokens)
-    elif args.speculative_algorithm == "EAGLE":
-        head_dir = args.speculative_draft_model_path or default_eagle_path()
-        if not pathlib.Path(head_dir).exists():
-            raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
-        head = load_eagle(head_dir, config, dtype=runner.dtype, device=runner.device)
-        params = EagleParams(
-            num_steps=args.speculative_num_steps or 4,
-            topk=args.speculative_eagle_topk or 4,
-            num_draft_tokens=args.speculative_num_draft_tokens or 12,
-        )
-        extra = args.speculative_hybrid_ngram_tokens
-        extra = DEFAULT_HYBRID_NGRAM_TOKENS if extra is None else extra
-        # The hybrid's n-gram path is one branch whose length SpecDecoder sets per request (PathLength).
-        spec = SpecConfig("EAGLE", params.num_draft_tokens + extra, eagle=params, eagle_head=head,
-                          grammar_aware=args.speculative_grammar_aware,
-                          ngram=ngram_config(args, params.num_draft_tokens + extra, 1), hybrid_ngram_tokens=extra,
-                          max_verify_tokens=args.speculative_max_verify_tokens)
-    scheduler = Scheduler(runner, tokenizer, grammar, SchedulerConfig(
+    sched_config = SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
-        context_len=context_len,
+        context_len=args.context_length or config.max_position_embeddings,
         random_seed=args.random_seed,
-        spec=spec,
-        overlap=not args.disable_overlap_schedule,
-    ))
-    return tokenizer, scheduler
-
-
-# n-gram nodes merged into each EAGLE tree unless speculative_hybrid_ngram_tokens says otherwise (see args.py).
-DEFAULT_HYBRID_NGRAM_TOKENS = 14
-
-
-def ngram_config(args: EngineArgs, num_nodes: int, branches: int) -> NgramConfig:
-    return NgramConfig(num_draft_tokens=num_nodes, max_window=args.speculative_ngram_max_match_window_size,
-                       min_window=args.speculative_ngram_min_match_window_size, max_branches=branches)
+    )
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, args.page_size, runner.device)
+    req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)
+    spec_config = SpecConfig.from_args(args)
+    speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer)
+                  if spec_config is not None else None)
+    worker = ModelWorker(runner, req_to_token_pool.table, speculator)
+    scheduler = Scheduler(tokenizer, grammar, sched_config, allocator, req_to_token_pool, config.vocab_size,
+                          config.eos_token_ids, spec=speculator)
+    loop = EventLoop(scheduler, worker, overlap=not args.disable_overlap_schedule)
+    return Components(tokenizer, scheduler, worker, loop)

@@ -1,1 +1,2 @@
-"""Requests, batches, KV pools and allocator, the event loop."""
+"""The scheduler thread: requests and KV bookkeeping (scheduler.py), the compute side (worker.py),
+and the loops that drive both (event_loops.py)."""

@@ -11,8 +11,6 @@ committed length are released when the request finishes.
 from __future__ import annotations
 
 import threading
-from typing import Iterable
-
 import torch
 
 
@@ -74,9 +72,6 @@ class TokenToKVPoolAllocator:
         p = self.page_size
         return max(0, -(-new_len // p) - -(-allocated_len // p)) * p
 
-    def can_extend(self, allocated_len: int, new_len: int) -> bool:
-        return self.slots_needed(allocated_len, new_len) <= self.num_free_slots
-
     def extend(self, row_slots: torch.Tensor, allocated_len: int, new_len: int) -> torch.Tensor:
         """Slots for positions [allocated_len, new_len) of a request whose row is ``row_slots``.
 
@@ -119,13 +114,6 @@ class TokenToKVPoolAllocator:
         pages = (slots[::p] // p).tolist()
         with self._lock:
             self._free_pages.extend(reversed(pages))
-
-    def free_slots(self, slots: Iterable[int]) -> None:
-        """Release individual slots (page_size 1 only: e.g. rejected speculative positions)."""
-        if self.page_size != 1:
-            raise ValueError("free_slots is only defined for page_size 1; free whole requests instead")
-        with self._lock:
-            self._free_pages.extend(int(s) for s in slots)
 
     def snapshot(self) -> int:
         """Mark the free list; ``restore(mark)`` gives back every page taken since (a drafter's

@@ -38,10 +38,10 @@ def stream_chunk(req: Req) -> dict[str, Any] | None:
     """The increment since the last chunk (text and ids), or None when there is nothing new to send.
     The final chunk always goes out, carrying ``finish_reason``."""
     end = streamable_len(req)
-    new_ids = req.output_ids[req.sent_ids:]
+    new_ids = req.output_ids[req.num_sent_ids:]
     if not req.finished and end <= req.sent_len:
         return None
     chunk = {"text": req.text[req.sent_len:end], "output_ids": new_ids, "meta_info": meta_info(req)}
     req.sent_len = end
-    req.sent_ids = len(req.output_ids)
+    req.num_sent_ids = len(req.output_ids)
     return chunk

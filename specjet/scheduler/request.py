@@ -38,7 +38,7 @@ class Req:
     retract_count: int = 0
     text: str = ""  # detokenized output (stop strings cut it)
     sent_len: int = 0  # characters of text already streamed
-    sent_ids: int = 0
+    num_sent_ids: int = 0  # output ids already streamed
     # Incremental detokenization (scheduler/detokenizer.py, as SGLang's detokenizer): `text` is final
     # text only; a step decodes just the window detok_ids (recent output ids less skipped special
     # tokens: detok_surr_len of context whose decode is detok_surr_text, then ids whose text is not
@@ -56,9 +56,9 @@ class Req:
     spec_verify_ct: int = 0  # verify forwards that served this request
     spec_accept_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per verify -> count
     # Overlap loop: launched batches holding this request whose results the host has not processed;
-    # a request that finishes meanwhile keeps its KV until they are processed (release_pending).
+    # a request that finishes meanwhile keeps its KV until they are processed
+    # (Scheduler.release_pending).
     inflight: int = 0
-    release_pending: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

@@ -1,8 +1,12 @@
-"""The scheduler: decides which requests run each iteration, runs them, and hands results back.
+"""The scheduler: policy and bookkeeping on the host side of the loop.
 
-It owns the waiting queue, the running batch, the KV pools and the per-request grammar matchers.
-It runs on its own thread behind the Engine; requests and aborts arrive through an inbox queue
-and results leave through each request's sink, so nothing here blocks on a caller.
+It decides which requests run each iteration (admission, KV reservation, retraction), and it alone
+writes request state: it owns the waiting queue, the running batch, the KV pools, each request's
+grammar matcher, and the stats; it commits each batch's tokens (grammar, stop checks,
+detokenizing, streaming) and finishes requests. The compute side is the worker (worker.py); the
+loop that drives both is event_loops.py. It runs on the scheduler thread behind the Engine;
+requests and aborts arrive through an inbox queue and results leave through each request's sink,
+so nothing here blocks on a caller.
 """
 from __future__ import annotations
 
@@ -16,18 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.grammar import (RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, check_json_output,
-                             fill_token_bitmasks)
-from specjet.kernels.sampling import sample
-from specjet.models.runner import ModelRunner
-from specjet.scheduler.batch import BatchKind, ScheduledBatch, build_decode_batch, build_prefill_batch
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, check_json_output, fill_token_bitmasks
+from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.detokenizer import update_text
-from specjet.scheduler.event_loops import EventLoopsMixin
-from specjet.scheduler.future_map import ComputeView, FutureMap
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
 from specjet.scheduler.output import final_output, stream_chunk
 from specjet.scheduler.request import Req
-from specjet.scheduler.spec_decode import SpecConfig, SpecDecoder, sampling_tensors
+from specjet.scheduler.worker import ReqInput, WorkerBatch
+from specjet.spec_v2.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -39,28 +39,32 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     context_len: int = 8192
     random_seed: int | None = None
-    spec: "SpecConfig | None" = None
-    overlap: bool = True  # False: the plain loop (disable_overlap_schedule)
 
 
-class Scheduler(EventLoopsMixin):
-    def __init__(self, runner: ModelRunner, tokenizer, grammar_backend, config: SchedulerConfig):
-        self.runner = runner
+class _SettleFirst:
+    def __repr__(self) -> str:
+        return "SETTLE_FIRST"
+
+
+# ``next_batch(exact=False)``: the decision needs the batch in flight processed first (retraction).
+SETTLE_FIRST = _SettleFirst()
+
+
+class Scheduler:
+    def __init__(self, tokenizer, grammar_backend, config: SchedulerConfig, allocator: TokenToKVPoolAllocator,
+                 req_to_token_pool: ReqToTokenPool, vocab_size: int, eos_token_ids, spec: Speculator | None = None):
         self.tokenizer = tokenizer
         self.grammar_backend = grammar_backend
         self.config = config
-        self.device = runner.device
-        self.allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, config.page_size, self.device)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 1, config.context_len, self.device)
-        self.vocab_size = runner.config.vocab_size
-        self.eos_token_ids = set(runner.config.eos_token_ids)
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-
-        self.spec = (SpecDecoder(runner, config.spec, self.vocab_size, config.context_len, self.allocator,
-                                 tokenizer=tokenizer)
-                     if config.spec is not None else None)
-        self.future_map = FutureMap(self.req_to_token_pool.num_rows)
+        # The speculator lives on the compute side; the scheduler reads only its geometry (tree
+        # nodes and drafter scratch per iteration, from the configuration) to reserve KV.
+        self.spec = spec
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -71,9 +75,13 @@ class Scheduler(EventLoopsMixin):
         self._submit_lock = threading.RLock()
         self._live_rids: set[str] = set()  # submitted and not yet answered with a finish
         self.closed_reason: str | None = None  # set when the loop stops for good (shut down or died)
+        # Finished requests whose KV waits for a launched batch that still holds them.
+        self.release_pending: list[Req] = []
+        self._released_rids: list[str] = []  # ended since the last launch: the worker drops their state
         self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0,
                       "requests_submitted": 0, "request_errors": 0, "batch_failures": 0, "batch_retries": 0}
-        self._init_loop_state()
+        if spec is not None:
+            self.stats.update(spec_verify_ct=0, spec_accepted_tokens=0)
 
     # ---------------------------------------------------------------- requests in and out
     def submit(self, reqs: list[Req]) -> None:
@@ -115,7 +123,14 @@ class Scheduler(EventLoopsMixin):
         self._stop.set()
         self.inbox.put(("stop", None))
 
-    def _drain_inbox(self, block: bool) -> None:
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def has_work(self) -> bool:
+        """Requests waiting or running, or finished ones whose KV waits for a launched batch."""
+        return bool(self.waiting or self.running or self.release_pending)
+
+    def drain_inbox(self, block: bool) -> None:
         timeout = 0.05 if block else None
         while True:
             try:
@@ -143,11 +158,11 @@ class Scheduler(EventLoopsMixin):
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.waiting.append(req)
 
-    # ---------------------------------------------------------------- the loop (event_loops.py)
-    def _close(self, message: str) -> None:
+    # ---------------------------------------------------------------- the loop's end (event_loops.py)
+    def close(self, message: str) -> None:
         """The loop is ending for good: answer every request it holds or will never read, and fail
         every queued call, so no caller waits on a loop that is gone."""
-        for req in self.waiting + self.running + self._pending_release():
+        for req in self.waiting + self.running:
             self._finish(req, {"type": "abort", "message": message})
         with self._submit_lock:
             self.closed_reason = message
@@ -161,17 +176,33 @@ class Scheduler(EventLoopsMixin):
                 elif kind == "call":
                     value[1].set_exception(RuntimeError(f"the engine is not running: {message}"))
 
+    def abort_all(self, message: str) -> None:
+        """After an unexpected failure of the loop (the compute side has finished everything
+        launched, whose results are dropped): end every request, so the loop starts again clean."""
+        for req in self.running + self.release_pending:
+            req.inflight = 0
+        for req in list(self.release_pending):
+            self._release(req)
+        for req in self.waiting + self.running:
+            self._finish(req, {"type": "abort", "message": message})
+
     # ---------------------------------------------------------------- scheduling
-    def get_next_batch(self) -> ScheduledBatch | None:
-        self.stats["iterations"] += 1
+    def next_batch(self, exact: bool = True):
+        """The next batch to launch, None when there is nothing to run, or ``SETTLE_FIRST`` when
+        ``exact`` is False (a batch is in flight) and retraction would be needed: the loop then
+        processes that batch and asks again."""
         self._remove_aborted()
         prefill = self._schedule_prefill()
         if prefill:
+            self.stats["iterations"] += 1
             self.stats["prefill_batches"] += 1
             return ScheduledBatch(BatchKind.PREFILL, prefill)
         if self.running:
-            decode = self._prepare_decode()
+            decode = self._prepare_decode(exact)
+            if decode is SETTLE_FIRST:
+                return decode
             if decode:
+                self.stats["iterations"] += 1
                 self.stats["decode_batches"] += 1
                 return ScheduledBatch(BatchKind.DECODE, decode)
         return None
@@ -234,17 +265,18 @@ class Scheduler(EventLoopsMixin):
         row[req.kv_allocated_len:new_len] = slots
         req.kv_allocated_len = new_len
 
-    def _prepare_decode(self) -> list[Req]:
+    def _prepare_decode(self, exact: bool):
         """Every running request needs a slot for one more position; retract the newest requests
-        (free their KV, requeue them to re-prefill later) until the rest fit."""
+        (free their KV, requeue them to re-prefill later) until the rest fit. Retraction decides on
+        the exact state: without it (``exact`` False), ``SETTLE_FIRST``."""
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
             if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
                 need += self.spec.scratch_slots(len(self.running))
             if need <= self.allocator.num_free_slots:
                 break
-            if self._flush_inflight():  # its finished requests may free enough; decide on exact state
-                continue
+            if not exact:  # the batch in flight may finish requests and free enough
+                return SETTLE_FIRST
             if len(self.running) == 1:
                 req = self.running[0]
                 self._finish(req, {"type": "abort", "message":
@@ -278,72 +310,50 @@ class Scheduler(EventLoopsMixin):
         return self.allocator.slots_needed(0, min(num_prompt_tokens + ahead, self.config.context_len)) + scratch
 
     def _release(self, req: Req) -> None:
-        """Give back a finished request's KV and drafter state, once no launched batch uses them."""
+        """Give back a finished request's KV (and, through the next launched batch, its compute
+        state), once no launched batch uses them."""
         if req.inflight > 0:
-            req.release_pending = True
+            if req not in self.release_pending:
+                self.release_pending.append(req)
             return
-        req.release_pending = False
+        if req in self.release_pending:
+            self.release_pending.remove(req)
         self._release_kv(req)
-        if self.spec is not None:
-            self.spec.release(req)
+        self._released_rids.append(req.rid)
 
     def _release_kv(self, req: Req) -> None:
         if req.req_pool_idx is None:
             return
-        self.future_map.release(req.req_pool_idx)
         row = self.req_to_token_pool.table[req.req_pool_idx]
         self.allocator.free_request(row, req.kv_allocated_len)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_committed_len = req.kv_allocated_len = 0
 
-    # ---------------------------------------------------------------- compute side
-    # These run on the compute stream and see requests through ComputeViews (future_map.py): they
-    # read and advance the compute side's tokens and lengths, never the host's.
-    def compute_forward(self, kind: BatchKind, views: list[ComputeView]):
-        table = self.req_to_token_pool.table
-        if kind is BatchKind.PREFILL:
-            capture = self.spec.target_capture if self.spec is not None else None
-            fb = build_prefill_batch(views, table, self.device, capture_hidden=capture)
-        else:
-            fb = build_decode_batch(views, table, self.device)
-        return self.runner.forward(fb)
-
-    def compute_sample(self, kind: BatchKind, views: list[ComputeView], forward, grammar_mask) -> list[list[int]]:
-        """Sample each request's next token from the forward's logits (masked by the host-built
-        grammar bitmask) and publish it to the compute side's views."""
-        out = forward.result()
-        logits = out.logits
-        if grammar_mask is not None:
-            bitmask, rows = grammar_mask
-            logits = logits.cpu() if logits.device.type != "cpu" else logits
-            apply_token_bitmask_(logits, bitmask, indices=rows)
-        tokens = self.sample(views, logits)
-        if kind is BatchKind.PREFILL and self.spec is not None and self.spec.target_capture is not None:
-            self.spec.after_prefill(views, out.hidden, tokens, self.req_to_token_pool.table)
-        for view, token in zip(views, tokens):
-            view.kv_committed_len = len(view.fill_ids) if kind is BatchKind.PREFILL else view.kv_committed_len + 1
-            view.output_ids.append(token)
-        return [[t] for t in tokens]
-
-    def compute_spec(self, views: list[ComputeView]) -> list[list[int]]:
-        """One speculative iteration: draft, verify, accept; the root and the accepted draft nodes
-        now have KV, and the bonus token is the next root."""
-        new_tokens = self.spec.run(views, self.req_to_token_pool.table)
-        for view, tokens in zip(views, new_tokens):
-            view.kv_committed_len += len(tokens)
-            view.output_ids.extend(tokens)
-        return new_tokens
-
-    def sample(self, reqs, logits: torch.Tensor) -> list[int]:
-        st = sampling_tensors(reqs, logits.device)
-        uniforms = None
-        if not st.all_greedy:
-            uniforms = torch.tensor(
-                [float(torch.rand((), generator=r.generator)) if r.generator is not None else 0.0 for r in reqs],
-                device=logits.device,
-            )
-        return sample(logits, st, uniforms).tolist()
+    # ---------------------------------------------------------------- launching a batch
+    def start_batch(self, batch: ScheduledBatch) -> WorkerBatch:
+        """The host's side of launching ``batch``: a prefill's KV is committed at once (nothing can
+        reject it, and the next batch's reservation starts from it) and its requests join the
+        running batch; every request counts one more batch in flight. Returns what the worker
+        gets: a ``ReqInput`` per request (a speculative batch: with a fork of its grammar)."""
+        spec_decode = batch.kind is BatchKind.DECODE and self.spec is not None
+        inputs = []
+        for req in batch.reqs:
+            if batch.kind is BatchKind.PREFILL:
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
+                                       prefill_ids=req.fill_ids, prompt_len=len(req.input_ids),
+                                       cached_len=req.kv_committed_len))
+                req.kv_committed_len = len(req.fill_ids)
+            elif spec_decode and req.grammar is not None:
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
+                                       grammar=req.grammar.fork(), grammar_len=len(req.output_ids)))
+            else:
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator))
+            req.inflight += 1
+        if batch.kind is BatchKind.PREFILL:
+            self.running.extend(batch.reqs)
+        released, self._released_rids = tuple(self._released_rids), []
+        return WorkerBatch(batch.kind, inputs, released)
 
     # ---------------------------------------------------------------- host side of a batch
     def grammar_mask(self, reqs: list[Req]):
@@ -367,7 +377,30 @@ class Scheduler(EventLoopsMixin):
         return (bitmask, rows) if rows else None
 
     # ---------------------------------------------------------------- results
-    def process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
+    def batch_done(self, batch: ScheduledBatch, new_tokens: list[list[int]] | None, error: Exception | None,
+                   retry: bool = False) -> None:
+        """A launched batch's outcome: its new tokens per request, or the compute side's ``error``.
+        A failed batch's requests end with the error, or with ``retry`` (it read the state of a
+        batch that had failed before it) go back to the waiting queue to be re-run from the host's
+        state. Releases what finished requests held once no launched batch uses it."""
+        for req in batch.reqs:
+            req.inflight -= 1
+        if error is None:
+            self._process_batch_result(batch, new_tokens)
+        elif retry:
+            self.stats["batch_retries"] += 1
+            for req in batch.reqs:
+                if not req.finished and req in self.running:
+                    self._retract(req)
+        else:
+            self.stats["batch_failures"] += 1
+            for req in batch.reqs:
+                self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {error!r}"})
+        for req in batch.reqs:
+            if req.inflight == 0 and req in self.release_pending:
+                self._release(req)
+
+    def _process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
         now = time.perf_counter()
         for req, tokens in zip(batch.reqs, new_tokens):
             if req.finished:
@@ -412,8 +445,8 @@ class Scheduler(EventLoopsMixin):
     def _count_verify(self, req: Req, num_tokens: int) -> None:
         req.spec_verify_ct += 1
         req.spec_accept_hist[num_tokens] = req.spec_accept_hist.get(num_tokens, 0) + 1
-        self.spec.stats["spec_verify_ct"] += 1
-        self.spec.stats["spec_accepted_tokens"] += num_tokens
+        self.stats["spec_verify_ct"] += 1
+        self.stats["spec_accepted_tokens"] += num_tokens
 
     def _check_finished(self, req: Req, token: int) -> dict | None:
         sp = req.sampling
@@ -481,7 +514,7 @@ class Scheduler(EventLoopsMixin):
     def check_kv_invariant(self) -> None:
         """free + owned == pool size; callable when the loop is idle (tests call it after each workload)."""
         table = self.req_to_token_pool.table
-        live = self.running + self.waiting + self._pending_release()
+        live = self.running + self.waiting + self.release_pending
         owned = {r.rid: table[r.req_pool_idx, :r.kv_allocated_len] for r in live if r.req_pool_idx is not None}
         check_kv_invariant(self.allocator, owned)
         live_rows = sum(1 for r in live if r.req_pool_idx is not None)

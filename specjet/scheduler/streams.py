@@ -2,7 +2,7 @@
 
 The overlap loop submits iteration N's work and goes on with iteration N-1's host work (grammar,
 stop checks, streaming) while N runs. Work items run in submission order, so N+1's forward can read
-what N wrote (the future map) without the host looking at it in between. ``submit`` returns a
+what N wrote (the worker's compute state) without the host looking at it in between. ``submit`` returns a
 ``concurrent.futures.Future``: ``.result()`` is the host's sync point, and it re-raises the work's
 exception on the caller's thread.
 
@@ -60,6 +60,28 @@ class Stream:
     def _record(self, timing: WorkTiming) -> None:
         with self._timings_lock:
             self._timings.append(timing)
+
+
+class InlineStream(Stream):
+    """The plain loop's 'stream': work runs at once on the calling thread (timed the same way)."""
+
+    def __init__(self):
+        self._init_timings()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        timing = WorkTiming(time.perf_counter())
+        timing.started = timing.submitted
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+        timing.ended = time.perf_counter()
+        self._record(timing)
+        return future
+
+    def synchronize(self) -> None:
+        pass
 
 
 class CpuStream(Stream):
@@ -131,5 +153,8 @@ class CudaStream(Stream):
         self.stream.synchronize()
 
 
-def make_stream(device: torch.device) -> Stream:
+def make_stream(device: torch.device, overlap: bool = True) -> Stream:
+    """The overlap loop's stream for ``device``; without overlap, work runs inline."""
+    if not overlap:
+        return InlineStream()
     return CudaStream(device) if device.type == "cuda" else CpuStream()

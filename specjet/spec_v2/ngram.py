@@ -11,17 +11,13 @@ n-gram to the positions where it ends, updated incrementally as tokens are accep
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
+import torch
 
-@dataclass(frozen=True)
-class NgramConfig:
-    num_draft_tokens: int = 8  # tree nodes including the root
-    max_window: int = 4  # longest suffix matched
-    min_window: int = 1  # shortest suffix matched (1 matches any earlier occurrence of the last token)
-    max_branches: int = 4  # distinct continuations tried per draft
-    max_matches_scanned: int = 32  # most recent occurrences looked at per window
+from specjet.spec_v2.config import NgramConfig
+from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
+from specjet.spec_v2.tree_verifier import VerifyResult
 
 
 class NgramIndex:
@@ -90,87 +86,32 @@ def build_trie(root_token: int, continuations: list[list[int]], max_nodes: int) 
     return tokens, parents  # creation order: parents before children, siblings best first
 
 
-def merge_trees(first: tuple[list[int], list[int]], second: tuple[list[int], list[int]], max_nodes: int
-                ) -> tuple[list[int], list[int]]:
-    """The union of two draft trees under the same root, as one tree of at most ``max_nodes``
-    nodes: ``first``'s nodes in its order, then ``second``'s that it lacks (a node whose path
-    ``first`` already has is that node, so its subtree hangs there). Both trees list parents before
-    children, and so does the result: any prefix of it is a tree."""
-    tokens, parents = first[0][:max_nodes], first[1][:max_nodes]
-    if second[0][0] != tokens[0]:
-        raise ValueError(f"trees with different roots ({tokens[0]} vs {second[0][0]}) cannot be merged")
-    tokens, parents = list(tokens), list(parents)
-    node_of = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents)) if i}
-    mapped = {0: 0}  # second's node -> the result's
-    for j in range(1, len(second[0])):
-        parent = mapped.get(second[1][j])
-        if parent is None:  # its parent did not fit
-            continue
-        key = (parent, second[0][j])
-        node = node_of.get(key)
-        if node is None:
-            if len(tokens) >= max_nodes:
-                continue
-            node = node_of[key] = len(tokens)
-            tokens.append(second[0][j])
-            parents.append(parent)
-        mapped[j] = node
-    return tokens, parents
-
-
-class PathLength:
-    """How many tokens each request's hybrid n-gram path may have: half of ``max_len`` as a rule, up to
-    all of it while its paths keep being taken whole.
-
-    The path costs verify nodes whether or not the target takes it. On repetitive text (a JSON array
-    of records, repeated keys and values) it is right a dozen tokens at a time; on prose it is right
-    now and then, for a few tokens, and a longer guess there only makes the verify dearer. So a
-    request's limit doubles (up to ``max_len``) each time its path is taken whole at the limit, and
-    after a miss drops to one past what was taken, but by half at most and never below the rule.
-    Measured (bench/RESULTS.md, session 5): the adaptive limit gives held-out JSON the accept of a
-    fixed ``max_len`` path and GSM8K the speed of a fixed half-length one."""
-
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.min_len = max(1, max_len // 2)
-        self._limits: dict[str, int] = {}
-
-    def limit(self, rid: str) -> int:
-        return self._limits.get(rid, self.min_len)
-
-    def update(self, rid: str, proposed: int, taken: int) -> None:
-        """After a verify: the path had ``proposed`` tokens (beyond any forced chain) and the target
-        took the first ``taken``. No path, nothing learned."""
-        if proposed <= 0:
-            return
-        limit = self.limit(rid)
-        if taken >= proposed:
-            if proposed >= limit:  # taken whole at the limit: try longer (a match that ran out says nothing)
-                self._limits[rid] = min(self.max_len, 2 * limit)
-        else:
-            self._limits[rid] = max(self.min_len, taken + 1, limit // 2)
-
-    def release(self, rid: str) -> None:
-        self._limits.pop(rid, None)
-
-
-def first_path(tokens: list[int], parents: list[int]) -> list[int]:
-    """The tokens of a tree's first root-to-leaf path, root left out: node 1, its first child, ... (in a
-    trie from ``build_trie`` that is its first branch)."""
-    path, node = [], 0
-    for i in range(1, len(tokens)):
-        if parents[i] == node:
-            path.append(tokens[i])
-            node = i
-    return path
-
-
 class NgramDrafter:
-    """Proposes a draft tree per request from its own n-gram index."""
+    """Proposes a draft tree per request from its own n-gram index (a ``Drafter``)."""
+
+    feature_capture = None  # it reads tokens only
 
     def __init__(self, cfg: NgramConfig):
         self.cfg = cfg
         self._indexes: dict[str, NgramIndex] = {}
+
+    def scratch_slots(self, batch_size: int) -> int:
+        return 0
+
+    def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor) -> None:
+        pass  # the index is brought up to date when the request drafts
+
+    def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
+        trees = []
+        for r in reqs:
+            self.observe(r.input.rid, r.input.token_ids)
+            legal_len = r.guide.legal_prefix_len if r.guide is not None else None
+            trees.append(self.tree_for(r.input.rid, r.budget, r.chain, legal_len))
+        return trees
+
+    def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
+        pass  # the accepted tokens reach the index with the request's next token_ids
 
     def observe(self, rid: str, all_tokens: list[int]) -> None:
         """Bring the request's index up to date with its full token list (prompt + output)."""
@@ -179,8 +120,8 @@ class NgramDrafter:
             index = self._indexes[rid] = NgramIndex(self.cfg.max_window)
         index.extend(all_tokens[len(index.tokens):])
 
-    def propose(self, rid: str, max_nodes: int, chain: list[int] = (),
-                legal_len: Callable[[list[int], list[int]], int] | None = None) -> tuple[list[int], list[int]]:
+    def tree_for(self, rid: str, max_nodes: int, chain: list[int] = (),
+                 legal_len: Callable[[list[int], list[int]], int] | None = None) -> DraftTree:
         """A trie of continuations under the last token. Grammar-aware drafting passes ``chain``
         (the grammar's forced tokens: a sure branch, and the place continuations are matched from)
         and ``legal_len`` (``legal_len(prefix, tokens)``: how many of ``tokens`` the grammar
@@ -193,7 +134,6 @@ class NgramDrafter:
         that leaves the chain within the chain's length goes first: once the request has written
         that text before, its own spelling is the better guess. The chain's branch follows."""
         index = self._indexes[rid]
-        max_nodes = min(max_nodes, self.cfg.num_draft_tokens)
         chain = list(chain)[: max(0, max_nodes - 1)]
         respelled = []
         if chain:

@@ -3,7 +3,7 @@
 Shared by every drafter (EAGLE, n-gram): a drafter proposes (tokens, parents) per request, this
 module runs the target over all nodes under the tree mask, walks the tree (greedy or lossless
 rejection sampling), and moves the accepted nodes' KV into the request's next positions. It knows
-nothing of the scheduler: requests arrive as ``SpecRequest`` views.
+nothing of the scheduler or the drafters: each request arrives as a ``VerifyInput``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from specjet.models.runner import ModelRunner
 
 
 @dataclass
-class SpecRequest:
+class VerifyInput:
+    """One request's draft tree and what verifying it needs."""
+
     row: int  # the request's row in the request-to-token table
     committed_len: int  # positions with valid KV; the root goes at this position
     tokens: list[int]  # draft tree, root (the last verified token) first
@@ -44,8 +46,7 @@ class TreeVerifier:
         self.runner = runner
         self.capture_hidden = capture_hidden
 
-    def verify(self, reqs: list[SpecRequest], req_to_token: torch.Tensor, sampling: SamplingTensors,
-               extra_kv_caches=()) -> VerifyResult:
+    def verify(self, reqs: list[VerifyInput], req_to_token: torch.Tensor, sampling: SamplingTensors) -> VerifyResult:
         device = req_to_token.device
         sizes = [len(r.tokens) for r in reqs]
         trees = [build_tree(torch.tensor([r.parents], dtype=torch.int64, device=device),
@@ -97,11 +98,11 @@ class TreeVerifier:
             nodes = path[0, : int(lens[0])].tolist()
             accepted_nodes.append(nodes)
             accepted_tokens.append([r.tokens[i] for i in nodes[1:]] + [int(bonus[0])])
-            self._commit_kv(r, nodes, req_to_token, extra_kv_caches)
+            self._commit_kv(r, nodes, req_to_token)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
 
     @staticmethod
-    def _apply_grammar_masks(reqs: list[SpecRequest], logits: torch.Tensor, offsets: list[int]) -> None:
+    def _apply_grammar_masks(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:
         """Mask each constrained node's logits with the grammar state of its own path, in place: the
         greedy walk and the rejection sampling then see, at every node, exactly what plain
         constrained decoding would sample from after that path."""
@@ -113,7 +114,7 @@ class TreeVerifier:
         full[torch.cat(rows)] = bitmask
         apply_token_bitmask_(logits, full, indices=torch.cat(rows).tolist())
 
-    def _commit_kv(self, r: SpecRequest, nodes: list[int], req_to_token: torch.Tensor, extra_kv_caches) -> None:
+    def _commit_kv(self, r: VerifyInput, nodes: list[int], req_to_token: torch.Tensor) -> None:
         """Node i's KV sits at position committed+i; the j-th node of the path must sit at committed+j.
         Rejected nodes' slots stay reserved for the request and are overwritten next iteration."""
         moves = [(i, j) for j, i in enumerate(nodes) if i != j]
@@ -122,5 +123,4 @@ class TreeVerifier:
         base = req_to_token[r.row, r.committed_len:r.committed_len + len(r.tokens)]
         src = base[torch.tensor([i for i, _ in moves])]
         dst = base[torch.tensor([j for _, j in moves])]
-        for cache in (self.runner.kv_cache, *extra_kv_caches):
-            cache.move_slots(src, dst)
+        self.runner.kv_cache.move_slots(src, dst)

@@ -7,7 +7,7 @@ predicts there. One iteration:
 1. draft: the root (last verified token) gets the state's top-k as children (scores: log-probs);
    each of ``num_steps - 1`` draft forwards feeds the current frontier (the ``topk`` best nodes by
    path score) with their parents' hidden states and expands each into its top-k children;
-2. rerank: the ``num_draft_tokens - 1`` best nodes by path score form the tree (kernels/tree.py);
+2. rerank: the ``tree_nodes - 1`` best nodes by path score form the tree (kernels/tree.py);
 3. (the target verifies the tree: spec_v2/tree_verifier.py);
 4. extend: the head runs over the accepted tokens with the target's hidden states at the real
    positions, writing its KV there and producing the next draft state.
@@ -33,19 +33,15 @@ from specjet.models.eagle import EagleDraftModel
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
+from specjet.spec_v2.config import EagleParams
+from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
+from specjet.spec_v2.tree_verifier import VerifyResult
 
 
 # A forced-chain token is drafted as a sure node (no siblings) only where the head, under the grammar,
 # puts at least this much mass on it; elsewhere the head's alternatives are worth their tree slots.
 CHAIN_MIN_PROB = 0.9
-
-
-@dataclass(frozen=True)
-class EagleParams:
-    num_steps: int = 4
-    topk: int = 4
-    num_draft_tokens: int = 12
 
 
 @dataclass
@@ -58,7 +54,7 @@ class DraftState:
 
 @dataclass
 class DraftView:
-    """What the drafter needs of one request."""
+    """Where the head writes one request's draft KV."""
 
     rid: str
     row: int
@@ -66,11 +62,12 @@ class DraftView:
 
 
 class EagleDrafter:
+    """EAGLE-2 trees from a trained head (a ``Drafter``)."""
+
     def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator):
-        if params.topk < 1 or params.num_steps < 1 or params.num_draft_tokens < 1:
-            raise ValueError(f"invalid EAGLE parameters {params}")
         self.runner = runner
         self.head = head.bind_target(runner.model)
+        self.feature_capture = self.head.feature_capture
         self.params = params
         self.allocator = allocator
         cfg = runner.config
@@ -83,6 +80,26 @@ class EagleDrafter:
         """Slots the drafting of one batch borrows (and returns) from the allocator."""
         per_step = self.allocator.slots_needed(0, batch_size * self.params.topk)
         return per_step * (self.params.num_steps - 1)
+
+    # ---------------------------------------------------------------- the Drafter protocol
+    def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor) -> None:
+        """The draft prefill: the head reads (token t+1, target feature t) over each prompt."""
+        views = [DraftView(r.rid, r.row, 0) for r in reqs]
+        self.extend(views, [r.token_ids[1:] + [tok] for r, tok in zip(reqs, first_tokens)], hidden, req_to_token)
+
+    def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
+        guided = any(r.guide is not None for r in reqs)
+        trees = self.draft_trees([_view(r.input) for r in reqs], [r.input.root for r in reqs], req_to_token,
+                                 guides=[r.guide for r in reqs] if guided else None, chains=[r.chain for r in reqs])
+        return [(tokens[:r.budget], parents[:r.budget]) for (tokens, parents), r in zip(trees, reqs)]
+
+    def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
+        """The head runs over the accepted path: at the path's j-th position it reads the token after
+        it (the next path token, or the bonus) and the target's hidden state at that node."""
+        hidden = result.output.hidden
+        rows = torch.cat([torch.tensor(nodes) + off for nodes, off in zip(result.accepted_nodes, result.node_offsets)])
+        self.extend([_view(r) for r in reqs], result.accepted_tokens, hidden[rows], req_to_token)
 
     # ---------------------------------------------------------------- prefill / extend
     def extend(self, views: list[DraftView], token_lists: list[list[int]], features: torch.Tensor,
@@ -120,11 +137,11 @@ class EagleDrafter:
             self.states[view.rid] = DraftState(last_hidden[b], top_ids[b], top_logp[b], logits[b])
 
     # ---------------------------------------------------------------- drafting
-    def propose(self, views: list[DraftView], root_tokens: list[int], req_to_token: torch.Tensor,
+    def draft_trees(self, views: list[DraftView], root_tokens: list[int], req_to_token: torch.Tensor,
                 guides: list[GrammarGuide | None] | None = None, chains: list[list[int]] | None = None
                 ) -> list[tuple[list[int], list[int]]]:
         """EAGLE-2 trees for a batch: per request (tokens, parents), root at node 0, nodes in rank
-        order (any prefix of the node list is itself a tree), at most ``num_draft_tokens`` nodes.
+        order (any prefix of the node list is itself a tree), at most ``tree_nodes`` nodes.
 
         Grammar-aware drafting: ``guides[b]`` (or None) makes every top-k of request b, the root's
         included, range over the tokens its grammar allows after that node, so no tree slot goes
@@ -205,12 +222,12 @@ class EagleDrafter:
             self.allocator.restore(snapshot)
         cand_tokens, cand_parents, cand_scores = flatten_expansion_steps(step_tokens, step_scores, frontiers)
         roots = torch.tensor([c[-1] if c else r for c, r in zip(chains, root_tokens)], dtype=torch.int64, device=device)
-        num_nodes = min(p.num_draft_tokens, cand_tokens.shape[1] + 1)
+        num_nodes = min(p.tree_nodes, cand_tokens.shape[1] + 1)
         tokens, parents = select_draft_nodes(roots, cand_tokens, cand_parents, cand_scores, num_nodes)
         trees = []
         for b, (root, chain) in enumerate(zip(root_tokens, chains)):
             tree_tokens, tree_parents = _hang_below_chain(root, chain, tokens[b].tolist(), parents[b].tolist())
-            trees.append((tree_tokens[: p.num_draft_tokens], tree_parents[: p.num_draft_tokens]))
+            trees.append((tree_tokens[: p.tree_nodes], tree_parents[: p.tree_nodes]))
         return trees
 
     def _advance_chains(self, views: list[DraftView], guides: list[GrammarGuide | None], chains: list[list[int]],
@@ -327,6 +344,10 @@ class EagleDrafter:
 
     def release(self, rid: str) -> None:
         self.states.pop(rid, None)
+
+
+def _view(req: SpecInput) -> DraftView:
+    return DraftView(req.rid, req.row, req.committed_len)
 
 
 def _hang_below_chain(root: int, chain: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:

@@ -1,0 +1,214 @@
+"""The compute side: a batch's tensors, the forward, sampling, speculation.
+
+Everything in this file runs on the compute stream (the overlap loop's worker thread; inline in
+the plain loop), and nothing outside it does: the scheduler hands the worker a ``WorkerBatch`` of
+``ReqInput`` values and gets each request's new tokens back through a future. The worker keeps its
+own state of each running request (``ComputeState``: tokens and committed length), a batch ahead
+of the host's in the overlap loop: batch N+1 is launched before the host has seen N's tokens, and
+its forward reads them here. Streams run work in order, so N+1's work always finds N's results.
+
+The worker never writes a request (the scheduler alone does) and never touches a request's grammar
+matcher: plain batches get their grammar masks from the host, and a speculative batch gets a fork
+of each matcher (``ReqInput.grammar``), which it brings up to date with the tokens the host has not
+seen yet.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from specjet.grammar import RequestGrammar, apply_token_bitmask_
+from specjet.kernels.sampling import SamplingTensors, sample
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from specjet.models.runner import ModelRunner
+from specjet.scheduler.batch import BatchKind
+from specjet.scheduler.sampling_params import SamplingParams
+from specjet.spec_v2.drafter import SpecInput
+from specjet.spec_v2.speculator import Speculator
+
+
+@dataclass(frozen=True)
+class ReqInput:
+    """One request of a launched batch, as the scheduler hands it to the worker."""
+
+    rid: str
+    row: int  # its row in the request-to-token table
+    sampling: SamplingParams
+    generator: torch.Generator | None  # the request's coins (drawn on the compute side only)
+    # Prefill only: the tokens whose KV the prefill computes from ``cached_len`` on (the prompt and
+    # any output from before a retraction); the compute state starts from them.
+    prefill_ids: list[int] | None = None
+    prompt_len: int = 0
+    cached_len: int = 0
+    # Speculative decode only: a fork of the request's grammar matcher when it had taken the
+    # request's first ``grammar_len`` output tokens (the host's state at launch), or None.
+    grammar: RequestGrammar | None = None
+    grammar_len: int = 0
+
+
+@dataclass
+class WorkerBatch:
+    kind: BatchKind
+    inputs: list[ReqInput]
+    # Requests that ended since the last batch: their drafter state goes before this batch runs.
+    released: tuple[str, ...] = ()
+
+
+@dataclass
+class ComputeState:
+    """What the compute side knows of one request: possibly ahead of the host by a batch."""
+
+    rid: str
+    tokens: list[int]  # prompt, then output
+    prompt_len: int
+    committed_len: int  # positions with valid KV
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class ModelWorker:
+    def __init__(self, runner: ModelRunner, req_to_token: torch.Tensor, speculator: Speculator | None):
+        self.runner = runner
+        self.req_to_token = req_to_token
+        self.speculator = speculator
+        self.device = runner.device
+        self._states: dict[str, ComputeState] = {}
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculator is not None
+
+    # ---------------------------------------------------------------- work items (run on the stream)
+    def forward(self, batch: WorkerBatch) -> ModelOutput:
+        """A plain batch's forward: prefill (starting each request's compute state) or decode."""
+        self._release(batch.released)
+        if batch.kind is BatchKind.PREFILL:
+            for inp in batch.inputs:
+                self._states[inp.rid] = ComputeState(inp.rid, list(inp.prefill_ids), inp.prompt_len, inp.cached_len)
+            capture = self.speculator.target_capture if self.speculator is not None else None
+            return self.runner.forward(self._prefill_batch(batch.inputs, capture))
+        return self.runner.forward(self._decode_batch([self._state(inp) for inp in batch.inputs], batch.inputs))
+
+    def sample(self, batch: WorkerBatch, forward: Future, grammar_mask) -> list[list[int]]:
+        """Each request's next token from the forward's logits, masked by the host-built grammar
+        bitmask ``(bitmask, rows)`` (or None); advances the compute states."""
+        out: ModelOutput = forward.result()
+        logits = out.logits
+        if grammar_mask is not None:
+            bitmask, rows = grammar_mask
+            logits = logits.cpu() if logits.device.type != "cpu" else logits
+            apply_token_bitmask_(logits, bitmask, indices=rows)
+        tokens = self._sample_tokens(batch.inputs, logits)
+        states = [self._state(inp) for inp in batch.inputs]
+        if batch.kind is BatchKind.PREFILL and self.speculator is not None:
+            spec_inputs = [SpecInput(s.rid, inp.row, 0, s.tokens, 0) for s, inp in zip(states, batch.inputs)]
+            self.speculator.after_prefill(spec_inputs, out.hidden, tokens, self.req_to_token)
+        for state, token in zip(states, tokens):
+            state.committed_len = len(state.tokens) if batch.kind is BatchKind.PREFILL else state.committed_len + 1
+            state.tokens.append(token)
+        return [[t] for t in tokens]
+
+    def speculate(self, batch: WorkerBatch) -> list[list[int]]:
+        """One speculative decode iteration: draft, verify, accept. The root and the accepted draft
+        nodes now have KV, and the bonus token is the next root."""
+        self._release(batch.released)
+        states = [self._state(inp) for inp in batch.inputs]
+        spec_inputs = []
+        for inp, state in zip(batch.inputs, states):
+            remaining = inp.sampling.max_new_tokens - state.num_outputs
+            grammar = inp.grammar
+            if grammar is not None and not _catch_up(grammar, state.tokens[state.prompt_len + inp.grammar_len:]):
+                remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
+            spec_inputs.append(SpecInput(inp.rid, inp.row, state.committed_len, state.tokens, remaining, grammar,
+                                         inp.generator))
+        new_tokens = self.speculator.run(spec_inputs, sampling_tensors([i.sampling for i in batch.inputs], self.device),
+                                         self.req_to_token)
+        for state, tokens in zip(states, new_tokens):
+            state.committed_len += len(tokens)
+            state.tokens.extend(tokens)
+        return new_tokens
+
+    # ---------------------------------------------------------------- helpers
+    def _state(self, inp: ReqInput) -> ComputeState:
+        state = self._states.get(inp.rid)
+        if state is None:
+            raise RuntimeError(f"request {inp.rid!r} has no compute-side state (was it prefilled?)")
+        return state
+
+    def _release(self, rids) -> None:
+        for rid in rids:
+            self._states.pop(rid, None)
+            if self.speculator is not None:
+                self.speculator.release(rid)
+
+    def _prefill_batch(self, inputs: list[ReqInput], capture) -> ForwardBatch:
+        """Extend every request from its cached length to the end of its prefill ids."""
+        ids, positions, slots, q_lens, kv_lens = [], [], [], [], []
+        table = self.req_to_token
+        for inp in inputs:
+            start, end = inp.cached_len, len(inp.prefill_ids)
+            ids.extend(inp.prefill_ids[start:end])
+            positions.append(torch.arange(start, end))
+            slots.append(table[inp.row, start:end])
+            q_lens.append(end - start)
+            kv_lens.append(end)
+        device = self.device
+        return ForwardBatch.build(
+            ForwardMode.EXTEND,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.cat(positions).to(device),
+            out_cache_loc=torch.cat(slots),
+            req_to_token=table,
+            req_pool_indices=torch.tensor([inp.row for inp in inputs], dtype=torch.int64, device=device),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int64, device=device),
+            q_lens=torch.tensor(q_lens, dtype=torch.int64, device=device),
+            logits="last",
+            capture_hidden=capture,
+        )
+
+    def _decode_batch(self, states: list[ComputeState], inputs: list[ReqInput]) -> ForwardBatch:
+        """Feed each request's last token at position committed_len."""
+        device, table = self.device, self.req_to_token
+        rows = torch.tensor([inp.row for inp in inputs], dtype=torch.int64, device=device)
+        positions = torch.tensor([s.committed_len for s in states], dtype=torch.int64, device=device)
+        return ForwardBatch.build(
+            ForwardMode.DECODE,
+            input_ids=torch.tensor([s.tokens[-1] for s in states], dtype=torch.int64, device=device),
+            positions=positions,
+            out_cache_loc=table[rows, positions],
+            req_to_token=table,
+            req_pool_indices=rows,
+            kv_lens=positions + 1,
+            q_lens=torch.ones_like(positions),
+            logits="all",
+        )
+
+    def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
+        st = sampling_tensors([inp.sampling for inp in inputs], logits.device)
+        uniforms = None
+        if not st.all_greedy:
+            uniforms = torch.tensor(
+                [float(torch.rand((), generator=inp.generator)) if inp.generator is not None else 0.0 for inp in inputs],
+                device=logits.device,
+            )
+        return sample(logits, st, uniforms).tolist()
+
+
+def sampling_tensors(params: list[SamplingParams], device) -> SamplingTensors:
+    return SamplingTensors.from_lists(
+        [0.0 if sp.is_greedy else sp.temperature for sp in params],
+        [sp.top_k for sp in params],
+        [sp.top_p for sp in params],
+        [sp.min_p for sp in params],
+        device=device,
+    )
+
+
+def _catch_up(grammar: RequestGrammar, tokens: list[int]) -> bool:
+    """Advance a forked matcher by the tokens the host had not taken when it forked; False when the
+    request's grammar has ended (or, impossibly for masked tokens, refuses one)."""
+    return grammar.accept_tokens(tokens) == len(tokens) and not grammar.is_terminated()

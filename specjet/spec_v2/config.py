@@ -1,0 +1,120 @@
+"""The speculative configuration: every drafter's parameters and every default, in one place.
+
+The engine's arguments use SGLang's names (``speculative_num_draft_tokens`` and so on) and leave
+the algorithm-dependent ones None; ``SpecConfig.from_args`` fills the defaults below and checks
+the values, so the rest of ``spec_v2`` reads one frozen object whose names say what they count:
+``max_tree_nodes`` is the size of one request's verify tree, ``EagleParams.tree_nodes`` the size
+of the learned part of it, ``hybrid_path_nodes`` the n-gram path merged into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALGORITHMS = ("EAGLE", "NGRAM")
+
+
+@dataclass(frozen=True)
+class EagleParams:
+    num_steps: int = 4  # draft forwards per iteration (tree depth, forced chains aside)
+    topk: int = 4  # children per expanded node, and nodes expanded per step
+    tree_nodes: int = 12  # nodes of the reranked learned tree, root included
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    max_window: int = 4  # longest suffix matched
+    min_window: int = 1  # shortest suffix matched (1 matches any earlier occurrence of the last token)
+    max_branches: int = 4  # distinct continuations tried per draft
+    max_matches_scanned: int = 32  # most recent occurrences looked at per window
+
+
+# NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
+NGRAM_TREE_NODES = 8
+# EAGLE: the longest n-gram path merged into each learned tree when speculative_hybrid_ngram_tokens is
+# not given: long enough for a repeated record of a JSON array, and cheap where it is not taken
+# because the path's length adapts (bench/RESULTS.md has the sweep that chose it).
+HYBRID_PATH_NODES = 14
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str  # one of ALGORITHMS
+    # Nodes of one request's verify tree, root included: the drafter's tree (EAGLE: its learned tree
+    # plus the hybrid n-gram path). The scheduler reserves this many positions per iteration.
+    max_tree_nodes: int = NGRAM_TREE_NODES
+    eagle: EagleParams = EagleParams()
+    ngram: NgramConfig = NgramConfig()
+    draft_model_path: str | None = None  # EAGLE head directory; None: the head shipped with specjet
+    # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
+    # continuation enters the tree as free nodes (specjet's own knob).
+    grammar_aware: bool = True
+    # EAGLE only: each tree also takes the request's best n-gram continuation, a path of at most this
+    # many nodes under the root (its length adapts per request: spec_v2/hybrid.py PathLength).
+    hybrid_path_nodes: int = 0
+    # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
+    # share. A CPU verify costs about its token count once the batch is past a few rows.
+    max_verify_nodes: int | None = None
+    # Not part of the configuration's identity: a loaded head handed in directly (tests, tools).
+    eagle_head: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise NotImplementedError(f"speculative_algorithm={self.algorithm!r} is not available "
+                                      f"(available: {', '.join(ALGORITHMS)})")
+        e, n = self.eagle, self.ngram
+        for name, value in (("max_tree_nodes", self.max_tree_nodes), ("speculative_num_steps", e.num_steps),
+                            ("speculative_eagle_topk", e.topk), ("EAGLE tree nodes", e.tree_nodes),
+                            ("speculative_ngram_max_bfs_breadth", n.max_branches)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.hybrid_path_nodes < 0:
+            raise ValueError(f"speculative_hybrid_ngram_tokens must be >= 0, got {self.hybrid_path_nodes}")
+        if self.hybrid_path_nodes and self.algorithm != "EAGLE":
+            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
+                             "speculative_algorithm='EAGLE'")
+        if self.max_verify_nodes is not None and self.max_verify_nodes < 1:
+            raise ValueError(f"speculative_max_verify_tokens must be >= 1, got {self.max_verify_nodes}")
+        if not 1 <= n.min_window <= n.max_window:
+            raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
+
+    @classmethod
+    def from_args(cls, args) -> "SpecConfig | None":
+        """The configuration an engine's arguments (``EngineArgs``, SGLang's names) ask for; None
+        without ``speculative_algorithm``. Raises ValueError / NotImplementedError naming the
+        argument that is out of range."""
+        for name, least in _LEAST.items():
+            value = getattr(args, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+        algorithm = args.speculative_algorithm
+        if args.speculative_hybrid_ngram_tokens and algorithm != "EAGLE":
+            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
+                             "speculative_algorithm='EAGLE'")
+        if algorithm is None:
+            return None
+        ngram = NgramConfig(
+            max_window=_given(args.speculative_ngram_max_match_window_size, NgramConfig.max_window),
+            min_window=_given(args.speculative_ngram_min_match_window_size, NgramConfig.min_window),
+            max_branches=_given(args.speculative_ngram_max_bfs_breadth, NgramConfig.max_branches),
+        )
+        common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=args.speculative_max_verify_tokens,
+                      draft_model_path=args.speculative_draft_model_path)
+        if algorithm == "EAGLE":
+            eagle = EagleParams(num_steps=_given(args.speculative_num_steps, EagleParams.num_steps),
+                                topk=_given(args.speculative_eagle_topk, EagleParams.topk),
+                                tree_nodes=_given(args.speculative_num_draft_tokens, EagleParams.tree_nodes))
+            path = _given(args.speculative_hybrid_ngram_tokens, HYBRID_PATH_NODES)
+            # The hybrid's n-gram path is one branch (breadth 1) matched with the same windows.
+            return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path, **common)
+        return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
+
+
+# The engine's speculative arguments that take a number, and the least value each may take.
+_LEAST = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 1,
+          "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 1,
+          "speculative_ngram_max_bfs_breadth": 1, "speculative_hybrid_ngram_tokens": 0,
+          "speculative_max_verify_tokens": 1}
+
+
+def _given(value, default):
+    return default if value is None else value

@@ -1,0 +1,79 @@
+"""What every drafter is given and what it provides: the protocol EAGLE, NGRAM and the EAGLE +
+n-gram hybrid implement (and the next drafter will), so the speculator (speculator.py) runs any of
+them the same way:
+
+    after_prefill -> (propose -> [the target verifies] -> after_verify)* -> release
+
+A drafter keeps per-request state keyed by rid (EAGLE's draft state, the n-gram index); it sees
+requests only as ``SpecInput`` values, built on the compute side from the compute side's own
+state, and never writes a request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specjet.grammar import RequestGrammar
+from specjet.models.forward_batch import CaptureHidden
+from specjet.spec_v2.grammar_guide import GrammarGuide
+from specjet.spec_v2.tree_verifier import VerifyResult
+
+
+@dataclass(frozen=True)
+class SpecInput:
+    """One request of a speculative iteration, as the compute side knows it."""
+
+    rid: str
+    row: int  # its row in the request-to-token table
+    committed_len: int  # positions with valid KV; the root goes at this position
+    token_ids: list[int]  # prompt and output so far; the last is the root (the last verified token)
+    remaining: int  # tokens it may still produce (0: no tree this iteration)
+    # Its grammar state after token_ids: the compute side's own copy (a fork of the host's matcher,
+    # which the host keeps advancing meanwhile), or None when unconstrained.
+    grammar: RequestGrammar | None = None
+    generator: torch.Generator | None = None  # coins for sampling verification; None when greedy
+
+    @property
+    def root(self) -> int:
+        return self.token_ids[-1]
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """A request as a drafter's ``propose`` sees it."""
+
+    input: SpecInput
+    budget: int  # nodes its tree may have, root included (>= 1)
+    guide: GrammarGuide | None  # grammar-aware drafting: what the grammar allows after any path
+    chain: list[int]  # the grammar's forced tokens, to hang under the root as sure nodes ([] if none)
+
+
+# A draft tree: (tokens, parents), root (the last verified token) at node 0 with parent -1, parents
+# before children, siblings best first, so any prefix of the node list is itself a tree.
+DraftTree = tuple[list[int], list[int]]
+
+
+class Drafter(Protocol):
+    # What the target's prefill and verify forwards capture for this drafter (None: nothing).
+    feature_capture: CaptureHidden
+
+    def scratch_slots(self, batch_size: int) -> int:
+        """KV slots drafting one batch borrows from the allocator (and gives back)."""
+
+    def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor) -> None:
+        """The target prefilled ``reqs`` (``token_ids``: the prompt) and sampled ``first_tokens``;
+        ``hidden``: the prefill's captured features, every prompt position in batch order."""
+
+    def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
+        """One tree per request, of at most ``budget`` nodes. ``share``: the nodes each tree of
+        this batch may have before the request's own limits (the verify's cap split evenly)."""
+
+    def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
+        """The target verified the proposed trees: ``result`` holds each request's accepted
+        tokens (and bonus) and nodes, and the verify forward's output."""
+
+    def release(self, rid: str) -> None:
+        """Forget a request that has ended."""

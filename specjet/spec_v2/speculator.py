@@ -1,0 +1,138 @@
+"""A decode iteration with speculation: draft a tree per request, verify all of them in one target
+forward, hand back each request's accepted tokens.
+
+It runs on the compute side (the model worker calls it) and sees requests as ``SpecInput`` values;
+the drafter (EAGLE, NGRAM, or the EAGLE + n-gram hybrid) is any ``Drafter`` (drafter.py).
+
+A grammar-constrained request speculates like any other: its tree is masked node by node with the
+grammar state of each node's path and pruned of illegal nodes before verification (always), and
+with ``grammar_aware`` its drafts are grammar-legal to begin with and the grammar's forced text
+enters the tree as a chain of sure nodes (grammar_guide.py). The grammar it reads is the compute
+side's own copy of the request's state (``SpecInput.grammar``); every accept made here on it is
+rolled back, and the host advances its own matcher by the accepted tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from specjet.kernels.sampling import SamplingTensors
+from specjet.models.eagle import default_eagle_path, load_eagle
+from specjet.models.forward_batch import CaptureHidden
+from specjet.models.runner import ModelRunner
+from specjet.spec_v2.config import SpecConfig
+from specjet.spec_v2.drafter import DraftRequest, Drafter, SpecInput
+from specjet.spec_v2.eagle_drafter import EagleDrafter
+from specjet.spec_v2.grammar_guide import GrammarGuide
+from specjet.spec_v2.hybrid import HybridDrafter
+from specjet.spec_v2.ngram import NgramDrafter
+from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput
+
+
+def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
+    """The drafter ``cfg`` names (the EAGLE head loaded from ``cfg.draft_model_path``)."""
+    if cfg.algorithm == "NGRAM":
+        return NgramDrafter(cfg.ngram)
+    if cfg.algorithm == "EAGLE":
+        head = cfg.eagle_head
+        if head is None:
+            import pathlib
+
+            head_dir = cfg.draft_model_path or default_eagle_path()
+            if not pathlib.Path(head_dir).exists():
+                raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
+            head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device)
+        eagle = EagleDrafter(runner, head, cfg.eagle, allocator)
+        if not cfg.hybrid_path_nodes:
+            return eagle
+        return HybridDrafter(eagle, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
+                             cfg.max_tree_nodes)
+    raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
+
+
+class Speculator:
+    def __init__(self, cfg: SpecConfig, runner: ModelRunner, allocator, context_len: int, tokenizer=None):
+        self.cfg = cfg
+        # Jump-forward needs the model's tokenizer to turn the grammar's forced text into tokens.
+        self._tokenize = None if tokenizer is None else (
+            lambda text: tokenizer.encode(text, add_special_tokens=False))
+        self.vocab_size = runner.config.vocab_size
+        self.context_len = context_len
+        self.drafter = make_drafter(cfg, runner, allocator)
+        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture)
+
+    # ---------------------------------------------------------------- geometry (pure: config only)
+    @property
+    def target_capture(self) -> CaptureHidden:
+        """What the target's prefill and verify forwards capture for the drafter (None: nothing)."""
+        return self.drafter.feature_capture
+
+    @property
+    def max_nodes(self) -> int:
+        """Positions one iteration may write beyond a request's committed length."""
+        return self.cfg.max_tree_nodes
+
+    def scratch_slots(self, batch_size: int) -> int:
+        return self.drafter.scratch_slots(batch_size)
+
+    def tree_share(self, batch_size: int) -> int:
+        """Nodes each tree of a batch may have: ``max_tree_nodes``, or an even share of
+        ``max_verify_nodes`` when that is less (two at least: the root and one guess)."""
+        cap = self.cfg.max_verify_nodes
+        return self.cfg.max_tree_nodes if cap is None else min(self.cfg.max_tree_nodes, max(2, cap // batch_size))
+
+    def tree_budget(self, req: SpecInput, share: int) -> int:
+        """Nodes this request's tree may have: its share of the verify (``tree_share``), and never
+        more tokens than it may still produce or the context can hold. 0: none at all (the
+        compute side, a batch ahead of the host, already took the request to its limit; the host
+        finishes it when it sees that batch)."""
+        return max(0, min(share, req.remaining, self.context_len - req.committed_len))
+
+    # ---------------------------------------------------------------- the iteration
+    def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor) -> None:
+        self.drafter.after_prefill(reqs, hidden, first_tokens, req_to_token)
+
+    def run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor) -> list[list[int]]:
+        """Accepted tokens per request ([] for a request with no room left: see ``tree_budget``).
+        ``sampling``: the batch's sampling parameters, one row per request."""
+        share = self.tree_share(len(reqs))
+        budgets = [self.tree_budget(r, share) for r in reqs]
+        live = [i for i, n in enumerate(budgets) if n > 0]
+        out: list[list[int]] = [[] for _ in reqs]
+        if live:
+            if len(live) < len(reqs):
+                sampling = _rows(sampling, live)
+            accepted = self._run([reqs[i] for i in live], sampling, req_to_token, share, [budgets[i] for i in live])
+            for i, tokens in zip(live, accepted):
+                out[i] = tokens
+        return out
+
+    def _run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor, share: int,
+             budgets: list[int]) -> list[list[int]]:
+        aware = self.cfg.grammar_aware
+        guides = [GrammarGuide(r.grammar, self.vocab_size, self._tokenize) if r.grammar is not None else None
+                  for r in reqs]
+        drafts = [DraftRequest(r, n, g if aware else None, g.forced_chain(n - 1) if aware and g is not None else [])
+                  for r, g, n in zip(reqs, guides, budgets)]
+        trees = self.drafter.propose(drafts, share, req_to_token)
+        verify_inputs = []
+        for req, guide, (tokens, parents) in zip(reqs, guides, trees):
+            bitmask = None
+            if guide is not None:
+                tokens, parents, bitmask = guide.mask_tree(tokens, parents)
+            uniforms = None if req.generator is None else torch.rand(len(tokens), generator=req.generator)
+            verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask))
+        result = self.verifier.verify(verify_inputs, req_to_token, sampling)
+        self.drafter.after_verify(reqs, result, req_to_token)
+        return result.accepted_tokens
+
+    def release(self, rid: str) -> None:
+        self.drafter.release(rid)
+
+
+def _rows(st: SamplingTensors, rows: list[int]) -> SamplingTensors:
+    """The sampling parameters of some requests of a batch."""
+    return SamplingTensors.from_lists(*(t[rows].tolist() for t in (st.temperatures, st.top_ks, st.top_ps, st.min_ps)),
+                                      device=st.temperatures.device)
