@@ -1,0 +1,75 @@
+"""One speculative configuration: SpecConfig.from_args fills every default in one place, names what
+it counts, and refuses out-of-range arguments by name; every drafter implements the Drafter
+protocol the speculator runs (no model needed except for EAGLE's, which is tested end to end in
+test_spec_eagle.py)."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from specjet.engine.args import EngineArgs
+from specjet.spec_v2.config import HYBRID_PATH_NODES, NGRAM_TREE_NODES, EagleParams, NgramConfig, SpecConfig
+from specjet.spec_v2.drafter import Drafter
+from specjet.spec_v2.eagle_drafter import EagleDrafter
+from specjet.spec_v2.hybrid import HybridDrafter
+from specjet.spec_v2.ngram import NgramDrafter
+
+
+def config(**kwargs):
+    return SpecConfig.from_args(EngineArgs(**kwargs))
+
+
+def test_no_algorithm_no_config():
+    assert config() is None
+
+
+def test_eagle_defaults_and_what_the_counts_mean():
+    cfg = config(speculative_algorithm="EAGLE")
+    assert cfg.eagle == EagleParams(num_steps=4, topk=4, tree_nodes=12)
+    assert cfg.hybrid_path_nodes == HYBRID_PATH_NODES == 14
+    # a request's verify tree: the learned tree and the n-gram path under the same root
+    assert cfg.max_tree_nodes == cfg.eagle.tree_nodes + cfg.hybrid_path_nodes
+    assert cfg.ngram == NgramConfig() and cfg.grammar_aware and cfg.max_verify_nodes is None
+    given = config(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=8, speculative_hybrid_ngram_tokens=0, speculative_max_verify_tokens=32,
+                   speculative_ngram_max_match_window_size=3, speculative_grammar_aware=False)
+    assert given.eagle == EagleParams(num_steps=3, topk=2, tree_nodes=8)
+    assert (given.max_tree_nodes, given.hybrid_path_nodes, given.max_verify_nodes) == (8, 0, 32)
+    assert given.ngram.max_window == 3 and not given.grammar_aware
+
+
+def test_ngram_defaults():
+    cfg = config(speculative_algorithm="NGRAM")
+    assert cfg.max_tree_nodes == NGRAM_TREE_NODES == 8
+    assert cfg.ngram == NgramConfig(max_window=4, min_window=1, max_branches=4)
+    assert config(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5,
+                  speculative_ngram_max_bfs_breadth=1).max_tree_nodes == 5
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    ({"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 0}, ValueError, "speculative_eagle_topk"),
+    ({"speculative_num_draft_tokens": 0}, ValueError, "speculative_num_draft_tokens"),  # checked without an algorithm too
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5}, ValueError, "min_match_window"),
+    ({"speculative_algorithm": "NGRAM", "speculative_hybrid_ngram_tokens": 4}, ValueError, "needs"),
+    ({"speculative_algorithm": "EAGLE", "speculative_max_verify_tokens": 0}, ValueError, "max_verify_tokens"),
+    ({"speculative_algorithm": "DFLASH"}, NotImplementedError, "DFLASH"),
+])
+def test_out_of_range_arguments_are_named(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        EngineArgs(**kwargs).validate()
+    with pytest.raises(error, match=name):
+        config(**kwargs)
+
+
+@pytest.mark.parametrize("drafter", [EagleDrafter, NgramDrafter, HybridDrafter])
+def test_every_drafter_implements_the_protocol(drafter):
+    for name, member in inspect.getmembers(Drafter, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        impl = getattr(drafter, name, None)
+        assert impl is not None, f"{drafter.__name__} lacks {name}"
+        assert list(inspect.signature(impl).parameters) == list(inspect.signature(member).parameters), name
+    assert "feature_capture" in Drafter.__annotations__
+    source = inspect.getsource(drafter)
+    assert "feature_capture" in source
