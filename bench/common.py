@@ -1,5 +1,5 @@
 """What the benchmarks share: engine-argument flags, GSM8K and JSON-schema prompts, sending requests
-concurrently, a description of the machine."""
+concurrently, a description of the machine, the greedy-identity check and the tables' number format."""
 from __future__ import annotations
 
 # Every model directory is local; transformers must not try a hub.
@@ -248,3 +248,44 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+def compare_outputs(outputs: dict[tuple, list[list[list[int]]]], reference: str, key_names: tuple[str, ...]) -> dict:
+    """Greedy outputs must not depend on the configuration. ``outputs`` maps (name, *where) to the
+    output ids of each timed pass (per pass, each request's ids); every other name's passes are
+    compared, request by request, with ``reference``'s at the same ``where`` and pass index.
+    ``key_names`` names the key's parts in the mismatch records.
+
+    Returns {"reference", "identical", "passes" and "requests" (compared), "mismatched_requests",
+    "mismatches" (the first 20: the key's parts, run, request, first_differing_token), "per_cell":
+    key -> {"requests", "differing"}} (``identity_record`` drops the last, whose keys JSON cannot hold).
+    """
+    per_cell, mismatches = {}, []
+    passes = 0
+    for key, runs in outputs.items():
+        name, *where = key
+        if name == reference:
+            continue
+        compared = differing = 0
+        for run, (got_pass, want_pass) in enumerate(zip(runs, outputs[(reference, *where)])):
+            passes += 1
+            for i, (got, want) in enumerate(zip(got_pass, want_pass)):
+                compared += 1
+                if got != want:
+                    differing += 1
+                    position = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    mismatches.append(dict(zip(key_names, key), run=run, request=i, first_differing_token=position))
+        per_cell[key] = {"requests": compared, "differing": differing}
+    return {"reference": reference, "identical": not mismatches, "passes": passes,
+            "requests": sum(c["requests"] for c in per_cell.values()), "mismatched_requests": len(mismatches),
+            "mismatches": mismatches[:20], "per_cell": per_cell}
+
+
+def identity_record(identity: dict) -> dict:
+    """``compare_outputs``' result as a JSON record holds it."""
+    return {k: v for k, v in identity.items() if k != "per_cell"}
+
+
+def fmt_num(x, spec=".1f") -> str:
+    """A figure in a report's table; "n/a" where it could not be taken."""
+    return "n/a" if x is None else format(x, spec)

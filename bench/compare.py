@@ -51,12 +51,13 @@ import math
 import pathlib
 import statistics
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
-                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, report_header_lines)
-from bench.engine_info import describe_engine, spec_str, spec_totals
+                          compare_outputs, engine_kwargs, fmt_num, gsm8k_questions, identity_record, jsonschema_prompts,
+                          machine_info, now, report_header_lines)
+from bench.decode_rate import Measurement, Prompt, SpecjetSystem, make_batches, timed_run
+from bench.engine_info import describe_engine, spec_str
 
 DEFAULT_CONFIGS = ["none", "NGRAM:speculative_algorithm=NGRAM", "EAGLE:speculative_algorithm=EAGLE"]
 NO_MATPLOTLIB = ("--chart needs matplotlib, which is not installed (pip install matplotlib, or "
@@ -144,12 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- requests
-@dataclass
-class Prompt:
-    ids: list[int]
-    json_schema: str | None = None
-
-
 def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list[Prompt], str]:
     """The workload's prompts, chat-formatted and tokenized once, and a description of them."""
     def ids(text: str) -> list[int]:
@@ -164,132 +159,42 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list[Prompt], str
             f"chat-formatted JSON-schema prompts, {how}")
 
 
-def make_batches(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
-    """The prompts cycled up to a multiple of ``batch_size``, cut into batches."""
-    total = -(-len(prompts) // batch_size) * batch_size
-    cycled = [prompts[i % len(prompts)] for i in range(total)]
-    return [cycled[i:i + batch_size] for i in range(0, total, batch_size)]
-
-
 # ---------------------------------------------------------------- measuring
-@dataclass
-class Cell:
-    """One configuration at one batch size: the raw timings of its runs."""
-    config: str
-    batch_size: int
-    requests: int  # per pass
-    t_1: list[float] = field(default_factory=list)  # seconds per pass, max_new_tokens=1
-    t_n: list[float] = field(default_factory=list)  # seconds per pass, max_new_tokens=N
-    decode_tokens: list[int] = field(default_factory=list)  # per N-token pass: tokens after each request's first
-    verify_ct: list[int] = field(default_factory=list)  # speculative: verify forwards per N-token pass
-    accepted: list[int] = field(default_factory=list)  # speculative: tokens they committed
-    outputs: list[list[list[int]]] = field(default_factory=list)  # per N-token pass: each request's output ids
-
-    @property
-    def rates(self) -> list[float]:
-        """Decode tokens/s of each run; NaN where noise made t_N <= t_1."""
-        return [tokens / (n - one) if n > one else math.nan
-                for one, n, tokens in zip(self.t_1, self.t_n, self.decode_tokens)]
-
-    @property
-    def median(self) -> float | None:
-        valid = [r for r in self.rates if not math.isnan(r)]
-        return statistics.median(valid) if valid else None
-
-    @property
-    def accept_length(self) -> float | None:
-        return sum(self.accepted) / sum(self.verify_ct) if sum(self.verify_ct) else None
-
-
-def generate(engine, batch: list[Prompt], max_new_tokens: int) -> list[dict]:
-    params = [dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-                   **({"json_schema": p.json_schema} if p.json_schema is not None else {})) for p in batch]
-    outs = engine.generate(input_ids=[p.ids for p in batch], sampling_params=params)
-    for prompt, out in zip(batch, outs):  # a short or aborted request would make the figure meaningless
-        got, reason = out["meta_info"]["completion_tokens"], out["meta_info"]["finish_reason"]
-        ok = got == max_new_tokens if prompt.json_schema is None else (1 <= got <= max_new_tokens
-                                                                        and reason["type"] != "abort")
-        if not ok:
-            raise RuntimeError(f"a request returned {got} tokens, not {max_new_tokens}: {reason}")
-    return outs
-
-
-def timed_pass(engine, batches: list[list[Prompt]], max_new_tokens: int) -> tuple[float, list[dict]]:
-    outs = []
-    start = time.perf_counter()
-    for batch in batches:
-        outs.extend(generate(engine, batch, max_new_tokens))
-    return time.perf_counter() - start, outs
-
-
-def timed_run(engine, batches: list[list[Prompt]], n: int, cell: Cell) -> None:
-    """The 1-token pass, then the N-token pass with the speculative totals read around it."""
-    t_1, _ = timed_pass(engine, batches, 1)
-    before = spec_totals(engine)
-    t_n, outs = timed_pass(engine, batches, n)
-    after = spec_totals(engine)
-    cell.t_1.append(t_1)
-    cell.t_n.append(t_n)
-    cell.decode_tokens.append(sum(o["meta_info"]["completion_tokens"] - 1 for o in outs))
-    if before is not None:
-        cell.verify_ct.append(after[0] - before[0])
-        cell.accepted.append(after[1] - before[1])
-    cell.outputs.append([o["output_ids"] for o in outs])
-
-
-def measure(engines: dict, prompts: list[Prompt], args: argparse.Namespace) -> dict[tuple[str, int], Cell]:
+def measure(systems: dict[str, SpecjetSystem], prompts: list[Prompt],
+            args: argparse.Namespace) -> dict[tuple[str, int], Measurement]:
     from tqdm.auto import tqdm
 
     n = args.max_new_tokens
     batches = {bs: make_batches(prompts, bs) for bs in args.batch_sizes}
-    cells = {(name, bs): Cell(name, bs, sum(map(len, batches[bs]))) for bs in args.batch_sizes for name in engines}
+    cells = {(name, bs): Measurement(name, args.workload, bs, sum(map(len, batches[bs])))
+             for bs in args.batch_sizes for name in systems}
     with tqdm(total=len(cells) * (1 + args.repeats), unit="run", desc="bench.compare", file=sys.stderr,
               dynamic_ncols=True) as bar:
         for (name, bs) in cells:
             bar.set_description(f"warm-up {name} bs={bs}")
-            generate(engines[name], batches[bs][0], n)
-            generate(engines[name], batches[bs][0], 1)
+            systems[name].generate(batches[bs][0], n)
+            systems[name].generate(batches[bs][0], 1)
             bar.update()
         for repeat in range(args.repeats):
-            order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+            order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
             for bs in args.batch_sizes:
                 for name in order:
                     bar.set_description(f"run {repeat + 1}/{args.repeats} {name} bs={bs}")
                     cell = cells[(name, bs)]
-                    timed_run(engines[name], batches[bs], n, cell)
+                    timed_run(systems[name], batches[bs], n, cell)
                     rate = cell.rates[-1]
                     bar.set_postfix_str(f"{rate:.1f} tok/s" if not math.isnan(rate) else "t_N <= t_1")
                     bar.update()
     return cells
 
 
-def compare_outputs(cells: dict[tuple[str, int], Cell], reference: str) -> dict:
+def identity_check(cells: dict[tuple[str, int], Measurement], reference: str) -> dict:
     """Every configuration's N-token outputs against ``reference``'s at the same batch size and
-    repeat, request by request. Per (configuration, batch size): requests compared and differing."""
-    per_cell, mismatches = {}, []
-    for (name, bs), cell in cells.items():
-        if name == reference:
-            continue
-        compared = differing = 0
-        for run, (got_pass, want_pass) in enumerate(zip(cell.outputs, cells[(reference, bs)].outputs)):
-            for i, (got, want) in enumerate(zip(got_pass, want_pass)):
-                compared += 1
-                if got != want:
-                    differing += 1
-                    position = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    mismatches.append({"config": name, "batch_size": bs, "run": run, "request": i,
-                                       "first_differing_token": position})
-        per_cell[(name, bs)] = {"requests": compared, "differing": differing}
-    return {"reference": reference, "identical": not mismatches,
-            "requests": sum(c["requests"] for c in per_cell.values()), "mismatched_requests": len(mismatches),
-            "mismatches": mismatches[:20], "per_cell": per_cell}
+    repeat, request by request."""
+    return compare_outputs({key: cell.outputs for key, cell in cells.items()}, reference, ("config", "batch_size"))
 
 
 # ---------------------------------------------------------------- reporting
-def _num(x, spec=".1f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def identical_cell(identity: dict, name: str, bs: int) -> str:
     if name == identity["reference"]:
         return "reference"
@@ -297,20 +202,18 @@ def identical_cell(identity: dict, name: str, bs: int) -> str:
     return "yes" if c["differing"] == 0 else f"NO ({c['differing']}/{c['requests']})"
 
 
-def result_rows(cells: dict[tuple[str, int], Cell], identity: dict) -> list[dict]:
+def result_rows(cells: dict[tuple[str, int], Measurement], identity: dict) -> list[dict]:
     reference = identity["reference"]
     rows = []
     for (name, bs), cell in cells.items():
-        valid = [r for r in cell.rates if not math.isnan(r)]
-        ref = cells[(reference, bs)].median
+        summary = cell.summary()
+        median, ref = summary["median"], cells[(reference, bs)].summary()["median"]
         rows.append({
-            "config": name, "batch_size": bs, "requests": cell.requests,
-            "decode_tok_s": {"median": cell.median, "min": min(valid) if valid else None,
-                             "max": max(valid) if valid else None},
+            "config": name, "batch_size": bs, "requests": cell.requests, "decode_tok_s": summary,
             "runs_decode_tok_s": [None if math.isnan(r) else r for r in cell.rates],
             "t_1_s": cell.t_1, "t_n_s": cell.t_n, "decode_tokens": cell.decode_tokens,
             "accept_length": cell.accept_length, "verify_ct": cell.verify_ct, "accepted_tokens": cell.accepted,
-            "speedup": cell.median / ref if cell.median is not None and ref else None,
+            "speedup": median / ref if median is not None and ref else None,
             "identical": identical_cell(identity, name, bs),
         })
     return sorted(rows, key=lambda r: r["batch_size"])  # stable: configurations keep their order
@@ -350,9 +253,10 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
                  f"{'t_N s':>8} {'accept':>7} {'speed-up':>8}  identical")
     for r in rows:
         d = r["decode_tok_s"]
-        lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {_num(d['median']):>12} {_num(d['min']):>8} "
-                     f"{_num(d['max']):>8} {statistics.median(r['t_1_s']):>8.3f} {statistics.median(r['t_n_s']):>8.3f} "
-                     f"{_num(r['accept_length'], '.2f'):>7} {_num(r['speedup'], '.2f') + 'x':>8}  {r['identical']}")
+        lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {fmt_num(d['median']):>12} "
+                     f"{fmt_num(d['min']):>8} {fmt_num(d['max']):>8} {statistics.median(r['t_1_s']):>8.3f} "
+                     f"{statistics.median(r['t_n_s']):>8.3f} {fmt_num(r['accept_length'], '.2f'):>7} "
+                     f"{fmt_num(r['speedup'], '.2f') + 'x':>8}  {r['identical']}")
     lines += ["", identity_line(identity, [c["name"] for c in header["configs"]])]
     return "\n".join(lines)
 
@@ -395,31 +299,30 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     command, date, machine = command_line(), now(), machine_info()
 
-    import specjet
     from specjet.models.weights import resolve_model_path
 
     base = engine_kwargs(args)
     model_dir = resolve_model_path(args.model_path)
-    engines = {}
+    systems = {}
     try:
         for config in args.config_list:
             kwargs = dict(base, **config.overrides)
             print(f"loading {config.name}: Engine({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) ...",
                   file=sys.stderr)
             try:
-                engines[config.name] = specjet.Engine(**kwargs)
+                systems[config.name] = SpecjetSystem(config.name, kwargs)
             except (TypeError, ValueError, NotImplementedError, FileNotFoundError) as exc:
                 raise SystemExit(f"bench.compare: configuration {config.name!r} cannot be loaded: {exc}") from None
-        first = engines[args.config_list[0].name]
-        prompts, description = load_prompts(args, first.tokenizer)
-        cells = measure(engines, prompts, args)
+        first = systems[args.config_list[0].name]
+        prompts, description = load_prompts(args, first.engine.tokenizer)
+        cells = measure(systems, prompts, args)
         configs = [{"name": c.name, "overrides": c.overrides, "engine_kwargs": dict(base, **c.overrides),
-                    "engine": describe_engine(engines[c.name])} for c in args.config_list]
+                    "engine": describe_engine(systems[c.name].engine)} for c in args.config_list]
     finally:
-        for engine in engines.values():
-            engine.shutdown()
+        for system in systems.values():
+            system.close()
 
-    identity = compare_outputs(cells, args.config_list[0].name)
+    identity = identity_check(cells, args.config_list[0].name)
     rows = result_rows(cells, identity)
     lengths = [len(p.ids) for p in prompts]
     header = {"benchmark": "compare", "record_version": 1, "command": command, "date": date,
@@ -441,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
             chart = args.chart
             print(f"# chart: {chart}", flush=True)
     record = dict(header, args={k: v for k, v in vars(args).items() if k != "config_list"}, results=rows,
-                  outputs_identical={k: v for k, v in identity.items() if k != "per_cell"}, chart=chart)
+                  outputs_identical=identity_record(identity), chart=chart)
     if args.result_file:
         append_jsonl(args.result_file, record)
         print(f"# appended to {args.result_file}", flush=True)

@@ -78,10 +78,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from bench.common import (JSONSCHEMA_DIR, add_engine_args, append_jsonl, command_line, engine_kwargs, generate_all,
-                          jsonschema_prompts, machine_info, now, report_header_lines, without_speculation)
-from bench.compare import Cell as CompareCell
-from bench.compare import compare_outputs as compare_ids
+from bench.common import (JSONSCHEMA_DIR, add_engine_args, append_jsonl, command_line, compare_outputs, engine_kwargs,
+                          fmt_num, generate_all, identity_record, jsonschema_prompts, machine_info, now,
+                          report_header_lines, without_speculation)
 from bench.compare import identical_cell, identity_line
 from bench.engine_info import describe_engine, spec_str, spec_totals
 
@@ -267,8 +266,10 @@ def warm_up(engine, prompts: list[str], entries: list[dict], unconstrained: bool
         engine.generate(prompts[0], sampling_params(entries[:1], WARMUP_TOKENS, False)[0])
 
 
-def timed_run(engine, cell: Cell, prompts: list[str], entries: list[dict], max_new_tokens: int, bar,
-              lengths: list[int] | None = None) -> Cell:
+def concurrent_run(engine, cell: Cell, prompts: list[str], entries: list[dict], max_new_tokens: int, bar,
+                   lengths: list[int] | None = None) -> Cell:
+    """Every prompt once, ``cell.batch_size`` requests in flight, into ``cell``: the outputs, the wall
+    and CPU time of the whole run and the speculative totals around it."""
     params = sampling_params(entries, max_new_tokens, cell.constrained, lengths)
     cell.spec_before = spec_totals(engine)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -305,14 +306,14 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
                 for bs in args.batch_sizes:
                     for repeat in range(args.repeats):
                         bar.set_description(f"{config.name} bs={bs} run {repeat + 1}/{args.repeats}")
-                        constrained = timed_run(engine, Cell(config.name, bs, True, repeat), prompts, entries,
-                                                args.max_new_tokens, bar)
+                        constrained = concurrent_run(engine, Cell(config.name, bs, True, repeat), prompts,
+                                                     entries, args.max_new_tokens, bar)
                         cells.append(constrained)
                         if config is baseline:  # the same work without the grammar (length-matched)
                             bar.set_description(f"{UNCONSTRAINED} bs={bs} run {repeat + 1}/{args.repeats}")
                             lengths = [o["meta_info"]["completion_tokens"] for o in constrained.outputs]
-                            cells.append(timed_run(engine, Cell(UNCONSTRAINED, bs, False, repeat), prompts, entries,
-                                                   args.max_new_tokens, bar, lengths))
+                            cells.append(concurrent_run(engine, Cell(UNCONSTRAINED, bs, False, repeat), prompts,
+                                                        entries, args.max_new_tokens, bar, lengths))
                 engine.check_kv_invariant()  # a configuration that leaks KV must not pass for a fast one
                 desc = describe_engine(engine)
                 desc.update(disable_overlap_schedule=engine.args.disable_overlap_schedule,
@@ -325,15 +326,14 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
 
 
 # ---------------------------------------------------------------- comparing
-def compare_outputs(cells: list[Cell], reference: str) -> dict:
+def identity_check(cells: list[Cell], reference: str) -> dict:
     """Each constrained cell's output ids against the reference configuration's at the same batch
     size and repeat, request by request (bench.compare's check: per (configuration, batch size) the
     requests compared and differing, and the first mismatches)."""
-    by = {}
+    by: dict[tuple[str, int], list] = {}
     for c in sorted((c for c in cells if c.constrained), key=lambda c: c.repeat):
-        cell = by.setdefault((c.config, c.batch_size), CompareCell(c.config, c.batch_size, len(c.outputs)))
-        cell.outputs.append([o["output_ids"] for o in c.outputs])
-    return compare_ids(by, reference)
+        by.setdefault((c.config, c.batch_size), []).append([o["output_ids"] for o in c.outputs])
+    return compare_outputs(by, reference, ("config", "batch_size"))
 
 
 # ---------------------------------------------------------------- reporting
@@ -392,10 +392,6 @@ def constrained_names(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["config"] for r in rows if r["constrained"]))
 
 
-def _num(x, spec=".1f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def table_lines(rows: list[dict]) -> list[str]:
     width = max(12, *(len(r["config"]) for r in rows))
     lines = [f"{'config':<{width}} {'batch':>5} {'valid':>6} {'invalid':>7} {'non-JSON':>8} {'aborted':>7} "
@@ -405,10 +401,10 @@ def table_lines(rows: list[dict]) -> list[str]:
         accept = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
         done = "-" if r["accept_completed"] is None else f"{r['accept_completed']:.2f}"
         # An unconstrained run is length-matched, not meant to end its object: no validity to show.
-        valid = _num(r["validity"], ".3f") if r["constrained"] else "-"
+        valid = fmt_num(r["validity"], ".3f") if r["constrained"] else "-"
         lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {valid:>6} {r['invalid']:>7} "
-                     f"{r['not_json']:>8} {r['aborted']:>7} {_num(r['ttft_ms']):>8} {_num(r['tpot_ms']):>8} "
-                     f"{_num(r['output_tok_s']):>9} {accept:>6} {done:>9} {ratio:>8}  {r['identical'] or '-'}")
+                     f"{r['not_json']:>8} {r['aborted']:>7} {fmt_num(r['ttft_ms']):>8} {fmt_num(r['tpot_ms']):>8} "
+                     f"{fmt_num(r['output_tok_s']):>9} {accept:>6} {done:>9} {ratio:>8}  {r['identical'] or '-'}")
     return lines
 
 
@@ -482,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{len(configs)} configurations of {model_dir}, {len(entries)} schemas", file=sys.stderr)
     cells, described, baseline = run_all(configs, engine_kwargs(args), entries, args)
 
-    identity = compare_outputs(cells, reference)
+    identity = identity_check(cells, reference)
     rows = result_rows(cells, entries, validators, identity)
     lengths = [o["meta_info"]["prompt_tokens"] for o in cells[0].outputs]
     header = {"benchmark": "json", "record_version": 1, "command": command, "date": date,
@@ -493,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
               "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes, "repeats": args.repeats}
     print(format_report(header, rows, identity), flush=True)
     record = dict(header, args=vars(args), results=rows,
-                  outputs_identical={k: v for k, v in identity.items() if k != "per_cell"})
+                  outputs_identical=identity_record(identity))
     if args.result_file:
         append_jsonl(args.result_file, record)
         print(f"# appended to {args.result_file}", flush=True)

@@ -26,9 +26,10 @@ import itertools
 import math
 import sys
 
-from bench.common import engine_kwargs, without_speculation
-from bench.latency import (Measurement, SpecjetSystem, Workload, _num, compare_outputs, finish, header_lines,
-                           identity_line, make_batches, make_header, timed_run, warm_up, workload_heading)
+from bench.common import engine_kwargs, fmt_num, identity_record, without_speculation
+from bench.decode_rate import Measurement, SpecjetSystem, make_batches, timed_run, warm_up
+from bench.latency_common import (Workload, finish, header_lines, identity_check, identity_line, make_header,
+                                  parse_args, prepare, workload_heading)
 
 PLAIN = "plain"
 
@@ -114,16 +115,16 @@ def format_sweep(header: dict, measurements: list[Measurement], figs: dict, iden
                 s = m.summary()
                 speedup = f["configs"][m.system]["speedup"][workload]
                 accept = "-" if m.accept_length is None else f"{m.accept_length:.2f}"
-                lines.append(f"{m.system:<28} {accept:>7} {_num(s['median']):>12} {_num(s['min']):>8} "
-                             f"{_num(s['max']):>8} {_num(speedup, '.2f') + 'x':>9}")
+                lines.append(f"{m.system:<28} {accept:>7} {fmt_num(s['median']):>12} {fmt_num(s['min']):>8} "
+                             f"{fmt_num(s['max']):>8} {fmt_num(speedup, '.2f') + 'x':>9}")
         workloads = list(header["workloads"])
         lines += ["", f"## ranking at batch size {bs}: geometric mean of the speed-ups over {', '.join(workloads)}",
                   f"{'config':<28} {'geomean':>8} " + " ".join(f"{w + ' x':>10} {w + ' acc':>10}" for w in workloads)]
         for name in f["ranking"]:
             c = f["configs"][name]
-            cells = [f"{_num(c['speedup'][w], '.2f') + 'x':>10} {_num(c['accept_length'][w], '.2f'):>10}"
+            cells = [f"{fmt_num(c['speedup'][w], '.2f') + 'x':>10} {fmt_num(c['accept_length'][w], '.2f'):>10}"
                      for w in workloads]
-            lines.append(f"{name:<28} {_num(c['geomean_speedup'], '.2f') + 'x':>8} " + " ".join(cells))
+            lines.append(f"{name:<28} {fmt_num(c['geomean_speedup'], '.2f') + 'x':>8} " + " ".join(cells))
     lines += ["", identity_line(identity, f"every configuration vs {PLAIN}, greedy")]
     return "\n".join(lines)
 
@@ -139,9 +140,8 @@ def run_sweep(args: argparse.Namespace, workloads: list[Workload], context: dict
     names = [name for name, _ in systems]
     n = args.max_new_tokens
     batches = {(w.name, bs): make_batches(w.prompts, bs) for w in workloads for bs in args.batch_sizes}
-    table = {(name, w.name, bs): Measurement(name, w.name, bs, sum(map(len, batches[(w.name, bs)])), n)
+    table = {(name, w.name, bs): Measurement(name, w.name, bs, sum(map(len, batches[(w.name, bs)])))
              for name in names for w in workloads for bs in args.batch_sizes}
-    outputs: dict[tuple, list] = {key: [] for key in table}
     effective: dict[str, dict | None] = {}
     print(f"sweep: {len(configs)} {args.speculative_algorithm} configurations + {PLAIN}, {args.repeats} rounds",
           file=sys.stderr)
@@ -158,8 +158,7 @@ def run_sweep(args: argparse.Namespace, workloads: list[Workload], context: dict
                             warm_up(system, batches[(w.name, bs)], n)
                     for w in workloads:
                         for bs in args.batch_sizes:
-                            m = table[(name, w.name, bs)]
-                            outputs[(name, w.name, bs)].append(timed_run(system, batches[(w.name, bs)], m))
+                            timed_run(system, batches[(w.name, bs)], n, table[(name, w.name, bs)])
                 finally:
                     system.close()
                     del system
@@ -176,17 +175,19 @@ def run_sweep(args: argparse.Namespace, workloads: list[Workload], context: dict
         "skipped": skipped,
         "fixed": fixed,
     }
-    identity = compare_outputs(outputs, plain=PLAIN)
+    identity = identity_check(measurements, PLAIN)
     figs = sweep_figures(measurements, names)
-    record = dict(header, args=vars(args), figures=figs, outputs_identical=identity,
+    record = dict(header, args=vars(args), figures=figs, outputs_identical=identity_record(identity),
                   results=[m.record() for m in measurements])
     return finish(record, format_sweep(header, measurements, figs, identity), args)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench import latency
-
-    return latency.main(["--sweep", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m bench.latency --sweep ...``."""
+    args = parse_args(["--sweep", *(sys.argv[1:] if argv is None else argv)], "python -m bench.spec_sweep",
+                      __doc__.split("\n\n")[0])
+    setup = prepare(args)
+    return run_sweep(args, setup.workloads, setup.context)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` does not put the root on the path
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.compare import Cell, compare_outputs, main, parse_config, result_rows
+from bench.compare import identity_check, main, parse_config, result_rows
+from bench.decode_rate import Measurement
 from specjet.kernels.cpu_features import describe_cpu
 from specjet.models.runner import auto_dtype
 
@@ -52,10 +53,10 @@ def test_parse_config():
 def test_identity_check_flags_the_request_that_differs():
     cells = {}
     for name in ("a", "b", "c"):
-        cells[(name, 2)] = Cell(name, 2, 2, t_1=[0.1], t_n=[1.1], decode_tokens=[10],
-                                outputs=[[[1, 2, 3], [4, 5, 6]]])
+        cells[(name, 2)] = Measurement(name, "gsm8k", 2, 2, t_1=[0.1], t_n=[1.1], decode_tokens=[10],
+                                       outputs=[[[1, 2, 3], [4, 5, 6]]])
     cells[("c", 2)].outputs = [[[1, 2, 3], [4, 9, 6]]]
-    identity = compare_outputs(cells, "a")
+    identity = identity_check(cells, "a")
     assert not identity["identical"] and identity["requests"] == 4
     assert identity["mismatches"] == [{"config": "c", "batch_size": 2, "run": 0, "request": 1,
                                        "first_differing_token": 1}]

@@ -18,7 +18,7 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` do
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.common import JSONSCHEMA_DIR, jsonschema_prompts
-from bench.json import (Cell, Config, check_output, compare_outputs, completed_accept_length, latency_figures,
+from bench.json import (Cell, Config, check_output, completed_accept_length, identity_check, latency_figures,
                         load_validator, main, parse_args, validity)
 from specjet.models.runner import auto_dtype
 
@@ -100,7 +100,7 @@ def test_identity_check_flags_the_request_that_differs():
     cells = [cell("none/on", 1, [[1, 2, 3], [4, 5]]), cell("unconstrained", 1, [[9], [9]], constrained=False),
              cell("EAGLE/on", 1, [[1, 2, 3], [4, 6, 7]]), cell("none/on", 2, [[1, 2], [4]]),
              cell("EAGLE/on", 2, [[1, 2], [4]])]
-    identity = compare_outputs(cells, "none/on")
+    identity = identity_check(cells, "none/on")
     assert not identity["identical"] and identity["requests"] == 4
     assert identity["mismatches"] == [{"config": "EAGLE/on", "batch_size": 1, "run": 0, "request": 1,
                                        "first_differing_token": 1}]

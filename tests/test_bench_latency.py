@@ -178,7 +178,7 @@ def test_latency_sweep_ngram_two_configs(cyclic_model_dir, tmp_path):
 
 
 def test_sweep_grid_skips_impossible_trees():
-    from bench.latency import SWEEP_DEFAULTS
+    from bench.latency_common import SWEEP_DEFAULTS
     from bench.spec_sweep import eagle_max_nodes, grid, label
 
     configs, skipped = grid("EAGLE", SWEEP_DEFAULTS["EAGLE"])
@@ -201,7 +201,8 @@ def test_sweep_grid_skips_impossible_trees():
 
 def test_flags_and_output_comparison():
     from bench.common import engine_kwargs, without_speculation
-    from bench.latency import compare_outputs, identity_line, parse_args
+    from bench.decode_rate import Measurement
+    from bench.latency_common import identity_check, identity_line, parse_args
 
     args = parse_args(["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                        "--speculative-draft-model-path", "/x", "--dtype", "bfloat16"])
@@ -218,10 +219,14 @@ def test_flags_and_output_comparison():
         with pytest.raises(SystemExit):
             parse_args(bad)
 
+    def runs(system: str, *outputs) -> Measurement:
+        return Measurement(system, "gsm8k", 1, 2, outputs=list(outputs))
+
     plain = [[1, 2, 3], [4, 5, 6]]
-    same = compare_outputs({("specjet", "gsm8k", 1): [plain], ("specjet+EAGLE", "gsm8k", 1): [plain]})
+    hf = runs("HF")  # no output ids: left out of the check
+    same = identity_check([runs("specjet", plain), runs("specjet+EAGLE", plain), hf], "specjet")
     assert same["identical"] and same["requests"] == 2 and identity_line(same, "x").startswith("outputs identical: yes")
-    diff = compare_outputs({("specjet", "gsm8k", 1): [plain], ("specjet+EAGLE", "gsm8k", 1): [[[1, 2, 3], [4, 9, 6]]]})
+    diff = identity_check([runs("specjet", plain), runs("specjet+EAGLE", [[1, 2, 3], [4, 9, 6]]), hf], "specjet")
     assert not diff["identical"] and diff["mismatches"][0]["request"] == 1
     assert diff["mismatches"][0]["first_differing_token"] == 1
     assert identity_line(diff, "x").startswith("outputs identical: NO (x: 1 of 2 requests differ")
