@@ -38,7 +38,7 @@ def paged_attention_reference(
     num_kv_heads = k_cache.shape[1]
     batch = meta.kv_indices.shape[0]
     qp = q[meta.q_gather].transpose(1, 2)  # [B, H, max_q, D]
-    # index_select on the flat index is ~4x faster than advanced indexing with a 2-D index on CPU.
+    # index_select on the flat index: advanced indexing with a 2-D index is several times slower on CPU.
     flat = meta.kv_indices.reshape(-1)
     k = k_cache.index_select(0, flat).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, flat).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
@@ -172,8 +172,9 @@ def _attention_float64(
     f64 = torch.float64
     flat = meta.kv_indices.reshape(-1)
     # Heads-major float64 copies in reused buffers (a fresh tensor of this size pays its page faults
-    # on every call: ~10x the conversion itself at batch 64), so one bmm covers every (request, KV
-    # head); a few ops per layer matter at batch 1, where attention is dispatch-bound.
+    # on every call, which at large batches costs more than the conversion itself), so one bmm
+    # covers every (request, KV head); a few ops per layer matter at batch 1, where attention is
+    # dispatch-bound.
     k64 = _gather_float64(k_cache, flat, batch, "k").transpose(1, 2)  # [B*KV, D, L]
     v64 = _gather_float64(v_cache, flat, batch, "v")  # [B*KV, L, D]
     # Every request brings max_q tokens (a decode step, one request's verify or extend, equal trees):

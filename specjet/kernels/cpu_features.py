@@ -3,7 +3,7 @@
 The choice that matters is bf16 vs fp32. With native bf16 matrix instructions (AVX-512 BF16 or
 AMX-BF16) a bf16 matmul runs at least as fast as an fp32 one and speculation gains most in bf16;
 without them (AVX2-only CPUs, AVX-512 without BF16) oneDNN and ATen emulate bf16 by converting to
-fp32 and back, and a bf16 decode step of the default model costs ~8x an fp32 one.
+fp32 and back, which makes a bf16 decode step several times slower than an fp32 one.
 
 ``SPECJET_CPU_NATIVE_BF16=0`` (or ``1``) overrides the detection, to simulate the other kind of CPU;
 with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` the kernels then run as on an AVX2-only CPU.

@@ -3,15 +3,15 @@
 Lossless speculative decoding compares a verify forward (many rows per request) against plain
 decoding (one row per request) token for token, so a projection must give a row the same bits
 whether it is computed alone or among 96 others. CPU GEMM libraries do not promise that: kernel
-choice, blocking and reduction order follow the row count M. Measured with torch 2.13 / oneDNN on an
-AMX CPU (SmolLM2-135M shapes): plain bf16 matmuls are row-invariant for M <= 32 only; fp32 gives a
-single row (GEMV) other bits than the same row among 2+ rows (MKL everywhere, oneDNN for in=1536).
+choice, blocking and reduction order follow the row count M, so a plain matmul keeps a row's bits
+only up to some M, and a single row (GEMV) may get other bits than the same row among others (the
+figures of one CPU are in bench/RESULTS.md).
 
 The kernel is oneDNN's matmul against a weight reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, torch's CPU freezing path). Without the reorder oneDNN
 re-blocks a plain bf16 weight on every call, which made bf16 decoding slower than fp32. The reorder
-takes a batch-size hint that picks the blocked format, and the format decides invariance: bf16 with
-hint 1 stays row-invariant up to M = 128 at no cost in speed.
+takes a batch-size hint that picks the blocked format, and the format decides invariance, so the
+hint is part of a weight's plan; the plans that cover the most rows per call come first.
 
 Every weight gets a **plan** (hint, ``min_rows``, ``max_rows``): a call of M rows runs as chunks of
 at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero rows. The plan is not
@@ -19,8 +19,8 @@ assumed but measured once per (shape, dtype, bias, thread count) on the weight i
 is run at every chunk size in the range and each row must equal the same row run alone (padded to
 ``min_rows``); the first plan that passes wins, falling back to one row per call, which is exact by
 construction. So any CPU gets an exact plan. Plans hold for the torch thread count they were
-measured under (the one at load; nothing in specjet changes it later). The torch reference (also the path for training,
-where ``packed`` is None) is ``x @ weight_t + bias``.
+measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
+path for training, where ``packed`` is None) is ``x @ weight_t + bias``.
 """
 from __future__ import annotations
 
