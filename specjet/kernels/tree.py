@@ -1,11 +1,11 @@
 """Draft trees for EAGLE-style speculative decoding: choosing the nodes, and the tensors that
 describe the tree to attention, to verification and to a grammar matcher.
 
-Conventions shared with ``tree_verify.py``. A batch holds B requests, each with a tree of exactly
-N nodes (N = num_draft_tokens). Node 0 is the ROOT: the last verified token, whose KV is not yet
-written, fed to the verify forward like the other nodes. Every other node has a parent with a
-smaller index, so the index order is a topological order, and the children of a node appear in
-index order best draft score first. ``parents[b, i]`` is -1 for the root.
+Conventions shared with ``tree_verify.py`` and ``TreeInfo`` (``tree_info.py``). A batch holds B
+requests, each with a tree of exactly N nodes (N = num_draft_tokens). Node 0 is the ROOT: the last
+verified token, whose KV is not yet written, fed to the verify forward like the other nodes. Every
+other node has a parent with a smaller index, so the index order is a topological order, and the
+children of a node appear in index order best draft score first. ``parents[b, i]`` is -1 for the root.
 
 The traversal arrays use SGLang's names (``retrive_*``, sic) and its per-request layout, which is
 also what xgrammar's ``GrammarMatcher.traverse_draft_tree(retrieve_next_token,
