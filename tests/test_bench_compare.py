@@ -20,8 +20,10 @@ from bench.decode_rate import Measurement
 from specjet.kernels.cpu_features import describe_cpu
 from specjet.models.runner import auto_dtype
 
-ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(n/a|[\d.]+)\s+"
-                 r"([\d.]+)x\s+(reference|yes|NO \(\d+/\d+\))$", re.M)
+# A decode rate is "n/a" where t_N did not exceed t_1 (a loaded machine can make a tiny run so).
+NUM = r"(n/a|[\d.]+)"
+ROW = re.compile(rf"^(\S+)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}\s+([\d.]+)\s+([\d.]+)\s+{NUM}\s+"
+                 rf"{NUM}x\s+(reference|yes|NO \(\d+/\d+\))$", re.M)
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
