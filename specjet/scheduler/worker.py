@@ -210,5 +210,9 @@ def sampling_tensors(params: list[SamplingParams], device) -> SamplingTensors:
 
 def _catch_up(grammar: RequestGrammar, tokens: list[int]) -> bool:
     """Advance a forked matcher by the tokens the host had not taken when it forked; False when the
-    request's grammar has ended (or, impossibly for masked tokens, refuses one)."""
-    return grammar.accept_tokens(tokens) == len(tokens) and not grammar.is_terminated()
+    request's grammar has ended (a token after its stop token is never offered to the matcher) or,
+    impossibly for masked tokens, refuses one."""
+    for token in tokens:
+        if grammar.is_terminated() or not grammar.accept_token(token):
+            return False
+    return not grammar.is_terminated()
