@@ -1,0 +1,303 @@
+"""The FastAPI app: OpenAI's endpoints over one ``Engine``, driven through ``async_generate``.
+
+``create_app(engine, model_name)`` builds it; ``specjet.serve.cli`` runs it with uvicorn. Every
+error leaves as OpenAI's ``{"error": {...}}`` JSON: what the engine refuses at the door
+(``ValueError``, ``TypeError``, ``GrammarError``) is a 400, a dead engine a 503, and anything
+unexpected a 500 that names the exception type (no traceback). A client that goes away aborts its
+request: closing the engine's stream (or cancelling the wait) aborts it and frees its KV.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+import anyio
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specjet.grammar.spec import GrammarError
+from specjet.serve import chat
+from specjet.serve.errors import ApiError, bad_request, unavailable
+from specjet.serve.metrics import Metrics
+from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                    ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta, Completion,
+                                    CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage)
+
+logger = logging.getLogger("specjet.serve")
+
+# How often a non-streaming request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.5
+
+
+def _usage(meta: dict[str, Any]) -> Usage:
+    return Usage(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+                 total_tokens=meta["prompt_tokens"] + meta["completion_tokens"])
+
+
+def _sse(payload: Any) -> str:
+    text = payload.model_dump_json(exclude_none=False) if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {text}\n\n"
+
+
+def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_endpoints: bool = False) -> FastAPI:
+    app = FastAPI(title="specjet", version="0.1.0")
+    metrics = Metrics()
+    app.state.engine, app.state.metrics = engine, metrics
+
+    # ------------------------------------------------------------ errors
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, error: RequestValidationError):
+        problems = error.errors()
+        first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                            for e in problems[:5])
+        code = "unknown_parameter" if first.get("type") == "extra_forbidden" else "invalid_value"
+        return JSONResponse(bad_request(message, param, code).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(error.status_code, str(error.detail), kind).body(), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, error: Exception):
+        logger.exception("unexpected error in a request")
+        return JSONResponse(ApiError(500, f"internal error ({type(error).__name__})", "internal_error").body(),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith(("/v1", "/debug")):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                error = ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                 "authentication_error", None, "invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    # ------------------------------------------------------------ engine calls
+    def check_alive() -> None:
+        if not engine.is_alive():
+            raise unavailable("the engine is not running: " + str(engine.scheduler.closed_reason or "stopped"))
+
+    async def start(sp: dict, stream: bool, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None,
+                    prompt_param: str = "messages"):
+        """``engine.async_generate``, its door errors as 400s."""
+        check_alive()
+        try:
+            return await engine.async_generate(prompt=prompt, input_ids=input_ids, sampling_params=sp, stream=stream)
+        except GrammarError as error:
+            raise bad_request(str(error), _constraint_param(sp), "invalid_grammar") from None
+        except (ValueError, TypeError) as error:
+            message = str(error)
+            context = "context length" in message or "KV slots" in message
+            raise bad_request(message, prompt_param if context else _param_in(message, sp),
+                              "context_length_exceeded" if context else "invalid_value") from None
+        except RuntimeError as error:
+            if not engine.is_alive():
+                raise unavailable(str(error)) from None
+            raise
+
+    def refused(result: dict, sp: dict) -> None:
+        """A request the engine aborted before writing anything (a grammar it could not compile, say)."""
+        meta = result["meta_info"]
+        reason = meta["finish_reason"] or {}
+        if reason.get("type") == "abort" and meta["completion_tokens"] == 0:
+            check_alive()
+            metrics.record("error", meta["prompt_tokens"])
+            raise bad_request(reason.get("message") or "the request was aborted", _constraint_param(sp),
+                              "request_refused")
+
+    async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
+        """``await work()``, cancelled (which aborts the engine request) if the client goes away."""
+        result: list[Any] = []
+        raised: list[BaseException] = []
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                while not await request.is_disconnected():
+                    await anyio.sleep(_DISCONNECT_POLL_S)
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                result.append(await work())
+            except Exception as error:  # re-raised below, not wrapped in the group's ExceptionGroup
+                raised.append(error)
+            group.cancel_scope.cancel()
+        if raised:
+            raise raised[0]
+        if not result:
+            raise ApiError(499, "client closed the request", "client_closed")
+        return result[0]
+
+    # ------------------------------------------------------------ endpoints
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive():
+            return JSONResponse({"status": "dead", "error": engine.scheduler.closed_reason}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        text = await anyio.to_thread.run_sync(metrics.render, engine)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=model_name)])
+
+    if debug_endpoints:
+        @app.get("/debug/kv")
+        async def debug_kv():
+            """Waits until the engine is idle, then checks the KV invariant (free + owned == pool)."""
+            await anyio.to_thread.run_sync(engine.wait_idle)
+            await anyio.to_thread.run_sync(engine.check_kv_invariant)
+            info = await anyio.to_thread.run_sync(engine.get_server_info)
+            return {"kv_pool_size": info["kv_pool_size"], "kv_free": info["kv_free"], "ok": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_alive()
+        sp, plan = chat.chat_params(body)
+        prompt = chat.chat_prompt(engine.tokenizer, body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return await _stream_chat(body, sp, plan, prompt, rid)
+        result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt))
+        refused(result, sp)
+        message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
+        usage = _usage(result["meta_info"])
+        metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
+        return ChatCompletion(id=rid, model=model_name, usage=usage,
+                              choices=[ChatChoice(message=message, finish_reason=reason)])
+
+    async def _stream_chat(body: ChatCompletionRequest, sp, plan, prompt, rid) -> Response:
+        stream = await start(sp, True, prompt=prompt)
+        first = await _first_chunk(stream)
+        refused(first, sp)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        created = int(time.time())
+
+        def chunk(delta: ChoiceDelta, reason: Optional[str] = None) -> str:
+            return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name,
+                                            choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield chunk(ChoiceDelta(role="assistant", content=""))
+                parts, item = [], first
+                while True:
+                    if plan.mode is None and item["text"]:
+                        yield chunk(ChoiceDelta(content=item["text"]))
+                    parts.append(item["text"])
+                    if item["meta_info"]["finish_reason"] is not None:
+                        break
+                    item = await stream.__anext__()
+                meta = item["meta_info"]
+                reason = chat.finish_reason(item)
+                if plan.mode is not None:  # tool calls are sent whole, once the reply is complete
+                    message, reason = chat.reply("".join(parts), reason, plan)
+                    if message.content:
+                        yield chunk(ChoiceDelta(content=message.content))
+                    if message.tool_calls:
+                        calls = [dict(call.model_dump(), index=i) for i, call in enumerate(message.tool_calls)]
+                        yield chunk(ChoiceDelta(tool_calls=calls))
+                yield chunk(ChoiceDelta(), reason)
+                usage = _usage(meta)
+                metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
+                if include_usage:
+                    yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=usage))
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()  # aborts the request if it has not finished (a client gone)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_alive()
+        sp = chat.completion_params(body)
+        prompt, input_ids = _one_prompt(body.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            stream = await start(sp, True, prompt=prompt, input_ids=input_ids, prompt_param="prompt")
+            first = await _first_chunk(stream)
+            refused(first, sp)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            created = int(time.time())
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    item = first
+                    while True:
+                        reason = chat.finish_reason(item)
+                        if item["text"] or reason is not None:
+                            yield _sse(Completion(id=rid, created=created, model=model_name, choices=[
+                                CompletionChoice(text=item["text"], finish_reason=reason)]))
+                        if reason is not None:
+                            break
+                        item = await stream.__anext__()
+                    usage = _usage(item["meta_info"])
+                    metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
+                    if include_usage:
+                        yield _sse(Completion(id=rid, created=created, model=model_name, choices=[], usage=usage))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    await stream.aclose()
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt, input_ids=input_ids,
+                                                                  prompt_param="prompt"))
+        refused(result, sp)
+        reason = chat.finish_reason(result)
+        usage = _usage(result["meta_info"])
+        metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
+        return Completion(id=rid, model=model_name, usage=usage,
+                          choices=[CompletionChoice(text=result["text"], finish_reason=reason)])
+
+    return app
+
+
+async def _first_chunk(stream) -> dict:
+    try:
+        return await stream.__anext__()
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+def _one_prompt(prompt) -> tuple[Optional[str], Optional[list[int]]]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    if len(prompt) == 1:
+        return _one_prompt(prompt[0])
+    raise bad_request("send one prompt per request (a string or a list of token ids); batches are not supported",
+                      "prompt", "unsupported_parameter")
+
+
+def _constraint_param(sp: dict) -> Optional[str]:
+    for name in ("json_schema", "regex", "ebnf"):
+        if name in sp:
+            return name
+    return None
+
+
+def _param_in(message: str, sp: dict) -> Optional[str]:
+    """The sampling parameter a door error names, if any (the engine's messages start with it)."""
+    for name in sorted(sp, key=len, reverse=True):
+        if message.startswith(name) or f" {name}" in message:
+            return name
+    return None

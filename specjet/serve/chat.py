@@ -1,0 +1,287 @@
+"""OpenAI request fields -> specjet sampling parameters, chat messages -> a prompt, and the model's
+text -> a reply (content or tool calls).
+
+Tool calls use the Hermes layout most open chat models are trained on: the model writes
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. How each ``tool_choice`` is
+enforced by decoding:
+
+- ``required`` / a named function: a JSON schema whose values are exactly the calls allowed (the
+  name a ``const``, ``arguments`` the function's ``parameters``); with ``parallel_tool_calls`` an
+  array of one or more calls. The reply is bare JSON; every call it holds is well formed and its
+  arguments validate (the engine also checks the output with jsonschema).
+- ``auto``: xgrammar's structural tag (free text until the model writes ``<tool_call>``, then the
+  call's schema and ``</tool_call>``, then free text again), handed to the engine as EBNF.
+- ``none``: no tools in the prompt, no constraint.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from specjet.serve.errors import bad_request
+from specjet.serve.protocol import (AssistantMessage, ChatCompletionRequest, CompletionRequest, FunctionCall,
+                                    ToolCall, _SamplingFields)
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CLOSE), re.DOTALL)
+
+
+@dataclass
+class ToolPlan:
+    """How a chat request's reply is read back: ``mode`` None (plain text), "json" (bare JSON
+    calls, for required / named) or "tagged" (auto: text with <tool_call> blocks)."""
+    mode: Optional[str] = None
+    parallel: bool = True
+    names: set[str] = field(default_factory=set)
+
+
+# ---------------------------------------------------------------- parameters
+def _check_schema(schema: Any, param: str) -> None:
+    """400 naming the problem for a schema that is not a valid JSON schema (jsonschema's meta-schema)."""
+    import jsonschema
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"invalid JSON schema in {param}: expected an object, got {type(schema).__name__}", param)
+    try:
+        validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+        raise bad_request(f"invalid JSON schema in {param} at {where}: {error.message}", param) from None
+
+
+def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str, Any]:
+    """The sampling-parameter dict for the engine; 400 for what specjet does not support."""
+    if req.n is not None and req.n != 1:
+        raise bad_request(f"n={req.n} is not supported: specjet returns one choice per request (n=1); "
+                          "send several requests instead", "n", "unsupported_parameter")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported yet (only 0)", name, "unsupported_parameter")
+    if req.logprobs:
+        raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
+    sp: dict[str, Any] = {}
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            sp[name] = value
+    if req.stop is not None:
+        sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    extras = [name for name in ("json_schema", "regex", "ebnf") if getattr(req, name) is not None]
+    if len(extras) > 1:
+        raise bad_request(f"give at most one of json_schema, regex, ebnf (got {', '.join(extras)})", extras[1])
+    if extras:
+        name = extras[0]
+        value = getattr(req, name)
+        if name == "json_schema":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as error:
+                    raise bad_request(f"invalid JSON schema in json_schema: not JSON: {error}", name) from None
+            _check_schema(value, name)
+        sp[name] = value
+    return sp
+
+
+def completion_params(req: CompletionRequest) -> dict[str, Any]:
+    for name in ("echo", "suffix"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
+    return sampling_params(req, req.max_tokens)
+
+
+def chat_params(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolPlan]:
+    """Sampling parameters and the tool plan of a chat request (one constraint at most)."""
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("give max_tokens or max_completion_tokens, not two different values", "max_tokens")
+    sp = sampling_params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    plan = ToolPlan(parallel=req.parallel_tool_calls is not False)
+    constraint: Optional[tuple[str, Any, str]] = None  # (kind, spec, the field it came from)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        constraint = ("json_schema", {"type": "object"}, "response_format")
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a json_schema field", "response_format")
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {"type": "object"}
+        _check_schema(schema, "response_format.json_schema.schema")
+        constraint = ("json_schema", schema, "response_format")
+    tool_constraint = _tool_constraint(req, plan)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise bad_request("response_format json output and tool_choice that calls tools cannot be combined",
+                              "tool_choice")
+        constraint = tool_constraint
+    if constraint is not None:
+        if any(k in sp for k in ("json_schema", "regex", "ebnf")):
+            raise bad_request(f"{constraint[2]} cannot be combined with json_schema, regex or ebnf", constraint[2])
+        kind, spec, _ = constraint
+        sp[kind] = spec
+    return sp, plan
+
+
+def _tools_in_use(req: ChatCompletionRequest) -> list:
+    if not req.tools or req.tool_choice == "none":
+        return []
+    return req.tools
+
+
+def _call_schema(function) -> dict[str, Any]:
+    params = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+    _check_schema(params, f"tools[{function.name}].function.parameters")
+    return {"type": "object", "properties": {"name": {"const": function.name}, "arguments": params},
+            "required": ["name", "arguments"]}
+
+
+def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tuple[str, Any, str]]:
+    choice = req.tool_choice
+    if req.tools is None:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool names must be unique", "tools")
+    if choice == "none":
+        return None
+    if choice is None:
+        choice = "auto"
+    if not isinstance(choice, str):  # a named function
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                              f"({', '.join(names)})", "tool_choice")
+        tools = [t for t in req.tools if t.function.name == choice.function.name]
+        plan.mode, plan.names, plan.parallel = "json", {choice.function.name}, False
+        return ("json_schema", _call_schema(tools[0].function), "tool_choice")
+    plan.names = set(names)
+    schemas = [_call_schema(t.function) for t in req.tools]
+    if choice == "required":
+        plan.mode = "json"
+        one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        schema = {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
+        return ("json_schema", schema, "tool_choice")
+    plan.mode = "tagged"  # auto
+    return ("ebnf", _auto_grammar(schemas), "tool_choice")
+
+
+def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
+    """EBNF for "free text, or a tool call whose JSON matches one of ``schemas``" (xgrammar's
+    structural tag: the call's grammar starts when the model writes <tool_call>)."""
+    import xgrammar as xgr
+
+    items = [xgr.StructuralTagItem(begin=TOOL_OPEN + "\n", schema=json.dumps(s), end="\n" + TOOL_CLOSE)
+             for s in schemas]
+    return str(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
+
+
+# ---------------------------------------------------------------- messages -> prompt
+def _text_of(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise bad_request(f"message content of type {part.get('type')!r} is not supported (text only)", "messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        pass
+    return f"{TOOL_OPEN}\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n{TOOL_CLOSE}"
+
+
+def tool_instructions(tools: list) -> str:
+    listing = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+    return ("You may call functions to answer. The available tools, one JSON object a line:\n<tools>\n"
+            f"{listing}\n</tools>\nTo call a function, write\n{TOOL_OPEN}\n"
+            '{"name": <function name>, "arguments": <arguments object>}\n' f"{TOOL_CLOSE}")
+
+
+def chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
+    """The prompt text: ``messages`` through the tokenizer's chat template. Tools go to the template
+    when it knows about them, else into the system message as instructions."""
+    messages = []
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        text = _text_of(m.content)
+        if m.role == "assistant" and m.tool_calls:
+            text = "\n".join([text] * bool(text) + [_call_text(c) for c in m.tool_calls])
+        messages.append({"role": role, "content": text})
+    tools = _tools_in_use(req)
+    kwargs: dict[str, Any] = {}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if tools and "tools" in template:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    elif tools:
+        note = tool_instructions(tools)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + note}
+        else:
+            messages.insert(0, {"role": "system", "content": note})
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as error:  # a template that refuses these messages (jinja raises its own errors)
+        raise bad_request(f"the chat template could not render the messages: {error}", "messages") from None
+
+
+# ---------------------------------------------------------------- text -> reply
+def finish_reason(result: dict[str, Any]) -> Optional[str]:
+    reason = result["meta_info"]["finish_reason"]
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason.get("type"), "abort")
+
+
+def _as_call(value: Any, plan: ToolPlan) -> Optional[ToolCall]:
+    if not isinstance(value, dict) or value.get("name") not in plan.names or not isinstance(value.get("arguments"), dict):
+        return None
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                    function=FunctionCall(name=value["name"], arguments=json.dumps(value["arguments"])))
+
+
+def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMessage, Optional[str]]:
+    """The assistant message and finish reason for the model's text: tool calls when the text holds
+    complete ones (finish reason "tool_calls"), else the text as content."""
+    calls: list[ToolCall] = []
+    content: Optional[str] = text
+    if plan.mode == "json" and reason == "stop":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        values = value if isinstance(value, list) else [value]
+        parsed = [_as_call(v, plan) for v in values]
+        if parsed and all(parsed):
+            calls, content = parsed, None
+    elif plan.mode == "tagged":
+        for block in _TOOL_BLOCK.findall(text):
+            try:
+                call = _as_call(json.loads(block), plan)
+            except json.JSONDecodeError:
+                call = None
+            if call is not None:
+                calls.append(call)
+        if calls:
+            content = _TOOL_BLOCK.sub("", text).strip() or None
+    if calls:
+        if not plan.parallel:
+            calls = calls[:1]
+        return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+    return AssistantMessage(content=content), reason

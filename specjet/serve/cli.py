@@ -1,0 +1,87 @@
+"""``specjet serve``: the command line. Engine flags are made from ``EngineArgs``' fields with
+SGLang's spellings (``speculative_algorithm`` -> ``--speculative-algorithm``)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from specjet.engine.args import EngineArgs
+
+_CONVERTERS = {"int": int, "float": float, "str": str}
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine", "Engine arguments (specjet.EngineArgs, SGLang's names)")
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if "bool" in kinds:
+            if f.default is True:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f"(default: on)")
+            else:
+                group.add_argument(flag, dest=f.name, action="store_true", default=None)
+            continue
+        convert = next(_CONVERTERS[k] for k in kinds if k in _CONVERTERS)
+        group.add_argument(flag, dest=f.name, type=convert, default=None, metavar=kinds[0].upper(),
+                           help=f"(default: {f.default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjet serve",
+                                     description="An OpenAI-compatible server (FastAPI + uvicorn) over one specjet Engine.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=os.environ.get("SPECJET_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECJET_API_KEY, else none)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id /v1/models reports (default: the model path's name)")
+    parser.add_argument("--debug-endpoints", action="store_true",
+                        help="expose GET /debug/kv (waits until idle, checks the KV invariant)")
+    _add_engine_flags(parser)
+    return parser
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user gave (the rest keep EngineArgs' defaults)."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return {k: v for k, v in vars(ns).items() if k in names and v is not None}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # `specjet serve ...`
+        argv = argv[1:]
+    ns = build_parser().parse_args(argv)
+    import uvicorn
+
+    import specjet
+    from specjet.serve.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    kwargs = engine_kwargs(ns)
+    try:
+        engine = specjet.Engine(**kwargs)
+    except (TypeError, ValueError) as error:
+        print(f"specjet serve: {error}", file=sys.stderr)
+        return 2
+    name = ns.served_model_name or (os.path.basename(str(kwargs["model_path"]).rstrip("/"))
+                                    if kwargs.get("model_path") else "SmolLM2-135M-Instruct")
+    app = create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints)
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def console_main() -> int:
+    """The ``specjet`` console script: ``specjet serve [flags]``."""
+    if sys.argv[1:2] != ["serve"]:
+        print("usage: specjet serve [flags]  (specjet serve --help lists them)", file=sys.stderr)
+        return 2
+    return main(sys.argv[2:])

@@ -1,0 +1,24 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class ApiError(Exception):
+    """An error the client gets as JSON with ``status``; raise it anywhere in a handler."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, "service_unavailable", None, "engine_not_alive")

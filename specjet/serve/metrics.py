@@ -1,0 +1,59 @@
+"""The server's counters and ``GET /metrics`` in Prometheus' text format (version 0.0.4)."""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+PREFIX = "specjet"
+
+
+class Metrics:
+    """Counts what the endpoints answer; the engine's own gauges are read when /metrics is asked."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = Counter()  # finish reason -> requests (stop, length, tool_calls, abort, error)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def record(self, finish_reason: str | None, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        with self._lock:
+            self.requests[finish_reason or "abort"] += 1
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+
+    def render(self, engine) -> str:
+        info: dict[str, Any] = engine.get_server_info()
+        stats = info["stats"]
+        scheduler = engine.scheduler
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {PREFIX}_{name} {help_text}")
+            lines.append(f"# TYPE {PREFIX}_{name} {kind}")
+            for labels, value in samples:
+                lines.append(f"{PREFIX}_{name}{labels} {float(value):g}")
+
+        with self._lock:
+            by_reason = sorted(self.requests.items())
+            prompt, completion = self.prompt_tokens, self.completion_tokens
+        metric("requests_total", "counter", "Requests answered, by finish reason.",
+               [(f'{{finish_reason="{reason}"}}', n) for reason, n in by_reason])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [("", prompt)])
+        metric("generation_tokens_total", "counter", "Completion tokens of answered requests.", [("", completion)])
+        # len() of the scheduler's lists is one atomic read each; a glimpse, not a snapshot.
+        metric("num_running_reqs", "gauge", "Requests running in the engine.", [("", len(scheduler.running))])
+        metric("num_queue_reqs", "gauge", "Requests waiting in the engine.", [("", len(scheduler.waiting))])
+        metric("kv_pool_size", "gauge", "KV cache slots in the pool.", [("", info["kv_pool_size"])])
+        metric("kv_free_slots", "gauge", "KV cache slots free.", [("", info["kv_free"])])
+        used = 1.0 - info["kv_free"] / info["kv_pool_size"] if info["kv_pool_size"] else 0.0
+        metric("kv_usage", "gauge", "Fraction of the KV pool in use.", [("", used)])
+        metric("engine_alive", "gauge", "1 while the engine's scheduler runs.", [("", int(info["alive"]))])
+        metric("request_errors_total", "counter", "Requests the engine ended with an internal error.",
+               [("", stats.get("request_errors", 0))])
+        if "spec_accept_length" in stats:
+            metric("spec_accept_length", "gauge", "Mean tokens accepted per speculative verify.",
+                   [("", stats["spec_accept_length"])])
+            metric("spec_verify_total", "counter", "Speculative verify steps.", [("", stats["spec_verify_ct"])])
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,297 @@
+"""specjet serve: a real server in a subprocess on a free loopback port, the tiny random model, the
+official openai client. Oracles: jsonschema for structured outputs and tool arguments, the
+non-streaming greedy text for streams, sequential answers for concurrent ones, the KV invariant."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 1000},
+                                                                   "b": {"type": "integer", "maximum": 1000}},
+                                  "required": ["a", "b"]}}}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_args: list[str], timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specjet.serve", "--port", str(self.port),
+                                      "--debug-endpoints", *model_args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + self.proc.stdout.read().decode(errors="replace"))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("server did not come up")
+            time.sleep(0.3)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096"])
+    yield srv
+    srv.stop()
+
+
+def kv_ok(server: Server) -> dict:
+    r = httpx.get(server.url + "/debug/kv", timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ok"] and body["kv_free"] == body["kv_pool_size"], body
+    return body
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)', line)
+        assert m, f"not Prometheus text: {line!r}"
+        samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return samples
+
+
+def chat(client, content: str, **kwargs):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kwargs)
+
+
+# ---------------------------------------------------------------- endpoints
+def test_health_models_and_metrics_parse(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data]
+    chat(server.client(), "hello", max_tokens=4, temperature=0)
+    samples = parse_prometheus(httpx.get(server.url + "/metrics").text)
+    assert samples["specjet_kv_pool_size"] >= 4096
+    assert samples["specjet_engine_alive"] == 1
+    assert samples["specjet_generation_tokens_total"] >= 4
+    assert any(k.startswith("specjet_requests_total{finish_reason=") for k in samples)
+
+
+def test_chat_response_format_json_schema_validates(server):
+    out = chat(server.client(), "Describe a person as JSON.", max_tokens=64, temperature=0,
+               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                       "strict": True}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 0
+    # SGLang's extra field, and json_object
+    out = chat(server.client(), "JSON please", max_tokens=64, temperature=0, extra_body={"json_schema": json.dumps(PERSON)})
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    out = chat(server.client(), "JSON please", max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def check_calls(choice, names):
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        assert call.id and call.type == "function"
+
+
+def test_tool_choice_required_and_named(server):
+    client = server.client()
+    out = chat(client, "What is the weather in Paris?", tools=[WEATHER, ADD], tool_choice="required",
+               parallel_tool_calls=False, max_tokens=64, temperature=0)
+    check_calls(out.choices[0], {"get_weather", "add"})
+    assert len(out.choices[0].message.tool_calls) == 1
+    for seed in range(3):  # sampled, so different calls
+        out = chat(client, "Add 2 and 3.", tools=[WEATHER, ADD], max_tokens=64, temperature=1.0, seed=seed,
+                   tool_choice={"type": "function", "function": {"name": "add"}})
+        check_calls(out.choices[0], {"add"})
+    # Earlier turns with tool calls and tool results go through the template.
+    messages = [{"role": "user", "content": "Add 2 and 3."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, tools=[ADD], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=64, temperature=0)
+    check_calls(out.choices[0], {"add"})
+    # tool_choice none: no tools, plain text
+    out = chat(client, "hi", tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
+
+
+def test_tool_choice_auto_is_text_or_valid_calls(server):
+    for seed in range(2):
+        out = chat(server.client(), "Weather in Oslo?", tools=[WEATHER], max_tokens=48, temperature=1.0, seed=seed)
+        choice = out.choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice, {"get_weather"})
+        else:
+            assert choice.message.content and "<tool_call>" not in choice.message.content
+
+
+def test_streaming_assembles_to_the_greedy_text(server):
+    client = server.client()
+    for endpoint in ("chat", "completions"):
+        if endpoint == "chat":
+            full = chat(client, "Tell me a story.", max_tokens=24, temperature=0)
+            expected = full.choices[0].message.content
+            stream = chat(client, "Tell me a story.", max_tokens=24, temperature=0, stream=True,
+                          stream_options={"include_usage": True})
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            full = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0)
+            expected = full.choices[0].text
+            chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24,
+                                                    temperature=0, stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert text == expected and text
+        assert finish == [full.choices[0].finish_reason]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_sixteen_concurrent_async_requests(server):
+    prompts = [f"Count to {i}." for i in range(16)]
+    client = server.client()
+    expected = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
+                for p in prompts]
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        async with aclient:
+            outs = await asyncio.gather(*[aclient.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+                                          for p in prompts])
+            schema_outs = await asyncio.gather(*[
+                aclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=64,
+                                                temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                                    "name": "p", "schema": PERSON}}) for p in prompts[:8]])
+        return outs, schema_outs
+
+    outs, schema_outs = asyncio.run(main())
+    assert [o.choices[0].text for o in outs] == expected
+    for o in schema_outs:
+        assert o.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.choices[0].message.content), PERSON)
+    kv_ok(server)
+
+
+def test_client_disconnecting_mid_stream_aborts(server):
+    body = {"model": "tiny", "prompt": "Go on and on:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                if len(lines) >= 3:
+                    break
+    # The request would hold KV for 1500 tokens for a long while; the disconnect must free it.
+    assert httpx.get(server.url + "/health").status_code == 200
+    kv_ok(server)
+    samples = parse_prometheus(httpx.get(server.url + "/metrics").text)
+    assert samples["specjet_kv_free_slots"] == samples["specjet_kv_pool_size"]
+    assert samples["specjet_num_running_reqs"] == 0
+
+
+# ---------------------------------------------------------------- errors
+def error_of(exc_info) -> dict:
+    return exc_info.value.response.json()["error"]
+
+
+def test_errors_are_openai_shaped_400s(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", n=2)
+    assert error_of(e)["param"] == "n" and "not supported" in error_of(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", response_format={"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "strng"}}}}})
+    err = error_of(e)
+    assert "invalid JSON schema" in err["message"] and "properties/a/type" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", extra_body={"json_schema": "{not json"})
+    assert error_of(e)["param"] == "json_schema"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", extra_body={"ebnf": "root ::= ("})  # refused by the compiler after queuing
+    assert error_of(e)["param"] == "ebnf" and "could not be compiled" in error_of(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", temperature=-1)
+    assert error_of(e)["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", extra_body={"no_such_field": 1})
+    assert error_of(e)["param"] == "no_such_field" and error_of(e)["code"] == "unknown_parameter"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 3000, max_tokens=4)
+    assert error_of(e)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "nope" in error_of(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # a stream refused before its first byte
+        chat(client, "hi", stream=True, extra_body={"regex": "(unclosed"})
+    assert error_of(e)["param"] == "regex"
+    assert httpx.get(server.url + "/health").status_code == 200
+    kv_ok(server)
+
+
+@pytest.mark.e2e
+def test_default_model_tools_and_schema_e2e():
+    srv = Server(["--max-total-tokens", "8192"])
+    try:
+        client = srv.client()
+        out = chat(client, "What is the weather in Paris, in celsius?", tools=[WEATHER, ADD], tool_choice="required",
+                   max_tokens=96, temperature=0)
+        check_calls(out.choices[0], {"get_weather", "add"})
+        out = chat(client, "Describe Ada Lovelace as JSON.", max_tokens=96, temperature=0,
+                   response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+        kv_ok(srv)
+    finally:
+        srv.stop()
