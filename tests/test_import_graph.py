@@ -27,6 +27,7 @@ RANKS = {
     "specjet": 6,  # the public package: Engine, SamplingParams
     "specjet.demo": 6,
     "specjet.train": 6,
+    "specjet.serve": 6,
     "specjet.engine": 5,
     "specjet.scheduler": 4,
     "specjet.spec_v2": 3,
@@ -36,7 +37,7 @@ RANKS = {
 }
 # Same-rank imports that are allowed (importer package, imported package): the programs use the
 # public package. Every other pair of equal rank are peers that must not import each other.
-SAME_RANK_ALLOWED = {("specjet.demo", "specjet"), ("specjet.train", "specjet")}
+SAME_RANK_ALLOWED = {("specjet.demo", "specjet"), ("specjet.train", "specjet"), ("specjet.serve", "specjet")}
 
 
 IMPORT, CALL, NEVER = "import", "call", "never"  # when an import runs: as its module is imported,
