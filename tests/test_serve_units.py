@@ -1,0 +1,100 @@
+"""specjet serve without a model: the CLI's engine flags, the tool grammar of tool_choice="auto",
+reading tool calls back, API keys and a dead engine (a stand-in engine behind the real app)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from xgrammar.testing import _is_grammar_accept_string
+import xgrammar as xgr
+
+from specjet.serve import chat
+from specjet.serve.app import create_app
+from specjet.serve.cli import build_parser, engine_kwargs
+from specjet.serve.protocol import ChatCompletionRequest
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def test_cli_engine_flags_use_sglang_spellings():
+    ns = build_parser().parse_args(["--model-path", "m", "--speculative-algorithm", "EAGLE",
+                                    "--disable-overlap-schedule", "--speculative-num-steps", "3",
+                                    "--mem-fraction-static", "0.2", "--no-enable-deterministic-inference"])
+    assert engine_kwargs(ns) == {"model_path": "m", "speculative_algorithm": "EAGLE", "disable_overlap_schedule": True,
+                                 "speculative_num_steps": 3, "mem_fraction_static": 0.2,
+                                 "enable_deterministic_inference": False}
+    ns = build_parser().parse_args([])
+    assert (ns.host, ns.port, engine_kwargs(ns)) == ("127.0.0.1", 30000, {})
+
+
+def request(**kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kwargs)
+
+
+def test_auto_grammar_allows_text_or_a_valid_call():
+    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="auto"))
+    assert plan.mode == "tagged"
+    grammar = xgr.Grammar.from_ebnf(sp["ebnf"])
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert _is_grammar_accept_string(grammar, "Sure, let me add them. " + call)
+    assert _is_grammar_accept_string(grammar, "no tool needed")
+    assert not _is_grammar_accept_string(grammar, '<tool_call>\n{"name": "add", "arguments": {"a": "x"}}\n</tool_call>')
+    assert not _is_grammar_accept_string(grammar, '<tool_call>\n{"name": "sub", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+
+
+def test_required_and_named_schemas():
+    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required"))
+    assert plan.mode == "json" and sp["json_schema"]["type"] == "array"  # parallel calls by default
+    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required", parallel_tool_calls=False))
+    assert sp["json_schema"]["properties"]["name"] == {"const": "add"}
+    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}))
+    assert sp["json_schema"]["properties"]["arguments"] == ADD["function"]["parameters"] and not plan.parallel
+
+
+def test_reply_reads_calls_back():
+    plan = chat.ToolPlan(mode="tagged", names={"add"})
+    message, reason = chat.reply('Adding.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+                                 "stop", plan)
+    assert reason == "tool_calls" and message.content == "Adding."
+    assert json.loads(message.tool_calls[0].function.arguments) == {"a": 1, "b": 2}
+    message, reason = chat.reply("just text", "stop", plan)
+    assert reason == "stop" and message.content == "just text" and message.tool_calls is None
+    plan = chat.ToolPlan(mode="json", names={"add"})
+    message, reason = chat.reply('[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                                 '{"name": "add", "arguments": {"a": 3, "b": 4}}]', "stop", plan)
+    assert reason == "tool_calls" and len(message.tool_calls) == 2
+    message, reason = chat.reply('[{"name": "add", "argu', "length", plan)  # cut: text, not a call
+    assert reason == "length" and message.tool_calls is None
+
+
+def stand_in_engine(alive: bool):
+    return SimpleNamespace(is_alive=lambda: alive, scheduler=SimpleNamespace(closed_reason=None if alive else "boom"))
+
+
+def test_dead_engine_is_503_and_api_key_is_checked():
+    with TestClient(create_app(stand_in_engine(False), "m")) as client:
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_not_alive"
+    with TestClient(create_app(stand_in_engine(True), "m", api_key="sekrit")) as client:
+        assert client.get("/health").status_code == 200  # health needs no key
+        r = client.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = client.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+        r = client.get("/v1/nowhere", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 404 and "error" in r.json()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_malformed_bodies_are_400s(body, param):
+    with TestClient(create_app(stand_in_engine(True), "m")) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
