@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from specjet.kernels.penalties import Penalties
+
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (SGLang uses
 # the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
@@ -53,6 +55,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    # Penalties (OpenAI's frequency/presence over the output so far, SGLang's repetition over the
+    # prompt and output; specjet/kernels/penalties.py), the same in plain and speculative decoding.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -99,6 +106,9 @@ class SamplingParams:
         self.temperature = _real("temperature", self.temperature, 0.0, _FLOAT32_MAX)
         self.top_p = _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         if not _is_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
         if self.top_k == 0 or self.top_k < -1:
@@ -151,6 +161,12 @@ class SamplingParams:
             if not _is_int(item):
                 raise TypeError(f"{name} must be a list of ints; it holds a {type(item).__name__} {item!r}")
         return list(value)
+
+    @property
+    def penalties(self) -> Penalties | None:
+        """The request's penalties, or None when it has none."""
+        p = Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
+        return p if p.active else None
 
     @property
     def is_greedy(self) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
+from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, sample
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput
 from specjet.models.runner import ModelRunner
@@ -102,8 +103,11 @@ class ModelWorker:
             bitmask, rows = grammar_mask
             logits = logits.cpu() if logits.device.type != "cpu" else logits
             apply_token_bitmask_(logits, bitmask, indices=rows)
-        tokens = self._sample_tokens(batch.inputs, logits)
         states = [self._state(inp) for inp in batch.inputs]
+        penalised = [i for i, inp in enumerate(batch.inputs) if inp.sampling.penalties is not None]
+        if penalised:
+            self._penalise(logits, [states[i] for i in penalised], [batch.inputs[i] for i in penalised], penalised)
+        tokens = self._sample_tokens(batch.inputs, logits)
         if batch.kind is BatchKind.PREFILL and self.speculator is not None:
             spec_inputs = [SpecInput(s.rid, inp.row, 0, s.tokens, 0) for s, inp in zip(states, batch.inputs)]
             self.speculator.after_prefill(spec_inputs, out.hidden, tokens, self.req_to_token)
@@ -124,7 +128,7 @@ class ModelWorker:
             if grammar is not None and not _catch_up(grammar, state.tokens[state.prompt_len + inp.grammar_len:]):
                 remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
             spec_inputs.append(SpecInput(inp.rid, inp.row, state.committed_len, state.tokens, remaining, grammar,
-                                         inp.generator))
+                                         inp.generator, state.prompt_len, inp.sampling.penalties))
         new_tokens = self.speculator.run(spec_inputs, sampling_tensors([i.sampling for i in batch.inputs], self.device),
                                          self.req_to_token)
         for state, tokens in zip(states, new_tokens):
@@ -186,6 +190,16 @@ class ModelWorker:
             q_lens=torch.ones_like(positions),
             logits="all",
         )
+
+    def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
+                  rows: list[int]) -> None:
+        """Penalties on the given rows of a plain batch's logits, from each request's tokens so far."""
+        counts, seen = context_rows([s.tokens for s in states], [s.prompt_len for s in states], logits.shape[1],
+                                    logits.device)
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            sub = logits[rows]
+            apply_penalties_(sub, counts, seen, [inp.sampling.penalties for inp in inputs])
+            logits[rows] = sub
 
     def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
         st = sampling_tensors([inp.sampling for inp in inputs], logits.device)

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from specjet.grammar import RequestGrammar
+from specjet.kernels.penalties import Penalties
 from specjet.models.forward_batch import CaptureHidden
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -34,6 +35,8 @@ class SpecInput:
     # which the host keeps advancing meanwhile), or None when unconstrained.
     grammar: RequestGrammar | None = None
     generator: torch.Generator | None = None  # coins for sampling verification; None when greedy
+    prompt_len: int = 0  # token_ids[:prompt_len] is the prompt (penalties count the output apart)
+    penalties: Penalties | None = None  # applied to every node's logits with its own path's tokens
 
     @property
     def root(self) -> int:

@@ -123,7 +123,8 @@ class Speculator:
             if guide is not None:
                 tokens, parents, bitmask = guide.mask_tree(tokens, parents)
             uniforms = None if req.generator is None else torch.rand(len(tokens), generator=req.generator)
-            verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask))
+            penalty = None if req.penalties is None else (req.penalties, req.token_ids, req.prompt_len)
+            verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask, penalty))
         result = self.verifier.verify(verify_inputs, req_to_token, sampling)
         self.drafter.after_verify(reqs, result, req_to_token)
         return result.accepted_tokens

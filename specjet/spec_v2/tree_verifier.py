@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import allocate_token_bitmask, apply_token_bitmask_
+from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
@@ -31,6 +32,9 @@ class VerifyInput:
     # [len(tokens), W] int32 grammar masks, row i for the token after node i (spec_v2.grammar_guide);
     # None without a grammar
     bitmask: torch.Tensor | None = None
+    # (penalties, the tokens before the root's successor (prompt and output, the root last), the
+    # prompt's length), or None: node i's logits are penalised as after those tokens and its path.
+    penalty: tuple[Penalties, list[int], int] | None = None
 
 
 @dataclass
@@ -76,6 +80,7 @@ class TreeVerifier:
         offsets = [0]
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + n)
+        self._apply_penalties(reqs, logits, offsets)
         self._apply_grammar_masks(reqs, logits, offsets)
         probs = None
         if not sampling.all_greedy:
@@ -100,6 +105,23 @@ class TreeVerifier:
             accepted_tokens.append([r.tokens[i] for i in nodes[1:]] + [int(bonus[0])])
             self._commit_kv(r, nodes, req_to_token)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
+
+    @staticmethod
+    def _apply_penalties(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:
+        """Each penalised node's logits as plain decoding would penalise them after that node: the
+        request's tokens so far plus the draft tokens on the node's path (the root excluded: it is
+        the last token so far)."""
+        for r, off in zip(reqs, offsets):
+            if r.penalty is None:
+                continue
+            penalties, context, prompt_len = r.penalty
+            paths: list[list[int]] = [[]]
+            for i in range(1, len(r.tokens)):
+                paths.append(paths[r.parents[i]] + [r.tokens[i]])
+            n = len(r.tokens)
+            counts, seen = context_rows([context + p for p in paths], [prompt_len] * n, logits.shape[1], logits.device)
+            with torch.inference_mode():  # the forward's logits are inference tensors
+                apply_penalties_(logits[off:off + n], counts, seen, [penalties] * n)
 
     @staticmethod
     def _apply_grammar_masks(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:

@@ -1,0 +1,55 @@
+"""Repetition, frequency and presence penalties on logits.
+
+A request's penalties depend on the tokens before the position being predicted: its output so far
+(OpenAI's frequency and presence penalties) and its prompt and output (the repetition penalty,
+as in SGLang and HF). Plain decoding applies them to each request's row; speculative verification
+applies them to every node of a draft tree with the tokens on that node's own path added, so a
+node sees exactly the logits plain decoding would see after that path. Every operation here is
+elementwise on a row, so a row's result does not depend on how many rows share the call: greedy
+speculative output stays equal to plain output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Penalties:
+    frequency: float = 0.0  # subtracted once per occurrence of the token in the output so far
+    presence: float = 0.0  # subtracted once if the token occurs in the output so far
+    repetition: float = 1.0  # a seen token's logit divided by it when positive, multiplied when not
+
+    @property
+    def active(self) -> bool:
+        return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
+
+
+def context_rows(contexts: list[list[int]], prompt_lens: list[int], vocab_size: int, device=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per context (the tokens before the predicted position): output-token counts [R, V] float32
+    (tokens from ``prompt_lens[r]`` on) and the tokens seen anywhere [R, V] bool."""
+    counts = torch.zeros((len(contexts), vocab_size), dtype=torch.float32, device=device)
+    seen = torch.zeros((len(contexts), vocab_size), dtype=torch.bool, device=device)
+    for r, (tokens, prompt_len) in enumerate(zip(contexts, prompt_lens)):
+        if len(tokens) > prompt_len:
+            out = torch.tensor(tokens[prompt_len:], dtype=torch.int64, device=device)
+            counts[r].index_add_(0, out, torch.ones(out.shape[0], dtype=torch.float32, device=device))
+        if tokens:
+            seen[r, torch.tensor(tokens, dtype=torch.int64, device=device)] = True
+    return counts, seen
+
+
+def apply_penalties_(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                     penalties: list[Penalties]) -> None:
+    """Penalise ``logits`` [R, V] float32 in place, row r with ``penalties[r]`` given the row's
+    ``counts`` and ``seen`` (``context_rows``): the repetition penalty first, then frequency and
+    presence."""
+    device = logits.device
+    rep = torch.tensor([p.repetition for p in penalties], dtype=torch.float32, device=device)[:, None]
+    freq = torch.tensor([p.frequency for p in penalties], dtype=torch.float32, device=device)[:, None]
+    pres = torch.tensor([p.presence for p in penalties], dtype=torch.float32, device=device)[:, None]
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, scaled, logits))
+    logits.sub_(freq * counts + pres * (counts > 0).to(torch.float32))
