@@ -232,12 +232,27 @@ def test_client_disconnecting_mid_stream_aborts(server):
                     lines.append(line)
                 if len(lines) >= 3:
                     break
-    # The request would hold KV for 1500 tokens for a long while; the disconnect must free it.
+    # The request would hold KV for 1500 tokens for a while; the disconnect must abort it and free it.
     assert httpx.get(server.url + "/health").status_code == 200
     kv_ok(server)
     samples = parse_prometheus(httpx.get(server.url + "/metrics").text)
     assert samples["specjet_kv_free_slots"] == samples["specjet_kv_pool_size"]
     assert samples["specjet_num_running_reqs"] == 0
+    gone = samples.get('specjet_requests_total{finish_reason="client_disconnected"}', 0)
+    assert gone >= 1
+    # A non-streaming request whose client gives up is aborted too.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", timeout=1.5, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while True:
+        samples = parse_prometheus(httpx.get(server.url + "/metrics").text)
+        if samples.get('specjet_requests_total{finish_reason="client_disconnected"}', 0) == gone + 1:
+            break
+        assert time.monotonic() < deadline, "the server did not notice the client leave"
+        time.sleep(0.2)
+    kv_ok(server)
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 # ---------------------------------------------------------------- errors

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
 import anyio.to_thread
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -77,14 +77,14 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         return JSONResponse(ApiError(500, f"internal error ({type(error).__name__})", "internal_error").body(),
                             status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith(("/v1", "/debug")):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                error = ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                 "authentication_error", None, "invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    # A dependency rather than an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`,
+    # and the handlers need the real one to see a client disconnect.
+    async def check_api_key(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           "authentication_error", None, "invalid_api_key")
+
+    v1 = APIRouter(dependencies=[Depends(check_api_key)])
 
     # ------------------------------------------------------------ engine calls
     def check_alive() -> None:
@@ -138,8 +138,16 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if raised:
             raise raised[0]
         if not result:
+            metrics.record("client_disconnected")
             raise ApiError(499, "client closed the request", "client_closed")
         return result[0]
+
+    async def close(stream, finished: bool) -> None:
+        """The end of a streamed response; before the request finished, a client that went away:
+        closing the engine's stream aborts the request and frees its KV."""
+        if not finished:
+            metrics.record("client_disconnected")
+        await stream.aclose()
 
     # ------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -153,12 +161,12 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         text = await anyio.to_thread.run_sync(metrics.render, engine)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @v1.get("/v1/models")
     async def models():
         return ModelList(data=[ModelCard(id=model_name)])
 
     if debug_endpoints:
-        @app.get("/debug/kv")
+        @v1.get("/debug/kv")
         async def debug_kv():
             """Waits until the engine is idle, then checks the KV invariant (free + owned == pool)."""
             await anyio.to_thread.run_sync(engine.wait_idle)
@@ -166,7 +174,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             info = await anyio.to_thread.run_sync(engine.get_server_info)
             return {"kv_pool_size": info["kv_pool_size"], "kv_free": info["kv_free"], "ok": True}
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_alive()
         sp, plan = chat.chat_params(body)
@@ -194,6 +202,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                                             choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
 
         async def events() -> AsyncIterator[str]:
+            finished = False
             try:
                 yield chunk(ChoiceDelta(role="assistant", content=""))
                 parts, item = [], first
@@ -204,6 +213,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     if item["meta_info"]["finish_reason"] is not None:
                         break
                     item = await stream.__anext__()
+                finished = True
                 meta = item["meta_info"]
                 reason = chat.finish_reason(item)
                 if plan.mode is not None:  # tool calls are sent whole, once the reply is complete
@@ -220,11 +230,11 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=usage))
                 yield "data: [DONE]\n\n"
             finally:
-                await stream.aclose()  # aborts the request if it has not finished (a client gone)
+                await close(stream, finished)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @v1.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_alive()
         sp = chat.completion_params(body)
@@ -238,6 +248,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             created = int(time.time())
 
             async def events() -> AsyncIterator[str]:
+                finished = False
                 try:
                     item = first
                     while True:
@@ -246,6 +257,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                             yield _sse(Completion(id=rid, created=created, model=model_name, choices=[
                                 CompletionChoice(text=item["text"], finish_reason=reason)]))
                         if reason is not None:
+                            finished = True
                             break
                         item = await stream.__anext__()
                     usage = _usage(item["meta_info"])
@@ -254,7 +266,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                         yield _sse(Completion(id=rid, created=created, model=model_name, choices=[], usage=usage))
                     yield "data: [DONE]\n\n"
                 finally:
-                    await stream.aclose()
+                    await close(stream, finished)
 
             return StreamingResponse(events(), media_type="text/event-stream")
         result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt, input_ids=input_ids,
@@ -266,6 +278,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         return Completion(id=rid, model=model_name, usage=usage,
                           choices=[CompletionChoice(text=result["text"], finish_reason=reason)])
 
+    app.include_router(v1)
     return app
 
 
