@@ -98,3 +98,28 @@ def test_malformed_bodies_are_400s(body, param):
     with TestClient(create_app(stand_in_engine(True), "m")) as client:
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_real_engine_in_process_then_shut_down(tiny_model_dir):
+    """The app over a real Engine (no subprocess): max_completion_tokens, stop, then 503 once the
+    engine is shut down."""
+    import specjet
+
+    engine = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048)
+    try:
+        with TestClient(create_app(engine, "tiny")) as client:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "ignore_eos": True,
+                    "temperature": 0}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            r = client.post("/v1/chat/completions", json=dict(body, max_tokens=4))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            engine.shutdown()
+            assert client.get("/health").status_code == 503
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            assert r.status_code == 503
+    finally:
+        engine.shutdown()

@@ -209,9 +209,11 @@ def _call_text(call: dict[str, Any]) -> str:
 
 def tool_instructions(tools: list) -> str:
     listing = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
-    return ("You may call functions to answer. The available tools, one JSON object a line:\n<tools>\n"
-            f"{listing}\n</tools>\nTo call a function, write\n{TOOL_OPEN}\n"
-            '{"name": <function name>, "arguments": <arguments object>}\n' f"{TOOL_CLOSE}")
+    return ("You can call functions. The available tools, one JSON object a line:\n<tools>\n"
+            f"{listing}\n</tools>\nWhen one of these tools can answer the user's request, reply with a call "
+            f"and nothing else:\n{TOOL_OPEN}\n"
+            '{"name": <function name>, "arguments": <arguments object>}\n' f"{TOOL_CLOSE}\n"
+            "Otherwise answer in plain text.")
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
