@@ -26,8 +26,8 @@ WEATHER = {"type": "function", "function": {
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"]}}}
 ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 1000},
-                                                                   "b": {"type": "integer", "maximum": 1000}},
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 1000},
+                                                                   "b": {"type": "integer", "minimum": 0, "maximum": 1000}},
                                   "required": ["a", "b"]}}}
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 
