@@ -196,6 +196,22 @@ def test_streaming_assembles_to_the_greedy_text(server):
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_streamed_tool_replies_match_the_whole_ones(server):
+    client = server.client()
+    cases = [dict(tools=[WEATHER], tool_choice="auto", temperature=0),
+             dict(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=False, temperature=0)]
+    for kwargs in cases:
+        full = chat(client, "Weather in Oslo?", max_tokens=48, **kwargs).choices[0]
+        chunks = list(chat(client, "Weather in Oslo?", max_tokens=48, stream=True, **kwargs))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == [full.finish_reason]
+        assert content == (full.message.content or "")
+        assert [(t.function.name, t.function.arguments) for t in calls] == [
+            (t.function.name, t.function.arguments) for t in (full.message.tool_calls or [])]
+
+
 def test_sixteen_concurrent_async_requests(server):
     prompts = [f"Count to {i}." for i in range(16)]
     client = server.client()

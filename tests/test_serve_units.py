@@ -123,3 +123,11 @@ def test_a_real_engine_in_process_then_shut_down(tiny_model_dir):
             assert r.status_code == 503
     finally:
         engine.shutdown()
+
+
+def test_auto_replies_stream_their_text_up_to_a_call():
+    assert chat.streamable_end("Hello there") == len("Hello there")
+    assert chat.streamable_end("Hello <tool") == len("Hello ")
+    assert chat.streamable_end("Hello <") == len("Hello ")
+    assert chat.streamable_end('Hi <tool_call>\n{"na') == len("Hi ")
+    assert chat.streamable_end("a < b") == len("a < b")

@@ -205,11 +205,15 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             finished = False
             try:
                 yield chunk(ChoiceDelta(role="assistant", content=""))
-                parts, item = [], first
+                text, sent, item = "", 0, first
                 while True:
-                    if plan.mode is None and item["text"]:
-                        yield chunk(ChoiceDelta(content=item["text"]))
-                    parts.append(item["text"])
+                    text += item["text"]
+                    # Plain text streams as it comes; "auto" tool replies stream their text up to a
+                    # <tool_call>; "required" replies (bare JSON calls) wait for the whole reply.
+                    end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)
+                    if end > sent:
+                        yield chunk(ChoiceDelta(content=text[sent:end]))
+                        sent = end
                     if item["meta_info"]["finish_reason"] is not None:
                         break
                     item = await stream.__anext__()
@@ -217,9 +221,10 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 meta = item["meta_info"]
                 reason = chat.finish_reason(item)
                 if plan.mode is not None:  # tool calls are sent whole, once the reply is complete
-                    message, reason = chat.reply("".join(parts), reason, plan)
-                    if message.content:
-                        yield chunk(ChoiceDelta(content=message.content))
+                    message, reason = chat.reply(text, reason, plan)
+                    rest = (message.content or "")[sent:] if message.tool_calls else text[sent:]
+                    if rest:
+                        yield chunk(ChoiceDelta(content=rest))
                     if message.tool_calls:
                         calls = [dict(call.model_dump(), index=i) for i, call in enumerate(message.tool_calls)]
                         yield chunk(ChoiceDelta(tool_calls=calls))

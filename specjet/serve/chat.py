@@ -251,6 +251,18 @@ def finish_reason(result: dict[str, Any]) -> Optional[str]:
     return {"stop": "stop", "length": "length"}.get(reason.get("type"), "abort")
 
 
+def streamable_end(text: str) -> int:
+    """How much of a partial "auto" reply can be streamed as content: up to the first <tool_call>,
+    less a tail that could still become one."""
+    at = text.find(TOOL_OPEN)
+    if at >= 0:
+        return at
+    for keep in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_OPEN.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
 def _as_call(value: Any, plan: ToolPlan) -> Optional[ToolCall]:
     if not isinstance(value, dict) or value.get("name") not in plan.names or not isinstance(value.get("arguments"), dict):
         return None
@@ -281,7 +293,8 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
             if call is not None:
                 calls.append(call)
         if calls:
-            content = _TOOL_BLOCK.sub("", text).strip() or None
+            content = _TOOL_BLOCK.sub("", text)
+            content = content if content.strip() else None
     if calls:
         if not plan.parallel:
             calls = calls[:1]
