@@ -131,3 +131,40 @@ def test_auto_replies_stream_their_text_up_to_a_call():
     assert chat.streamable_end("Hello <") == len("Hello ")
     assert chat.streamable_end('Hi <tool_call>\n{"na') == len("Hi ")
     assert chat.streamable_end("a < b") == len("a < b")
+
+
+class _FailingStream:
+    """An engine stream that yields one chunk, then fails."""
+
+    def __init__(self):
+        self.closed = False
+        self.n = 0
+
+    async def __anext__(self):
+        self.n += 1
+        if self.n == 1:
+            return {"text": "Hel", "output_ids": [1], "meta_info": {"finish_reason": None, "prompt_tokens": 3,
+                                                                    "completion_tokens": 1}}
+        raise RuntimeError("boom")
+
+    async def aclose(self):
+        self.closed = True
+
+
+def test_an_error_mid_stream_is_an_error_event_and_the_request_is_closed():
+    stream = _FailingStream()
+
+    async def async_generate(**kwargs):
+        return stream
+
+    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
+    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
+        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    with TestClient(create_app(engine, "m")) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "internal_error"
+        assert "Traceback" not in r.text and json.loads(events[1])["choices"][0]["delta"]["content"] == "Hel"
+    assert stream.closed

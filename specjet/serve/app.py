@@ -142,6 +142,15 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             raise ApiError(499, "client closed the request", "client_closed")
         return result[0]
 
+    def stream_error(error: Exception) -> str:
+        metrics.record("error")
+        if isinstance(error, ApiError):
+            return _sse(error.body())
+        logger.exception("error in a streamed response")
+        if not engine.is_alive():
+            return _sse(unavailable(str(error)).body())
+        return _sse(ApiError(500, f"internal error ({type(error).__name__})", "internal_error").body())
+
     async def close(stream, finished: bool) -> None:
         """The end of a streamed response; before the request finished, a client that went away:
         closing the engine's stream aborts the request and frees its KV."""
@@ -178,6 +187,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_alive()
         sp, plan = chat.chat_params(body)
+        # OpenAI's default is "until the context is full"; the engine stops there on its own.
+        sp.setdefault("max_new_tokens", engine.scheduler.config.context_len)
         prompt = chat.chat_prompt(engine.tokenizer, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -234,6 +245,10 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 if include_usage:
                     yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=usage))
                 yield "data: [DONE]\n\n"
+            except Exception as error:  # after the 200 went out: an error event, not a torn stream
+                yield stream_error(error)
+                yield "data: [DONE]\n\n"
+                finished = True
             finally:
                 await close(stream, finished)
 
@@ -270,6 +285,10 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     if include_usage:
                         yield _sse(Completion(id=rid, created=created, model=model_name, choices=[], usage=usage))
                     yield "data: [DONE]\n\n"
+                except Exception as error:
+                    yield stream_error(error)
+                    yield "data: [DONE]\n\n"
+                    finished = True
                 finally:
                     await close(stream, finished)
 
