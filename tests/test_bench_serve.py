@@ -1,0 +1,59 @@
+"""`python -m bench.serve`: validity of hand-made replies, the percentile summary, and the CLI end to
+end against real `specjet serve` subprocesses (tiny random model)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import pathlib
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # bench/ is not installed
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.serve import TOOLS, is_valid, main, summarize
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize("kind, content, calls, valid", [
+    ("json", '{"n": 3}', {}, True),
+    ("json", '{"n": "3"}', {}, False),
+    ("json", '{"n": 3', {}, False),
+    ("tools", "", {0: {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}, True),
+    ("tools", "", {0: {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}, False),  # unit required
+    ("tools", "", {0: {"name": "launch_rocket", "arguments": "{}"}}, False),  # not a given tool
+    ("tools", "sure!", {}, False),  # no call at all
+])
+def test_validity(kind, content, calls, valid):
+    assert is_valid(kind, SCHEMA, content, calls) is valid
+    assert TOOLS[0]["function"]["name"] == "get_weather"
+
+
+def test_summary_percentiles_and_rate():
+    results = [{"ttft": t, "tpot": 0.01 * t, "e2e": 2 * t, "tokens": 10, "error": None, "valid": t < 3}
+               for t in (1.0, 2.0, 3.0, 4.0)] + [{"ttft": None, "tpot": None, "e2e": 0.5, "tokens": 0,
+                                                  "error": "APIError: boom", "valid": False}]
+    s = summarize(results, wall=4.0, cut=False)
+    assert (s["requests"], s["errors"], s["valid"]) == (5, 1, 2)
+    assert s["ttft"] == {"p50": 3.0, "p99": 4.0}  # nearest rank over the 4 answered requests
+    assert s["output_tok_s"] == 10.0 and s["first_error"] == "APIError: boom"
+
+
+def test_cli_end_to_end(tiny_model_dir, tmp_path, capsys):
+    result_file = tmp_path / "serve.jsonl"
+    record = main(["--model-path", str(tiny_model_dir), "--configs", "none", "NGRAM", "--concurrency", "1", "2",
+                   "--num-requests", "2", "--max-tokens", "12", "--dtype", "float32",
+                   "--result-file", str(result_file)])
+    out = capsys.readouterr().out
+    cells = {(c["config"], c["workload"], c["concurrency"]): c for c in record["cells"]}
+    assert set(cells) == {(cfg, w, c) for cfg in ("none", "NGRAM") for w in ("json", "tools") for c in (1, 2)}
+    for cell in cells.values():
+        assert cell["requests"] == 2 and cell["errors"] == 0 and not cell["cut"], cell
+        assert cell["ttft"]["p50"] is not None and cell["output_tok_s"] > 0
+    rows = re.findall(r"^(none|NGRAM)\s+(json|tools)\s+(\d+)\s+2\s+\d/2\s+0\s", out, re.M)
+    assert len(rows) == 8, out
+    assert "speed-up NGRAM/none json conc 1:" in out
+    assert json.loads(result_file.read_text())["cells"][0]["config"] == "none"
