@@ -83,6 +83,9 @@ class SamplingParams:
             raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
+        schema = params.get("json_schema")
+        if isinstance(schema, type) and callable(getattr(schema, "model_json_schema", None)):
+            params["json_schema"] = schema.model_json_schema()  # a pydantic model class: its schema
         if isinstance(params.get("json_schema"), (dict, bool)):
             try:
                 params["json_schema"] = json.dumps(params["json_schema"])
@@ -132,7 +135,7 @@ class SamplingParams:
         for name in ("json_schema", "regex", "ebnf"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                kinds = "a str or a dict" if name == "json_schema" else "a str"
+                kinds = "a str, a dict or a pydantic model class" if name == "json_schema" else "a str"
                 raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
         constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(constraints) > 1:

@@ -1,0 +1,64 @@
+"""The Python API for agent code: a pydantic model class wherever a JSON schema goes, the parsed and
+validated instance back (`specjet.parse_output`), and OpenAI tool definitions from functions
+(`specjet.function_tool`)."""
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+import pytest
+
+import specjet
+
+
+class Pick(pydantic.BaseModel):
+    color: Literal["red", "blue"]
+    n: int = pydantic.Field(ge=0, le=9)
+
+
+def test_a_model_class_is_a_schema_and_the_output_parses_to_it(plain):
+    out = plain.generate("Pick one.", {"json_schema": Pick, "temperature": 0, "max_new_tokens": 40})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    pick = specjet.parse_output(out, Pick)
+    assert isinstance(pick, Pick) and pick.color in ("red", "blue") and 0 <= pick.n <= 9
+    # the same as giving its schema
+    same = plain.generate("Pick one.", {"json_schema": Pick.model_json_schema(), "temperature": 0, "max_new_tokens": 40})
+    assert same["output_ids"] == out["output_ids"]
+
+
+def test_parse_output_names_the_problem():
+    with pytest.raises(ValueError, match="did not complete"):
+        specjet.parse_output({"text": '{"color": "re', "meta_info": {"finish_reason": {"type": "length"}}}, Pick)
+    with pytest.raises(ValueError, match="does not validate as Pick"):
+        specjet.parse_output('{"color": "green", "n": 3}', Pick)
+    assert specjet.parse_output('{"color": "red", "n": 3}', Pick) == Pick(color="red", n=3)
+    assert specjet.parse_output("[1, 2]", list[int]) == [1, 2]
+
+
+def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius", days: int | None = None) -> str:
+    """Current weather in a city.
+
+    More words that are not the description."""
+    return ""
+
+
+def test_function_tool_from_a_signature():
+    tool = specjet.function_tool(get_weather)
+    assert tool["type"] == "function"
+    fn = tool["function"]
+    assert fn["name"] == "get_weather" and fn["description"] == "Current weather in a city."
+    params = fn["parameters"]
+    assert params["type"] == "object" and params["required"] == ["city"]
+    assert params["properties"]["city"]["type"] == "string"
+    assert params["properties"]["unit"]["enum"] == ["celsius", "fahrenheit"]
+    assert params["properties"]["unit"]["default"] == "celsius"
+    # the schema accepts what the function takes and refuses what it does not
+    import jsonschema
+    jsonschema.validate({"city": "Oslo", "unit": "fahrenheit", "days": 3}, params)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"city": "Oslo", "unit": "kelvin"}, params)
+
+    def splat(*args):
+        pass
+    with pytest.raises(TypeError, match="args"):
+        specjet.function_tool(splat)
