@@ -319,6 +319,23 @@ def test_default_model_tools_and_schema_e2e():
         out = chat(client, "What is the weather in Paris, in celsius?", tools=[WEATHER, ADD], tool_choice="required",
                    max_tokens=96, temperature=0)
         check_calls(out.choices[0], {"get_weather", "add"})
+        # auto: a 135M model opens a call on its own only after an example turn (the client's history);
+        # then a request that needs the tool gets a call, and one that does not gets text.
+        history = [{"role": "system", "content": "You are a helpful assistant with tool calling capabilities."},
+                   {"role": "user", "content": "What's the weather in Rome?"},
+                   {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+                   {"role": "tool", "tool_call_id": "1", "content": "sunny, 20 C"},
+                   {"role": "assistant", "content": "It is sunny in Rome, 20 C."}]
+        needs = client.chat.completions.create(model="m", messages=history + [
+            {"role": "user", "content": "What's the weather like in Paris right now?"}], tools=[WEATHER],
+            tool_choice="auto", max_tokens=60, temperature=0)
+        check_calls(needs.choices[0], {"get_weather"})
+        plain = client.chat.completions.create(model="m", messages=history + [
+            {"role": "user", "content": "What is 2+2? Answer briefly."}], tools=[WEATHER], tool_choice="auto",
+            max_tokens=60, temperature=0)
+        assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.tool_calls is None
+        assert "4" in plain.choices[0].message.content
         out = chat(client, "Describe Ada Lovelace as JSON.", max_tokens=96, temperature=0,
                    response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
         assert out.choices[0].finish_reason == "stop"

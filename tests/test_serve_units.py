@@ -46,8 +46,13 @@ def test_auto_grammar_allows_text_or_a_valid_call():
 
 
 def test_required_and_named_schemas():
-    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required"))
-    assert plan.mode == "json" and sp["json_schema"]["type"] == "array"  # parallel calls by default
+    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required"))  # parallel calls by default
+    assert plan.mode == "tagged" and plan.parallel
+    grammar = xgr.Grammar.from_ebnf(sp["ebnf"])
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert _is_grammar_accept_string(grammar, call) and _is_grammar_accept_string(grammar, call + "\n" + call)
+    for text in ("", "text " + call, call + " text", call.replace('"b": 2', '"b": "2"')):
+        assert not _is_grammar_accept_string(grammar, text), text
     sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required", parallel_tool_calls=False))
     assert sp["json_schema"]["properties"]["name"] == {"const": "add"}
     sp, plan = chat.chat_params(request(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}))

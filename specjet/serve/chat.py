@@ -165,10 +165,12 @@ def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tup
     plan.names = set(names)
     schemas = [_call_schema(t.function) for t in req.tools]
     if choice == "required":
-        plan.mode = "json"
-        one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        schema = {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
-        return ("json_schema", schema, "tool_choice")
+        grammar = _calls_only_grammar(schemas) if plan.parallel else None
+        if grammar is not None:
+            plan.mode = "tagged"
+            return ("ebnf", grammar, "tool_choice")
+        plan.mode, plan.parallel = "json", False
+        return ("json_schema", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "tool_choice")
     plan.mode = "tagged"  # auto
     return ("ebnf", _auto_grammar(schemas), "tool_choice")
 
@@ -181,6 +183,24 @@ def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
     items = [xgr.StructuralTagItem(begin=TOOL_OPEN + "\n", schema=json.dumps(s), end="\n" + TOOL_CLOSE)
              for s in schemas]
     return str(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
+
+
+# The lines of xgrammar's structural-tag EBNF that _calls_only_grammar rewrites (xgrammar 0.2.x).
+_TAG_ROOT = "root ::= ((triggered_tags))"
+_TAG_GROUP = "triggered_tags_group ::="
+
+
+def _calls_only_grammar(schemas: list[dict[str, Any]]) -> Optional[str]:
+    """EBNF for one or more <tool_call> blocks and nothing else (tool_choice="required" with
+    parallel calls): the structural tag's call rules, with a root that starts with a call and allows
+    only further calls after it. A model ends after its calls as it was trained to, where a JSON
+    array of calls tempts a small model to add items until the token limit. None if xgrammar's
+    EBNF is not laid out as expected (the caller then asks for a single call)."""
+    text = _auto_grammar(schemas)
+    if _TAG_ROOT not in text or _TAG_GROUP not in text:
+        return None
+    block = f'("{TOOL_OPEN}" triggered_tags_group)'
+    return text.replace(_TAG_ROOT, f'root ::= ({block} ("\\n" {block})*)')
 
 
 # ---------------------------------------------------------------- messages -> prompt
