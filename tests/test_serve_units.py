@@ -173,3 +173,19 @@ def test_an_error_mid_stream_is_an_error_event_and_the_request_is_closed():
         assert json.loads(events[-2])["error"]["type"] == "internal_error"
         assert "Traceback" not in r.text and json.loads(events[1])["choices"][0]["delta"]["content"] == "Hel"
     assert stream.closed
+
+
+@pytest.mark.parametrize("message,status", [("json_schema could not be compiled: bad", 400),
+                                            ("internal error while detokenizing: KeyError()", 500),
+                                            ("KV pool exhausted: the request needs more", 503)])
+def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
+    async def async_generate(**kwargs):
+        return {"text": "", "output_ids": [], "meta_info": {
+            "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 3, "completion_tokens": 0}}
+
+    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
+    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
+        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    with TestClient(create_app(engine, "m")) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == status and r.json()["error"]["message"] == message

@@ -116,6 +116,11 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if reason.get("type") == "abort" and meta["completion_tokens"] == 0:
             check_alive()
             metrics.record("error", meta["prompt_tokens"])
+            message = reason.get("message") or ""
+            if message.startswith("internal error"):  # the engine failed it (README: errors): not the client's fault
+                raise ApiError(500, message, "internal_error")
+            if message.startswith("KV pool exhausted"):
+                raise ApiError(503, message, "service_unavailable", None, "kv_pool_exhausted")
             raise bad_request(reason.get("message") or "the request was aborted", _constraint_param(sp),
                               "request_refused")
 
