@@ -271,6 +271,23 @@ def test_client_disconnecting_mid_stream_aborts(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_a_speculative_server_answers_the_same_and_reports_its_accept_length(server, tiny_model_dir):
+    prompts = ["Once upon a time", "The list: a, b, a, b, a, b,"]
+    expected = [server.client().completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+                for p in prompts]
+    spec = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096",
+                   "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"])
+    try:
+        got = [spec.client().completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+               for p in prompts]
+        assert got == expected
+        samples = parse_prometheus(httpx.get(spec.url + "/metrics").text)
+        assert samples["specjet_spec_accept_length"] >= 1 and samples["specjet_spec_verify_total"] >= 1
+        kv_ok(spec)
+    finally:
+        spec.stop()
+
+
 # ---------------------------------------------------------------- errors
 def error_of(exc_info) -> dict:
     return exc_info.value.response.json()["error"]
