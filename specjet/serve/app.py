@@ -41,8 +41,15 @@ def _usage(meta: dict[str, Any]) -> Usage:
 
 
 def _sse(payload: Any) -> str:
-    text = payload.model_dump_json(exclude_none=False) if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {text}\n\n"
+    if isinstance(payload, ChatCompletionChunk):
+        body = payload.model_dump(mode="json")
+        for choice in body["choices"]:  # a delta carries only what it has, as OpenAI's do
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    elif hasattr(payload, "model_dump"):
+        body = payload.model_dump(mode="json")
+    else:
+        body = payload
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_endpoints: bool = False) -> FastAPI:
