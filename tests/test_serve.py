@@ -158,6 +158,13 @@ def test_tool_choice_required_and_named(server):
     out = client.chat.completions.create(model="tiny", messages=messages, tools=[ADD], tool_choice="required",
                                          parallel_tool_calls=False, max_tokens=64, temperature=0)
     check_calls(out.choices[0], {"add"})
+    # Penalties reach the engine: negative ones (rewarding tokens already written) change the greedy
+    # text of a random model, which never repeats itself unprompted.
+    plain = chat(client, "Repeat after me", max_tokens=24, temperature=0).choices[0].message.content
+    penalised = chat(client, "Repeat after me", max_tokens=24, temperature=0, frequency_penalty=-2.0,
+                     presence_penalty=-2.0).choices[0].message.content
+    assert penalised != plain
+    chat(client, "hi", max_tokens=4, extra_body={"repetition_penalty": 1.2})  # SGLang's, accepted
     # tool_choice none: no tools, plain text
     out = chat(client, "hi", tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0)
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
@@ -312,6 +319,9 @@ def test_errors_are_openai_shaped_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", temperature=-1)
     assert error_of(e)["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", frequency_penalty=3.0)
+    assert error_of(e)["param"] == "frequency_penalty"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", extra_body={"no_such_field": 1})
     assert error_of(e)["param"] == "no_such_field" and error_of(e)["code"] == "unknown_parameter"

@@ -58,16 +58,13 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str
     if req.n is not None and req.n != 1:
         raise bad_request(f"n={req.n} is not supported: specjet returns one choice per request (n=1); "
                           "send several requests instead", "n", "unsupported_parameter")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported yet (only 0)", name, "unsupported_parameter")
     if req.logprobs:
         raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
     sp: dict[str, Any] = {}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids"):
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
             sp[name] = value

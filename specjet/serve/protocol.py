@@ -79,6 +79,7 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     # SGLang's extras
     top_k: Optional[int] = None
+    repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
