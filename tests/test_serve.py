@@ -211,12 +211,20 @@ def test_streamed_tool_replies_match_the_whole_ones(server):
         full = chat(client, "Weather in Oslo?", max_tokens=48, **kwargs).choices[0]
         chunks = list(chat(client, "Weather in Oslo?", max_tokens=48, stream=True, **kwargs))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        calls: dict[int, list[str]] = {}  # assembled as clients do: by index, the pieces joined
+        for c in chunks:
+            for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                call = calls.setdefault(t.index, ["", ""])
+                call[0] += t.function.name or ""
+                call[1] += t.function.arguments or ""
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         assert finish == [full.finish_reason]
         assert content == (full.message.content or "")
-        assert [(t.function.name, t.function.arguments) for t in calls] == [
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
             (t.function.name, t.function.arguments) for t in (full.message.tool_calls or [])]
+        if kwargs["tool_choice"] == "required":  # the arguments came in pieces, not whole at the end
+            pieces = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+            assert len(pieces) > 2
 
 
 def test_sixteen_concurrent_async_requests(server):

@@ -68,10 +68,9 @@ def test_reply_reads_calls_back():
     message, reason = chat.reply("just text", "stop", plan)
     assert reason == "stop" and message.content == "just text" and message.tool_calls is None
     plan = chat.ToolPlan(mode="json", names={"add"})
-    message, reason = chat.reply('[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
-                                 '{"name": "add", "arguments": {"a": 3, "b": 4}}]', "stop", plan)
-    assert reason == "tool_calls" and len(message.tool_calls) == 2
-    message, reason = chat.reply('[{"name": "add", "argu', "length", plan)  # cut: text, not a call
+    message, reason = chat.reply('{"name": "add", "arguments": {"a": 3, "b": 4}}', "stop", plan)
+    assert reason == "tool_calls" and message.tool_calls[0].function.arguments == '{"a": 3, "b": 4}'
+    message, reason = chat.reply('{"name": "add", "argu', "length", plan)  # cut: text, not a call
     assert reason == "length" and message.tool_calls is None
 
 
@@ -189,3 +188,25 @@ def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
     with TestClient(create_app(engine, "m")) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == status and r.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize("mode,text", [
+    ("tagged", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "x} <y"}}}\n</tool_call>'
+               '\n<tool_call>\n{ "name" : "add" ,"arguments":{"a": 2}  }\n</tool_call>'),
+    ("json", '{"name": "add", "arguments": {"a": 12, "b": [1, {"z": "}"}]}}'),
+])
+def test_streamed_call_pieces_add_up_to_the_whole_calls(mode, text):
+    plan = chat.ToolPlan(mode=mode, names={"add"})
+    streamer = chat.CallStreamer(plan)
+    pieces: dict[int, dict] = {}
+    for end in range(1, len(text) + 1):  # one character at a time
+        for d in streamer.feed(text[:end], finished=mode == "json" and end == len(text)):
+            call = pieces.setdefault(d["index"], {"name": "", "arguments": ""})
+            call["name"] += d["function"].get("name", "")
+            call["arguments"] += d["function"].get("arguments", "")
+    message, reason = chat.reply(text, "stop", plan)
+    assert reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in pieces.values()] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]
+    for c in message.tool_calls:
+        json.loads(c.function.arguments)

@@ -229,28 +229,39 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             try:
                 yield chunk(ChoiceDelta(role="assistant", content=""))
                 text, sent, item = "", 0, first
+                calls = chat.CallStreamer(plan)
                 while True:
                     text += item["text"]
                     # Plain text streams as it comes; "auto" tool replies stream their text up to a
-                    # <tool_call>; "required" replies (bare JSON calls) wait for the whole reply.
+                    # <tool_call>; tool calls stream their name, then their arguments as written.
                     end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)
                     if end > sent:
                         yield chunk(ChoiceDelta(content=text[sent:end]))
                         sent = end
+                    if plan.mode is not None and item["text"]:
+                        deltas = calls.feed(text)
+                        if deltas:
+                            yield chunk(ChoiceDelta(tool_calls=deltas))
                     if item["meta_info"]["finish_reason"] is not None:
                         break
                     item = await stream.__anext__()
                 finished = True
                 meta = item["meta_info"]
                 reason = chat.finish_reason(item)
-                if plan.mode is not None:  # tool calls are sent whole, once the reply is complete
+                if plan.mode is not None:
                     message, reason = chat.reply(text, reason, plan)
-                    rest = (message.content or "")[sent:] if message.tool_calls else text[sent:]
+                    if message.tool_calls:
+                        rest = (message.content or "")[sent:]
+                        deltas = calls.feed(text, finished=True)
+                        # Calls the streamer could not follow (laid out unlike the grammar's) go whole.
+                        deltas += [dict(call.model_dump(), index=i) for i, call in enumerate(message.tool_calls)
+                                   if i >= len(calls.sent)]
+                    else:  # no complete call: the text is the reply (unless a call had begun)
+                        rest, deltas = ("" if calls.sent else text[sent:]), []
                     if rest:
                         yield chunk(ChoiceDelta(content=rest))
-                    if message.tool_calls:
-                        calls = [dict(call.model_dump(), index=i) for i, call in enumerate(message.tool_calls)]
-                        yield chunk(ChoiceDelta(tool_calls=calls))
+                    if deltas:
+                        yield chunk(ChoiceDelta(tool_calls=deltas))
                 yield chunk(ChoiceDelta(), reason)
                 usage = _usage(meta)
                 metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)

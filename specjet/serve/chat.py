@@ -280,11 +280,38 @@ def streamable_end(text: str) -> int:
     return len(text)
 
 
-def _as_call(value: Any, plan: ToolPlan) -> Optional[ToolCall]:
+# The start of a call as the grammars lay it out ("name" first, then "arguments"), any whitespace.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _raw_arguments(region: str) -> Optional[tuple[str, str]]:
+    """(name, arguments as the model wrote them) of one complete call's JSON text, or None."""
+    head = _CALL_HEAD.match(region)
+    if head is None:
+        return None
+    body = region[head.end():].rstrip()
+    if not body.endswith("}"):
+        return None
+    return json.loads(f'"{head.group(1)}"'), body[:-1].rstrip()
+
+
+def _as_call(region: str, plan: ToolPlan) -> Optional[ToolCall]:
+    """A call from its JSON text, its arguments as written (so a stream's pieces add up to them)."""
+    try:
+        value = json.loads(region)
+    except json.JSONDecodeError:
+        return None
     if not isinstance(value, dict) or value.get("name") not in plan.names or not isinstance(value.get("arguments"), dict):
         return None
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=FunctionCall(name=value["name"], arguments=json.dumps(value["arguments"])))
+    arguments = json.dumps(value["arguments"])
+    raw = _raw_arguments(region)
+    if raw is not None and raw[0] == value["name"]:
+        try:
+            if json.loads(raw[1]) == value["arguments"]:
+                arguments = raw[1]
+        except json.JSONDecodeError:
+            pass
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=value["name"], arguments=arguments))
 
 
 def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMessage, Optional[str]]:
@@ -293,20 +320,12 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
     calls: list[ToolCall] = []
     content: Optional[str] = text
     if plan.mode == "json" and reason == "stop":
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = None
-        values = value if isinstance(value, list) else [value]
-        parsed = [_as_call(v, plan) for v in values]
-        if parsed and all(parsed):
-            calls, content = parsed, None
+        call = _as_call(text, plan)
+        if call is not None:
+            calls, content = [call], None
     elif plan.mode == "tagged":
         for block in _TOOL_BLOCK.findall(text):
-            try:
-                call = _as_call(json.loads(block), plan)
-            except json.JSONDecodeError:
-                call = None
+            call = _as_call(block, plan)
             if call is not None:
                 calls.append(call)
         if calls:
@@ -317,3 +336,60 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
             calls = calls[:1]
         return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
     return AssistantMessage(content=content), reason
+
+
+class CallStreamer:
+    """A growing tool reply -> the tool-call deltas of an OpenAI stream: each call's id and name once
+    the name is written, then its arguments as they are written. What is sent of the arguments is
+    always a prefix of what the finished call holds: a tail that could still turn out to be the
+    call's closing brace, trailing space or a partial </tool_call> is held back."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.sent: list[int] = []  # per call started: how much of its arguments went out
+
+    def _regions(self, text: str, finished: bool) -> list[tuple[str, bool]]:
+        """Each call's JSON text so far, and whether it is complete."""
+        if self.plan.mode == "json":
+            return [(text, finished)]
+        regions, at = [], 0
+        while True:
+            start = text.find(TOOL_OPEN, at)
+            if start < 0:
+                return regions
+            start += len(TOOL_OPEN)
+            close = text.find(TOOL_CLOSE, start)
+            if close < 0:
+                return regions + [(text[start:], False)]
+            regions.append((text[start:close], True))
+            at = close + len(TOOL_CLOSE)
+
+    def feed(self, text: str, finished: bool = False) -> list[dict[str, Any]]:
+        deltas = []
+        regions = self._regions(text, finished)
+        if not self.plan.parallel:
+            regions = regions[:1]
+        for i, (region, complete) in enumerate(regions):
+            head = _CALL_HEAD.match(region)
+            if head is None:  # the name is not complete yet
+                break
+            if i == len(self.sent):
+                name = json.loads(f'"{head.group(1)}"')
+                deltas.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+                self.sent.append(0)
+            body = region[head.end():]
+            if complete:
+                body = body.rstrip()
+                body = body[:-1].rstrip() if body.endswith("}") else body
+            else:
+                for keep in range(min(len(TOOL_CLOSE), len(body)), 0, -1):  # a partial </tool_call>
+                    if TOOL_CLOSE.startswith(body[-keep:]):
+                        body = body[:-keep]
+                        break
+                body = body.rstrip()
+                body = body[:-1].rstrip() if body.endswith("}") else body  # maybe the call's own brace
+            if len(body) > self.sent[i]:
+                deltas.append({"index": i, "function": {"arguments": body[self.sent[i]:]}})
+                self.sent[i] = len(body)
+        return deltas
