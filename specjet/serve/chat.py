@@ -5,10 +5,11 @@ Tool calls use the Hermes layout most open chat models are trained on: the model
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. How each ``tool_choice`` is
 enforced by decoding:
 
-- ``required`` / a named function: a JSON schema whose values are exactly the calls allowed (the
-  name a ``const``, ``arguments`` the function's ``parameters``); with ``parallel_tool_calls`` an
-  array of one or more calls. The reply is bare JSON; every call it holds is well formed and its
-  arguments validate (the engine also checks the output with jsonschema).
+- a named function, and ``required`` with ``parallel_tool_calls=false``: a JSON schema whose values
+  are exactly the calls allowed (the name a ``const``, ``arguments`` the function's
+  ``parameters``). The reply is one bare JSON call (the engine also checks it with jsonschema).
+- ``required`` with parallel calls (the default): one or more ``<tool_call>`` blocks and nothing
+  else (``_calls_only_grammar``).
 - ``auto``: xgrammar's structural tag (free text until the model writes ``<tool_call>``, then the
   call's schema and ``</tool_call>``, then free text again), handed to the engine as EBNF.
 - ``none``: no tools in the prompt, no constraint.
