@@ -43,6 +43,8 @@ def test_auto_grammar_allows_text_or_a_valid_call():
     assert _is_grammar_accept_string(grammar, "no tool needed")
     assert not _is_grammar_accept_string(grammar, '<tool_call>\n{"name": "add", "arguments": {"a": "x"}}\n</tool_call>')
     assert not _is_grammar_accept_string(grammar, '<tool_call>\n{"name": "sub", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    # the call's JSON is laid out as every specjet JSON schema output (one line, ", " and ": ")
+    assert not _is_grammar_accept_string(grammar, '<tool_call>\n{ "name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
 
 
 def test_required_and_named_schemas():

@@ -173,32 +173,61 @@ def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tup
     return ("ebnf", _auto_grammar(schemas), "tool_choice")
 
 
-def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
-    """EBNF for "free text, or a tool call whose JSON matches one of ``schemas``" (xgrammar's
-    structural tag: the call's grammar starts when the model writes <tool_call>)."""
+# A token of xgrammar's EBNF: a string, a character class, a name, or any other character.
+_EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.DOTALL)
+_CALL_BODY = "tool_call_body"
+
+
+def _schema_rules(schema: dict[str, Any], prefix: str) -> str:
+    """The EBNF rules of one JSON schema, laid out as specjet lays out every JSON schema (compact,
+    strict: ``JSON_SCHEMA_OPTIONS``), each rule name prefixed so several schemas share a grammar."""
     import xgrammar as xgr
 
-    items = [xgr.StructuralTagItem(begin=TOOL_OPEN + "\n", schema=json.dumps(s), end="\n" + TOOL_CLOSE)
-             for s in schemas]
-    return str(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
+    from specjet.grammar.backend import JSON_SCHEMA_OPTIONS
+
+    try:
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **JSON_SCHEMA_OPTIONS)
+    except RuntimeError:  # what strict mode cannot express (the backend falls back the same way)
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **dict(JSON_SCHEMA_OPTIONS, strict_mode=False))
+    text = str(grammar)
+    names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", text, re.MULTILINE))
+    return "".join(prefix + t if t in names else t for t in _EBNF_TOKEN.findall(text))
 
 
-# The lines of xgrammar's structural-tag EBNF that _calls_only_grammar rewrites (xgrammar 0.2.x).
-_TAG_ROOT = "root ::= ((triggered_tags))"
-_TAG_GROUP = "triggered_tags_group ::="
+def _call_rules(schemas: list[dict[str, Any]]) -> str:
+    """Rules for the calls' JSON, and ``tool_call_body``: what follows <tool_call> up to </tool_call>."""
+    rules = [_schema_rules(schema, f"tool{i}_") for i, schema in enumerate(schemas)]
+    close = TOOL_CLOSE.replace('"', '\\"')
+    alternatives = " | ".join(f'("\\n" tool{i}_root "\\n{close}")' for i in range(len(schemas)))
+    return "\n".join(rules + [f"{_CALL_BODY} ::= ({alternatives})"])
+
+
+def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
+    """EBNF for "free text, or tool calls whose JSON matches one of ``schemas``" (xgrammar's
+    structural-tag dispatch: a call's grammar starts when the model writes <tool_call>)."""
+    try:
+        return "\n".join([_call_rules(schemas),
+                          f'tool_dispatch ::= TagDispatch(("{TOOL_OPEN}", {_CALL_BODY}), loop_after_dispatch=true, '
+                          "excludes=())", "root ::= ((tool_dispatch))"])
+    except RuntimeError:  # xgrammar's own structural tag (its JSON laid out with any whitespace)
+        import xgrammar as xgr
+
+        items = [xgr.StructuralTagItem(begin=TOOL_OPEN + "\n", schema=json.dumps(s), end="\n" + TOOL_CLOSE)
+                 for s in schemas]
+        return str(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
 
 
 def _calls_only_grammar(schemas: list[dict[str, Any]]) -> Optional[str]:
     """EBNF for one or more <tool_call> blocks and nothing else (tool_choice="required" with
-    parallel calls): the structural tag's call rules, with a root that starts with a call and allows
-    only further calls after it. A model ends after its calls as it was trained to, where a JSON
-    array of calls tempts a small model to add items until the token limit. None if xgrammar's
-    EBNF is not laid out as expected (the caller then asks for a single call)."""
-    text = _auto_grammar(schemas)
-    if _TAG_ROOT not in text or _TAG_GROUP not in text:
+    parallel calls). A model ends after its calls as it was trained to, where a JSON array of calls
+    tempts a small model to add items until the token limit. None if the schemas' rules cannot be
+    built (the caller then asks for a single call)."""
+    try:
+        rules = _call_rules(schemas)
+    except RuntimeError:
         return None
-    block = f'("{TOOL_OPEN}" triggered_tags_group)'
-    return text.replace(_TAG_ROOT, f'root ::= ({block} ("\\n" {block})*)')
+    block = f'("{TOOL_OPEN}" {_CALL_BODY})'
+    return rules + f'\nroot ::= ({block} ("\\n" {block})*)'
 
 
 # ---------------------------------------------------------------- messages -> prompt
