@@ -354,6 +354,25 @@ def test_default_model_tools_and_schema_e2e():
         out = chat(client, "What is the weather in Paris, in celsius?", tools=[WEATHER, ADD], tool_choice="required",
                    max_tokens=96, temperature=0)
         check_calls(out.choices[0], {"get_weather", "add"})
+        # Parallel calls: the model cycles through them; the reply ends at the first repeat.
+        for stream in (False, True):
+            request = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris and in Rome?"}],
+                           tools=[WEATHER], tool_choice="required", max_tokens=300, temperature=0)
+            if stream:
+                chunks = list(client.chat.completions.create(stream=True, **request))
+                calls = {}
+                for c in chunks:
+                    for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                        call = calls.setdefault(t.index, ["", ""])
+                        call[0] += t.function.name or ""
+                        call[1] += t.function.arguments or ""
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert finish == ["tool_calls"] and [tuple(calls[i]) for i in sorted(calls)] == whole
+            else:
+                out = client.chat.completions.create(**request)
+                check_calls(out.choices[0], {"get_weather"})
+                whole = [(t.function.name, t.function.arguments) for t in out.choices[0].message.tool_calls]
+                assert len(set(whole)) == len(whole) and out.usage.completion_tokens < 300
         # auto: a 135M model opens a call on its own only after an example turn (the client's history);
         # then a request that needs the tool gets a call, and one that does not gets text.
         history = [{"role": "system", "content": "You are a helpful assistant with tool calling capabilities."},

@@ -212,3 +212,16 @@ def test_streamed_call_pieces_add_up_to_the_whole_calls(mode, text):
         (c.function.name, c.function.arguments) for c in message.tool_calls]
     for c in message.tool_calls:
         json.loads(c.function.arguments)
+
+
+def test_a_reply_ends_before_a_repeated_call():
+    one = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    two = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    assert chat.repeat_cut(one + "\n" + two) is None
+    text = one + "\n" + two + "\n" + one + "\n" + two
+    cut = chat.repeat_cut(text)
+    assert text[:cut] == one + "\n" + two + "\n"
+    message, reason = chat.reply(text[:cut], "stop", chat.ToolPlan(mode="tagged", names={"add"}))
+    assert reason == "tool_calls" and len(message.tool_calls) == 2 and message.content is None
+    message, reason = chat.reply(one + "\n<tool_call>\n{", "length", chat.ToolPlan(mode="tagged", names={"add"}))
+    assert reason == "length" and len(message.tool_calls) == 1

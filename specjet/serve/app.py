@@ -205,13 +205,34 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await _stream_chat(body, sp, plan, prompt, rid)
-        result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt))
+        if plan.mode == "tagged" and plan.parallel:
+            result = await until_disconnected(request, lambda: collect_calls(sp, prompt))
+        else:
+            result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt))
         refused(result, sp)
         message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
         usage = _usage(result["meta_info"])
         metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
         return ChatCompletion(id=rid, model=model_name, usage=usage,
                               choices=[ChatChoice(message=message, finish_reason=reason)])
+
+    async def collect_calls(sp: dict, prompt: str) -> dict:
+        """A whole reply that may hold several tool calls, read as a stream so that it can end at
+        the first repeated call (``chat.repeat_cut``)."""
+        stream = await start(sp, True, prompt=prompt)
+        try:
+            text = ""
+            while True:
+                item = await stream.__anext__()
+                text += item["text"]
+                meta = item["meta_info"]
+                cut = chat.repeat_cut(text)
+                if cut is not None:
+                    text, meta = text[:cut], dict(meta, finish_reason=chat.REPEATED_CALL)
+                if meta["finish_reason"] is not None:
+                    return {"text": text, "meta_info": meta}
+        finally:
+            await stream.aclose()  # aborts what is left after a repeated call
 
     async def _stream_chat(body: ChatCompletionRequest, sp, plan, prompt, rid) -> Response:
         stream = await start(sp, True, prompt=prompt)
@@ -232,6 +253,11 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 calls = chat.CallStreamer(plan)
                 while True:
                     text += item["text"]
+                    if plan.mode == "tagged" and plan.parallel:
+                        cut = chat.repeat_cut(text)
+                        if cut is not None:  # ends here; closing the stream below aborts the rest
+                            text = text[:cut]
+                            item = dict(item, meta_info=dict(item["meta_info"], finish_reason=chat.REPEATED_CALL))
                     # Plain text streams as it comes; "auto" tool replies stream their text up to a
                     # <tool_call>; tool calls stream their name, then their arguments as written.
                     end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)

@@ -298,6 +298,25 @@ def finish_reason(result: dict[str, Any]) -> Optional[str]:
     return {"stop": "stop", "length": "length"}.get(reason.get("type"), "abort")
 
 
+REPEATED_CALL = {"type": "stop", "matched": "a repeated tool call"}
+
+
+def repeat_cut(text: str) -> Optional[int]:
+    """Where a reply's first exact repeat of an earlier tool call starts, or None. Small models
+    given parallel calls tend to cycle through the same calls until the token limit; a call made
+    twice in one reply does nothing the first did not, so the reply ends before the repeat."""
+    seen = set()
+    for match in _TOOL_BLOCK.finditer(text):
+        try:
+            key = json.dumps(json.loads(match.group(1)), sort_keys=True)
+        except json.JSONDecodeError:
+            continue
+        if key in seen:
+            return match.start()
+        seen.add(key)
+    return None
+
+
 def streamable_end(text: str) -> int:
     """How much of a partial "auto" reply can be streamed as content: up to the first <tool_call>,
     less a tail that could still become one."""
@@ -364,7 +383,8 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
     if calls:
         if not plan.parallel:
             calls = calls[:1]
-        return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+        # Complete calls of a reply cut by max_tokens are returned, but the reason stays "length".
+        return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if reason == "stop" else reason
     return AssistantMessage(content=content), reason
 
 
@@ -400,6 +420,8 @@ class CallStreamer:
         if not self.plan.parallel:
             regions = regions[:1]
         for i, (region, complete) in enumerate(regions):
+            if self.plan.mode == "tagged" and self.plan.parallel and not complete:
+                break  # each of several calls goes out whole, once it is known not to repeat an earlier one
             head = _CALL_HEAD.match(region)
             if head is None:  # the name is not complete yet
                 break
