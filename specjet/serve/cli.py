@@ -27,7 +27,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=f.name, action="store_true", default=None)
             continue
         convert = next(_CONVERTERS[k] for k in kinds if k in _CONVERTERS)
-        group.add_argument(flag, dest=f.name, type=convert, default=None, metavar=kinds[0].upper(),
+        group.add_argument(flag, dest=f.name, type=convert, default=None, metavar="PATH" if f.name.endswith("_path") else kinds[0].upper(),
                            help=f"(default: {f.default})")
 
 
