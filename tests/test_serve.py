@@ -123,6 +123,8 @@ def test_chat_response_format_json_schema_validates(server):
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), PERSON)
     assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 0
+    samples = parse_prometheus(httpx.get(server.url + "/metrics").text)  # the schema was compiled
+    assert samples["specjet_grammar_compiles_total"] >= 1 and samples["specjet_grammar_compile_seconds_total"] > 0
     # SGLang's extra field, and json_object
     out = chat(server.client(), "JSON please", max_tokens=64, temperature=0, extra_body={"json_schema": json.dumps(PERSON)})
     jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)

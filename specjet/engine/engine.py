@@ -282,7 +282,8 @@ class Engine:
         if stats.get("spec_verify_ct"):
             stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
         return {"args": self.args, "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
-                "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots}
+                "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,
+                "grammar": dict(self.scheduler.grammar_backend.compile_stats)}
 
     def shutdown(self) -> None:
         """Stop the engine: every request it holds, running, waiting or still in its inbox, is

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -138,6 +139,8 @@ class GrammarBackend:
         self._cache_limit_bytes = cache_limit_bytes
         self._timed_out: OrderedDict[bytes, None] = OrderedDict()
         self._closed = False
+        # Compiles that ran (cache misses; a timed-out one counts when it ends) and their seconds.
+        self.compile_stats = {"compiles": 0, "compile_seconds": 0.0}
 
     @property
     def vocab_size(self) -> int:
@@ -216,6 +219,15 @@ class GrammarBackend:
         return canonical_text(kind, spec, max_bytes=self.max_spec_bytes, max_depth=self.max_spec_depth)
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            return self._compile_kind(kind, text)
+        finally:
+            with self._lock:
+                self.compile_stats["compiles"] += 1
+                self.compile_stats["compile_seconds"] += time.perf_counter() - start
+
+    def _compile_kind(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
                 return self._compile_json_schema(text)

@@ -52,6 +52,11 @@ class Metrics:
         metric("engine_alive", "gauge", "1 while the engine's scheduler runs.", [("", int(info["alive"]))])
         metric("request_errors_total", "counter", "Requests the engine ended with an internal error.",
                [("", stats.get("request_errors", 0))])
+        grammar = info.get("grammar") or {}
+        metric("grammar_compiles_total", "counter", "Grammar compiles run (cache misses).",
+               [("", grammar.get("compiles", 0))])
+        metric("grammar_compile_seconds_total", "counter", "Seconds spent compiling grammars.",
+               [("", grammar.get("compile_seconds", 0.0))])
         if "spec_accept_length" in stats:
             metric("spec_accept_length", "gauge", "Mean tokens accepted per speculative verify.",
                    [("", stats["spec_accept_length"])])
