@@ -92,7 +92,8 @@ class Server:
     def __init__(self, flags: list[str], timeout: float = 300.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "specjet.serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        cmd = [sys.executable, "-m", "specjet.serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--debug-endpoints", *flags]  # /debug/kv: the KV invariant after the run
         self.log = open(os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -110,6 +111,11 @@ class Server:
             time.sleep(0.5)
         self.close()
         raise SystemExit(f"bench.serve: the server did not come up within {timeout:.0f} s")
+
+    def kv_check(self) -> dict:
+        """Waits until the server is idle and checks the KV invariant (free + owned == pool)."""
+        with urllib.request.urlopen(self.url + "/debug/kv", timeout=120) as r:
+            return json.loads(r.read())
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
@@ -268,9 +274,11 @@ def run(args) -> dict:
                     cells.append(cell)
                     print(row_line(cell), flush=True)
             accept = accept_length(server.metrics())
+            kv = server.kv_check()
             for cell in cells:
                 if cell["config"] == config:
                     cell["server_accept_length"] = accept
+                    cell["kv_after"] = kv
         finally:
             server.close()
     return {"cells": cells}
@@ -301,9 +309,11 @@ def main(argv=None) -> dict:
     print(HEADER, flush=True)
     result = run(args)
     for config in args.configs:
-        accept = next((c.get("server_accept_length") for c in result["cells"] if c["config"] == config), None)
-        if accept is not None:
-            print(f"accept length {config}: {accept:.2f}")
+        first = next(c for c in result["cells"] if c["config"] == config)
+        if first.get("server_accept_length") is not None:
+            print(f"accept length {config}: {first['server_accept_length']:.2f}")
+        kv = first["kv_after"]
+        print(f"KV after {config}: {'ok' if kv.get('ok') else 'LEAK'} ({kv['kv_free']} free of {kv['kv_pool_size']})")
     if "none" in args.configs:
         base = {(c["workload"], c["concurrency"]): c["output_tok_s"] for c in result["cells"] if c["config"] == "none"}
         for c in result["cells"]:

@@ -56,4 +56,7 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path, capsys):
     rows = re.findall(r"^(none|NGRAM)\s+(json|tools)\s+(\d+)\s+2\s+\d/2\s+0\s", out, re.M)
     assert len(rows) == 8, out
     assert "speed-up NGRAM/none json conc 1:" in out
+    for cell in cells.values():  # every workload ends with the KV invariant checked in the server
+        assert cell["kv_after"]["ok"] and cell["kv_after"]["kv_free"] == cell["kv_after"]["kv_pool_size"]
+    assert out.count("KV after") == 2 and "LEAK" not in out
     assert json.loads(result_file.read_text())["cells"][0]["config"] == "none"

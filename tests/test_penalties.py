@@ -46,6 +46,8 @@ def test_out_of_range_penalties_are_refused(plain, name, value):
         plain.generate("a", {name: value})
     with pytest.raises(TypeError, match=name):
         plain.generate("a", {name: "1"})
+    assert plain.generate(["a", "b"], greedy(2))[1]["meta_info"]["completion_tokens"] == 2  # the engine goes on
+    plain.check_kv_invariant()
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,7 @@ def expected(cyclic_model_dir):
         with_penalties = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40, **STRONG))]
         without = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40))]
         constrained = plain.generate(PROMPTS, greedy(40, json_schema=SCHEMA, **STRONG))
+        plain.check_kv_invariant()
     assert with_penalties != without  # they do something
     return with_penalties, [o["output_ids"] for o in constrained]
 

@@ -24,6 +24,15 @@ def test_a_model_class_is_a_schema_and_the_output_parses_to_it(plain):
     # the same as giving its schema
     same = plain.generate("Pick one.", {"json_schema": Pick.model_json_schema(), "temperature": 0, "max_new_tokens": 40})
     assert same["output_ids"] == out["output_ids"]
+    plain.check_kv_invariant()
+
+
+def test_a_class_that_is_not_a_model_is_refused_by_name(plain):
+    class NotAModel:
+        pass
+    with pytest.raises(TypeError, match="json_schema must be a str, a dict or a pydantic model class"):
+        plain.generate("Pick one.", {"json_schema": NotAModel})
+    plain.check_kv_invariant()
 
 
 def test_parse_output_names_the_problem():

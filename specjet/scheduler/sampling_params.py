@@ -167,9 +167,10 @@ class SamplingParams:
 
     @property
     def penalties(self) -> Penalties | None:
-        """The request's penalties, or None when it has none."""
-        p = Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
-        return p if p.active else None
+        """The request's penalties, or None when it has none (checked per request and iteration)."""
+        if self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0:
+            return None
+        return Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
 
     @property
     def is_greedy(self) -> bool:

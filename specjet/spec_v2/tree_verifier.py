@@ -115,11 +115,17 @@ class TreeVerifier:
             if r.penalty is None:
                 continue
             penalties, context, prompt_len = r.penalty
-            paths: list[list[int]] = [[]]
-            for i in range(1, len(r.tokens)):
-                paths.append(paths[r.parents[i]] + [r.tokens[i]])
             n = len(r.tokens)
-            counts, seen = context_rows([context + p for p in paths], [prompt_len] * n, logits.shape[1], logits.device)
+            # The request's tokens so far once, then each node's path (a node's path is its
+            # parent's plus its own token: the root is the last token so far, so it adds none).
+            counts, seen = context_rows([context], [prompt_len], logits.shape[1], logits.device)
+            counts, seen = counts.expand(n, -1).clone(), seen.expand(n, -1).clone()
+            for i in range(1, n):
+                parent, token = r.parents[i], r.tokens[i]
+                counts[i] = counts[parent]
+                seen[i] = seen[parent]
+                counts[i, token] += 1
+                seen[i, token] = True
             with torch.inference_mode():  # the forward's logits are inference tensors
                 apply_penalties_(logits[off:off + n], counts, seen, [penalties] * n)
 
