@@ -5,7 +5,9 @@ For each configuration (``none``: no speculation; ``EAGLE`` / ``NGRAM``: that al
 is started in a subprocess on a free loopback port; two workloads run at each concurrency:
 
 - ``json``: JSON-schema prompts of the dev set with ``response_format`` json_schema;
-- ``tools``: agent-style prompts with three tools and ``tool_choice="required"``.
+- ``tools``: agent-style prompts with three tools and ``tool_choice="required"``;
+- ``agent``: the ``tools`` requests behind one long shared system prompt (an agent's policy and
+  its tool catalogue, about 1,000 tokens), what the prefix cache is for.
 
 Every request streams (``stream_options.include_usage``): TTFT is the time to the first chunk
 with content or a tool-call delta, e2e the time to the last, TPOT (e2e - TTFT) / (tokens - 1).
@@ -57,7 +59,24 @@ TOOL_PROMPTS = [
     "Tell me the weather in Nairobi in celsius.",
     "Book-search flights SFO to JFK on 2026-11-30 for 4 passengers.",
 ]
-CONFIGS = {"none": [], "EAGLE": ["--speculative-algorithm", "EAGLE"], "NGRAM": ["--speculative-algorithm", "NGRAM"]}
+CONFIGS = {"none": [], "EAGLE": ["--speculative-algorithm", "EAGLE"], "NGRAM": ["--speculative-algorithm", "NGRAM"],
+           "none-nocache": ["--disable-radix-cache"],
+           "EAGLE-nocache": ["--speculative-algorithm", "EAGLE", "--disable-radix-cache"]}
+AGENT_TOPICS = ["weather", "flights", "currency", "refunds", "privacy", "escalation", "dates", "units", "errors",
+                "greetings", "ambiguity", "safety", "formatting", "follow-ups", "limits", "languages"]
+
+
+def agent_system_prompt() -> str:
+    """A long, fixed system prompt: an agent policy, one paragraph per topic, and the tool catalogue."""
+    rules = [f"Policy {i + 1} ({topic}): when a request concerns {topic}, first decide whether one of the "
+             f"tools below answers it; if it does, call that tool with every required argument filled from "
+             f"the user's words, never invent values the user did not give, keep units and currencies "
+             f"exactly as stated, and prefer a single precise call over several vague ones. If the request "
+             f"about {topic} is unclear, still call the closest tool with the most likely reading."
+             for i, topic in enumerate(AGENT_TOPICS)]
+    catalogue = json.dumps([t["function"] for t in TOOLS], indent=1)
+    return ("You are TravelDesk, the assistant of a travel agency. Follow these policies.\n\n" + "\n".join(rules)
+            + "\n\nTool catalogue:\n" + catalogue)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's auto)")
     parser.add_argument("--configs", nargs="+", default=["none", "EAGLE"], choices=list(CONFIGS))
-    parser.add_argument("--workloads", nargs="+", default=["json", "tools"], choices=["json", "tools"])
+    parser.add_argument("--workloads", nargs="+", default=["json", "tools"], choices=["json", "tools", "agent"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--num-requests", type=int, default=16, help="requests per (workload, concurrency) cell")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -146,8 +165,9 @@ def json_requests(args) -> list[dict]:
     return out
 
 
-def tool_requests(args) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": TOOL_PROMPTS[i % len(TOOL_PROMPTS)]}], "tools": TOOLS,
+def tool_requests(args, system: str | None = None) -> list[dict]:
+    head = [{"role": "system", "content": system}] if system else []
+    return [{"messages": head + [{"role": "user", "content": TOOL_PROMPTS[i % len(TOOL_PROMPTS)]}], "tools": TOOLS,
              "tool_choice": "required", "_check": ("tools", None)} for i in range(args.num_requests)]
 
 
@@ -255,7 +275,8 @@ def accept_length(metrics_text: str) -> float | None:
 # ---------------------------------------------------------------- the run
 def run(args) -> dict:
     workloads = {"json": json_requests(args) if "json" in args.workloads else None,
-                 "tools": tool_requests(args) if "tools" in args.workloads else None}
+                 "tools": tool_requests(args) if "tools" in args.workloads else None,
+                 "agent": tool_requests(args, agent_system_prompt()) if "agent" in args.workloads else None}
     cells = []
     for config in args.configs:
         flags = list(CONFIGS[config]) + list(args.server_arg)
@@ -265,7 +286,8 @@ def run(args) -> dict:
             flags += ["--dtype", args.dtype]
         server = Server(flags)
         try:
-            warm = (workloads["json"] or workloads["tools"])[:1]
+            # A warm-up request unlike every workload's (no prefix of theirs reaches the cache).
+            warm = [{"messages": [{"role": "user", "content": "Say hello."}], "_check": ("text", None)}]
             asyncio.run(run_cell(server.url, warm, 1, 8, args.cell_timeout))
             for name in args.workloads:
                 for conc in args.concurrency:
@@ -284,7 +306,7 @@ def run(args) -> dict:
     return {"cells": cells}
 
 
-HEADER = (f"{'config':<8} {'workload':<8} {'conc':>4} {'reqs':>5} {'valid':>6} {'errors':>6} "
+HEADER = (f"{'config':<13} {'workload':<8} {'conc':>4} {'reqs':>5} {'valid':>6} {'errors':>6} "
           f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'e2e p50':>8} {'p99':>7} {'out tok/s':>9}")
 
 
@@ -292,7 +314,7 @@ def row_line(c: dict) -> str:
     ms = lambda x: fmt_num(None if x is None else 1e3 * x)  # noqa: E731
     s = lambda x: fmt_num(x, ".2f")  # noqa: E731
     cut = "  (cut at the cell timeout)" if c["cut"] else ""
-    return (f"{c['config']:<8} {c['workload']:<8} {c['concurrency']:>4} {c['requests']:>5} "
+    return (f"{c['config']:<13} {c['workload']:<8} {c['concurrency']:>4} {c['requests']:>5} "
             f"{c['valid']:>3}/{c['requests']:<2} {c['errors']:>6} {ms(c['ttft']['p50']):>9} {ms(c['ttft']['p99']):>7} "
             f"{ms(c['tpot']['p50']):>9} {ms(c['tpot']['p99']):>7} {s(c['e2e']['p50']):>8} {s(c['e2e']['p99']):>7} "
             f"{fmt_num(c['output_tok_s']):>9}{cut}")
@@ -313,7 +335,8 @@ def main(argv=None) -> dict:
         if first.get("server_accept_length") is not None:
             print(f"accept length {config}: {first['server_accept_length']:.2f}")
         kv = first["kv_after"]
-        print(f"KV after {config}: {'ok' if kv.get('ok') else 'LEAK'} ({kv['kv_free']} free of {kv['kv_pool_size']})")
+        print(f"KV after {config}: {'ok' if kv.get('ok') else 'LEAK'} ({kv['kv_free']} free, "
+              f"{kv.get('kv_cached', 0)} in the prefix cache, of {kv['kv_pool_size']})")
     if "none" in args.configs:
         base = {(c["workload"], c["concurrency"]): c["output_tok_s"] for c in result["cells"] if c["config"] == "none"}
         for c in result["cells"]:

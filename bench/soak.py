@@ -22,7 +22,8 @@ HANG. Outcomes per request: served (stop/length), refused at the door (by except
 or cancelled by us, grammar-compile aborts, other aborts, INTERNAL ERRORS (an abort whose message
 says "internal error", or an exception other than TypeError/ValueError), engine died (RuntimeError),
 hangs; and validation mismatches (an invalid request served, a valid one refused). At the end the
-engine must go idle; then its KV invariant is checked and leaked slots = pool - free. PASS iff no
+engine must go idle; then its KV invariant is checked, the prefix cache flushed, and leaked slots =
+pool - free. PASS iff no
 hang, no leaked slot, no internal error and the engine alive (exit status 1 otherwise). Appends one
 JSON line per configuration to ``--result-file``.
 """
@@ -820,6 +821,8 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
         end["error"] = f"did not go idle: {type(error).__name__}: {error}"
     _, error = _bounded(engine.check_kv_invariant, 60)
     end["kv_invariant"] = "ok" if error is None else f"{type(error).__name__}: {error}"[:300]
+    # Idle, no request holds a cached prefix: flushing the prefix cache must free every slot.
+    _bounded(engine.flush_cache, 60)
     info, error = _bounded(engine.get_server_info, 60)
     if info is not None:
         end["kv_pool_size"], end["kv_free"] = info["kv_pool_size"], info["kv_free"]

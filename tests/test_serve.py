@@ -86,7 +86,7 @@ def kv_ok(server: Server) -> dict:
     r = httpx.get(server.url + "/debug/kv", timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["ok"] and body["kv_free"] == body["kv_pool_size"], body
+    assert body["ok"] and body["kv_free"] + body["kv_cached"] == body["kv_pool_size"], body
     return body
 
 
@@ -272,7 +272,7 @@ def test_client_disconnecting_mid_stream_aborts(server):
     assert httpx.get(server.url + "/health").status_code == 200
     kv_ok(server)
     samples = parse_prometheus(httpx.get(server.url + "/metrics").text)
-    assert samples["specjet_kv_free_slots"] == samples["specjet_kv_pool_size"]
+    assert samples["specjet_kv_free_slots"] + samples["specjet_kv_cached_slots"] == samples["specjet_kv_pool_size"]
     assert samples["specjet_num_running_reqs"] == 0
     gone = samples.get('specjet_requests_total{finish_reason="client_disconnected"}', 0)
     assert gone >= 1

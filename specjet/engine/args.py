@@ -22,7 +22,12 @@ class EngineArgs:
     max_running_requests: int = 32
     max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of free memory
     mem_fraction_static: float = 0.05
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 4096  # prompt tokens one prefill batch computes at most
+    # A prompt whose uncached part is longer is prefilled in chunks of this many tokens, one per
+    # iteration, with the running requests' decode steps in between; None or -1: no chunking.
+    chunked_prefill_size: int | None = 2048
+    # The radix prefix cache (scheduler/radix_cache.py): requests sharing a prefix share its KV.
+    disable_radix_cache: bool = False
     context_length: int | None = None  # None: the model's max_position_embeddings
     disable_overlap_schedule: bool = False
     grammar_backend: str = "xgrammar"
@@ -96,6 +101,10 @@ class EngineArgs:
         self._check_types()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
+                and self.chunked_prefill_size < self.page_size:
+            raise ValueError(f"chunked_prefill_size must be -1 (off) or at least page_size ({self.page_size}), "
+                             f"got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

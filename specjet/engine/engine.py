@@ -277,13 +277,19 @@ class Engine:
         stats = dict(self.scheduler.stats)
         try:
             stats["overlap"] = self._in_loop(lambda: self.loop.overlap_stats(reset=reset_timings))
+            cache = self._in_loop(self.scheduler.cache_info)
         except RuntimeError:  # the loop has stopped: the health fields below say why
-            stats["overlap"] = {"iterations": 0}
+            stats["overlap"], cache = {"iterations": 0}, {"enabled": self.scheduler.cache is not None}
         if stats.get("spec_verify_ct"):
             stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
         return {"args": self.args, "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,
-                "grammar": dict(self.scheduler.grammar_backend.compile_stats)}
+                "grammar": dict(self.scheduler.grammar_backend.compile_stats), "radix_cache": cache}
+
+    def flush_cache(self) -> int:
+        """Empty the prefix cache of every prefix no running request holds (SGLang's name); returns
+        the KV slots freed."""
+        return self._in_loop(self.scheduler.flush_cache)
 
     def shutdown(self) -> None:
         """Stop the engine: every request it holds, running, waiting or still in its inbox, is

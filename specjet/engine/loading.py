@@ -46,6 +46,8 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         max_prefill_tokens=args.max_prefill_tokens,
         context_len=args.context_length or config.max_position_embeddings,
         random_seed=args.random_seed,
+        disable_radix_cache=args.disable_radix_cache,
+        chunked_prefill_size=None if args.chunked_prefill_size in (None, -1) else args.chunked_prefill_size,
     )
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, args.page_size, runner.device)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)

@@ -1,7 +1,7 @@
 """A batch the scheduler chose: its kind and its requests (the worker builds the tensors)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from specjet.scheduler.request import Req
@@ -16,3 +16,6 @@ class BatchKind(Enum):
 class ScheduledBatch:
     kind: BatchKind
     reqs: list[Req]
+    # A prefill: where each request's computed positions end (set at launch; a chunk ends before
+    # the request's fill_ids do).
+    prefill_ends: list[int] = field(default_factory=list)

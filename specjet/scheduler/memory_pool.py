@@ -104,14 +104,19 @@ class TokenToKVPoolAllocator:
         page_ids[is_new] = torch.tensor(pages, dtype=torch.int64)[page_of[is_new] - first_new_page]
         return (page_ids * p + positions % p).to(self.device)
 
-    def free_request(self, row_slots: torch.Tensor, allocated_len: int) -> None:
-        """Release every page that positions [0, allocated_len) of a request occupy."""
-        if allocated_len <= 0:
+    def free_request(self, row_slots: torch.Tensor, allocated_len: int, start: int = 0) -> None:
+        """Release every page that positions [start, allocated_len) of a request occupy (``start``
+        page-aligned: the positions before it are not the request's to free, e.g. cached ones)."""
+        if allocated_len > start:
+            self.free_slots(row_slots[start:allocated_len])
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Release the pages of ``slots``, the slots of consecutive positions starting at a page
+        boundary (a request's row, or a cached prefix's)."""
+        if len(slots) == 0:
             return
-        p = self.page_size
-        slots = row_slots[:allocated_len]
         # Positions 0, p, 2p, ... each start a page; one slot per page identifies it.
-        pages = (slots[::p] // p).tolist()
+        pages = (slots[::self.page_size] // self.page_size).tolist()
         with self._lock:
             self._free_pages.extend(reversed(pages))
 

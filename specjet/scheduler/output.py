@@ -18,6 +18,7 @@ def meta_info(req: Req) -> dict[str, Any]:
         "e2e_latency": now - req.created_at,
         "ttft": None if req.first_token_at is None else req.first_token_at - req.created_at,
         "retractions": req.retract_count,
+        "cached_tokens": req.cached_tokens,
     }
     if req.output_check is not None:
         info["json_schema_valid"] = req.output_check.valid  # None: jsonschema could not check it

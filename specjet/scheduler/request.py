@@ -25,6 +25,16 @@ class Req:
     req_pool_idx: int | None = None
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
+    # Prefix cache (radix_cache.py): positions [0, prefix_len) of the row are the tree's slots, the
+    # request's own are [prefix_len, kv_allocated_len); cache_node is the tree node it holds (locks).
+    prefix_len: int = 0
+    cache_node: Any = None
+    cached_tokens: int = 0  # prompt tokens its first prefill took from the cache (meta_info)
+    # False once a failed batch may have left its committed KV wrong: it is then not cached.
+    kv_cacheable: bool = True
+    # Prefill: the end of the positions the next prefill batch computes (a chunk's end, or the
+    # whole of fill_ids).
+    prefill_end: int = 0
 
     grammar_future: Future | None = None
     grammar: Any = None  # specjet.grammar.RequestGrammar once compiled

@@ -25,6 +25,7 @@ from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.detokenizer import update_text
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
 from specjet.scheduler.output import final_output, stream_chunk
+from specjet.scheduler.radix_cache import RadixCache
 from specjet.scheduler.request import Req
 from specjet.scheduler.worker import ReqInput, WorkerBatch
 from specjet.spec_v2.speculator import Speculator
@@ -39,6 +40,10 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     context_len: int = 8192
     random_seed: int | None = None
+    disable_radix_cache: bool = False
+    # A prompt whose uncached part is longer than this is prefilled in chunks of it, one per
+    # iteration, with the running requests' decode steps in between (None: whole prompts).
+    chunked_prefill_size: int | None = None
 
 
 class _SettleFirst:
@@ -67,6 +72,15 @@ class Scheduler:
         self.spec = spec
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        # The request whose prompt is being prefilled in chunks (at most one): admitted, holding KV,
+        # neither waiting nor running until its last chunk is launched.
+        self.chunked_req: Req | None = None
+        self._decode_turn = False  # a chunk ran last: the running requests get a step before the next
+        self.cache = None if config.disable_radix_cache else RadixCache(allocator)
+        # A drafter whose draft KV at a position depends on the token after it (EAGLE's reads the
+        # next token) can use a cached prefix's last position only when the token after it was
+        # the same (``_match_prefix``).
+        self._draft_reads_next = spec is not None and spec.draft_kv_reads_next_token
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seed_rng = random.Random(config.random_seed)
         self._stop = threading.Event()
@@ -128,7 +142,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Requests waiting or running, or finished ones whose KV waits for a launched batch."""
-        return bool(self.waiting or self.running or self.release_pending)
+        return bool(self.waiting or self.running or self.release_pending or self.chunked_req)
+
+    def _live(self) -> list[Req]:
+        """Every request the scheduler holds that has not finished (the chunked one included)."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return self.waiting + chunked + self.running
 
     def drain_inbox(self, block: bool) -> None:
         timeout = 0.05 if block else None
@@ -147,7 +166,7 @@ class Scheduler:
                 except Exception as exc:
                     future.set_exception(exc)
             elif kind == "abort":
-                for req in self.waiting + self.running:
+                for req in self._live():
                     if req.rid == value:
                         req.to_abort = True
 
@@ -162,7 +181,7 @@ class Scheduler:
     def close(self, message: str) -> None:
         """The loop is ending for good: answer every request it holds or will never read, and fail
         every queued call, so no caller waits on a loop that is gone."""
-        for req in self.waiting + self.running:
+        for req in self._live():
             self._finish(req, {"type": "abort", "message": message})
         with self._submit_lock:
             self.closed_reason = message
@@ -178,12 +197,15 @@ class Scheduler:
 
     def abort_all(self, message: str) -> None:
         """After an unexpected failure of the loop (the compute side has finished everything
-        launched, whose results are dropped): end every request, so the loop starts again clean."""
-        for req in self.running + self.release_pending:
+        launched, whose results are dropped): end every request, so the loop starts again clean.
+        Nothing of theirs is cached: the dropped batches may have left their KV half written."""
+        live = self._live()
+        for req in live + self.release_pending:
             req.inflight = 0
+            req.kv_cacheable = False
         for req in list(self.release_pending):
             self._release(req)
-        for req in self.waiting + self.running:
+        for req in live:
             self._finish(req, {"type": "abort", "message": message})
 
     # ---------------------------------------------------------------- scheduling
@@ -192,23 +214,33 @@ class Scheduler:
         ``exact`` is False (a batch is in flight) and retraction would be needed: the loop then
         processes that batch and asks again."""
         self._remove_aborted()
+        if self._decode_turn and self.running:  # a long prompt's chunks do not stall the others
+            decode = self._decode_batch(exact)
+            if decode is not None:
+                return decode
         prefill = self._schedule_prefill()
         if prefill:
             self.stats["iterations"] += 1
             self.stats["prefill_batches"] += 1
+            self._decode_turn = any(r.prefill_end < len(r.fill_ids) for r in prefill)
             return ScheduledBatch(BatchKind.PREFILL, prefill)
         if self.running:
-            decode = self._prepare_decode(exact)
-            if decode is SETTLE_FIRST:
-                return decode
-            if decode:
-                self.stats["iterations"] += 1
-                self.stats["decode_batches"] += 1
-                return ScheduledBatch(BatchKind.DECODE, decode)
+            return self._decode_batch(exact)
         return None
 
+    def _decode_batch(self, exact: bool):
+        decode = self._prepare_decode(exact)
+        if decode is SETTLE_FIRST:
+            return decode
+        self._decode_turn = False
+        if not decode:
+            return None
+        self.stats["iterations"] += 1
+        self.stats["decode_batches"] += 1
+        return ScheduledBatch(BatchKind.DECODE, decode)
+
     def _remove_aborted(self) -> None:
-        for req in [r for r in self.waiting + self.running if r.to_abort]:
+        for req in [r for r in self._live() if r.to_abort]:
             self._finish(req, {"type": "abort", "message": "aborted by the caller"})
 
     def _grammar_ready(self, req: Req) -> bool:
@@ -225,36 +257,142 @@ class Scheduler:
         return True
 
     def _schedule_prefill(self) -> list[Req]:
+        """The next prefill batch: the chunked request's next chunk first, then waiting requests in
+        order while the token budget (``max_prefill_tokens``), the running-request limit and the KV
+        pool allow. Each request's ``prefill_end`` says how far this batch takes it."""
         chosen: list[Req] = []
         budget = self.config.max_prefill_tokens
+        chunk = self.config.chunked_prefill_size
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            req.prefill_end = self._prefill_end(req, req.kv_committed_len, budget, may_chunk=True)
+            chosen.append(req)
+            budget -= req.prefill_end - req.kv_committed_len
         for req in list(self.waiting):
             if not self._grammar_ready(req):
                 continue
-            if len(self.running) + len(chosen) >= self.config.max_running_requests:
+            if len(self.running) + len(chosen) >= self.config.max_running_requests or (chosen and budget <= 0):
                 break
             num_tokens = len(req.fill_ids)
-            if chosen and num_tokens > budget:
+            cached, match = self._match_prefix(req)
+            may_chunk = chunk is not None and not any(r.prefill_end < len(r.fill_ids) for r in chosen)
+            end = self._prefill_end(req, cached, budget, may_chunk)
+            if chosen and end - cached > budget or end <= cached:
+                self._unlock(match)
                 break
             # Keep one decode iteration's worth of room per running request (a page, or a draft
             # tree and the drafter's scratch with speculation) so admitting this one does not force
-            # an immediate retraction of another.
+            # an immediate retraction of another. The whole prompt's KV is reserved now, chunked or
+            # not, so a chunked prefill never waits for room half way.
             ahead = self.spec.max_nodes if self.spec is not None else 1
             others = len(self.running) + len(chosen)
             headroom = others * self.allocator.slots_needed(0, ahead)
             if self.spec is not None:
                 headroom += self.spec.scratch_slots(others + 1)
-            need = self.allocator.slots_needed(0, num_tokens)
-            if need + headroom > self.allocator.num_free_slots:
+            need = self.allocator.slots_needed(cached, num_tokens)
+            if not self._make_room(need + headroom):
+                self._unlock(match)
                 break
             row = self.req_to_token_pool.alloc()
             if row is None:
+                self._unlock(match)
                 break
-            req.req_pool_idx = row
+            self._admit_with_prefix(req, row, cached, match)
             self._reserve(req, num_tokens)
+            req.prefill_end = end
             self.waiting.remove(req)
             chosen.append(req)
-            budget -= num_tokens
+            budget -= end - cached
         return chosen
+
+    def _prefill_end(self, req: Req, start: int, budget: int, may_chunk: bool) -> int:
+        """Where a prefill of ``req`` from ``start`` ends in this batch: the whole of its tokens when
+        they fit the budget and the chunk size; else, when it may be chunked, a page-aligned chunk
+        of at most both (``start`` when not even a page fits); else the whole (a batch's first
+        request is taken whole whatever its length when chunking is off)."""
+        total = len(req.fill_ids)
+        chunk = self.config.chunked_prefill_size
+        limit = budget if chunk is None else min(budget, chunk)
+        if total - start <= limit:
+            return total
+        if may_chunk and chunk is not None:
+            p = self.allocator.page_size
+            return start + max(0, limit) // p * p
+        return total
+
+    # ---------------------------------------------------------------- the prefix cache
+    def _match_prefix(self, req: Req):
+        """(positions of ``req`` whose KV the cache gives it, the match holding them locked, or None).
+        At least the last token is always computed (its logits start the output); with a drafter
+        whose draft KV reads the next token, the match stops before the first position whose draft
+        KV was made with another next token than this request's (``MatchResult.next_token_len``)."""
+        if self.cache is None:
+            return 0, None
+        tokens = req.fill_ids
+        match = self.cache.match_prefix(tokens)
+        p = self.allocator.page_size
+        usable = match.next_token_len if self._draft_reads_next else match.length
+        usable = max(0, min(usable, len(tokens) - 1)) // p * p
+        if usable == 0:
+            return 0, None
+        self.cache.lock(match.node)
+        return usable, match
+
+    def _unlock(self, match) -> None:
+        if match is not None:
+            self.cache.unlock(match.node)
+
+    def _admit_with_prefix(self, req: Req, row: int, cached: int, match) -> None:
+        """Give ``req`` its pool row with the cached prefix's slots in its first ``cached`` positions."""
+        req.req_pool_idx = row
+        req.kv_cacheable = True
+        if self.cache is not None:
+            self.cache.stats["prompt_tokens"] += len(req.fill_ids)
+            self.cache.stats["hit_tokens"] += cached
+        if req.retract_count == 0:
+            req.cached_tokens = cached
+        if match is not None:
+            self.req_to_token_pool.table[row, :cached] = match.slots[:cached].to(self.req_to_token_pool.table.device)
+            req.cache_node = match.node
+        req.prefix_len = req.kv_committed_len = req.kv_allocated_len = cached
+
+    def _make_room(self, need: int) -> bool:
+        """Whether ``need`` slots are free, evicting unlocked cached prefixes to get there."""
+        free = self.allocator.num_free_slots
+        if need > free and self.cache is not None:
+            self.cache.evict(need - free)
+            free = self.allocator.num_free_slots
+        return need <= free
+
+    def _cache_prompt(self, req: Req, end: int, next_token: int) -> None:
+        """After a successful prefill (or chunk) up to ``end``: put the request's computed prefix in
+        the cache, so requests admitted from now on share it while this one still runs. Only when
+        the tree holds exactly the request's own cached part (no other request has inserted more of
+        the same tokens meanwhile): the request keeps its row as it is, now partly the tree's."""
+        if self.cache is None or req.finished or req.req_pool_idx is None or not req.kv_cacheable:
+            return
+        length = end // self.allocator.page_size * self.allocator.page_size
+        if length <= req.prefix_len:
+            return
+        tokens = req.fill_ids[:length]
+        if self.cache.match_prefix(tokens).length != req.prefix_len:
+            return
+        following = req.fill_ids[length] if length < len(req.fill_ids) else next_token
+        existing, node = self.cache.insert(tokens, self.req_to_token_pool.table[req.req_pool_idx, :length].cpu(),
+                                           following)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.prefix_len = node, length
+
+    def cache_info(self) -> dict:
+        if self.cache is None:
+            return {"enabled": False}
+        return {"enabled": True, **self.cache.info()}
+
+    def flush_cache(self) -> int:
+        """Evict every cached prefix no request holds; returns the slots freed."""
+        return 0 if self.cache is None else self.cache.flush()
 
     def _reserve(self, req: Req, new_len: int) -> None:
         """Make sure positions [0, new_len) of ``req`` have KV slots (the allocator raises if it cannot)."""
@@ -273,7 +411,7 @@ class Scheduler:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
             if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
                 need += self.spec.scratch_slots(len(self.running))
-            if need <= self.allocator.num_free_slots:
+            if self._make_room(need):  # cached prefixes go before any request is retracted
                 break
             if not exact:  # the batch in flight may finish requests and free enough
                 return SETTLE_FIRST
@@ -295,9 +433,14 @@ class Scheduler:
         return min(req.kv_committed_len + ahead * (1 + req.inflight), self.config.context_len)
 
     def _retract(self, req: Req) -> None:
+        """Free ``req``'s KV (its committed prefix stays in the cache, where its re-prefill finds it)
+        and requeue it first."""
         self.stats["retractions"] += 1
         req.retract_count += 1
-        self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
         self._release_kv(req)
         self.waiting.insert(0, req)
 
@@ -322,13 +465,28 @@ class Scheduler:
         self._released_rids.append(req.rid)
 
     def _release_kv(self, req: Req) -> None:
+        """Give back the request's row and KV. With the cache, its committed tokens (page-aligned)
+        go into the tree first: the tree takes the slots it did not have, the request's copies of
+        what it had are freed with the rest."""
         if req.req_pool_idx is None:
             return
         row = self.req_to_token_pool.table[req.req_pool_idx]
-        self.allocator.free_request(row, req.kv_allocated_len)
+        own_from = req.prefix_len
+        if self.cache is not None and req.kv_cacheable:
+            p = self.allocator.page_size
+            length = min(req.kv_committed_len, len(req.fill_ids)) // p * p
+            if length > req.prefix_len:
+                fill = req.fill_ids
+                following = fill[length] if length < len(fill) else None
+                existing, _ = self.cache.insert(fill[:length], row[:length].cpu(), following)
+                self.allocator.free_request(row, existing, start=req.prefix_len)  # duplicates of cached pages
+                own_from = length
+        self.allocator.free_request(row, req.kv_allocated_len, start=own_from)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
         self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.kv_committed_len = req.kv_allocated_len = 0
+        req.req_pool_idx, req.cache_node = None, None
+        req.kv_committed_len = req.kv_allocated_len = req.prefix_len = 0
 
     # ---------------------------------------------------------------- launching a batch
     def start_batch(self, batch: ScheduledBatch) -> WorkerBatch:
@@ -342,8 +500,9 @@ class Scheduler:
             if batch.kind is BatchKind.PREFILL:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
                                        prefill_ids=req.fill_ids, prompt_len=len(req.input_ids),
-                                       cached_len=req.kv_committed_len))
-                req.kv_committed_len = len(req.fill_ids)
+                                       cached_len=req.kv_committed_len, prefill_end=req.prefill_end))
+                req.kv_committed_len = req.prefill_end
+                batch.prefill_ends.append(req.prefill_end)
             elif spec_decode and req.grammar is not None:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
                                        grammar=req.grammar.fork(), grammar_len=len(req.output_ids)))
@@ -351,7 +510,13 @@ class Scheduler:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator))
             req.inflight += 1
         if batch.kind is BatchKind.PREFILL:
-            self.running.extend(batch.reqs)
+            for req in batch.reqs:
+                if req.prefill_end == len(req.fill_ids):  # its last chunk: it runs from now on
+                    self.running.append(req)
+                    if req is self.chunked_req:
+                        self.chunked_req = None
+                else:
+                    self.chunked_req = req
         released, self._released_rids = tuple(self._released_rids), []
         return WorkerBatch(batch.kind, inputs, released)
 
@@ -385,12 +550,14 @@ class Scheduler:
         state. Releases what finished requests held once no launched batch uses it."""
         for req in batch.reqs:
             req.inflight -= 1
+            if error is not None:  # its KV may be half written: none of it goes into the cache
+                req.kv_cacheable = False
         if error is None:
             self._process_batch_result(batch, new_tokens)
         elif retry:
             self.stats["batch_retries"] += 1
             for req in batch.reqs:
-                if not req.finished and req in self.running:
+                if not req.finished and (req in self.running or req is self.chunked_req):
                     self._retract(req)
         else:
             self.stats["batch_failures"] += 1
@@ -402,10 +569,14 @@ class Scheduler:
 
     def _process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
         now = time.perf_counter()
-        for req, tokens in zip(batch.reqs, new_tokens):
+        for i, (req, tokens) in enumerate(zip(batch.reqs, new_tokens)):
             if req.finished:
                 continue
             try:
+                if batch.kind is BatchKind.PREFILL:
+                    self._cache_prompt(req, batch.prefill_ends[i], tokens[0] if tokens else None)
+                    if batch.prefill_ends[i] < len(req.fill_ids):  # a chunk: no token yet
+                        continue
                 self._commit_tokens(req, batch.kind, tokens, now)
             except Exception as exc:  # this request's host work failed: it alone ends
                 self._fail_request(req, "processing its output", exc)
@@ -490,6 +661,8 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
         try:
             self._release(req)
         except Exception:
@@ -512,10 +685,16 @@ class Scheduler:
 
     # ---------------------------------------------------------------- checks
     def check_kv_invariant(self) -> None:
-        """free + owned == pool size; callable when the loop is idle (tests call it after each workload)."""
+        """free + owned by requests + held by the prefix cache == pool size, every page owned once,
+        and the cache's own consistency; callable between iterations (tests call it after each
+        workload)."""
         table = self.req_to_token_pool.table
-        live = self.running + self.waiting + self.release_pending
-        owned = {r.rid: table[r.req_pool_idx, :r.kv_allocated_len] for r in live if r.req_pool_idx is not None}
+        live = self._live() + self.release_pending
+        owned = {r.rid: table[r.req_pool_idx, r.prefix_len:r.kv_allocated_len] for r in live
+                 if r.req_pool_idx is not None}
+        if self.cache is not None:
+            self.cache.check([r.cache_node for r in live if r.cache_node is not None])
+            owned.update(self.cache.owned_slots())
         check_kv_invariant(self.allocator, owned)
         live_rows = sum(1 for r in live if r.req_pool_idx is not None)
         if live_rows + self.req_to_token_pool.available != self.req_to_token_pool.num_rows:

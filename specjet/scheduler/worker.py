@@ -38,11 +38,14 @@ class ReqInput:
     row: int  # its row in the request-to-token table
     sampling: SamplingParams
     generator: torch.Generator | None  # the request's coins (drawn on the compute side only)
-    # Prefill only: the tokens whose KV the prefill computes from ``cached_len`` on (the prompt and
-    # any output from before a retraction); the compute state starts from them.
+    # Prefill only: the request's tokens (the prompt and any output from before a retraction), of
+    # which this batch computes the KV of positions [cached_len, prefill_end) (None: to the end);
+    # positions before cached_len have theirs (a cached prefix, or earlier chunks). Only a prefill
+    # that reaches the end samples a token; the compute state starts from the tokens computed.
     prefill_ids: list[int] | None = None
     prompt_len: int = 0
     cached_len: int = 0
+    prefill_end: int | None = None
     # Speculative decode only: a fork of the request's grammar matcher when it had taken the
     # request's first ``grammar_len`` output tokens (the host's state at launch), or None.
     grammar: RequestGrammar | None = None
@@ -71,6 +74,15 @@ class ComputeState:
         return len(self.tokens) - self.prompt_len
 
 
+def _prefill_end(inp: ReqInput) -> int:
+    return len(inp.prefill_ids) if inp.prefill_end is None else inp.prefill_end
+
+
+def _samples(kind: BatchKind, inp: ReqInput) -> bool:
+    """Whether this request gets a token from the batch (a prefill chunk before the last does not)."""
+    return kind is BatchKind.DECODE or _prefill_end(inp) == len(inp.prefill_ids)
+
+
 class ModelWorker:
     def __init__(self, runner: ModelRunner, req_to_token: torch.Tensor, speculator: Speculator | None):
         self.runner = runner
@@ -89,14 +101,16 @@ class ModelWorker:
         self._release(batch.released)
         if batch.kind is BatchKind.PREFILL:
             for inp in batch.inputs:
-                self._states[inp.rid] = ComputeState(inp.rid, list(inp.prefill_ids), inp.prompt_len, inp.cached_len)
+                self._states[inp.rid] = ComputeState(inp.rid, inp.prefill_ids[:_prefill_end(inp)], inp.prompt_len,
+                                                     inp.cached_len)
             capture = self.speculator.target_capture if self.speculator is not None else None
             return self.runner.forward(self._prefill_batch(batch.inputs, capture))
         return self.runner.forward(self._decode_batch([self._state(inp) for inp in batch.inputs], batch.inputs))
 
     def sample(self, batch: WorkerBatch, forward: Future, grammar_mask) -> list[list[int]]:
         """Each request's next token from the forward's logits, masked by the host-built grammar
-        bitmask ``(bitmask, rows)`` (or None); advances the compute states."""
+        bitmask ``(bitmask, rows)`` (or None); advances the compute states. A prefill chunk before
+        the prompt's last gets no token ([]), and draws none of its request's coins."""
         out: ModelOutput = forward.result()
         logits = out.logits
         if grammar_mask is not None:
@@ -107,14 +121,23 @@ class ModelWorker:
         penalised = [i for i, inp in enumerate(batch.inputs) if inp.sampling.penalties is not None]
         if penalised:
             self._penalise(logits, [states[i] for i in penalised], [batch.inputs[i] for i in penalised], penalised)
-        tokens = self._sample_tokens(batch.inputs, logits)
+        sampled = [i for i, inp in enumerate(batch.inputs) if _samples(batch.kind, inp)]
+        if len(sampled) < len(batch.inputs):
+            logits = logits[sampled]
+        tokens: list[int | None] = [None] * len(batch.inputs)
+        if sampled:
+            for i, token in zip(sampled, self._sample_tokens([batch.inputs[i] for i in sampled], logits)):
+                tokens[i] = token
         if batch.kind is BatchKind.PREFILL and self.speculator is not None:
-            spec_inputs = [SpecInput(s.rid, inp.row, 0, s.tokens, 0) for s, inp in zip(states, batch.inputs)]
-            self.speculator.after_prefill(spec_inputs, out.hidden, tokens, self.req_to_token)
+            # After a chunk, the token after its last position is the next prompt token.
+            nexts = [inp.prefill_ids[len(s.tokens)] if t is None else t for s, inp, t in zip(states, batch.inputs, tokens)]
+            spec_inputs = [SpecInput(s.rid, inp.row, inp.cached_len, s.tokens, 0) for s, inp in zip(states, batch.inputs)]
+            self.speculator.after_prefill(spec_inputs, out.hidden, nexts, self.req_to_token)
         for state, token in zip(states, tokens):
             state.committed_len = len(state.tokens) if batch.kind is BatchKind.PREFILL else state.committed_len + 1
-            state.tokens.append(token)
-        return [[t] for t in tokens]
+            if token is not None:
+                state.tokens.append(token)
+        return [[] if t is None else [t] for t in tokens]
 
     def speculate(self, batch: WorkerBatch) -> list[list[int]]:
         """One speculative decode iteration: draft, verify, accept. The root and the accepted draft
@@ -154,7 +177,7 @@ class ModelWorker:
         ids, positions, slots, q_lens, kv_lens = [], [], [], [], []
         table = self.req_to_token
         for inp in inputs:
-            start, end = inp.cached_len, len(inp.prefill_ids)
+            start, end = inp.cached_len, _prefill_end(inp)
             ids.extend(inp.prefill_ids[start:end])
             positions.append(torch.arange(start, end))
             slots.append(table[inp.row, start:end])

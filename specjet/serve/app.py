@@ -189,11 +189,13 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     if debug_endpoints:
         @v1.get("/debug/kv")
         async def debug_kv():
-            """Waits until the engine is idle, then checks the KV invariant (free + owned == pool)."""
+            """Waits until the engine is idle, then checks the KV invariant (free + owned by requests +
+            held by the prefix cache == pool; idle, nothing is owned by requests)."""
             await anyio.to_thread.run_sync(engine.wait_idle)
             await anyio.to_thread.run_sync(engine.check_kv_invariant)
             info = await anyio.to_thread.run_sync(engine.get_server_info)
-            return {"kv_pool_size": info["kv_pool_size"], "kv_free": info["kv_free"], "ok": True}
+            return {"kv_pool_size": info["kv_pool_size"], "kv_free": info["kv_free"],
+                    "kv_cached": info["radix_cache"].get("cached_tokens", 0), "ok": True}
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

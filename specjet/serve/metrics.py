@@ -49,6 +49,11 @@ class Metrics:
         metric("kv_free_slots", "gauge", "KV cache slots free.", [("", info["kv_free"])])
         used = 1.0 - info["kv_free"] / info["kv_pool_size"] if info["kv_pool_size"] else 0.0
         metric("kv_usage", "gauge", "Fraction of the KV pool in use.", [("", used)])
+        cache = info.get("radix_cache") or {}
+        metric("kv_cached_slots", "gauge", "KV cache slots held by the prefix cache.",
+               [("", cache.get("cached_tokens", 0))])
+        metric("prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache, as a fraction.",
+               [("", cache.get("hit_rate", 0.0))])
         metric("engine_alive", "gauge", "1 while the engine's scheduler runs.", [("", int(info["alive"]))])
         metric("request_errors_total", "counter", "Requests the engine ended with an internal error.",
                [("", stats.get("request_errors", 0))])

@@ -61,14 +61,22 @@ DraftTree = tuple[list[int], list[int]]
 class Drafter(Protocol):
     # What the target's prefill and verify forwards capture for this drafter (None: nothing).
     feature_capture: CaptureHidden
+    # Whether the draft KV it keeps at a position depends on the token after that position (EAGLE's
+    # head reads token t+1 with the feature of t): the prefix cache then never hands a request its
+    # match's last position, whose next token may differ from the one the cached KV was made with.
+    draft_kv_reads_next_token: bool
 
     def scratch_slots(self, batch_size: int) -> int:
         """KV slots drafting one batch borrows from the allocator (and gives back)."""
 
     def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
                       req_to_token: torch.Tensor) -> None:
-        """The target prefilled ``reqs`` (``token_ids``: the prompt) and sampled ``first_tokens``;
-        ``hidden``: the prefill's captured features, every prompt position in batch order."""
+        """The target prefilled positions ``committed_len .. len(token_ids) - 1`` of each request
+        (``committed_len`` > 0 after a prefix-cache hit or for a later chunk of a long prompt: the
+        draft state of the positions before it is in place) and ``first_tokens`` are the tokens
+        after them (the sampled first output, or the next prompt token after a chunk that is not
+        the prompt's last); ``hidden``: the prefill's captured features of those positions, in
+        batch order."""
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         """One tree per request, of at most ``budget`` nodes. ``share``: the nodes each tree of

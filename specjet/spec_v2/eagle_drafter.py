@@ -68,6 +68,7 @@ class EagleDrafter:
         self.runner = runner
         self.head = head.bind_target(runner.model)
         self.feature_capture = self.head.feature_capture
+        self.draft_kv_reads_next_token = True  # position t's draft KV comes from token t+1 and feature t
         self.params = params
         self.allocator = allocator
         cfg = runner.config
@@ -84,9 +85,10 @@ class EagleDrafter:
     # ---------------------------------------------------------------- the Drafter protocol
     def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
                       req_to_token: torch.Tensor) -> None:
-        """The draft prefill: the head reads (token t+1, target feature t) over each prompt."""
-        views = [DraftView(r.rid, r.row, 0) for r in reqs]
-        self.extend(views, [r.token_ids[1:] + [tok] for r, tok in zip(reqs, first_tokens)], hidden, req_to_token)
+        """The draft prefill: the head reads (token t+1, target feature t) over the prefilled positions."""
+        views = [DraftView(r.rid, r.row, r.committed_len) for r in reqs]
+        self.extend(views, [r.token_ids[r.committed_len + 1:] + [tok] for r, tok in zip(reqs, first_tokens)], hidden,
+                    req_to_token)
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         guided = any(r.guide is not None for r in reqs)
@@ -188,7 +190,9 @@ class EagleDrafter:
                 depth = step
                 # One row per frontier node: the request's prefix (chain included), then its ancestors.
                 table = prefix[:, None, :].expand(batch, k, width).clone()
-                cols = base[:, None, None] + torch.arange(depth, device=device)[None, None, :]
+                # Every frontier node's row gets its own ancestors (an index of shape [B, 1, depth]
+                # would scatter into the first node's row only).
+                cols = (base[:, None, None] + torch.arange(depth, device=device)[None, None, :]).expand(batch, k, depth)
                 table.scatter_(2, cols, ancestors)
                 table = table.view(batch * k, width)
                 positions = (base + depth - 1).repeat_interleave(k)

@@ -27,6 +27,7 @@ class HybridDrafter:
         self.path_length = PathLength(max_path_nodes)
         self.max_tree_nodes = max_tree_nodes
         self.feature_capture = eagle.feature_capture
+        self.draft_kv_reads_next_token = eagle.draft_kv_reads_next_token
         # Between propose and after_verify: each request's n-gram path (tokens under the root) and
         # how many of them are the forced chain it shares with the learned tree.
         self._paths: dict[str, tuple[list[int], int]] = {}

@@ -90,6 +90,7 @@ class NgramDrafter:
     """Proposes a draft tree per request from its own n-gram index (a ``Drafter``)."""
 
     feature_capture = None  # it reads tokens only
+    draft_kv_reads_next_token = False  # it keeps no KV
 
     def __init__(self, cfg: NgramConfig):
         self.cfg = cfg

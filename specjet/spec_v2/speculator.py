@@ -69,6 +69,11 @@ class Speculator:
         return self.drafter.feature_capture
 
     @property
+    def draft_kv_reads_next_token(self) -> bool:
+        """See ``Drafter.draft_kv_reads_next_token`` (the prefix cache's rule for a match's end)."""
+        return self.drafter.draft_kv_reads_next_token
+
+    @property
     def max_nodes(self) -> int:
         """Positions one iteration may write beyond a request's committed length."""
         return self.cfg.max_tree_nodes
