@@ -17,7 +17,7 @@ except ImportError:
           "(install torch first and use pip install --no-build-isolation)", file=sys.stderr)
 else:
     ext = CppExtension(
-        "specjet._qgemm",
+        "specjet.kernels._qgemm",
         ["csrc/qgemm.cpp"],
         depends=["csrc/qgemm_body.h"],
         # No -march: the file compiles each instruction set's kernels under its own target pragma and

@@ -1,4 +1,4 @@
-"""The quantized GEMM kernels (C++ extension ``specjet._qgemm``, source in csrc/) and their dispatch.
+"""The quantized GEMM kernels (C++ extension ``specjet.kernels._qgemm``, source in csrc/) and their dispatch.
 
 ``QuantizedLinear`` is a linear layer's inference operand for a quantized weight: called on x
 [..., K] it returns x @ W^T (+ bias) in x's dtype, computed in fp32. It stands where a
@@ -34,7 +34,7 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 def extension():
     """The compiled module, or None (logged once) when the package was installed without it."""
     try:
-        from specjet import _qgemm
+        from specjet.kernels import _qgemm
     except ImportError as err:
         logger.warning("specjet's quantized GEMM extension is not built (%s); quantized weights are dequantized "
                        "to float32 and run through the float kernels. Rebuild with `pip install "
