@@ -25,6 +25,7 @@ _ENGINE_FLAGS = {
     "model_path": "model_path",
     "dtype": "dtype",
     "device": "device",
+    "quantization": "quantization",
     "page_size": "page_size",
     "max_running_requests": "max_running_requests",
     "max_total_tokens": "max_total_tokens",
@@ -54,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="default auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), "
                             "else float32")
     group.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
+    group.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                       help="weight-only quantization (CPU kernels; dtype auto then means float32)")
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-running-requests", type=int, default=None)
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")

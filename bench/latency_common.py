@@ -147,7 +147,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     model_dir = resolve_model_path(args.model_path)
     device = torch.device(args.device if args.device not in (None, "auto") else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
-    specjet_dtype = resolve_dtype(args.dtype, device)
+    specjet_dtype = resolve_dtype(args.dtype, device, getattr(args, "quantization", None))
     hf_dtype = torch.bfloat16 if specjet_dtype == torch.bfloat16 else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workloads = load_workloads(args, tokenizer)

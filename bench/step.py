@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="model directory or .gguf (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="default auto: bfloat16 on a CPU with native bf16 instructions, else float32")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                   help="weight-only quantization (gguf: the file's own blocks; needs a .gguf or the default model)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--context", type=int, default=400, help="cached tokens per request (L)")
     p.add_argument("--nodes", type=int, default=1, help="new tokens per request (N; > 1 = verify a chain)")
@@ -41,13 +43,15 @@ def main(argv: list[str] | None = None) -> dict:
     from specjet.models.config import ModelConfig
     from specjet.models.forward_batch import ForwardBatch, ForwardMode
     from specjet.models.runner import ModelRunner
-    from specjet.models.weights import load_state_dict, resolve_model_path
+    from specjet.models.weights import gguf_source, load_state_dict, resolve_model_path
 
     machine, date = machine_info(), now()
     model_dir = resolve_model_path(args.model_path)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     b, length, n = args.batch_size, args.context, args.nodes
-    runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, "cpu", b * (length + n), 0.0, 1)
+    runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, "cpu", b * (length + n), 0.0, 1,
+                         quantization=args.quantization,
+                         gguf_path=gguf_source(args.model_path) if args.quantization == "gguf" else None)
     table = torch.arange(1, b * (length + n) + 1).view(b, length + n)  # slot 0 is the padding slot
     rows = torch.arange(b)
 
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     for line in report_header_lines(command_line(), date, machine):
         print(line)
     dtype = str(runner.dtype).removeprefix("torch.")
+    dtype += f" weights {args.quantization}" if args.quantization else ""
     print(f"# {dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
     print(f"{'attention':<10} {'median ms':>10} {'min':>8} {'max':>8}")
     for name, r in results.items():

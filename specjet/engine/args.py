@@ -18,6 +18,10 @@ class EngineArgs:
     model_path: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32
     device: str = "auto"  # auto: cuda when available, else cpu
+    # Weight-only quantization (SGLang's name; CPU kernels): "int8" (per output channel), "int4" (blocks
+    # of 32 with a scale and a minimum), "gguf" (compute with the GGUF file's own blocks: Q4_1 / Q8_0).
+    # With quantization, dtype "auto" means float32 (the kernels compute in float32).
+    quantization: str | None = None
     page_size: int = 1
     max_running_requests: int = 32
     max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of free memory
@@ -115,6 +119,9 @@ class EngineArgs:
                              f"got {self.grammar_compile_timeout}")
         if self.grammar_max_spec_bytes < 1:
             raise ValueError(f"grammar_max_spec_bytes must be >= 1, got {self.grammar_max_spec_bytes}")
+        from specjet.models.quantize import check_method
+
+        check_method(self.quantization)
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
         from specjet.spec_v2.config import SpecConfig

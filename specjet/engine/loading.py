@@ -10,7 +10,7 @@ from specjet.engine.args import EngineArgs
 from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
 from specjet.models.runner import ModelRunner
-from specjet.models.weights import load_state_dict, resolve_model_path
+from specjet.models.weights import gguf_source, load_state_dict, resolve_model_path
 from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -37,7 +37,8 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, device, args.max_total_tokens,
                          args.mem_fraction_static, args.page_size,
-                         batch_invariant=args.enable_deterministic_inference)
+                         batch_invariant=args.enable_deterministic_inference, quantization=args.quantization,
+                         gguf_path=gguf_source(args.model_path) if args.quantization == "gguf" else None)
     grammar = GrammarBackend(tokenizer, config.vocab_size, compile_timeout_s=args.grammar_compile_timeout,
                              max_spec_bytes=args.grammar_max_spec_bytes)
     sched_config = SchedulerConfig(

@@ -34,10 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
+from specjet.models.quantize import quantize_linears
 
 FORMAT = "specjet-eagle"
 FORMAT_VERSION = 1
@@ -111,8 +113,14 @@ class EagleDraftModel(nn.Module):
             weight_t = head.weight_t.detach()[:, self.hot_token_ids.to(head.weight_t.device)].contiguous()
             head = Linear(weight_t.shape[0], weight_t.shape[1], bias=False)
             head.weight_t = nn.Parameter(weight_t, requires_grad=False)
-            if target.lm_head.packed is not None:  # packed like the target's head (never while training)
+            if isinstance(target.lm_head.packed, QuantizedLinear):  # the target head's own blocks, hot rows
+                head.packed = target.lm_head.packed.select_outputs(self.hot_token_ids)
+            elif target.lm_head.packed is not None:  # packed like the target's head (never while training)
                 head.pack_for_decode()
+        if getattr(target, "quantization", None) is not None:
+            # A quantized target's draft head computes like it: its projections in the same method
+            # (``gguf``: the file holds no draft weights, so they take its 4-bit format).
+            quantize_linears(self, target.quantization)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=head)
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         return self

@@ -26,7 +26,9 @@ class Linear(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: PackedLinear | None = None  # set by pack_for_decode() after loading
+        # The inference operand, set by pack_for_decode() after loading: a PackedLinear, or a
+        # QuantizedLinear (kernels/qgemm.py) once models/quantize.py has quantized the weight.
+        self.packed: PackedLinear | None = None
 
     def pack_for_decode(self) -> None:
         self.packed = pack_weight(self.weight_t.data, None if self.bias is None else self.bias.data)
@@ -135,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         # The LM head is its own transposed copy even when tied to the embedding: the embedding
         # lookup wants [vocab, hidden] rows, the head's matmul wants [hidden, vocab].
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.quantization: str | None = None  # set by models/quantize.py
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ModelOutput:

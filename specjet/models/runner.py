@@ -11,6 +11,7 @@ from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import LlamaForCausalLM, Rotary
+from specjet.models.quantize import check_method, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +28,30 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if has_native_bf16() else torch.float32
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """A dtype name (or None / 'auto': ``auto_dtype``) -> the torch dtype."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantization: str | None = None) -> torch.dtype:
+    """A dtype name (or None / 'auto': ``auto_dtype``, float32 with quantized weights on CPU, whose
+    kernels compute in float32 and would only convert bf16 activations back and forth) -> the torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
+        if quantization is not None and torch.device(device).type == "cpu":
+            return torch.float32
         return auto_dtype(device)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype, device,
+                quantization: str | None = None, gguf_path=None) -> LlamaForCausalLM:
     # Build on the meta device so no time goes into random initialisation of weights we overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(config, device)
     model.load_weights(state_dict)
+    if quantization is not None:
+        quantize_model(model, quantization, gguf_path)
     return model.eval()
 
 
@@ -66,14 +73,20 @@ class ModelRunner:
         mem_fraction_static: float,
         page_size: int,
         batch_invariant: bool = True,
+        quantization: str | None = None,  # None, or one of models/quantize.py's QUANTIZATION_METHODS
+        gguf_path=None,  # the GGUF the weights came from (quantization="gguf" reads its blocks)
     ):
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        check_method(quantization)
+        if quantization is not None and self.device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} has CPU kernels only; device is {self.device}")
+        self.quantization = quantization
+        self.dtype = resolve_dtype(dtype, self.device, quantization)
         where = describe_cpu() if self.device.type == "cpu" else str(self.device)
         logger.info("dtype %s (%s) on %s", str(self.dtype).removeprefix("torch."),
                     "auto" if dtype in (None, "auto") else "asked for", where)
         self.config = config
-        self.model = build_model(config, state_dict, self.dtype, self.device)
+        self.model = build_model(config, state_dict, self.dtype, self.device, quantization, gguf_path)
         self.model.set_batch_invariant(batch_invariant)
         per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         if max_total_tokens is None:

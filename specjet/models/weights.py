@@ -73,6 +73,14 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> pathlib.Path:
     raise ValueError(_explain_bad_path(model_path, path))
 
 
+def gguf_source(model_path: str | os.PathLike | None) -> pathlib.Path | None:
+    """The GGUF file behind ``model_path`` (None: the default model's), or None for a directory."""
+    if model_path is None:
+        return default_gguf_path()
+    path = pathlib.Path(model_path).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def load_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors` (or of the shards a `model.safetensors.index.json` lists),
     on CPU, in the dtype stored, under Hugging Face names. A checkpoint with tied embeddings has no

@@ -1,0 +1,32 @@
+"""Builds specjet's C++ extension (csrc/: the quantized GEMM kernels) at install time.
+
+pyproject.toml holds the package's metadata; this file only adds the extension. Building needs
+torch in the build environment, so install with ``pip install --no-build-isolation`` after torch
+(scripts/setup.sh does). Without torch or a compiler the package installs without the extension
+and the kernels run their torch references (specjet/kernels/qgemm.py logs a warning once).
+"""
+import sys
+
+from setuptools import setup
+
+ext_modules, cmdclass = [], {}
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    print("specjet: torch is not importable at build time; the quantized GEMM extension is not built "
+          "(install torch first and use pip install --no-build-isolation)", file=sys.stderr)
+else:
+    ext = CppExtension(
+        "specjet.kernels._qgemm",
+        ["csrc/qgemm.cpp"],
+        depends=["csrc/qgemm_body.h"],
+        # No -march: the file compiles each instruction set's kernels under its own target pragma and
+        # picks one at run time, so one build runs on any x86-64 CPU. -fopenmp: at::parallel_for.
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-Wno-maybe-uninitialized"],
+        extra_link_args=["-fopenmp"],
+    )
+    ext.optional = True  # a failed compile leaves the torch reference path, not a failed install
+    ext_modules = [ext]
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=False)}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,116 @@
+"""The quantized GEMM kernels (C++ extension ``specjet.kernels._qgemm``, source in csrc/) and their dispatch.
+
+``QuantizedLinear`` is a linear layer's inference operand for a quantized weight: called on x
+[..., K] it returns x @ W^T (+ bias) in x's dtype, computed in fp32. It stands where a
+``PackedLinear`` stands (``Linear.packed``), and like it is batch-invariant: a row's output has the
+same bits whatever other rows share the call (csrc/qgemm_body.h says how).
+
+The instruction set is chosen once per process from what ATen dispatches to (so
+``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 CPU, as the rest of torch does),
+or forced with ``SPECJET_QGEMM_ISA=avx512|avx2|scalar``; never from the row count, which would make
+a row's bits depend on its batch. The extension is built at install (setup.py). Without it, each
+weight is dequantized once and runs through kernels/linear.py's batch-invariant float path: right,
+but without the memory savings, and a warning says so.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specjet.kernels.linear import PackedLinear, pack_weight
+from specjet.kernels.quant_formats import Int8Weight, Q41Weight, QuantWeight
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "SPECJET_QGEMM_ISA"
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """The compiled module, or None (logged once) when the package was installed without it."""
+    try:
+        from specjet.kernels import _qgemm
+    except ImportError as err:
+        logger.warning("specjet's quantized GEMM extension is not built (%s); quantized weights are dequantized "
+                       "to float32 and run through the float kernels. Rebuild with `pip install "
+                       "--no-build-isolation -e .` (or scripts/setup.sh) on a machine with a C++ compiler.", err)
+        return None
+    return _qgemm
+
+
+def supported_isas() -> list[str]:
+    ext = extension()
+    return [name for name, code in ISAS.items() if ext is not None and ext.isa_supported(code)]
+
+
+@functools.lru_cache(maxsize=1)
+def default_isa() -> str:
+    """The widest kernels this CPU runs that ATen would also use here, after ``SPECJET_QGEMM_ISA``."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)}")
+        if forced not in supported_isas():
+            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
+        return forced
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    wanted = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+    available = supported_isas()
+    return next((isa for isa in wanted if isa in available), "scalar")
+
+
+def gemm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ W^T (+ bias) with the extension's kernels; [M, N] float32."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("specjet's quantized GEMM extension is not built")
+    code = ISAS[isa or default_isa()]
+    if isinstance(weight, Q41Weight):
+        return ext.q4_1_gemm(x, weight.qs, weight.d, weight.m, bias, code)
+    return ext.int8_gemm(x, weight.q, weight.s, weight.group, bias, code)
+
+
+@dataclass
+class QuantizedLinear:
+    weight: QuantWeight  # [N, K] blocks
+    bias: torch.Tensor | None  # float32 [N]
+    fallback: PackedLinear | None = None  # the dequantized weight's float path when the extension is missing
+
+    @classmethod
+    def build(cls, weight: QuantWeight, bias: torch.Tensor | None = None) -> "QuantizedLinear":
+        bias = None if bias is None else bias.detach().float().contiguous()
+        fallback = None
+        if extension() is None:
+            fallback = pack_weight(weight.dequantize().t().contiguous(), bias)
+        return cls(weight, bias, fallback)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def select_outputs(self, rows: torch.Tensor) -> "QuantizedLinear":
+        """The same layer restricted to some outputs (an EAGLE head's hot-token columns)."""
+        return QuantizedLinear.build(self.weight.select_rows(rows), None if self.bias is None else self.bias[rows])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        x = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = self.fallback(x) if self.fallback is not None else gemm(x, self.weight, self.bias)
+        return y.to(dtype).reshape(*lead, y.shape[-1])
+
+
+def describe_kernels() -> str:
+    if extension() is None:
+        return "quantized GEMM extension missing: dequantized float path"
+    return f"quantized GEMM: {default_isa()} kernels"
+
+
+__all__ = ["Int8Weight", "Q41Weight", "QuantizedLinear", "default_isa", "describe_kernels", "gemm",
+           "supported_isas"]

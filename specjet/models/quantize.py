@@ -1,0 +1,84 @@
+"""Quantized weights for a loaded model: each projection's inference operand becomes a
+``QuantizedLinear`` (kernels/qgemm.py) in place of the float ``PackedLinear``.
+
+Methods (``EngineArgs.quantization``, SGLang's name):
+- ``int8``: symmetric int8, one scale per output channel; the LM head the same.
+- ``int4``: 4-bit blocks of 32 with a scale and a minimum (GGUF's Q4_1 layout); the LM head in
+  int8 blocks of 32 (GGUF's Q8_0), as llama.cpp's 4-bit files keep it: the head's errors reach
+  every logit directly.
+- ``gguf``: the model's own GGUF blocks as the file stores them (models/gguf_blocks.py), so specjet
+  computes with the weights llama.cpp does.
+The embedding lookup stays float (the head is a copy even when tied), and so do the norms.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specjet.kernels.qgemm import QuantizedLinear, describe_kernels
+from specjet.kernels.quant_formats import BLOCK, QuantWeight, quantize_int8, quantize_q4_1
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {method!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)} "
+                         f"or None")
+
+
+def quantize_weight(weight_t: torch.Tensor, method: str, is_head: bool = False) -> QuantWeight | None:
+    """A [in, out] float weight in ``method``'s format, or None where its input width is not whole
+    32-weight blocks (that projection stays float). ``gguf`` quantizes like ``int4`` (weights that are
+    not in the file, e.g. an EAGLE head's)."""
+    if weight_t.shape[0] % BLOCK:
+        return None
+    weight = weight_t.detach().float().t().contiguous()
+    if method == "int8":
+        return quantize_int8(weight)
+    return quantize_int8(weight, BLOCK) if is_head else quantize_q4_1(weight)
+
+
+def quantize_linears(model: torch.nn.Module, method: str, given: dict[str, QuantWeight] | None = None) -> int:
+    """Give every ``Linear`` of ``model`` a quantized operand: the blocks in ``given`` under its module
+    name, else its own weight quantized by ``method``. Returns how many were quantized."""
+    from specjet.models.llama import Linear
+
+    check_method(method)
+    given = given or {}
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        weight = given.get(name)
+        if weight is None:
+            weight = quantize_weight(module.weight_t, method, is_head=name.endswith("lm_head"))
+        elif weight.shape != (module.weight_t.shape[1], module.weight_t.shape[0]):
+            raise ValueError(f"quantized {name}: blocks of shape {weight.shape}, layer [out, in] "
+                             f"{tuple(module.weight_t.shape[::-1])}")
+        if weight is None:
+            logger.info("%s stays float: its input width %d is not whole blocks of %d", name,
+                        module.weight_t.shape[0], BLOCK)
+            continue
+        module.packed = QuantizedLinear.build(weight, module.bias)
+        count += 1
+    return count
+
+
+def quantize_model(model: torch.nn.Module, method: str, gguf_path=None) -> None:
+    """Quantize a loaded target model's projections and LM head (``gguf``: from ``gguf_path``'s blocks)."""
+    check_method(method)
+    given = None
+    if method == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization='gguf' needs a GGUF model: model_path None (the default model) or a "
+                             ".gguf file")
+        from specjet.models.gguf_blocks import read_gguf_linears
+
+        given = read_gguf_linears(gguf_path, model.config)
+    count = quantize_linears(model, method, given)
+    model.quantization = method
+    logger.info("quantization %s: %d projections (%s)", method, count, describe_kernels())

@@ -1,0 +1,91 @@
+"""quantization="gguf" on the real default model: the blocks it computes with are exactly the
+weights the float32 conversion dequantizes (transformers' reading of the same GGUF), its logits stay
+close to that float32 model's, and its speculative greedy output (EAGLE, NGRAM) equals its plain
+greedy output token for token, batched or alone; the KV invariant after every workload."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specjet
+from specjet.models.gguf_blocks import read_gguf_linears
+from specjet.models.weights import default_gguf_path, load_state_dict
+from model_harness import OneRequest, load_runner
+from test_e2e_spec import QUESTIONS
+
+pytestmark = pytest.mark.e2e
+PARAMS = {"temperature": 0, "max_new_tokens": 48}
+
+
+@pytest.fixture(scope="module")
+def fp32_runner(default_model_dir):
+    return load_runner(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def gguf_runner(default_model_dir):
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.runner import ModelRunner
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(default_model_dir))
+    return ModelRunner(config, load_state_dict(default_model_dir), "auto", "cpu", 4096, 0.0, 1,
+                       quantization="gguf", gguf_path=default_gguf_path())
+
+
+def test_blocks_equal_the_float32_conversion(default_model_dir, fp32_runner):
+    blocks = read_gguf_linears(default_gguf_path(), fp32_runner.config)
+    sd = {k.removeprefix("model."): v for k, v in load_state_dict(default_model_dir).items()}
+    assert torch.equal(blocks["lm_head"].dequantize(), sd["embed_tokens.weight"])  # tied: the Q8_0 embedding
+    for i in (0, 17, fp32_runner.config.num_layers - 1):
+        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        expected = {
+            attn + "qkv_proj": torch.cat([sd[attn + f"{n}_proj.weight"] for n in "qkv"]),
+            attn + "o_proj": sd[attn + "o_proj.weight"],
+            mlp + "gate_up_proj": torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]]),
+            mlp + "down_proj": sd[mlp + "down_proj.weight"],
+        }
+        for name, weight in expected.items():
+            assert torch.equal(blocks[name].dequantize(), weight), name
+
+
+def test_logits_close_to_the_float32_model(fp32_runner, gguf_runner):
+    """Same weights, another summation order: every position's logits within 2e-3 of the float32
+    model's largest logit, and the same top-1 token at >= 99% of positions (ties aside)."""
+    agree = total = 0
+    for question in QUESTIONS:
+        ids = [1] + [ord(c) % 20000 + 100 for c in question][:120]  # any ids; the prompt text is not the point
+        ref = OneRequest(fp32_runner).extend(ids).logits
+        got = OneRequest(gguf_runner).extend(ids).logits
+        scale = ref.abs().amax(-1, keepdim=True)
+        assert bool(((got - ref).abs() <= 2e-3 * scale).all()), float(((got - ref).abs() / scale).max())
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += ref.shape[0]
+    assert agree / total >= 0.99
+
+
+@pytest.fixture(scope="module")
+def plain_gguf():
+    with specjet.Engine(max_total_tokens=8192, quantization="gguf") as eng:
+        prompts = [eng.apply_chat_template(q) for q in QUESTIONS]
+        batched = [o["output_ids"] for o in eng.generate(prompts, PARAMS)]
+        alone = [eng.generate(p, PARAMS)["output_ids"] for p in prompts[:2]]
+        eng.check_kv_invariant()
+    return prompts, batched, alone
+
+
+def test_batched_equals_alone(plain_gguf):
+    _, batched, alone = plain_gguf
+    assert batched[:2] == alone
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM"])
+def test_speculative_equals_plain(plain_gguf, algorithm):
+    prompts, expected, _ = plain_gguf
+    with specjet.Engine(max_total_tokens=8192, quantization="gguf", speculative_algorithm=algorithm) as eng:
+        outs = [o["output_ids"] for o in eng.generate(prompts, PARAMS)]
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert outs == expected
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]

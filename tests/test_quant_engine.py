@@ -1,0 +1,75 @@
+"""The engine with quantized weights (tiny random model): speculative greedy output (EAGLE with a
+head that guesses right, NGRAM) equals plain greedy output token for token, and a request batched
+with others equals the same request alone; the KV invariant after every workload."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specjet
+from specjet.kernels import qgemm
+from specjet.kernels.qgemm import QuantizedLinear
+from test_spec_eagle import copy_head
+
+PROMPTS = ["a b c a b c a b c a b", "The cat sat on the mat. The cat", "1 2 3 4 1 2", "Hello"]
+PARAMS = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request, cyclic_model_dir):
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization=request.param) as eng:
+        outs = [o["output_ids"] for o in eng.generate(PROMPTS, PARAMS)]
+        alone = [eng.generate(p, PARAMS)["output_ids"] for p in PROMPTS[:2]]
+        eng.check_kv_invariant()
+        model = eng.worker.runner.model
+        yield request.param, outs, alone, model
+
+
+def test_every_projection_and_the_head_are_quantized(quantized):
+    method, _, _, model = quantized
+    assert model.quantization == method
+    assert model.embed_tokens.weight.dtype == torch.float32  # the embedding lookup stays float
+    from specjet.models.llama import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.packed, QuantizedLinear) for m in linears)
+    head = model.lm_head.packed.weight
+    assert type(head).__name__ == "Int8Weight" and head.group == (32 if method == "int4" else 64)
+
+
+def test_batched_equals_alone(quantized):
+    _, outs, alone, _ = quantized
+    assert outs[:2] == alone
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"speculative_algorithm": "NGRAM"},
+    {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 4, "speculative_num_steps": 3,
+     "speculative_num_draft_tokens": 8, "page_size": 16},
+])
+def test_speculative_equals_plain(quantized, cyclic_model_dir, tmp_path, kwargs):
+    method, expected, _, _ = quantized
+    if kwargs["speculative_algorithm"] == "EAGLE":
+        kwargs = dict(kwargs, speculative_draft_model_path=str(copy_head(tmp_path, cyclic_model_dir, expected)),
+                      speculative_hybrid_ngram_tokens=0)
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization=method, **kwargs) as eng:
+        outs = [o["output_ids"] for o in eng.generate(PROMPTS, PARAMS)]
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+        if kwargs["speculative_algorithm"] == "EAGLE":  # the draft head computes like its target
+            head = eng.worker.speculator.drafter.head
+            assert isinstance(head.fc.packed, QuantizedLinear)
+            assert isinstance(head.target.lm_head.packed, QuantizedLinear)
+    assert outs == expected
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]  # drafts were taken, not only verified
+
+
+def test_quantized_needs_cpu_and_known_method(cyclic_model_dir):
+    with pytest.raises(ValueError, match="int8, int4, gguf"):
+        specjet.Engine(model_path=str(cyclic_model_dir), quantization="q4_0")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        specjet.Engine(model_path=str(cyclic_model_dir), quantization="gguf", max_total_tokens=1024)
+
+
+def test_kernels_are_in_use():
+    assert qgemm.extension() is not None, "the C++ extension should be built by the package's set-up"
