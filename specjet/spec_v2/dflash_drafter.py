@@ -1,0 +1,153 @@
+"""DFlash block drafting (a ``Drafter``): one draft forward per iteration proposes a whole chain.
+
+Per request the drafter keeps no state but its draft KV: every verified position's context K/V
+(models/dflash.py), written at the target's own slot of that position, so the request's row of
+the request-to-token table addresses both caches and nothing is allocated for it:
+
+- after prefill: the positions the prefill computed (``committed_len`` .. end), from its captured
+  features (earlier positions, a cached prefix or an earlier chunk, are in place already);
+- after verify: the root and the accepted draft nodes, from the verify's captured features at those
+  nodes (the bonus token has none yet: it is the next root).
+
+Drafting: the block [root, mask x (S - 1)] sits at positions committed .. committed + S - 1 in
+scratch slots borrowed from the allocator (snapshot / restore, as EAGLE's tree nodes), and attends
+to the request's last ``window`` context positions and all of itself. Each request's table row for
+that forward is built here (visible context slots, then the block's), so the window costs nothing:
+earlier positions are simply not listed. Position i of the block gives draft token i, its argmax.
+
+Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
+tokens first (sure tokens), then at each block position the best token the grammar allows after
+the chain so far; the block's logits at a position do not depend on the tokens chosen before it
+(they are mask tokens in the forward), so one forward still serves the whole walk.
+"""
+from __future__ import annotations
+
+import torch
+
+from specjet.grammar import bitmask_allows
+from specjet.models.dflash import DFlashDraftModel
+from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.kv_cache import KVCache
+from specjet.models.runner import ModelRunner
+from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
+from specjet.spec_v2.grammar_guide import GrammarGuide
+from specjet.spec_v2.tree_verifier import VerifyResult
+
+
+class DFlashDrafter:
+    """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
+
+    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator):
+        self.runner = runner
+        self.draft = draft.bind_target(runner.model)
+        self.feature_capture = self.draft.feature_capture
+        self.block_size = block_size
+        self.window = window
+        self.allocator = allocator
+        cfg = runner.config
+        self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
+                                runner.dtype, runner.device)
+
+    def scratch_slots(self, batch_size: int) -> int:
+        """Slots the blocks of one batch borrow (and give back) from the allocator."""
+        return self.allocator.slots_needed(0, batch_size * self.block_size)
+
+    # ---------------------------------------------------------------- the Drafter protocol
+    def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor) -> None:
+        """Context K/V of the positions the prefill computed (``hidden``: theirs, flat over requests);
+        positions that the window will never show again are skipped."""
+        starts = [r.committed_len for r in reqs]
+        ends = [len(r.token_ids) for r in reqs]
+        offsets, at = [], 0
+        for s, e in zip(starts, ends):
+            offsets.append(at)
+            at += e - s
+        rows, positions, slots = [], [], []
+        for r, s, e, off in zip(reqs, starts, ends, offsets):
+            first = s if self.window is None else max(s, e - self.window)
+            rows.append(torch.arange(off + first - s, off + e - s))
+            positions.append(torch.arange(first, e))
+            slots.append(req_to_token[r.row, first:e])
+        self._write(hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+
+    def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
+        """Context K/V of the root and the accepted drafts: path node j sits at committed_len + j."""
+        rows, positions, slots = [], [], []
+        for r, nodes, off in zip(reqs, result.accepted_nodes, result.node_offsets):
+            rows.append(torch.tensor(nodes, dtype=torch.int64) + off)
+            pos = torch.arange(r.committed_len, r.committed_len + len(nodes))
+            positions.append(pos)
+            slots.append(req_to_token[r.row, r.committed_len:r.committed_len + len(nodes)])
+        self._write(result.output.hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+
+    def _write(self, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        device = self.runner.device
+        self.draft.write_context(hidden[rows.to(hidden.device)], positions.to(device), slots.to(device), self.kv_cache)
+
+    def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
+        chains: list[list[int]] = [list(r.chain[:max(0, r.budget - 1)]) for r in reqs]
+        todo = [b for b, r in enumerate(reqs) if r.budget - 1 > len(chains[b])]
+        if todo:
+            logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token)  # [n, S - 1, V]
+            for b, block in zip(todo, logits):
+                r = reqs[b]
+                want = r.budget - 1  # drafts after the root
+                if r.guide is None:
+                    chains[b] = block.argmax(-1).tolist()[:want]
+                else:
+                    chains[b] = self._legal_chain(r.guide, chains[b], block, want)
+        return [([r.input.root] + chain, list(range(-1, len(chain)))) for r, chain in zip(reqs, chains)]
+
+    def release(self, rid: str) -> None:
+        pass  # no per-request state: its draft KV lives in its own slots, which the scheduler frees
+
+    # ---------------------------------------------------------------- drafting
+    def draft_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
+        """One forward over every request's block; float32 logits [B, S - 1, vocab] of positions 1.."""
+        device = req_to_token.device
+        size, batch = self.block_size, len(reqs)
+        visible = [r.committed_len if self.window is None else min(r.committed_len, self.window) for r in reqs]
+        width = max(visible) + size
+        snapshot = self.allocator.snapshot()
+        try:
+            scratch = self.allocator.extend(torch.empty(0, dtype=torch.int64), 0, batch * size)[:batch * size]
+            scratch = scratch.to(device).view(batch, size)
+            table = torch.zeros((batch, width), dtype=torch.int64, device=device)
+            for b, (r, n) in enumerate(zip(reqs, visible)):
+                table[b, :n] = req_to_token[r.row, r.committed_len - n:r.committed_len]
+                table[b, n:n + size] = scratch[b]
+            ids = torch.full((batch, size), self.draft.shape.mask_token_id, dtype=torch.int64, device=device)
+            ids[:, 0] = torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device)
+            committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
+            positions = committed[:, None] + torch.arange(size, device=device)
+            q_lens = torch.full((batch,), size, dtype=torch.int64, device=device)
+            fb = ForwardBatch.build(
+                ForwardMode.VERIFY,  # several new tokens under a caller-given mask
+                input_ids=ids.reshape(-1),
+                positions=positions.reshape(-1),
+                out_cache_loc=scratch.reshape(-1),
+                req_to_token=table,
+                req_pool_indices=torch.arange(batch, device=device),
+                kv_lens=torch.tensor(visible, dtype=torch.int64, device=device) + size,
+                q_lens=q_lens,
+                custom_mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),  # non-causal block
+                logits="all",
+            )
+            logits = self.draft(fb, self.kv_cache)
+        finally:
+            self.allocator.restore(snapshot)
+        return logits.view(batch, size, -1)[:, 1:]
+
+    def _legal_chain(self, guide: GrammarGuide, forced: list[int], logits: torch.Tensor, want: int) -> list[int]:
+        """The forced tokens, then at each later block position the draft's best token among those
+        the grammar allows after the chain so far; it ends where nothing is allowed (the grammar
+        has ended) or at ``want`` tokens."""
+        chain = list(forced)
+        vocab = torch.arange(logits.shape[-1])
+        while len(chain) < want and len(chain) < logits.shape[0]:
+            allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(logits.device)
+            if not bool(allowed.any()):
+                break
+            chain.append(int(logits[len(chain)].masked_fill(~allowed, float("-inf")).argmax()))
+        return chain
