@@ -179,3 +179,17 @@ def test_default_target_layers_spread_over_the_stack():
     for n in (4, 12, 30):
         layers = default_target_layers(n, 4)
         assert all(0 <= i < n - 1 for i in layers) and list(layers) == sorted(set(layers))
+
+
+def test_block_tree_ranks_paths_and_keeps_parents_first():
+    """Per-position candidates -> a tree: the spine of best tokens, runners-up beside it, the
+    best budget - 1 nodes by path log-probability (worked out by hand)."""
+    from specjet.spec_v2.dflash_drafter import _tree
+
+    candidates = [[(10, -0.1), (11, -1.0)], [(20, -0.2), (21, -0.5)], [(30, -3.0)]]
+    # path scores: 10: -0.1, 11: -1.0, 20: -0.3, 21: -0.6, 30: -3.3
+    assert _tree(1, candidates, 5) == ([1, 10, 20, 21, 11], [-1, 0, 1, 1, 0])
+    assert _tree(1, candidates, 9) == ([1, 10, 20, 21, 11, 30], [-1, 0, 1, 1, 0, 2])
+    assert _tree(1, candidates, 1) == ([1], [-1])
+    chain = [[(5, 0.0)], [(6, -0.2)], [(7, -0.1)]]  # one candidate each: the chain
+    assert _tree(1, chain, 16) == ([1, 5, 6, 7], [-1, 0, 1, 2])

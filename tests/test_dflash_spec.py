@@ -78,22 +78,25 @@ def dflash_engine(model_dir, draft, **kw):
                           speculative_draft_model_path=str(draft), **kw)
 
 
-@pytest.mark.parametrize("draft_name,page_size,block,overlap,window", [
-    ("copy", 1, 4, True, None), ("copy", 16, 8, True, None), ("copy", 1, 16, False, None),
-    ("copy", 16, 16, True, 3), ("wrong", 16, 8, False, None), ("wrong", 1, 16, True, 5)])
+@pytest.mark.parametrize("draft_name,page_size,block,overlap,window,topk", [
+    ("copy", 1, 4, True, None, 1), ("copy", 16, 8, True, None, 1), ("copy", 1, 16, False, None, 1),
+    ("copy", 16, 16, True, 3, 1), ("wrong", 16, 8, False, None, 1), ("wrong", 1, 16, True, 5, 1),
+    ("copy", 16, 8, True, None, 3), ("wrong", 1, 8, True, None, 4)])
 def test_greedy_equals_plain(tiny_model_dir, copy_draft, wrong_draft, expected, draft_name, page_size, block,
-                             overlap, window):
+                             overlap, window, topk):
+    """topk > 1: trees (each block position's runners-up beside the chain), verified as any tree."""
     draft = copy_draft if draft_name == "copy" else wrong_draft
     with dflash_engine(tiny_model_dir, draft, page_size=page_size, speculative_num_draft_tokens=block,
-                       disable_overlap_schedule=not overlap, speculative_dflash_draft_window_size=window) as eng:
+                       disable_overlap_schedule=not overlap, speculative_dflash_draft_window_size=window,
+                       speculative_eagle_topk=topk) as eng:
         outs = eng.generate(PROMPTS, greedy(40))
         alone = eng.generate(PROMPTS[2], greedy(40))
         eng.check_kv_invariant()
         stats = eng.get_server_info()["stats"]
     assert [o["output_ids"] for o in outs] == expected
     assert alone["output_ids"] == expected[2]
-    if draft_name == "copy":  # whole runs of a block are accepted
-        assert stats["spec_accepted_tokens"] > min(block, 4) / 2 * stats["spec_verify_ct"], stats
+    if draft_name == "copy":  # whole runs of a block are accepted (a tree's spine is shorter)
+        assert stats["spec_accepted_tokens"] > min(block // topk, 4) / 2 * stats["spec_verify_ct"], stats
     else:
         assert stats["spec_accepted_tokens"] < 1.2 * stats["spec_verify_ct"], stats
 
@@ -138,15 +141,15 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir, copy_draft):
     assert accepted > n // 20
 
 
-@pytest.mark.parametrize("draft_name", ["copy", "wrong"])
-def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, wrong_draft, plain, draft_name):
+@pytest.mark.parametrize("draft_name,topk", [("copy", 1), ("wrong", 1), ("wrong", 3)])
+def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, wrong_draft, plain, draft_name, topk):
     draft = copy_draft if draft_name == "copy" else wrong_draft
     ref = plain.generate(PROMPTS[:4], MIXED)
     check_valid(ref, MIXED)
     accept = {}
     for aware in (True, False):
         with dflash_engine(tiny_model_dir, draft, speculative_num_draft_tokens=8, page_size=16,
-                           speculative_grammar_aware=aware) as eng:
+                           speculative_grammar_aware=aware, speculative_eagle_topk=topk) as eng:
             outs = eng.generate(PROMPTS[:4], MIXED)
             eng.check_kv_invariant()
             stats = eng.get_server_info()["stats"]

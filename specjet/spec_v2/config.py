@@ -36,6 +36,10 @@ class DFlashParams:
     # Context positions the draft sees before its block (speculative_dflash_draft_window_size):
     # the last W; None: all of them.
     window: int | None = None
+    # Candidates per block position (speculative_eagle_topk, SGLang's name for the draft's width):
+    # 1 verifies the block as a chain (DFlash as published); k > 1 a tree of the same node count
+    # whose extra nodes are each position's next best tokens beside the chain (spec_v2/dflash_drafter.py).
+    topk: int = 1
 
 
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
@@ -129,7 +133,8 @@ class SpecConfig:
             return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path, **common)
         if algorithm == "DFLASH":
             dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, DFlashParams.block_size),
-                                  window=args.speculative_dflash_draft_window_size)
+                                  window=args.speculative_dflash_draft_window_size,
+                                  topk=_given(args.speculative_eagle_topk, DFlashParams.topk))
             return cls("DFLASH", dflash.block_size, ngram=ngram, dflash=dflash, **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 

@@ -1,4 +1,5 @@
-"""DFlash block drafting (a ``Drafter``): one draft forward per iteration proposes a whole chain.
+"""DFlash block drafting (a ``Drafter``): one draft forward per iteration proposes a whole chain (or,
+with ``topk`` > 1, a tree: each block position's other candidates as leaves beside the chain).
 
 Per request the drafter keeps no state but its draft KV: every verified position's context K/V
 (models/dflash.py), written at the target's own slot of that position, so the request's row of
@@ -18,7 +19,8 @@ earlier positions are simply not listed. Position i of the block gives draft tok
 Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
 tokens first (sure tokens), then at each block position the best token the grammar allows after
 the chain so far; the block's logits at a position do not depend on the tokens chosen before it
-(they are mask tokens in the forward), so one forward still serves the whole walk.
+(they are mask tokens in the forward), so one forward still serves the whole walk; a position's
+other candidates are its next best legal tokens.
 """
 from __future__ import annotations
 
@@ -37,12 +39,14 @@ from specjet.spec_v2.tree_verifier import VerifyResult
 class DFlashDrafter:
     """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
 
-    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator):
+    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
+                 topk: int = 1):
         self.runner = runner
         self.draft = draft.bind_target(runner.model)
         self.feature_capture = self.draft.feature_capture
         self.block_size = block_size
         self.window = window
+        self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
         self.allocator = allocator
         cfg = runner.config
         self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
@@ -86,18 +90,15 @@ class DFlashDrafter:
         self.draft.write_context(hidden[rows.to(hidden.device)], positions.to(device), slots.to(device), self.kv_cache)
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
-        chains: list[list[int]] = [list(r.chain[:max(0, r.budget - 1)]) for r in reqs]
-        todo = [b for b, r in enumerate(reqs) if r.budget - 1 > len(chains[b])]
+        candidates: list[list[list[tuple[int, float]]]] = [[[(t, 0.0)] for t in r.chain[:max(0, r.budget - 1)]]
+                                                           for r in reqs]  # forced tokens are sure
+        todo = [b for b, r in enumerate(reqs) if r.budget - 1 > len(candidates[b])]
         if todo:
             logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token)  # [n, S - 1, V]
             for b, block in zip(todo, logits):
                 r = reqs[b]
-                want = r.budget - 1  # drafts after the root
-                if r.guide is None:
-                    chains[b] = block.argmax(-1).tolist()[:want]
-                else:
-                    chains[b] = self._legal_chain(r.guide, chains[b], block, want)
-        return [([r.input.root] + chain, list(range(-1, len(chain)))) for r, chain in zip(reqs, chains)]
+                candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1)
+        return [_tree(r.input.root, c, r.budget) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
         pass  # no per-request state: its draft KV lives in its own slots, which the scheduler frees
@@ -139,15 +140,48 @@ class DFlashDrafter:
             self.allocator.restore(snapshot)
         return logits.view(batch, size, -1)[:, 1:]
 
-    def _legal_chain(self, guide: GrammarGuide, forced: list[int], logits: torch.Tensor, want: int) -> list[int]:
-        """The forced tokens, then at each later block position the draft's best token among those
-        the grammar allows after the chain so far; it ends where nothing is allowed (the grammar
-        has ended) or at ``want`` tokens."""
-        chain = list(forced)
+    def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
+                    want: int) -> list[list[tuple[int, float]]]:
+        """Per draft position after the forced ones: the draft's ``topk`` best (token, log-prob),
+        best first; under a grammar only tokens it allows after the chain of best tokens before
+        (renormalised over them). Stops where nothing is allowed (the grammar has ended), at the
+        block's end or at ``want`` positions."""
+        out = list(forced)
         vocab = torch.arange(logits.shape[-1])
-        while len(chain) < want and len(chain) < logits.shape[0]:
-            allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(logits.device)
-            if not bool(allowed.any()):
-                break
-            chain.append(int(logits[len(chain)].masked_fill(~allowed, float("-inf")).argmax()))
-        return chain
+        while len(out) < min(want, logits.shape[0]):
+            row = logits[len(out)]
+            if guide is not None:
+                chain = [c[0][0] for c in out]
+                allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(row.device)
+                if not bool(allowed.any()):
+                    break
+                row = row.masked_fill(~allowed, float("-inf"))
+            logp, ids = torch.log_softmax(row, -1).topk(self.topk)
+            keep = torch.isfinite(logp)  # fewer legal tokens than topk
+            out.append(list(zip(ids[keep].tolist(), logp[keep].tolist())))
+        return out
+
+
+def _tree(root: int, candidates: list[list[tuple[int, float]]], budget: int) -> DraftTree:
+    """The draft tree of a block: a spine of each position's best token, and each position's other
+    candidates as leaves beside the spine node there (a block position's prediction does not
+    depend on the tokens before it, so an alternative has no drafted continuation of its own).
+    Nodes are ranked by path log-probability and the best ``budget - 1`` kept; a parent's score is
+    at least its child's and, on a tie, its depth is less, so the ranked list keeps parents first.
+    With one candidate per position this is the chain of the spine."""
+    nodes = []  # (score, depth, rank, token, parent key); key of spine node i: i + 1, the root: 0
+    spine_score = 0.0
+    for i, options in enumerate(candidates):
+        for rank, (token, logp) in enumerate(options):
+            nodes.append((-(spine_score + logp), i, rank, token, i))
+        spine_score += options[0][1]
+    nodes.sort()
+    kept = nodes[:max(0, budget - 1)]
+    index = {0: 0}  # parent key -> node index in the tree
+    tokens, parents = [root], [-1]
+    for _, depth, rank, token, parent_key in kept:
+        tokens.append(token)
+        parents.append(index[parent_key])
+        if rank == 0:
+            index[depth + 1] = len(tokens) - 1
+    return tokens, parents

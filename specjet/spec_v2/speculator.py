@@ -61,7 +61,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                 raise FileNotFoundError(f"DFlash draft model not found at {draft_dir} "
                                         "(train one with `python -m specjet.train dflash`)")
             draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
-        return DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator)
+        return DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk)
     raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
 
 
