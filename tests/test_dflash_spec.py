@@ -105,7 +105,10 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
     text = plain.generate(PROMPTS[0], greedy(40))["text"]
     stop = text[len(text) // 2: len(text) // 2 + 2]
     ref_stop = plain.generate(PROMPTS[0], greedy(40, stop=[stop]))
+    from bench.engine_info import describe_engine, spec_str
+
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8) as eng:
+        assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1"
         for n in (1, 2, 5, 11):  # budgets that end inside a block
             assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]
         out = eng.generate(PROMPTS[0], greedy(40, stop=[stop]))
