@@ -67,6 +67,10 @@ class DFlashDrafter:
         for s, e in zip(starts, ends):
             offsets.append(at)
             at += e - s
+        if hidden is None or hidden.shape[0] != at:
+            # The contract: features of positions committed_len .. len(token_ids) - 1, flat over requests.
+            raise ValueError(f"after_prefill got features of {None if hidden is None else hidden.shape[0]} "
+                             f"positions, the requests computed {at}")
         rows, positions, slots = [], [], []
         for r, s, e, off in zip(reqs, starts, ends, offsets):
             first = s if self.window is None else max(s, e - self.window)
