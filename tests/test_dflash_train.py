@@ -57,6 +57,21 @@ def test_anchors_and_labels():
     assert labels[1, 0].tolist() == [1, 2, 3] and valid[1, 1].tolist() == [True, False, False]
 
 
+def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
+    """labels="target": position t learns what the target's own forward (run here over the
+    sequence) ranks first after ids[:t]; on this reference text that often differs from the text."""
+    from model_harness import OneRequest
+
+    seq = sequences[1]
+    ids, feats, _ = T.collate([seq])
+    greedy = T.target_greedy_ids(new_draft(runner), ids, feats)[0]
+    logits = OneRequest(runner).extend(seq.ids.tolist(), logits="all").logits
+    expected = logits.argmax(-1)[:-1]
+    agree = (greedy[1:] == expected).float().mean()
+    assert agree > 0.97, agree  # the features are stored in fp16: a near-tie may flip
+    assert greedy[0] == seq.ids[0] and (greedy[1:] != seq.ids[1:]).any()
+
+
 def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_path, monkeypatch):
     cfg = T.DFlashTrainConfig(steps=80, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3,
                               checkpoint_every=20, seed=0)

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--blocks-per-seq", type=int, default=16, help="random anchors per sequence per step")
     model.add_argument("--decay", type=float, default=7.0, help="loss weight of block position k: exp(-(k-1)/decay)")
     model.add_argument("--window", type=int, default=None, help="context positions a block sees (default: all)")
+    model.add_argument("--labels", default="target", choices=["target", "sequence"],
+                       help="what a block position learns: the target's greedy token after the text's prefix "
+                            "(the same as the text on the target's own replies), or the text's token")
     model.add_argument("--lr", type=float, default=1e-3)
     model.add_argument("--warmup-steps", type=int, default=30)
     model.add_argument("--checkpoint-every", type=int, default=100)
@@ -125,7 +128,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     draft = DFlashDraftModel(config, shape).bind_target(target)
     cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt,
-                            blocks_per_seq=args.blocks_per_seq, decay=args.decay, window=args.window, lr=args.lr,
+                            blocks_per_seq=args.blocks_per_seq, decay=args.decay, window=args.window,
+                            labels=args.labels, lr=args.lr,
                             warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every)
     run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape)]).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
@@ -164,7 +168,8 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
     flags = []
     for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "block_size",
-                "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "lr", "warmup_steps",
+                "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr",
+                "warmup_steps",
                 "generate_dtype", "feature_dtype", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--mask-token-id", str(mask_id), "--target-layers", *map(str, target_layers)]

@@ -7,11 +7,14 @@ x_{a+1} .. x_{a+S-1}, exactly the drafting situation after the target has commit
 sequence's blocks run in one forward (``DFlashDraftModel.forward_train``: each block attends to its
 own context and itself only), so one forward trains many blocks.
 
-Loss: cross-entropy of block position k (1-based) against the sequence's token there, weighted by
+Loss: cross-entropy of block position k (1-based) against its label, weighted by
 exp(-(k - 1) / decay) and normalised (DFlash's weighting): an early position counts more, because
 a chain is accepted only up to its first miss, so a later position's token is worth something only
-if everything before it was right. The sequences are the target's own greedy replies (and
-reference text), so the token is the target's choice.
+if everything before it was right. The label (``labels="target"``) is the target's own greedy
+choice after the sequence's prefix, the argmax of its LM head over the final normed hidden state
+the features end with: on the target's replies that is the sequence's token, on reference text
+(written by people, not the target) it is what greedy verification will accept there.
+``labels="sequence"`` trains on the sequence's tokens as they are.
 
 Seeded and resumable as the EAGLE trainer (whose batching, schedule and checkpoints this reuses):
 batches and anchors are fixed by the seed, a checkpoint holds the anchor generator's state.
@@ -38,6 +41,7 @@ class DFlashTrainConfig:
     blocks_per_seq: int = 16  # random anchors per sequence per step
     decay: float = 7.0  # loss weight of block position k: exp(-(k - 1) / decay)
     window: int | None = None  # context positions a block sees (None: all before its root)
+    labels: str = "target"  # "target": the target's greedy token after the prefix; "sequence": the text's
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 30
@@ -82,12 +86,26 @@ def block_labels(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor
     return labels, valid
 
 
+@torch.no_grad()
+def target_greedy_ids(model: DFlashDraftModel, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """[B, L] ids whose position t holds the target's greedy token at t (after the prefix ids[:t]):
+    the argmax of its LM head over the final normed hidden state at t - 1 (the last h columns of
+    the features). Position 0 keeps ids[:, 0] (nothing predicts it)."""
+    h = model.config.hidden_size
+    out = ids.clone()
+    out[:, 1:] = model.logits(feats[:, :-1, -h:].to(model.mask_embedding.dtype)).argmax(-1)
+    return out
+
+
 def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlashTrainConfig) -> dict:
     """Weighted block cross-entropy (the total, differentiable), the top-1 agreement of block
     position 1 and the mean accepted chain length of the batch's blocks (greedy, +1 bonus)."""
     size = model.shape.block_size
     logits = model.forward_train(ids, feats, anchors, cfg.window)  # [B, A, S - 1, V]
-    labels, valid = block_labels(ids, lengths, anchors, size)
+    if cfg.labels not in ("target", "sequence"):
+        raise ValueError(f"labels must be 'target' or 'sequence', got {cfg.labels!r}")
+    source = target_greedy_ids(model, ids, feats) if cfg.labels == "target" else ids
+    labels, valid = block_labels(source, lengths, anchors, size)
     weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay)[None, None, :] * valid
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
