@@ -27,9 +27,9 @@ def runner(tiny_model_dir):
     return load_runner(tiny_model_dir, tokens=512)
 
 
-def random_draft(config, num_layers=2, block=BLOCK, seed=0) -> DFlashDraftModel:
+def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID))
+    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID), hot_token_ids=hot)
     draft.reset_parameters(std=0.2)
     with torch.no_grad():  # norms away from 1, so a missing or misplaced norm shows
         for name, p in draft.named_parameters():
@@ -137,6 +137,28 @@ def test_paged_block_forward_equals_the_dense_oracle(runner, features, window):
     first_s = 0 if window is None else 12 - window
     torch.testing.assert_close(both[0], dense_block_logits(draft, runner, feats[first_s:12], torch.arange(first_s, 12),
                                                            5, 12), rtol=1e-4, atol=1e-4)
+
+
+def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tmp_path):
+    """A hot head: the block's logits are the full head's at the hot ids, the drafter's candidates
+    are target ids, and the hot ids survive a checkpoint."""
+    ids, feats = features
+    hot = torch.arange(3, runner.config.vocab_size, 7)
+    draft = random_draft(runner.config, hot=hot)
+    save_dflash(draft, tmp_path / "hot", dtype=torch.float32)
+    draft = load_dflash(tmp_path / "hot", runner.config)
+    assert torch.equal(draft.hot_token_ids, hot) and read_dflash_config(tmp_path / "hot")["hot_vocab_size"] == len(hot)
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    drafter = DFlashDrafter(runner, draft, BLOCK, None, allocator, topk=2)
+    n = len(ids)
+    table = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + 8)[None, :]
+    drafter.after_prefill([SpecInput("r", 0, 0, ids, 0)], feats, [11], table)
+    logits = drafter.draft_blocks([SpecInput("r", 0, n, ids + [11], 8)], table)[0]
+    expected = dense_block_logits(draft, runner, feats, torch.arange(n), 11, n)
+    torch.testing.assert_close(logits, expected[:, hot], rtol=1e-4, atol=1e-4)
+    candidates = drafter._candidates(None, [], logits, BLOCK - 1)
+    best = expected[:, hot].topk(2, dim=-1).indices
+    assert [[t for t, _ in c] for c in candidates] == hot[best].tolist()
 
 
 def test_training_forward_equals_the_dense_oracle(runner, features):

@@ -49,12 +49,23 @@ def wrong_draft(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def copy_draft(tmp_path_factory, tiny_model_dir):
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def copy_draft_hot(tmp_path_factory, tiny_model_dir, expected):
+    """The copy draft with a hot vocabulary of the tokens the target says (and a few more)."""
+    hot = torch.tensor(sorted({t for ids in expected for t in ids} | {0, 1, 2}))
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash-hot"), tiny_model_dir, hot)
+
+
+def make_copy_draft(path, tiny_model_dir, hot=None):
     """Every block position predicts the root. With the context, the mask embedding and every query
     zero, attention is uniform and only the root's value is non-zero, so each mask position gets
     the root's normed embedding, half of its coordinates per layer (a value is half as wide as the
     hidden state here); the tied LM head then ranks the root first."""
     cfg = _config(tiny_model_dir)
-    draft = DFlashDraftModel(cfg, DFlashShape(2, (0,), 16, 0))
+    draft = DFlashDraftModel(cfg, DFlashShape(2, (0,), 16, 0), hot_token_ids=hot)
     d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     group = cfg.num_heads // cfg.num_kv_heads
     assert kv * 2 == cfg.hidden_size
@@ -69,7 +80,7 @@ def copy_draft(tmp_path_factory, tiny_model_dir):
             for g in range(cfg.num_kv_heads):  # the first query head of each group writes it back
                 for j in range(d):
                     o[g * group * d + j, layer_id * kv + g * d + j] = 1.0
-    return save_dflash(draft, tmp_path_factory.mktemp("copy-dflash"), dtype=torch.float32)
+    return save_dflash(draft, path, dtype=torch.float32)
 
 
 def dflash_engine(model_dir, draft, **kw):
@@ -81,11 +92,12 @@ def dflash_engine(model_dir, draft, **kw):
 @pytest.mark.parametrize("draft_name,page_size,block,overlap,window,topk", [
     ("copy", 1, 4, True, None, 1), ("copy", 16, 8, True, None, 1), ("copy", 1, 16, False, None, 1),
     ("copy", 16, 16, True, 3, 1), ("wrong", 16, 8, False, None, 1), ("wrong", 1, 16, True, 5, 1),
-    ("copy", 16, 8, True, None, 3), ("wrong", 1, 8, True, None, 4)])
-def test_greedy_equals_plain(tiny_model_dir, copy_draft, wrong_draft, expected, draft_name, page_size, block,
-                             overlap, window, topk):
-    """topk > 1: trees (each block position's runners-up beside the chain), verified as any tree."""
-    draft = copy_draft if draft_name == "copy" else wrong_draft
+    ("copy", 16, 8, True, None, 3), ("wrong", 1, 8, True, None, 4), ("copy-hot", 1, 8, True, None, 2)])
+def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_draft, expected, draft_name, page_size,
+                             block, overlap, window, topk):
+    """topk > 1: trees (each block position's runners-up beside the chain), verified as any tree;
+    copy-hot: a draft with a hot vocabulary."""
+    draft = {"copy": copy_draft, "copy-hot": copy_draft_hot, "wrong": wrong_draft}[draft_name]
     with dflash_engine(tiny_model_dir, draft, page_size=page_size, speculative_num_draft_tokens=block,
                        disable_overlap_schedule=not overlap, speculative_dflash_draft_window_size=window,
                        speculative_eagle_topk=topk) as eng:
@@ -95,7 +107,7 @@ def test_greedy_equals_plain(tiny_model_dir, copy_draft, wrong_draft, expected, 
         stats = eng.get_server_info()["stats"]
     assert [o["output_ids"] for o in outs] == expected
     assert alone["output_ids"] == expected[2]
-    if draft_name == "copy":  # whole runs of a block are accepted (a tree's spine is shorter)
+    if draft_name.startswith("copy"):  # whole runs of a block are accepted (a tree's spine is shorter)
         assert stats["spec_accepted_tokens"] > min(block // topk, 4) / 2 * stats["spec_verify_ct"], stats
     else:
         assert stats["spec_accepted_tokens"] < 1.2 * stats["spec_verify_ct"], stats
@@ -144,9 +156,12 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir, copy_draft):
     assert accepted > n // 20
 
 
-@pytest.mark.parametrize("draft_name,topk", [("copy", 1), ("wrong", 1), ("wrong", 3)])
-def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, wrong_draft, plain, draft_name, topk):
-    draft = copy_draft if draft_name == "copy" else wrong_draft
+@pytest.mark.parametrize("draft_name,topk", [("copy", 1), ("wrong", 1), ("wrong", 3), ("copy-hot", 2)])
+def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, copy_draft_hot, wrong_draft, plain,
+                                              draft_name, topk):
+    """copy-hot: its hot vocabulary holds few if any tokens a schema allows, so past the forced chain
+    a block position often has no legal hot token and the chain ends there: still the plain ids."""
+    draft = {"copy": copy_draft, "copy-hot": copy_draft_hot, "wrong": wrong_draft}[draft_name]
     ref = plain.generate(PROMPTS[:4], MIXED)
     check_valid(ref, MIXED)
     accept = {}

@@ -22,8 +22,11 @@ cache at the target's slot of t, and a drafting forward then only writes the blo
 slots) and attends over the paged context, like any extend under a custom mask. ``forward_train``
 is the same computation on whole sequences with many blocks at once (block-isolated masks).
 
-No embedding or LM head of its own: the target's (``bind_target``); a checkpoint holds fc, the
-norms, the layers and the mask embedding.
+No embedding or LM head of its own: the target's (``bind_target``), or as EAGLE's a "hot" copy of
+its columns for the K most frequent ids (``hot_token_ids``): the logits then have K columns and
+``hot_to_full`` maps a column back to a target id. On the default model the head is most of a
+block's cost (16 positions x 49152 ids), so a hot head makes drafting several times cheaper. A
+checkpoint holds fc, the norms, the layers, the mask embedding and the hot ids.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.models.config import ModelConfig
-from specjet.models.eagle import TARGET_SHAPE_FIELDS, SharedTarget, target_identity
+from specjet.models.eagle import TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head, target_identity
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
@@ -75,7 +78,7 @@ def default_target_layers(num_target_layers: int, count: int) -> tuple[int, ...]
 
 
 class DFlashDraftModel(nn.Module):
-    def __init__(self, config: ModelConfig, shape: DFlashShape):
+    def __init__(self, config: ModelConfig, shape: DFlashShape, hot_token_ids: torch.Tensor | None = None):
         super().__init__()
         self.config, self.shape = config, shape
         layers = shape.target_layers
@@ -92,6 +95,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.empty(h))
+        self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
         self.reset_parameters()
@@ -113,7 +117,8 @@ class DFlashDraftModel(nn.Module):
             if getattr(target.config, name) != getattr(self.config, name):
                 raise ValueError(f"DFlash draft and target differ in {name}: "
                                  f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
-        self.target = SharedTarget(embed=target.embed_tokens, lm_head=target.lm_head)
+        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids),
+                                   full_lm_head=target.lm_head)
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         return self
 
@@ -131,6 +136,14 @@ class DFlashDraftModel(nn.Module):
     @property
     def feature_width(self) -> int:
         return (len(self.shape.target_layers) + 1) * self.config.hidden_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
+
+    def hot_to_full(self, ids: torch.Tensor) -> torch.Tensor:
+        """Column indices of ``logits`` -> target token ids (the identity without a hot head)."""
+        return ids if self.hot_token_ids is None else self.hot_token_ids[ids]
 
     def _shared(self) -> SharedTarget:
         if self.target is None:
@@ -152,8 +165,14 @@ class DFlashDraftModel(nn.Module):
         return torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., h] (already normed) -> [..., vocab] float32 through the target's LM head."""
+        """[..., h] (already normed) -> [..., K or vocab] float32 through the (hot) LM head."""
         logits = self._shared().lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own full-vocabulary logits [..., vocab] over its final normed hidden states."""
+        head = self._shared().full_lm_head or self._shared().lm_head
+        logits = head(hidden.reshape(-1, hidden.shape[-1])).float()
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     @staticmethod
@@ -189,7 +208,7 @@ class DFlashDraftModel(nn.Module):
         """One drafting forward over blocks: ``batch.input_ids`` are the blocks' ids, their K/V go to
         ``batch.out_cache_loc``; each request's table row lists its visible context slots, then its
         block's slots; the batch's custom mask lets the block see all of itself. Returns float32
-        logits [N, vocab] for the rows ``batch.logits_indices`` (all rows when None)."""
+        logits [N, K or vocab] for the rows ``batch.logits_indices`` (all rows when None)."""
         x = self.embed_block(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
@@ -207,7 +226,7 @@ class DFlashDraftModel(nn.Module):
         -1: no block). Block (b, j) is [ids[b, a], mask, ...] at positions a .. a + S - 1 and sees
         the context at positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its
         own block, exactly what a drafting forward with the root at a sees. Returns the logits of
-        block positions 1 .. S - 1: [B, A, S - 1, vocab] float32 (the drafts of ids[b, a + 1 ..])."""
+        block positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..])."""
         batch, seq_len, _ = features.shape
         size = self.shape.block_size
         num = anchors.shape[1]
@@ -281,6 +300,8 @@ def save_dflash(model: DFlashDraftModel, directory, target_gguf: str | None = No
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
+    if model.hot_token_ids is not None:
+        tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
     (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a draft is package data
     shape = asdict(model.shape)
@@ -291,6 +312,7 @@ def save_dflash(model: DFlashDraftModel, directory, target_gguf: str | None = No
         "architecture": "DFlashDraftModel",
         "context": "residual stream after target_layers, then the final normed hidden state (FeatureLayers capture)",
         **shape,
+        "hot_vocab_size": model.draft_vocab_size if model.hot_token_ids is not None else None,
         "weights_dtype": str(dtype).removeprefix("torch."),
         "target": target_identity(model.config, target_gguf),
         "training": training or {},
@@ -324,9 +346,10 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
                              f"this target has {getattr(target_config, name)}")
     shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
                         block_size=config["block_size"], mask_token_id=config["mask_token_id"])
-    model = DFlashDraftModel(target_config, shape)
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(f"DFlash draft {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model = model.to(device=device, dtype=dtype).eval()

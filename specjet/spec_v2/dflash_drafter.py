@@ -109,7 +109,8 @@ class DFlashDrafter:
 
     # ---------------------------------------------------------------- drafting
     def draft_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
-        """One forward over every request's block; float32 logits [B, S - 1, vocab] of positions 1.."""
+        """One forward over every request's block; float32 logits [B, S - 1, K or vocab] of positions
+        1.. (K: the draft's hot vocabulary, ``draft.hot_to_full`` maps a column to a target id)."""
         device = req_to_token.device
         size, batch = self.block_size, len(reqs)
         visible = [r.committed_len if self.window is None else min(r.committed_len, self.window) for r in reqs]
@@ -151,7 +152,8 @@ class DFlashDrafter:
         (renormalised over them). Stops where nothing is allowed (the grammar has ended), at the
         block's end or at ``want`` positions."""
         out = list(forced)
-        vocab = torch.arange(logits.shape[-1])
+        hot = self.draft.hot_token_ids
+        vocab = torch.arange(logits.shape[-1]) if hot is None else hot.cpu()  # target id of each column
         while len(out) < min(want, logits.shape[0]):
             row = logits[len(out)]
             if guide is not None:
@@ -160,9 +162,9 @@ class DFlashDrafter:
                 if not bool(allowed.any()):
                     break
                 row = row.masked_fill(~allowed, float("-inf"))
-            logp, ids = torch.log_softmax(row, -1).topk(self.topk)
+            logp, cols = torch.log_softmax(row, -1).topk(min(self.topk, row.shape[-1]))
             keep = torch.isfinite(logp)  # fewer legal tokens than topk
-            out.append(list(zip(ids[keep].tolist(), logp[keep].tolist())))
+            out.append(list(zip(self.draft.hot_to_full(cols[keep]).tolist(), logp[keep].tolist())))
         return out
 
 

@@ -93,8 +93,20 @@ def target_greedy_ids(model: DFlashDraftModel, ids: torch.Tensor, feats: torch.T
     the features). Position 0 keeps ids[:, 0] (nothing predicts it)."""
     h = model.config.hidden_size
     out = ids.clone()
-    out[:, 1:] = model.logits(feats[:, :-1, -h:].to(model.mask_embedding.dtype)).argmax(-1)
+    out[:, 1:] = model.target_logits(feats[:, :-1, -h:].to(model.mask_embedding.dtype)).argmax(-1)
     return out
+
+
+def to_columns(model: DFlashDraftModel, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids -> columns of the draft's logits; with a hot head a label outside the hot
+    vocabulary cannot be drafted and is not scored."""
+    hot = model.hot_token_ids
+    if hot is None:
+        return labels, valid
+    lookup = torch.full((model.config.vocab_size,), -1, dtype=torch.int64, device=labels.device)
+    lookup[hot.to(labels.device)] = torch.arange(hot.shape[0], device=labels.device)
+    cols = lookup[labels]
+    return cols.clamp(min=0), valid & (cols >= 0)
 
 
 def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlashTrainConfig) -> dict:
@@ -106,6 +118,7 @@ def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlas
         raise ValueError(f"labels must be 'target' or 'sequence', got {cfg.labels!r}")
     source = target_greedy_ids(model, ids, feats) if cfg.labels == "target" else ids
     labels, valid = block_labels(source, lengths, anchors, size)
+    labels, valid = to_columns(model, labels, valid)
     weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay)[None, None, :] * valid
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
@@ -186,7 +199,7 @@ def draft_every_position(model: DFlashDraftModel, seq: Sequence, window: int | N
     all_drafts, all_accepted = [], []
     for lo in range(first, last + 1, chunk):
         anchors = torch.arange(lo, min(lo + chunk, last + 1))[None]
-        drafts = model.forward_train(ids, feats, anchors, window).argmax(-1)  # [1, A, S - 1]
+        drafts = model.hot_to_full(model.forward_train(ids, feats, anchors, window).argmax(-1))  # [1, A, S - 1]
         labels, valid = block_labels(ids, lengths, anchors, model.shape.block_size)
         all_drafts.append(drafts[0])
         all_accepted.append(((drafts == labels) & valid).long().cumprod(-1).sum(-1)[0])
