@@ -59,8 +59,10 @@ class DFlashDrafter:
     # ---------------------------------------------------------------- the Drafter protocol
     def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
                       req_to_token: torch.Tensor) -> None:
-        """Context K/V of the positions the prefill computed (``hidden``: theirs, flat over requests);
-        positions that the window will never show again are skipped."""
+        """Context K/V of the positions the prefill computed (``hidden``: theirs, flat over requests).
+        All of them, even those this request's window will never show again: a prefix cache may
+        hand them to a later request whose window does (the draft's layers cost little beside the
+        target's prefill)."""
         starts = [r.committed_len for r in reqs]
         ends = [len(r.token_ids) for r in reqs]
         offsets, at = [], 0
@@ -73,10 +75,9 @@ class DFlashDrafter:
                              f"positions, the requests computed {at}")
         rows, positions, slots = [], [], []
         for r, s, e, off in zip(reqs, starts, ends, offsets):
-            first = s if self.window is None else max(s, e - self.window)
-            rows.append(torch.arange(off + first - s, off + e - s))
-            positions.append(torch.arange(first, e))
-            slots.append(req_to_token[r.row, first:e])
+            rows.append(torch.arange(off, off + e - s))
+            positions.append(torch.arange(s, e))
+            slots.append(req_to_token[r.row, s:e])
         self._write(hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
