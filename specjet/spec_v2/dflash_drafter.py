@@ -63,22 +63,15 @@ class DFlashDrafter:
         All of them, even those this request's window will never show again: a prefix cache may
         hand them to a later request whose window does (the draft's layers cost little beside the
         target's prefill)."""
-        starts = [r.committed_len for r in reqs]
-        ends = [len(r.token_ids) for r in reqs]
-        offsets, at = [], 0
-        for s, e in zip(starts, ends):
-            offsets.append(at)
-            at += e - s
-        if hidden is None or hidden.shape[0] != at:
+        spans = [(r.committed_len, len(r.token_ids)) for r in reqs]
+        total = sum(end - start for start, end in spans)
+        if hidden is None or hidden.shape[0] != total:
             # The contract: features of positions committed_len .. len(token_ids) - 1, flat over requests.
             raise ValueError(f"after_prefill got features of {None if hidden is None else hidden.shape[0]} "
-                             f"positions, the requests computed {at}")
-        rows, positions, slots = [], [], []
-        for r, s, e, off in zip(reqs, starts, ends, offsets):
-            rows.append(torch.arange(off, off + e - s))
-            positions.append(torch.arange(s, e))
-            slots.append(req_to_token[r.row, s:e])
-        self._write(hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+                             f"positions, the requests computed {total}")
+        positions = torch.cat([torch.arange(start, end) for start, end in spans])
+        slots = torch.cat([req_to_token[r.row, start:end] for r, (start, end) in zip(reqs, spans)])
+        self._write(hidden, torch.arange(total), positions, slots)
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
         """Context K/V of the root and the accepted drafts: path node j sits at committed_len + j."""
