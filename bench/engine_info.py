@@ -34,7 +34,8 @@ def describe_engine(engine) -> dict:
                                    "hybrid_ngram_tokens": spec.hybrid_path_nodes}
         elif spec.algorithm == "DFLASH":
             desc["speculative"] = {"algorithm": "DFLASH", "num_draft_tokens": spec.dflash.block_size,
-                                   "topk": spec.dflash.topk, "draft_window_size": spec.dflash.window}
+                                   "topk": spec.dflash.topk, "draft_window_size": spec.dflash.window,
+                                   "hybrid_ngram_tokens": spec.hybrid_path_nodes}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
                                    "max_bfs_breadth": spec.ngram.max_branches,
@@ -54,6 +55,7 @@ def spec_str(spec: dict | None) -> str:
                 f"{hybrid}{cap}")
     if spec["algorithm"] == "DFLASH":
         window = f" window={spec['draft_window_size']}" if spec.get("draft_window_size") else ""
-        return f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{window}{cap}"
+        hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
+        return f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{window}{hybrid}{cap}"
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")

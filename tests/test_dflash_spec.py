@@ -113,6 +113,25 @@ def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_d
         assert stats["spec_accepted_tokens"] < 1.2 * stats["spec_verify_ct"], stats
 
 
+def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_dir, wrong_draft, expected):
+    """speculative_hybrid_ngram_tokens with DFLASH: an always-wrong draft alone commits one token per
+    verify; with the request's n-gram path merged in it commits more on this cyclic target."""
+    from bench.engine_info import describe_engine, spec_str
+
+    accept = {}
+    for extra in (0, 4):
+        with dflash_engine(tiny_model_dir, wrong_draft, speculative_num_draft_tokens=8,
+                           speculative_hybrid_ngram_tokens=extra) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+            if extra:
+                assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1 + 4 n-gram nodes"
+        assert [o["output_ids"] for o in outs] == expected
+        accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+    assert accept[0] < 1.2 and accept[4] > 1.5, accept
+
+
 def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
     text = plain.generate(PROMPTS[0], greedy(40))["text"]
     stop = text[len(text) // 2: len(text) // 2 + 2]

@@ -74,6 +74,9 @@ def test_dflash_defaults():
     given = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
                    speculative_dflash_draft_window_size=512, speculative_eagle_topk=3)
     assert given.dflash == DFlashParams(block_size=8, window=512, topk=3) and given.max_tree_nodes == 8
+    assert cfg.hybrid_path_nodes == 0  # no n-gram path unless asked
+    hybrid = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8, speculative_hybrid_ngram_tokens=6)
+    assert (hybrid.hybrid_path_nodes, hybrid.max_tree_nodes) == (6, 14)  # the block and the path under one root
 
 
 @pytest.mark.parametrize("drafter", [EagleDrafter, NgramDrafter, HybridDrafter, DFlashDrafter])

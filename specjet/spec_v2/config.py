@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ALGORITHMS = ("EAGLE", "NGRAM", "DFLASH")
+HYBRID_ALGORITHMS = ("EAGLE", "DFLASH")  # learned drafters whose trees may take the request's n-gram path
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class SpecConfig:
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob).
     grammar_aware: bool = True
-    # EAGLE only: each tree also takes the request's best n-gram continuation, a path of at most this
-    # many nodes under the root (its length adapts per request: spec_v2/hybrid.py PathLength).
+    # EAGLE and DFLASH: each tree also takes the request's best n-gram continuation, a path of at most
+    # this many nodes under the root (its length adapts per request: spec_v2/hybrid.py PathLength).
     hybrid_path_nodes: int = 0
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
@@ -86,9 +87,9 @@ class SpecConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.hybrid_path_nodes < 0:
             raise ValueError(f"speculative_hybrid_ngram_tokens must be >= 0, got {self.hybrid_path_nodes}")
-        if self.hybrid_path_nodes and self.algorithm != "EAGLE":
-            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
-                             "speculative_algorithm='EAGLE'")
+        if self.hybrid_path_nodes and self.algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
         if self.algorithm == "DFLASH" and self.dflash.block_size < 2:
             raise ValueError(f"speculative_num_draft_tokens is DFLASH's block size (the root and its drafts): "
                              f"it must be >= 2, got {self.dflash.block_size}")
@@ -109,9 +110,9 @@ class SpecConfig:
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         algorithm = args.speculative_algorithm
-        if args.speculative_hybrid_ngram_tokens and algorithm != "EAGLE":
-            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
-                             "speculative_algorithm='EAGLE'")
+        if args.speculative_hybrid_ngram_tokens and algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
             raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
                              "speculative_algorithm='DFLASH'")
@@ -135,7 +136,10 @@ class SpecConfig:
             dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, DFlashParams.block_size),
                                   window=args.speculative_dflash_draft_window_size,
                                   topk=_given(args.speculative_eagle_topk, DFlashParams.topk))
-            return cls("DFLASH", dflash.block_size, ngram=ngram, dflash=dflash, **common)
+            # DFLASH takes an n-gram path only when asked (0 by default: nothing measured it yet).
+            path = _given(args.speculative_hybrid_ngram_tokens, 0)
+            return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
+                       **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
 

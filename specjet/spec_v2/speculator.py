@@ -61,7 +61,11 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                 raise FileNotFoundError(f"DFlash draft model not found at {draft_dir} "
                                         "(train one with `python -m specjet.train dflash`)")
             draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
-        return DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk)
+        dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk)
+        if not cfg.hybrid_path_nodes:
+            return dflash
+        return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
+                             cfg.max_tree_nodes)
     raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
 
 
