@@ -35,6 +35,7 @@ _ENGINE_FLAGS = {
     "speculative_num_steps": "speculative_num_steps",
     "speculative_eagle_topk": "speculative_eagle_topk",
     "speculative_num_draft_tokens": "speculative_num_draft_tokens",
+    "speculative_dflash_draft_window_size": "speculative_dflash_draft_window_size",
     "speculative_draft_model_path": "speculative_draft_model_path",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
@@ -65,14 +66,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--enable-deterministic-inference", default=None, type=_parse_bool, metavar="{true,false}",
                        help="batch-invariant attention on CPU (default true; false: SDPA, faster at large batches)")
     spec = parser.add_argument_group("speculative decoding (engine defaults where unset)")
-    spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "NGRAM"])
+    spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "NGRAM", "DFLASH"])
     spec.add_argument("--speculative-num-steps", type=int, default=None, help="EAGLE draft depth (default 4)")
     spec.add_argument("--speculative-eagle-topk", type=int, default=None,
                       help="EAGLE branching per draft step (default 4)")
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                      help="tree nodes per verify, root included (default: EAGLE 12, NGRAM 8)")
+                      help="tree nodes per verify, root included (default: EAGLE 12, NGRAM 8; DFLASH: its block, 16)")
     spec.add_argument("--speculative-draft-model-path", default=None,
-                      help="EAGLE head directory (default: the head shipped in specjet/assets/eagle)")
+                      help="EAGLE head / DFlash draft directory (default: the one shipped in specjet/assets)")
+    spec.add_argument("--speculative-dflash-draft-window-size", type=int, default=None,
+                      help="DFLASH: context positions the draft sees before its block (default: all)")
     spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
                       help="NGRAM distinct continuations per draft (default 4)")
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",

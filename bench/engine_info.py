@@ -32,6 +32,10 @@ def describe_engine(engine) -> dict:
             desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,
                                    "num_draft_tokens": spec.eagle.tree_nodes,
                                    "hybrid_ngram_tokens": spec.hybrid_path_nodes}
+        elif spec.algorithm == "DFLASH":
+            desc["speculative"] = {"algorithm": "DFLASH", "num_draft_tokens": spec.dflash.block_size,
+                                   "topk": spec.dflash.topk, "draft_window_size": spec.dflash.window,
+                                   "hybrid_ngram_tokens": spec.hybrid_path_nodes}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
                                    "max_bfs_breadth": spec.ngram.max_branches,
@@ -49,5 +53,9 @@ def spec_str(spec: dict | None) -> str:
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
         return (f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}"
                 f"{hybrid}{cap}")
+    if spec["algorithm"] == "DFLASH":
+        window = f" window={spec['draft_window_size']}" if spec.get("draft_window_size") else ""
+        hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
+        return f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{window}{hybrid}{cap}"
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")

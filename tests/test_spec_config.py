@@ -1,7 +1,7 @@
 """One speculative configuration: SpecConfig.from_args fills every default in one place, names what
 it counts, and refuses out-of-range arguments by name; every drafter implements the Drafter
-protocol the speculator runs (no model needed except for EAGLE's, which is tested end to end in
-test_spec_eagle.py)."""
+protocol the speculator runs (no model needed except for EAGLE's and DFLASH's, which are tested end
+to end in test_spec_eagle.py and test_dflash_spec.py)."""
 from __future__ import annotations
 
 import inspect
@@ -9,7 +9,9 @@ import inspect
 import pytest
 
 from specjet.engine.args import EngineArgs
-from specjet.spec_v2.config import HYBRID_PATH_NODES, NGRAM_TREE_NODES, EagleParams, NgramConfig, SpecConfig
+from specjet.spec_v2.config import (HYBRID_PATH_NODES, NGRAM_TREE_NODES, DFlashParams, EagleParams, NgramConfig,
+                                   SpecConfig)
+from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import Drafter
 from specjet.spec_v2.eagle_drafter import EagleDrafter
 from specjet.spec_v2.hybrid import HybridDrafter
@@ -53,7 +55,10 @@ def test_ngram_defaults():
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5}, ValueError, "min_match_window"),
     ({"speculative_algorithm": "NGRAM", "speculative_hybrid_ngram_tokens": 4}, ValueError, "needs"),
     ({"speculative_algorithm": "EAGLE", "speculative_max_verify_tokens": 0}, ValueError, "max_verify_tokens"),
-    ({"speculative_algorithm": "DFLASH"}, NotImplementedError, "DFLASH"),
+    ({"speculative_algorithm": "MEDUSA"}, NotImplementedError, "MEDUSA"),
+    ({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 1}, ValueError, "block size"),
+    ({"speculative_algorithm": "DFLASH", "speculative_dflash_draft_window_size": 0}, ValueError, "window_size"),
+    ({"speculative_algorithm": "EAGLE", "speculative_dflash_draft_window_size": 64}, ValueError, "needs"),
 ])
 def test_out_of_range_arguments_are_named(kwargs, error, name):
     with pytest.raises(error, match=name):
@@ -62,7 +67,19 @@ def test_out_of_range_arguments_are_named(kwargs, error, name):
         config(**kwargs)
 
 
-@pytest.mark.parametrize("drafter", [EagleDrafter, NgramDrafter, HybridDrafter])
+def test_dflash_defaults():
+    cfg = config(speculative_algorithm="DFLASH")
+    assert cfg.dflash == DFlashParams(block_size=16, window=None, topk=1)
+    assert cfg.max_tree_nodes == cfg.dflash.block_size  # the verify chain is the block
+    given = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
+                   speculative_dflash_draft_window_size=512, speculative_eagle_topk=3)
+    assert given.dflash == DFlashParams(block_size=8, window=512, topk=3) and given.max_tree_nodes == 8
+    assert cfg.hybrid_path_nodes == 0  # no n-gram path unless asked
+    hybrid = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8, speculative_hybrid_ngram_tokens=6)
+    assert (hybrid.hybrid_path_nodes, hybrid.max_tree_nodes) == (6, 14)  # the block and the path under one root
+
+
+@pytest.mark.parametrize("drafter", [EagleDrafter, NgramDrafter, HybridDrafter, DFlashDrafter])
 def test_every_drafter_implements_the_protocol(drafter):
     for name, member in inspect.getmembers(Drafter, inspect.isfunction):
         if name.startswith("_"):

@@ -59,6 +59,8 @@ class EngineArgs:
     # Tree nodes one verify forward may hold across its batch (specjet's own): with B requests each
     # tree gets at most max(2, this // B) nodes, its learned and n-gram parts cut in proportion.
     speculative_max_verify_tokens: int | None = None
+    # DFLASH: context positions its draft sees before the block, the last W (SGLang's name); None: all.
+    speculative_dflash_draft_window_size: int | None = None
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
     speculative_grammar_aware: bool = True

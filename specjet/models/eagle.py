@@ -56,6 +56,35 @@ class SharedTarget:
 
     embed: nn.Embedding  # the target's token embedding, [vocab, hidden]
     lm_head: Linear  # the target's head, or a [hidden, K] copy of its hot token columns
+    full_lm_head: Linear | None = None  # the target's own head, where a trainer needs its full-vocabulary choice
+
+
+def check_hot_token_ids(hot_token_ids, vocab_size: int) -> torch.Tensor | None:
+    """A hot vocabulary as a [K] int64 tensor (None: the full vocabulary); refuses one that is not
+    strictly increasing target ids."""
+    if hot_token_ids is None:
+        return None
+    hot_token_ids = torch.as_tensor(hot_token_ids, dtype=torch.int64)
+    if hot_token_ids.dim() != 1 or not bool((hot_token_ids[1:] > hot_token_ids[:-1]).all()):
+        raise ValueError("hot_token_ids must be a 1-D, strictly increasing list of target token ids")
+    if int(hot_token_ids.min()) < 0 or int(hot_token_ids.max()) >= vocab_size:
+        raise ValueError(f"hot_token_ids must lie in [0, {vocab_size})")
+    return hot_token_ids
+
+
+def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None) -> Linear:
+    """The target's LM head, or a [hidden, K] copy of its hot columns (packed like the target's)."""
+    head = target.lm_head
+    if hot_token_ids is None:
+        return head
+    weight_t = head.weight_t.detach()[:, hot_token_ids.to(head.weight_t.device)].contiguous()
+    hot = Linear(weight_t.shape[0], weight_t.shape[1], bias=False)
+    hot.weight_t = nn.Parameter(weight_t, requires_grad=False)
+    if isinstance(head.packed, QuantizedLinear):  # the target head's own blocks, hot rows
+        hot.packed = head.packed.select_outputs(hot_token_ids)
+    elif head.packed is not None:  # packed like the target's head (never while training)
+        hot.pack_for_decode()
+    return hot
 
 
 class EagleDraftModel(nn.Module):
@@ -74,13 +103,7 @@ class EagleDraftModel(nn.Module):
             self.fuse = Linear(self.feature_width, h, bias=False)
         self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(config, layer_id=0)  # layer 0 of its own 1-layer KV cache
-        if hot_token_ids is not None:
-            hot_token_ids = torch.as_tensor(hot_token_ids, dtype=torch.int64)
-            if hot_token_ids.dim() != 1 or not bool((hot_token_ids[1:] > hot_token_ids[:-1]).all()):
-                raise ValueError("hot_token_ids must be a 1-D, strictly increasing list of target token ids")
-            if int(hot_token_ids.min()) < 0 or int(hot_token_ids.max()) >= config.vocab_size:
-                raise ValueError(f"hot_token_ids must lie in [0, {config.vocab_size})")
-        self.register_buffer("hot_token_ids", hot_token_ids)  # [K] int64, or None: the full vocabulary
+        self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
         self.reset_parameters()
@@ -108,20 +131,11 @@ class EagleDraftModel(nn.Module):
             if getattr(target.config, name) != getattr(self.config, name):
                 raise ValueError(f"draft head and target differ in {name}: "
                                  f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
-        head = target.lm_head
-        if self.hot_token_ids is not None:
-            weight_t = head.weight_t.detach()[:, self.hot_token_ids.to(head.weight_t.device)].contiguous()
-            head = Linear(weight_t.shape[0], weight_t.shape[1], bias=False)
-            head.weight_t = nn.Parameter(weight_t, requires_grad=False)
-            if isinstance(target.lm_head.packed, QuantizedLinear):  # the target head's own blocks, hot rows
-                head.packed = target.lm_head.packed.select_outputs(self.hot_token_ids)
-            elif target.lm_head.packed is not None:  # packed like the target's head (never while training)
-                head.pack_for_decode()
         if getattr(target, "quantization", None) is not None:
             # A quantized target's draft head computes like it: its projections in the same method
             # (``gguf``: the file holds no draft weights, so they take its 4-bit format).
             quantize_linears(self, target.quantization)
-        self.target = SharedTarget(embed=target.embed_tokens, lm_head=head)
+        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids))
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         return self
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALGORITHMS = ("EAGLE", "NGRAM")
+ALGORITHMS = ("EAGLE", "NGRAM", "DFLASH")
+HYBRID_ALGORITHMS = ("EAGLE", "DFLASH")  # learned drafters whose trees may take the request's n-gram path
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,20 @@ class NgramConfig:
     min_window: int = 1  # shortest suffix matched (1 matches any earlier occurrence of the last token)
     max_branches: int = 4  # distinct continuations tried per draft
     max_matches_scanned: int = 32  # most recent occurrences looked at per window
+
+
+@dataclass(frozen=True)
+class DFlashParams:
+    # Tokens of a block, root included (speculative_num_draft_tokens): one verify chain of this many
+    # nodes. 16 is DFlash's published block; the CPU's best is for the trained draft's sweep to set.
+    block_size: int = 16
+    # Context positions the draft sees before its block (speculative_dflash_draft_window_size):
+    # the last W; None: all of them.
+    window: int | None = None
+    # Candidates per block position (speculative_eagle_topk, SGLang's name for the draft's width):
+    # 1 verifies the block as a chain (DFlash as published); k > 1 a tree of the same node count
+    # whose extra nodes are each position's next best tokens beside the chain (spec_v2/dflash_drafter.py).
+    topk: int = 1
 
 
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
@@ -44,18 +59,21 @@ class SpecConfig:
     max_tree_nodes: int = NGRAM_TREE_NODES
     eagle: EagleParams = EagleParams()
     ngram: NgramConfig = NgramConfig()
-    draft_model_path: str | None = None  # EAGLE head directory; None: the head shipped with specjet
+    dflash: DFlashParams = DFlashParams()
+    # EAGLE head / DFlash draft directory; None: the one shipped with specjet for the default model.
+    draft_model_path: str | None = None
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob).
     grammar_aware: bool = True
-    # EAGLE only: each tree also takes the request's best n-gram continuation, a path of at most this
-    # many nodes under the root (its length adapts per request: spec_v2/hybrid.py PathLength).
+    # EAGLE and DFLASH: each tree also takes the request's best n-gram continuation, a path of at most
+    # this many nodes under the root (its length adapts per request: spec_v2/hybrid.py PathLength).
     hybrid_path_nodes: int = 0
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
     max_verify_nodes: int | None = None
     # Not part of the configuration's identity: a loaded head handed in directly (tests, tools).
     eagle_head: object = field(default=None, compare=False, repr=False)
+    dflash_draft: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -69,9 +87,14 @@ class SpecConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.hybrid_path_nodes < 0:
             raise ValueError(f"speculative_hybrid_ngram_tokens must be >= 0, got {self.hybrid_path_nodes}")
-        if self.hybrid_path_nodes and self.algorithm != "EAGLE":
-            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
-                             "speculative_algorithm='EAGLE'")
+        if self.hybrid_path_nodes and self.algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
+        if self.algorithm == "DFLASH" and self.dflash.block_size < 2:
+            raise ValueError(f"speculative_num_draft_tokens is DFLASH's block size (the root and its drafts): "
+                             f"it must be >= 2, got {self.dflash.block_size}")
+        if self.dflash.window is not None and self.dflash.window < 1:
+            raise ValueError(f"speculative_dflash_draft_window_size must be >= 1, got {self.dflash.window}")
         if self.max_verify_nodes is not None and self.max_verify_nodes < 1:
             raise ValueError(f"speculative_max_verify_tokens must be >= 1, got {self.max_verify_nodes}")
         if not 1 <= n.min_window <= n.max_window:
@@ -87,9 +110,12 @@ class SpecConfig:
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         algorithm = args.speculative_algorithm
-        if args.speculative_hybrid_ngram_tokens and algorithm != "EAGLE":
-            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to EAGLE trees: it needs "
-                             "speculative_algorithm='EAGLE'")
+        if args.speculative_hybrid_ngram_tokens and algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
+        if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
+            raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
+                             "speculative_algorithm='DFLASH'")
         if algorithm is None:
             return None
         ngram = NgramConfig(
@@ -106,6 +132,14 @@ class SpecConfig:
             path = _given(args.speculative_hybrid_ngram_tokens, HYBRID_PATH_NODES)
             # The hybrid's n-gram path is one branch (breadth 1) matched with the same windows.
             return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path, **common)
+        if algorithm == "DFLASH":
+            dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, DFlashParams.block_size),
+                                  window=args.speculative_dflash_draft_window_size,
+                                  topk=_given(args.speculative_eagle_topk, DFlashParams.topk))
+            # DFLASH takes an n-gram path only when asked (0 by default: nothing measured it yet).
+            path = _given(args.speculative_hybrid_ngram_tokens, 0)
+            return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
+                       **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
 
@@ -113,7 +147,7 @@ class SpecConfig:
 _LEAST = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 1,
           "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 1,
           "speculative_ngram_max_bfs_breadth": 1, "speculative_hybrid_ngram_tokens": 0,
-          "speculative_max_verify_tokens": 1}
+          "speculative_max_verify_tokens": 1, "speculative_dflash_draft_window_size": 1}
 
 
 def _given(value, default):

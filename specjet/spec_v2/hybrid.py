@@ -1,5 +1,5 @@
-"""The EAGLE + n-gram hybrid (specjet's own): each request's EAGLE tree also holds its best n-gram
-continuation, merged under the same root and verified as one tree.
+"""The EAGLE + n-gram hybrid (specjet's own): each request's EAGLE tree (or DFLASH block) also holds
+its best n-gram continuation, merged under the same root and verified as one tree.
 
 The learned head is good at prose and at the first tokens of a value; the request's own text is
 better at what repeats (JSON keys, records of an array, copied spans), often a dozen tokens at a

@@ -2,7 +2,8 @@
 forward, hand back each request's accepted tokens.
 
 It runs on the compute side (the model worker calls it) and sees requests as ``SpecInput`` values;
-the drafter (EAGLE, NGRAM, or the EAGLE + n-gram hybrid) is any ``Drafter`` (drafter.py).
+the drafter (EAGLE, NGRAM, the EAGLE + n-gram hybrid, or DFLASH's block drafter) is any ``Drafter``
+(drafter.py).
 
 A grammar-constrained request speculates like any other: its tree is masked node by node with the
 grammar state of each node's path and pruned of illegal nodes before verification (always), and
@@ -18,10 +19,12 @@ from dataclasses import replace
 import torch
 
 from specjet.kernels.sampling import SamplingTensors
+from specjet.models.dflash import default_dflash_path, load_dflash
 from specjet.models.eagle import default_eagle_path, load_eagle
 from specjet.models.forward_batch import CaptureHidden
 from specjet.models.runner import ModelRunner
 from specjet.spec_v2.config import SpecConfig
+from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import DraftRequest, Drafter, SpecInput
 from specjet.spec_v2.eagle_drafter import EagleDrafter
 from specjet.spec_v2.grammar_guide import GrammarGuide
@@ -31,7 +34,7 @@ from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput
 
 
 def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
-    """The drafter ``cfg`` names (the EAGLE head loaded from ``cfg.draft_model_path``)."""
+    """The drafter ``cfg`` names (the EAGLE head or DFlash draft loaded from ``cfg.draft_model_path``)."""
     if cfg.algorithm == "NGRAM":
         return NgramDrafter(cfg.ngram)
     if cfg.algorithm == "EAGLE":
@@ -47,6 +50,21 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
         if not cfg.hybrid_path_nodes:
             return eagle
         return HybridDrafter(eagle, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
+                             cfg.max_tree_nodes)
+    if cfg.algorithm == "DFLASH":
+        draft = cfg.dflash_draft
+        if draft is None:
+            import pathlib
+
+            draft_dir = cfg.draft_model_path or default_dflash_path()
+            if not pathlib.Path(draft_dir).exists():
+                raise FileNotFoundError(f"DFlash draft model not found at {draft_dir} "
+                                        "(train one with `python -m specjet.train dflash`)")
+            draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
+        dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk)
+        if not cfg.hybrid_path_nodes:
+            return dflash
+        return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
                              cfg.max_tree_nodes)
     raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
 

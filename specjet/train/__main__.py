@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-JOBS = {"eagle": "specjet.train.eagle"}  # job -> module with main(argv)
+JOBS = {"eagle": "specjet.train.eagle", "dflash": "specjet.train.dflash"}  # job -> module with main(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

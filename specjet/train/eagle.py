@@ -34,30 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", type=pathlib.Path, default=None,
                    help="cache for generated data, features and checkpoints (default: <specjet cache>/train/eagle-<model>)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="where to write the head (default: <work-dir>/head)")
-    data = p.add_argument_group("data")
-    data.add_argument("--gsm8k", type=pathlib.Path, default=SHARED_DATA / "gsm8k" / "train.jsonl",
-                      help="GSM8K *train* jsonl (question, answer); never point this at the test split")
-    data.add_argument("--jsonschema-dir", type=pathlib.Path, default=SHARED_DATA / "jsonschema",
-                      help="folder with index.json (schema files and prompts); '' to skip")
-    data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
-                      help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
-    data.add_argument("--num-target-replies", type=int, default=617,
-                      help="GSM8K train questions the target answers greedily for training")
-    data.add_argument("--num-few-shot-replies", type=int, default=64,
-                      help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
-    data.add_argument("--num-human-replies", type=int, default=200, help="GSM8K reference solutions for training")
-    data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
-    data.add_argument("--num-few-shot-eval", type=int, default=24,
-                      help="of those, how many are also evaluated in the few-shot form")
-    data.add_argument("--json-per-schema", type=int, default=2, help="instances per training schema (1 greedy, rest sampled)")
-    data.add_argument("--json-eval-every", type=int, default=5, help="every n-th schema is held out for evaluation")
-    data.add_argument("--max-new-tokens", type=int, default=320, help="longest target reply to a GSM8K question")
-    data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
-    data.add_argument("--max-len", type=int, default=1024, help="longest sequence (prompt and reply), in tokens")
-    data.add_argument("--max-running-requests", type=int, default=64, help="generation batch")
-    data.add_argument("--generate-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                      help="dtype of the engine that writes the target's replies; auto: bf16 where the CPU has native "
-                           "bf16 (a batch decodes ~2x faster than fp32), fp32 where bf16 is emulated (~8x slower)")
+    add_data_arguments(p)
     model = p.add_argument_group("head and training")
     model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
     model.add_argument("--feature-layers", type=int, nargs="*", default=[1, 14],
@@ -86,6 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores not busy with other work, at least 1)")
     return p
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The data stage's options (``collect_samples`` reads them), shared by every draft trainer."""
+    data = p.add_argument_group("data")
+    data.add_argument("--gsm8k", type=pathlib.Path, default=SHARED_DATA / "gsm8k" / "train.jsonl",
+                      help="GSM8K *train* jsonl (question, answer); never point this at the test split")
+    data.add_argument("--jsonschema-dir", type=pathlib.Path, default=SHARED_DATA / "jsonschema",
+                      help="folder with index.json (schema files and prompts); '' to skip")
+    data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
+                      help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
+    data.add_argument("--num-target-replies", type=int, default=617,
+                      help="GSM8K train questions the target answers greedily for training")
+    data.add_argument("--num-few-shot-replies", type=int, default=64,
+                      help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
+    data.add_argument("--num-human-replies", type=int, default=200, help="GSM8K reference solutions for training")
+    data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
+    data.add_argument("--num-few-shot-eval", type=int, default=24,
+                      help="of those, how many are also evaluated in the few-shot form")
+    data.add_argument("--json-per-schema", type=int, default=2, help="instances per training schema (1 greedy, rest sampled)")
+    data.add_argument("--json-eval-every", type=int, default=5, help="every n-th schema is held out for evaluation")
+    data.add_argument("--max-new-tokens", type=int, default=320, help="longest target reply to a GSM8K question")
+    data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
+    data.add_argument("--max-len", type=int, default=1024, help="longest sequence (prompt and reply), in tokens")
+    data.add_argument("--max-running-requests", type=int, default=64, help="generation batch")
+    data.add_argument("--generate-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                      help="dtype of the engine that writes the target's replies; auto: bf16 where the CPU has native "
+                           "bf16 (a batch decodes ~2x faster than fp32), fp32 where bf16 is emulated (~8x slower)")
 
 
 def default_threads() -> int:

@@ -1,0 +1,357 @@
+"""The DFlash block drafter (z-lab DFlash; SGLang's DFLASH): a whole block of draft tokens in one forward.
+
+Context. The target's residual stream after a few layers spread over its stack (``target_layers``)
+and its final normed hidden state (what a ``FeatureLayers`` capture gives, [T, (K + 1) h]), at
+every verified position, fused into one context vector per position:
+
+    c_t = hidden_norm(fc([r^{l_1}_t ; ... ; r^{l_K}_t ; f_t]))       fc: (K + 1) h -> h, no bias
+
+Block. The last verified token x_p at position p, then ``block_size - 1`` mask tokens at p+1 ..
+p+B-1 (``mask_token_id`` names them in a block's id list; their embedding is the draft's own learned
+``mask_embedding``, since the target's embedding of any id is frozen and means something else).
+The output at block position i >= 1 is the draft of the token AT p + i (not after it).
+
+KV injection. Every draft layer attends with Q from the block and K/V from [context ; block]: the
+context's K/V are that layer's k/v projections of c_t (no input norm: c_t is normed already) at
+position t, the block's those of its own normed hidden state. Attention inside the block is
+non-causal, so every mask token sees the whole block and the whole visible context.
+
+Because c_t depends on the target alone, each layer's context K/V at t is fixed once t is verified:
+``write_context`` computes it once (after prefill, after each verify) into the draft's own paged KV
+cache at the target's slot of t, and a drafting forward then only writes the block's K/V (scratch
+slots) and attends over the paged context, like any extend under a custom mask. ``forward_train``
+is the same computation on whole sequences with many blocks at once (block-isolated masks).
+
+No embedding or LM head of its own: the target's (``bind_target``), or as EAGLE's a "hot" copy of
+its columns for the K most frequent ids (``hot_token_ids``): the logits then have K columns and
+``hot_to_full`` maps a column back to a target id. On the default model the head is most of a
+block's cost (16 positions x 49152 ids), so a hot head makes drafting several times cheaper. A
+checkpoint holds fc, the norms, the layers, the mask embedding and the hot ids.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specjet.models.config import ModelConfig
+from specjet.models.eagle import TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head, target_identity
+from specjet.models.forward_batch import FeatureLayers, ForwardBatch
+from specjet.models.kv_cache import KVCache
+from specjet.models.llama import Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
+
+FORMAT = "specjet-dflash"
+FORMAT_VERSION = 1
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+DEFAULT_DRAFT_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class DFlashShape:
+    """What the draft is, beyond the target's shape it shares (saved in its config.json)."""
+
+    num_layers: int  # draft decoder layers
+    target_layers: tuple[int, ...]  # target layers whose residual stream the context reads
+    block_size: int  # the block it was trained for (root + block_size - 1 drafts)
+    mask_token_id: int  # the id that stands for a mask token in a block's id list
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or self.block_size < 2:
+            raise ValueError(f"a DFlash draft needs >= 1 layer and block_size >= 2, got {self}")
+
+
+def default_target_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """``count`` layer ids spread evenly from 1 to L - 3 (DFlash's choice: low to high, the last few
+    left out, being close to the final hidden state the context reads anyway); fewer on a shallow
+    target. Ids are those of ``FeatureLayers`` (< L - 1)."""
+    last = num_target_layers - 2  # FeatureLayers takes ids below L - 1
+    lo, hi = min(1, last), max(min(1, last), min(num_target_layers - 3, last))
+    if count <= 1:
+        return (lo,)
+    ids = sorted({round(lo + (hi - lo) * i / (count - 1)) for i in range(count)})
+    return tuple(ids)
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: ModelConfig, shape: DFlashShape, hot_token_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.config, self.shape = config, shape
+        layers = shape.target_layers
+        if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or any(
+                not 0 <= i < config.num_layers - 1 for i in layers):
+            raise ValueError(f"target_layers must be increasing layer ids in [0, {config.num_layers - 1}), "
+                             f"got {list(layers)}")
+        if not 0 <= shape.mask_token_id < config.vocab_size:
+            raise ValueError(f"mask_token_id must lie in [0, {config.vocab_size}), got {shape.mask_token_id}")
+        h = config.hidden_size
+        self.fc = Linear((len(layers) + 1) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        # Layer i writes layer i of the draft's own KV cache.
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(shape.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.empty(h))
+        self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
+        self.rotary = Rotary(config)
+        self.target: SharedTarget | None = None  # set by bind_target()
+        self.reset_parameters()
+
+    # ---------------------------------------------------------------- set-up
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """N(0, std) weights and mask embedding, zero biases, unit norms."""
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("weight_t") or name == "mask_embedding":
+                    p.normal_(0.0, std)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.fill_(1.0)
+
+    def bind_target(self, target: LlamaForCausalLM) -> "DFlashDraftModel":
+        for name in TARGET_SHAPE_FIELDS:
+            if getattr(target.config, name) != getattr(self.config, name):
+                raise ValueError(f"DFlash draft and target differ in {name}: "
+                                 f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
+        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids),
+                                   full_lm_head=target.lm_head)
+        self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
+        return self
+
+    def pack_for_decode(self) -> None:
+        """Pack the projections for inference (kernels/linear.py); never while training."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_decode()
+
+    @property
+    def feature_capture(self) -> FeatureLayers:
+        """What the target's prefill and verify forwards capture for this draft."""
+        return FeatureLayers(self.shape.target_layers)
+
+    @property
+    def feature_width(self) -> int:
+        return (len(self.shape.target_layers) + 1) * self.config.hidden_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
+
+    def hot_to_full(self, ids: torch.Tensor) -> torch.Tensor:
+        """Column indices of ``logits`` -> target token ids (the identity without a hot head)."""
+        return ids if self.hot_token_ids is None else self.hot_token_ids[ids]
+
+    def _shared(self) -> SharedTarget:
+        if self.target is None:
+            raise RuntimeError("call bind_target(target) before running the DFlash draft")
+        return self.target
+
+    # ---------------------------------------------------------------- pieces shared by both paths
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., (K + 1) h] -> context vectors c [..., h]."""
+        if features.shape[-1] != self.feature_width:
+            raise ValueError(f"target features have width {features.shape[-1]}, this draft reads {self.feature_width}")
+        flat = features.reshape(-1, features.shape[-1])
+        return self.hidden_norm(self.fc(flat)).reshape(*features.shape[:-1], -1)
+
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block ids [...] -> embeddings [..., h]: the target's embedding, the mask embedding at mask ids."""
+        x = self._shared().embed(ids).to(self.mask_embedding.dtype)
+        is_mask = (ids == self.shape.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] (already normed) -> [..., K or vocab] float32 through the (hot) LM head."""
+        logits = self._shared().lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own full-vocabulary logits [..., vocab] over its final normed hidden states."""
+        head = self._shared().full_lm_head or self._shared().lm_head
+        logits = head(hidden.reshape(-1, hidden.shape[-1])).float()
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    @staticmethod
+    def _kv(attn: Attention, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's rotated K and V of rows ``x`` [T, h] -> [T, kv_heads, D] each. Only the k|v
+        columns of the fused projection: context rows never query, so q would be wasted work."""
+        w = attn.qkv_proj.weight_t[:, attn.q_size:]
+        b = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[attn.q_size:]
+        kv = x @ w if b is None else torch.addmm(b, x, w)
+        k, v = kv.split(attn.kv_size, dim=-1)
+        k = k.reshape(-1, attn.num_kv_heads, attn.head_dim)
+        v = v.reshape(-1, attn.num_kv_heads, attn.head_dim)
+        if attn.k_norm is not None:
+            k = attn.k_norm(k)
+        return apply_rotary(k, cos, sin), v
+
+    # ---------------------------------------------------------------- inference (paged KV)
+    @torch.inference_mode()
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      kv_cache: KVCache) -> None:
+        """Materialise verified positions as context: every layer's K/V of c_t at slot ``slots[i]``
+        for position ``positions[i]`` (``features[i]``: the target's features there)."""
+        if features.shape[0] == 0:
+            return
+        ctx = self.context(features.to(self.mask_embedding.dtype))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = self._kv(layer.self_attn, ctx, cos, sin)
+            kv_cache.write(i, slots, k, v)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """One drafting forward over blocks: ``batch.input_ids`` are the blocks' ids, their K/V go to
+        ``batch.out_cache_loc``; each request's table row lists its visible context slots, then its
+        block's slots; the batch's custom mask lets the block see all of itself. Returns float32
+        logits [N, K or vocab] for the rows ``batch.logits_indices`` (all rows when None)."""
+        x = self.embed_block(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, kv_cache)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        return self.logits(self.norm(x))
+
+    # ---------------------------------------------------------------- training (whole sequences)
+    def forward_train(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                      window: int | None = None) -> torch.Tensor:
+        """Many blocks per sequence in one forward, each isolated from the others.
+
+        ids [B, L], features [B, L, (K + 1) h], anchors [B, A] (the root's position of each block;
+        -1: no block). Block (b, j) is [ids[b, a], mask, ...] at positions a .. a + S - 1 and sees
+        the context at positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its
+        own block, exactly what a drafting forward with the root at a sees. Returns the logits of
+        block positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..])."""
+        batch, seq_len, _ = features.shape
+        size = self.shape.block_size
+        num = anchors.shape[1]
+        device = features.device
+        real = anchors >= 0
+        roots = anchors.clamp(min=0)
+        offsets = torch.arange(size, device=device)
+        block_pos = (roots[:, :, None] + offsets).reshape(batch, num * size)  # [B, A*S]
+        block_ids = torch.full((batch, num, size), self.shape.mask_token_id, dtype=torch.int64, device=device)
+        block_ids[:, :, 0] = ids.gather(1, roots)
+        x = self.embed_block(block_ids.reshape(batch, num * size)).reshape(batch * num * size, -1)
+        ctx = self.context(features.to(x.dtype)).reshape(batch * seq_len, -1)
+        ctx_pos = torch.arange(seq_len, device=device).repeat(batch)
+        ctx_cos, ctx_sin = self.rotary.cos_sin(ctx_pos, x.dtype)
+        cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), x.dtype)
+        mask = self._train_mask(roots, real, seq_len, window)  # [B, A*S, L + A*S]
+        for layer in self.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = (h @ attn.qkv_proj.weight_t[:, :attn.q_size])
+            if attn.qkv_proj.bias is not None:
+                q = q + attn.qkv_proj.bias[:attn.q_size]
+            q = q.reshape(-1, attn.num_heads, attn.head_dim)
+            if attn.q_norm is not None:
+                q = attn.q_norm(q)
+            q = apply_rotary(q, cos, sin)
+            k_blk, v_blk = self._kv(attn, h, cos, sin)
+            k_ctx, v_ctx = self._kv(attn, ctx, ctx_cos, ctx_sin)
+
+            def heads_first(t: torch.Tensor, rows: int) -> torch.Tensor:  # [B*rows, H, D] -> [B, H, rows, D]
+                return t.reshape(batch, rows, t.shape[1], t.shape[2]).transpose(1, 2)
+
+            keys = torch.cat([heads_first(k_ctx, seq_len), heads_first(k_blk, num * size)], dim=2)
+            values = torch.cat([heads_first(v_ctx, seq_len), heads_first(v_blk, num * size)], dim=2)
+            out = F.scaled_dot_product_attention(heads_first(q, num * size), keys, values, attn_mask=mask[:, None],
+                                                 scale=attn.scale, enable_gqa=attn.num_kv_heads != attn.num_heads)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(-1, attn.q_size))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = self.norm(x).reshape(batch, num, size, -1)[:, :, 1:]
+        return self.logits(hidden)
+
+    def _train_mask(self, roots: torch.Tensor, real: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
+        """[B, A*S, L + A*S] bool: a block's rows see its visible context and its own block. A padded
+        block (no anchor) sees only itself, so its softmax stays finite; its outputs are not scored."""
+        batch, num = roots.shape
+        size = self.shape.block_size
+        t = torch.arange(seq_len, device=roots.device)
+        sees_ctx = t[None, None, :] < roots[:, :, None]  # [B, A, L]
+        if window is not None:
+            sees_ctx &= t[None, None, :] >= roots[:, :, None] - window
+        sees_ctx &= real[:, :, None]
+        blocks = torch.arange(num, device=roots.device)
+        own = (blocks[:, None] == blocks[None, :])[None].expand(batch, num, num)  # [B, A, A]
+        ctx_part = sees_ctx[:, :, None, :].expand(batch, num, size, seq_len)
+        blk_part = own[:, :, None, :, None].expand(batch, num, size, num, size).reshape(batch, num, size, num * size)
+        return torch.cat([ctx_part, blk_part], dim=-1).reshape(batch, num * size, seq_len + num * size)
+
+
+# ---------------------------------------------------------------- checkpoints
+def default_dflash_path() -> pathlib.Path:
+    """The draft trained for the default model, shipped inside the package (once trained)."""
+    return pathlib.Path(__file__).resolve().parents[1] / "assets" / "dflash" / DEFAULT_DRAFT_NAME
+
+
+def save_dflash(model: DFlashDraftModel, directory, target_gguf: str | None = None, training: dict | None = None,
+                dtype: torch.dtype = torch.float16) -> pathlib.Path:
+    """Write ``model.safetensors`` (the draft's own tensors only) and ``config.json`` (format, its
+    shape, the target's identity, the training summary)."""
+    from safetensors.torch import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
+    if model.hot_token_ids is not None:
+        tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
+    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a draft is package data
+    shape = asdict(model.shape)
+    shape["target_layers"] = list(model.shape.target_layers)
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "architecture": "DFlashDraftModel",
+        "context": "residual stream after target_layers, then the final normed hidden state (FeatureLayers capture)",
+        **shape,
+        "hot_vocab_size": model.draft_vocab_size if model.hot_token_ids is not None else None,
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "target": target_identity(model.config, target_gguf),
+        "training": training or {},
+    }
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def read_dflash_config(directory) -> dict:
+    path = pathlib.Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no DFlash draft at {directory} (missing {CONFIG_NAME})")
+    config = json.loads(path.read_text())
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} draft "
+                         f"(format {config.get('format')!r} v{config.get('format_version')!r})")
+    return config
+
+
+def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu") -> DFlashDraftModel:
+    """Load a draft saved by ``save_dflash``; fails loudly if it was trained for another target
+    shape. Call ``bind_target`` on the result before running it."""
+    from safetensors.torch import load_file
+
+    directory = pathlib.Path(directory)
+    config = read_dflash_config(directory)
+    trained_for = config["target"]
+    for name in TARGET_SHAPE_FIELDS + ("num_layers",):
+        if trained_for.get(name) != getattr(target_config, name):
+            raise ValueError(f"DFlash draft {directory} was trained for a target with {name}={trained_for.get(name)}, "
+                             f"this target has {getattr(target_config, name)}")
+    shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
+                        block_size=config["block_size"], mask_token_id=config["mask_token_id"])
+    tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
+    model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"DFlash draft {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.pack_for_decode()
+    return model

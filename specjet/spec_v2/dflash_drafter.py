@@ -1,0 +1,187 @@
+"""DFlash block drafting (a ``Drafter``): one draft forward per iteration proposes a whole chain (or,
+with ``topk`` > 1, a tree: each block position's other candidates as leaves beside the chain).
+
+Per request the drafter keeps no state but its draft KV: every verified position's context K/V
+(models/dflash.py), written at the target's own slot of that position, so the request's row of
+the request-to-token table addresses both caches and nothing is allocated for it:
+
+- after prefill: the positions the prefill computed (``committed_len`` .. end), from its captured
+  features (earlier positions, a cached prefix or an earlier chunk, are in place already);
+- after verify: the root and the accepted draft nodes, from the verify's captured features at those
+  nodes (the bonus token has none yet: it is the next root).
+
+Drafting: the block [root, mask x (S - 1)] sits at positions committed .. committed + S - 1 in
+scratch slots borrowed from the allocator (snapshot / restore, as EAGLE's tree nodes), and attends
+to the request's last ``window`` context positions and all of itself. Each request's table row for
+that forward is built here (visible context slots, then the block's), so the window costs nothing:
+earlier positions are simply not listed. Position i of the block gives draft token i, its argmax.
+
+Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
+tokens first (sure tokens), then at each block position the best token the grammar allows after
+the chain so far; the block's logits at a position do not depend on the tokens chosen before it
+(they are mask tokens in the forward), so one forward still serves the whole walk; a position's
+other candidates are its next best legal tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from specjet.grammar import bitmask_allows
+from specjet.models.dflash import DFlashDraftModel
+from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.kv_cache import KVCache
+from specjet.models.runner import ModelRunner
+from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
+from specjet.spec_v2.grammar_guide import GrammarGuide
+from specjet.spec_v2.tree_verifier import VerifyResult
+
+
+class DFlashDrafter:
+    """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
+
+    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
+                 topk: int = 1):
+        self.runner = runner
+        self.draft = draft.bind_target(runner.model)
+        self.feature_capture = self.draft.feature_capture
+        self.block_size = block_size
+        self.window = window
+        self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
+        self.allocator = allocator
+        cfg = runner.config
+        self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
+                                runner.dtype, runner.device)
+
+    def scratch_slots(self, batch_size: int) -> int:
+        """Slots the blocks of one batch borrow (and give back) from the allocator."""
+        return self.allocator.slots_needed(0, batch_size * self.block_size)
+
+    # ---------------------------------------------------------------- the Drafter protocol
+    def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor) -> None:
+        """Context K/V of the positions the prefill computed (``hidden``: theirs, flat over requests).
+        All of them, even those this request's window will never show again: a prefix cache may
+        hand them to a later request whose window does (the draft's layers cost little beside the
+        target's prefill)."""
+        spans = [(r.committed_len, len(r.token_ids)) for r in reqs]
+        total = sum(end - start for start, end in spans)
+        if hidden is None or hidden.shape[0] != total:
+            # The contract: features of positions committed_len .. len(token_ids) - 1, flat over requests.
+            raise ValueError(f"after_prefill got features of {None if hidden is None else hidden.shape[0]} "
+                             f"positions, the requests computed {total}")
+        positions = torch.cat([torch.arange(start, end) for start, end in spans])
+        slots = torch.cat([req_to_token[r.row, start:end] for r, (start, end) in zip(reqs, spans)])
+        self._write(hidden, torch.arange(total), positions, slots)
+
+    def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
+        """Context K/V of the root and the accepted drafts: path node j sits at committed_len + j."""
+        rows, positions, slots = [], [], []
+        for r, nodes, off in zip(reqs, result.accepted_nodes, result.node_offsets):
+            rows.append(torch.tensor(nodes, dtype=torch.int64) + off)
+            pos = torch.arange(r.committed_len, r.committed_len + len(nodes))
+            positions.append(pos)
+            slots.append(req_to_token[r.row, r.committed_len:r.committed_len + len(nodes)])
+        self._write(result.output.hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+
+    def _write(self, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        device = self.runner.device
+        self.draft.write_context(hidden[rows.to(hidden.device)], positions.to(device), slots.to(device), self.kv_cache)
+
+    def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
+        candidates: list[list[list[tuple[int, float]]]] = [[[(t, 0.0)] for t in r.chain[:max(0, r.budget - 1)]]
+                                                           for r in reqs]  # forced tokens are sure
+        todo = [b for b, r in enumerate(reqs) if r.budget - 1 > len(candidates[b])]
+        if todo:
+            logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token)  # [n, S - 1, V]
+            for b, block in zip(todo, logits):
+                r = reqs[b]
+                candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1)
+        return [_tree(r.input.root, c, r.budget) for r, c in zip(reqs, candidates)]
+
+    def release(self, rid: str) -> None:
+        pass  # no per-request state: its draft KV lives in its own slots, which the scheduler frees
+
+    # ---------------------------------------------------------------- drafting
+    def draft_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
+        """One forward over every request's block; float32 logits [B, S - 1, K or vocab] of positions
+        1.. (K: the draft's hot vocabulary, ``draft.hot_to_full`` maps a column to a target id)."""
+        device = req_to_token.device
+        size, batch = self.block_size, len(reqs)
+        visible = [r.committed_len if self.window is None else min(r.committed_len, self.window) for r in reqs]
+        width = max(visible) + size
+        snapshot = self.allocator.snapshot()
+        try:
+            scratch = self.allocator.extend(torch.empty(0, dtype=torch.int64), 0, batch * size)[:batch * size]
+            scratch = scratch.to(device).view(batch, size)
+            table = torch.zeros((batch, width), dtype=torch.int64, device=device)
+            for b, (r, n) in enumerate(zip(reqs, visible)):
+                table[b, :n] = req_to_token[r.row, r.committed_len - n:r.committed_len]
+                table[b, n:n + size] = scratch[b]
+            ids = torch.full((batch, size), self.draft.shape.mask_token_id, dtype=torch.int64, device=device)
+            ids[:, 0] = torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device)
+            committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
+            positions = committed[:, None] + torch.arange(size, device=device)
+            q_lens = torch.full((batch,), size, dtype=torch.int64, device=device)
+            fb = ForwardBatch.build(
+                ForwardMode.VERIFY,  # several new tokens under a caller-given mask
+                input_ids=ids.reshape(-1),
+                positions=positions.reshape(-1),
+                out_cache_loc=scratch.reshape(-1),
+                req_to_token=table,
+                req_pool_indices=torch.arange(batch, device=device),
+                kv_lens=torch.tensor(visible, dtype=torch.int64, device=device) + size,
+                q_lens=q_lens,
+                custom_mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),  # non-causal block
+                logits="all",
+            )
+            logits = self.draft(fb, self.kv_cache)
+        finally:
+            self.allocator.restore(snapshot)
+        return logits.view(batch, size, -1)[:, 1:]
+
+    def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
+                    want: int) -> list[list[tuple[int, float]]]:
+        """Per draft position after the forced ones: the draft's ``topk`` best (token, log-prob),
+        best first; under a grammar only tokens it allows after the chain of best tokens before
+        (renormalised over them). Stops where nothing is allowed (the grammar has ended), at the
+        block's end or at ``want`` positions."""
+        out = list(forced)
+        hot = self.draft.hot_token_ids
+        vocab = torch.arange(logits.shape[-1]) if hot is None else hot.cpu()  # target id of each column
+        while len(out) < min(want, logits.shape[0]):
+            row = logits[len(out)]
+            if guide is not None:
+                chain = [c[0][0] for c in out]
+                allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(row.device)
+                if not bool(allowed.any()):
+                    break
+                row = row.masked_fill(~allowed, float("-inf"))
+            logp, cols = torch.log_softmax(row, -1).topk(min(self.topk, row.shape[-1]))
+            keep = torch.isfinite(logp)  # fewer legal tokens than topk
+            out.append(list(zip(self.draft.hot_to_full(cols[keep]).tolist(), logp[keep].tolist())))
+        return out
+
+
+def _tree(root: int, candidates: list[list[tuple[int, float]]], budget: int) -> DraftTree:
+    """The draft tree of a block: a spine of each position's best token, and each position's other
+    candidates as leaves beside the spine node there (a block position's prediction does not
+    depend on the tokens before it, so an alternative has no drafted continuation of its own).
+    Nodes are ranked by path log-probability and the best ``budget - 1`` kept; a parent's score is
+    at least its child's and, on a tie, its depth is less, so the ranked list keeps parents first.
+    With one candidate per position this is the chain of the spine."""
+    nodes = []  # (score, depth, rank, token, parent key); key of spine node i: i + 1, the root: 0
+    spine_score = 0.0
+    for i, options in enumerate(candidates):
+        for rank, (token, logp) in enumerate(options):
+            nodes.append((-(spine_score + logp), i, rank, token, i))
+        spine_score += options[0][1]
+    nodes.sort()
+    kept = nodes[:max(0, budget - 1)]
+    index = {0: 0}  # parent key -> node index in the tree
+    tokens, parents = [root], [-1]
+    for _, depth, rank, token, parent_key in kept:
+        tokens.append(token)
+        parents.append(index[parent_key])
+        if rank == 0:
+            index[depth + 1] = len(tokens) - 1
+    return tokens, parents

@@ -1,0 +1,183 @@
+"""``python -m specjet.train dflash``: train a DFlash block draft for a target model on CPU.
+
+The EAGLE trainer's pipeline (train/eagle.py), stage for stage, each cached so a rerun skips what is
+done:
+  1. data      the same samples (target replies in chat and few-shot form, reference solutions, JSON
+               instances, ``--extra-jsonl``), by default from the EAGLE trainer's own data cache, so
+               the slow generation is shared (``--data-dir``);
+  2. features  the target's residual stream after ``--target-layers`` and its final normed hidden
+               state at every position (the draft's context), fp16 shards;
+  3. train     random anchors per sequence, many isolated blocks per forward, position-weighted
+               block cross-entropy (train/dflash_trainer.py);
+  4. evaluate  greedy chain acceptance on held-out target replies, per block cut;
+  5. save      the draft (its own weights, fp16) and a config.json with this run's summary.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+from specjet.train.eagle import _gguf_name, add_data_arguments, collect_samples, default_threads, describe, fingerprint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specjet.train dflash", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--work-dir", type=pathlib.Path, default=None,
+                   help="cache for features and checkpoints (default: <specjet cache>/train/dflash-<model>)")
+    p.add_argument("--data-dir", type=pathlib.Path, default=None,
+                   help="cache of the generated target replies (default: the EAGLE trainer's, "
+                        "<specjet cache>/train/eagle-<model>/data)")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="where to write the draft (default: <work-dir>/draft)")
+    add_data_arguments(p)
+    model = p.add_argument_group("draft and training")
+    model.add_argument("--num-layers", type=int, default=2, help="draft decoder layers")
+    model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
+    model.add_argument("--target-layers", type=int, nargs="*", default=None,
+                       help="target layers whose residual stream the context reads (default: 5 spread over 1 .. L-3)")
+    model.add_argument("--block-size", type=int, default=16, help="block tokens, root included")
+    model.add_argument("--mask-token-id", type=int, default=None,
+                       help="id standing for a mask token in a block (default: the vocabulary's last id; its "
+                            "embedding is learned, the id only labels block positions)")
+    model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="dtype of the target whose features the draft learns from")
+    model.add_argument("--steps", type=int, default=600)
+    model.add_argument("--batch-tokens", type=int, default=2048)
+    model.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept before each reply")
+    model.add_argument("--blocks-per-seq", type=int, default=16, help="random anchors per sequence per step")
+    model.add_argument("--decay", type=float, default=7.0, help="loss weight of block position k: exp(-(k-1)/decay)")
+    model.add_argument("--window", type=int, default=None, help="context positions a block sees (default: all)")
+    model.add_argument("--labels", default="target", choices=["target", "sequence"],
+                       help="what a block position learns: the target's greedy token after the text's prefix "
+                            "(the same as the text on the target's own replies), or the text's token")
+    model.add_argument("--lr", type=float, default=1e-3)
+    model.add_argument("--warmup-steps", type=int, default=30)
+    model.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores not busy with other work, at least 1)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads or default_threads())
+    print(f"specjet.train dflash: {torch.get_num_threads()} torch thread(s)")
+    summary = run(args)
+    print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.dflash import DFlashDraftModel, DFlashShape, default_target_layers, save_dflash
+    from specjet.models.forward_batch import FeatureLayers
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict, resolve_model_path, specjet_cache_dir
+    from specjet.train import data as D
+    from specjet.train.dflash_trainer import DFlashTrainConfig, evaluate, format_report, train
+    from specjet.train.features import extract_features, load_sequences
+
+    model_dir = resolve_model_path(args.model_path)
+    work = args.work_dir or specjet_cache_dir() / "train" / f"dflash-{model_dir.name}"
+    data_dir = args.data_dir or specjet_cache_dir() / "train" / f"eagle-{model_dir.name}" / "data"
+    out = args.out or work / "draft"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)
+    mask_id = config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
+    shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+
+    # ---- 1. data (the EAGLE trainer's samples and cache)
+    t0 = time.perf_counter()
+    train_samples, eval_samples = collect_samples(args, tokenizer, data_dir)
+    timings["data"] = round(time.perf_counter() - t0, 1)
+    for name, samples in (("train", train_samples), ("eval", eval_samples)):
+        print(f"{name}: {describe(samples)}")
+
+    # ---- 2. features: the draft's context at every position
+    state_dict = load_state_dict(model_dir)
+    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    feature_runner = runner if args.feature_dtype == "float32" else ModelRunner(
+        config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    tag = "-L" + "-".join(map(str, target_layers)) + ("" if args.feature_dtype == "float32" else f"-{args.feature_dtype}")
+    train_dir = work / "features" / f"train-{fingerprint(train_samples)}{tag}"
+    eval_dir = work / "features" / f"eval-{fingerprint(eval_samples)}{tag}"
+    capture = FeatureLayers(target_layers)
+    timings["features"] = round(
+        extract_features(feature_runner, train_samples, train_dir, "features (train)", capture=capture)
+        + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
+    del feature_runner
+    train_seqs, eval_seqs = load_sequences(train_dir), load_sequences(eval_dir)
+
+    # ---- 3. train (fp32, against the fp32 target's embedding and LM head)
+    eos = tuple(config.eos_token_ids) + (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),)
+    hot = D.hot_token_ids(train_samples, args.hot_vocab, config.vocab_size, eos) if args.hot_vocab else None
+    if hot is not None:
+        print(f"hot vocabulary: {len(hot)} ids, covering {D.coverage(eval_samples, hot):.2%} of held-out reply tokens")
+    target = runner.model
+    target.requires_grad_(False)
+    target.lm_head.packed = None  # the packed matmul has no backward; the draft's logits train through it
+    torch.manual_seed(args.seed)
+    draft = DFlashDraftModel(config, shape, hot_token_ids=hot).bind_target(target)
+    cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt,
+                            blocks_per_seq=args.blocks_per_seq, decay=args.decay, window=args.window,
+                            labels=args.labels, lr=args.lr,
+                            warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every)
+    run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape),
+                                         args.hot_vocab]).encode()).hexdigest()[:12]
+    t0 = time.perf_counter()
+    result = train(draft, train_seqs, cfg, train_dir / f"checkpoint-dflash-{run_key}.pt")
+    timings["train"] = round(time.perf_counter() - t0, 1)
+    print(f"training: {result['steps']} steps, first step {result['first']}, last steps (mean) {result['final']}")
+
+    # ---- 4. evaluate
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        report = evaluate(draft, eval_seqs, args.window)
+    timings["evaluate"] = round(time.perf_counter() - t0, 1)
+    if report:
+        print(format_report(report))
+
+    # ---- 5. save
+    timings["total"] = round(time.perf_counter() - started, 1)
+    summary = {
+        "command": "python -m specjet.train dflash " + " ".join(_argv_for_summary(args, target_layers, mask_id)),
+        "data": {"train": describe(train_samples), "eval": describe(eval_samples)},
+        "hot_vocab_coverage_eval": round(D.coverage(eval_samples, hot), 4) if hot is not None else 1.0,
+        "steps": result["steps"],
+        "final": result["final"],
+        "first": result["first"],
+        "train_config": result["config"],
+        "eval": report,
+        "timings_s": timings,
+        "torch_threads": torch.get_num_threads(),
+    }
+    save_dflash(draft, out, target_gguf=_gguf_name(args.model_path), training=summary)
+    print(f"wrote {out}")
+    return summary
+
+
+def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
+    """The flags that change the result (paths left out: they differ between machines)."""
+    flags = []
+    for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
+                "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
+                "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr",
+                "warmup_steps",
+                "generate_dtype", "feature_dtype", "seed"):
+        flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return flags + ["--mask-token-id", str(mask_id), "--target-layers", *map(str, target_layers)]

@@ -1,0 +1,242 @@
+"""The DFlash training loop and its held-out acceptance measure.
+
+Each step takes a batch of sequences (target features at every position, as for EAGLE) and draws
+``blocks_per_seq`` random anchors per sequence among its reply positions. An anchor a is a block
+root: the draft sees the target's context before a and the block [x_a, mask, ...], and is scored on
+x_{a+1} .. x_{a+S-1}, exactly the drafting situation after the target has committed x_a. All of a
+sequence's blocks run in one forward (``DFlashDraftModel.forward_train``: each block attends to its
+own context and itself only), so one forward trains many blocks.
+
+Loss: cross-entropy of block position k (1-based) against its label, weighted by
+exp(-(k - 1) / decay) and normalised (DFlash's weighting): an early position counts more, because
+a chain is accepted only up to its first miss, so a later position's token is worth something only
+if everything before it was right. The label (``labels="target"``) is the target's own greedy
+choice after the sequence's prefix, the argmax of its LM head over the final normed hidden state
+the features end with: on the target's replies that is the sequence's token, on reference text
+(written by people, not the target) it is what greedy verification will accept there.
+``labels="sequence"`` trains on the sequence's tokens as they are.
+
+Seeded and resumable as the EAGLE trainer (whose batching, schedule and checkpoints this reuses):
+batches and anchors are fixed by the seed, a checkpoint holds the anchor generator's state.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from specjet.models.dflash import DFlashDraftModel
+from specjet.train.features import Sequence
+from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at
+
+
+@dataclass
+class DFlashTrainConfig:
+    steps: int = 600
+    batch_tokens: int = 2048  # padded tokens per step
+    max_prompt: int = 256  # prompt tokens kept before each reply (trainer.crop_prompt)
+    blocks_per_seq: int = 16  # random anchors per sequence per step
+    decay: float = 7.0  # loss weight of block position k: exp(-(k - 1) / decay)
+    window: int | None = None  # context positions a block sees (None: all before its root)
+    labels: str = "target"  # "target": the target's greedy token after the prefix; "sequence": the text's
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 100
+
+
+def sample_anchors(seqs: list[Sequence], count: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, count] anchors: distinct random reply positions a with a token after them (prompt_len <=
+    a <= len - 2); -1 pads a sequence with fewer."""
+    out = torch.full((len(seqs), count), -1, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        first, last = max(s.prompt_len, 0), len(s.ids) - 2
+        if last < first:
+            continue
+        choices = torch.randperm(last - first + 1, generator=generator)[:count] + first
+        out[i, :len(choices)] = choices.sort().values
+    return out
+
+
+def collate(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, L], float32 features [B, L, F] and lengths [B]."""
+    max_len = max(len(s.ids) for s in seqs)
+    ids = torch.zeros(len(seqs), max_len, dtype=torch.int64)
+    feats = torch.zeros(len(seqs), max_len, seqs[0].features.shape[1])
+    for i, s in enumerate(seqs):
+        ids[i, :len(s.ids)] = s.ids
+        feats[i, :len(s.ids)] = s.features.float()
+    return ids, feats, torch.tensor([len(s.ids) for s in seqs])
+
+
+def block_labels(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets of block positions 1..S-1: (labels [B, A, S - 1], valid [B, A, S - 1]); a position past
+    the sequence's end or of a padded anchor is not valid."""
+    pos = anchors[:, :, None] + torch.arange(1, block_size)  # [B, A, S - 1]
+    valid = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
+    labels = ids.gather(1, pos.clamp(0, ids.shape[1] - 1).reshape(ids.shape[0], -1)).view_as(pos)
+    return labels, valid
+
+
+@torch.no_grad()
+def target_greedy_ids(model: DFlashDraftModel, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """[B, L] ids whose position t holds the target's greedy token at t (after the prefix ids[:t]):
+    the argmax of its LM head over the final normed hidden state at t - 1 (the last h columns of
+    the features). Position 0 keeps ids[:, 0] (nothing predicts it)."""
+    h = model.config.hidden_size
+    out = ids.clone()
+    out[:, 1:] = model.target_logits(feats[:, :-1, -h:].to(model.mask_embedding.dtype)).argmax(-1)
+    return out
+
+
+def to_columns(model: DFlashDraftModel, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids -> columns of the draft's logits; with a hot head a label outside the hot
+    vocabulary cannot be drafted and is not scored."""
+    hot = model.hot_token_ids
+    if hot is None:
+        return labels, valid
+    lookup = torch.full((model.config.vocab_size,), -1, dtype=torch.int64, device=labels.device)
+    lookup[hot.to(labels.device)] = torch.arange(hot.shape[0], device=labels.device)
+    cols = lookup[labels]
+    return cols.clamp(min=0), valid & (cols >= 0)
+
+
+def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlashTrainConfig) -> dict:
+    """Weighted block cross-entropy (the total, differentiable), the top-1 agreement of block
+    position 1 and the mean accepted chain length of the batch's blocks (greedy, +1 bonus)."""
+    size = model.shape.block_size
+    logits = model.forward_train(ids, feats, anchors, cfg.window)  # [B, A, S - 1, V]
+    if cfg.labels not in ("target", "sequence"):
+        raise ValueError(f"labels must be 'target' or 'sequence', got {cfg.labels!r}")
+    source = target_greedy_ids(model, ids, feats) if cfg.labels == "target" else ids
+    labels, valid = block_labels(source, lengths, anchors, size)
+    labels, valid = to_columns(model, labels, valid)
+    weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay)[None, None, :] * valid
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
+    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        hits = (logits.argmax(-1) == labels) & valid
+        real = anchors >= 0
+        top1 = hits[:, :, 0][real].float().mean()
+        accept = 1 + hits.long().cumprod(-1).sum(-1)[real].float().mean()
+    return {"loss": loss, "top1": top1, "accept_length": accept}
+
+
+def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig, checkpoint) -> dict:
+    """Train ``model`` in place (bound to its target, whose LM head is unpacked). Returns a summary
+    with the mean values of the last tenth of the steps (at most 50)."""
+    torch.manual_seed(cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    step, history = 0, []
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
+                             "delete it (or the work dir) to start over")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        anchor_gen.set_state(state["noise_generator"])
+        step, history = state["step"], state["history"]
+        print(f"resuming from step {step} ({checkpoint})")
+
+    seqs = [crop_prompt(s, cfg.max_prompt) for s in seqs]
+    groups = length_groups([len(s.ids) for s in seqs], cfg.batch_tokens)
+    model.train()
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc="train dflash", unit="step")
+    order, epoch = None, -1
+    while step < cfg.steps:
+        if step // len(groups) != epoch:
+            # Each epoch's order is fixed by (seed, epoch), so a resumed run sees the same batches.
+            epoch = step // len(groups)
+            order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        batch = [seqs[i] for i in groups[int(order[step % len(groups)])]]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        anchors = sample_anchors(batch, cfg.blocks_per_seq, anchor_gen)
+        losses = batch_loss(model, *collate(batch), anchors, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
+        mean = _mean(history[-50:])
+        bar.update()
+        bar.set_postfix(loss=f"{mean['loss']:.3f}", top1=f"{mean['top1']:.3f}", accept=f"{mean['accept_length']:.2f}")
+        if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            _save_checkpoint(checkpoint, model, optimizer, anchor_gen, step, history, cfg)
+    bar.close()
+    model.eval()
+    recent = history[-max(1, min(50, cfg.steps // 10)):]
+    return {
+        "steps": cfg.steps,
+        "final": {k: round(v, 4) for k, v in _mean(recent).items()},
+        "first": history[0] if history else {},
+        "seconds_this_run": round(time.perf_counter() - start, 1),
+        "config": asdict(cfg),
+    }
+
+
+@torch.no_grad()
+def draft_every_position(model: DFlashDraftModel, seq: Sequence, window: int | None = None, chunk: int = 32
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy block drafts at every reply anchor of ``seq`` (the whole prompt as context): (drafts
+    [N, S - 1], accepted [N]: how many leading drafts equal the sequence's next tokens)."""
+    ids, feats = seq.ids[None], seq.features.float()[None]
+    lengths = torch.tensor([len(seq.ids)])
+    first, last = max(seq.prompt_len, 0), len(seq.ids) - 2
+    all_drafts, all_accepted = [], []
+    for lo in range(first, last + 1, chunk):
+        anchors = torch.arange(lo, min(lo + chunk, last + 1))[None]
+        drafts = model.hot_to_full(model.forward_train(ids, feats, anchors, window).argmax(-1))  # [1, A, S - 1]
+        labels, valid = block_labels(ids, lengths, anchors, model.shape.block_size)
+        all_drafts.append(drafts[0])
+        all_accepted.append(((drafts == labels) & valid).long().cumprod(-1).sum(-1)[0])
+    if not all_drafts:
+        return torch.zeros(0, model.shape.block_size - 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(all_drafts), torch.cat(all_accepted)
+
+
+def evaluate(model: DFlashDraftModel, seqs: list[Sequence], window: int | None = None) -> dict:
+    """Held-out acceptance of greedy chain drafting, per source and overall: the mean accept length
+    (accepted drafts + the bonus) for chains cut at k tokens, k = 1, 2, 4, 8, .. S - 1, and the top-1
+    agreement of block position 1."""
+    size = model.shape.block_size
+    cuts = sorted({k for k in (1, 2, 4, 8, 16, 32) if k < size} | {size - 1})
+    per_source: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for seq in seqs:
+        per_source.setdefault(seq.source, []).append(draft_every_position(model, seq, window))
+    per_source["all"] = [r for rs in per_source.values() for r in rs]
+    report = {}
+    for source, results in per_source.items():
+        accepted = torch.cat([a for _, a in results])
+        if accepted.numel() == 0:
+            continue
+        report[source] = {
+            "positions": int(accepted.numel()),
+            "accept_length": {k: round(float(1 + accepted.clamp(max=k).float().mean()), 3) for k in cuts},
+            "top1": round(float((accepted > 0).float().mean()), 4),
+        }
+    return report
+
+
+def format_report(report: dict) -> str:
+    cuts = list(next(iter(report.values()))["accept_length"])
+    lines = ["expected accept length of DFlash chains (greedy; block cut at k drafts; +1 bonus token)",
+             f"{'held-out set':<14}{'positions':>10}{'top-1':>8}  " + "".join(f"{'k=' + str(k):>8}" for k in cuts)]
+    for source, r in report.items():
+        lines.append(f"{source:<14}{r['positions']:>10}{r['top1']:>8.3f}  "
+                     + "".join(f"{r['accept_length'][k]:>8.3f}" for k in cuts))
+    return "\n".join(lines)
+

@@ -1,0 +1,217 @@
+"""The DFlash draft model against a plain dense implementation written here (KV injection: Q from the
+block, K/V from [context ; block], the block non-causal; RoPE, GQA, norms): the paged drafting path
+(context K/V written at scattered slots after prefill, in chunks and after a verify-like extend, then
+one block forward in scratch slots, with and without a context window) and the training forward
+(many isolated blocks per sequence) give the oracle's logits. Checkpoints round-trip; the default
+target layers spread over the stack."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_harness import OneRequest, load_runner
+from specjet.models.dflash import (DFlashDraftModel, DFlashShape, default_target_layers, load_dflash,
+                                   read_dflash_config, save_dflash)
+from specjet.scheduler.memory_pool import TokenToKVPoolAllocator
+from specjet.spec_v2.dflash_drafter import DFlashDrafter
+from specjet.spec_v2.drafter import SpecInput
+
+BLOCK = 5
+MASK_ID = 7
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return load_runner(tiny_model_dir, tokens=512)
+
+
+def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID), hot_token_ids=hot)
+    draft.reset_parameters(std=0.2)
+    with torch.no_grad():  # norms away from 1, so a missing or misplaced norm shows
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        draft.mask_embedding.normal_(0, 1.0)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def features(runner):
+    """A 23-token prompt's target features (FeatureLayers capture of layer 0 and the final state)."""
+    ids = torch.randint(0, 2000, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    req = OneRequest(runner)
+    from specjet.models.forward_batch import FeatureLayers
+
+    out = req.extend(ids, capture=FeatureLayers((0,)))
+    return ids, out.hidden.float().clone()  # a normal tensor (the forward ran in inference mode)
+
+
+# ---------------------------------------------------------------- the oracle
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, positions, theta):
+    """x [T, H, D] rotated by the standard (Neox, rotate-half) RoPE at ``positions``."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double()[:, None] * inv[None, :]
+    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, root, root_pos) -> torch.Tensor:
+    """The block [root, mask, ...] at root_pos.. attending to every given context position and to
+    all of itself, written out with plain tensor ops: logits [S - 1, vocab] of positions 1..S-1."""
+    cfg = runner.config
+    hf = cfg.hf_config
+    eps = cfg.rms_norm_eps
+    theta = getattr(hf, "rope_theta", None) or (getattr(hf, "rope_parameters", None) or {})["rope_theta"]
+    H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    P = {n: p.detach().float() for n, p in draft.named_parameters()}
+    size = draft.shape.block_size
+    c = rms(feats @ P["fc.weight_t"], P["hidden_norm.weight"], eps)
+    embed = runner.model.embed_tokens.weight.detach().float()
+    x = torch.stack([embed[root]] + [P["mask_embedding"]] * (size - 1))
+    blk_pos = torch.arange(root_pos, root_pos + size)
+    for i in range(draft.shape.num_layers):
+        pre = f"layers.{i}."
+        w = P[pre + "self_attn.qkv_proj.weight_t"]
+        wq, wk, wv = w[:, :H * D], w[:, H * D:(H + KV) * D], w[:, (H + KV) * D:]
+        hn = rms(x, P[pre + "input_layernorm.weight"], eps)
+        q = rope((hn @ wq).view(size, H, D), blk_pos, theta)
+        k = torch.cat([rope((c @ wk).view(-1, KV, D), ctx_positions, theta), rope((hn @ wk).view(size, KV, D), blk_pos, theta)])
+        v = torch.cat([(c @ wv).view(-1, KV, D), (hn @ wv).view(size, KV, D)])
+        heads = []
+        for h in range(H):
+            g = h // (H // KV)  # query head h reads kv head g
+            scores = (q[:, h] @ k[:, g].T) / math.sqrt(D)  # no mask: the block sees all of it
+            heads.append(torch.softmax(scores, -1) @ v[:, g])
+        x = x + torch.cat(heads, -1) @ P[pre + "self_attn.o_proj.weight_t"]
+        hn = rms(x, P[pre + "post_attention_layernorm.weight"], eps)
+        gate, up = (hn @ P[pre + "mlp.gate_up_proj.weight_t"]).chunk(2, -1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ P[pre + "mlp.down_proj.weight_t"]
+    x = rms(x, P["norm.weight"], eps)
+    return (x @ runner.model.lm_head.weight_t.detach().float())[1:]
+
+
+# ---------------------------------------------------------------- paged drafting vs the oracle
+def scattered_table(num_positions, seed=0):
+    """One request's row: positions on shuffled slots 1..num_positions (slot 0 is padding)."""
+    slots = torch.randperm(num_positions, generator=torch.Generator().manual_seed(seed)) + 1
+    return slots[None, :].clone()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_block_forward_equals_the_dense_oracle(runner, features, window):
+    ids, feats = features
+    draft = random_draft(runner.config)
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    drafter = DFlashDrafter(runner, draft, BLOCK, window, allocator)
+    n = len(ids)
+    # Let the allocator own the request's slots so the scratch block gets others.
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    row_slots = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + 8)
+    table[1, : n + 8] = row_slots[torch.randperm(n + 8, generator=torch.Generator().manual_seed(1))]
+    # The prompt arrives in two prefill chunks (the second starts at committed_len 9).
+    drafter.after_prefill([SpecInput("r", 1, 0, ids[:9], 0)], feats[:9], [ids[9]], table)
+    drafter.after_prefill([SpecInput("r", 1, 9, ids, 0)], feats[9:], [11], table)
+    root = 11
+    before = allocator.num_free_slots
+    logits = drafter.draft_blocks([SpecInput("r", 1, n, ids + [root], 8)], table)[0]
+    assert allocator.num_free_slots == before  # the scratch block went back
+    first = 0 if window is None else n - window
+    expected = dense_block_logits(draft, runner, feats[first:], torch.arange(first, n), root, n)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    # A batch of two requests (the second with a shorter context) gives each its own logits.
+    table[0, :12] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, 12)
+    drafter.after_prefill([SpecInput("s", 0, 0, ids[:12], 0)], feats[:12], [5], table)
+    both = drafter.draft_blocks([SpecInput("s", 0, 12, ids[:12] + [5], 8), SpecInput("r", 1, n, ids + [root], 8)],
+                                table)
+    torch.testing.assert_close(both[1], logits, rtol=1e-4, atol=1e-4)
+    first_s = 0 if window is None else 12 - window
+    torch.testing.assert_close(both[0], dense_block_logits(draft, runner, feats[first_s:12], torch.arange(first_s, 12),
+                                                           5, 12), rtol=1e-4, atol=1e-4)
+
+
+def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tmp_path):
+    """A hot head: the block's logits are the full head's at the hot ids, the drafter's candidates
+    are target ids, and the hot ids survive a checkpoint."""
+    ids, feats = features
+    hot = torch.arange(3, runner.config.vocab_size, 7)
+    draft = random_draft(runner.config, hot=hot)
+    save_dflash(draft, tmp_path / "hot", dtype=torch.float32)
+    draft = load_dflash(tmp_path / "hot", runner.config)
+    assert torch.equal(draft.hot_token_ids, hot) and read_dflash_config(tmp_path / "hot")["hot_vocab_size"] == len(hot)
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    drafter = DFlashDrafter(runner, draft, BLOCK, None, allocator, topk=2)
+    n = len(ids)
+    table = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + 8)[None, :]
+    drafter.after_prefill([SpecInput("r", 0, 0, ids, 0)], feats, [11], table)
+    logits = drafter.draft_blocks([SpecInput("r", 0, n, ids + [11], 8)], table)[0]
+    expected = dense_block_logits(draft, runner, feats, torch.arange(n), 11, n)
+    torch.testing.assert_close(logits, expected[:, hot], rtol=1e-4, atol=1e-4)
+    candidates = drafter._candidates(None, [], logits, BLOCK - 1)
+    best = expected[:, hot].topk(2, dim=-1).indices
+    assert [[t for t, _ in c] for c in candidates] == hot[best].tolist()
+
+
+def test_training_forward_equals_the_dense_oracle(runner, features):
+    """Three blocks of one sequence (and a padded slot) in one training forward, each isolated:
+    block j sees the context before its root (or the last ``window``) and itself only."""
+    ids, feats = features
+    draft = random_draft(runner.config, num_layers=1, seed=2).bind_target(runner.model)
+    anchors = torch.tensor([[4, 17, -1, 10]])
+    for window in (None, 5):
+        with torch.no_grad():
+            logits = draft.forward_train(torch.tensor([ids]), feats[None], anchors, window=window)
+        assert logits.shape == (1, 4, BLOCK - 1, runner.config.vocab_size)
+        for j, a in enumerate(anchors[0].tolist()):
+            if a < 0:
+                continue
+            first = 0 if window is None else max(0, a - window)
+            expected = dense_block_logits(draft, runner, feats[first:a], torch.arange(first, a), ids[a], a)
+            torch.testing.assert_close(logits[0, j], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_round_trip(runner, tmp_path):
+    draft = random_draft(runner.config)
+    save_dflash(draft, tmp_path / "d", training={"steps": 3}, dtype=torch.float32)
+    meta = read_dflash_config(tmp_path / "d")
+    assert (meta["num_layers"], meta["target_layers"], meta["block_size"], meta["mask_token_id"]) == (2, [0], BLOCK, MASK_ID)
+    assert meta["training"] == {"steps": 3} and meta["target"]["num_layers"] == runner.config.num_layers
+    loaded = load_dflash(tmp_path / "d", runner.config)
+    for (name, p), q in zip(draft.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(FileNotFoundError):
+        read_dflash_config(tmp_path / "nothing")
+
+
+def test_default_target_layers_spread_over_the_stack():
+    spread = default_target_layers(30, 5)
+    assert len(spread) == 5 and spread[0] == 1 and spread[-1] == 27  # 1 .. L - 3, evenly
+    assert all(6 <= b - a <= 7 for a, b in zip(spread, spread[1:]))
+    assert default_target_layers(36, 1) == (1,)
+    assert default_target_layers(2, 3) == (0,)  # a 2-layer target has one layer below its last
+    for n in (4, 12, 30):
+        layers = default_target_layers(n, 4)
+        assert all(0 <= i < n - 1 for i in layers) and list(layers) == sorted(set(layers))
+
+
+def test_block_tree_ranks_paths_and_keeps_parents_first():
+    """Per-position candidates -> a tree: the spine of best tokens, runners-up beside it, the
+    best budget - 1 nodes by path log-probability (worked out by hand)."""
+    from specjet.spec_v2.dflash_drafter import _tree
+
+    candidates = [[(10, -0.1), (11, -1.0)], [(20, -0.2), (21, -0.5)], [(30, -3.0)]]
+    # path scores: 10: -0.1, 11: -1.0, 20: -0.3, 21: -0.6, 30: -3.3
+    assert _tree(1, candidates, 5) == ([1, 10, 20, 21, 11], [-1, 0, 1, 1, 0])
+    assert _tree(1, candidates, 9) == ([1, 10, 20, 21, 11, 30], [-1, 0, 1, 1, 0, 2])
+    assert _tree(1, candidates, 1) == ([1], [-1])
+    chain = [[(5, 0.0)], [(6, -0.2)], [(7, -0.1)]]  # one candidate each: the chain
+    assert _tree(1, chain, 16) == ([1, 5, 6, 7], [-1, 0, 1, 2])

@@ -1,0 +1,203 @@
+"""DFLASH speculative decoding is lossless whatever the draft: exact token ids against the plain path
+for mixed batches, page sizes 1 and 16, block sizes 4 / 8 / 16, a context window, the overlap loop
+on and off, cuts by max_new_tokens and stop strings mid-block, retraction; the target's
+distribution under sampling; constrained requests (grammar-aware drafting on and off) against plain
+constrained decoding, every output valid; the KV invariant after every workload.
+
+Two drafts on a tiny cyclic target (its greedy output repeats a token for long runs): a random one
+(always wrong) and a hand-built "copy" draft that predicts the root at every block position, so
+whole blocks are accepted and the accepted-context path (draft KV from the verify's features) and
+the cuts inside a block are exercised."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import specjet
+from conftest import make_tiny_model_dir
+from specjet.models.config import ModelConfig
+from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
+from test_spec_eagle import PROMPTS, greedy
+from test_spec_grammar import MIXED, check_valid
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cyclic"), default_model_dir, weight_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    return [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40))]
+
+
+def _config(model_dir) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(tmp_path_factory, tiny_model_dir):
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 16, 0))
+    draft.reset_parameters(std=0.3)
+    return save_dflash(draft, tmp_path_factory.mktemp("wrong-dflash"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def copy_draft(tmp_path_factory, tiny_model_dir):
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def copy_draft_hot(tmp_path_factory, tiny_model_dir, expected):
+    """The copy draft with a hot vocabulary of the tokens the target says (and a few more)."""
+    hot = torch.tensor(sorted({t for ids in expected for t in ids} | {0, 1, 2}))
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash-hot"), tiny_model_dir, hot)
+
+
+def make_copy_draft(path, tiny_model_dir, hot=None):
+    """Every block position predicts the root. With the context, the mask embedding and every query
+    zero, attention is uniform and only the root's value is non-zero, so each mask position gets
+    the root's normed embedding, half of its coordinates per layer (a value is half as wide as the
+    hidden state here); the tied LM head then ranks the root first."""
+    cfg = _config(tiny_model_dir)
+    draft = DFlashDraftModel(cfg, DFlashShape(2, (0,), 16, 0), hot_token_ids=hot)
+    d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    group = cfg.num_heads // cfg.num_kv_heads
+    assert kv * 2 == cfg.hidden_size
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("weight_t") or name == "mask_embedding":
+                p.zero_()
+        for layer_id, layer in enumerate(draft.layers):
+            qkv, o = layer.self_attn.qkv_proj.weight_t, layer.self_attn.o_proj.weight_t
+            for i in range(kv):  # v = this layer's half of the input
+                qkv[layer_id * kv + i, q + kv + i] = 1.0
+            for g in range(cfg.num_kv_heads):  # the first query head of each group writes it back
+                for j in range(d):
+                    o[g * group * d + j, layer_id * kv + g * d + j] = 1.0
+    return save_dflash(draft, path, dtype=torch.float32)
+
+
+def dflash_engine(model_dir, draft, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    return specjet.Engine(model_path=str(model_dir), speculative_algorithm="DFLASH",
+                          speculative_draft_model_path=str(draft), **kw)
+
+
+@pytest.mark.parametrize("draft_name,page_size,block,overlap,window,topk", [
+    ("copy", 1, 4, True, None, 1), ("copy", 16, 8, True, None, 1), ("copy", 1, 16, False, None, 1),
+    ("copy", 16, 16, True, 3, 1), ("wrong", 16, 8, False, None, 1), ("wrong", 1, 16, True, 5, 1),
+    ("copy", 16, 8, True, None, 3), ("wrong", 1, 8, True, None, 4), ("copy-hot", 1, 8, True, None, 2)])
+def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_draft, expected, draft_name, page_size,
+                             block, overlap, window, topk):
+    """topk > 1: trees (each block position's runners-up beside the chain), verified as any tree;
+    copy-hot: a draft with a hot vocabulary."""
+    draft = {"copy": copy_draft, "copy-hot": copy_draft_hot, "wrong": wrong_draft}[draft_name]
+    with dflash_engine(tiny_model_dir, draft, page_size=page_size, speculative_num_draft_tokens=block,
+                       disable_overlap_schedule=not overlap, speculative_dflash_draft_window_size=window,
+                       speculative_eagle_topk=topk) as eng:
+        outs = eng.generate(PROMPTS, greedy(40))
+        alone = eng.generate(PROMPTS[2], greedy(40))
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert alone["output_ids"] == expected[2]
+    if draft_name.startswith("copy"):  # whole runs of a block are accepted (a tree's spine is shorter)
+        assert stats["spec_accepted_tokens"] > min(block // topk, 4) / 2 * stats["spec_verify_ct"], stats
+    else:
+        assert stats["spec_accepted_tokens"] < 1.2 * stats["spec_verify_ct"], stats
+
+
+def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_dir, wrong_draft, expected):
+    """speculative_hybrid_ngram_tokens with DFLASH: an always-wrong draft alone commits one token per
+    verify; with the request's n-gram path merged in it commits more on this cyclic target."""
+    from bench.engine_info import describe_engine, spec_str
+
+    accept = {}
+    for extra in (0, 4):
+        with dflash_engine(tiny_model_dir, wrong_draft, speculative_num_draft_tokens=8,
+                           speculative_hybrid_ngram_tokens=extra) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+            if extra:
+                assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1 + 4 n-gram nodes"
+        assert [o["output_ids"] for o in outs] == expected
+        accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+    assert accept[0] < 1.2 and accept[4] > 1.5, accept
+
+
+def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
+    text = plain.generate(PROMPTS[0], greedy(40))["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    ref_stop = plain.generate(PROMPTS[0], greedy(40, stop=[stop]))
+    from bench.engine_info import describe_engine, spec_str
+
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8) as eng:
+        assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1"
+        for n in (1, 2, 5, 11):  # budgets that end inside a block
+            assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]
+        out = eng.generate(PROMPTS[0], greedy(40, stop=[stop]))
+        assert out["output_ids"] == ref_stop["output_ids"] and out["text"] == ref_stop["text"]
+        eng.check_kv_invariant()
+    with dflash_engine(tiny_model_dir, copy_draft, max_total_tokens=320, page_size=16,
+                       speculative_num_draft_tokens=8) as small:
+        outs = small.generate(PROMPTS * 2, greedy(40))
+        small.check_kv_invariant()
+        assert small.get_server_info()["stats"]["retractions"] > 0
+    assert [o["output_ids"] for o in outs] == expected * 2
+
+
+def test_sampling_matches_the_target_distribution(tiny_model_dir, copy_draft):
+    from test_spec_ngram import exact_two_token_distribution
+
+    """1000 seeded draws of three tokens: the (t1, t2) histogram is within a small total variation of
+    the exact top-k distribution (HF transformers). The copy draft proposes t2 = t1, which the
+    target gives only part of the time: a sampler that took drafts too readily would fail."""
+    prompt = PROMPTS[0]
+    n = 1000
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=4, dtype="float32") as eng:
+        ids = eng.tokenizer(prompt)["input_ids"]
+        params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
+                  for s in range(n)]
+        outs = eng.generate([prompt] * n, params)
+        eng.check_kv_invariant()
+    accepted = sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs)
+    exact = exact_two_token_distribution(tiny_model_dir, ids, top_k=3)
+    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.07, tv
+    assert accepted > n // 20
+
+
+@pytest.mark.parametrize("draft_name,topk", [("copy", 1), ("wrong", 1), ("wrong", 3), ("copy-hot", 2)])
+def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, copy_draft_hot, wrong_draft, plain,
+                                              draft_name, topk):
+    """copy-hot: its hot vocabulary holds few if any tokens a schema allows, so past the forced chain
+    a block position often has no legal hot token and the chain ends there: still the plain ids."""
+    draft = {"copy": copy_draft, "copy-hot": copy_draft_hot, "wrong": wrong_draft}[draft_name]
+    ref = plain.generate(PROMPTS[:4], MIXED)
+    check_valid(ref, MIXED)
+    accept = {}
+    for aware in (True, False):
+        with dflash_engine(tiny_model_dir, draft, speculative_num_draft_tokens=8, page_size=16,
+                           speculative_grammar_aware=aware, speculative_eagle_topk=topk) as eng:
+            outs = eng.generate(PROMPTS[:4], MIXED)
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref], aware
+        check_valid(outs, MIXED)
+        accept[aware] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+    # Grammar-aware: forced keys are sure tokens and every drafted token is legal, so it commits more.
+    assert accept[True] > 1.3 and accept[True] > accept[False], accept
+
+
+def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="DFlash draft model not found"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="DFLASH",
+                       speculative_draft_model_path=str(tmp_path / "none"), max_total_tokens=256)

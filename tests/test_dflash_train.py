@@ -1,0 +1,161 @@
+"""DFlash training on a tiny random target: anchors and labels, a short run that lowers the loss and
+resumes exactly, the held-out acceptance against drafts from the dense oracle of
+test_dflash_model, and the CLI end to end (its draft then runs in a DFLASH engine, losslessly)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SHARED_DATA
+from model_harness import load_runner
+from specjet.models.dflash import DFlashDraftModel, DFlashShape, read_dflash_config
+from specjet.models.forward_batch import FeatureLayers
+from specjet.train import data as D
+from specjet.train import dflash_trainer as T
+from specjet.train.features import Sequence, extract_features, load_sequences
+from test_dflash_model import dense_block_logits
+
+GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    runner = load_runner(tiny_model_dir, tokens=1024)
+    runner.model.requires_grad_(False)
+    runner.model.lm_head.packed = None  # as the pipeline does: the draft's logits train through the head
+    return runner
+
+
+@pytest.fixture(scope="module")
+def sequences(runner, tiny_model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    samples = D.gsm8k_human_samples(tokenizer, D.read_jsonl(GSM8K_TRAIN)[:6], max_len=160)
+    out = tmp_path_factory.mktemp("dflash-features")
+    extract_features(runner, samples, out, "features", shard_size=4, max_tokens=300, capture=FeatureLayers((0,)))
+    return load_sequences(out)
+
+
+def new_draft(runner, seed=0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    return DFlashDraftModel(runner.config, DFlashShape(1, (0,), BLOCK, runner.config.vocab_size - 1)).bind_target(
+        runner.model)
+
+
+def test_anchors_and_labels():
+    seqs = [Sequence(torch.arange(10, 20), torch.zeros(10, 1), 4, "x"), Sequence(torch.arange(5), torch.zeros(5, 1), 4, "x")]
+    anchors = T.sample_anchors(seqs, 3, torch.Generator().manual_seed(0))
+    a = anchors[0].tolist()
+    assert len(set(a)) == 3 and all(4 <= x <= 8 for x in a) and a == sorted(a)  # reply positions with a next token
+    assert anchors[1].tolist() == [-1, -1, -1]  # the second has no reply position with a token after it
+    ids, _, lengths = T.collate(seqs)
+    labels, valid = T.block_labels(ids, lengths, torch.tensor([[8, -1], [0, 3]]), BLOCK)
+    assert labels[0, 0, :1].tolist() == [19] and valid[0, 0].tolist() == [True, False, False]  # the sequence ends
+    assert not valid[0, 1].any()
+    assert labels[1, 0].tolist() == [1, 2, 3] and valid[1, 1].tolist() == [True, False, False]
+
+
+def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
+    """labels="target": position t learns what the target's own forward (run here over the
+    sequence) ranks first after ids[:t]; on this reference text that often differs from the text."""
+    from model_harness import OneRequest
+
+    seq = sequences[1]
+    ids, feats, _ = T.collate([seq])
+    greedy = T.target_greedy_ids(new_draft(runner), ids, feats)[0]
+    logits = OneRequest(runner).extend(seq.ids.tolist(), logits="all").logits
+    expected = logits.argmax(-1)[:-1]
+    agree = (greedy[1:] == expected).float().mean()
+    assert agree > 0.97, agree  # the features are stored in fp16: a near-tie may flip
+    assert greedy[0] == seq.ids[0] and (greedy[1:] != seq.ids[1:]).any()
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_path, monkeypatch):
+    cfg = T.DFlashTrainConfig(steps=80, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3,
+                              checkpoint_every=20, seed=0)
+    draft = new_draft(runner)
+    result = T.train(draft, sequences, cfg, tmp_path / "a.pt")
+    # Reference text from a random target is hard to draft: what it learns in seconds is the text's
+    # common tokens, still a clear drop from the untrained draft's ~ln(vocab).
+    assert result["final"]["loss"] < 0.85 * result["first"]["loss"], result
+    assert result["final"]["top1"] > result["first"]["top1"] and result["final"]["accept_length"] > 1.0
+
+    calls = {"n": 0}
+    real = T.batch_loss
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 33:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(T, "batch_loss", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(new_draft(runner), sequences, cfg, tmp_path / "b.pt")
+    monkeypatch.setattr(T, "batch_loss", real)
+    resumed = new_draft(runner)
+    T.train(resumed, sequences, cfg, tmp_path / "b.pt")  # from its step-20 checkpoint
+    for (name, p), q in zip(draft.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="another training config"):
+        T.train(new_draft(runner), sequences, T.DFlashTrainConfig(steps=5), tmp_path / "b.pt")
+
+
+def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
+    draft = new_draft(runner, seed=1)
+    with torch.no_grad():
+        draft.mask_embedding.normal_(0, 1.0)
+    seq = sequences[0]
+    drafts, accepted = T.draft_every_position(draft, seq, chunk=5)
+    first = seq.prompt_len
+    assert len(accepted) == len(seq.ids) - 1 - first
+    feats = seq.features.float()
+    for a in (first, first + 3, len(seq.ids) - 2):
+        with torch.no_grad():
+            expected = dense_block_logits(draft, runner, feats[:a], torch.arange(a), int(seq.ids[a]), a).argmax(-1)
+        assert drafts[a - first].tolist() == expected.tolist()
+        truth = seq.ids[a + 1:a + BLOCK].tolist()
+        n = 0
+        while n < len(truth) and expected[n] == truth[n]:
+            n += 1
+        assert int(accepted[a - first]) == n
+    report = T.evaluate(draft, sequences[:2])
+    assert set(report) == {"gsm8k_human", "all"} and report["all"]["positions"] > 0
+    lengths = list(report["all"]["accept_length"].values())
+    assert lengths == sorted(lengths) and all(1.0 <= x <= BLOCK for x in lengths)
+    assert "k=3" in T.format_report(report)
+
+
+def test_cli_end_to_end(tiny_model_dir, tmp_path):
+    """Generation through the Engine, features, training, evaluation, the saved draft; a rerun finds
+    it all cached; the draft drafts in a DFLASH engine with the plain engine's ids."""
+    import specjet
+    from specjet.train.__main__ import main
+
+    out = tmp_path / "draft"
+    argv = ["dflash", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"),
+            "--data-dir", str(tmp_path / "data"), "--out", str(out), "--json-per-schema", "0",
+            "--num-target-replies", "2", "--num-human-replies", "4", "--num-eval", "2", "--num-few-shot-replies", "0",
+            "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
+            "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
+            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300"]
+    main(argv)
+    meta = read_dflash_config(out)
+    assert (meta["block_size"], meta["num_layers"], meta["target_layers"], meta["hot_vocab_size"]) == (4, 1, [0], 300)
+    training = meta["training"]
+    assert training["steps"] == 4 and training["data"]["train"]["gsm8k_human"]["sequences"] == 4
+    assert training["data"]["train"]["gsm8k_target"]["sequences"] == 2
+    assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
+    main(argv)  # everything cached: no generation, no features, the finished checkpoint reused
+    assert read_dflash_config(out)["training"]["timings_s"]["features"] < 1.0
+
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    prompts = ["The cat sat on the mat. The cat", "1 2 3 4 1 2"]
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024) as eng:
+        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024, speculative_algorithm="DFLASH",
+                        speculative_draft_model_path=str(out), speculative_num_draft_tokens=4) as eng:
+        assert [o["output_ids"] for o in eng.generate(prompts, params)] == expected
+        eng.check_kv_invariant()
