@@ -1,5 +1,5 @@
 """The prefix cache and chunked prefill in the engine: a request served from cached KV gets exactly
-the token ids it gets without the cache (plain decoding, EAGLE, NGRAM, under a JSON schema, overlap
+the token ids it gets without the cache (plain decoding, EAGLE, NGRAM, DFLASH, under a JSON schema, overlap
 on and off, page sizes 1 and 16), prompts sharing prefixes of different lengths and whole cached
 prompts; eviction and retraction in a pool smaller than the workload; an abort while a shared
 prefix is being prefilled in chunks; chunked prefill == one prefill (greedy and seeded sampling).
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import specjet
+from test_dflash_spec import make_copy_draft
 from test_spec_eagle import copy_head
 
 VOCAB_TOP = 2000  # prompt tokens are drawn below this (ordinary tokens of the shared tokenizer)
@@ -77,18 +78,27 @@ def attending_head(tmp_path_factory, cyclic_model_dir, expected):
     return save_eagle(head, folder, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory, cyclic_model_dir):
+    return make_copy_draft(tmp_path_factory.mktemp("prefix-dflash"), cyclic_model_dir)
+
+
 def engine(model_dir, algorithm=None, head=None, **kw):
+    """``head``: the EAGLE head or the DFlash draft."""
     kw.setdefault("max_total_tokens", 4096)
     if algorithm == "EAGLE":
         kw.update(speculative_draft_model_path=str(head), speculative_hybrid_ngram_tokens=0)
+    if algorithm == "DFLASH":
+        kw.update(speculative_draft_model_path=str(head))
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm=algorithm, **kw)
 
 
 @pytest.mark.parametrize("algorithm,page_size,overlap", [
     (None, 1, True), (None, 16, False), ("EAGLE", 1, True), ("EAGLE", 16, False), ("NGRAM", 1, False),
-    ("NGRAM", 16, True)])
-def test_cache_hits_give_the_ids_of_misses(cyclic_model_dir, head, expected, algorithm, page_size, overlap):
-    with engine(cyclic_model_dir, algorithm, head, page_size=page_size, disable_overlap_schedule=not overlap) as eng:
+    ("NGRAM", 16, True), ("DFLASH", 1, False), ("DFLASH", 16, True)])
+def test_cache_hits_give_the_ids_of_misses(cyclic_model_dir, head, draft, expected, algorithm, page_size, overlap):
+    with engine(cyclic_model_dir, algorithm, draft if algorithm == "DFLASH" else head, page_size=page_size,
+                disable_overlap_schedule=not overlap) as eng:
         first = eng.generate(input_ids=WAVE1, sampling_params=greedy())
         second = eng.generate(input_ids=WAVE2, sampling_params=greedy())
         again = [eng.generate(input_ids=p, sampling_params=greedy()) for p in WAVE2[3:5]]  # whole prompts cached
@@ -186,16 +196,16 @@ def test_abort_while_a_shared_prefix_is_prefilled_in_chunks(cyclic_model_dir, re
     assert chunks[-1]["meta_info"]["cached_tokens"] >= 256
 
 
-@pytest.mark.parametrize("algorithm", [None, "EAGLE"])
-def test_chunked_prefill_equals_one_prefill(cyclic_model_dir, reference, head, algorithm):
+@pytest.mark.parametrize("algorithm", [None, "EAGLE", "DFLASH"])
+def test_chunked_prefill_equals_one_prefill(cyclic_model_dir, reference, head, draft, algorithm):
     """A prompt longer than max_prefill_tokens, in chunks (no cache, so every position is computed
     by a chunk): the same greedy ids, and the same seeded samples (a chunk draws no coins)."""
     prompts = [tokens(60, 300), tokens(61, 150)]
     sampled = dict(temperature=0.8, top_p=0.95, max_new_tokens=24, ignore_eos=True, seed=3)
     want = ids(reference.generate(input_ids=prompts, sampling_params=greedy()))
     want_sampled = ids(reference.generate(input_ids=prompts, sampling_params=sampled))
-    with engine(cyclic_model_dir, algorithm, head, chunked_prefill_size=32, max_prefill_tokens=64,
-                disable_radix_cache=True) as eng:
+    with engine(cyclic_model_dir, algorithm, draft if algorithm == "DFLASH" else head, chunked_prefill_size=32,
+                max_prefill_tokens=64, disable_radix_cache=True) as eng:
         got = ids(eng.generate(input_ids=prompts, sampling_params=greedy()))
         got_sampled = ids(eng.generate(input_ids=prompts, sampling_params=sampled))
         eng.check_kv_invariant()

@@ -44,6 +44,9 @@ class DFlashDrafter:
         self.runner = runner
         self.draft = draft.bind_target(runner.model)
         self.feature_capture = self.draft.feature_capture
+        # A position's draft KV is its own target feature projected: the token after it plays no
+        # part, so the prefix cache may hand out a match's every position.
+        self.draft_kv_reads_next_token = False
         self.block_size = block_size
         self.window = window
         self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
