@@ -30,6 +30,8 @@ _ENGINE_FLAGS = {
     "max_running_requests": "max_running_requests",
     "max_total_tokens": "max_total_tokens",
     "disable_overlap_schedule": "disable_overlap_schedule",
+    "disable_radix_cache": "disable_radix_cache",
+    "chunked_prefill_size": "chunked_prefill_size",
     "random_seed": "random_seed",
     "speculative_algorithm": "speculative_algorithm",
     "speculative_num_steps": "speculative_num_steps",
@@ -62,6 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-running-requests", type=int, default=None)
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--disable-overlap-schedule", action="store_true", default=None)
+    group.add_argument("--disable-radix-cache", action="store_true", default=None,
+                       help="no prefix cache: every prompt is prefilled whole")
+    group.add_argument("--chunked-prefill-size", type=int, default=None,
+                       help="prompts longer than this prefill in chunks (default 2048; -1: off)")
     group.add_argument("--random-seed", type=int, default=None)
     group.add_argument("--enable-deterministic-inference", default=None, type=_parse_bool, metavar="{true,false}",
                        help="batch-invariant attention on CPU (default true; false: SDPA, faster at large batches)")

@@ -62,8 +62,7 @@ TOOL_PROMPTS = [
 CONFIGS = {"none": [], "EAGLE": ["--speculative-algorithm", "EAGLE"], "NGRAM": ["--speculative-algorithm", "NGRAM"],
            "none-nocache": ["--disable-radix-cache"],
            "EAGLE-nocache": ["--speculative-algorithm", "EAGLE", "--disable-radix-cache"]}
-AGENT_TOPICS = ["weather", "flights", "currency", "refunds", "privacy", "escalation", "dates", "units", "errors",
-                "greetings", "ambiguity", "safety", "formatting", "follow-ups", "limits", "languages"]
+AGENT_TOPICS = ["weather", "flights", "currency", "refunds", "privacy", "escalation", "dates", "units"]
 
 
 def agent_system_prompt() -> str:

@@ -13,7 +13,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # bench/ is not installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.serve import TOOLS, is_valid, main, summarize
+from bench.serve import TOOLS, agent_system_prompt, is_valid, main, parse_args, summarize, tool_requests
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -61,3 +61,15 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path, capsys):
         assert kv["ok"] and kv["kv_free"] + kv["kv_cached"] == kv["kv_pool_size"]
     assert out.count("KV after") == 2 and "LEAK" not in out
     assert json.loads(result_file.read_text())["cells"][0]["config"] == "none"
+
+
+def test_agent_workload_shares_a_long_system_prompt(default_model_dir):
+    """The agent workload: every request behind the same ~1,000-token system prompt (what the
+    prefix cache is measured on), then the tools workload's own user turn."""
+    from transformers import AutoTokenizer
+
+    tokens = len(AutoTokenizer.from_pretrained(default_model_dir)(agent_system_prompt())["input_ids"])
+    assert 900 <= tokens <= 1300, tokens
+    requests = tool_requests(parse_args(["--num-requests", "3"]), agent_system_prompt())
+    assert [r["messages"][0] for r in requests] == [{"role": "system", "content": agent_system_prompt()}] * 3
+    assert len({r["messages"][1]["content"] for r in requests}) == 3

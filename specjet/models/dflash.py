@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.models.config import ModelConfig
-from specjet.models.eagle import TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head, target_identity
+from specjet.models.eagle import (TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head,
+                                  read_draft_config, target_identity)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
@@ -322,14 +323,7 @@ def save_dflash(model: DFlashDraftModel, directory, target_gguf: str | None = No
 
 
 def read_dflash_config(directory) -> dict:
-    path = pathlib.Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no DFlash draft at {directory} (missing {CONFIG_NAME})")
-    config = json.loads(path.read_text())
-    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} draft "
-                         f"(format {config.get('format')!r} v{config.get('format_version')!r})")
-    return config
+    return read_draft_config(directory, FORMAT, FORMAT_VERSION, "DFlash draft")
 
 
 def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu") -> DFlashDraftModel:

@@ -326,15 +326,21 @@ def save_eagle(model: EagleDraftModel, directory, target_gguf: str | None = None
     return directory
 
 
-def read_eagle_config(directory) -> dict:
+def read_draft_config(directory, fmt: str, version: int, what: str) -> dict:
+    """A draft directory's config.json, refused unless it is of format ``fmt`` v``version``
+    (``what``: "EAGLE head", "DFlash draft", for the messages)."""
     path = pathlib.Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"no EAGLE head at {directory} (missing {CONFIG_NAME})")
+        raise FileNotFoundError(f"no {what} at {directory} (missing {CONFIG_NAME})")
     config = json.loads(path.read_text())
-    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} head "
+    if config.get("format") != fmt or config.get("format_version") != version:
+        raise ValueError(f"{path} is not a {fmt} v{version} {what.split()[-1]} "
                          f"(format {config.get('format')!r} v{config.get('format_version')!r})")
     return config
+
+
+def read_eagle_config(directory) -> dict:
+    return read_draft_config(directory, FORMAT, FORMAT_VERSION, "EAGLE head")
 
 
 def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu") -> EagleDraftModel:

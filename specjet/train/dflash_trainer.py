@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
-from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at
+from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume
 
 
 @dataclass
@@ -137,17 +137,7 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    step, history = 0, []
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != asdict(cfg):
-            raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
-                             "delete it (or the work dir) to start over")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        anchor_gen.set_state(state["noise_generator"])
-        step, history = state["step"], state["history"]
-        print(f"resuming from step {step} ({checkpoint})")
+    step, history = resume(checkpoint, cfg, model, optimizer, anchor_gen)
 
     seqs = [crop_prompt(s, cfg.max_prompt) for s in seqs]
     groups = length_groups([len(s.ids) for s in seqs], cfg.batch_tokens)

@@ -143,6 +143,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
+def resume(checkpoint, cfg, model, optimizer, generator: torch.Generator) -> tuple[int, list]:
+    """(step, history) to go on from: a checkpoint's, restoring the model, the optimizer and the
+    generator (refused when written under another config), or (0, []) without one."""
+    if checkpoint is None or not checkpoint.is_file():
+        return 0, []
+    state = torch.load(checkpoint, weights_only=False)
+    if state["config"] != asdict(cfg):
+        raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
+                         "delete it (or the work dir) to start over")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    generator.set_state(state["noise_generator"])
+    print(f"resuming from step {state['step']} ({checkpoint})")
+    return state["step"], state["history"]
+
+
 def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkpoint: pathlib.Path | None) -> dict:
     """Train ``model`` in place (bound to its target, unpacked). Returns a summary with the mean
     losses of the last tenth of the steps (at most 50) and the wall time."""
@@ -150,17 +166,7 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    step, history = 0, []
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != asdict(cfg):
-            raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
-                             "delete it (or the work dir) to start over")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        noise_gen.set_state(state["noise_generator"])
-        step, history = state["step"], state["history"]
-        print(f"resuming from step {step} ({checkpoint})")
+    step, history = resume(checkpoint, cfg, model, optimizer, noise_gen)
 
     seqs = [crop_prompt(s, cfg.max_prompt) for s in seqs]
     lengths = [len(s.ids) for s in seqs]
