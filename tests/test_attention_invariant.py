@@ -91,3 +91,88 @@ def test_engine_flag_switches_cpu_attention_to_sdpa(tiny_model_dir, monkeypatch)
         finally:
             eng.shutdown()
     assert outputs[True] == outputs[False]
+
+
+def shared_prefix_batch(dtype, q_lens, custom_mask=False, seed=2):
+    """Rows 0-3 share 100 cached slots, rows 4-5 share 80 others, row 6 shares nothing; each row then
+    has its own 3..60 positions (its new tokens last)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 6, 2, 16
+    own = [int(n) for n in torch.randint(3, 60, (7,), generator=gen)]
+    own = [max(n, q) for n, q in zip(own, q_lens)]
+    prefixes = {r: 100 for r in range(4)} | {4: 80, 5: 80, 6: 0}
+    num_slots = 1 + 100 + 80 + sum(own)
+    k = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(dtype)
+    kv_lens = [prefixes[r] + own[r] for r in range(7)]
+    table = torch.zeros(7, max(kv_lens), dtype=torch.int64)
+    first, second = torch.randperm(100, generator=gen) + 1, torch.randperm(80, generator=gen) + 101
+    start = 181
+    for r in range(7):
+        shared = first if prefixes[r] == 100 else second if prefixes[r] == 80 else first[:0]
+        table[r, :len(shared)] = shared
+        table[r, len(shared):kv_lens[r]] = torch.arange(start, start + own[r])
+        start += own[r]
+    mask = None
+    if custom_mask:  # tree-like: each new token sees itself and a random subset of the earlier ones
+        mq = max(q_lens)
+        mask = torch.rand(7, mq, mq, generator=gen) < 0.5
+        mask = (mask.tril(-1) | torch.eye(mq, dtype=torch.bool)).expand(7, mq, mq).clone()
+    meta_args = (table, torch.arange(7), torch.tensor(kv_lens), torch.tensor(q_lens), mask)
+    return q, k, v, meta_args
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,custom_mask", [([1] * 7, False), ([1, 3, 2, 1, 4, 1, 2], False),
+                                                ([4] * 7, True), ([3, 1, 4, 2, 4, 1, 3], True)],
+                         ids=["decode", "extend", "dense-tree", "padded-tree"])
+def test_rows_sharing_cached_slots_run_as_a_cascade_with_the_same_bits(dtype, q_lens, custom_mask, monkeypatch):
+    """Rows sharing a cached prefix gather it once (the plan finds both groups, the loner runs alone),
+    and every output equals the plain invariant path's and each request's alone."""
+    from specjet.kernels import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 16)
+    q, k, v, meta_args = shared_prefix_batch(dtype, q_lens, custom_mask)
+    meta = build_attention_metadata(*meta_args)
+    out = A.paged_attention_invariant(q, k, v, meta, 0.25)
+    plans = shared_prefix.find_shared_prefixes(meta)
+    assert sorted((p.rows.tolist(), p.slots.numel()) for p in plans) == [([0, 1, 2, 3], 100), ([4, 5], 80)]
+    assert sum(shared is not None for _, _, shared in meta.parts) >= 2
+
+    plain = build_attention_metadata(*meta_args)
+    plain.parts = [(tokens, group, None) for tokens, group in A._length_groups(plain)]
+    assert torch.equal(out, A.paged_attention_invariant(q, k, v, plain, 0.25))
+    expected = A.paged_attention_reference(q, k, v, meta, 0.25)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+    table, _, kv_lens, _, mask = meta_args
+    offset = 0
+    for r in range(7):  # alone: no cascade
+        alone = build_attention_metadata(table, torch.tensor([r]), kv_lens[r:r + 1], torch.tensor(q_lens[r:r + 1]),
+                                         None if mask is None else mask[r:r + 1, :q_lens[r], :q_lens[r]])
+        got = A.paged_attention_invariant(q[offset:offset + q_lens[r]], k, v, alone, 0.25)
+        assert all(shared is None for _, _, shared in alone.parts)
+        assert torch.equal(out[offset:offset + q_lens[r]], got), f"request {r} differs in the cascade"
+        offset += q_lens[r]
+
+
+def test_no_cascade_for_short_shared_prefixes_long_queries_or_uncached_slots(monkeypatch):
+    from specjet.kernels import shared_prefix
+
+    q, k, v, meta_args = shared_prefix_batch(torch.float32, [1] * 7)
+    table, rows, kv_lens, q_lens, _ = meta_args
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 90)  # only the 100-slot group qualifies
+    assert [p.rows.tolist() for p in shared_prefix.find_shared_prefixes(build_attention_metadata(*meta_args))] \
+        == [[0, 1, 2, 3]]
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 16)
+    # A prefill chunk (more than MAX_QUERY_TOKENS new tokens) is compute-bound: no cascade.
+    long_q = kv_lens.clamp(max=shared_prefix.MAX_QUERY_TOKENS + 1)
+    assert shared_prefix.find_shared_prefixes(build_attention_metadata(table, rows, kv_lens, long_q)) == []
+    # Shared slots that are some row's new tokens (not cached for it) are not part of the prefix.
+    q_lens = torch.ones(7, dtype=torch.int64)
+    q_lens[0] = 60
+    cached = int(kv_lens[0]) - 60
+    assert cached < 100
+    plans = shared_prefix.find_shared_prefixes(build_attention_metadata(table, rows, kv_lens, q_lens))
+    assert sorted((p.rows.tolist(), p.slots.numel()) for p in plans) == [([0, 1, 2, 3], cached), ([4, 5], 80)]

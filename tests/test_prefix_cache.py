@@ -243,3 +243,32 @@ def test_flush_cache_and_arguments(cyclic_model_dir):
         specjet.EngineArgs.from_kwargs(chunked_prefill_size=8, page_size=16)
     with pytest.raises(TypeError, match="disable_radix_cache"):
         specjet.EngineArgs.from_kwargs(disable_radix_cache="yes")
+
+
+@pytest.mark.parametrize("algorithm", [None, "NGRAM"])
+def test_requests_sharing_cached_prefix_run_a_cascade_with_the_ids_of_misses(tiny_model_dir, monkeypatch, algorithm):
+    """Requests decoding together on one cached 150-token prefix attend to it as a cascade (gathered
+    once for all of them, its softmax part merged with each one's own): the ids equal those without
+    the cache. A random-weight model, whose outputs follow its attention."""
+    from specjet.kernels import attention
+
+    used = []
+    real = attention.find_shared_prefixes
+
+    def spy(meta, *args, **kwargs):
+        plans = real(meta, *args, **kwargs)
+        used.extend(p.rows.numel() for p in plans)
+        return plans
+
+    monkeypatch.setattr(attention, "find_shared_prefixes", spy)
+    base = tokens(20, 150)
+    prompts = [base + tokens(21 + i, 5 + 3 * i) for i in range(5)]
+    outs = {}
+    for cache in (True, False):
+        used.clear()
+        with engine(tiny_model_dir, algorithm, disable_radix_cache=not cache, dtype="bfloat16") as eng:
+            eng.generate(input_ids=prompts[0], sampling_params=greedy(4))
+            outs[cache] = ids(eng.generate(input_ids=prompts, sampling_params=greedy(16)))
+            eng.check_kv_invariant()
+        assert (max(used, default=0) >= 2) == cache, used
+    assert outs[True] == outs[False]

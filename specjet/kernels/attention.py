@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specjet.kernels.attention_metadata import AttentionMetadata
+from specjet.kernels.shared_prefix import MAX_QUERY_TOKENS, find_shared_prefixes
 
 
 def paged_attention_reference(
@@ -117,14 +118,50 @@ def paged_attention_invariant(
 
     Requests of very different KV lengths run in separate groups (``_length_groups``); since a row's
     result does not depend on its batch, grouping changes no bit of it.
+
+    Requests that share cached KV slots (a prefix-cache hit: one system prompt or few-shot prefix)
+    run as a cascade (``find_shared_prefixes``): the shared keys are gathered once for all of them
+    and each row's softmax over [shared ; own suffix] is merged from the two parts in float64, which
+    again moves a result only by float64 rounding.
     """
-    groups = _length_groups(meta)
-    if len(groups) == 1:
-        return _attention_float64(q, k_cache, v_cache, meta, scale)
+    parts = _work_parts(meta)
+    if len(parts) == 1 and parts[0][0] is None:
+        _, part_meta, shared = parts[0]
+        return _attention_float64(q, k_cache, v_cache, part_meta, scale, shared)
     out = torch.empty_like(q)
-    for tokens, group_meta in groups:
-        out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, group_meta, scale)
+    for tokens, part_meta, shared in parts:
+        out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, part_meta, scale, shared)
     return out
+
+
+def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor | None]]:
+    """The pieces a batch runs in, built once per forward: each piece's flat token indices (None:
+    the whole batch in order), its metadata, and the KV slots its rows share (None: no cascade).
+    Rows sharing a prefix run as one cascade per group; the others as before; each in length groups."""
+    if meta.parts is None:
+        plans = find_shared_prefixes(meta)
+        if not plans:
+            meta.parts = [(tokens, group, None) for tokens, group in _length_groups(meta)]
+            return meta.parts
+        batch = meta.kv_indices.shape[0]
+        pieces = [(plan.rows, plan.suffix, plan.slots) for plan in plans]
+        covered = torch.zeros(batch, dtype=torch.bool, device=meta.kv_indices.device)
+        for plan in plans:
+            covered[plan.rows] = True
+        rest = (~covered).nonzero().flatten()
+        if rest.numel():
+            pieces.append((rest, meta.select(rest), None))
+        meta.parts = []
+        for rows, piece_meta, shared in pieces:
+            whole = rows.numel() == batch  # rows are sorted: the piece is the batch in order
+            tokens = None if whole else meta.q_gather[rows][meta.q_valid[rows]]
+            for group_tokens, group in _length_groups(piece_meta):
+                if group_tokens is not None:
+                    group_tokens = group_tokens if tokens is None else tokens[group_tokens]
+                else:
+                    group_tokens = tokens
+                meta.parts.append((group_tokens, group, shared))
+    return meta.parts
 
 
 # Per thread (engines in one process run forwards on their own threads; a thread's buffers go with
@@ -163,8 +200,10 @@ def _attention_float64(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention_invariant`` for one group, padded to its longest request."""
+    """``paged_attention_invariant`` for one group, padded to its longest request; with ``shared``
+    (KV slots every row sees before the positions ``meta`` describes), merged with that prefix."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -190,6 +229,7 @@ def _attention_float64(
     max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
     chunks = range(0, max_q, INVARIANT_Q_CHUNK)
     # One chunk (decode, verify, short extends) writes its result straight out; several fill a buffer.
+    prefix = None if shared is None else _shared_partials(qp, k_cache, v_cache, shared, len(chunks))
     out = None if len(chunks) == 1 else torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64,
                                                     device=q.device)
     for q0 in chunks:
@@ -199,8 +239,16 @@ def _attention_float64(
         s = torch.bmm(qp[:, :, q0:q1].reshape(batch * num_kv_heads, rows, head_dim), k64[:, :, :kv_end])
         if bias is not None:
             s.view(batch, num_kv_heads, q1 - q0, group, kv_end).add_(bias[:, :, q0:q1, :, :kv_end])
-        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
-        o = torch.bmm(s, v64[:, :kv_end]).div_(s.sum(-1, keepdim=True))
+        s_max = s.amax(-1, keepdim=True)
+        s = s.sub_(s_max).exp_()
+        o = torch.bmm(s, v64[:, :kv_end])
+        if prefix is None:
+            o = o.div_(s.sum(-1, keepdim=True))
+        else:  # the two softmax parts rescaled to their common maximum
+            o1, m1, l1 = prefix
+            m = torch.maximum(m1, s_max)
+            a1, a2 = (m1 - m).exp_(), s_max.sub_(m).exp_()
+            o = o.mul_(a2).add_(o1 * a1).div_(s.sum(-1, keepdim=True).mul_(a2).add_(l1 * a1))
         o = o.view(batch, num_kv_heads, q1 - q0, group, head_dim)
         if out is None:
             out = o
@@ -210,6 +258,29 @@ def _attention_float64(
     if dense:
         return out.view(num_tokens, num_heads, head_dim)
     return out[meta.q_valid]
+
+
+def _shared_partials(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: torch.Tensor,
+                     num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's unnormalised attention over the shared slots, one product per KV head for the whole
+    batch: (weights x V, row max, row sum of weights), shaped like the suffix chunk's [B*KV, q*g, ...].
+    qp: [B, KV, max_q, g, D] float64, already scaled."""
+    if num_chunks != 1:
+        raise ValueError(f"a cascade runs one query chunk (<= {MAX_QUERY_TOKENS} tokens), got {num_chunks}")
+    batch, num_kv_heads, max_q, group, head_dim = qp.shape
+    k64 = _gather_float64(k_cache, shared, 1, "k_shared").transpose(1, 2)  # [KV, D, L]
+    v64 = _gather_float64(v_cache, shared, 1, "v_shared")  # [KV, L, D]
+    rows = qp.transpose(0, 1).reshape(num_kv_heads, batch * max_q * group, head_dim)
+    s = torch.bmm(rows, k64)
+    m = s.amax(-1, keepdim=True)
+    s = s.sub_(m).exp_()
+    o = torch.bmm(s, v64)
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [KV, B*q*g, X] -> [B*KV, q*g, X]
+        return t.view(num_kv_heads, batch, max_q * group, -1).transpose(0, 1).reshape(batch * num_kv_heads,
+                                                                                     max_q * group, -1)
+
+    return per_row(o), per_row(m), per_row(s.sum(-1, keepdim=True))
 
 
 def paged_attention(

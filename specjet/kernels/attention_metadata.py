@@ -28,9 +28,11 @@ class AttentionMetadata:
     max_kv: int
     # Per-forward caches of the invariant path, computed on first use and shared by every layer:
     # requests grouped by similar KV length (their flat token indices, their own metadata), and the
-    # float64 additive mask (0 where a query may look, -inf elsewhere).
+    # float64 additive mask (0 where a query may look, -inf elsewhere), and the work plan: the pieces
+    # the batch runs in (flat token indices, metadata, KV slots shared by the piece's rows or None).
     length_groups: list[tuple[torch.Tensor | None, "AttentionMetadata"]] | None = None
     mask_bias: torch.Tensor | None = None
+    parts: list[tuple[torch.Tensor | None, "AttentionMetadata", torch.Tensor | None]] | None = None
 
     def select(self, rows: torch.Tensor) -> "AttentionMetadata":
         """The metadata of the requests ``rows`` alone, padded only to their own longest q and KV;
