@@ -143,8 +143,8 @@ def run_one(sched):
     return batch.kind, [r.rid for r in batch.reqs], list(batch.prefill_ends)
 
 
-def submit(sched, rid, n, new_tokens, first=1):
-    req = Req(rid, list(range(first, first + n)), SamplingParams.from_dict(
+def submit(sched, rid, n, new_tokens, first=1, ids=None):
+    req = Req(rid, list(range(first, first + n)) if ids is None else ids, SamplingParams.from_dict(
         {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}))
     sched.submit([req])
     sched.drain_inbox(block=False)
@@ -221,3 +221,27 @@ def test_next_token_len_stops_before_a_position_made_with_another_next_token():
     assert cache.match_prefix([1, 2, 3, 4, 9, 9, 9, 9, 5]).next_token_len == 3  # through the split at 4
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).next_token_len == 5  # nothing follows: unknown
     invariant(alloc, cache)
+
+
+def test_requests_sharing_a_prefix_with_one_being_prefilled_wait_for_it_and_share_its_slots(scheduler):
+    """Three requests arriving together with one 60-token prefix: the first is prefilled alone; the
+    two others wait one batch and then take the prefix from the cache (one copy of its KV for all
+    three). A request that shares only a short prefix is not held back."""
+    sched = scheduler(chunk=None)
+    prefix = list(range(1, 61))
+    a = submit(sched, "a", 0, 5, ids=prefix + list(range(700, 710)))
+    b = submit(sched, "b", 0, 5, ids=prefix + list(range(800, 810)))
+    c = submit(sched, "c", 0, 5, ids=prefix + list(range(900, 906)))
+    other = submit(sched, "other", 0, 5, ids=prefix[:10] + list(range(300, 330)))  # 10 shared: no reason to wait
+    kind, rids, _ = run_one(sched)
+    assert (kind, rids) == (BatchKind.PREFILL, ["a", "other"])
+    kind, rids, _ = run_one(sched)
+    assert (kind, rids) == (BatchKind.PREFILL, ["b", "c"])
+    assert b.cached_tokens == c.cached_tokens == 60
+    table = sched.req_to_token_pool.table
+    assert table[b.req_pool_idx, :60].tolist() == table[a.req_pool_idx, :60].tolist() \
+        == table[c.req_pool_idx, :60].tolist()
+    while sched.has_work():
+        run_one(sched)
+    sched.check_kv_invariant()
+    assert all(r.finished for r in (a, b, c, other))

@@ -32,6 +32,10 @@ from specjet.spec_v2.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
+# A waiting request whose next this many uncached prompt tokens are also being prefilled by another
+# request of the batch waits for that prefill and then shares its cached KV (``_shares_uncached_prefix``).
+IN_BATCH_PREFIX_TOKENS = 32
+
 
 @dataclass
 class SchedulerConfig:
@@ -275,6 +279,9 @@ class Scheduler:
                 break
             num_tokens = len(req.fill_ids)
             cached, match = self._match_prefix(req)
+            if self._shares_uncached_prefix(req, cached, chosen):
+                self._unlock(match)
+                continue
             may_chunk = chunk is not None and not any(r.prefill_end < len(r.fill_ids) for r in chosen)
             end = self._prefill_end(req, cached, budget, may_chunk)
             if chosen and end - cached > budget or end <= cached:
@@ -304,6 +311,20 @@ class Scheduler:
             chosen.append(req)
             budget -= end - cached
         return chosen
+
+    def _shares_uncached_prefix(self, req: Req, cached: int, chosen: list[Req]) -> bool:
+        """Whether ``req``'s next ``IN_BATCH_PREFIX_TOKENS`` uncached tokens are also the ones a request
+        of this batch is about to prefill. Such a request waits: once the other's prompt is in the
+        cache (after its prefill, or its first chunk) it matches it and shares its KV slots - the
+        prefix computed and stored once, and attended to once by both (cascade attention) - instead
+        of a copy of its own for the whole of its life. It never waits behind nothing: only a
+        request admitted into the same batch defers it."""
+        if self.cache is None or not chosen:
+            return False
+        ahead = req.fill_ids[cached:cached + IN_BATCH_PREFIX_TOKENS]
+        if len(ahead) < IN_BATCH_PREFIX_TOKENS:
+            return False
+        return any(other.fill_ids[cached:cached + IN_BATCH_PREFIX_TOKENS] == ahead for other in chosen)
 
     def _prefill_end(self, req: Req, start: int, budget: int, may_chunk: bool) -> int:
         """Where a prefill of ``req`` from ``start`` ends in this batch: the whole of its tokens when
