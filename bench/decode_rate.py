@@ -74,6 +74,10 @@ class SpecjetSystem:
             from specjet.models.eagle import default_eagle_path
 
             desc["draft_model_path"] = str(self.kwargs.get("speculative_draft_model_path") or default_eagle_path())
+        elif self.algorithm == "DFLASH":
+            from specjet.models.dflash import default_dflash_path
+
+            desc["draft_model_path"] = str(self.kwargs.get("speculative_draft_model_path") or default_dflash_path())
         return desc
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ in turn, warmed up once, reused for every batch size, shut down before the next 
     NGRAM, NGRAM-GA   the same with n-gram drafting
     EAGLE-HEAD-GA     EAGLE-GA with the head's trees alone (speculative_hybrid_ngram_tokens=0; by default
                       EAGLE trees also hold the best n-gram continuation)
+    DFLASH, DFLASH-GA DFlash block drafting without / with grammar-aware blocks
     overlap on / off  disable_overlap_schedule=False / True
 
 The other engine flags (``--dtype``, ``--speculative-num-steps``, ``--speculative-draft-model-path``, ...)
@@ -94,6 +95,8 @@ ALGORITHMS = {
     # EAGLE-GA with the trained head's trees alone (no n-gram nodes merged in: EAGLE-2 as SGLang runs it)
     "EAGLE-HEAD-GA": {"speculative_algorithm": "EAGLE", "speculative_grammar_aware": True,
                       "speculative_hybrid_ngram_tokens": 0},
+    "DFLASH": {"speculative_algorithm": "DFLASH", "speculative_grammar_aware": False},
+    "DFLASH-GA": {"speculative_algorithm": "DFLASH", "speculative_grammar_aware": True},
 }
 OVERLAP = {"on": False, "off": True}  # --overlap value -> disable_overlap_schedule
 AXIS_FLAGS = ("speculative_algorithm", "speculative_grammar_aware", "disable_overlap_schedule")
