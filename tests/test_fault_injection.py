@@ -179,3 +179,56 @@ def test_a_failing_grammar_mask_aborts_only_its_request(tiny_model_dir, loop, mo
         assert outs[1]["output_ids"] == expected[1]
         assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop"
         assert_healthy(eng)
+
+
+LONG_PROMPT = " ".join(f"item {i} of the shared catalogue;" for i in range(40))  # ~240 tokens
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_failing_prefill_chunk_aborts_its_request_and_caches_only_what_succeeded(tiny_model_dir, reference, loop):
+    """A long prompt prefilled in 64-token chunks fails at its second chunk while three requests
+    decode and a request with the same prompt waits to share it (in-batch prefix sharing). The
+    chunked request alone aborts; the runners finish exactly; the waiting request is not left behind
+    and gets the fault-free output; the first chunk, which succeeded, may serve later hits, and they
+    give the fault-free output too. No slot leaks."""
+    runner_ids, _ = reference
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_radix_cache=True,
+                        chunked_prefill_size=-1) as ref:
+        expected = ref.generate(LONG_PROMPT, SHORT)["output_ids"]
+    with make_engine(tiny_model_dir, loop, chunked_prefill_size=64) as eng:
+        extends = []
+
+        def second_chunk(fb):
+            if fb.mode is ForwardMode.EXTEND:
+                extends.append(fb)
+            return len(extends) == 2
+
+        fault = Fault(eng.worker.runner.forward, second_chunk)
+        eng.worker.runner.forward = fault
+        streams = [eng.generate(p, LONG, stream=True) for p in RUNNERS]
+        firsts = [next(s) for s in streams]
+        extends.clear()
+        fault.armed.set()
+        victim = _pool_submit(eng.generate, LONG_PROMPT, SHORT)
+        sharer = _pool_submit(eng.generate, LONG_PROMPT, SHORT)
+        outs = [[first, *bounded(list, s)] for first, s in zip(firsts, streams)]
+        results = [f.result(timeout=60) for f in (victim, sharer)]
+        assert fault.fired.is_set()
+        reasons = [r["meta_info"]["finish_reason"] for r in results]
+        assert sum(r["type"] == "abort" and "injected fault" in r["message"] for r in reasons) == 1, reasons
+        for r in results:
+            if r["meta_info"]["finish_reason"]["type"] != "abort":
+                assert r["output_ids"] == expected
+        for chunks, ids in zip(outs, runner_ids):
+            assert [t for c in chunks for t in c["output_ids"]] == ids
+            assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        again = bounded(eng.generate, LONG_PROMPT, SHORT)
+        assert again["output_ids"] == expected
+        assert again["meta_info"]["cached_tokens"] >= 64
+        assert_healthy(eng)
+
+
+def _pool_submit(fn, *args):
+    import concurrent.futures
+
+    return concurrent.futures.ThreadPoolExecutor(1).submit(fn, *args)
