@@ -8,7 +8,7 @@ demo: setup
 	.venv/bin/python -m specjet.demo
 
 test: setup
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q -n auto --dist loadfile tests
 
 bench-latency: setup
 	.venv/bin/python -m bench.latency

@@ -10,6 +10,12 @@ import pathlib
 import pytest
 import torch
 
+# Under pytest-xdist (``make test`` runs one worker per core) each worker keeps to its share of the
+# cores: two workers each running two intra-op threads on two cores only add contention.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
