@@ -10,6 +10,11 @@ CALL_TIMEOUT_S = 60.0
 _pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="test-caller")
 
 
+def submit(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """Run ``fn`` on another thread now; wait on the future with a timeout."""
+    return _pool.submit(fn, *args, **kwargs)
+
+
 def bounded(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
     """Run ``fn`` on another thread; its result, its exception, or AssertionError if it hangs."""
     future = _pool.submit(fn, *args, **kwargs)

@@ -133,10 +133,11 @@ def test_rows_sharing_cached_slots_run_as_a_cascade_with_the_same_bits(dtype, q_
     from specjet.kernels import shared_prefix
 
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 16)
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_POSITIONS", 16)
     q, k, v, meta_args = shared_prefix_batch(dtype, q_lens, custom_mask)
     meta = build_attention_metadata(*meta_args)
     out = A.paged_attention_invariant(q, k, v, meta, 0.25)
-    plans = shared_prefix.find_shared_prefixes(meta)
+    plans = shared_prefix.find_shared_prefixes(meta, A.INVARIANT_Q_CHUNK)
     assert sorted((p.rows.tolist(), p.slots.numel()) for p in plans) == [([0, 1, 2, 3], 100), ([4, 5], 80)]
     assert sum(shared is not None for _, _, shared in meta.parts) >= 2
 
@@ -157,22 +158,29 @@ def test_rows_sharing_cached_slots_run_as_a_cascade_with_the_same_bits(dtype, q_
         offset += q_lens[r]
 
 
-def test_no_cascade_for_short_shared_prefixes_long_queries_or_uncached_slots(monkeypatch):
+def test_no_cascade_for_short_shared_prefixes_small_savings_long_queries_or_uncached_slots(monkeypatch):
     from specjet.kernels import shared_prefix
+
+    def plans(*args):
+        return sorted((p.rows.tolist(), p.slots.numel())
+                      for p in shared_prefix.find_shared_prefixes(build_attention_metadata(*args), A.INVARIANT_Q_CHUNK))
 
     q, k, v, meta_args = shared_prefix_batch(torch.float32, [1] * 7)
     table, rows, kv_lens, q_lens, _ = meta_args
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 90)  # only the 100-slot group qualifies
-    assert [p.rows.tolist() for p in shared_prefix.find_shared_prefixes(build_attention_metadata(*meta_args))] \
-        == [[0, 1, 2, 3]]
+    # The defaults: 3 x 100 and 1 x 80 saved positions are not worth a cascade.
+    assert plans(*meta_args) == []
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_POSITIONS", 100)  # the 4 rows save 300, the pair 80
+    assert plans(*meta_args) == [([0, 1, 2, 3], 100)]
+    monkeypatch.setattr(shared_prefix, "MIN_SAVED_POSITIONS", 16)
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 90)  # only the 100-slot group is long enough
+    assert plans(*meta_args) == [([0, 1, 2, 3], 100)]
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 16)
-    # A prefill chunk (more than MAX_QUERY_TOKENS new tokens) is compute-bound: no cascade.
-    long_q = kv_lens.clamp(max=shared_prefix.MAX_QUERY_TOKENS + 1)
-    assert shared_prefix.find_shared_prefixes(build_attention_metadata(table, rows, kv_lens, long_q)) == []
+    # A prefill chunk (more new tokens than one query chunk) is compute-bound: no cascade.
+    long_q = kv_lens.clamp(max=A.INVARIANT_Q_CHUNK + 1)
+    assert plans(table, rows, kv_lens, long_q) == []
     # Shared slots that are some row's new tokens (not cached for it) are not part of the prefix.
     q_lens = torch.ones(7, dtype=torch.int64)
     q_lens[0] = 60
     cached = int(kv_lens[0]) - 60
     assert cached < 100
-    plans = shared_prefix.find_shared_prefixes(build_attention_metadata(table, rows, kv_lens, q_lens))
-    assert sorted((p.rows.tolist(), p.slots.numel()) for p in plans) == [([0, 1, 2, 3], cached), ([4, 5], 80)]
+    assert plans(table, rows, kv_lens, q_lens) == [([0, 1, 2, 3], cached), ([4, 5], 80)]

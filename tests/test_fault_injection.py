@@ -10,7 +10,7 @@ import pytest
 
 import specjet
 from specjet.models.forward_batch import ForwardMode
-from robustness_helpers import assert_healthy, bounded
+from robustness_helpers import assert_healthy, bounded, submit
 
 RUNNERS = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
 VICTIM = "A request that joins while the others decode"
@@ -209,8 +209,8 @@ def test_a_failing_prefill_chunk_aborts_its_request_and_caches_only_what_succeed
         firsts = [next(s) for s in streams]
         extends.clear()
         fault.armed.set()
-        victim = _pool_submit(eng.generate, LONG_PROMPT, SHORT)
-        sharer = _pool_submit(eng.generate, LONG_PROMPT, SHORT)
+        victim = submit(eng.generate, LONG_PROMPT, SHORT)
+        sharer = submit(eng.generate, LONG_PROMPT, SHORT)
         outs = [[first, *bounded(list, s)] for first, s in zip(firsts, streams)]
         results = [f.result(timeout=60) for f in (victim, sharer)]
         assert fault.fired.is_set()
@@ -227,8 +227,3 @@ def test_a_failing_prefill_chunk_aborts_its_request_and_caches_only_what_succeed
         assert again["meta_info"]["cached_tokens"] >= 64
         assert_healthy(eng)
 
-
-def _pool_submit(fn, *args):
-    import concurrent.futures
-
-    return concurrent.futures.ThreadPoolExecutor(1).submit(fn, *args)

@@ -245,11 +245,13 @@ def test_flush_cache_and_arguments(cyclic_model_dir):
         specjet.EngineArgs.from_kwargs(disable_radix_cache="yes")
 
 
-@pytest.mark.parametrize("algorithm", [None, "NGRAM"])
-def test_requests_sharing_cached_prefix_run_a_cascade_with_the_ids_of_misses(tiny_model_dir, monkeypatch, algorithm):
-    """Requests decoding together on one cached 150-token prefix attend to it as a cascade (gathered
-    once for all of them, its softmax part merged with each one's own): the ids equal those without
-    the cache. A random-weight model, whose outputs follow its attention."""
+@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE"])
+def test_requests_sharing_cached_prefix_run_a_cascade_with_the_ids_of_misses(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             algorithm):
+    """Requests decoding (and verifying trees) together on one cached 600-token prefix attend to it
+    as a cascade (gathered once for all of them, its softmax part merged with each one's own): the
+    ids equal those without the cache. A random-weight model, whose outputs follow its attention;
+    the default cascade thresholds."""
     from specjet.kernels import attention
 
     used = []
@@ -257,18 +259,19 @@ def test_requests_sharing_cached_prefix_run_a_cascade_with_the_ids_of_misses(tin
 
     def spy(meta, *args, **kwargs):
         plans = real(meta, *args, **kwargs)
-        used.extend(p.rows.numel() for p in plans)
+        used.extend(p.rows.numel() for p in plans if meta.max_q == 1 or algorithm is not None)
         return plans
 
     monkeypatch.setattr(attention, "find_shared_prefixes", spy)
-    base = tokens(20, 150)
+    base = tokens(20, 600)
     prompts = [base + tokens(21 + i, 5 + 3 * i) for i in range(5)]
+    head = copy_head(tmp_path, tiny_model_dir, [list(range(10, 40))]) if algorithm == "EAGLE" else None
     outs = {}
     for cache in (True, False):
         used.clear()
-        with engine(tiny_model_dir, algorithm, disable_radix_cache=not cache, dtype="bfloat16") as eng:
+        with engine(tiny_model_dir, algorithm, head, disable_radix_cache=not cache, dtype="bfloat16") as eng:
             eng.generate(input_ids=prompts[0], sampling_params=greedy(4))
             outs[cache] = ids(eng.generate(input_ids=prompts, sampling_params=greedy(16)))
             eng.check_kv_invariant()
-        assert (max(used, default=0) >= 2) == cache, used
+        assert (max(used, default=0) >= 4) == cache, used  # the 5 requests' rows (not one request's draft rows)
     assert outs[True] == outs[False]

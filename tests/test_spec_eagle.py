@@ -243,3 +243,9 @@ def test_verify_token_cap_shares_nodes_across_the_batch(tiny_model_dir, lucky_he
     assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]  # the one guess was often right
     with pytest.raises(ValueError, match="speculative_max_verify_tokens must be >= 1"):
         eagle_engine(tiny_model_dir, lucky_head, speculative_max_verify_tokens=0)
+
+
+def test_topk_wider_than_the_heads_vocabulary_is_refused_at_the_door(tiny_model_dir, tmp_path):
+    head = copy_head(tmp_path, tiny_model_dir, [])  # hot vocabulary: 3 ids
+    with pytest.raises(ValueError, match="speculative_eagle_topk=4 exceeds the EAGLE head's vocabulary of 3"):
+        eagle_engine(tiny_model_dir, head, speculative_eagle_topk=4)

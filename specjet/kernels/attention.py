@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specjet.kernels.attention_metadata import AttentionMetadata
-from specjet.kernels.shared_prefix import MAX_QUERY_TOKENS, find_shared_prefixes
+from specjet.kernels.shared_prefix import find_shared_prefixes
 
 
 def paged_attention_reference(
@@ -139,7 +139,7 @@ def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, Atte
     the whole batch in order), its metadata, and the KV slots its rows share (None: no cascade).
     Rows sharing a prefix run as one cascade per group; the others as before; each in length groups."""
     if meta.parts is None:
-        plans = find_shared_prefixes(meta)
+        plans = find_shared_prefixes(meta, INVARIANT_Q_CHUNK)  # a cascade runs in one query chunk
         if not plans:
             meta.parts = [(tokens, group, None) for tokens, group in _length_groups(meta)]
             return meta.parts
@@ -229,7 +229,7 @@ def _attention_float64(
     max_prefix = int((meta.kv_lens - meta.q_lens).max()) if causal else 0
     chunks = range(0, max_q, INVARIANT_Q_CHUNK)
     # One chunk (decode, verify, short extends) writes its result straight out; several fill a buffer.
-    prefix = None if shared is None else _shared_partials(qp, k_cache, v_cache, shared, len(chunks))
+    prefix = None if shared is None else _shared_partials(qp, k_cache, v_cache, shared)
     out = None if len(chunks) == 1 else torch.empty(batch, num_kv_heads, max_q, group, head_dim, dtype=f64,
                                                     device=q.device)
     for q0 in chunks:
@@ -260,13 +260,11 @@ def _attention_float64(
     return out[meta.q_valid]
 
 
-def _shared_partials(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: torch.Tensor,
-                     num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shared_partials(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row's unnormalised attention over the shared slots, one product per KV head for the whole
-    batch: (weights x V, row max, row sum of weights), shaped like the suffix chunk's [B*KV, q*g, ...].
-    qp: [B, KV, max_q, g, D] float64, already scaled."""
-    if num_chunks != 1:
-        raise ValueError(f"a cascade runs one query chunk (<= {MAX_QUERY_TOKENS} tokens), got {num_chunks}")
+    batch: (weights x V, row max, row sum of weights), shaped like the (single) suffix chunk's
+    [B*KV, q*g, ...]. qp: [B, KV, max_q, g, D] float64, already scaled."""
     batch, num_kv_heads, max_q, group, head_dim = qp.shape
     k64 = _gather_float64(k_cache, shared, 1, "k_shared").transpose(1, 2)  # [KV, D, L]
     v64 = _gather_float64(v_cache, shared, 1, "v_shared")  # [KV, L, D]

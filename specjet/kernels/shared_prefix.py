@@ -17,11 +17,12 @@ import torch
 
 from specjet.kernels.attention_metadata import AttentionMetadata
 
-# Below this many shared positions the extra product and merge cost more than the gathers they save.
+# A shared prefix shorter than this is not worth a piece of its own.
 MIN_SHARED_TOKENS = 64
-# Forwards with longer queries (prefill chunks) are compute-bound; the plan only serves decode,
-# verify and draft forwards, where attention is a stream of gathered keys.
-MAX_QUERY_TOKENS = 64
+# A group's cascade saves gathering (rows - 1) x shared positions and costs a fixed few dozen ops
+# more (its own piece, the shared product, the merge): below this many saved positions (e.g. 4 EAGLE
+# draft rows of one request over 600 positions) the plain path is as fast or faster.
+MIN_SAVED_POSITIONS = 2048
 
 
 @dataclasses.dataclass
@@ -31,13 +32,16 @@ class SharedPrefix:
     suffix: AttentionMetadata  # the rows' metadata with the first L positions removed
 
 
-def find_shared_prefixes(meta: AttentionMetadata, min_shared: int | None = None) -> list[SharedPrefix]:
-    """Groups of >= 2 rows whose first ``L >= min_shared`` KV slots are identical and cached (seen
-    by every query of those rows). Rows are grouped by their first slot, and a group's prefix is
-    the longest run all its rows agree on."""
-    min_shared = MIN_SHARED_TOKENS if min_shared is None else min_shared
+def find_shared_prefixes(meta: AttentionMetadata, max_query_tokens: int) -> list[SharedPrefix]:
+    """Groups of >= 2 rows whose first ``L >= MIN_SHARED_TOKENS`` KV slots are identical and cached
+    (seen by every query of those rows), where sharing saves at least ``MIN_SAVED_POSITIONS``
+    gathered positions. Rows are grouped by their first slot, and a group's prefix is the longest
+    run all its rows agree on. Only forwards of at most ``max_query_tokens`` new tokens per row
+    (decode, verify, draft: attention there is a stream of gathered keys; prefill chunks are
+    compute-bound) get a plan."""
+    min_shared = MIN_SHARED_TOKENS
     batch = meta.kv_indices.shape[0]
-    if batch < 2 or meta.max_q > MAX_QUERY_TOKENS or meta.max_kv < min_shared:
+    if batch < 2 or meta.max_q > max_query_tokens or meta.max_kv < min_shared:
         return []
     cached = (meta.kv_lens - meta.q_lens).tolist()
     by_first: dict[int, list[int]] = {}
@@ -54,7 +58,7 @@ def find_shared_prefixes(meta: AttentionMetadata, min_shared: int | None = None)
         agree = (block == block[:1]).all(0)
         disagree = (~agree).nonzero()
         shared = int(disagree[0]) if disagree.numel() else limit
-        if shared >= min_shared:
+        if shared >= min_shared and (len(rows) - 1) * shared >= MIN_SAVED_POSITIONS:
             plans.append(SharedPrefix(index, block[0, :shared].clone(), suffix_metadata(meta.select(index), shared)))
     return plans
 

@@ -65,6 +65,9 @@ class EagleDrafter:
     """EAGLE-2 trees from a trained head (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator):
+        if params.topk > head.draft_vocab_size:
+            raise ValueError(f"speculative_eagle_topk={params.topk} exceeds the EAGLE head's vocabulary of "
+                             f"{head.draft_vocab_size} tokens")
         self.runner = runner
         self.head = head.bind_target(runner.model)
         self.feature_capture = self.head.feature_capture
