@@ -1,4 +1,4 @@
-"""Builds specjet's C++ extension (csrc/: the quantized GEMM kernels) at install time.
+"""Builds specjet's C++ extensions (csrc/: the quantized GEMM kernels, the float64 paged attention) at install time.
 
 pyproject.toml holds the package's metadata; this file only adds the extension. Building needs
 torch in the build environment, so install with ``pip install --no-build-isolation`` after torch
@@ -25,8 +25,17 @@ else:
         extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-Wno-maybe-uninitialized"],
         extra_link_args=["-fopenmp"],
     )
-    ext.optional = True  # a failed compile leaves the torch reference path, not a failed install
-    ext_modules = [ext]
+    attention = CppExtension(
+        "specjet.kernels._cpu_ops",
+        ["csrc/attention.cpp", "csrc/layer_ops.cpp"],
+        depends=["csrc/attention_body.h"],
+        # -ffp-contract=off: no product fused into its sum, so every instruction set's build gives the same bits.
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"],
+        extra_link_args=["-fopenmp"],
+    )
+    # A failed compile leaves the torch path, not a failed install.
+    ext.optional = attention.optional = True
+    ext_modules = [ext, attention]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,5 +1,6 @@
-"""The batch-invariant CPU attention: a row's output does not depend on its batch, and a batch of
-very different KV lengths (run in length groups) gives the same bits as each request alone."""
+"""The batch-invariant CPU attention's torch float64 path (the C++ kernel's is tests/test_cpu_ops.py): a
+row's output does not depend on its batch, and a batch of very different KV lengths (run in length
+groups) gives the same bits as each request alone."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,12 @@ import torch
 
 from specjet.kernels import attention as A
 from specjet.kernels.attention_metadata import build_attention_metadata
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    """These tests are about the torch path: keep the C++ kernel out even where it is built."""
+    monkeypatch.setattr(A, "native_attention_available", lambda *args: False)
 
 
 def make_batch(kv_lens: list[int], q_lens: list[int], dtype, seed=0):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specjet.kernels.attention_metadata import AttentionMetadata
+from specjet.kernels.cpu_ops import native_attention, native_attention_available
 from specjet.kernels.shared_prefix import find_shared_prefixes
 
 
@@ -116,22 +117,31 @@ def paged_attention_invariant(
     the order in which a kernel adds them does not reach the output. (For fp32 models the scores are
     not exact either, but their float64 rounding is as far below fp32's.) [T, H, D] in and out.
 
-    Requests of very different KV lengths run in separate groups (``_length_groups``); since a row's
-    result does not depend on its batch, grouping changes no bit of it.
+    Two implementations of that math: the C++ kernel (csrc/attention.cpp: each row on one thread,
+    keys read in place from the pool, invariant by construction) where the extension is built, and
+    torch float64 ops otherwise. The torch path pads requests to a common length, so requests of very
+    different KV lengths run in separate groups (``_length_groups``); since a row's result does not
+    depend on its batch, grouping changes no bit of it.
 
     Requests that share cached KV slots (a prefix-cache hit: one system prompt or few-shot prefix)
-    run as a cascade (``find_shared_prefixes``): the shared keys are gathered once for all of them
-    and each row's softmax over [shared ; own suffix] is merged from the two parts in float64, which
-    again moves a result only by float64 rounding.
+    run as a cascade on the torch path (``find_shared_prefixes``): the shared keys are gathered once
+    for all of them and each row's softmax over [shared ; own suffix] is merged from the two parts in
+    float64, which again moves a result only by float64 rounding.
     """
     parts = _work_parts(meta)
     if len(parts) == 1 and parts[0][0] is None:
         _, part_meta, shared = parts[0]
-        return _attention_float64(q, k_cache, v_cache, part_meta, scale, shared)
+        return _run_part(q, k_cache, v_cache, part_meta, scale, shared)
     out = torch.empty_like(q)
     for tokens, part_meta, shared in parts:
-        out[tokens] = _attention_float64(q[tokens], k_cache, v_cache, part_meta, scale, shared)
+        out[tokens] = _run_part(q[tokens], k_cache, v_cache, part_meta, scale, shared)
     return out
+
+
+def _run_part(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shared: torch.Tensor | None):
+    if shared is None and native_attention_available(q, k_cache):
+        return native_attention(q, k_cache, v_cache, meta, scale)
+    return _attention_float64(q, k_cache, v_cache, meta, scale, shared)
 
 
 def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor | None]]:
@@ -140,8 +150,10 @@ def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, Atte
     Rows sharing a prefix run as one cascade per group; the others as before; each in length groups."""
     if meta.parts is None:
         plans = find_shared_prefixes(meta, INVARIANT_Q_CHUNK)  # a cascade runs in one query chunk
+        # The C++ kernel reads each row's own keys in place: no padding, so no length groups.
+        groups = (lambda m: [(None, m)]) if native_attention_available() else _length_groups
         if not plans:
-            meta.parts = [(tokens, group, None) for tokens, group in _length_groups(meta)]
+            meta.parts = [(tokens, group, None) for tokens, group in groups(meta)]
             return meta.parts
         batch = meta.kv_indices.shape[0]
         pieces = [(plan.rows, plan.suffix, plan.slots) for plan in plans]
@@ -155,7 +167,7 @@ def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, Atte
         for rows, piece_meta, shared in pieces:
             whole = rows.numel() == batch  # rows are sorted: the piece is the batch in order
             tokens = None if whole else meta.q_gather[rows][meta.q_valid[rows]]
-            for group_tokens, group in _length_groups(piece_meta):
+            for group_tokens, group in (_length_groups(piece_meta) if shared is not None else groups(piece_meta)):
                 if group_tokens is not None:
                     group_tokens = group_tokens if tokens is None else tokens[group_tokens]
                 else:

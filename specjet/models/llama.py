@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specjet.kernels import cpu_ops
 from specjet.kernels.attention import paged_attention
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
@@ -100,6 +101,14 @@ class Attention(nn.Module):
                               invariant=self.batch_invariant)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """``forward`` with the C++ ops (kernels/cpu_ops.py): RoPE and the K/V write in one call."""
+        q = cpu_ops.rope_store(self.qkv_proj(x), cos, sin, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id],
+                               batch.out_cache_loc, self.num_heads)
+        out = paged_attention(q, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch.attn, self.scale,
+                              invariant=self.batch_invariant)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -120,10 +129,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.native_ops = False  # see LlamaForCausalLM.use_native_ops
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        if self.native_ops:
+            return self.forward_native(x, cos, sin, batch, kv_cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        attn = self.self_attn.forward_native(cpu_ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, batch, kv_cache)
+        x, h = cpu_ops.rms_norm(x, norm2.weight, norm2.eps, residual=attn)
+        return x + self.mlp.down_proj(cpu_ops.silu_mul(self.mlp.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,17 +173,35 @@ class LlamaForCausalLM(nn.Module):
                 layer_hidden[i] = x
             if i in feature_layers:
                 residuals.append(x)
+        norm = self._final_norm
         if batch.logits_indices is not None and not every_row:
             x = x[batch.logits_indices]  # only the rows that need logits go through the head
-            hidden = self.norm(x)
+            hidden = norm(x)
             logits_in = hidden
         else:
-            hidden = self.norm(x)
+            hidden = norm(x)
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         logits = self.lm_head(logits_in).float()
         if feature_layers:
             hidden = torch.cat([*residuals, hidden], dim=-1)
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layers[0].native_ops:
+            return cpu_ops.rms_norm(x.contiguous(), self.norm.weight, self.norm.eps)
+        return self.norm(x)
+
+    def use_native_ops(self, flag: bool = True) -> bool:
+        """Inference through specjet's C++ CPU ops (kernels/cpu_ops.py: float64 attention, RMSNorm, RoPE with
+        the K/V write, SiLU-and-multiply) where they apply: CPU, float32 or bfloat16, the extension
+        built, no q/k norm. Every forward of the model then takes the same ops, so a token's bits do not
+        depend on which kind of forward computed it. Returns whether they are on."""
+        p = self.embed_tokens.weight
+        flag = (flag and p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16)
+                and not self.config.qk_norm and cpu_ops.extension() is not None)
+        for layer in self.layers:
+            layer.native_ops = flag
+        return flag
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; linears are invariant

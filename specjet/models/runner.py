@@ -52,6 +52,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype,
     model.load_weights(state_dict)
     if quantization is not None:
         quantize_model(model, quantization, gguf_path)
+    model.use_native_ops()
     return model.eval()
 
 

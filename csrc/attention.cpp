@@ -1,0 +1,152 @@
+// Batch-invariant paged attention for CPU, in float64: out[t, h] = softmax(q.K^T * scale) V over the
+// keys token t may see, read in place from the paged KV pool (no gather, no float64 copy of the cache).
+//
+// Invariance by construction: one output row (token t, head h) is computed by one thread from its q
+// and the keys and values it may see, taken in position order; masked keys are skipped, never added,
+// so a tree node whose ancestors sit between non-ancestors gets the same bits as the same token
+// decoded alone, where they are contiguous. No sum is split by the batch, the tile or the thread count.
+//
+// Float64 for the same reason as the torch path (specjet/kernels/attention.py): a bf16 q.k product
+// and a head_dim-long sum of them are exact in float64; softmax and the weighted sum carry float64
+// rounding only, far below the rounding to the model's dtype at the end.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Batch {
+  int64_t num_heads, num_kv_heads, head_dim, max_kv, max_q;
+  const int64_t* kv_indices;  // [B, max_kv]
+  const int64_t* kv_lens;
+  const int64_t* q_lens;
+  const int64_t* q_starts;
+  const bool* mask;  // [B, max_q, max_q] or null (causal)
+  double scale;
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2")
+namespace isa_avx512 {
+#define SJ_VEC_BYTES 64
+#include "attention_body.h"
+#undef SJ_VEC_BYTES
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace isa_avx2 {
+#define SJ_VEC_BYTES 32
+#include "attention_body.h"
+#undef SJ_VEC_BYTES
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+namespace isa_base {
+#define SJ_VEC_BYTES 16
+#include "attention_body.h"
+#undef SJ_VEC_BYTES
+}  // namespace isa_base
+
+namespace {
+
+enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+
+bool isa_supported(int64_t isa) {
+  switch (isa) {
+    case kBase: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
+    default: return false;
+  }
+}
+
+template <class T>
+void dispatch(int64_t isa, const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
+  if (isa == kAvx512) isa_avx512::attend_all(bt, q, k, v, out, batch);
+  else if (isa == kAvx2) isa_avx2::attend_all(bt, q, k, v, out, batch);
+  else isa_base::attend_all(bt, q, k, v, out, batch);
+}
+
+// q [T, H, D]; k_cache, v_cache [slots, H_kv, D] of q's dtype (float32 or bfloat16); kv_indices [B, max_kv],
+// kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
+// tokens). Returns [T, H, D] in q's dtype.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& kv_indices, const torch::Tensor& kv_lens,
+                              const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+                              const c10::optional<torch::Tensor>& custom_mask, double scale, int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "attention: instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "attention: q must be contiguous [T, H, D] on CPU");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "attention: float32 or bfloat16 only");
+  for (const auto* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->scalar_type() == dtype && c->dim() == 3 && c->is_contiguous() && c->size(2) == q.size(2),
+                "attention: the KV caches must be contiguous [slots, H_kv, D] of q's dtype");
+  }
+  const int64_t batch = kv_lens.numel();
+  for (const auto* t : {&kv_lens, &q_lens, &q_starts}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == batch,
+                "attention: kv_lens, q_lens and q_starts must be contiguous int64 [B]");
+  }
+  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && kv_indices.is_contiguous() && kv_indices.dim() == 2 &&
+                  kv_indices.size(0) == batch,
+              "attention: kv_indices must be contiguous int64 [B, max_kv]");
+  const int64_t H = q.size(1), KV = k_cache.size(1);
+  TORCH_CHECK(KV > 0 && H % KV == 0, "attention: heads ", H, " not a multiple of KV heads ", KV);
+  Batch bt{H, KV, q.size(2), kv_indices.size(1), 0, kv_indices.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
+           q_lens.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), nullptr, scale};
+  const int64_t slots = k_cache.size(0);
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t ql = bt.q_lens[b], kl = bt.kv_lens[b];
+    TORCH_CHECK(ql >= 1 && ql <= kl && kl <= bt.max_kv && bt.q_starts[b] >= 0 && bt.q_starts[b] + ql <= q.size(0),
+                "attention: request ", b, " has q_len ", ql, ", kv_len ", kl, " outside its tensors");
+    for (int64_t p = 0; p < kl; ++p) {
+      const int64_t s = bt.kv_indices[b * bt.max_kv + p];
+      TORCH_CHECK(s >= 0 && s < slots, "attention: KV slot ", s, " outside the cache of ", slots);
+    }
+    bt.max_q = std::max(bt.max_q, ql);
+    tokens += ql;
+  }
+  TORCH_CHECK(tokens == q.size(0), "attention: q has ", q.size(0), " tokens, the requests ", tokens);
+  torch::Tensor mask;
+  if (custom_mask) {
+    mask = *custom_mask;
+    TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 3 &&
+                    mask.size(0) == batch && mask.size(1) == mask.size(2) && mask.size(1) >= bt.max_q,
+                "attention: custom_mask must be contiguous bool [B, max_q, max_q]");
+    bt.max_q = mask.size(1);
+    bt.mask = mask.data_ptr<bool>();
+  }
+  auto out = torch::empty_like(q);
+  if (dtype == torch::kFloat32) {
+    dispatch(isa, bt, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+             out.data_ptr<float>(), batch);
+  } else {
+    dispatch(isa, bt, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+             v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), batch);
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_layer_ops(pybind11::module& module);  // layer_ops.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "specjet's batch-invariant CPU ops: float64 paged attention and the per-row parts of a layer";
+  module.def("isa_supported", &isa_supported, "whether this CPU runs the given instruction set (0 base, 1 AVX2, 2 AVX-512)");
+  module.def("paged_attention", &paged_attention, "out = softmax(q K^T * scale) V over each token's visible keys");
+  register_layer_ops(module);
+}

@@ -1,0 +1,98 @@
+"""specjet's C++ CPU ops (extension ``specjet.kernels._cpu_ops``, sources csrc/attention.cpp and
+csrc/layer_ops.cpp): the float64 paged attention, and RMSNorm / RoPE + KV write / SiLU-and-multiply,
+each one call where torch needs a dozen small ops (models/llama.py's inference path uses them).
+
+The attention has the same math as the torch float64 path in attention.py and the same invariance, by construction: a
+query row is computed by one thread from its own q and the keys it may see, read in place from the
+KV pool in position order. It replaces the torch path's per-layer gather, float64 copy of every
+visible key and dozen small ops, which dominate a decode step at small batches.
+
+Every instruction set's build gives the same bits (csrc/attention_body.h), so the widest one this CPU
+runs is used; ``SPECJET_ATTENTION_ISA=avx512|avx2|base`` forces one. The layer ops are batch-invariant
+the same way (one row, one thread, a fixed order). ``SPECJET_CPU_OPS=torch`` turns the extension off
+(the torch ops then run everything). Built at install by setup.py; without it
+the torch path runs and a line in the log says so.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from specjet.kernels.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+ISAS = {"base": 0, "avx2": 1, "avx512": 2}
+BACKEND_ENV = "SPECJET_CPU_OPS"
+ISA_ENV = "SPECJET_ATTENTION_ISA"
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """The compiled module, or None when it is not built or turned off (logged once)."""
+    backend = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if backend not in ("", "native", "torch"):
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: use native or torch")
+    if backend == "torch":
+        return None
+    try:
+        from specjet.kernels import _cpu_ops
+    except ImportError as err:
+        logger.warning("specjet's C++ CPU ops are not built (%s); attention and the layers' small ops run as "
+                       "torch ops (slower at small batches). Rebuild with `pip install --no-build-isolation -e .`.",
+                       err)
+        return None
+    return _cpu_ops
+
+
+@functools.lru_cache(maxsize=1)
+def isa() -> int:
+    ext = extension()
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in ISAS or ext is None or not ext.isa_supported(ISAS[forced]):
+            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)} that this CPU runs")
+        return ISAS[forced]
+    return max(code for code in ISAS.values() if ext is not None and ext.isa_supported(code))
+
+
+def native_attention_available(q: torch.Tensor | None = None, k_cache: torch.Tensor | None = None) -> bool:
+    """Whether the kernel is built (and, given tensors, takes them: CPU, float32 or bfloat16)."""
+    if extension() is None:
+        return False
+    return all(t is None or (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16))
+               for t in (q, k_cache))
+
+
+def native_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, D] (the batch's new tokens in order), caches [slots, H_kv, D] -> [T, H, D]."""
+    mask = meta.custom_mask
+    if mask is not None:
+        mask = mask.to(torch.bool).contiguous()
+    return extension().paged_attention(q.contiguous(), k_cache, v_cache, meta.kv_indices.contiguous(),
+                                       meta.kv_lens, meta.q_lens, meta.q_starts, mask, float(scale), isa())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """weight * x / rms(x) per row of x [T, N]; with ``residual``: (x + residual, its norm)."""
+    outs = extension().rms_norm(x, weight, float(eps), residual)
+    return outs[0] if residual is None else (outs[0], outs[1])
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """From fused q|k|v rows [T, (H + 2 KV) D]: writes RoPE(k) and v to ``slots`` of the layer's pool,
+    returns RoPE(q) [T, H, D]."""
+    return extension().rope_store(qkv, cos, sin, k_cache, v_cache, slots, num_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [T, 2 I] holding gate | up."""
+    return extension().silu_mul(gate_up)
+
+
+__all__ = ["native_attention", "native_attention_available", "rms_norm", "rope_store", "silu_mul"]

@@ -1,0 +1,208 @@
+"""specjet's C++ CPU ops (kernels/cpu_ops.py, csrc/attention.cpp, csrc/layer_ops.cpp).
+
+Exactness is checked on the ops themselves: a row's bits alone == among others, a tree node == the same
+token with its keys contiguous, every instruction-set build == the others. Against the torch
+implementations (other kernels) only closeness is asserted, at a tolerance a wrong mask, scale or
+rotation would fail by orders of magnitude.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specjet.kernels import attention as A
+from specjet.kernels import cpu_ops
+from specjet.kernels.attention_metadata import build_attention_metadata
+from specjet.models.llama import apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def pool(num_slots: int, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
+    return k, v, gen
+
+
+def scattered_table(kv_lens: list[int], gen) -> torch.Tensor:
+    """Request b's positions in shuffled slots of its own range (slot 0 unused)."""
+    table = torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.int64)
+    start = 1
+    for b, n in enumerate(kv_lens):
+        table[b, :n] = torch.randperm(n, generator=gen) + start
+        start += n
+    return table
+
+
+def native(q, k, v, meta, isa=None):
+    if isa is None:
+        return cpu_ops.native_attention(q, k, v, meta, 0.25)
+    mask = None if meta.custom_mask is None else meta.custom_mask.contiguous()
+    return cpu_ops.extension().paged_attention(q, k, v, meta.kv_indices.contiguous(), meta.kv_lens, meta.q_lens,
+                                               meta.q_starts, mask, 0.25, cpu_ops.ISAS[isa])
+
+
+def tree_mask(batch: int, q_len: int, gen) -> torch.Tensor:
+    """Each new token sees itself and a random subset of the earlier ones."""
+    mask = torch.rand(batch, q_len, q_len, generator=gen) < 0.5
+    return (mask | torch.eye(q_len, dtype=torch.bool)) & torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,tree", [([1, 1, 1, 1], False), ([1, 5, 2, 40], False), ([4, 4, 4, 4], True)],
+                         ids=["decode", "extend", "tree"])
+def test_each_request_gets_the_bits_it_gets_alone_and_matches_the_torch_path(dtype, q_lens, tree):
+    kv_lens = [700, 45, 9, 300]
+    kv_lens = [max(n, q) for n, q in zip(kv_lens, q_lens)]
+    k, v, gen = pool(sum(kv_lens) + 1, dtype, seed=0)
+    table = scattered_table(kv_lens, gen)
+    q = torch.randn(sum(q_lens), HEADS, DIM, generator=gen).to(dtype)
+    mask = tree_mask(len(kv_lens), max(q_lens), gen) if tree else None
+    meta = build_attention_metadata(table, torch.arange(4), torch.tensor(kv_lens), torch.tensor(q_lens), mask)
+    out = native(q, k, v, meta)
+    offset = 0
+    for b in range(4):
+        alone = build_attention_metadata(table, torch.tensor([b]), torch.tensor([kv_lens[b]]),
+                                         torch.tensor([q_lens[b]]), None if mask is None else mask[b:b + 1])
+        rows = slice(offset, offset + q_lens[b])
+        assert torch.equal(out[rows], native(q[rows].contiguous(), k, v, alone)), f"request {b} differs in the batch"
+        offset += q_lens[b]
+    torch_path = A._attention_float64(q, k, v, meta, 0.25)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(out.float(), torch_path.float(), rtol=tol, atol=tol)
+    reference = A.paged_attention_reference(q.float(), k.float(), v.float(), meta, 0.25)
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
+    """Node 3 of the tree sees the prefix, nodes 0 and 2 and itself; decoded as a chain of those
+    three tokens (keys contiguous, no masked ones between), its last row must have the same bits."""
+    prefix, nodes = 50, 5
+    k, v, gen = pool(1 + prefix + nodes + 3, torch.bfloat16, seed=1)
+    q = torch.randn(nodes, HEADS, DIM, generator=gen).to(torch.bfloat16)
+    table = torch.arange(1, 1 + prefix + nodes)[None]
+    mask = torch.eye(nodes, dtype=torch.bool)[None].clone()
+    mask[0, 3, 0] = mask[0, 3, 2] = True
+    mask[0, 2, 0] = True
+    tree = native(q, k, v, build_attention_metadata(table, torch.tensor([0]), torch.tensor([prefix + nodes]),
+                                                    torch.tensor([nodes]), mask))
+    # The chain: copies of node 0, 2 and 3's K/V right after the prefix.
+    chain_slots = torch.arange(1 + prefix + nodes, 1 + prefix + nodes + 3)
+    for i, node in enumerate((0, 2, 3)):
+        k[chain_slots[i]], v[chain_slots[i]] = k[1 + prefix + node], v[1 + prefix + node]
+    chain_table = torch.cat([torch.arange(1, 1 + prefix), chain_slots])[None]
+    chain = native(q[[0, 2, 3]].contiguous(), k, v, build_attention_metadata(
+        chain_table, torch.tensor([0]), torch.tensor([prefix + 3]), torch.tensor([3])))
+    assert torch.equal(tree[3], chain[2])
+    assert torch.equal(tree[2], chain[1])
+
+
+def test_every_instruction_set_build_gives_the_same_bits():
+    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    assert "base" in isas
+    kv_lens, q_lens = [130, 33], [1, 20]
+    k, v, gen = pool(sum(kv_lens) + 1, torch.float32, seed=2)
+    table = scattered_table(kv_lens, gen)
+    q = torch.randn(sum(q_lens), HEADS, DIM, generator=gen)
+    meta = build_attention_metadata(table, torch.arange(2), torch.tensor(kv_lens), torch.tensor(q_lens))
+    outs = [native(q, k, v, meta, isa) for isa in isas]
+    for isa, out in zip(isas[1:], outs[1:]):
+        assert torch.equal(outs[0], out), f"{isa} differs from {isas[0]}"
+
+
+def test_bad_metadata_is_refused_not_read_out_of_bounds():
+    k, v, gen = pool(20, torch.float32, seed=3)
+    q = torch.randn(1, HEADS, DIM)
+    meta = build_attention_metadata(torch.tensor([[1, 2, 99]]), torch.tensor([0]), torch.tensor([3]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native(q, k, v, meta)
+    meta = build_attention_metadata(torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([3]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        native(q, k.bfloat16(), v.bfloat16(), meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_match_torch_and_keep_a_rows_bits_in_any_batch(dtype):
+    gen = torch.Generator().manual_seed(4)
+    rows, hidden, eps = 7, 96, 1e-5
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    delta = torch.randn(rows, hidden, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+
+    def torch_norm(t):
+        tf = t.float()
+        return w.float() * tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
+
+    normed = cpu_ops.rms_norm(x, w, eps)
+    torch.testing.assert_close(normed.float(), torch_norm(x), rtol=tol, atol=tol)
+    summed, normed_sum = cpu_ops.rms_norm(x, w, eps, residual=delta)
+    torch.testing.assert_close(summed.float(), (x.float() + delta.float()), rtol=tol, atol=tol)
+    torch.testing.assert_close(normed_sum.float(), torch_norm(summed), rtol=tol, atol=tol)
+
+    gate_up = torch.randn(rows, 2 * hidden, generator=gen).to(dtype) * 4
+    act = cpu_ops.silu_mul(gate_up)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(act.float(), F.silu(g) * u, rtol=tol, atol=tol)
+
+    heads, kv_heads, dim = 3, 1, 32
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.rand(rows, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache = torch.zeros(rows + 3, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(rows, generator=gen) + 2
+    q = cpu_ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    qf, kf, vf = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    torch.testing.assert_close(q.float(), apply_rotary(qf.view(rows, heads, dim), cos.float(), sin.float()),
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(k_cache[slots].float(), apply_rotary(kf.view(rows, kv_heads, dim), cos.float(),
+                                                                    sin.float()), rtol=tol, atol=tol)
+    assert torch.equal(v_cache[slots], qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim))
+    assert not k_cache[:2].any() and not k_cache[rows + 2:].any(), "a slot nobody named was written"
+
+    # Batch invariance: each row alone gives the bits it gets among the others.
+    for r in range(rows):
+        one = slice(r, r + 1)
+        assert torch.equal(cpu_ops.rms_norm(x[one], w, eps), normed[one])
+        assert torch.equal(cpu_ops.rms_norm(x[one], w, eps, residual=delta[one])[1], normed_sum[one])
+        assert torch.equal(cpu_ops.silu_mul(gate_up[one]), act[one])
+        assert torch.equal(cpu_ops.rope_store(qkv[one], cos[one], sin[one], k_cache, v_cache, slots[one], heads), q[one])
+
+
+def test_the_models_native_path_matches_its_torch_path(tiny_model_dir):
+    """The tiny model through the C++ ops and through torch ops (same weights): close logits, same greedy
+    tokens over a prefill and a few decode steps."""
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.forward_batch import ForwardBatch, ForwardMode
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    runners = [ModelRunner(config, load_state_dict(tiny_model_dir), "float32", "cpu", 64, 0.0, 1) for _ in range(2)]
+    assert runners[1].model.use_native_ops(False) is False
+    assert runners[0].model.layers[0].native_ops, "the runner turns the C++ ops on"
+    table = torch.arange(1, 41)[None]
+    prompt = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for runner in runners:
+        ids, logits_seen = prompt, []
+        for step in range(4):
+            start = 0 if step == 0 else 11 + step
+            positions = torch.arange(start, 12 + step)
+            batch = ForwardBatch.build(
+                ForwardMode.EXTEND if step == 0 else ForwardMode.DECODE, input_ids=ids[start:], positions=positions,
+                out_cache_loc=table[0, positions], req_to_token=table, req_pool_indices=torch.tensor([0]),
+                kv_lens=torch.tensor([12 + step]), q_lens=torch.tensor([len(positions)]), logits="last")
+            logits = runner.forward(batch).logits[-1]
+            logits_seen.append(logits)
+            ids = torch.cat([ids, logits.argmax()[None]])
+        outs.append((ids, torch.stack(logits_seen)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-4)
