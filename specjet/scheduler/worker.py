@@ -225,6 +225,8 @@ class ModelWorker:
             logits[rows] = sub
 
     def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
+        if all(inp.sampling.is_greedy for inp in inputs):  # no sampling tensors to build: one argmax
+            return logits.argmax(-1).tolist()
         st = sampling_tensors([inp.sampling for inp in inputs], logits.device)
         uniforms = None
         if not st.all_greedy:
