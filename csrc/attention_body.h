@@ -4,7 +4,7 @@
 
 // Query tokens of one request handled together, with all the query heads of one KV head: each key is
 // loaded and widened once for all of them.
-constexpr int64_t kQueryTile = 16;
+constexpr int64_t kQueryTile = 8;
 // Keys per block: a block's keys are widened into a [head_dim][kKeys] buffer, and one row's scores
 // against them are kKeys independent lanes, each summing its head_dim products in order d = 0, 1, ...
 constexpr int kKeys = 16;
