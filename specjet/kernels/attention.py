@@ -144,14 +144,18 @@ def _run_part(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shared
     return _attention_float64(q, k_cache, v_cache, meta, scale, shared)
 
 
+def _whole(meta: AttentionMetadata) -> list[tuple[None, AttentionMetadata]]:
+    """One group: the C++ kernel reads each row's own keys in place, so padding costs nothing."""
+    return [(None, meta)]
+
+
 def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor | None]]:
     """The pieces a batch runs in, built once per forward: each piece's flat token indices (None:
     the whole batch in order), its metadata, and the KV slots its rows share (None: no cascade).
     Rows sharing a prefix run as one cascade per group; the others as before; each in length groups."""
     if meta.parts is None:
         plans = find_shared_prefixes(meta, INVARIANT_Q_CHUNK)  # a cascade runs in one query chunk
-        # The C++ kernel reads each row's own keys in place: no padding, so no length groups.
-        groups = (lambda m: [(None, m)]) if native_attention_available() else _length_groups
+        groups = _whole if native_attention_available() else _length_groups
         if not plans:
             meta.parts = [(tokens, group, None) for tokens, group in groups(meta)]
             return meta.parts
