@@ -87,27 +87,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache, native: bool = False) -> torch.Tensor:
+        """``native``: RoPE and the K/V write as one C++ call (kernels/cpu_ops.py; no q/k norm)."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv_cache.write(self.layer_id, batch.out_cache_loc, k, v)
-        out = paged_attention(q, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch.attn, self.scale,
-                              invariant=self.batch_invariant)
+        k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
+        if native:
+            q = cpu_ops.rope_store(self.qkv_proj(x), cos, sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads)
+        else:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            kv_cache.write(self.layer_id, batch.out_cache_loc, k, v)
+        out = paged_attention(q, k_cache, v_cache, batch.attn, self.scale, invariant=self.batch_invariant)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """``forward`` with the C++ ops (kernels/cpu_ops.py): RoPE and the K/V write in one call."""
-        q = cpu_ops.rope_store(self.qkv_proj(x), cos, sin, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id],
-                               batch.out_cache_loc, self.num_heads)
-        out = paged_attention(q, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch.attn, self.scale,
-                              invariant=self.batch_invariant)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -140,7 +136,7 @@ class DecoderLayer(nn.Module):
     def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        attn = self.self_attn.forward_native(cpu_ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, batch, kv_cache)
+        attn = self.self_attn(cpu_ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, batch, kv_cache, native=True)
         x, h = cpu_ops.rms_norm(x, norm2.weight, norm2.eps, residual=attn)
         return x + self.mlp.down_proj(cpu_ops.silu_mul(self.mlp.gate_up_proj(h)))
 
