@@ -15,6 +15,7 @@ import torch
 
 from specjet.engine.args import EngineArgs
 from specjet.engine.streams import AsyncStream, SyncStream
+from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.request import Req
 from specjet.scheduler.sampling_params import SamplingParams
 
@@ -79,6 +80,9 @@ class Engine:
         from specjet.engine.loading import load_components
 
         parts = load_components(self.args, _resolve_device(self.args.device))
+        # Loading opened an OpenMP team on this thread; with it alive, libgomp stops its workers
+        # spinning between the compute thread's parallel regions (kernels/openmp_teams.py).
+        release_calling_thread_team()
         # scheduler: requests, KV and results (host side); worker: forwards, sampling, speculation
         # (compute side); loop: drives both on the scheduler thread.
         self.tokenizer, self.scheduler, self.worker, self.loop = parts.tokenizer, parts.scheduler, parts.worker, parts.loop

@@ -1,0 +1,57 @@
+"""Freeing a thread's OpenMP team (kernels/openmp_teams.py): the team's worker threads really go."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from specjet.kernels.openmp_teams import _libgomp, release_calling_thread_team
+
+pytestmark = pytest.mark.skipif(_libgomp() is None or torch.get_num_threads() < 2,
+                                reason="torch does not run on GNU OpenMP with 2+ threads here")
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _wait_for(predicate, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_release_frees_the_calling_threads_workers():
+    """A fresh thread opens a team with its first parallel region (its workers are new OS threads)
+    and releasing it ends them; the thread still computes afterwards (the team comes back)."""
+    result = {}
+
+    def body():
+        a = torch.randn(512, 512)
+        before = _thread_count()
+        expected = a @ a  # a parallel region: the team's workers start
+        result["with_team"] = _thread_count()
+        result["released"] = release_calling_thread_team()
+        result["gone"] = _wait_for(lambda: _thread_count() <= before)
+        result["same"] = torch.equal(a @ a, expected)
+        result["before"] = before
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert result["with_team"] > result["before"]
+    assert result["released"] is True
+    assert result["gone"], "the released team's workers did not exit"
+    assert result["same"]
+
+
+def test_release_without_a_team_is_harmless():
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("ok", release_calling_thread_team()))
+    t.start()
+    t.join()
+    assert result["ok"] is True
