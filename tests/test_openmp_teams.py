@@ -55,3 +55,20 @@ def test_release_without_a_team_is_harmless():
     t.start()
     t.join()
     assert result["ok"] is True
+
+
+def test_an_idle_compute_stream_frees_its_team():
+    """The overlap loop's compute thread gives its team back once idle, and computes again after."""
+    from specjet.scheduler.streams import CpuStream
+
+    stream = CpuStream()
+    try:
+        a = torch.randn(512, 512)
+        stream.submit(lambda: None).result()
+        before = _thread_count()
+        expected = stream.submit(lambda: a @ a).result()
+        assert _thread_count() > before
+        assert _wait_for(lambda: _thread_count() <= before), "the idle stream kept its team"
+        assert torch.equal(stream.submit(lambda: a @ a).result(), expected)
+    finally:
+        stream.close()

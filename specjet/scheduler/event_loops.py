@@ -27,6 +27,7 @@ import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.scheduler import SETTLE_FIRST, Scheduler
 from specjet.scheduler.streams import WorkTiming, make_stream
@@ -93,7 +94,7 @@ class EventLoop:
 
     def _normal_iteration(self) -> None:
         sched = self.scheduler
-        sched.drain_inbox(block=not sched.has_work())
+        self._drain_inbox(idle=not sched.has_work())
         if sched.stop_requested():
             return
         batch = sched.next_batch(exact=True)
@@ -108,7 +109,7 @@ class EventLoop:
     def _overlap_iteration(self, last: Launched | None) -> Launched | None:
         """One iteration; ``last`` is the batch in flight (N-1), the return value is N."""
         sched = self.scheduler
-        sched.drain_inbox(block=not (sched.has_work() or last is not None))
+        self._drain_inbox(idle=not (sched.has_work() or last is not None))
         if sched.stop_requested():
             return last
         if last is not None and last.after_failure:  # N-1 failed: settle the batch after it first
@@ -130,6 +131,13 @@ class EventLoop:
         if launched is not None:
             self._submit_sampling(launched)
         return launched
+
+    def _drain_inbox(self, idle: bool) -> None:
+        """New requests and calls; an idle loop waits for them, and if none came this thread frees its
+        OpenMP team (the plain loop's forwards run here) so that other engines' workers keep spinning."""
+        self.scheduler.drain_inbox(block=idle)
+        if idle and not self.scheduler.has_work():
+            release_calling_thread_team()
 
     # ---------------------------------------------------------------- launching and completing
     def _launch(self, batch: ScheduledBatch) -> Launched:

@@ -26,6 +26,12 @@ from typing import Any, Callable
 
 import torch
 
+from specjet.kernels.openmp_teams import release_calling_thread_team
+
+# A compute thread idle this long gives its OpenMP team back (kernels/openmp_teams.py): a team
+# costs a few thread starts to build again, an idle one puts every other team's workers to sleep.
+IDLE_RELEASE_S = 0.05
+
 
 @dataclass
 class WorkTiming:
@@ -107,7 +113,11 @@ class CpuStream(Stream):
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=IDLE_RELEASE_S)
+            except queue.Empty:  # idle: free this thread's OpenMP team so busy engines' workers spin
+                release_calling_thread_team()
+                item = self._queue.get()
             if item is None:
                 return
             fn, args, future, timing = item
