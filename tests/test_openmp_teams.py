@@ -66,8 +66,8 @@ def test_an_idle_compute_stream_frees_its_team():
         a = torch.randn(512, 512)
         stream.submit(lambda: None).result()
         before = _thread_count()
-        expected = stream.submit(lambda: a @ a).result()
-        assert _thread_count() > before
+        expected, with_team = stream.submit(lambda: (a @ a, _thread_count())).result()
+        assert with_team > before
         assert _wait_for(lambda: _thread_count() <= before), "the idle stream kept its team"
         assert torch.equal(stream.submit(lambda: a @ a).result(), expected)
     finally:
