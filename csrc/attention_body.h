@@ -5,36 +5,60 @@
 // Query tokens of one request handled together, with all the query heads of one KV head: each key is
 // loaded and widened once for all of them.
 constexpr int64_t kQueryTile = 8;
-// Keys per block: a block's keys are widened into a [head_dim][kKeys] buffer, and one row's scores
-// against them are kKeys independent lanes, each summing its head_dim products in order d = 0, 1, ...
-constexpr int kKeys = 16;
 // Rows whose sums advance together (independent chains of adds).
 constexpr int kRowBlock = 4;
 
-// One register of float64 lanes (SJ_VEC_BYTES: 64 AVX-512, 32 AVX2, 16 SSE2), as a GCC vector extension.
-// Lanes are independent, so every build computes the same values.
+// A score q . k is summed in kLanes float64 lanes, lane i adding the products of d = i, i + kLanes, ...
+// in order, then the lanes in one fixed tree. The lane count is fixed, not the register width: a lanes_d
+// is one AVX-512 register, two AVX2 or four SSE2 ones, and every build adds the same numbers in the
+// same order. (Keys are used as they lie in the pool: no transposition.)
+constexpr int kLanes = 8;
+// Inlined always: these pass vectors around, which a call would put through memory.
+#ifndef SJ_INLINE
+#define SJ_INLINE inline __attribute__((always_inline))
+#endif
 typedef double vec_d __attribute__((vector_size(SJ_VEC_BYTES)));
 constexpr int kVecLanes = SJ_VEC_BYTES / 8;
-constexpr int kKeyVecs = kKeys / kVecLanes;
-inline vec_d load_vec(const double* p) { vec_d v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store_vec(double* p, vec_d v) { std::memcpy(p, &v, sizeof v); }
+constexpr int kParts = kLanes / kVecLanes;
+struct lanes_d {
+  vec_d part[kParts];
+};
+SJ_INLINE lanes_d zero_lanes() {
+  lanes_d a;
+  for (int i = 0; i < kParts; ++i) a.part[i] = vec_d{};
+  return a;
+}
+// Part by part: one copy of the whole struct goes through the stack in pieces that stall the reload.
+SJ_INLINE lanes_d load_lanes(const double* p) {
+  lanes_d a;
+  for (int i = 0; i < kParts; ++i) std::memcpy(&a.part[i], p + i * kVecLanes, sizeof(vec_d));
+  return a;
+}
+SJ_INLINE void store_lanes(double* p, const lanes_d& a) {
+  for (int i = 0; i < kParts; ++i) std::memcpy(p + i * kVecLanes, &a.part[i], sizeof(vec_d));
+}
+// acc += x * y, lane by lane (a product, then a sum: never fused).
+SJ_INLINE void mul_add(lanes_d& acc, const lanes_d& x, const lanes_d& y) {
+  for (int i = 0; i < kParts; ++i) acc.part[i] += x.part[i] * y.part[i];
+}
+SJ_INLINE void scale_add(lanes_d& acc, double w, const lanes_d& x) {
+  for (int i = 0; i < kParts; ++i) acc.part[i] += w * x.part[i];
+}
+SJ_INLINE double lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
+SJ_INLINE double sum_lanes(const lanes_d& a) {
+  return ((lane(a, 0) + lane(a, 4)) + (lane(a, 2) + lane(a, 6))) + ((lane(a, 1) + lane(a, 5)) + (lane(a, 3) + lane(a, 7)));
+}
 
-// scores[r][0 .. kKeys) = sum_d q[r][d] * kt[d][.] for rows r0 .. r0 + R, each sum in d order.
+// out[r * ld_out] = q_r . k for rows r0 .. r0 + R; q rows and k zero-padded to Dp, a multiple of kLanes.
 template <int R>
-inline void score_rows(const double* q, int64_t D, const double* kt, double* out, int64_t ld_out) {
-  vec_d acc[R][kKeyVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = vec_d{};
-  for (int64_t d = 0; d < D; ++d) {
-    vec_d k[kKeyVecs];
-    for (int v = 0; v < kKeyVecs; ++v) k[v] = load_vec(kt + d * kKeys + v * kVecLanes);
-    for (int r = 0; r < R; ++r) {
-      const double qv = q[r * D + d];
-      for (int v = 0; v < kKeyVecs; ++v) acc[r][v] += qv * k[v];
-    }
+SJ_INLINE void score_key(const double* q, int64_t Dp, const double* k, double* out, int64_t ld_out) {
+  lanes_d acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_lanes();
+  for (int64_t c = 0; c < Dp; c += kLanes) {
+    const lanes_d kv = load_lanes(k + c);
+    for (int r = 0; r < R; ++r) mul_add(acc[r], load_lanes(q + r * Dp + c), kv);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kKeyVecs; ++v) store_vec(out + r * ld_out + v * kVecLanes, acc[r][v]);
+  for (int r = 0; r < R; ++r) out[r * ld_out] = sum_lanes(acc[r]);
 }
 
 // Cache lines of a key or value row, fetched ahead: the rows of a request sit wherever the pool put them.
@@ -82,10 +106,57 @@ inline void widen(const T* src, double* dst, int64_t n) {
 }
 
 
+// Register blocking of the weights x V sums (rows x dims per block): as many accumulators as the
+// build's registers hold. Blocking decides where a sum lives, never its order, so all builds agree.
+#if SJ_VEC_BYTES == 64
+constexpr int kPvRows = 2;
+constexpr int64_t kPvDims = 64;
+#elif SJ_VEC_BYTES == 32
+constexpr int kPvRows = 1;
+constexpr int64_t kPvDims = 32;
+#else
+constexpr int kPvRows = 1;
+constexpr int64_t kPvDims = 16;
+#endif
+constexpr int kPvVecs = kPvDims / kLanes;
+
+template <class T>
+SJ_INLINE lanes_d widen_lanes(const T* src) {
+  double tmp[kLanes];
+  for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<double>(static_cast<float>(src[i]));
+  return load_lanes(tmp);
+}
+
+// acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = 0, 1, ... of w[r][p] * v_p.
+template <int R, class T, class Visible>
+SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* slots, int64_t kvh, int64_t kv_end,
+                         int64_t prefix, int64_t r0, int64_t c0, const double* scores, int64_t ld_scores,
+                         const Visible& visible, double* acc) {
+  const int64_t D = bt.head_dim, KV = bt.num_kv_heads;
+  lanes_d sum[R][kPvVecs];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
+  constexpr int64_t kAhead = 8;
+  for (int64_t p = 0; p < kv_end; ++p) {
+    if (p + kAhead < kv_end) prefetch_row(v_cache + (slots[p + kAhead] * KV + kvh) * D + c0, kPvDims);
+    const T* v = v_cache + (slots[p] * KV + kvh) * D + c0;
+    lanes_d vl[kPvVecs];
+    for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
+    const bool all = p < prefix;
+    for (int r = 0; r < R; ++r) {
+      if (!all && !visible(r0 + r, p)) continue;
+      const double w = scores[(r0 + r) * ld_scores + p];
+      for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kPvVecs; ++i) store_lanes(acc + (r0 + r) * D + c0 + i * kLanes, sum[r][i]);
+}
+
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
 // shared library costs a lookup per access in the inner loops).
 struct Workspace {
-  std::vector<double> qd, scores, acc, kd, kt, row_max, row_sum;
+  std::vector<double> qd, scores, acc, kd, row_max, row_sum;
   std::vector<int64_t> row_end;
   std::vector<const bool*> row_mask;
 };
@@ -117,43 +188,39 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     return p < row_end[r] && (p < prefix || row_mask[r] == nullptr || row_mask[r][p]);
   };
 
-  const int64_t padded_end = (kv_end + kKeys - 1) / kKeys * kKeys;
-  ws.qd.resize(rows * D);
-  ws.scores.resize(rows * padded_end);
+  const int64_t ld_scores = kv_end;  // a row's scores, one per key position
+  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
+  ws.qd.assign(rows * Dp, 0.0);
+  ws.scores.resize(rows * ld_scores);
   ws.acc.assign(rows * D, 0.0);
-  ws.kd.resize(D);
-  ws.kt.resize(D * kKeys);
+  ws.kd.assign(Dp, 0.0);
   ws.row_max.assign(rows, -std::numeric_limits<double>::infinity());
   ws.row_sum.assign(rows, 0.0);
   double *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
-         *kt = ws.kt.data(), *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
+         *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / group, h = kvh * group + r % group;
-    widen(q + (t * H + h) * D, qd + r * D, D);
-    for (int64_t d = 0; d < D; ++d) qd[r * D + d] *= bt.scale;
+    widen(q + (t * H + h) * D, qd + r * Dp, D);
+    for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= bt.scale;
   }
-  for (int64_t p0 = 0; p0 < kv_end; p0 += kKeys) {
-    for (int64_t p = p0 + kKeys; p < std::min(kv_end, p0 + 2 * kKeys); ++p)
-      prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
-    // The block's keys, transposed; past kv_end, zeros (their scores are never used).
-    for (int l = 0; l < kKeys; ++l) {
-      if (p0 + l < kv_end) widen(k_cache + (slots[p0 + l] * KV + kvh) * D, kd, D);
-      else std::fill(kd, kd + D, 0.0);
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + l] = kd[d];
-    }
+  constexpr int64_t kAhead = 8;
+  for (int64_t p = 0; p < std::min(kv_end, kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
+  for (int64_t p = 0; p < kv_end; ++p) {
+    if (p + kAhead < kv_end) prefetch_row(k_cache + (slots[p + kAhead] * KV + kvh) * D, D);
+    widen(k_cache + (slots[p] * KV + kvh) * D, kd, D);  // kd[D .. Dp) stay zero
     int64_t r = 0;
-    double* sp = scores + p0;
+    double* sp = scores + p;
     for (; r + kRowBlock <= rows; r += kRowBlock)
-      score_rows<kRowBlock>(qd + r * D, D, kt, sp + r * padded_end, padded_end);
+      score_key<kRowBlock>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores);
     switch (rows - r) {
-      case 3: score_rows<3>(qd + r * D, D, kt, sp + r * padded_end, padded_end); break;
-      case 2: score_rows<2>(qd + r * D, D, kt, sp + r * padded_end, padded_end); break;
-      case 1: score_rows<1>(qd + r * D, D, kt, sp + r * padded_end, padded_end); break;
+      case 3: score_key<3>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores); break;
+      case 2: score_key<2>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores); break;
+      case 1: score_key<1>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores); break;
       default: break;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const double* s = scores + r * padded_end;
+    const double* s = scores + r * ld_scores;
     double m = row_max[r];
     for (int64_t p = 0; p < std::min(prefix, row_end[r]); ++p) m = s[p] > m ? s[p] : m;
     for (int64_t p = prefix; p < row_end[r]; ++p)
@@ -161,24 +228,36 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     row_max[r] = m;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    double* s = scores + r * padded_end;
+    double* s = scores + r * ld_scores;
     const double m = row_max[r];
     // Every score of the row is replaced by its weight; masked positions hold garbage and are skipped below.
     for (int64_t p = 0; p < row_end[r]; ++p) s[p] = exp_nonpositive(s[p] - m);
   }
-  constexpr int64_t kAhead = 8;
-  for (int64_t p = 0; p < std::min(kv_end, kAhead); ++p) prefetch_row(v_cache + (slots[p] * KV + kvh) * D, D);
-  for (int64_t p = 0; p < kv_end; ++p) {
-    if (p + kAhead < kv_end) prefetch_row(v_cache + (slots[p + kAhead] * KV + kvh) * D, D);
-    widen(v_cache + (slots[p] * KV + kvh) * D, kd, D);
-    const bool all = p < prefix;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (!all && !visible(r, p)) continue;
-      const double w = scores[r * padded_end + p];
-      row_sum[r] += w;
-      double* o = acc + r * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += w * kd[d];
+  // Weights x V: acc[r][d] adds w_p * v_p[d] over the row's visible keys in position order (the same
+  // for every d, whether the sum sits in a register or in memory), kPvRows rows and kPvDims dims at a
+  // time in registers; a head_dim tail that does not fill kPvDims goes through memory.
+  int64_t c0 = 0;
+  for (; c0 + kPvDims <= D; c0 += kPvDims) {
+    int64_t r = 0;
+    for (; r + kPvRows <= rows; r += kPvRows) weigh_values<kPvRows>(bt, v_cache, slots, kvh, kv_end, prefix, r, c0, scores, ld_scores, visible, acc);
+    for (; r < rows; ++r) weigh_values<1>(bt, v_cache, slots, kvh, kv_end, prefix, r, c0, scores, ld_scores, visible, acc);
+  }
+  if (c0 < D) {
+    for (int64_t p = 0; p < kv_end; ++p) {
+      widen(v_cache + (slots[p] * KV + kvh) * D, kd, D);
+      const bool all = p < prefix;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!all && !visible(r, p)) continue;
+        const double w = scores[r * ld_scores + p];
+        double* o = acc + r * D;
+        for (int64_t d = c0; d < D; ++d) o[d] += w * kd[d];
+      }
     }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // the softmax denominators, in the same order
+    const double* s = scores + r * ld_scores;
+    for (int64_t p = 0; p < kv_end; ++p)
+      if (p < prefix || visible(r, p)) row_sum[r] += s[p];
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / group, h = kvh * group + r % group;
