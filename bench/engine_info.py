@@ -21,9 +21,10 @@ def accept_length(before: tuple[int, int] | None, after: tuple[int, int] | None)
 
 
 def describe_engine(engine) -> dict:
-    """dtype, device, request limit and speculative settings as the engine resolved them."""
+    """dtype, quantization, device, request limit and speculative settings as the engine resolved them."""
     worker = engine.worker
-    desc = {"dtype": str(worker.runner.dtype).removeprefix("torch."), "device": str(worker.device),
+    desc = {"dtype": str(worker.runner.dtype).removeprefix("torch."), "quantization": worker.runner.quantization,
+            "device": str(worker.device),
             "max_running_requests": engine.args.max_running_requests, "page_size": engine.args.page_size,
             "speculative": None}
     spec = worker.speculator.cfg if worker.speculator is not None else None

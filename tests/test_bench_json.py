@@ -20,7 +20,7 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` do
 from bench.common import JSONSCHEMA_DIR, jsonschema_prompts
 from bench.json import (Cell, Config, check_output, completed_accept_length, identity_check, latency_figures,
                         load_validator, main, parse_args, validity)
-from specjet.models.runner import auto_dtype
+from engine_defaults import default_model_dtype_name
 
 # config, batch, valid, invalid, non-JSON, aborted, TTFT, TPOT, out tok/s, accept, acc. done, x uncon., identical
 ROW = re.compile(r"^(\S+)\s+(\d+)\s+(n/a|-|[\d.]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(n/a|[\d.]+)\s+(n/a|[\d.]+)\s+([\d.]+)\s+"
@@ -234,7 +234,7 @@ def test_default_model_none_and_eagle(tmp_path):
     rows = table_rows(proc.stdout)
     assert set(rows) == {("none/on", 2), ("EAGLE/on", 2), ("unconstrained", 2)}
     assert rows[("EAGLE/on", 2)][-1] == "yes" and float(rows[("EAGLE/on", 2)][-4]) >= 1
-    dtype = str(auto_dtype("cpu")).removeprefix("torch.")  # no --dtype: the CPU's auto choice
+    dtype = default_model_dtype_name()  # no --dtype, no --quantization: the auto choices
     assert f"# config EAGLE/on: {dtype} on cpu, speculative EAGLE" in proc.stdout
     assert "outputs identical: yes" in proc.stdout
     record = json.loads(result_file.read_text())

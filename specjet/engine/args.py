@@ -19,9 +19,11 @@ class EngineArgs:
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     # Weight-only quantization (SGLang's name; CPU kernels): "int8" (per output channel), "int4" (blocks
-    # of 32 with a scale and a minimum), "gguf" (compute with the GGUF file's own blocks: Q4_1 / Q8_0).
+    # of 32 with a scale and a minimum), "gguf" (compute with the GGUF file's own blocks: Q4_1 / Q8_0),
+    # None (float weights), or "auto": "gguf" on CPU for a model from a GGUF file whose blocks the
+    # kernels take (the embedded default model is one), else None (models/quantize.py:choose_method).
     # With quantization, dtype "auto" means float32 (the kernels compute in float32).
-    quantization: str | None = None
+    quantization: str | None = "auto"
     page_size: int = 1
     max_running_requests: int = 32
     max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of free memory
@@ -123,7 +125,7 @@ class EngineArgs:
             raise ValueError(f"grammar_max_spec_bytes must be >= 1, got {self.grammar_max_spec_bytes}")
         from specjet.models.quantize import check_method
 
-        check_method(self.quantization)
+        check_method(self.quantization, allow_auto=True)
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
         from specjet.spec_v2.config import SpecConfig

@@ -276,7 +276,7 @@ class Engine:
             time.sleep(0.01)
 
     def get_server_info(self, reset_timings: bool = False) -> dict[str, Any]:
-        """Counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
+        """The dtype and quantization in effect, counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
         side's median time and how long it waited for the host (``reset_timings`` starts afresh)."""
         stats = dict(self.scheduler.stats)
         try:
@@ -286,7 +286,10 @@ class Engine:
             stats["overlap"], cache = {"iterations": 0}, {"enabled": self.scheduler.cache is not None}
         if stats.get("spec_verify_ct"):
             stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
-        return {"args": self.args, "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
+        runner = self.worker.runner
+        return {"args": self.args, "dtype": str(runner.dtype).removeprefix("torch."),  # what "auto" resolved to
+                "quantization": runner.quantization,
+                "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,
                 "grammar": dict(self.scheduler.grammar_backend.compile_stats), "radix_cache": cache}
 

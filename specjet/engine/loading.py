@@ -1,6 +1,7 @@
 """Building the engine's parts from its arguments: model files, tokenizer, runner, grammar, scheduler."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 from specjet.engine.args import EngineArgs
 from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
+from specjet.models.quantize import choose_method
 from specjet.models.runner import ModelRunner
 from specjet.models.weights import gguf_source, load_state_dict, resolve_model_path
 from specjet.scheduler.event_loops import EventLoop
@@ -17,6 +19,8 @@ from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
 from specjet.scheduler.worker import ModelWorker
 from specjet.spec_v2.config import SpecConfig
 from specjet.spec_v2.speculator import Speculator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,10 +39,13 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     model_dir = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    gguf_path = gguf_source(args.model_path)
+    quantization, why = choose_method(args.quantization, device, gguf_path, config)
+    logger.info("quantization %s (%s)", quantization, why)
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, device, args.max_total_tokens,
                          args.mem_fraction_static, args.page_size,
-                         batch_invariant=args.enable_deterministic_inference, quantization=args.quantization,
-                         gguf_path=gguf_source(args.model_path) if args.quantization == "gguf" else None)
+                         batch_invariant=args.enable_deterministic_inference, quantization=quantization,
+                         gguf_path=gguf_path if quantization == "gguf" else None)
     grammar = GrammarBackend(tokenizer, config.vocab_size, compile_timeout_s=args.grammar_compile_timeout,
                              max_spec_bytes=args.grammar_max_spec_bytes)
     sched_config = SchedulerConfig(

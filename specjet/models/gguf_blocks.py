@@ -8,6 +8,7 @@ gate|up are concatenated along the output dimension as Llama's fused projections
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import numpy as np
@@ -55,11 +56,24 @@ def _cat(weights: list[QuantWeight]) -> QuantWeight:
                       first.group)
 
 
-def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
-    """{specjet Linear module name: its [out, in] blocks} for every projection and the LM head."""
+def _tensors(path: str | pathlib.Path) -> dict:
+    """The file's tensors by name. gguf's reader parses all metadata in Python first (the tokenizer's
+    vocabulary: seconds), so one reading per file is kept for the process."""
+    path = pathlib.Path(path).resolve()
+    stat = path.stat()
+    return _read_tensors(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tensors(path: str, size: int, mtime_ns: int) -> dict:  # size and mtime: a changed file is read again
     from gguf import GGUFReader
 
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
+def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
+    """{specjet Linear module name: its [out, in] blocks} for every projection and the LM head."""
+    tensors = _tensors(path)
     head = "token_embd.weight" if config.tie_word_embeddings or "output.weight" not in tensors else "output.weight"
     out = {"lm_head": _blocks(tensors[head])}
     for i in range(config.num_layers):
@@ -71,3 +85,13 @@ def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str
         out[f"layers.{i}.mlp.gate_up_proj"] = _cat([get("ffn_gate"), get("ffn_up")])
         out[f"layers.{i}.mlp.down_proj"] = get("ffn_down")
     return out
+
+
+def blocks_supported(path: str | pathlib.Path, config: ModelConfig) -> bool:
+    """Whether every weight ``read_gguf_linears`` keeps is in a block type the kernels compute with
+    (reads the file's tensor table only)."""
+    tensors = _tensors(path)
+    head = "token_embd.weight" if config.tie_word_embeddings or "output.weight" not in tensors else "output.weight"
+    names = [head] + [f"blk.{i}.{part}.weight" for i in range(config.num_layers)
+                      for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    return all(name in tensors and tensors[name].tensor_type.name in SUPPORTED_TYPES for name in names)

@@ -9,6 +9,11 @@ Methods (``EngineArgs.quantization``, SGLang's name):
 - ``gguf``: the model's own GGUF blocks as the file stores them (models/gguf_blocks.py), so specjet
   computes with the weights llama.cpp does.
 The embedding lookup stays float (the head is a copy even when tied), and so do the norms.
+
+``auto`` (the engine's default, ``choose_method``): ``gguf`` where the model comes from a GGUF file
+whose blocks the CPU kernels compute with, else none. The file's blocks are the model's own weights
+(the float model is their dequantization), so this changes no weight; only the activations' rounding
+differs, while a decode step reads ~4x fewer bytes than in float32.
 """
 from __future__ import annotations
 
@@ -22,12 +27,29 @@ from specjet.kernels.quant_formats import BLOCK, QuantWeight, quantize_int8, qua
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+AUTO = "auto"
 
 
-def check_method(method: str | None) -> None:
-    if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization {method!r} is not supported; use one of {', '.join(QUANTIZATION_METHODS)} "
-                         f"or None")
+def check_method(method: str | None, allow_auto: bool = False) -> None:
+    if method is None or method in QUANTIZATION_METHODS or (allow_auto and method == AUTO):
+        return
+    choices = ", ".join(((AUTO,) if allow_auto else ()) + QUANTIZATION_METHODS)
+    raise ValueError(f"quantization {method!r} is not supported; use one of {choices} or None")
+
+
+def choose_method(requested: str | None, device: torch.device, gguf_path, config) -> tuple[str | None, str]:
+    """The method to use for ``requested`` (``auto`` resolved) and why, for the start-up log."""
+    if requested != AUTO:
+        return requested, "asked for"
+    if torch.device(device).type != "cpu":
+        return None, "auto: the quantized kernels are CPU kernels"
+    if gguf_path is None:
+        return None, "auto: the model is not a GGUF file (int8 / int4 would change its weights: ask for them)"
+    from specjet.models.gguf_blocks import SUPPORTED_TYPES, blocks_supported
+
+    if not blocks_supported(gguf_path, config):
+        return None, f"auto: the GGUF file has weights outside {'/'.join(SUPPORTED_TYPES)}"
+    return "gguf", "auto: the GGUF file's own blocks (quantization=None computes with their float dequantization)"
 
 
 def quantize_weight(weight_t: torch.Tensor, method: str, is_head: bool = False) -> QuantWeight | None:
