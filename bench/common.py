@@ -58,8 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="default auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), "
                             "else float32")
     group.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1, ...")
-    group.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
-                       help="weight-only quantization (CPU kernels; dtype auto then means float32)")
+    group.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4", "gguf"],
+                       help="weight-only quantization (CPU kernels; dtype auto then means float32); default: the "
+                            "engine's auto (the GGUF's own blocks for a GGUF model on CPU), none: float weights")
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-running-requests", type=int, default=None)
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
@@ -107,7 +108,10 @@ def _parse_bool(text: str) -> bool:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Engine keywords for the flags that were set (None means: leave it to the Engine; its dtype
     ``auto`` follows the CPU: bf16 with native bf16 instructions, else fp32)."""
-    return {kw: getattr(args, dest) for dest, kw in _ENGINE_FLAGS.items() if getattr(args, dest, None) is not None}
+    kwargs = {kw: getattr(args, dest) for dest, kw in _ENGINE_FLAGS.items() if getattr(args, dest, None) is not None}
+    if kwargs.get("quantization") == "none":  # the engine's None: float weights
+        kwargs["quantization"] = None
+    return kwargs
 
 
 def without_speculation(kwargs: dict) -> dict:

@@ -72,3 +72,11 @@ def test_engine_reports_what_auto_chose(tiny_model_dir):
         info = eng.get_server_info()
         assert info["quantization"] is None and info["args"].quantization == "auto"
         assert info["dtype"] in ("float32", "bfloat16")
+
+
+def test_auto_keeps_float_weights_where_the_kernels_would_run_scalar(monkeypatch):
+    from specjet.kernels import qgemm
+
+    monkeypatch.setattr(qgemm, "default_isa", lambda: "scalar")
+    method, why = choose_method("auto", torch.device("cpu"), default_gguf_path(), ONE_LAYER)
+    assert method is None and "AVX2" in why

@@ -11,7 +11,7 @@ Methods (``EngineArgs.quantization``, SGLang's name):
 The embedding lookup stays float (the head is a copy even when tied), and so do the norms.
 
 ``auto`` (the engine's default, ``choose_method``): ``gguf`` where the model comes from a GGUF file
-whose blocks the CPU kernels compute with, else none. The file's blocks are the model's own weights
+whose blocks the CPU's vectorised kernels (AVX2 / AVX-512) compute with, else none. The file's blocks are the model's own weights
 (the float model is their dequantization), so this changes no weight; only the activations' rounding
 differs, while a decode step reads ~4x fewer bytes than in float32.
 """
@@ -45,6 +45,10 @@ def choose_method(requested: str | None, device: torch.device, gguf_path, config
         return None, "auto: the quantized kernels are CPU kernels"
     if gguf_path is None:
         return None, "auto: the model is not a GGUF file (int8 / int4 would change its weights: ask for them)"
+    from specjet.kernels.qgemm import default_isa, extension
+
+    if extension() is None or default_isa() == "scalar":  # the float kernels are faster than scalar ones
+        return None, "auto: no vectorised quantized kernels on this CPU (AVX2 or AVX-512, and the C++ extension)"
     from specjet.models.gguf_blocks import SUPPORTED_TYPES, blocks_supported
 
     if not blocks_supported(gguf_path, config):
