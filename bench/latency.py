@@ -2,7 +2,7 @@
 decoding (EAGLE, NGRAM) against plain decoding, at batch sizes 1 and 8.
 
     python -m bench.latency [--batch-sizes 1 8] [--max-new-tokens 64] [--repeats 3] [--num-prompts 8]
-                            [--workload gsm8k json] [--json-constrained] [--skip-hf]
+                            [--workload gsm8k json] [--json-constrained] [--skip-hf] [--llamacpp]
                             [--speculative-algorithm EAGLE|NGRAM [--speculative-num-steps S] ...]
                             [--sweep [--sweep-num-steps ...]] [--result-file bench/out/latency.jsonl]
                             [engine flags]
@@ -47,6 +47,11 @@ tokens whatever the drafts: the output ids of every timed N-token pass are compa
 the same batches, "outputs identical: yes" is printed, and a mismatch fails the command (after the
 report and the record are written).
 
+``--llamacpp`` also times llama.cpp (llama-cpp-python, the ``bench-llamacpp`` extra; bench/llamacpp_system.py)
+on the GGUF file the model comes from, greedy (top-k 1), at batch size 1 only (it decodes one sequence
+at a time), with its own JSON-schema grammar under ``--json-constrained``, and prints specjet's ratio
+to it. Its threads: torch's count.
+
 ``--sweep`` (bench/spec_sweep.py) times a grid of configurations of the speculative algorithm
 instead, one engine per configuration, against a plain engine.
 
@@ -63,6 +68,7 @@ import math
 import statistics
 import sys
 
+from bench import llamacpp_system
 from bench.common import engine_kwargs, fmt_num, identity_record, without_speculation
 from bench.decode_rate import Measurement, Prompt, SpecjetSystem, make_batches, timed_run, warm_up
 from bench.engine_info import spec_str
@@ -120,6 +126,24 @@ class HFSystem:
         del self.model
 
 
+LLAMACPP = llamacpp_system.LlamaCppSystem.name
+
+
+def _gguf_file(args: argparse.Namespace):
+    from specjet.models.weights import gguf_source
+
+    path = gguf_source(args.model_path)
+    if path is None:
+        raise SystemExit("--llamacpp needs a GGUF model (the default model, or --model-path file.gguf)")
+    return path
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 # ---------------------------------------------------------------- measuring
 def measure(systems, workloads: list[Workload], args: argparse.Namespace) -> list[Measurement]:
     """Every (system, workload, batch size), runs interleaved."""
@@ -127,7 +151,8 @@ def measure(systems, workloads: list[Workload], args: argparse.Namespace) -> lis
 
     n = args.max_new_tokens
     batches = {(w.name, bs): make_batches(w.prompts, bs) for w in workloads for bs in args.batch_sizes}
-    cells = [(w, bs, s) for w in workloads for bs in args.batch_sizes for s in systems if s.supports(w)]
+    cells = [(w, bs, s) for w in workloads for bs in args.batch_sizes for s in systems
+             if bs <= getattr(s, "max_batch_size", bs) and s.supports(w)]
     table = {(s.name, w.name, bs): Measurement(s.name, w.name, bs, sum(map(len, batches[(w.name, bs)])))
              for w, bs, s in cells}
     with tqdm(total=len(cells) * (1 + args.repeats), unit="run", desc="bench.latency", file=sys.stderr,
@@ -163,6 +188,14 @@ def figures(measurements: list[Measurement]) -> dict:
         systems = list(dict.fromkeys(s for (s, w, _) in by if w == workload))
         spec = next((s for s in systems if s.startswith(PLAIN + "+")), None)
         f = {}
+        if LLAMACPP in systems:
+            f["specjet_over_llamacpp"] = {str(bs): _ratio(median[(PLAIN, workload, bs)],
+                                                          median.get((LLAMACPP, workload, bs))) for bs in sizes
+                                          if (LLAMACPP, workload, bs) in median}
+            if spec:
+                f["spec_over_llamacpp"] = {str(bs): _ratio(median[(spec, workload, bs)],
+                                                           median.get((LLAMACPP, workload, bs))) for bs in sizes
+                                           if (LLAMACPP, workload, bs) in median}
         if "HF" in systems:
             f["specjet_over_hf"] = {str(bs): _ratio(median[(PLAIN, workload, bs)], median.get(("HF", workload, bs)))
                                     for bs in sizes}
@@ -202,7 +235,7 @@ def format_report(header: dict, measurements: list[Measurement], figs: dict, ide
                   + ("; HF left out (no grammar)" if info["constrained"] and header.get("hf_dtype") else ""),
                   f"{'system':<14} {'batch':>5} {'decode tok/s':>12} {'min':>8} {'max':>8} {'t_1 s':>8} {'t_N s':>8}"
                   + (f" {'accept':>7}" if spec else "")]
-        order = {PLAIN: 0, "HF": 2}
+        order = {PLAIN: 0, "HF": 2, LLAMACPP: 3}
         for x in sorted(rows, key=lambda x: (x.batch_size, order.get(x.system, 1))):
             s = x.summary()
             row = (f"{x.system:<14} {x.batch_size:>5} {fmt_num(s['median']):>12} {fmt_num(s['min']):>8} "
@@ -216,6 +249,12 @@ def format_report(header: dict, measurements: list[Measurement], figs: dict, ide
                                                               for bs, r in f["speedup"].items()))
             lines.append(f"accept length {name}: " + ", ".join(f"bs{bs} {fmt_num(a, '.2f')}"
                                                              for bs, a in f["accept_length"].items()))
+        if "specjet_over_llamacpp" in f:
+            lines.append("specjet/llama.cpp: " + ", ".join(f"bs{bs} {fmt_num(r, '.2f')}x"
+                                                           for bs, r in f["specjet_over_llamacpp"].items()))
+        if "spec_over_llamacpp" in f:
+            lines.append(f"{header['speculative_system']}/llama.cpp: " + ", ".join(
+                f"bs{bs} {fmt_num(r, '.2f')}x" for bs, r in f["spec_over_llamacpp"].items()))
         if "specjet_over_hf" in f:
             lines.append("specjet/HF: " + ", ".join(f"bs{bs} {fmt_num(r, '.2f')}x"
                                                     for bs, r in f["specjet_over_hf"].items()))
@@ -240,7 +279,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     kwargs = engine_kwargs(args)
     spec_name = f"{PLAIN}+{args.speculative_algorithm}" if args.speculative_algorithm else None
-    names = [PLAIN] + ([spec_name] if spec_name else []) + (["HF"] if setup.hf else [])
+    if args.llamacpp:
+        llamacpp_system.require()
+    names = [PLAIN] + ([spec_name] if spec_name else []) + (["HF"] if setup.hf else []) \
+        + ([LLAMACPP] if args.llamacpp else [])
     print(f"loading {', '.join(names)} from {context['model_dir']} ...", file=sys.stderr)
     systems = []
     try:
@@ -249,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
             systems.append(SpecjetSystem(spec_name, kwargs))
         if setup.hf:
             systems.append(HFSystem(**setup.hf))
+        if args.llamacpp:
+            systems.append(llamacpp_system.LlamaCppSystem(_gguf_file(args), torch_threads()))
         spec_desc = systems[1].describe() if spec_name else None
         measurements = measure(systems, workloads, args)
     finally:
@@ -256,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
             system.close()
 
     header = make_header("latency", context, workloads, args)
+    skipped = next((s.skipped for s in systems if s.name == LLAMACPP), [])
+    if skipped:
+        header["llamacpp_skipped_schemas"] = len(set(skipped))
     if spec_name:
         header.update(speculative=spec_desc, speculative_system=spec_name)
     identity = identity_check(measurements, PLAIN) if spec_name else None

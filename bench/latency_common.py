@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.laten
     parser.add_argument("--json-constrained", action="store_true",
                         help="json workload: pass each entry's schema as json_schema (default: no grammar)")
     parser.add_argument("--skip-hf", action="store_true", help="time specjet only")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also time llama.cpp (llama-cpp-python) on the model's GGUF file, batch size 1 only")
     parser.add_argument("--result-file", default=None, help="append a JSON record to this .jsonl file")
     sweep = parser.add_argument_group("sweep", "--sweep times every configuration of a grid of the speculative "
                                                "algorithm (impossible EAGLE trees skipped)")
@@ -147,7 +149,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     model_dir = resolve_model_path(args.model_path)
     device = torch.device(args.device if args.device not in (None, "auto") else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
-    specjet_dtype = resolve_dtype(args.dtype, device, getattr(args, "quantization", None))
+    specjet_dtype = resolve_dtype(args.dtype, device, _quantization(args, device, model_dir))
     hf_dtype = torch.bfloat16 if specjet_dtype == torch.bfloat16 else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workloads = load_workloads(args, tokenizer)
@@ -162,6 +164,19 @@ def prepare(args: argparse.Namespace) -> Setup:
     }
     hf = None if skip_hf else {"model_dir": model_dir, "dtype": hf_dtype, "device": device, "pad_token_id": pad}
     return Setup(workloads, context, hf)
+
+
+def _quantization(args: argparse.Namespace, device, model_dir) -> str | None:
+    """The quantization the engine will use (its default ``auto`` resolved, ``none`` is None)."""
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.quantize import choose_method
+    from specjet.models.weights import gguf_source
+
+    requested = {None: "auto", "none": None}.get(getattr(args, "quantization", None), getattr(args, "quantization", None))
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    return choose_method(requested, device, gguf_source(args.model_path), config)[0]
 
 
 # ---------------------------------------------------------------- the report's frame
