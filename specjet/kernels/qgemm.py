@@ -98,6 +98,8 @@ class QuantizedLinear:
         return QuantizedLinear.build(self.weight.select_rows(rows), None if self.bias is None else self.bias[rows])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return gemm(x, self.weight, self.bias)  # a layer's activations: no reshape, no cast
         lead, dtype = x.shape[:-1], x.dtype
         x = x.reshape(-1, x.shape[-1])
         if x.dtype != torch.float32 or not x.is_contiguous():

@@ -37,6 +37,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight_t, self.bias, self.packed)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without nn.Module's call machinery (hooks, tracing checks): the inference
+        path calls ~120 projections per forward."""
+        packed = self.packed
+        return packed(x) if packed is not None else linear(x, self.weight_t, self.bias, None)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -92,7 +98,8 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         if native:
-            q = cpu_ops.rope_store(self.qkv_proj(x), cos, sin, k_cache, v_cache, batch.out_cache_loc, self.num_heads)
+            q = cpu_ops.rope_store(self.qkv_proj.project(x), cos, sin, k_cache, v_cache, batch.out_cache_loc,
+                                   self.num_heads)
         else:
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -103,7 +110,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             kv_cache.write(self.layer_id, batch.out_cache_loc, k, v)
         out = paged_attention(q, k_cache, v_cache, batch.attn, self.scale, invariant=self.batch_invariant)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.project(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -135,10 +142,11 @@ class DecoderLayer(nn.Module):
 
     def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops."""
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        attn = self.self_attn(cpu_ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, batch, kv_cache, native=True)
+        norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+        attn = self.self_attn.forward(cpu_ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, batch, kv_cache,
+                                      native=True)
         x, h = cpu_ops.rms_norm(x, norm2.weight, norm2.eps, residual=attn)
-        return x + self.mlp.down_proj(cpu_ops.silu_mul(self.mlp.gate_up_proj(h)))
+        return x + mlp.down_proj.project(cpu_ops.silu_mul(mlp.gate_up_proj.project(h)))
 
 
 class LlamaForCausalLM(nn.Module):
