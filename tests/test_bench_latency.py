@@ -149,7 +149,8 @@ def test_latency_sweep_ngram_two_configs(cyclic_model_dir, tmp_path):
     result_file = tmp_path / "sweep.jsonl"
     stdout = run_bench("--model-path", str(cyclic_model_dir), "--speculative-algorithm", "NGRAM", "--sweep",
                        "--sweep-num-draft-tokens", "4", "8", "--sweep-ngram-breadth", "4", "--workload", "json",
-                       "--max-new-tokens", "16", "--repeats", "1", "--num-prompts", "2", "--max-total-tokens", "4096",
+                       # enough tokens that t_N - t_1 stands clear of the noise of a loaded machine
+                       "--max-new-tokens", "64", "--repeats", "1", "--num-prompts", "2", "--max-total-tokens", "4096",
                        "--result-file", str(result_file))
 
     assert re.search(r"^# sweep: NGRAM, 2 configurations of num_draft_tokens \{4, 8\} x ngram_breadth \{4\}", stdout,
@@ -157,7 +158,7 @@ def test_latency_sweep_ngram_two_configs(cyclic_model_dir, tmp_path):
     table = sections(stdout)["json"]
     assert "batch size 1" in table.splitlines()[0]  # the sweep's default batch size
     rows = [m.groups() for m in SWEEP_ROW.finditer(table)]
-    assert len(rows) == 3 and {r[0] for r in rows} == {"plain", "draft=4 breadth=4", "draft=8 breadth=4"}
+    assert len(rows) == 3 and {r[0] for r in rows} == {"plain", "draft=4 breadth=4", "draft=8 breadth=4"}, table
     rates = [float(r[2]) for r in rows]
     assert rates == sorted(rates, reverse=True) and rates[-1] > 0  # sorted by decode tok/s
     for name, accept, _, _, _, speedup in rows:
