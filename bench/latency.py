@@ -207,7 +207,7 @@ def figures(measurements: list[Measurement]) -> dict:
                             for bs in sizes}
             f["accept_length"] = {str(bs): by[(spec, workload, bs)].accept_length for bs in sizes}
         f["scaling"] = {s: {f"{bs}/{sizes[0]}": _ratio(median[(s, workload, bs)], median[(s, workload, sizes[0])])
-                            for bs in sizes[1:]} for s in systems}
+                            for bs in sizes[1:] if (s, workload, bs) in median} for s in systems}
         out[workload] = f
     return out
 

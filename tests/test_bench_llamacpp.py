@@ -62,9 +62,9 @@ def test_schema_constrained_output_validates(llamacpp, default_model_dir):
               "required": ["name", "age"]}
     assert llamacpp_system.grammar_survives(json.dumps(schema))
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}],
-                                  add_generation_prompt=True, tokenize=True)
-    out = llamacpp.generate([Prompt(list(ids), json.dumps(schema))], 96)[0]
+    text = tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}],
+                                   add_generation_prompt=True, tokenize=False)
+    out = llamacpp.generate([Prompt(tok(text)["input_ids"], json.dumps(schema))], 96)[0]
     jsonschema.validate(json.loads(tok.decode(out["output_ids"])), schema)
 
 
