@@ -17,6 +17,8 @@ import importlib.util
 import subprocess
 import sys
 
+from specjet.kernels.openmp_teams import release_calling_thread_team
+
 INSTALL_HINT = "pip install -e '.[bench-llamacpp]' (llama-cpp-python, built from source where no wheel exists)"
 
 
@@ -84,6 +86,9 @@ class LlamaCppSystem:
             if not ids or (grammar is None and len(ids) != max_new_tokens):
                 raise RuntimeError(f"llama.cpp returned {len(ids)} tokens, not {max_new_tokens}")
             outs.append({"output_ids": ids, "meta_info": {"completion_tokens": len(ids)}})
+        # llama.cpp runs OpenMP on this thread with the libgomp torch loaded; a team left here would
+        # put specjet's compute-thread workers to sleep between regions (kernels/openmp_teams.py).
+        release_calling_thread_team()
         return outs
 
     def spec_totals(self) -> None:
