@@ -181,9 +181,10 @@ def _quantization(args: argparse.Namespace, device, model_dir) -> str | None:
 
 # ---------------------------------------------------------------- the report's frame
 def identity_check(measurements: list[Measurement], plain: str) -> dict:
-    """Every other system's N-token outputs against ``plain``'s on the same workload, batch size and
-    run (HF, which returns no ids, left out)."""
-    outputs = {(m.system, m.workload, m.batch_size): m.outputs for m in measurements if m.outputs}
+    """Every other specjet system's N-token outputs against ``plain``'s on the same workload, batch size
+    and run (other engines left out: HF returns no ids, llama.cpp computes with other kernels)."""
+    outputs = {(m.system, m.workload, m.batch_size): m.outputs for m in measurements
+               if m.outputs and m.system.startswith(plain)}
     return compare_outputs(dict(sorted(outputs.items())), plain, ("system", "workload", "batch_size"))
 
 
