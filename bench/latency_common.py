@@ -180,11 +180,14 @@ def _quantization(args: argparse.Namespace, device, model_dir) -> str | None:
 
 
 # ---------------------------------------------------------------- the report's frame
+OTHER_ENGINES = ("HF", "llama.cpp")  # systems that are not specjet (bench/latency.py, bench/llamacpp_system.py)
+
+
 def identity_check(measurements: list[Measurement], plain: str) -> dict:
     """Every other specjet system's N-token outputs against ``plain``'s on the same workload, batch size
     and run (other engines left out: HF returns no ids, llama.cpp computes with other kernels)."""
     outputs = {(m.system, m.workload, m.batch_size): m.outputs for m in measurements
-               if m.outputs and m.system.startswith(plain)}
+               if m.outputs and m.system not in OTHER_ENGINES}
     return compare_outputs(dict(sorted(outputs.items())), plain, ("system", "workload", "batch_size"))
 
 
