@@ -300,9 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
             system.close()
 
     header = make_header("latency", context, workloads, args)
-    skipped = next((s.skipped for s in systems if s.name == LLAMACPP), [])
+    skipped = next((s.skipped for s in systems if s.name == LLAMACPP), set())
     if skipped:
-        header["llamacpp_skipped_schemas"] = len(set(skipped))
+        header["llamacpp_skipped_schemas"] = len(skipped)
     if spec_name:
         header.update(speculative=spec_desc, speculative_system=spec_name)
     identity = identity_check(measurements, PLAIN) if spec_name else None

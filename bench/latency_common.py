@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
-                          compare_outputs, gsm8k_questions, jsonschema_prompts, machine_info, now,
+                          compare_outputs, engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now,
                           report_header_lines)
 from bench.decode_rate import Measurement, Prompt
 
@@ -174,7 +174,7 @@ def _quantization(args: argparse.Namespace, device, model_dir) -> str | None:
     from specjet.models.quantize import choose_method
     from specjet.models.weights import gguf_source
 
-    requested = {None: "auto", "none": None}.get(getattr(args, "quantization", None), getattr(args, "quantization", None))
+    requested = engine_kwargs(args).get("quantization", "auto")  # unset: the engine's default
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     return choose_method(requested, device, gguf_source(args.model_path), config)[0]
 

@@ -56,13 +56,13 @@ class LlamaCppSystem:
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                          n_batch=512, verbose=False)
         self.eos = self.llm.token_eos()
-        self.skipped: list[str] = []  # schemas llama.cpp cannot turn into a grammar
+        self.skipped: set[str] = set()  # schemas llama.cpp cannot turn into a grammar
 
     def supports(self, workload) -> bool:
         if not workload.constrained:
             return True
-        bad = [p.json_schema for p in workload.prompts if not grammar_survives(p.json_schema)]
-        self.skipped += bad
+        bad = {p.json_schema for p in workload.prompts if not grammar_survives(p.json_schema)}
+        self.skipped |= bad
         return not bad
 
     @functools.lru_cache(maxsize=None)
@@ -95,5 +95,4 @@ class LlamaCppSystem:
         return None
 
     def close(self) -> None:
-        self.llm.close() if hasattr(self.llm, "close") else None
-        del self.llm
+        self.llm.close()

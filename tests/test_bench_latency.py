@@ -213,6 +213,9 @@ def test_flags_and_output_comparison():
                       "speculative_draft_model_path": "/x"}  # unset flags are left to the Engine
     assert without_speculation(kwargs) == {"dtype": "bfloat16"}
     assert parse_args([]).workload == ["gsm8k"] and "speculative_algorithm" not in engine_kwargs(parse_args([]))
+    assert engine_kwargs(parse_args(["--quantization", "none"]))["quantization"] is None  # float weights
+    assert engine_kwargs(parse_args(["--quantization", "auto"]))["quantization"] == "auto"
+    assert "quantization" not in engine_kwargs(parse_args([]))  # the engine's default (auto)
     assert parse_args(["--sweep", "--speculative-algorithm", "NGRAM"]).batch_sizes == [1]
     for bad in (["--sweep"], ["--sweep", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"],
                 ["--sweep", "--speculative-algorithm", "NGRAM", "--sweep-topk", "2"], ["--sweep-topk", "2"],

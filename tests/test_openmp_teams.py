@@ -72,3 +72,23 @@ def test_an_idle_compute_stream_frees_its_team():
         assert torch.equal(stream.submit(lambda: a @ a).result(), expected)
     finally:
         stream.close()
+
+
+def test_a_failing_release_neither_raises_nor_stops_the_stream(monkeypatch):
+    """The compute thread frees its team between work items: a failure there must not end the thread
+    (every caller waiting on a future would wait for ever)."""
+    from specjet.kernels import openmp_teams
+    from specjet.scheduler.streams import IDLE_RELEASE_S, CpuStream
+
+    def broken():
+        raise OSError("no libgomp")
+
+    monkeypatch.setattr(openmp_teams, "_libgomp", broken)
+    assert release_calling_thread_team() is False
+    stream = CpuStream()
+    try:
+        assert stream.submit(lambda: 1).result(timeout=10) == 1
+        time.sleep(3 * IDLE_RELEASE_S)  # the stream went idle and tried to release
+        assert stream.submit(lambda: 2).result(timeout=10) == 2
+    finally:
+        stream.close()

@@ -72,6 +72,8 @@ def test_engine_reports_what_auto_chose(tiny_model_dir):
         info = eng.get_server_info()
         assert info["quantization"] is None and info["args"].quantization == "auto"
         assert info["dtype"] in ("float32", "bfloat16")
+        assert eng.generate("a b c", {"max_new_tokens": 4, "temperature": 0})["meta_info"]["completion_tokens"] >= 1
+        eng.check_kv_invariant()
 
 
 def test_auto_keeps_float_weights_where_the_kernels_would_run_scalar(monkeypatch):

@@ -49,11 +49,12 @@ def _libgomp() -> ctypes.CDLL | None:
 
 
 def release_calling_thread_team() -> bool:
-    """Free the OpenMP team of the calling thread; True where it was done."""
-    lib = _libgomp()
-    if lib is None:
+    """Free the OpenMP team of the calling thread; True where it was done. Never raises: the engine's
+    compute thread calls it between work items, and an exception there would end the thread."""
+    try:
+        lib = _libgomp()
+        rc = -1 if lib is None else lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
+    except Exception:  # an optimisation only: a failure leaves the team in place
+        logger.debug("freeing the OpenMP team failed", exc_info=True)
         return False
-    rc = lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
-    if rc != 0:
-        logger.debug("omp_pause_resource_all returned %d", rc)
     return rc == 0

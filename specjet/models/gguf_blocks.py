@@ -71,11 +71,17 @@ def _read_tensors(path: str, size: int, mtime_ns: int) -> dict:  # size and mtim
     return {t.name: t for t in GGUFReader(path).tensors}
 
 
+_LAYER_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _head_name(tensors: dict, config: ModelConfig) -> str:
+    return "token_embd.weight" if config.tie_word_embeddings or "output.weight" not in tensors else "output.weight"
+
+
 def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
     """{specjet Linear module name: its [out, in] blocks} for every projection and the LM head."""
     tensors = _tensors(path)
-    head = "token_embd.weight" if config.tie_word_embeddings or "output.weight" not in tensors else "output.weight"
-    out = {"lm_head": _blocks(tensors[head])}
+    out = {"lm_head": _blocks(tensors[_head_name(tensors, config)])}
     for i in range(config.num_layers):
         get = lambda name: _blocks(tensors[f"blk.{i}.{name}.weight"])  # noqa: E731
         q = _unpermute_rows(get("attn_q"), config.num_heads)
@@ -91,7 +97,6 @@ def blocks_supported(path: str | pathlib.Path, config: ModelConfig) -> bool:
     """Whether every weight ``read_gguf_linears`` keeps is in a block type the kernels compute with
     (reads the file's tensor table only)."""
     tensors = _tensors(path)
-    head = "token_embd.weight" if config.tie_word_embeddings or "output.weight" not in tensors else "output.weight"
-    names = [head] + [f"blk.{i}.{part}.weight" for i in range(config.num_layers)
-                      for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    names = [_head_name(tensors, config)] + [f"blk.{i}.{part}.weight" for i in range(config.num_layers)
+                                             for part in _LAYER_PARTS]
     return all(name in tensors and tensors[name].tensor_type.name in SUPPORTED_TYPES for name in names)
