@@ -43,6 +43,8 @@ _ENGINE_FLAGS = {
     "speculative_grammar_aware": "speculative_grammar_aware",
     "speculative_hybrid_ngram_tokens": "speculative_hybrid_ngram_tokens",
     "speculative_max_verify_tokens": "speculative_max_verify_tokens",
+    "speculative_draft_runner": "speculative_draft_runner",
+    "disable_cuda_graph": "disable_cuda_graph",
     "enable_deterministic_inference": "enable_deterministic_inference",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
@@ -94,6 +96,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     spec.add_argument("--speculative-max-verify-tokens", type=int, default=None,
                       help="tree nodes one verify may hold across the batch; each tree gets an even share "
                            "(default: no cap)")
+    spec.add_argument("--speculative-draft-runner", default=None, choices=["auto", "eager", "static"],
+                      help="the drafters' fixed-shape forwards: static = padded batch buckets on static buffers, "
+                           "CUDA graphs on CUDA (default auto: graphs on CUDA, eager on CPU)")
+    spec.add_argument("--disable-cuda-graph", action="store_true", default=None, help="never capture CUDA graphs")
     return parser
 
 

@@ -27,9 +27,9 @@ def runner(tiny_model_dir):
     return load_runner(tiny_model_dir, tokens=512)
 
 
-def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None) -> DFlashDraftModel:
+def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None, root_context=False) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID), hot_token_ids=hot)
+    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID, root_context), hot_token_ids=hot)
     draft.reset_parameters(std=0.2)
     with torch.no_grad():  # norms away from 1, so a missing or misplaced norm shows
         for name, p in draft.named_parameters():
@@ -67,7 +67,9 @@ def rope(x, positions, theta):
 
 def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, root, root_pos) -> torch.Tensor:
     """The block [root, mask, ...] at root_pos.. attending to every given context position and to
-    all of itself, written out with plain tensor ops: logits [S - 1, vocab] of positions 1..S-1."""
+    all of itself, written out with plain tensor ops: logits [S - 1, vocab] of positions 1..S-1.
+    A root-context draft adds root_proj of the last given position's context (root_pos - 1) to
+    every block row's input."""
     cfg = runner.config
     hf = cfg.hf_config
     eps = cfg.rms_norm_eps
@@ -78,6 +80,9 @@ def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, ro
     c = rms(feats @ P["fc.weight_t"], P["hidden_norm.weight"], eps)
     embed = runner.model.embed_tokens.weight.detach().float()
     x = torch.stack([embed[root]] + [P["mask_embedding"]] * (size - 1))
+    if draft.shape.root_context:
+        assert ctx_positions[-1] == root_pos - 1
+        x = x + c[-1] @ P["root_proj.weight_t"]
     blk_pos = torch.arange(root_pos, root_pos + size)
     for i in range(draft.shape.num_layers):
         pre = f"layers.{i}."
@@ -107,10 +112,10 @@ def scattered_table(num_positions, seed=0):
     return slots[None, :].clone()
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_paged_block_forward_equals_the_dense_oracle(runner, features, window):
+@pytest.mark.parametrize("window,root_context", [(None, False), (6, False), (None, True), (6, True)])
+def test_paged_block_forward_equals_the_dense_oracle(runner, features, window, root_context):
     ids, feats = features
-    draft = random_draft(runner.config)
+    draft = random_draft(runner.config, root_context=root_context)
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
     drafter = DFlashDrafter(runner, draft, BLOCK, window, allocator)
     n = len(ids)
@@ -161,11 +166,12 @@ def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tm
     assert [[t for t, _ in c] for c in candidates] == hot[best].tolist()
 
 
-def test_training_forward_equals_the_dense_oracle(runner, features):
+@pytest.mark.parametrize("root_context", [False, True])
+def test_training_forward_equals_the_dense_oracle(runner, features, root_context):
     """Three blocks of one sequence (and a padded slot) in one training forward, each isolated:
     block j sees the context before its root (or the last ``window``) and itself only."""
     ids, feats = features
-    draft = random_draft(runner.config, num_layers=1, seed=2).bind_target(runner.model)
+    draft = random_draft(runner.config, num_layers=1, seed=2, root_context=root_context).bind_target(runner.model)
     anchors = torch.tensor([[4, 17, -1, 10]])
     for window in (None, 5):
         with torch.no_grad():
@@ -177,6 +183,33 @@ def test_training_forward_equals_the_dense_oracle(runner, features):
             first = 0 if window is None else max(0, a - window)
             expected = dense_block_logits(draft, runner, feats[first:a], torch.arange(first, a), ids[a], a)
             torch.testing.assert_close(logits[0, j], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_static_buffers_give_the_eager_logits(runner, features):
+    """The draft runner's path (a batch padded to its bucket on static buffers, table widths
+    rounded up) gives the eager forward's logits bit for bit, for batches of 1 to 3 (buckets 1, 2,
+    4); the padded rows write only the padding slot, and the scratch slots go back."""
+    ids, feats = features
+    draft = random_draft(runner.config, root_context=True)
+    draft.pack_for_decode()  # as load_dflash leaves it: the batch-invariant packed projections
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    eager = DFlashDrafter(runner, draft, BLOCK, None, allocator)
+    static = DFlashDrafter(runner, draft, BLOCK, None, allocator, static=True)
+    table = torch.zeros(3, 64, dtype=torch.int64)
+    reqs = []
+    for row, (n, first) in enumerate([(23, 11), (12, 5), (17, 3)]):
+        table[row, :n + 8] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + 8)
+        for drafter in (eager, static):
+            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [first], table)
+        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [first], 8))
+    before = allocator.num_free_slots
+    for batch in (1, 2, 3):
+        expected = eager.draft_blocks(reqs[:batch], table)
+        got = static.draft_blocks(reqs[:batch], table)
+        assert torch.equal(got, expected), batch
+    assert allocator.num_free_slots == before
+    assert static.graph.stats.padded_rows == 1 and static.graph.stats.calls == 3
+    assert not static.graph.capture  # no CUDA graphs on the CPU
 
 
 def test_checkpoint_round_trip(runner, tmp_path):

@@ -113,6 +113,26 @@ def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_d
         assert stats["spec_accepted_tokens"] < 1.2 * stats["spec_verify_ct"], stats
 
 
+@pytest.mark.parametrize("draft_name", ["copy", "wrong"])
+def test_static_draft_runner_drafts_what_eager_drafts(tiny_model_dir, copy_draft, wrong_draft, expected, draft_name):
+    """speculative_draft_runner="static": each block forward padded to a batch bucket on static
+    buffers (5 requests in bucket 8; one alone in bucket 1). Same ids as plain decoding, and the
+    same acceptance as the eager runner: the drafts themselves are the same."""
+    draft = {"copy": copy_draft, "wrong": wrong_draft}[draft_name]
+    stats = {}
+    for mode in ("eager", "static"):
+        with dflash_engine(tiny_model_dir, draft, speculative_num_draft_tokens=8, page_size=16,
+                           speculative_draft_runner=mode) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            alone = eng.generate(PROMPTS[2], greedy(40))
+            eng.check_kv_invariant()
+            stats[mode] = eng.get_server_info()["stats"]
+        assert [o["output_ids"] for o in outs] == expected, mode
+        assert alone["output_ids"] == expected[2], mode
+    counts = [(s["spec_accepted_tokens"], s["spec_verify_ct"]) for s in stats.values()]
+    assert counts[0] == counts[1], counts
+
+
 def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_dir, wrong_draft, expected):
     """speculative_hybrid_ngram_tokens with DFLASH: an always-wrong draft alone commits one token per
     verify; with the request's n-gram path merged in it commits more on this cyclic target."""

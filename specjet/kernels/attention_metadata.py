@@ -70,20 +70,26 @@ def build_attention_metadata(
     kv_lens: torch.Tensor,
     q_lens: torch.Tensor,
     custom_mask: torch.Tensor | None = None,
+    static_sizes: tuple[int, int] | None = None,
 ) -> AttentionMetadata:
     """Gather indices and masks for one forward.
 
     req_to_token: [num_rows, max_context] int slot table; req_pool_indices: [B] rows of this batch;
     kv_lens, q_lens: [B] (python ints or int64 tensors on the device of ``req_to_token``);
-    custom_mask: optional [B, max_q, max_q] bool; when None the new tokens attend causally.
+    custom_mask: optional [B, max_q, max_q] bool; when None the new tokens attend causally;
+    static_sizes: (max_q, max_kv) given, not read off the lengths (nothing is read back from the
+    device, as a CUDA graph capture needs; the mask is then always built).
     """
     device = req_to_token.device
     kv_lens = torch.as_tensor(kv_lens, dtype=torch.int64, device=device)
     q_lens = torch.as_tensor(q_lens, dtype=torch.int64, device=device)
     req_pool_indices = torch.as_tensor(req_pool_indices, dtype=torch.int64, device=device)
     batch = kv_lens.shape[0]
-    max_q = int(q_lens.max()) if batch else 0
-    max_kv = int(kv_lens.max()) if batch else 0
+    if static_sizes is not None:
+        max_q, max_kv = static_sizes
+    else:
+        max_q = int(q_lens.max()) if batch else 0
+        max_kv = int(kv_lens.max()) if batch else 0
     q_starts, q_valid, q_gather = _query_layout(q_lens, max_q)
 
     pos_kv = torch.arange(max_kv, device=device)
@@ -105,7 +111,7 @@ def build_attention_metadata(
     mask = (in_prefix[:, None, :] | allowed_new) & kv_valid[:, None, :]
     # Padded query rows would see nothing; let them see slot position 0 so softmax stays finite.
     mask[:, :, 0] |= ~q_valid
-    need_mask = custom_mask is not None or max_q > 1 or bool((kv_lens != max_kv).any())
+    need_mask = static_sizes is not None or custom_mask is not None or max_q > 1 or bool((kv_lens != max_kv).any())
     return AttentionMetadata(
         q_lens=q_lens,
         kv_lens=kv_lens,

@@ -16,6 +16,13 @@ context's K/V are that layer's k/v projections of c_t (no input norm: c_t is nor
 position t, the block's those of its own normed hidden state. Attention inside the block is
 non-causal, so every mask token sees the whole block and the whole visible context.
 
+Root context (``shape.root_context``, specjet's addition). Block position 1 drafts x_{p+1} from
+x_p and the target's state before it, the same question EAGLE's first step answers from one
+fused input row; in plain DFlash the state reaches the block only through attention to the
+context K/V, which a small draft trained for an hour on CPU learns slowly. With it, every block
+row's input is its embedding plus ``root_proj(c_{p-1})`` (the context of the last verified
+position, which every window shows), so the state is in each row from the first layer on.
+
 Because c_t depends on the target alone, each layer's context K/V at t is fixed once t is verified:
 ``write_context`` computes it once (after prefill, after each verify) into the draft's own paged KV
 cache at the target's slot of t, and a drafting forward then only writes the block's K/V (scratch
@@ -60,6 +67,9 @@ class DFlashShape:
     target_layers: tuple[int, ...]  # target layers whose residual stream the context reads
     block_size: int  # the block it was trained for (root + block_size - 1 drafts)
     mask_token_id: int  # the id that stands for a mask token in a block's id list
+    # specjet's addition: every block row's input also gets root_proj(c_{p-1}), the context of the
+    # last verified position (see the module's docstring). False: DFlash as published.
+    root_context: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -96,6 +106,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.empty(h))
+        self.root_proj = Linear(h, h, bias=False) if shape.root_context else None
         self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
@@ -193,24 +204,37 @@ class DFlashDraftModel(nn.Module):
     # ---------------------------------------------------------------- inference (paged KV)
     @torch.inference_mode()
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      kv_cache: KVCache) -> None:
+                      kv_cache: KVCache) -> torch.Tensor:
         """Materialise verified positions as context: every layer's K/V of c_t at slot ``slots[i]``
-        for position ``positions[i]`` (``features[i]``: the target's features there)."""
-        if features.shape[0] == 0:
-            return
+        for position ``positions[i]`` (``features[i]``: the target's features there). Returns the
+        context vectors c [N, h] (a drafter with a root context keeps each request's last one)."""
         ctx = self.context(features.to(self.mask_embedding.dtype))
+        if features.shape[0] == 0:
+            return ctx
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = self._kv(layer.self_attn, ctx, cos, sin)
             kv_cache.write(i, slots, k, v)
+        return ctx
+
+    def block_input(self, ids: torch.Tensor, root_ctx: torch.Tensor | None) -> torch.Tensor:
+        """Block ids [B, S] (and, with a root context, c_{p-1} [B, h] per block) -> inputs [B*S, h]."""
+        x = self.embed_block(ids)
+        if self.root_proj is not None:
+            if root_ctx is None:
+                raise ValueError("this DFlash draft reads the last verified position's context: pass root_ctx")
+            x = x + self.root_proj(root_ctx.to(x.dtype))[:, None, :]
+        return x.reshape(-1, x.shape[-1])
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """One drafting forward over blocks: ``batch.input_ids`` are the blocks' ids, their K/V go to
-        ``batch.out_cache_loc``; each request's table row lists its visible context slots, then its
-        block's slots; the batch's custom mask lets the block see all of itself. Returns float32
-        logits [N, K or vocab] for the rows ``batch.logits_indices`` (all rows when None)."""
-        x = self.embed_block(batch.input_ids)
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, root_ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """One drafting forward over blocks: ``batch.input_ids`` are the blocks' ids (B blocks of
+        ``block_size`` each, flat), their K/V go to ``batch.out_cache_loc``; each request's table
+        row lists its visible context slots, then its block's slots; the batch's custom mask lets
+        the block see all of itself; ``root_ctx`` [B, h]: each block's c_{p-1} (root-context drafts).
+        Returns float32 logits [N, K or vocab] for the rows ``batch.logits_indices`` (all when None)."""
+        blocks = 1 if root_ctx is None else root_ctx.shape[0]
+        x = self.block_input(batch.input_ids.view(blocks, -1), root_ctx)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, batch, kv_cache)
@@ -238,8 +262,13 @@ class DFlashDraftModel(nn.Module):
         block_pos = (roots[:, :, None] + offsets).reshape(batch, num * size)  # [B, A*S]
         block_ids = torch.full((batch, num, size), self.shape.mask_token_id, dtype=torch.int64, device=device)
         block_ids[:, :, 0] = ids.gather(1, roots)
-        x = self.embed_block(block_ids.reshape(batch, num * size)).reshape(batch * num * size, -1)
-        ctx = self.context(features.to(x.dtype)).reshape(batch * seq_len, -1)
+        ctx = self.context(features.to(self.mask_embedding.dtype))  # [B, L, h]
+        root_ctx = None
+        if self.root_proj is not None:  # c_{a-1} of each block (zero before the first position)
+            before = ctx.gather(1, (roots - 1).clamp(min=0)[:, :, None].expand(-1, -1, ctx.shape[-1]))
+            root_ctx = torch.where((roots > 0)[:, :, None], before, torch.zeros_like(before)).reshape(batch * num, -1)
+        x = self.block_input(block_ids.reshape(batch * num, size), root_ctx)
+        ctx = ctx.reshape(batch * seq_len, -1)
         ctx_pos = torch.arange(seq_len, device=device).repeat(batch)
         ctx_cos, ctx_sin = self.rotary.cos_sin(ctx_pos, x.dtype)
         cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), x.dtype)
@@ -339,7 +368,8 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
             raise ValueError(f"DFlash draft {directory} was trained for a target with {name}={trained_for.get(name)}, "
                              f"this target has {getattr(target_config, name)}")
     shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
-                        block_size=config["block_size"], mask_token_id=config["mask_token_id"])
+                        block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+                        root_context=config.get("root_context", False))
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
     missing, unexpected = model.load_state_dict(

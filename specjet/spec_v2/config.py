@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 ALGORITHMS = ("EAGLE", "NGRAM", "DFLASH")
 HYBRID_ALGORITHMS = ("EAGLE", "DFLASH")  # learned drafters whose trees may take the request's n-gram path
+DRAFT_RUNNERS = ("auto", "eager", "static")  # speculative_draft_runner
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,11 @@ class SpecConfig:
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
     max_verify_nodes: int | None = None
+    # How the drafter's fixed-shape forwards run (speculative_draft_runner): "eager", or "static":
+    # padded batch buckets on static buffers (spec_v2/draft_runner.py), captured as CUDA graphs
+    # on CUDA unless ``cuda_graph`` is off. "auto" resolves per device in ``runner_mode``.
+    draft_runner: str = "auto"
+    cuda_graph: bool = True
     # Not part of the configuration's identity: a loaded head handed in directly (tests, tools).
     eagle_head: object = field(default=None, compare=False, repr=False)
     dflash_draft: object = field(default=None, compare=False, repr=False)
@@ -99,6 +107,16 @@ class SpecConfig:
             raise ValueError(f"speculative_max_verify_tokens must be >= 1, got {self.max_verify_nodes}")
         if not 1 <= n.min_window <= n.max_window:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
+        if self.draft_runner not in DRAFT_RUNNERS:
+            raise ValueError(f"speculative_draft_runner must be one of {', '.join(DRAFT_RUNNERS)}, "
+                             f"got {self.draft_runner!r}")
+
+    def runner_mode(self, device) -> tuple[bool, bool]:
+        """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on
+        CUDA; eager on the CPU, where the padded static path measured no faster (bench/RESULTS.md)."""
+        cuda = torch.device(device).type == "cuda"
+        static = self.draft_runner == "static" or (self.draft_runner == "auto" and cuda and self.cuda_graph)
+        return static, static and cuda and self.cuda_graph
 
     @classmethod
     def from_args(cls, args) -> "SpecConfig | None":
@@ -110,6 +128,9 @@ class SpecConfig:
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         algorithm = args.speculative_algorithm
+        if args.speculative_draft_runner not in DRAFT_RUNNERS:
+            raise ValueError(f"speculative_draft_runner must be one of {', '.join(DRAFT_RUNNERS)}, "
+                             f"got {args.speculative_draft_runner!r}")
         if args.speculative_hybrid_ngram_tokens and algorithm not in HYBRID_ALGORITHMS:
             raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
@@ -124,7 +145,8 @@ class SpecConfig:
             max_branches=_given(args.speculative_ngram_max_bfs_breadth, NgramConfig.max_branches),
         )
         common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=args.speculative_max_verify_tokens,
-                      draft_model_path=args.speculative_draft_model_path)
+                      draft_model_path=args.speculative_draft_model_path,
+                      draft_runner=args.speculative_draft_runner, cuda_graph=not args.disable_cuda_graph)
         if algorithm == "EAGLE":
             eagle = EagleParams(num_steps=_given(args.speculative_num_steps, EagleParams.num_steps),
                                 topk=_given(args.speculative_eagle_topk, EagleParams.topk),

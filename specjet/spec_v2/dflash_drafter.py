@@ -1,7 +1,8 @@
 """DFlash block drafting (a ``Drafter``): one draft forward per iteration proposes a whole chain (or,
 with ``topk`` > 1, a tree: each block position's other candidates as leaves beside the chain).
 
-Per request the drafter keeps no state but its draft KV: every verified position's context K/V
+Per request the drafter keeps its draft KV (and, for a root-context draft, the context vector of
+its last verified position, models/dflash.py): every verified position's context K/V
 (models/dflash.py), written at the target's own slot of that position, so the request's row of
 the request-to-token table addresses both caches and nothing is allocated for it:
 
@@ -31,6 +32,7 @@ from specjet.models.dflash import DFlashDraftModel
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
+from specjet.spec_v2.draft_runner import DraftGraphRunner
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -40,7 +42,7 @@ class DFlashDrafter:
     """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
-                 topk: int = 1):
+                 topk: int = 1, static: bool = False, cuda_graph: bool = False):
         self.runner = runner
         self.draft = draft.bind_target(runner.model)
         self.feature_capture = self.draft.feature_capture
@@ -54,6 +56,12 @@ class DFlashDrafter:
         cfg = runner.config
         self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
                                 runner.dtype, runner.device)
+        self.root_ctx: dict[str, torch.Tensor] = {}  # root-context drafts: rid -> c at its last verified position
+        # static: the block forward runs on padded static buffers per batch bucket (draft_runner.py).
+        self.graph = DraftGraphRunner(
+            self._block_forward, {"ids": draft.shape.mask_token_id, "positions": 0, "slots": 0, "table": 0,
+                                  "kv_lens": block_size, "root_ctx": 0.0}, runner.device, capture=cuda_graph,
+            growing=("table",)) if static else None
 
     def scratch_slots(self, batch_size: int) -> int:
         """Slots the blocks of one batch borrow (and give back) from the allocator."""
@@ -74,7 +82,8 @@ class DFlashDrafter:
                              f"positions, the requests computed {total}")
         positions = torch.cat([torch.arange(start, end) for start, end in spans])
         slots = torch.cat([req_to_token[r.row, start:end] for r, (start, end) in zip(reqs, spans)])
-        self._write(hidden, torch.arange(total), positions, slots)
+        ctx = self._write(hidden, torch.arange(total), positions, slots)
+        self._keep_last(reqs, ctx, [end - start for start, end in spans])
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
         """Context K/V of the root and the accepted drafts: path node j sits at committed_len + j."""
@@ -84,11 +93,24 @@ class DFlashDrafter:
             pos = torch.arange(r.committed_len, r.committed_len + len(nodes))
             positions.append(pos)
             slots.append(req_to_token[r.row, r.committed_len:r.committed_len + len(nodes)])
-        self._write(result.output.hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+        ctx = self._write(result.output.hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+        self._keep_last(reqs, ctx, [len(nodes) for nodes in result.accepted_nodes])
 
-    def _write(self, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    def _write(self, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+               ) -> torch.Tensor:
         device = self.runner.device
-        self.draft.write_context(hidden[rows.to(hidden.device)], positions.to(device), slots.to(device), self.kv_cache)
+        return self.draft.write_context(hidden[rows.to(hidden.device)], positions.to(device), slots.to(device),
+                                        self.kv_cache)
+
+    def _keep_last(self, reqs: list[SpecInput], ctx: torch.Tensor, counts: list[int]) -> None:
+        """A root-context draft's state: each request's context at its last verified position."""
+        if self.draft.root_proj is None:
+            return
+        end = 0
+        for r, n in zip(reqs, counts):
+            end += n
+            if n:
+                self.root_ctx[r.rid] = ctx[end - 1].clone()
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         candidates: list[list[list[tuple[int, float]]]] = [[[(t, 0.0)] for t in r.chain[:max(0, r.budget - 1)]]
@@ -102,7 +124,8 @@ class DFlashDrafter:
         return [_tree(r.input.root, c, r.budget) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
-        pass  # no per-request state: its draft KV lives in its own slots, which the scheduler frees
+        # The draft KV lives in the request's own slots, which the scheduler frees.
+        self.root_ctx.pop(rid, None)
 
     # ---------------------------------------------------------------- drafting
     def draft_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
@@ -111,7 +134,10 @@ class DFlashDrafter:
         device = req_to_token.device
         size, batch = self.block_size, len(reqs)
         visible = [r.committed_len if self.window is None else min(r.committed_len, self.window) for r in reqs]
-        width = max(visible) + size
+        # With CUDA graphs every call passes the widest table the pool can need, so each batch
+        # bucket captures one graph; elsewhere the table is as wide as this batch needs.
+        width = (req_to_token.shape[1] + size) if self.graph is not None and self.graph.capture \
+            else max(visible) + size
         snapshot = self.allocator.snapshot()
         try:
             scratch = self.allocator.extend(torch.empty(0, dtype=torch.int64), 0, batch * size)[:batch * size]
@@ -123,24 +149,46 @@ class DFlashDrafter:
             ids = torch.full((batch, size), self.draft.shape.mask_token_id, dtype=torch.int64, device=device)
             ids[:, 0] = torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device)
             committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
-            positions = committed[:, None] + torch.arange(size, device=device)
-            q_lens = torch.full((batch,), size, dtype=torch.int64, device=device)
-            fb = ForwardBatch.build(
-                ForwardMode.VERIFY,  # several new tokens under a caller-given mask
-                input_ids=ids.reshape(-1),
-                positions=positions.reshape(-1),
-                out_cache_loc=scratch.reshape(-1),
-                req_to_token=table,
-                req_pool_indices=torch.arange(batch, device=device),
-                kv_lens=torch.tensor(visible, dtype=torch.int64, device=device) + size,
-                q_lens=q_lens,
-                custom_mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),  # non-causal block
-                logits="all",
-            )
-            logits = self.draft(fb, self.kv_cache)
+            inputs = {"ids": ids, "positions": committed[:, None] + torch.arange(size, device=device),
+                      "slots": scratch, "table": table,
+                      "kv_lens": torch.tensor(visible, dtype=torch.int64, device=device) + size,
+                      "root_ctx": self._root_ctx(reqs, device)}
+            (logits,) = self.graph(inputs) if self.graph is not None else self._block_forward(inputs)
         finally:
             self.allocator.restore(snapshot)
-        return logits.view(batch, size, -1)[:, 1:]
+        return logits
+
+    def _block_forward(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """The draft over blocks ``inputs["ids"]`` [B, S]: each row's table lists its visible context
+        slots, then its block's ``slots``; the block sees all of itself. A row of the padding the
+        draft runner adds (mask ids, slot 0, a KV length of one block) reads and writes only the
+        padding slot. Logits of block positions 1.. [B, S - 1, K or vocab]."""
+        ids = inputs["ids"]
+        batch, size = ids.shape
+        device = ids.device
+        captured = self.graph is not None and self.graph.capture
+        fb = ForwardBatch.build(
+            ForwardMode.VERIFY,  # several new tokens under a caller-given mask
+            input_ids=ids.reshape(-1),
+            positions=inputs["positions"].reshape(-1),
+            out_cache_loc=inputs["slots"].reshape(-1),
+            req_to_token=inputs["table"],
+            req_pool_indices=torch.arange(batch, device=device),
+            kv_lens=inputs["kv_lens"],
+            q_lens=torch.full((batch,), size, dtype=torch.int64, device=device),
+            custom_mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),  # non-causal block
+            logits="all",
+            # A captured graph cannot read sizes back from the device: the buffers' own sizes.
+            static_sizes=(size, inputs["table"].shape[1]) if captured else None,
+        )
+        root_ctx = inputs["root_ctx"] if self.draft.root_proj is not None else None
+        return (self.draft(fb, self.kv_cache, root_ctx).view(batch, size, -1)[:, 1:],)
+
+    def _root_ctx(self, reqs: list[SpecInput], device) -> torch.Tensor:
+        """[B, h] each request's last verified context (zeros for a draft without a root context)."""
+        if self.draft.root_proj is None:
+            return torch.zeros((len(reqs), 1), dtype=self.runner.dtype, device=device)
+        return torch.stack([self.root_ctx[r.rid] for r in reqs]).to(device)
 
     def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
                     want: int) -> list[list[tuple[int, float]]]:

@@ -34,6 +34,7 @@ from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
 from specjet.spec_v2.config import EagleParams
+from specjet.spec_v2.draft_runner import DraftGraphRunner
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -64,7 +65,8 @@ class DraftView:
 class EagleDrafter:
     """EAGLE-2 trees from a trained head (a ``Drafter``)."""
 
-    def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator):
+    def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator,
+                 static: bool = False, cuda_graph: bool = False):
         if params.topk > head.draft_vocab_size:
             raise ValueError(f"speculative_eagle_topk={params.topk} exceeds the EAGLE head's vocabulary of "
                              f"{head.draft_vocab_size} tokens")
@@ -79,6 +81,11 @@ class EagleDrafter:
                                 runner.device)
         self.states: dict[str, DraftState] = {}
         self._vocab_ids: torch.Tensor | None = None
+        # static: each draft step runs on padded static buffers per batch bucket (draft_runner.py);
+        # a padded frontier row is token 0 at position 0 writing and reading the padding slot.
+        self.graph = DraftGraphRunner(
+            self._step_forward, {"ids": 0, "positions": 0, "slots": 0, "table": 0, "features": 0.0},
+            runner.device, capture=cuda_graph, growing=("table",)) if static else None
 
     def scratch_slots(self, batch_size: int) -> int:
         """Slots the drafting of one batch borrows (and returns) from the allocator."""
@@ -198,19 +205,11 @@ class EagleDrafter:
                 cols = (base[:, None, None] + torch.arange(depth, device=device)[None, None, :]).expand(batch, k, depth)
                 table.scatter_(2, cols, ancestors)
                 table = table.view(batch * k, width)
-                positions = (base + depth - 1).repeat_interleave(k)
-                fb = ForwardBatch.build(
-                    ForwardMode.DECODE,
-                    input_ids=cur_tokens.reshape(-1),
-                    positions=positions,
-                    out_cache_loc=own.reshape(-1),
-                    req_to_token=table,
-                    req_pool_indices=torch.arange(batch * k, device=device),
-                    kv_lens=positions + 1,
-                    q_lens=torch.ones(batch * k, dtype=torch.int64, device=device),
-                    logits="all",
-                )
-                hidden, logits = self.head(fb, cur_feat.reshape(batch * k, -1), self.kv_cache)
+                if self.graph is not None and self.graph.capture:  # one graph per bucket: the full width
+                    table = torch.cat([table, table.new_zeros(batch * k, req_to_token.shape[1] + p.num_steps - width)], 1)
+                inputs = {"ids": cur_tokens.reshape(-1), "positions": (base + depth - 1).repeat_interleave(k),
+                          "slots": own.reshape(-1), "table": table, "features": cur_feat.reshape(batch * k, -1)}
+                hidden, logits = self.graph(inputs) if self.graph is not None else self._step_forward(inputs)
                 logp = self._frontier_logp(logits, guides, chains, paths)
                 logp, idx = logp.topk(k, dim=-1)  # [B*k, k]
                 child_ids = self.head.hot_to_full(idx).view(batch, k, k)
@@ -236,6 +235,26 @@ class EagleDrafter:
             tree_tokens, tree_parents = _hang_below_chain(root, chain, tokens[b].tolist(), parents[b].tolist())
             trees.append((tree_tokens[: p.tree_nodes], tree_parents[: p.tree_nodes]))
         return trees
+
+    def _step_forward(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step over frontier rows (each its own single-token request whose table row is
+        its prefix, then its ancestors): the head's hidden states and logits per row."""
+        positions = inputs["positions"]
+        rows = positions.shape[0]
+        captured = self.graph is not None and self.graph.capture
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE,
+            input_ids=inputs["ids"],
+            positions=positions,
+            out_cache_loc=inputs["slots"],
+            req_to_token=inputs["table"],
+            req_pool_indices=torch.arange(rows, device=positions.device),
+            kv_lens=positions + 1,
+            q_lens=torch.ones(rows, dtype=torch.int64, device=positions.device),
+            logits="all",
+            static_sizes=(1, inputs["table"].shape[1]) if captured else None,
+        )
+        return self.head(fb, inputs["features"], self.kv_cache)
 
     def _advance_chains(self, views: list[DraftView], guides: list[GrammarGuide | None], chains: list[list[int]],
                         hidden: torch.Tensor, logits: torch.Tensor, req_to_token: torch.Tensor

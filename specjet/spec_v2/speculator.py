@@ -46,7 +46,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
             if not pathlib.Path(head_dir).exists():
                 raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
             head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device)
-        eagle = EagleDrafter(runner, head, cfg.eagle, allocator)
+        eagle = EagleDrafter(runner, head, cfg.eagle, allocator, *cfg.runner_mode(runner.device))
         if not cfg.hybrid_path_nodes:
             return eagle
         return HybridDrafter(eagle, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
@@ -61,7 +61,8 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                 raise FileNotFoundError(f"DFlash draft model not found at {draft_dir} "
                                         "(train one with `python -m specjet.train dflash`)")
             draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
-        dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk)
+        dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk,
+                               *cfg.runner_mode(runner.device))
         if not cfg.hybrid_path_nodes:
             return dflash
         return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--mask-token-id", type=int, default=None,
                        help="id standing for a mask token in a block (default: the vocabulary's last id; its "
                             "embedding is learned, the id only labels block positions)")
+    model.add_argument("--root-context", action=argparse.BooleanOptionalAction, default=True,
+                       help="every block row also reads the last verified position's context (specjet's "
+                            "addition, models/dflash.py); --no-root-context: DFlash as published")
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="dtype of the target whose features the draft learns from")
     model.add_argument("--steps", type=int, default=600)
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)
     mask_id = config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
-    shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id)
+    shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context)
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -180,4 +183,5 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
                 "warmup_steps",
                 "generate_dtype", "feature_dtype", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return flags + ["--mask-token-id", str(mask_id), "--target-layers", *map(str, target_layers)]
+    return flags + ["--root-context" if args.root_context else "--no-root-context", "--mask-token-id", str(mask_id),
+                    "--target-layers", *map(str, target_layers)]

@@ -1,0 +1,156 @@
+"""Fixed-shape draft forwards (SGLang's ``EAGLEDraftCudaGraphRunner``, shared by every drafter).
+
+A drafter's forward (EAGLE's draft step over a frontier, DFlash's block) has the same shape every
+iteration except for its batch: the runner pads the batch up to a bucket (1, 2, 4, 8, ...) and runs
+the forward on static input buffers of that bucket, so each bucket's forward always sees tensors
+of one shape at one address:
+
+- on CUDA the first run of a bucket captures the forward as a CUDA graph (after warm-up runs that
+  let Triton compile and the allocator settle) and later runs replay it: no Python, no kernel
+  launches, only the copies into the static buffers;
+- on the CPU (and with ``capture=False``) the same buffers and padding, run eagerly: the path the
+  tests here exercise, and kept only where it measures faster than an eager unpadded forward.
+
+The step is a function of the buffers alone (``step(buffers) -> tuple of tensors``) whose outputs
+have the batch as their first dimension; a padded row must be harmless: every input's
+``pad_values`` entry says what a padded row holds (e.g. slot 0, the KV pool's padding slot, for
+slots; a KV length that covers the row's own queries). An input named in ``growing`` may have a
+last dimension that changes between calls (a slot table's width): its buffer's is rounded up to
+``width_multiple`` and the columns past the real ones hold the pad value; buffers (and captures)
+are keyed by those sizes, so on CUDA a caller that wants one graph per bucket passes its full
+width every time. Every other trailing size is fixed per key as given.
+
+Outputs are sliced to the real batch and, when they are a captured graph's own buffers, copied,
+so a later replay never overwrites what a caller holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Trailing sizes of a buffer are rounded up to a multiple of this: a growing context then reuses a
+# buffer (and a captured graph) for this many positions before it needs a new one.
+WIDTH_MULTIPLE = 256
+WARMUP_RUNS = 2  # eager runs on the capture stream before a capture
+
+
+@dataclass
+class _Bucket:
+    buffers: dict[str, torch.Tensor]
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    outputs: tuple[torch.Tensor, ...] | None = None  # the captured graph's output tensors
+    runs: int = 0
+
+
+@dataclass
+class DraftRunnerStats:
+    calls: int = 0
+    eager_calls: int = 0  # batches wider than the largest bucket
+    padded_rows: int = 0
+    captures: int = 0
+    buckets: dict[tuple, int] = field(default_factory=dict)  # bucket key -> calls
+
+
+class DraftGraphRunner:
+    """Runs ``step`` on padded static buffers per batch bucket; captures CUDA graphs on CUDA."""
+
+    def __init__(self, step: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
+                 pad_values: dict[str, int | float], device: torch.device | str, capture: bool | None = None,
+                 growing: tuple[str, ...] = (), buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 width_multiple: int = WIDTH_MULTIPLE):
+        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be increasing positive batch sizes, got {buckets}")
+        if width_multiple < 1:
+            raise ValueError(f"width_multiple must be >= 1, got {width_multiple}")
+        self.step = step
+        self.pad_values = dict(pad_values)
+        if not set(growing) <= set(pad_values):
+            raise ValueError(f"growing inputs {sorted(set(growing) - set(pad_values))} have no pad value")
+        self.growing = frozenset(growing)
+        self.device = torch.device(device)
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs are captured on a CUDA device only")
+        self.buckets = tuple(buckets)
+        self.width_multiple = width_multiple
+        self._states: dict[tuple, _Bucket] = {}
+        self._pool = None  # one memory pool shared by every captured graph (as SGLang does)
+        self.stats = DraftRunnerStats()
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest bucket that holds ``batch`` rows (None: wider than every bucket)."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if set(inputs) != set(self.pad_values):
+            raise ValueError(f"draft runner inputs {sorted(inputs)} differ from its pad values {sorted(self.pad_values)}")
+        sizes = {t.shape[0] for t in inputs.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"draft runner inputs disagree on the batch size: {sorted(sizes)}")
+        batch = sizes.pop()
+        self.stats.calls += 1
+        bucket = self.bucket_for(batch)
+        if bucket is None or batch == 0:
+            self.stats.eager_calls += 1
+            return tuple(self.step(inputs))
+        state, key = self._state(bucket, inputs)
+        self._fill(state.buffers, inputs, batch)
+        self.stats.padded_rows += bucket - batch
+        self.stats.buckets[key] = self.stats.buckets.get(key, 0) + 1
+        if not self.capture:
+            return tuple(out[:batch] for out in self.step(state.buffers))
+        if state.graph is None:
+            self._capture(state)
+        state.graph.replay()
+        return tuple(out[:batch].clone() for out in state.outputs)
+
+    # ---------------------------------------------------------------- buffers
+    def _state(self, bucket: int, inputs: dict[str, torch.Tensor]) -> tuple[_Bucket, tuple]:
+        """The buffers of ``bucket`` wide enough for ``inputs`` (a new, wider set when they are not)."""
+        shapes = {name: self._padded_shape(name, t) for name, t in inputs.items()}
+        key = (bucket,) + tuple((name, shapes[name], inputs[name].dtype) for name in sorted(inputs))
+        state = self._states.get(key)
+        if state is None:
+            buffers = {name: torch.empty((bucket,) + shapes[name], dtype=t.dtype, device=self.device)
+                       for name, t in inputs.items()}
+            state = self._states[key] = _Bucket(buffers)
+        return state, key
+
+    def _padded_shape(self, name: str, t: torch.Tensor) -> tuple[int, ...]:
+        if name not in self.growing or t.dim() < 2:
+            return tuple(t.shape[1:])
+        m = self.width_multiple
+        return tuple(t.shape[1:-1]) + (-(-t.shape[-1] // m) * m,)
+
+    def _fill(self, buffers: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], batch: int) -> None:
+        """Copy the real rows in and set everything else (padded rows, padded trailing sizes) to the
+        input's pad value."""
+        for name, src in inputs.items():
+            buf = buffers[name]
+            if buf.shape[1:] != src.shape[1:]:
+                buf.fill_(self.pad_values[name])
+            else:
+                buf[batch:].fill_(self.pad_values[name])
+            buf[(slice(0, batch),) + tuple(slice(0, d) for d in src.shape[1:])].copy_(src, non_blocking=True)
+
+    # ---------------------------------------------------------------- CUDA graphs
+    def _capture(self, state: _Bucket) -> None:
+        """Warm up on a side stream, then capture one run of ``step`` on the static buffers."""
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self.step(state.buffers)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = tuple(self.step(state.buffers))
+        self._pool = graph.pool()
+        state.graph, state.outputs = graph, outputs
+        self.stats.captures += 1
