@@ -38,10 +38,10 @@ def sequences(runner, tiny_model_dir, tmp_path_factory):
     return load_sequences(out)
 
 
-def new_draft(runner, seed=0) -> DFlashDraftModel:
+def new_draft(runner, seed=0, root_context=False) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    return DFlashDraftModel(runner.config, DFlashShape(1, (0,), BLOCK, runner.config.vocab_size - 1)).bind_target(
-        runner.model)
+    shape = DFlashShape(1, (0,), BLOCK, runner.config.vocab_size - 1, root_context)
+    return DFlashDraftModel(runner.config, shape).bind_target(runner.model)
 
 
 def test_anchors_and_labels():
@@ -70,6 +70,11 @@ def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     agree = (greedy[1:] == expected).float().mean()
     assert agree > 0.97, agree  # the features are stored in fp16: a near-tie may flip
     assert greedy[0] == seq.ids[0] and (greedy[1:] != seq.ids[1:]).any()
+    # Precomputed once per sequence for training: the same at every reply position (a chunk
+    # boundary inside the reply included), the sequence's own ids before.
+    first = seq.prompt_len + 1
+    (labels,) = T.target_labels(new_draft(runner), [seq], chunk=7)
+    assert torch.equal(labels[first:], greedy[first:len(seq.ids)]) and torch.equal(labels[:first], seq.ids[:first])
 
 
 def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_path, monkeypatch):
@@ -101,6 +106,22 @@ def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_pat
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
     with pytest.raises(ValueError, match="another training config"):
         T.train(new_draft(runner), sequences, T.DFlashTrainConfig(steps=5), tmp_path / "b.pt")
+
+
+@pytest.mark.parametrize("autocast,root_context", [(True, False), (False, True), (True, True)])
+def test_bf16_autocast_and_root_context_train(runner, sequences, autocast, root_context):
+    """bf16 matmuls (weights and loss in fp32) and the root-context draft both learn; under
+    autocast the labels are still the fp32 target's greedy tokens."""
+    cfg = T.DFlashTrainConfig(steps=40, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3, seed=0,
+                              autocast_bf16=autocast)
+    draft = new_draft(runner, root_context=root_context)
+    ids, feats, _ = T.collate(sequences[:2])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        labels = T.target_greedy_ids(draft, ids, feats)
+    assert torch.equal(labels, T.target_greedy_ids(draft, ids, feats))
+    result = T.train(draft, sequences, cfg, None)
+    assert result["final"]["loss"] < 0.9 * result["first"]["loss"], result
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
 
 
 def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "addition, models/dflash.py); --no-root-context: DFlash as published")
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="dtype of the target whose features the draft learns from")
+    model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
+                       help="train with bf16 matmuls (fp32 weights and loss); auto: where the CPU has native bf16")
     model.add_argument("--steps", type=int, default=600)
     model.add_argument("--batch-tokens", type=int, default=2048)
     model.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept before each reply")
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
     draft = DFlashDraftModel(config, shape, hot_token_ids=hot).bind_target(target)
     cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt,
                             blocks_per_seq=args.blocks_per_seq, decay=args.decay, window=args.window,
-                            labels=args.labels, lr=args.lr,
+                            labels=args.labels, lr=args.lr, autocast_bf16=_autocast(args.autocast),
                             warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every)
     run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape),
                                          args.hot_vocab]).encode()).hexdigest()[:12]
@@ -174,12 +176,20 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _autocast(choice: str) -> bool:
+    if choice == "auto":
+        from specjet.kernels.cpu_features import has_native_bf16
+
+        return has_native_bf16()
+    return choice == "bf16"
+
+
 def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
     """The flags that change the result (paths left out: they differ between machines)."""
     flags = []
     for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
-                "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr",
+                "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
                 "warmup_steps",
                 "generate_dtype", "feature_dtype", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
