@@ -80,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     spec.add_argument("--speculative-eagle-topk", type=int, default=None,
                       help="EAGLE branching per draft step (default 4)")
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                      help="tree nodes per verify, root included (default: EAGLE 12, NGRAM 8; DFLASH: its block, 16)")
+                      help="tree nodes per verify, root included (default: EAGLE 12, NGRAM 8; DFLASH: its block, 8)")
     spec.add_argument("--speculative-draft-model-path", default=None,
                       help="EAGLE head / DFlash draft directory (default: the one shipped in specjet/assets)")
     spec.add_argument("--speculative-dflash-draft-window-size", type=int, default=None,

@@ -215,6 +215,7 @@ def result_rows(cells: dict[tuple[str, int], Measurement], identity: dict) -> li
             "accept_length": cell.accept_length, "verify_ct": cell.verify_ct, "accepted_tokens": cell.accepted,
             "speedup": median / ref if median is not None and ref else None,
             "identical": identical_cell(identity, name, bs),
+            "spec_phases_ms": cell.record().get("spec_phases_ms"),
         })
     return sorted(rows, key=lambda r: r["batch_size"])  # stable: configurations keep their order
 
@@ -257,6 +258,14 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
                      f"{fmt_num(d['min']):>8} {fmt_num(d['max']):>8} {statistics.median(r['t_1_s']):>8.3f} "
                      f"{statistics.median(r['t_n_s']):>8.3f} {fmt_num(r['accept_length'], '.2f'):>7} "
                      f"{fmt_num(r['speedup'], '.2f') + 'x':>8}  {r['identical']}")
+    phased = [r for r in rows if r.get("spec_phases_ms")]
+    if phased:  # where a speculative iteration's time goes (spec_v2/speculator.py PhaseTimings)
+        lines += ["", "# ms per speculative iteration, by phase (median over runs of each run's mean)",
+                  f"{'config':<{width}} {'batch':>5} {'grammar':>8} {'draft':>8} {'verify':>8} {'extend':>8} {'total':>8}"]
+        for r in phased:
+            p = r["spec_phases_ms"]
+            lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {p['grammar_ms']:>8.2f} {p['draft_ms']:>8.2f} "
+                         f"{p['verify_ms']:>8.2f} {p['draft_extend_ms']:>8.2f} {sum(p.values()):>8.2f}")
     lines += ["", identity_line(identity, [c["name"] for c in header["configs"]])]
     return "\n".join(lines)
 

@@ -64,6 +64,11 @@ class SpecjetSystem:
         """The engine's running (verify forwards, accepted tokens); None without speculation."""
         return spec_totals(self.engine)
 
+    def spec_phases(self) -> dict | None:
+        """Mean ms per speculative iteration of each phase since the last call (None without
+        speculation); the engine's timings start afresh."""
+        return self.engine.get_server_info(reset_timings=True)["stats"].get("spec_phases")
+
     def describe(self) -> dict | None:
         """The speculative configuration in effect (the engine's defaults filled in), with the EAGLE
         head's directory."""
@@ -98,6 +103,7 @@ class Measurement:
     accepted: list[int] = field(default_factory=list)  # speculative: tokens they committed
     histogram: dict[int, int] = field(default_factory=dict)  # tokens committed per verify -> count, all passes
     outputs: list[list[list[int]]] = field(default_factory=list)  # per N-token pass: each request's output ids
+    phases: list[dict] = field(default_factory=list)  # speculative: per N-token pass, mean ms per iteration by phase
 
     @property
     def rates(self) -> list[float]:
@@ -131,6 +137,9 @@ class Measurement:
             out.update(accept_length=self.accept_length, runs_accept_length=self.accept_lengths,
                        verify_ct=self.verify_ct, accepted_tokens=self.accepted,
                        accept_histogram={str(k): v for k, v in sorted(self.histogram.items())})
+        if self.phases:  # the median over passes of each phase's mean ms per iteration
+            out["spec_phases_ms"] = {k: statistics.median(p[k] for p in self.phases)
+                                     for k in self.phases[0] if k.endswith("_ms")}
         return out
 
 
@@ -157,9 +166,14 @@ def timed_run(system, batches, max_new_tokens: int, m: Measurement) -> None:
     totals read around it (outside the timing), and that pass's output ids (none for HF)."""
     n = max_new_tokens
     t_1, _ = timed_pass(system, batches, 1)
+    phases = getattr(system, "spec_phases", lambda: None)
+    phases()  # start the phase timings afresh
     before = system.spec_totals()
     t_n, outs = timed_pass(system, batches, n)
     after = system.spec_totals()
+    spent = phases()
+    if spent and spent["iterations"]:
+        m.phases.append(spent)
     m.t_1.append(t_1)
     m.t_n.append(t_n)
     if outs is None:  # HF generates exactly N per request or raises

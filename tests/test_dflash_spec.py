@@ -19,7 +19,7 @@ import specjet
 from conftest import make_tiny_model_dir
 from specjet.models.config import ModelConfig
 from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
-from test_spec_eagle import PROMPTS, greedy
+from test_spec_eagle import PROMPTS, greedy, run_eager_and_static
 from test_spec_grammar import MIXED, check_valid
 
 
@@ -119,16 +119,8 @@ def test_static_draft_runner_drafts_what_eager_drafts(tiny_model_dir, copy_draft
     buffers (5 requests in bucket 8; one alone in bucket 1). Same ids as plain decoding, and the
     same acceptance as the eager runner: the drafts themselves are the same."""
     draft = {"copy": copy_draft, "wrong": wrong_draft}[draft_name]
-    stats = {}
-    for mode in ("eager", "static"):
-        with dflash_engine(tiny_model_dir, draft, speculative_num_draft_tokens=8, page_size=16,
-                           speculative_draft_runner=mode) as eng:
-            outs = eng.generate(PROMPTS, greedy(40))
-            alone = eng.generate(PROMPTS[2], greedy(40))
-            eng.check_kv_invariant()
-            stats[mode] = eng.get_server_info()["stats"]
-        assert [o["output_ids"] for o in outs] == expected, mode
-        assert alone["output_ids"] == expected[2], mode
+    stats = run_eager_and_static(lambda mode: dflash_engine(
+        tiny_model_dir, draft, speculative_num_draft_tokens=8, page_size=16, speculative_draft_runner=mode), expected)
     counts = [(s["spec_accepted_tokens"], s["spec_verify_ct"]) for s in stats.values()]
     assert counts[0] == counts[1], counts
 

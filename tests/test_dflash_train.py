@@ -108,7 +108,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_pat
         T.train(new_draft(runner), sequences, T.DFlashTrainConfig(steps=5), tmp_path / "b.pt")
 
 
-@pytest.mark.parametrize("autocast,root_context", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("autocast,root_context", [(False, True), (True, True)])
 def test_bf16_autocast_and_root_context_train(runner, sequences, autocast, root_context):
     """bf16 matmuls (weights and loss in fp32) and the root-context draft both learn; under
     autocast the labels are still the fp32 target's greedy tokens."""

@@ -1,4 +1,5 @@
-"""Speculative decoding on the real default model: EAGLE with the packaged head and NGRAM give the
+"""Speculative decoding on the real default model: EAGLE with the packaged head, DFLASH with the
+packaged draft and NGRAM give the
 plain engine's greedy tokens exactly, in mixed batches, with and without a grammar."""
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def plain_outputs():
     {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "speculative_num_steps": 5,
      "speculative_num_draft_tokens": 6, "page_size": 16},
     {"speculative_algorithm": "NGRAM"},
+    {"speculative_algorithm": "DFLASH"},  # the shipped draft: a tree of block 8, topk 2
+    {"speculative_algorithm": "DFLASH", "speculative_eagle_topk": 1, "page_size": 16},
 ])
 def test_speculative_greedy_equals_plain(plain_outputs, kwargs):
     prompts, expected = plain_outputs

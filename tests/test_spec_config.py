@@ -69,7 +69,7 @@ def test_out_of_range_arguments_are_named(kwargs, error, name):
 
 def test_dflash_defaults():
     cfg = config(speculative_algorithm="DFLASH")
-    assert cfg.dflash == DFlashParams(block_size=16, window=None, topk=1)
+    assert cfg.dflash == DFlashParams(block_size=8, window=None, topk=2)
     assert cfg.max_tree_nodes == cfg.dflash.block_size  # the verify chain is the block
     given = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
                    speculative_dflash_draft_window_size=512, speculative_eagle_topk=3)

@@ -114,22 +114,35 @@ def test_plain_loop_gives_the_same_ids_as_the_overlap_loop(tiny_model_dir, lucky
     assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]
 
 
-def test_static_draft_runner_drafts_what_eager_drafts(tiny_model_dir, lucky_head, expected):
-    """speculative_draft_runner="static": every draft step padded to a batch bucket on static
-    buffers (5 requests x topk 4 = 20 frontier rows in bucket 24). Same ids as plain decoding, and
-    the same acceptance as the eager runner, step for step: the drafts themselves are the same."""
+def run_eager_and_static(make_engine, expected) -> dict[str, dict]:
+    """PROMPTS as a batch and PROMPTS[1] alone under ``make_engine("eager")`` and
+    ``make_engine("static")``: both give the plain ids; each mode's stats."""
     stats = {}
     for mode in ("eager", "static"):
-        with eagle_engine(tiny_model_dir, lucky_head, speculative_eagle_topk=4, speculative_num_steps=3,
-                          speculative_num_draft_tokens=8, speculative_draft_runner=mode) as eng:
+        with make_engine(mode) as eng:
             outs = eng.generate(PROMPTS, greedy(40))
             alone = eng.generate(PROMPTS[1], greedy(40))
             eng.check_kv_invariant()
             stats[mode] = eng.get_server_info()["stats"]
         assert [o["output_ids"] for o in outs] == expected, mode
         assert alone["output_ids"] == expected[1], mode
+    return stats
+
+
+def test_static_draft_runner_drafts_what_eager_drafts(tiny_model_dir, lucky_head, expected):
+    """speculative_draft_runner="static": every draft step padded to a batch bucket on static
+    buffers (5 requests x topk 4 = 20 frontier rows in bucket 24). Same ids as plain decoding, and
+    the same acceptance as the eager runner, step for step: the drafts themselves are the same."""
+    stats = run_eager_and_static(lambda mode: eagle_engine(
+        tiny_model_dir, lucky_head, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
+        speculative_draft_runner=mode), expected)
     counts = [(s["spec_accepted_tokens"], s["spec_verify_ct"]) for s in stats.values()]
     assert counts[0] == counts[1] and counts[0][0] > 1.1 * counts[0][1], counts
+    # Where an iteration's time went: every iteration counted (one verify forward serves one or
+    # more requests' verify counts), the draft and the verify took time.
+    phases = stats["static"]["spec_phases"]
+    assert 0 < phases["iterations"] <= stats["static"]["spec_verify_ct"], phases
+    assert phases["draft_ms"] > 0 and phases["verify_ms"] > 0 and min(phases.values()) >= 0, phases
 
 
 def test_always_wrong_head_still_gives_identical_output(tiny_model_dir, wrong_head, expected):

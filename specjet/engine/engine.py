@@ -277,7 +277,8 @@ class Engine:
 
     def get_server_info(self, reset_timings: bool = False) -> dict[str, Any]:
         """The dtype and quantization in effect, counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
-        side's median time and how long it waited for the host (``reset_timings`` starts afresh)."""
+        side's median time and how long it waited for the host; with speculation ``stats["spec_phases"]``,
+        the mean ms per iteration of its phases (``reset_timings`` starts both afresh)."""
         stats = dict(self.scheduler.stats)
         try:
             stats["overlap"] = self._in_loop(lambda: self.loop.overlap_stats(reset=reset_timings))
@@ -286,6 +287,12 @@ class Engine:
             stats["overlap"], cache = {"iterations": 0}, {"enabled": self.scheduler.cache is not None}
         if stats.get("spec_verify_ct"):
             stats["spec_accept_length"] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+        speculator = self.worker.speculator
+        if speculator is not None:  # mean ms per speculative iteration of each phase (spec_v2/speculator.py)
+            try:
+                stats["spec_phases"] = self._in_loop(lambda: speculator.timings.summary(reset=reset_timings))
+            except RuntimeError:
+                stats["spec_phases"] = {"iterations": 0}
         runner = self.worker.runner
         return {"args": self.args, "dtype": str(runner.dtype).removeprefix("torch."),  # what "auto" resolved to
                 "quantization": runner.quantization,

@@ -34,16 +34,18 @@ class NgramConfig:
 
 @dataclass(frozen=True)
 class DFlashParams:
-    # Tokens of a block, root included (speculative_num_draft_tokens): one verify chain of this many
-    # nodes. 16 is DFlash's published block; the CPU's best is for the trained draft's sweep to set.
-    block_size: int = 16
+    # Tokens of a block, root included (speculative_num_draft_tokens): one verify of this many nodes.
+    # 8: the block the shipped draft was trained with; past it the draft's positions are untrained,
+    # and a CPU verify of 16 nodes costs far more than one of 8 (bench/RESULTS.md, session 13).
+    block_size: int = 8
     # Context positions the draft sees before its block (speculative_dflash_draft_window_size):
     # the last W; None: all of them.
     window: int | None = None
     # Candidates per block position (speculative_eagle_topk, SGLang's name for the draft's width):
     # 1 verifies the block as a chain (DFlash as published); k > 1 a tree of the same node count
     # whose extra nodes are each position's next best tokens beside the chain (spec_v2/dflash_drafter.py).
-    topk: int = 1
+    # 2: the tree beat the chain at batch 1 and 4 with the shipped draft (bench/RESULTS.md, session 13).
+    topk: int = 2
 
 
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.

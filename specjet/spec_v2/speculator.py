@@ -14,6 +14,7 @@ rolled back, and the host advances its own matcher by the accepted tokens.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -80,6 +81,7 @@ class Speculator:
         self.context_len = context_len
         self.drafter = make_drafter(cfg, runner, allocator)
         self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture)
+        self.timings = PhaseTimings()
 
     # ---------------------------------------------------------------- geometry (pure: config only)
     @property
@@ -135,12 +137,15 @@ class Speculator:
 
     def _run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor, share: int,
              budgets: list[int]) -> list[list[int]]:
+        clock = self.timings.start()
         aware = self.cfg.grammar_aware
         guides = [GrammarGuide(r.grammar, self.vocab_size, self._tokenize) if r.grammar is not None else None
                   for r in reqs]
         drafts = [DraftRequest(r, n, g if aware else None, g.forced_chain(n - 1) if aware and g is not None else [])
                   for r, g, n in zip(reqs, guides, budgets)]
+        clock.lap("grammar")
         trees = self.drafter.propose(drafts, share, req_to_token)
+        clock.lap("draft")
         verify_inputs = []
         for req, guide, (tokens, parents) in zip(reqs, guides, trees):
             bitmask = None
@@ -149,12 +154,58 @@ class Speculator:
             uniforms = None if req.generator is None else torch.rand(len(tokens), generator=req.generator)
             penalty = None if req.penalties is None else (req.penalties, req.token_ids, req.prompt_len)
             verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask, penalty))
+        clock.lap("grammar")
         result = self.verifier.verify(verify_inputs, req_to_token, sampling)
+        clock.lap("verify")
         self.drafter.after_verify(reqs, result, req_to_token)
+        clock.lap("draft_extend")
+        self.timings.finish()
         return result.accepted_tokens
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
+
+
+PHASES = ("grammar", "draft", "verify", "draft_extend")
+
+
+class PhaseTimings:
+    """Where a speculative iteration's time goes, host wall time per phase: grammar (guides, the
+    forced chain, the tree's masks), draft (the drafter's propose), verify (the target forward and
+    the accept walk), draft_extend (the drafter's after_verify). On CUDA a phase's time is what the
+    host spent in it (kernels run on asynchronously); on the CPU it is the phase's compute."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.iterations = 0
+
+    def start(self) -> "_Clock":
+        return _Clock(self.seconds)
+
+    def finish(self) -> None:
+        self.iterations += 1
+
+    def summary(self, reset: bool = False) -> dict:
+        """Mean milliseconds per iteration of each phase, and the iterations counted."""
+        n = self.iterations
+        out = {"iterations": n, **{f"{p}_ms": (1e3 * s / n if n else 0.0) for p, s in self.seconds.items()}}
+        if reset:
+            self.reset()
+        return out
+
+
+class _Clock:
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
 
 
 def _rows(st: SamplingTensors, rows: list[int]) -> SamplingTensors:

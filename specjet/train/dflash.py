@@ -11,6 +11,9 @@ done:
                block cross-entropy (train/dflash_trainer.py);
   4. evaluate  greedy chain acceptance on held-out target replies, per block cut;
   5. save      the draft (its own weights, fp16) and a config.json with this run's summary.
+
+The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, session
+13: under an hour from nothing on a 2-core CPU with native bf16).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
     model.add_argument("--target-layers", type=int, nargs="*", default=None,
                        help="target layers whose residual stream the context reads (default: 5 spread over 1 .. L-3)")
-    model.add_argument("--block-size", type=int, default=16, help="block tokens, root included")
+    model.add_argument("--block-size", type=int, default=8, help="block tokens, root included")
     model.add_argument("--mask-token-id", type=int, default=None,
                        help="id standing for a mask token in a block (default: the vocabulary's last id; its "
                             "embedding is learned, the id only labels block positions)")
@@ -52,16 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dtype of the target whose features the draft learns from")
     model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                        help="train with bf16 matmuls (fp32 weights and loss); auto: where the CPU has native bf16")
-    model.add_argument("--steps", type=int, default=600)
+    model.add_argument("--steps", type=int, default=3200)
     model.add_argument("--batch-tokens", type=int, default=2048)
     model.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept before each reply")
-    model.add_argument("--blocks-per-seq", type=int, default=16, help="random anchors per sequence per step")
-    model.add_argument("--decay", type=float, default=7.0, help="loss weight of block position k: exp(-(k-1)/decay)")
+    model.add_argument("--blocks-per-seq", type=int, default=32, help="random anchors per sequence per step")
+    model.add_argument("--decay", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/decay)")
     model.add_argument("--window", type=int, default=None, help="context positions a block sees (default: all)")
     model.add_argument("--labels", default="target", choices=["target", "sequence"],
                        help="what a block position learns: the target's greedy token after the text's prefix "
                             "(the same as the text on the target's own replies), or the text's token")
-    model.add_argument("--lr", type=float, default=1e-3)
+    model.add_argument("--lr", type=float, default=2e-3)
     model.add_argument("--warmup-steps", type=int, default=30)
     model.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
