@@ -132,7 +132,7 @@ def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_d
 
     accept = {}
     for extra in (0, 4):
-        with dflash_engine(tiny_model_dir, wrong_draft, speculative_num_draft_tokens=8,
+        with dflash_engine(tiny_model_dir, wrong_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1,
                            speculative_hybrid_ngram_tokens=extra) as eng:
             outs = eng.generate(PROMPTS, greedy(40))
             eng.check_kv_invariant()
@@ -150,7 +150,7 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
     ref_stop = plain.generate(PROMPTS[0], greedy(40, stop=[stop]))
     from bench.engine_info import describe_engine, spec_str
 
-    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8) as eng:
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1) as eng:
         assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1"
         for n in (1, 2, 5, 11):  # budgets that end inside a block
             assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]

@@ -50,7 +50,8 @@ from specjet.models.eagle import (TARGET_SHAPE_FIELDS, SharedTarget, check_hot_t
                                   read_draft_config, target_identity)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
-from specjet.models.llama import Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
+from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
+                                  set_native_ops)
 
 FORMAT = "specjet-dflash"
 FORMAT_VERSION = 1
@@ -135,10 +136,12 @@ class DFlashDraftModel(nn.Module):
         return self
 
     def pack_for_decode(self) -> None:
-        """Pack the projections for inference (kernels/linear.py); never while training."""
+        """Pack the projections for inference (kernels/linear.py) and run the layers' drafting
+        forward through the C++ CPU ops where they apply; never while training."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_decode()
+        set_native_ops(self.layers, self.config, self.mask_embedding)
 
     @property
     def feature_capture(self) -> FeatureLayers:

@@ -149,6 +149,17 @@ class DecoderLayer(nn.Module):
         return x + mlp.down_proj.project(cpu_ops.silu_mul(mlp.gate_up_proj.project(h)))
 
 
+def set_native_ops(layers, config: ModelConfig, weight: torch.Tensor, flag: bool = True) -> bool:
+    """Turn the C++ CPU ops on for ``layers`` (DecoderLayers whose weights are like ``weight``)
+    where they apply: CPU, float32 or bfloat16, the extension built, no q/k norm. Returns whether
+    they are on."""
+    flag = (flag and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and not config.qk_norm and cpu_ops.extension() is not None)
+    for layer in layers:
+        layer.native_ops = flag
+    return flag
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -200,12 +211,7 @@ class LlamaForCausalLM(nn.Module):
         the K/V write, SiLU-and-multiply) where they apply: CPU, float32 or bfloat16, the extension
         built, no q/k norm. Every forward of the model then takes the same ops, so a token's bits do not
         depend on which kind of forward computed it. Returns whether they are on."""
-        p = self.embed_tokens.weight
-        flag = (flag and p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16)
-                and not self.config.qk_norm and cpu_ops.extension() is not None)
-        for layer in self.layers:
-            layer.native_ops = flag
-        return flag
+        return set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; linears are invariant

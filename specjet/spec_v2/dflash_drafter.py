@@ -197,16 +197,21 @@ class DFlashDrafter:
         (renormalised over them). Stops where nothing is allowed (the grammar has ended), at the
         block's end or at ``want`` positions."""
         out = list(forced)
+        stop = min(want, logits.shape[0])
+        if guide is None:  # every position at once: nothing depends on the tokens chosen before
+            if len(out) < stop:
+                logp, cols = torch.log_softmax(logits[len(out):stop], -1).topk(min(self.topk, logits.shape[-1]), -1)
+                out += [list(zip(ids, lps)) for ids, lps in zip(self.draft.hot_to_full(cols).tolist(), logp.tolist())]
+            return out
         hot = self.draft.hot_token_ids
         vocab = torch.arange(logits.shape[-1]) if hot is None else hot.cpu()  # target id of each column
-        while len(out) < min(want, logits.shape[0]):
+        while len(out) < stop:
             row = logits[len(out)]
-            if guide is not None:
-                chain = [c[0][0] for c in out]
-                allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(row.device)
-                if not bool(allowed.any()):
-                    break
-                row = row.masked_fill(~allowed, float("-inf"))
+            chain = [c[0][0] for c in out]
+            allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(row.device)
+            if not bool(allowed.any()):
+                break
+            row = row.masked_fill(~allowed, float("-inf"))
             logp, cols = torch.log_softmax(row, -1).topk(min(self.topk, row.shape[-1]))
             keep = torch.isfinite(logp)  # fewer legal tokens than topk
             out.append(list(zip(self.draft.hot_to_full(cols[keep]).tolist(), logp[keep].tolist())))
