@@ -49,7 +49,9 @@ def wrong_draft(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def copy_draft(tmp_path_factory, tiny_model_dir):
-    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir)
+    """With a root context (zero: still a copy draft), so every workload also runs the drafter's
+    per-request root-context state; the wrong draft is DFlash as published."""
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir, root_context=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +61,13 @@ def copy_draft_hot(tmp_path_factory, tiny_model_dir, expected):
     return make_copy_draft(tmp_path_factory.mktemp("copy-dflash-hot"), tiny_model_dir, hot)
 
 
-def make_copy_draft(path, tiny_model_dir, hot=None):
+def make_copy_draft(path, tiny_model_dir, hot=None, root_context=False):
     """Every block position predicts the root. With the context, the mask embedding and every query
     zero, attention is uniform and only the root's value is non-zero, so each mask position gets
     the root's normed embedding, half of its coordinates per layer (a value is half as wide as the
     hidden state here); the tied LM head then ranks the root first."""
     cfg = _config(tiny_model_dir)
-    draft = DFlashDraftModel(cfg, DFlashShape(2, (0,), 16, 0), hot_token_ids=hot)
+    draft = DFlashDraftModel(cfg, DFlashShape(2, (0,), 16, 0, root_context), hot_token_ids=hot)
     d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     group = cfg.num_heads // cfg.num_kv_heads
     assert kv * 2 == cfg.hidden_size

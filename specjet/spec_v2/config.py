@@ -109,9 +109,7 @@ class SpecConfig:
             raise ValueError(f"speculative_max_verify_tokens must be >= 1, got {self.max_verify_nodes}")
         if not 1 <= n.min_window <= n.max_window:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
-        if self.draft_runner not in DRAFT_RUNNERS:
-            raise ValueError(f"speculative_draft_runner must be one of {', '.join(DRAFT_RUNNERS)}, "
-                             f"got {self.draft_runner!r}")
+        _check_draft_runner(self.draft_runner)
 
     def runner_mode(self, device) -> tuple[bool, bool]:
         """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on
@@ -130,9 +128,7 @@ class SpecConfig:
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         algorithm = args.speculative_algorithm
-        if args.speculative_draft_runner not in DRAFT_RUNNERS:
-            raise ValueError(f"speculative_draft_runner must be one of {', '.join(DRAFT_RUNNERS)}, "
-                             f"got {args.speculative_draft_runner!r}")
+        _check_draft_runner(args.speculative_draft_runner)  # checked with or without an algorithm
         if args.speculative_hybrid_ngram_tokens and algorithm not in HYBRID_ALGORITHMS:
             raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
@@ -172,6 +168,11 @@ _LEAST = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_
           "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 1,
           "speculative_ngram_max_bfs_breadth": 1, "speculative_hybrid_ngram_tokens": 0,
           "speculative_max_verify_tokens": 1, "speculative_dflash_draft_window_size": 1}
+
+
+def _check_draft_runner(value: str) -> None:
+    if value not in DRAFT_RUNNERS:
+        raise ValueError(f"speculative_draft_runner must be one of {', '.join(DRAFT_RUNNERS)}, got {value!r}")
 
 
 def _given(value, default):

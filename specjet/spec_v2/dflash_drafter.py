@@ -32,7 +32,7 @@ from specjet.models.dflash import DFlashDraftModel
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
-from specjet.spec_v2.draft_runner import DraftGraphRunner
+from specjet.spec_v2.draft_runner import DraftGraphRunner, capture_sizes
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -166,7 +166,6 @@ class DFlashDrafter:
         ids = inputs["ids"]
         batch, size = ids.shape
         device = ids.device
-        captured = self.graph is not None and self.graph.capture
         fb = ForwardBatch.build(
             ForwardMode.VERIFY,  # several new tokens under a caller-given mask
             input_ids=ids.reshape(-1),
@@ -178,8 +177,7 @@ class DFlashDrafter:
             q_lens=torch.full((batch,), size, dtype=torch.int64, device=device),
             custom_mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),  # non-causal block
             logits="all",
-            # A captured graph cannot read sizes back from the device: the buffers' own sizes.
-            static_sizes=(size, inputs["table"].shape[1]) if captured else None,
+            static_sizes=capture_sizes(self.graph, size, inputs["table"]),
         )
         root_ctx = inputs["root_ctx"] if self.draft.root_proj is not None else None
         return (self.draft(fb, self.kv_cache, root_ctx).view(batch, size, -1)[:, 1:],)

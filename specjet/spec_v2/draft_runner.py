@@ -54,6 +54,13 @@ class DraftRunnerStats:
     buckets: dict[tuple, int] = field(default_factory=dict)  # bucket key -> calls
 
 
+def capture_sizes(runner: "DraftGraphRunner | None", max_q: int, table: torch.Tensor) -> tuple[int, int] | None:
+    """``ForwardBatch.build``'s ``static_sizes`` for a step run by ``runner``: the buffers' own
+    (max_q, table width) while it captures CUDA graphs (a capture cannot read sizes back from the
+    device); None otherwise (the batch's real sizes, so attention spans only the real lengths)."""
+    return (max_q, table.shape[1]) if runner is not None and runner.capture else None
+
+
 class DraftGraphRunner:
     """Runs ``step`` on padded static buffers per batch bucket; captures CUDA graphs on CUDA."""
 

@@ -34,7 +34,7 @@ from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
 from specjet.spec_v2.config import EagleParams
-from specjet.spec_v2.draft_runner import DraftGraphRunner
+from specjet.spec_v2.draft_runner import DraftGraphRunner, capture_sizes
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -241,7 +241,6 @@ class EagleDrafter:
         its prefix, then its ancestors): the head's hidden states and logits per row."""
         positions = inputs["positions"]
         rows = positions.shape[0]
-        captured = self.graph is not None and self.graph.capture
         fb = ForwardBatch.build(
             ForwardMode.DECODE,
             input_ids=inputs["ids"],
@@ -252,7 +251,7 @@ class EagleDrafter:
             kv_lens=positions + 1,
             q_lens=torch.ones(rows, dtype=torch.int64, device=positions.device),
             logits="all",
-            static_sizes=(1, inputs["table"].shape[1]) if captured else None,
+            static_sizes=capture_sizes(self.graph, 1, inputs["table"]),
         )
         return self.head(fb, inputs["features"], self.kv_cache)
 

@@ -141,16 +141,12 @@ def collate_labels(labels: list[torch.Tensor], max_len: int) -> torch.Tensor:
 
 
 def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlashTrainConfig,
-               source: torch.Tensor | None = None) -> dict:
+               source: torch.Tensor) -> dict:
     """Weighted block cross-entropy (the total, differentiable), the top-1 agreement of block
     position 1 and the mean accepted chain length of the batch's blocks (greedy, +1 bonus).
-    ``source`` [B, L]: each position's label (``target_labels``); None: by ``cfg.labels``."""
+    ``source`` [B, L]: each position's label (``target_labels``, or the ids themselves)."""
     size = model.shape.block_size
     logits = model.forward_train(ids, feats, anchors, cfg.window)  # [B, A, S - 1, V]
-    if cfg.labels not in ("target", "sequence"):
-        raise ValueError(f"labels must be 'target' or 'sequence', got {cfg.labels!r}")
-    if source is None:
-        source = target_greedy_ids(model, ids, feats) if cfg.labels == "target" else ids
     labels, valid = block_labels(source, lengths, anchors, size)
     labels, valid = to_columns(model, labels, valid)
     weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay)[None, None, :] * valid
@@ -174,6 +170,8 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
     anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
     step, history = resume(checkpoint, cfg, model, optimizer, anchor_gen)
 
+    if cfg.labels not in ("target", "sequence"):
+        raise ValueError(f"labels must be 'target' or 'sequence', got {cfg.labels!r}")
     seqs = [crop_prompt(s, cfg.max_prompt) for s in seqs]
     labels = target_labels(model, seqs) if cfg.labels == "target" else [s.ids for s in seqs]
     groups = length_groups([len(s.ids) for s in seqs], cfg.batch_tokens)
