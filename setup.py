@@ -22,7 +22,7 @@ else:
         depends=["csrc/qgemm_body.h"],
         # No -march: the file compiles each instruction set's kernels under its own target pragma and
         # picks one at run time, so one build runs on any x86-64 CPU. -fopenmp: at::parallel_for.
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-Wno-maybe-uninitialized"],
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-Wno-maybe-uninitialized"],
         extra_link_args=["-fopenmp"],
     )
     attention = CppExtension(

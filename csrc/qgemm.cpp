@@ -1,31 +1,88 @@
-// Weight-only quantized GEMM for CPU: y[M, N] = x[M, K] (fp32) @ W^T, W stored as 32-weight blocks
-// (Q4_1: d * q + m with 4-bit q; int8: s * q with one scale per group of 32k weights). Few rows
-// (decode, speculative verify) are bound by reading W, so every block is read once per call and
-// used for all rows of a row chunk while it sits in cache; the columns are split across threads.
+// Quantized GEMM for CPU: y[M, N] = x[M, K] @ W^T (+ bias), W in 32-weight blocks (Q4_1: d * q + m with
+// 4-bit q; int8: s * q with one scale per group of 32k weights), x quantized per row and 32-block to
+// int8 (scale dx = max|x| / 127, round half to even; llama.cpp's Q8 activations) so that the block
+// sums run on integer dot-product instructions. Few rows (decode, speculative verify) are bound by
+// reading W; many rows by the multiply-adds, where int8 dot products do 4x (VNNI) or 2x (AVX2) the
+// work of fp32 FMAs per instruction. The weights come packed by kernels/dot_layout.py.
 //
-// One code path per instruction set (AVX-512, AVX2 + FMA + F16C, scalar), chosen by the caller
-// (specjet/kernels/qgemm.py), never by the row count: a row's result must not depend on how many
-// rows share the call, which speculative decoding's exactness rests on (see qgemm_body.h).
+// One code path per instruction set (AVX-512 VNNI, AVX2 + FMA + F16C, scalar), chosen by the caller
+// (specjet/kernels/qgemm.py), never by the row count; all three give the same bits (qgemm_body.h),
+// and a row's result does not depend on how many rows share the call, which speculative decoding's
+// exactness rests on.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-// Rows per chunk: a chunk's inputs stay in L2 while every column tile streams over them.
-constexpr int64_t kRowChunk = 64;
+constexpr int64_t kGroup = 16;  // columns per packed group
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The activations of one call, quantized once before the columns are split across threads.
+struct QuantizedRows {
+  int64_t rows, K, nb;
+  const int8_t* xq;   // [rows, K] round(x / dx), in [-127, 127]
+  const uint8_t* xu;  // [rows, K] xq + 128
+  const float* dx;    // [rows, nb] max|x| / 127 of each block (0 for an all-zero block)
+  const float* sx;    // [rows, nb] dx * Σ xq: the quantized block's sum (for Q4_1's minimum)
+};
+
+struct RowBuffers {
+  std::vector<int8_t> xq;
+  std::vector<uint8_t> xu;
+  std::vector<float> dx, sx;
+  QuantizedRows view;
+};
+
+void set_view(RowBuffers& buf, int64_t rows, int64_t K) {
+  buf.view = {rows, K, K / kBlock, buf.xq.data(), buf.xu.data(), buf.dx.data(), buf.sx.data()};
+}
+
+void resize(RowBuffers& buf, int64_t rows, int64_t K) {
+  buf.xq.resize(rows * K);
+  buf.xu.resize(rows * K);
+  buf.dx.resize(rows * (K / kBlock));
+  buf.sx.resize(rows * (K / kBlock));
+}
+
+// The same arithmetic as kernels/dot_layout.py's quantize_activations (its tests hold them equal):
+// inv = 127 / max|x| in float, q = round_half_even(x * inv), dx = max|x| / 127, sx = dx * Σ q.
+// Q4_1's minimum multiplies sx, the quantized inputs' sum, not the exact one: then the block computes
+// Σ (d q + m) x̂ for one x̂, whose rounding errors meet the centred weights; with the exact sum they
+// would meet d q = w - m, which is all of one sign, and add up (measured: top-1 agreement with the
+// float model drops by 14 points).
+void quantize_rows_scalar(const float* x, int64_t rows, int64_t K, RowBuffers& buf) {
+  resize(buf, rows, K);
+  for (int64_t rb = 0; rb < rows * (K / kBlock); ++rb) {
+    const float* xb = x + rb * kBlock;
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t qsum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * inv)));
+      buf.xq[rb * kBlock + i] = static_cast<int8_t>(q);
+      buf.xu[rb * kBlock + i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+      qsum += static_cast<int32_t>(q);
+    }
+    buf.dx[rb] = amax / 127.0f;
+    buf.sx[rb] = buf.dx[rb] * static_cast<float>(qsum);
+  }
+  set_view(buf, rows, K);
+}
 
 }  // namespace
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace isa_avx512 {
-constexpr int64_t kBlock = 32;
-constexpr int kRows = 4, kCols = 4;  // 16 accumulators of the 32 registers
+constexpr int kRows = 8;  // 8 accumulators + 8 weight vectors + scales of the 32 registers
 #define SJ_VEC 16
 #include "qgemm_body.h"
 #undef SJ_VEC
@@ -35,11 +92,46 @@ constexpr int kRows = 4, kCols = 4;  // 16 accumulators of the 32 registers
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
-constexpr int64_t kBlock = 32;
-constexpr int kRows = 2, kCols = 4;  // 8 accumulators of the 16 registers
+constexpr int kRows = 4;  // of the 16 registers
 #define SJ_VEC 8
 #include "qgemm_body.h"
 #undef SJ_VEC
+
+// quantize_rows_scalar with 8 lanes: the same operations on every element.
+static void quantize_rows(const float* x, int64_t rows, int64_t K, RowBuffers& buf) {
+  resize(buf, rows, K);
+  const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t rb = 0; rb < rows * (K / kBlock); ++rb) {
+    const float* xb = x + rb * kBlock;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    }
+    // packs work per 128-bit half: the permutation puts the 32 bytes back in element order.
+    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
+                        _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    buf.dx[rb] = amax / 127.0f;
+    buf.sx[rb] = buf.dx[rb] * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+  set_view(buf, rows, K);
+}
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
@@ -47,33 +139,46 @@ namespace isa_scalar {
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// One element at a time, products summed in K order.
-static void q4_1(const float* x, int64_t rows, int64_t K, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
-                 const float* bias, float* y, int64_t N, int64_t n_begin, int64_t n_end) {
-  const int64_t nb = K / kBlock;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * K;
+// Each element as one lane of the vector kernels: an exact integer block sum, then the same fmas.
+static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias,
+                 float* y, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t n = g0 * kGroup; n < std::min(N, g1 * kGroup); ++n) {
+    const int64_t g = n / kGroup, j = n % kGroup;
+    for (int64_t r = 0; r < x.rows; ++r) {
       float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float db = half_to_float(d[n * nb + b]), mb = half_to_float(m[n * nb + b]);
-        const uint8_t* q = qs + n * (K / 2) + b * 16;
-        for (int i = 0; i < 16; ++i) acc += xr[b * kBlock + i] * (db * static_cast<float>(q[i] & 0x0F) + mb);
-        for (int i = 0; i < 16; ++i) acc += xr[b * kBlock + 16 + i] * (db * static_cast<float>(q[i] >> 4) + mb);
+      for (int64_t b = 0; b < x.nb; ++b) {
+        const uint8_t* chunk = qs + ((g * x.nb + b) * 4) * 64 + j * 4;
+        const int8_t* xb = x.xq + r * x.K + b * kBlock;
+        int32_t isum = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t byte = chunk[c * 64 + t];
+            isum += (byte & 0x0F) * xb[4 * c + t] + (byte >> 4) * xb[16 + 4 * c + t];
+          }
+        const int64_t at = (g * x.nb + b) * kGroup + j;
+        acc = std::fma(static_cast<float>(isum), half_to_float(d[at]) * x.dx[r * x.nb + b], acc);
+        acc = std::fma(half_to_float(m[at]), x.sx[r * x.nb + b], acc);
       }
       y[r * N + n] = acc + (bias ? bias[n] : 0.0f);
     }
   }
 }
 
-static void int8(const float* x, int64_t rows, int64_t K, const int8_t* q, const uint16_t* s, int64_t group,
-                 const float* bias, float* y, int64_t N, int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * K;
+static void int8(const QuantizedRows& x, const int8_t* q, const uint16_t* s, const int32_t*, int64_t group,
+                 const float* bias, float* y, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t n = g0 * kGroup; n < std::min(N, g1 * kGroup); ++n) {
+    const int64_t g = n / kGroup, j = n % kGroup;
+    for (int64_t r = 0; r < x.rows; ++r) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k)
-        acc += xr[k] * (half_to_float(s[n * (K / group) + k / group]) * static_cast<float>(q[n * K + k]));
+      for (int64_t b = 0; b < x.nb; ++b) {
+        const int8_t* steps = q + ((g * x.nb + b) * 8) * 64 + j * 4;
+        const int8_t* xb = x.xq + r * x.K + b * kBlock;
+        int32_t isum = 0;
+        for (int st = 0; st < 8; ++st)
+          for (int t = 0; t < 4; ++t) isum += steps[st * 64 + t] * xb[4 * st + t];
+        const float scale = half_to_float(s[(g * (x.K / group) + b * kBlock / group) * kGroup + j]);
+        acc = std::fma(static_cast<float>(isum), scale * x.dx[r * x.nb + b], acc);
+      }
       y[r * N + n] = acc + (bias ? bias[n] : 0.0f);
     }
   }
@@ -89,88 +194,93 @@ bool isa_supported(int64_t isa) {
     case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
     default: return false;
   }
 }
 
-void check_common(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+int64_t check_common(const torch::Tensor& x, int64_t N, int64_t K, const c10::optional<torch::Tensor>& bias,
+                     int64_t isa) {
   TORCH_CHECK(isa_supported(isa), "qgemm: instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "qgemm: x must be a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "qgemm: K = ", x.size(1), " is not a multiple of ", kBlock);
+  TORCH_CHECK(x.size(1) == K, "qgemm: x has ", x.size(1), " columns, the weight takes K = ", K);
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "qgemm: K = ", K, " is not a multiple of ", kBlock);
+  TORCH_CHECK(N > 0, "qgemm: N must be positive");
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
                 "qgemm: bias must be a contiguous float32 tensor of ", N, " elements");
   }
+  return (N + kGroup - 1) / kGroup;
 }
 
-// Splits the columns over the threads in spans of whole column tiles, one row chunk at a time.
+void check_packed(const torch::Tensor& t, c10::ScalarType type, std::initializer_list<int64_t> shape,
+                  const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.sizes().vec() == std::vector<int64_t>(shape),
+              "qgemm: ", what, " must be a contiguous ", c10::toString(type), " tensor of shape ",
+              c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes());
+}
+
+void quantize(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t isa) {
+  if (isa == kScalar) quantize_rows_scalar(x, rows, K, buf);
+  else isa_avx2::quantize_rows(x, rows, K, buf);
+}
+
+// Splits the 16-column groups over the threads, ~64k weights per thread at least.
 template <class Fn>
-void parallel_columns(int64_t rows, int64_t N, int64_t K, const Fn& fn) {
-  const int64_t tile = 4;
-  const int64_t tiles = (N + tile - 1) / tile;
-  // Enough work per thread to pay for waking it: about 64k weights.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (tile * K));
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
-    const int64_t r = std::min(kRowChunk, rows - r0);
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      fn(r0, r, t0 * tile, std::min(N, t1 * tile));
-    });
-  }
+void parallel_groups(int64_t groups, int64_t K, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
+  at::parallel_for(0, groups, grain, fn);
 }
 
 torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                        const torch::Tensor& m, const c10::optional<torch::Tensor>& bias, int64_t isa) {
-  const int64_t K = x.size(1), N = qs.size(0), rows = x.size(0);
-  check_common(x, N, bias, isa);
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) * 2 == K,
-              "qgemm q4_1: qs must be contiguous uint8 [N, K / 2]");
-  for (const auto* t : {&d, &m}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat16 && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / kBlock,
-                "qgemm q4_1: d and m must be contiguous float16 [N, K / 32]");
-  }
+                        const torch::Tensor& m, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  const int64_t K = qs.dim() == 4 ? qs.size(1) * kBlock : -1, rows = x.size(0);
+  const int64_t groups = check_common(x, N, K, bias, isa);
+  check_packed(qs, torch::kUInt8, {groups, K / kBlock, 4, 64}, "qs");
+  check_packed(d, torch::kFloat16, {groups, K / kBlock, kGroup}, "d");
+  check_packed(m, torch::kFloat16, {groups, K / kBlock, kGroup}, "m");
   auto y = torch::empty({rows, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  if (rows == 0) return y;
+  RowBuffers buf;
+  quantize(x.data_ptr<float>(), rows, K, buf, isa);
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  parallel_columns(rows, N, K, [&](int64_t r0, int64_t r, int64_t n0, int64_t n1) {
-    const float* xr = xp + r0 * K;
-    float* yr = yp + r0 * N;
-    if (isa == kAvx512) isa_avx512::q4_1(xr, r, K, qp, dp, mp, bp, yr, N, n0, n1);
-    else if (isa == kAvx2) isa_avx2::q4_1(xr, r, K, qp, dp, mp, bp, yr, N, n0, n1);
-    else isa_scalar::q4_1(xr, r, K, qp, dp, mp, bp, yr, N, n0, n1);
+  parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
+    if (isa == kAvx512) isa_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    else if (isa == kAvx2) isa_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    else isa_scalar::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
   });
   return y;
 }
 
-torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group,
-                        const c10::optional<torch::Tensor>& bias, int64_t isa) {
-  const int64_t K = x.size(1), N = q.size(0), rows = x.size(0);
-  check_common(x, N, bias, isa);
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                        const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa) {
+  const int64_t K = q.dim() == 4 ? q.size(1) * kBlock : -1, rows = x.size(0);
+  const int64_t groups = check_common(x, N, K, bias, isa);
   TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0,
               "qgemm int8: group must be a multiple of 32 that divides K, got ", group);
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() == 2 && q.size(1) == K,
-              "qgemm int8: q must be contiguous int8 [N, K]");
-  TORCH_CHECK(s.scalar_type() == torch::kFloat16 && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
-                  s.size(1) == K / group,
-              "qgemm int8: s must be contiguous float16 [N, K / group]");
+  check_packed(q, torch::kInt8, {groups, K / kBlock, 8, 64}, "q");
+  check_packed(s, torch::kFloat16, {groups, K / group, kGroup}, "s");
+  check_packed(wsum, torch::kInt32, {groups, K / kBlock, kGroup}, "wsum");
   auto y = torch::empty({rows, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  if (rows == 0) return y;
+  RowBuffers buf;
+  quantize(x.data_ptr<float>(), rows, K, buf, isa);
   const int8_t* qp = q.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  const int32_t* wp = wsum.data_ptr<int32_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  parallel_columns(rows, N, K, [&](int64_t r0, int64_t r, int64_t n0, int64_t n1) {
-    const float* xr = xp + r0 * K;
-    float* yr = yp + r0 * N;
-    if (isa == kAvx512) isa_avx512::int8(xr, r, K, qp, sp, group, bp, yr, N, n0, n1);
-    else if (isa == kAvx2) isa_avx2::int8(xr, r, K, qp, sp, group, bp, yr, N, n0, n1);
-    else isa_scalar::int8(xr, r, K, qp, sp, group, bp, yr, N, n0, n1);
+  parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
+    if (isa == kAvx512) isa_avx512::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
+    else if (isa == kAvx2) isa_avx2::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
+    else isa_scalar::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
   });
   return y;
 }
@@ -178,8 +288,9 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "specjet's weight-only quantized GEMM (Q4_1 and int8 blocks of 32 weights)";
-  module.def("isa_supported", &isa_supported, "whether this CPU runs the given instruction set (0 scalar, 1 AVX2, 2 AVX-512)");
-  module.def("q4_1_gemm", &q4_1_gemm, "y = x @ dequant(qs, d, m)^T (+ bias)");
-  module.def("int8_gemm", &int8_gemm, "y = x @ dequant(q, s)^T (+ bias)");
+  module.doc() = "specjet's quantized GEMM (Q4_1 and int8 blocks of 32 weights, int8 activations)";
+  module.def("isa_supported", &isa_supported,
+             "whether this CPU runs the given instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
+  module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
+  module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
 }

@@ -1,164 +1,223 @@
 // The tile kernels of qgemm.cpp, compiled once per instruction set: qgemm.cpp includes this file
-// inside a namespace under `#pragma GCC target(...)` with SJ_VEC set to 16 (AVX-512) or 8 (AVX2).
+// inside a namespace under `#pragma GCC target(...)` with SJ_VEC set to 16 (AVX-512 VNNI) or 8 (AVX2).
 //
-// Batch invariance: every output element y[r, n] is one vector accumulator that takes the products
-// of its K inputs in the same order (block by block, sub-vector by sub-vector, one FMA each), then
-// one horizontal sum and the bias. The tile sizes only decide which accumulators share a register
-// file, never the arithmetic of one accumulator, so a row gets the same bits in a call of any
-// number of rows (and under any thread count: one element is computed by one thread).
+// Layout (kernels/dot_layout.py packs it): a vector lane is one output column; a weight vector holds
+// 4 consecutive codes of each of SJ_VEC columns, so one integer dot-product instruction multiplies
+// them by 4 broadcast int8 activations and adds the 4 products into each column's int32 lane. Eight
+// such steps sum a whole 32-weight block exactly in integers; then, per block, the float part:
+//   acc = fma(float(isum), d * dx, acc); acc = fma(m, sx, acc)      (Q4_1: w = d q + m)
+//   acc = fma(float(isum), s * dx, acc)                            (int8: w = s q)
+// with dx the row's activation scale of the block and sx = dx * Σ xq its quantized inputs' sum.
+//
+// Batch invariance and one result for every build: the integer sums are exact, and each output
+// element then takes the same float operations in the same order (one lane, block by block) in the
+// AVX-512 build, the AVX2 build and the scalar one, whatever the row or thread count.
 
 #if SJ_VEC == 16
-using vec = __m512;
-static inline vec v_zero() { return _mm512_setzero_ps(); }
-static inline vec v_load(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec v_set1(float a) { return _mm512_set1_ps(a); }
-static inline vec v_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec v_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline float v_hsum(vec a) {
-  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
+using vecf = __m512;
+using veci = __m512i;
+static inline vecf f_zero() { return _mm512_setzero_ps(); }
+static inline vecf f_set1(float a) { return _mm512_set1_ps(a); }
+static inline vecf f_fma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vecf f_mul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+static inline vecf f_add(vecf a, vecf b) { return _mm512_add_ps(a, b); }
+static inline vecf f_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void f_store(float* p, vecf a) { _mm512_storeu_ps(p, a); }
+static inline vecf f_from_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// 16 nibbles: `bytes` holds 16 bytes, `shift` picks the low (0) or high (4) nibble of each.
-static inline vec v_nibbles(const uint8_t* bytes, int shift) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  b = _mm_and_si128(_mm_srli_epi16(b, shift), _mm_set1_epi8(0x0F));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+static inline vecf f_from_int(veci a) { return _mm512_cvtepi32_ps(a); }
+static inline veci i_load(const void* p) { return _mm512_loadu_si512(p); }
+static inline veci i_bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
-static inline vec v_int8(const int8_t* p) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+static inline veci i_low_nibbles(veci b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
+static inline veci i_high_nibbles(veci b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
+
+static inline veci i_zero() { return _mm512_setzero_si512(); }
+// A block's Σ q * xq in 8 steps of 4 codes per lane. Q4_1: q the unsigned 4-bit codes times the
+// row's int8 activations xq.
+static inline veci q41_step(veci acc, veci w, const int8_t* xq, const uint8_t*) {
+  return _mm512_dpbusd_epi32(acc, w, i_bcast4(xq));
 }
+static inline veci q41_finish(veci acc) { return acc; }
+// Signed int8 codes: VNNI multiplies unsigned by signed bytes, so the activations go in as xq + 128
+// (xu) and 128 * Σ q (wsum128, packed with the weights) comes back off.
+static inline veci int8_step(veci acc, veci w, const int8_t*, const uint8_t* xu) {
+  return _mm512_dpbusd_epi32(acc, i_bcast4(xu), w);
+}
+static inline veci int8_finish(veci acc, veci wsum128) { return _mm512_sub_epi32(acc, wsum128); }
+static inline veci i_wsum128(const int32_t* p) { return _mm512_slli_epi32(i_load(p), 7); }
 #else
-using vec = __m256;
-static inline vec v_zero() { return _mm256_setzero_ps(); }
-static inline vec v_load(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec v_set1(float a) { return _mm256_set1_ps(a); }
-static inline vec v_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec v_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-static inline float v_hsum(vec a) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
+using vecf = __m256;
+using veci = __m256i;
+static inline vecf f_zero() { return _mm256_setzero_ps(); }
+static inline vecf f_set1(float a) { return _mm256_set1_ps(a); }
+static inline vecf f_fma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vecf f_mul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+static inline vecf f_add(vecf a, vecf b) { return _mm256_add_ps(a, b); }
+static inline vecf f_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void f_store(float* p, vecf a) { _mm256_storeu_ps(p, a); }
+static inline vecf f_from_half(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-static inline vec v_nibbles(const uint8_t* bytes, int shift) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-  b = _mm_and_si128(_mm_srli_epi16(b, shift), _mm_set1_epi8(0x0F));
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+static inline vecf f_from_int(veci a) { return _mm256_cvtepi32_ps(a); }
+static inline veci i_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+static inline veci i_bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
-static inline vec v_int8(const int8_t* p) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+static inline veci i_low_nibbles(veci b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
+static inline veci i_high_nibbles(veci b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
+
+static inline veci i_zero() { return _mm256_setzero_si256(); }
+// Without VNNI: maddubs gives 16-bit sums of 2 products (|.| <= 2 * 15 * 127), eight of which still
+// fit 16 bits (30480), so the block's 8 steps add in 16 bits and one madd widens them to 32.
+static inline veci q41_step(veci acc, veci w, const int8_t* xq, const uint8_t*) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, i_bcast4(xq)));
 }
+static inline veci q41_finish(veci acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+// Signed codes: maddubs(|q|, xq with q's sign) = q * xq per byte pair, <= 2 * 128 * 127 in 16 bits.
+static inline veci int8_step(veci acc, veci w, const int8_t* xq, const uint8_t*) {
+  const veci prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(i_bcast4(xq), w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+}
+static inline veci int8_finish(veci acc, veci) { return acc; }
+static inline veci i_wsum128(const int32_t*) { return _mm256_setzero_si256(); }
 #endif
 
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
 constexpr int kVec = SJ_VEC;
-constexpr int kSub = kBlock / kVec;  // sub-vectors per 32-weight block
+constexpr int kLaneGroups = kGroup / kVec;  // vectors per packed group of 16 columns
 
-// Q4_1 block of one column: weight i of the block is d * q_i + m, q_i the low nibble of byte i for
-// i < 16 and the high nibble of byte i - 16 otherwise (llama.cpp's layout).
-struct Q41Col {
-  const uint8_t* qs;     // the column's K / 2 bytes
-  const uint16_t* d;     // its K / 32 fp16 scales
-  const uint16_t* m;     // its K / 32 fp16 minimums
-  int64_t kb;            // block index set by begin()
-  vec dv, mv;
-  inline void begin(int64_t b) { kb = b; dv = v_set1(half_to_float(d[b])); mv = v_set1(half_to_float(m[b])); }
-  // Sub-vector j covers weights j * kVec .. j * kVec + kVec - 1 of the block.
-  inline vec sub(int j) const {
-    const int half = j / (16 / kVec), part = j % (16 / kVec);
-    return v_fma(v_nibbles(qs + kb * 16 + part * kVec, 4 * half), dv, mv);
+// One lane group (kVec columns) of a packed Q4_1 weight: 4 chunks of 64 bytes per block, chunk c's
+// low nibbles the codes of step c, its high nibbles those of step c + 4.
+struct Q41Lanes {
+  const uint8_t* qs;   // the group's blocks
+  const uint16_t* d;   // [nb][16] fp16
+  const uint16_t* m;
+  int half;            // which kVec columns of the 16
+  veci w[8];
+  vecf dv, mv;
+  inline void load(int64_t b) {
+    for (int c = 0; c < 4; ++c) {
+      const veci raw = i_load(qs + (b * 4 + c) * 64 + half * kVec * 4);
+      w[c] = i_low_nibbles(raw);
+      w[c + 4] = i_high_nibbles(raw);
+    }
+    dv = f_from_half(d + b * kGroup + half * kVec);
+    mv = f_from_half(m + b * kGroup + half * kVec);
+  }
+  inline veci step(veci acc, int s, const int8_t* xq, const uint8_t* xu) const { return q41_step(acc, w[s], xq, xu); }
+  inline vecf add_block(vecf acc, veci isum, float dx, float sx) const {
+    acc = f_fma(f_from_int(q41_finish(isum)), f_mul(dv, f_set1(dx)), acc);
+    return f_fma(mv, f_set1(sx), acc);
   }
 };
 
-// int8 block of one column: weight i is s * q_i, one fp16 scale per `group` weights.
-struct Int8Col {
-  const int8_t* q;       // the column's K weights
-  const uint16_t* s;     // its K / group fp16 scales
+// One lane group of a packed int8 weight: 8 steps of 64 bytes per block, one fp16 scale per column
+// and group of `blocks_per_group` blocks.
+struct Int8Lanes {
+  const int8_t* q;
+  const uint16_t* s;        // [K / group][16] fp16
+  const int32_t* wsum;      // [nb][16]: Σ q of each column's block
   int64_t blocks_per_group;
-  int64_t kb;
-  vec sv;
-  inline void begin(int64_t b) { kb = b; sv = v_set1(half_to_float(s[b / blocks_per_group])); }
-  inline vec sub(int j) const { return v_mul(v_int8(q + kb * kBlock + j * kVec), sv); }
+  int half;
+  veci w[8];
+  veci wsum128;
+  vecf sv;
+  inline void load(int64_t b) {
+    for (int st = 0; st < 8; ++st) w[st] = i_load(q + (b * 8 + st) * 64 + half * kVec * 4);
+    wsum128 = i_wsum128(wsum + b * kGroup + half * kVec);
+    sv = f_from_half(s + (b / blocks_per_group) * kGroup + half * kVec);
+  }
+  inline veci step(veci acc, int s, const int8_t* xq, const uint8_t* xu) const { return int8_step(acc, w[s], xq, xu); }
+  inline vecf add_block(vecf acc, veci isum, float dx, float) const {
+    return f_fma(f_from_int(int8_finish(isum, wsum128)), f_mul(sv, f_set1(dx)), acc);
+  }
 };
 
-// y[r0 .. r0 + R, n0 .. n0 + C] for R rows and C columns, every block of K.
-template <int R, int C, class Col>
-static inline void tile(const float* x, int64_t ldx, Col* cols, int64_t nblocks, const float* bias,
-                        float* y, int64_t ldy) {
-  vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = v_zero();
-  for (int64_t b = 0; b < nblocks; ++b) {
-    for (int c = 0; c < C; ++c) cols[c].begin(b);
-    for (int j = 0; j < kSub; ++j) {
-      vec w[C];
-      for (int c = 0; c < C; ++c) w[c] = cols[c].sub(j);
-      for (int r = 0; r < R; ++r) {
-        const vec xv = v_load(x + r * ldx + b * kBlock + j * kVec);
-        for (int c = 0; c < C; ++c) acc[r][c] = v_fma(xv, w[c], acc[r][c]);
-      }
+// R rows of one lane group, every block of K, then the bias; `valid` columns of the kVec are stored.
+template <int R, class Lanes>
+static inline void tile(Lanes& lanes, const QuantizedRows& x, int64_t r0, const float* bias, float* y, int64_t ldy,
+                        int valid) {
+  vecf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = f_zero();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    lanes.load(b);
+    // Steps outer, rows inner: the rows' integer chains are independent and interleave.
+    veci isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = i_zero();
+    const int64_t at = r0 * x.K + b * kBlock;
+    for (int s = 0; s < 8; ++s)
+      for (int r = 0; r < R; ++r) isum[r] = lanes.step(isum[r], s, x.xq + at + r * x.K + 4 * s, x.xu + at + r * x.K + 4 * s);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * x.nb + b;
+      acc[r] = lanes.add_block(acc[r], isum[r], x.dx[rb], x.sx[rb]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = v_hsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
+  for (int r = 0; r < R; ++r) {
+    float* out = y + (r0 + r) * ldy;
+    if (valid == kVec) {
+      f_store(out, bias ? f_add(acc[r], f_load(bias)) : acc[r]);
+    } else {
+      alignas(64) float tmp[kVec];
+      f_store(tmp, acc[r]);
+      for (int c = 0; c < valid; ++c) out[c] = tmp[c] + (bias ? bias[c] : 0.0f);
+    }
+  }
 }
 
-// Rows of one column tile: full row tiles, then the remainder with the same per-element arithmetic.
-template <int C, class Col>
-static void column_tile(const float* x, int64_t rows, int64_t ldx, Col* cols, int64_t nblocks, const float* bias,
-                        float* y, int64_t ldy) {
+template <class Lanes>
+static void lane_group(Lanes& lanes, const QuantizedRows& x, const float* bias, float* y, int64_t ldy, int valid) {
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) tile<kRows, C>(x + r * ldx, ldx, cols, nblocks, bias, y + r * ldy, ldy);
-  switch (rows - r) {
+  for (; r + kRows <= x.rows; r += kRows) tile<kRows>(lanes, x, r, bias, y, ldy, valid);
+  switch (x.rows - r) {
     case 0: break;
-    case 1: tile<1, C>(x + r * ldx, ldx, cols, nblocks, bias, y + r * ldy, ldy); break;
-    case 2: tile<2, C>(x + r * ldx, ldx, cols, nblocks, bias, y + r * ldy, ldy); break;
-    case 3: tile<3, C>(x + r * ldx, ldx, cols, nblocks, bias, y + r * ldy, ldy); break;
+    case 1: tile<1>(lanes, x, r, bias, y, ldy, valid); break;
+    case 2: tile<2>(lanes, x, r, bias, y, ldy, valid); break;
+    case 3: tile<3>(lanes, x, r, bias, y, ldy, valid); break;
+#if SJ_VEC == 16
+    case 4: tile<4>(lanes, x, r, bias, y, ldy, valid); break;
+    case 5: tile<5>(lanes, x, r, bias, y, ldy, valid); break;
+    case 6: tile<6>(lanes, x, r, bias, y, ldy, valid); break;
+    case 7: tile<7>(lanes, x, r, bias, y, ldy, valid); break;
+#endif
   }
 }
 
-template <class MakeCol>
-static void run_columns(const float* x, int64_t rows, int64_t ldx, int64_t n_begin, int64_t n_end, int64_t nblocks,
-                        const float* bias, float* y, int64_t ldy, const MakeCol& make) {
-  using Col = decltype(make(0));
-  int64_t n = n_begin;
-  for (; n + kCols <= n_end; n += kCols) {
-    Col cols[kCols];
-    for (int c = 0; c < kCols; ++c) cols[c] = make(n + c);
-    column_tile<kCols>(x, rows, ldx, cols, nblocks, bias ? bias + n : nullptr, y + n, ldy);
-  }
-  for (; n < n_end; ++n) {
-    Col col = make(n);
-    column_tile<1>(x, rows, ldx, &col, nblocks, bias ? bias + n : nullptr, y + n, ldy);
+// Columns [g0 * 16, g1 * 16) of y (those below N), every row.
+static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias,
+                 float* y, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int h = 0; h < kLaneGroups; ++h) {
+      const int64_t col = g * kGroup + h * kVec;
+      if (col >= N) break;
+      Q41Lanes lanes;
+      lanes.qs = qs + g * x.nb * kGroup * 16;
+      lanes.d = d + g * x.nb * kGroup;
+      lanes.m = m + g * x.nb * kGroup;
+      lanes.half = h;
+      lane_group(lanes, x, bias ? bias + col : nullptr, y + col, N, static_cast<int>(std::min<int64_t>(kVec, N - col)));
+    }
   }
 }
 
-static void q4_1(const float* x, int64_t rows, int64_t K, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
-                 const float* bias, float* y, int64_t N, int64_t n_begin, int64_t n_end) {
-  const int64_t nb = K / kBlock;
-  run_columns(x, rows, K, n_begin, n_end, nb, bias, y, N, [&](int64_t n) {
-    Q41Col col;
-    col.qs = qs + n * (K / 2);
-    col.d = d + n * nb;
-    col.m = m + n * nb;
-    return col;
-  });
-}
-
-static void int8(const float* x, int64_t rows, int64_t K, const int8_t* q, const uint16_t* s, int64_t group,
-                 const float* bias, float* y, int64_t N, int64_t n_begin, int64_t n_end) {
-  const int64_t nb = K / kBlock;
-  run_columns(x, rows, K, n_begin, n_end, nb, bias, y, N, [&](int64_t n) {
-    Int8Col col;
-    col.q = q + n * K;
-    col.s = s + n * (K / group);
-    col.blocks_per_group = group / kBlock;
-    return col;
-  });
+static void int8(const QuantizedRows& x, const int8_t* q, const uint16_t* s, const int32_t* wsum, int64_t group,
+                 const float* bias, float* y, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int h = 0; h < kLaneGroups; ++h) {
+      const int64_t col = g * kGroup + h * kVec;
+      if (col >= N) break;
+      Int8Lanes lanes;
+      lanes.q = q + g * x.nb * kGroup * kBlock;
+      lanes.s = s + g * (x.K / group) * kGroup;
+      lanes.wsum = wsum + g * x.nb * kGroup;
+      lanes.blocks_per_group = group / kBlock;
+      lanes.half = h;
+      lane_group(lanes, x, bias ? bias + col : nullptr, y + col, N, static_cast<int>(std::min<int64_t>(kVec, N - col)));
+    }
+  }
 }

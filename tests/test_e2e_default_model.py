@@ -26,8 +26,9 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    # fp32, as the HF oracle runs: dtype auto would be bf16 on a CPU with native bf16.
-    with specjet.Engine(max_total_tokens=16384, dtype="float32") as eng:
+    # The float32 model, as the HF oracle runs: dtype auto would be bf16 on a CPU with native bf16,
+    # quantization auto the GGUF's blocks with int8 activations (tests/test_e2e_quant.py covers those).
+    with specjet.Engine(max_total_tokens=16384, dtype="float32", quantization=None) as eng:
         yield eng
 
 
@@ -54,7 +55,7 @@ def test_greedy_equals_hf_generate(engine, hf_greedy, page_size):
         outs = engine.generate(prompts, params)  # one batch, mixed prompt lengths
         engine.check_kv_invariant()
     else:
-        with specjet.Engine(max_total_tokens=16384, page_size=page_size, dtype="float32") as paged:
+        with specjet.Engine(max_total_tokens=16384, page_size=page_size, dtype="float32", quantization=None) as paged:
             outs = paged.generate(prompts, params)
             paged.check_kv_invariant()
     ours = [o["output_ids"] for o in outs]

@@ -1,6 +1,7 @@
 """quantization="gguf" on the real default model: the blocks it computes with are exactly the
 weights the float32 conversion dequantizes (transformers' reading of the same GGUF), its logits stay
-close to that float32 model's, and its speculative greedy output (EAGLE, NGRAM) equals its plain
+close to that float32 model's (the kernels quantize activations to int8 per 32-block, as llama.cpp
+does: a stated tolerance, not equality), and its speculative greedy output (EAGLE, NGRAM) equals its plain
 greedy output token for token, batched or alone; the KV invariant after every workload."""
 from __future__ import annotations
 
@@ -50,19 +51,28 @@ def test_blocks_equal_the_float32_conversion(default_model_dir, fp32_runner):
             assert torch.equal(blocks[name].dequantize(), weight), name
 
 
-def test_logits_close_to_the_float32_model(fp32_runner, gguf_runner):
-    """Same weights, another summation order: every position's logits within 2e-3 of the float32
-    model's largest logit, and the same top-1 token at >= 99% of positions (ties aside)."""
+def test_logits_close_to_the_float32_model(default_model_dir, fp32_runner, gguf_runner):
+    """Same weights, int8 activations: over every position of the chat prompts, each position's
+    largest logit error under 15% of the float32 model's largest logit (3% typical: the median under
+    5%), and the same top-1 token at >= 95% of positions (measured ~97%, prompt positions being the
+    model's least certain)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     agree = total = 0
+    errors = []
     for question in QUESTIONS:
-        ids = [1] + [ord(c) % 20000 + 100 for c in question][:120]  # any ids; the prompt text is not the point
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer(text)["input_ids"]
         ref = OneRequest(fp32_runner).extend(ids).logits
         got = OneRequest(gguf_runner).extend(ids).logits
-        scale = ref.abs().amax(-1, keepdim=True)
-        assert bool(((got - ref).abs() <= 2e-3 * scale).all()), float(((got - ref).abs() / scale).max())
+        errors.append(((got - ref).abs() / ref.abs().amax(-1, keepdim=True)).amax(-1))
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += ref.shape[0]
-    assert agree / total >= 0.99
+    errors = torch.cat(errors)
+    assert float(errors.max()) < 0.15 and float(errors.median()) < 0.05, (float(errors.max()), float(errors.median()))
+    assert agree / total >= 0.95, agree / total
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def test_every_projection_and_the_head_are_quantized(quantized):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.packed, QuantizedLinear) for m in linears)
     head = model.lm_head.packed.weight
-    assert type(head).__name__ == "Int8Weight" and head.group == (32 if method == "int4" else 64)
+    assert type(head).__name__ == "DotInt8" and head.group == (32 if method == "int4" else 64)
 
 
 def test_batched_equals_alone(quantized):

@@ -1,9 +1,11 @@
 """The quantized GEMM kernels (C++ extension ``specjet.kernels._qgemm``, source in csrc/) and their dispatch.
 
 ``QuantizedLinear`` is a linear layer's inference operand for a quantized weight: called on x
-[..., K] it returns x @ W^T (+ bias) in x's dtype, computed in fp32. It stands where a
+[..., K] it returns x @ W^T (+ bias) in x's dtype, the activations quantized to int8 per 32-block
+(llama.cpp's scheme, kernels/dot_layout.py) and the sums accumulated in fp32. It stands where a
 ``PackedLinear`` stands (``Linear.packed``), and like it is batch-invariant: a row's output has the
-same bits whatever other rows share the call (csrc/qgemm_body.h says how).
+same bits whatever other rows share the call, and every instruction set gives the same bits
+(csrc/qgemm_body.h says how).
 
 The instruction set is chosen once per process from what ATen dispatches to (so
 ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 CPU, as the rest of torch does),
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specjet.kernels.dot_layout import DotQ41, DotWeight, pack, unpack
 from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.kernels.quant_formats import Int8Weight, Q41Weight, QuantWeight
 
@@ -64,20 +67,24 @@ def default_isa() -> str:
     return next((isa for isa in wanted if isa in available), "scalar")
 
 
-def gemm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-    """x [M, K] float32 contiguous @ W^T (+ bias) with the extension's kernels; [M, N] float32."""
+def gemm(x: torch.Tensor, weight: DotWeight | QuantWeight, bias: torch.Tensor | None = None,
+         isa: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ W^T (+ bias) with the extension's kernels; [M, N] float32.
+    ``weight`` packed (kernels/dot_layout.py), or row-major blocks packed for this call."""
     ext = extension()
     if ext is None:
         raise RuntimeError("specjet's quantized GEMM extension is not built")
     code = ISAS[isa or default_isa()]
-    if isinstance(weight, Q41Weight):
-        return ext.q4_1_gemm(x, weight.qs, weight.d, weight.m, bias, code)
-    return ext.int8_gemm(x, weight.q, weight.s, weight.group, bias, code)
+    if isinstance(weight, (Q41Weight, Int8Weight)):
+        weight = pack(weight)
+    if isinstance(weight, DotQ41):
+        return ext.q4_1_gemm(x, weight.qs, weight.d, weight.m, weight.n, bias, code)
+    return ext.int8_gemm(x, weight.q, weight.s, weight.wsum, weight.group, weight.n, bias, code)
 
 
 @dataclass
 class QuantizedLinear:
-    weight: QuantWeight  # [N, K] blocks
+    weight: DotWeight  # [N, K] blocks, packed for the kernels
     bias: torch.Tensor | None  # float32 [N]
     fallback: PackedLinear | None = None  # the dequantized weight's float path when the extension is missing
 
@@ -87,15 +94,19 @@ class QuantizedLinear:
         fallback = None
         if extension() is None:
             fallback = pack_weight(weight.dequantize().t().contiguous(), bias)
-        return cls(weight, bias, fallback)
+        return cls(pack(weight), bias, fallback)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def blocks(self) -> QuantWeight:
+        """The weight as row-major blocks (quant_formats), e.g. to dequantize it."""
+        return unpack(self.weight)
+
     def select_outputs(self, rows: torch.Tensor) -> "QuantizedLinear":
         """The same layer restricted to some outputs (an EAGLE head's hot-token columns)."""
-        return QuantizedLinear.build(self.weight.select_rows(rows), None if self.bias is None else self.bias[rows])
+        return QuantizedLinear.build(self.blocks().select_rows(rows), None if self.bias is None else self.bias[rows])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
