@@ -1,14 +1,15 @@
-// Batch-invariant paged attention for CPU, in float64: out[t, h] = softmax(q.K^T * scale) V over the
-// keys token t may see, read in place from the paged KV pool (no gather, no float64 copy of the cache).
+// Batch-invariant paged attention for CPU, in float32: out[t, h] = softmax(q.K^T * scale) V over the
+// keys token t may see, read in place from the paged KV pool (no gather, no copy of the cache).
 //
 // Invariance by construction: one output row (token t, head h) is computed by one thread from its q
 // and the keys and values it may see, taken in position order; masked keys are skipped, never added,
 // so a tree node whose ancestors sit between non-ancestors gets the same bits as the same token
 // decoded alone, where they are contiguous. No sum is split by the batch, the tile or the thread count.
 //
-// Float64 for the same reason as the torch path (specjet/kernels/attention.py): a bf16 q.k product
-// and a head_dim-long sum of them are exact in float64; softmax and the weighted sum carry float64
-// rounding only, far below the rounding to the model's dtype at the end.
+// Float32 sums in 16 fixed lanes (attention_body.h): a bf16 q.k product is exact in float32, and the
+// lanes' rounding stays far below the rounding to the model's dtype at the end (bf16), or near the
+// float32 model's own (the torch path, specjet/kernels/attention.py, sums in float64; the tests hold
+// the two close). Float64 lanes did twice the work, and attention is a third of a decode step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

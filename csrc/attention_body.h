@@ -8,17 +8,17 @@ constexpr int64_t kQueryTile = 8;
 // Rows whose sums advance together (independent chains of adds).
 constexpr int kRowBlock = 4;
 
-// A score q . k is summed in kLanes float64 lanes, lane i adding the products of d = i, i + kLanes, ...
+// A score q . k is summed in kLanes float32 lanes, lane i adding the products of d = i, i + kLanes, ...
 // in order, then the lanes in one fixed tree. The lane count is fixed, not the register width: a lanes_d
 // is one AVX-512 register, two AVX2 or four SSE2 ones, and every build adds the same numbers in the
 // same order. (Keys are used as they lie in the pool: no transposition.)
-constexpr int kLanes = 8;
+constexpr int kLanes = 16;
 // Inlined always: these pass vectors around, which a call would put through memory.
 #ifndef SJ_INLINE
 #define SJ_INLINE inline __attribute__((always_inline))
 #endif
-typedef double vec_d __attribute__((vector_size(SJ_VEC_BYTES)));
-constexpr int kVecLanes = SJ_VEC_BYTES / 8;
+typedef float vec_d __attribute__((vector_size(SJ_VEC_BYTES)));
+constexpr int kVecLanes = SJ_VEC_BYTES / 4;
 constexpr int kParts = kLanes / kVecLanes;
 struct lanes_d {
   vec_d part[kParts];
@@ -29,29 +29,33 @@ SJ_INLINE lanes_d zero_lanes() {
   return a;
 }
 // Part by part: one copy of the whole struct goes through the stack in pieces that stall the reload.
-SJ_INLINE lanes_d load_lanes(const double* p) {
+SJ_INLINE lanes_d load_lanes(const float* p) {
   lanes_d a;
   for (int i = 0; i < kParts; ++i) std::memcpy(&a.part[i], p + i * kVecLanes, sizeof(vec_d));
   return a;
 }
-SJ_INLINE void store_lanes(double* p, const lanes_d& a) {
+SJ_INLINE void store_lanes(float* p, const lanes_d& a) {
   for (int i = 0; i < kParts; ++i) std::memcpy(p + i * kVecLanes, &a.part[i], sizeof(vec_d));
 }
 // acc += x * y, lane by lane (a product, then a sum: never fused).
 SJ_INLINE void mul_add(lanes_d& acc, const lanes_d& x, const lanes_d& y) {
   for (int i = 0; i < kParts; ++i) acc.part[i] += x.part[i] * y.part[i];
 }
-SJ_INLINE void scale_add(lanes_d& acc, double w, const lanes_d& x) {
+SJ_INLINE void scale_add(lanes_d& acc, float w, const lanes_d& x) {
   for (int i = 0; i < kParts; ++i) acc.part[i] += w * x.part[i];
 }
-SJ_INLINE double lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
-SJ_INLINE double sum_lanes(const lanes_d& a) {
-  return ((lane(a, 0) + lane(a, 4)) + (lane(a, 2) + lane(a, 6))) + ((lane(a, 1) + lane(a, 5)) + (lane(a, 3) + lane(a, 7)));
+SJ_INLINE float lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
+// Lanes i and i + 8, then i and i + 4, then the fixed tree of the last four.
+SJ_INLINE float sum_lanes(const lanes_d& a) {
+  float h[8];
+  for (int i = 0; i < 8; ++i) h[i] = lane(a, i) + lane(a, i + 8);
+  for (int i = 0; i < 4; ++i) h[i] = h[i] + h[i + 4];
+  return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
 // out[r * ld_out] = q_r . k for rows r0 .. r0 + R; q rows and k zero-padded to Dp, a multiple of kLanes.
 template <int R>
-SJ_INLINE void score_key(const double* q, int64_t Dp, const double* k, double* out, int64_t ld_out) {
+SJ_INLINE void score_key(const float* q, int64_t Dp, const float* k, float* out, int64_t ld_out) {
   lanes_d acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero_lanes();
   for (int64_t c = 0; c < Dp; c += kLanes) {
@@ -68,51 +72,46 @@ inline void prefetch_row(const T* row, int64_t D) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
 }
 
-// exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction by ln 2, a degree-12 Taylor
-// polynomial on |r| <= ln(2)/2 (truncation ~2e-16 relative), and the power of two put into the exponent
-// bits. Below -708 the weight is under 1e-307 of the row's largest and is taken as 0. Written without
-// calls or branches so the compiler vectorises the loop that calls it.
-inline double exp_nonpositive(double x) {
-  const double magic = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer in the low bits
-  const double kx = x * 1.4426950408889634;
-  const double t = kx + magic;
-  const double n = t - magic;
-  const double r = (x - n * 0.6931471803691238) - n * 1.9082149292705877e-10;
-  double p = 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  int64_t tb, mb;
+// exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction by ln 2, a degree-7 Taylor
+// polynomial on |r| <= ln(2)/2 (truncation ~5e-9 relative, below float's 6e-8), and the power of two put
+// into the exponent bits. Below -87 the weight is under 2e-38 of the row's largest and is taken as 0.
+// Written without calls or branches so the compiler vectorises the loop that calls it.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float t = xc * 1.44269504f + magic;
+  const float n = t - magic;
+  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t tb, mb;
   std::memcpy(&tb, &t, sizeof tb);
   std::memcpy(&mb, &magic, sizeof mb);
-  const int64_t bits = (tb - mb + 1023) << 52;
-  double scale;
+  const int32_t bits = (tb - mb + 127) << 23;
+  float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x < -708.0 ? 0.0 : p * scale;
+  return x < -87.0f ? 0.0f : p * scale;
 }
 
 template <class T>
-inline void widen(const T* src, double* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(static_cast<float>(src[i]));
+inline void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 
 // Register blocking of the weights x V sums (rows x dims per block): as many accumulators as the
 // build's registers hold. Blocking decides where a sum lives, never its order, so all builds agree.
 #if SJ_VEC_BYTES == 64
-constexpr int kPvRows = 2;
+constexpr int kPvRows = 4;
 constexpr int64_t kPvDims = 64;
 #elif SJ_VEC_BYTES == 32
-constexpr int kPvRows = 1;
+constexpr int kPvRows = 2;
 constexpr int64_t kPvDims = 32;
 #else
 constexpr int kPvRows = 1;
@@ -122,16 +121,16 @@ constexpr int kPvVecs = kPvDims / kLanes;
 
 template <class T>
 SJ_INLINE lanes_d widen_lanes(const T* src) {
-  double tmp[kLanes];
-  for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<double>(static_cast<float>(src[i]));
+  float tmp[kLanes];
+  for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
   return load_lanes(tmp);
 }
 
 // acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = 0, 1, ... of w[r][p] * v_p.
 template <int R, class T, class Visible>
 SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* slots, int64_t kvh, int64_t kv_end,
-                         int64_t prefix, int64_t r0, int64_t c0, const double* scores, int64_t ld_scores,
-                         const Visible& visible, double* acc) {
+                         int64_t prefix, int64_t r0, int64_t c0, const float* scores, int64_t ld_scores,
+                         const Visible& visible, float* acc) {
   const int64_t D = bt.head_dim, KV = bt.num_kv_heads;
   lanes_d sum[R][kPvVecs];
   for (int r = 0; r < R; ++r)
@@ -145,7 +144,7 @@ SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* sl
     const bool all = p < prefix;
     for (int r = 0; r < R; ++r) {
       if (!all && !visible(r0 + r, p)) continue;
-      const double w = scores[(r0 + r) * ld_scores + p];
+      const float w = scores[(r0 + r) * ld_scores + p];
       for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
     }
   }
@@ -156,7 +155,7 @@ SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* sl
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
 // shared library costs a lookup per access in the inner loops).
 struct Workspace {
-  std::vector<double> qd, scores, acc, kd, row_max, row_sum;
+  std::vector<float> qd, scores, acc, kd, row_max, row_sum;
   std::vector<int64_t> row_end;
   std::vector<const bool*> row_mask;
 };
@@ -194,14 +193,14 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   ws.scores.resize(rows * ld_scores);
   ws.acc.assign(rows * D, 0.0);
   ws.kd.assign(Dp, 0.0);
-  ws.row_max.assign(rows, -std::numeric_limits<double>::infinity());
+  ws.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   ws.row_sum.assign(rows, 0.0);
-  double *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
-         *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
+  float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
+        *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / group, h = kvh * group + r % group;
     widen(q + (t * H + h) * D, qd + r * Dp, D);
-    for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= bt.scale;
+    for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= static_cast<float>(bt.scale);
   }
   constexpr int64_t kAhead = 8;
   for (int64_t p = 0; p < std::min(kv_end, kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
@@ -209,7 +208,7 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     if (p + kAhead < kv_end) prefetch_row(k_cache + (slots[p + kAhead] * KV + kvh) * D, D);
     widen(k_cache + (slots[p] * KV + kvh) * D, kd, D);  // kd[D .. Dp) stay zero
     int64_t r = 0;
-    double* sp = scores + p;
+    float* sp = scores + p;
     for (; r + kRowBlock <= rows; r += kRowBlock)
       score_key<kRowBlock>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores);
     switch (rows - r) {
@@ -220,16 +219,16 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const double* s = scores + r * ld_scores;
-    double m = row_max[r];
+    const float* s = scores + r * ld_scores;
+    float m = row_max[r];
     for (int64_t p = 0; p < std::min(prefix, row_end[r]); ++p) m = s[p] > m ? s[p] : m;
     for (int64_t p = prefix; p < row_end[r]; ++p)
       if (visible(r, p) && s[p] > m) m = s[p];
     row_max[r] = m;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    double* s = scores + r * ld_scores;
-    const double m = row_max[r];
+    float* s = scores + r * ld_scores;
+    const float m = row_max[r];
     // Every score of the row is replaced by its weight; masked positions hold garbage and are skipped below.
     for (int64_t p = 0; p < row_end[r]; ++p) s[p] = exp_nonpositive(s[p] - m);
   }
@@ -248,14 +247,14 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
       const bool all = p < prefix;
       for (int64_t r = 0; r < rows; ++r) {
         if (!all && !visible(r, p)) continue;
-        const double w = scores[r * ld_scores + p];
-        double* o = acc + r * D;
+        const float w = scores[r * ld_scores + p];
+        float* o = acc + r * D;
         for (int64_t d = c0; d < D; ++d) o[d] += w * kd[d];
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {  // the softmax denominators, in the same order
-    const double* s = scores + r * ld_scores;
+    const float* s = scores + r * ld_scores;
     for (int64_t p = 0; p < kv_end; ++p)
       if (p < prefix || visible(r, p)) row_sum[r] += s[p];
   }

@@ -1,8 +1,9 @@
 """specjet's C++ CPU ops (extension ``specjet.kernels._cpu_ops``, sources csrc/attention.cpp and
-csrc/layer_ops.cpp): the float64 paged attention, and RMSNorm / RoPE + KV write / SiLU-and-multiply,
+csrc/layer_ops.cpp): the float32 paged attention, and RMSNorm / RoPE + KV write / SiLU-and-multiply,
 each one call where torch needs a dozen small ops (models/llama.py's inference path uses them).
 
-The attention has the same math as the torch float64 path in attention.py and the same invariance, by construction: a
+The attention has the math of the torch path in attention.py (in float32 lanes where that one sums in
+float64: the tests hold them close) and the same invariance, by construction: a
 query row is computed by one thread from its own q and the keys it may see, read in place from the
 KV pool in position order. It replaces the torch path's per-layer gather, float64 copy of every
 visible key and dozen small ops, which dominate a decode step at small batches.
