@@ -12,6 +12,7 @@
 // the two close). Float64 lanes did twice the work, and attention is a third of a decode step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
