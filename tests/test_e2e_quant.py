@@ -91,12 +91,20 @@ def test_batched_equals_alone(plain_gguf):
     assert batched[:2] == alone
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM"])
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM", "DFLASH"])
 def test_speculative_equals_plain(plain_gguf, algorithm):
+    from specjet.kernels.qgemm import QuantizedLinear
+    from specjet.models.llama import Linear
+
     prompts, expected, _ = plain_gguf
     with specjet.Engine(max_total_tokens=8192, quantization="gguf", speculative_algorithm=algorithm) as eng:
         outs = [o["output_ids"] for o in eng.generate(prompts, PARAMS)]
         eng.check_kv_invariant()
         stats = eng.get_server_info()["stats"]
+        drafter = eng.worker.speculator.drafter
+        draft = {"EAGLE": lambda: drafter.eagle.head, "DFLASH": lambda: drafter.draft}.get(algorithm)
+        if draft is not None:  # a learned draft computes with the target's kind of weights
+            linears = [m for m in draft().modules() if isinstance(m, Linear)]
+            assert linears and all(isinstance(m.packed, QuantizedLinear) for m in linears)
     assert outs == expected
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]

@@ -50,6 +50,7 @@ from specjet.models.eagle import (TARGET_SHAPE_FIELDS, SharedTarget, check_hot_t
                                   read_draft_config, target_identity)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
+from specjet.models.quantize import quantize_linears
 from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
                                   set_native_ops)
 
@@ -130,6 +131,9 @@ class DFlashDraftModel(nn.Module):
             if getattr(target.config, name) != getattr(self.config, name):
                 raise ValueError(f"DFlash draft and target differ in {name}: "
                                  f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
+        if getattr(target, "quantization", None) is not None:
+            # As an EAGLE head: a quantized target's draft computes like it (``gguf``: 4-bit blocks).
+            quantize_linears(self, target.quantization)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids),
                                    full_lm_head=target.lm_head)
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
