@@ -28,7 +28,7 @@ else:
     attention = CppExtension(
         "specjet.kernels._cpu_ops",
         ["csrc/attention.cpp", "csrc/layer_ops.cpp"],
-        depends=["csrc/attention_body.h"],
+        depends=["csrc/attention_body.h", "csrc/exp_float.h"],
         # -ffp-contract=off: no product fused into its sum, so every instruction set's build gives the same bits.
         extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"],
         extra_link_args=["-fopenmp"],

@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "exp_float.h"
+
 namespace {
 
 struct Batch {

@@ -82,32 +82,9 @@ inline void prefetch_row(const T* row, int64_t D) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
 }
 
-// exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction by ln 2, a degree-7 Taylor
-// polynomial on |r| <= ln(2)/2 (truncation ~5e-9 relative, below float's 6e-8), and the power of two put
-// into the exponent bits. Below -87 the weight is under 2e-38 of the row's largest and is taken as 0.
-// Written without calls or branches so the compiler vectorises the loop that calls it.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const float t = xc * 1.44269504f + magic;
-  const float n = t - magic;
-  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t tb, mb;
-  std::memcpy(&tb, &t, sizeof tb);
-  std::memcpy(&mb, &magic, sizeof mb);
-  const int32_t bits = (tb - mb + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
+// exp(x) for x <= 0 (a score minus its row's maximum), exp_float.h's; below -87 the weight is under
+// 2e-38 of the row's largest and is taken as 0.
+inline float exp_nonpositive(float x) { return x < -87.0f ? 0.0f : exp_float(x); }
 
 template <class T>
 inline void widen(const T* src, float* dst, int64_t n) {

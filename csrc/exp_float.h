@@ -1,0 +1,35 @@
+// exp(x) in float, shared by the C++ CPU ops (layer_ops.cpp's SiLU, attention_body.h's softmax), so
+// both compute the same function. Included at file scope, before the per-instruction-set namespaces:
+// it is inlined into each and compiled for that namespace's target.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+// exp(x) in float for |x| <= 88: Cody-Waite reduction by ln 2 and a degree-7 Taylor polynomial
+// (truncation ~5e-9 relative, below float's 6e-8); branch-free so loops over it vectorise (the clamps
+// as comparisons: std::fmin / fmax have NaN rules that keep GCC from vectorising them).
+static inline __attribute__((always_inline)) float exp_float(float x) {
+  x = x > 88.0f ? 88.0f : x;
+  x = x < -87.0f ? -87.0f : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  const float t = x * 1.44269504f + magic;
+  const float n = t - magic;
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t tb, mb;
+  std::memcpy(&tb, &t, sizeof tb);
+  std::memcpy(&mb, &magic, sizeof mb);
+  const int32_t bits = (tb - mb + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
