@@ -46,12 +46,33 @@ def test_async_fail_after_aborts_the_request(engine):
 
 def test_async_stream_cut_by_move_on_after_aborts(engine):
     async def main():
-        got = 0
+        stream = await engine.async_generate("a long one", LONG, stream=True)
+        got = [await stream.__anext__()]  # mid-stream, however slow the machine is to the first chunk
         with anyio.move_on_after(0.3):
-            async for _ in await engine.async_generate("a long one", LONG, stream=True):
-                got += 1
+            async for chunk in stream:
+                got.append(chunk)
         return got
-    assert anyio.run(main) >= 1
+    got = anyio.run(main)
+    assert got and got[-1]["meta_info"]["finish_reason"] is None  # cut, not finished
+    assert_released(engine)
+
+
+@pytest.mark.parametrize("cut_after_s", [0.0, 0.001])
+def test_an_async_stream_cut_before_its_first_chunk_leaves_later_callers_served(engine, cut_after_s):
+    """The abort's output for a loop that has ended must not hold the thread that serves every
+    async caller (it once waited for ever on the ended loop, and the next stream never got a chunk)."""
+    async def cut():
+        with anyio.move_on_after(cut_after_s):
+            async for _ in await engine.async_generate("a long one", LONG, stream=True):
+                pass
+
+    async def later():
+        async for chunk in await engine.async_generate(["one", "two"], SHORT, stream=True):
+            return chunk
+
+    for _ in range(3):
+        anyio.run(cut)
+        assert bounded(anyio.run, later, timeout=30)["output_ids"]
     assert_released(engine)
 
 

@@ -1,6 +1,7 @@
 """The public Engine: load a model, start the scheduler thread, generate (sync, async, streaming)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import queue
@@ -9,7 +10,6 @@ import uuid
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import torch
 
@@ -59,15 +59,30 @@ def _request_ids(rid, n: int) -> list[str]:
     return list(rids)
 
 
+def _send_quietly(send, item) -> None:
+    try:
+        send.send_nowait(item)
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the caller stopped reading
+        pass
+
+
 def _dispatch_async_outputs(outbox: queue.SimpleQueue) -> None:
-    """Hands outputs to event loops from a thread of its own, so the scheduler never waits on one."""
+    """Hands outputs to event loops from a thread of its own, so the scheduler never waits on one.
+    The hand-off only schedules the send on the caller's loop and never waits for it: a loop that
+    ends between the scheduling and the run (a caller cancelled before its first chunk, whose abort's
+    output is still on the way) would otherwise hold this thread, and every later async caller, for
+    ever. An item for a loop that has ended is dropped."""
     while True:
         token, send, item = outbox.get()
         if token is None:
             return
+        native = token.native_token  # the asyncio loop, or trio's token
         try:
-            anyio.from_thread.run_sync(send.send_nowait, item, token=token)
-        except Exception:  # the caller went away (loop closed, stream closed): drop it
+            if isinstance(native, asyncio.AbstractEventLoop):
+                native.call_soon_threadsafe(_send_quietly, send, item)
+            else:
+                native.run_sync_soon(_send_quietly, send, item)
+        except Exception:  # the loop is closed or its run finished: nobody is reading
             pass
 
 
