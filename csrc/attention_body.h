@@ -108,6 +108,7 @@ constexpr int kPvVecs = kPvDims / kLanes;
 
 template <class T>
 SJ_INLINE lanes_d widen_lanes(const T* src) {
+  if constexpr (std::is_same<T, float>::value) return load_lanes(src);  // no trip through a stack copy
   float tmp[kLanes];
   for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
   return load_lanes(tmp);
@@ -137,6 +138,36 @@ SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* sl
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kPvVecs; ++i) store_lanes(acc + (r0 + r) * D + c0 + i * kLanes, sum[r][i]);
+}
+
+// The largest of m and s[0 .. n).
+SJ_INLINE float max_of(const float* s, int64_t n, float m) {
+  vec_d mv = vec_d{} + m;
+  int64_t p = 0;
+  for (; p + kVecLanes <= n; p += kVecLanes) {
+    vec_d x;
+    std::memcpy(&x, s + p, sizeof x);
+    mv = x > mv ? x : mv;
+  }
+  for (int i = 0; i < kVecLanes; ++i) m = mv[i] > m ? mv[i] : m;
+  for (; p < n; ++p) m = s[p] > m ? s[p] : m;
+  return m;
+}
+
+constexpr int kSumRows = 8;
+// row_sum[r] for rows r0 .. r0 + R: the weights of the row's visible keys added in position order.
+template <int R, class Visible>
+SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, int64_t prefix, int64_t kv_end,
+                           const Visible& visible, float* row_sum) {
+  float sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = 0.0f;
+  const float* s = scores + r0 * ld_scores;
+  for (int64_t p = 0; p < prefix; ++p)  // seen by every row
+    for (int r = 0; r < R; ++r) sum[r] += s[r * ld_scores + p];
+  for (int64_t p = prefix; p < kv_end; ++p)
+    for (int r = 0; r < R; ++r)
+      if (visible(r0 + r, p)) sum[r] += s[r * ld_scores + p];
+  for (int r = 0; r < R; ++r) row_sum[r0 + r] = sum[r];
 }
 
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
@@ -207,8 +238,8 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = scores + r * ld_scores;
-    float m = row_max[r];
-    for (int64_t p = 0; p < std::min(prefix, row_end[r]); ++p) m = s[p] > m ? s[p] : m;
+    // A maximum is exact in any order, so the shared keys' part goes a vector at a time.
+    float m = max_of(s, std::min(prefix, row_end[r]), row_max[r]);
     for (int64_t p = prefix; p < row_end[r]; ++p)
       if (visible(r, p) && s[p] > m) m = s[p];
     row_max[r] = m;
@@ -240,10 +271,12 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {  // the softmax denominators, in the same order
-    const float* s = scores + r * ld_scores;
-    for (int64_t p = 0; p < kv_end; ++p)
-      if (p < prefix || visible(r, p)) row_sum[r] += s[p];
+  // The softmax denominators, each a sum in position order; kSumRows rows' sums advance together in
+  // registers (one row's chain of dependent adds alone waits on each add's latency).
+  {
+    int64_t r = 0;
+    for (; r + kSumRows <= rows; r += kSumRows) sum_weights<kSumRows>(scores, ld_scores, r, prefix, kv_end, visible, row_sum);
+    for (; r < rows; ++r) sum_weights<1>(scores, ld_scores, r, prefix, kv_end, visible, row_sum);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / group, h = kvh * group + r % group;
