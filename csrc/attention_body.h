@@ -63,6 +63,61 @@ SJ_INLINE float sum_lanes(const lanes_d& a) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 
+// Keys scored together by score_keys: their lane sums go through one transposed tree of vector
+// shuffles and adds that makes, for each key, the additions sum_lanes makes for it alone (the same
+// bits, a quarter of the instructions). The base build scores key by key.
+#if SJ_VEC_BYTES == 64
+constexpr int64_t kKeyBlock = 16;
+#elif SJ_VEC_BYTES == 32
+constexpr int64_t kKeyBlock = 8;
+#else
+constexpr int64_t kKeyBlock = 1;
+#endif
+
+#if SJ_VEC_BYTES >= 32
+// out[j] = sum_lanes(acc[j]) for j < kKeyBlock.
+SJ_INLINE void sum_lanes_of_keys(const lanes_d* acc, float* out) {
+#if SJ_VEC_BYTES == 64
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // lanes i + (i + 8): keys 2i | 2i + 1, 8 lanes each
+    const __m512 a = (__m512)acc[2 * i].part[0], b = (__m512)acc[2 * i + 1].part[0];
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // lanes i + (i + 4): keys 4i .. 4i + 3, one 128-bit quarter each
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lanes i + (i + 2): quarter L holds keys 8i + L and 8i + 4 + L
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  // lane 0 + lane 1: quarter L holds keys L, 4 + L, 8 + L, 12 + L; then key order.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s));
+#else
+  __m256 h[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) h[i] = _mm256_add_ps((__m256)acc[i].part[0], (__m256)acc[i].part[1]);
+  for (int i = 0; i < 4; ++i)  // lanes i + (i + 4): keys 2i | 2i + 1, one 128-bit half each
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // lanes i + (i + 2): half L holds keys 4i + L and 4i + 2 + L
+    w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  // lane 0 + lane 1: half L holds keys L, 2 + L, 4 + L, 6 + L; then key order.
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
+}
+
+// out[j] = q . k_j for the kKeyBlock keys of kb (rows Dp apart, zero-padded like q).
+SJ_INLINE void score_keys(const float* q, int64_t Dp, const float* kb, float* out) {
+  lanes_d acc[kKeyBlock];
+  for (int j = 0; j < kKeyBlock; ++j) acc[j] = zero_lanes();
+  for (int64_t c = 0; c < Dp; c += kLanes) {
+    const lanes_d ql = load_lanes(q + c);
+    for (int j = 0; j < kKeyBlock; ++j) mul_add(acc[j], ql, load_lanes(kb + j * Dp + c));
+  }
+  sum_lanes_of_keys(acc, out);
+}
+#endif
+
 // out[r * ld_out] = q_r . k for rows r0 .. r0 + R; q rows and k zero-padded to Dp, a multiple of kLanes.
 template <int R>
 SJ_INLINE void score_key(const float* q, int64_t Dp, const float* k, float* out, int64_t ld_out) {
@@ -94,7 +149,7 @@ inline void widen(const T* src, float* dst, int64_t n) {
 
 // Register blocking of the weights x V sums (rows x dims per block): as many accumulators as the
 // build's registers hold. Blocking decides where a sum lives, never its order, so all builds agree.
-#if SJ_VEC_BYTES == 64
+#if SJ_VEC_BYTES >= 32
 constexpr int kPvRows = 4;
 constexpr int64_t kPvDims = 64;
 #elif SJ_VEC_BYTES == 32
@@ -210,7 +265,7 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   ws.qd.assign(rows * Dp, 0.0);
   ws.scores.resize(rows * ld_scores);
   ws.acc.assign(rows * D, 0.0);
-  ws.kd.assign(Dp, 0.0);
+  ws.kd.assign(kKeyBlock * Dp, 0.0);
   ws.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   ws.row_sum.assign(rows, 0.0);
   float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
@@ -222,7 +277,16 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   }
   constexpr int64_t kAhead = 8;
   for (int64_t p = 0; p < std::min(kv_end, kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
-  for (int64_t p = 0; p < kv_end; ++p) {
+  int64_t p0 = 0;
+#if SJ_VEC_BYTES == 64
+  for (; p0 + kKeyBlock <= kv_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
+    for (int64_t p = p0 + kKeyBlock; p < std::min(kv_end, p0 + 2 * kKeyBlock); ++p)
+      prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
+    for (int64_t j = 0; j < kKeyBlock; ++j) widen(k_cache + (slots[p0 + j] * KV + kvh) * D, kd + j * Dp, D);
+    for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kd, scores + r * ld_scores + p0);
+  }
+#endif
+  for (int64_t p = p0; p < kv_end; ++p) {
     if (p + kAhead < kv_end) prefetch_row(k_cache + (slots[p + kAhead] * KV + kvh) * D, D);
     widen(k_cache + (slots[p] * KV + kvh) * D, kd, D);  // kd[D .. Dp) stay zero
     int64_t r = 0;

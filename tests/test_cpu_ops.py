@@ -21,10 +21,10 @@ pytestmark = pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
 
-def pool(num_slots: int, dtype, seed: int):
+def pool(num_slots: int, dtype, seed: int, dim: int = DIM):
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
-    v = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(num_slots, KV_HEADS, dim, generator=gen).to(dtype)
+    v = torch.randn(num_slots, KV_HEADS, dim, generator=gen).to(dtype)
     return k, v, gen
 
 
@@ -101,13 +101,16 @@ def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
     assert torch.equal(tree[2], chain[1])
 
 
-def test_every_instruction_set_build_gives_the_same_bits():
+# Head dims: one lane group; several, with a tail past the value sums' register block (64); key counts
+# that are not whole blocks of the wider builds' scoring (16 and 8 keys at a time).
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, DIM), (torch.float32, 72), (torch.bfloat16, 64)])
+def test_every_instruction_set_build_gives_the_same_bits(dtype, dim):
     isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
     assert "base" in isas
     kv_lens, q_lens = [130, 33], [1, 20]
-    k, v, gen = pool(sum(kv_lens) + 1, torch.float32, seed=2)
+    k, v, gen = pool(sum(kv_lens) + 1, dtype, seed=2, dim=dim)
     table = scattered_table(kv_lens, gen)
-    q = torch.randn(sum(q_lens), HEADS, DIM, generator=gen)
+    q = torch.randn(sum(q_lens), HEADS, dim, generator=gen).to(dtype)
     meta = build_attention_metadata(table, torch.arange(2), torch.tensor(kv_lens), torch.tensor(q_lens))
     outs = [native(q, k, v, meta, isa) for isa in isas]
     for isa, out in zip(isas[1:], outs[1:]):
