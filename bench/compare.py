@@ -216,6 +216,7 @@ def result_rows(cells: dict[tuple[str, int], Measurement], identity: dict) -> li
             "speedup": median / ref if median is not None and ref else None,
             "identical": identical_cell(identity, name, bs),
             "spec_phases_ms": cell.record().get("spec_phases_ms"),
+            "plain_iteration_ms": cell.record().get("plain_iteration_ms"),
         })
     return sorted(rows, key=lambda r: r["batch_size"])  # stable: configurations keep their order
 
@@ -266,6 +267,15 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
             p = r["spec_phases_ms"]
             lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {p['grammar_ms']:>8.2f} {p['draft_ms']:>8.2f} "
                          f"{p['verify_ms']:>8.2f} {p['draft_extend_ms']:>8.2f} {sum(p.values()):>8.2f}")
+    plain = [r for r in rows if r.get("plain_iteration_ms")]
+    if plain:  # what a plain decode iteration costs beyond its model forward (issue 16, item 5)
+        lines += ["", "# plain decoding: ms per decode iteration (compute + the compute side's wait for the host) and "
+                  "its model forward, medians",
+                  f"{'config':<{width}} {'batch':>5} {'iteration':>9} {'forward':>8} {'ratio':>6}"]
+        for r in plain:
+            it = r["plain_iteration_ms"]
+            lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {it['iteration_ms_median']:>9.2f} "
+                         f"{it['forward_ms_median']:>8.2f} {it['iteration_ms_median'] / it['forward_ms_median']:>6.2f}")
     lines += ["", identity_line(identity, [c["name"] for c in header["configs"]])]
     return "\n".join(lines)
 

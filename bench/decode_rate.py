@@ -64,10 +64,12 @@ class SpecjetSystem:
         """The engine's running (verify forwards, accepted tokens); None without speculation."""
         return spec_totals(self.engine)
 
-    def spec_phases(self) -> dict | None:
-        """Mean ms per speculative iteration of each phase since the last call (None without
-        speculation); the engine's timings start afresh."""
-        return self.engine.get_server_info(reset_timings=True)["stats"].get("spec_phases")
+    def iteration_timings(self) -> dict:
+        """Since the last call (the engine's timings then start afresh): ``spec_phases``, the mean ms
+        per speculative iteration of each phase (None without speculation), and ``overlap``, the
+        loop's decode-iteration figures (plain decoding: the median forward and iteration)."""
+        stats = self.engine.get_server_info(reset_timings=True)["stats"]
+        return {"spec_phases": stats.get("spec_phases"), "overlap": stats.get("overlap")}
 
     def describe(self) -> dict | None:
         """The speculative configuration in effect (the engine's defaults filled in), with the EAGLE
@@ -104,6 +106,8 @@ class Measurement:
     histogram: dict[int, int] = field(default_factory=dict)  # tokens committed per verify -> count, all passes
     outputs: list[list[list[int]]] = field(default_factory=list)  # per N-token pass: each request's output ids
     phases: list[dict] = field(default_factory=list)  # speculative: per N-token pass, mean ms per iteration by phase
+    # plain decoding: per N-token pass, the median decode iteration and model forward (ms)
+    iterations: list[dict] = field(default_factory=list)
 
     @property
     def rates(self) -> list[float]:
@@ -140,6 +144,9 @@ class Measurement:
         if self.phases:  # the median over passes of each phase's mean ms per iteration
             out["spec_phases_ms"] = {k: statistics.median(p[k] for p in self.phases)
                                      for k in self.phases[0] if k.endswith("_ms")}
+        if self.iterations:  # the median over passes of each pass's medians
+            out["plain_iteration_ms"] = {k: statistics.median(it[k] for it in self.iterations)
+                                         for k in ("iteration_ms_median", "forward_ms_median")}
         return out
 
 
@@ -166,14 +173,16 @@ def timed_run(system, batches, max_new_tokens: int, m: Measurement) -> None:
     totals read around it (outside the timing), and that pass's output ids (none for HF)."""
     n = max_new_tokens
     t_1, _ = timed_pass(system, batches, 1)
-    phases = getattr(system, "spec_phases", lambda: None)
-    phases()  # start the phase timings afresh
+    timings = getattr(system, "iteration_timings", lambda: {})
+    timings()  # start the engine's timings afresh
     before = system.spec_totals()
     t_n, outs = timed_pass(system, batches, n)
     after = system.spec_totals()
-    spent = phases()
-    if spent and spent["iterations"]:
-        m.phases.append(spent)
+    spent = timings()
+    if spent.get("spec_phases") and spent["spec_phases"]["iterations"]:
+        m.phases.append(spent["spec_phases"])
+    if spent.get("overlap") and "forward_ms_median" in spent["overlap"]:
+        m.iterations.append(spent["overlap"])
     m.t_1.append(t_1)
     m.t_n.append(t_n)
     if outs is None:  # HF generates exactly N per request or raises

@@ -119,6 +119,11 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
         assert r["decode_tok_s"]["median"] == pytest.approx(30 / (r["t_n_s"][0] - r["t_1_s"][0]))
         if r["config"] != "none":
             assert r["verify_ct"][0] >= 1 and r["accept_length"] == r["accepted_tokens"][0] / r["verify_ct"][0]
+            assert r["plain_iteration_ms"] is None
+        else:  # a plain decode iteration holds its forward
+            it = r["plain_iteration_ms"]
+            assert 0 < it["forward_ms_median"] <= it["iteration_ms_median"]
+    assert "# plain decoding: ms per decode iteration" in stdout
 
 
 def test_compare_fails_loudly_when_outputs_differ(tiny_model_dir, tmp_path, capsys):

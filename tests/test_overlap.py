@@ -66,6 +66,10 @@ def test_overlap_matches_the_plain_loop(tiny_model_dir, reference, kwargs):
         assert run_workload(eng) == reference
         overlap = eng.get_server_info()["stats"]["overlap"]
     assert overlap["iterations"] > 0 and overlap["compute_ms_median"] > 0
+    if "speculative_algorithm" not in kwargs:  # plain decoding: the forward is part of the iteration
+        assert 0 < overlap["forward_ms_median"] <= overlap["iteration_ms_median"]
+    else:
+        assert "forward_ms_median" not in overlap
 
 
 def test_retraction_under_kv_pressure_matches(tiny_model_dir):

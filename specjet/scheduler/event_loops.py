@@ -214,21 +214,30 @@ class EventLoop:
                 wait += max(0.0, t.started - prev_end)
             prev_end = t.ended
         self._last_compute_end = prev_end
+        # A plain batch's first item is its model forward (then the sampling); a speculative batch
+        # is one item, its phases timed by the speculator.
+        forward = items[0].ended - items[0].started if launched.forward is not None else None
         if len(self._iteration_records) < _MAX_ITERATION_RECORDS:
             self._iteration_records.append({"kind": launched.batch.kind.value, "batch_size": len(launched.batch.reqs),
-                                            "compute_s": compute, "wait_s": wait})
+                                            "compute_s": compute, "wait_s": wait, "forward_s": forward})
 
     def overlap_stats(self, reset: bool = False) -> dict:
         """Decode iterations: median compute time, median compute-side wait for the host, and the
-        wait as a fraction of the iteration (wait + compute). Call it on the loop's thread
-        (``Engine`` does, through ``run_in_loop``)."""
+        wait as a fraction of the iteration (wait + compute); for plain decoding also the median
+        model forward and iteration (wait + compute), whose ratio says what an iteration costs
+        beyond its forward. Call it on the loop's thread (``Engine`` does, through ``run_in_loop``)."""
         records = [r for r in self._iteration_records if r["kind"] == "decode"]
         if reset:
             self._iteration_records = []
         if not records:
             return {"iterations": 0}
         fractions = [r["wait_s"] / (r["wait_s"] + r["compute_s"]) for r in records if r["wait_s"] + r["compute_s"] > 0]
-        return {
+        plain = [r for r in records if r["forward_s"] is not None]
+        forward_stats = {} if not plain else {
+            "forward_ms_median": 1e3 * statistics.median(r["forward_s"] for r in plain),
+            "iteration_ms_median": 1e3 * statistics.median(r["wait_s"] + r["compute_s"] for r in plain),
+        }
+        return {**forward_stats,
             "iterations": len(records),
             "compute_ms_median": 1e3 * statistics.median(r["compute_s"] for r in records),
             "wait_ms_median": 1e3 * statistics.median(r["wait_s"] for r in records),
