@@ -77,14 +77,8 @@ class SpecjetSystem:
         if not self.algorithm:
             return None
         desc = describe_engine(self.engine)["speculative"]
-        if self.algorithm == "EAGLE":
-            from specjet.models.eagle import default_eagle_path
-
-            desc["draft_model_path"] = str(self.kwargs.get("speculative_draft_model_path") or default_eagle_path())
-        elif self.algorithm == "DFLASH":
-            from specjet.models.dflash import default_dflash_path
-
-            desc["draft_model_path"] = str(self.kwargs.get("speculative_draft_model_path") or default_dflash_path())
+        if self.algorithm in ("EAGLE", "DFLASH"):
+            desc["draft_model_path"] = str(self.engine.worker.speculator.draft_model_dir)
         return desc
 
     def close(self) -> None:

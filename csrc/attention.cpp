@@ -150,7 +150,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 void register_layer_ops(pybind11::module& module);  // layer_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "specjet's batch-invariant CPU ops: float64 paged attention and the per-row parts of a layer";
+  module.doc() = "specjet's batch-invariant CPU ops: float32 paged attention and the per-row parts of a layer";
   module.def("isa_supported", &isa_supported, "whether this CPU runs the given instruction set (0 base, 1 AVX2, 2 AVX-512)");
   module.def("paged_attention", &paged_attention, "out = softmax(q K^T * scale) V over each token's visible keys");
   register_layer_ops(module);

@@ -260,3 +260,25 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     # A rerun finds everything cached: no generation, no features, the training checkpoint reused.
     main(argv)
     assert read_eagle_config(out)["training"]["timings_s"]["features"] < 1.0
+
+
+def test_the_target_to_learn_follows_the_engines_default_weights(tiny_model_dir, runner):
+    from argparse import Namespace
+
+    from specjet.models.weights import default_gguf_path, load_state_dict
+    from specjet.train.eagle import feature_target, target_quantization
+
+    def args(model_path, choice, feature_dtype="float32"):
+        return Namespace(model_path=model_path, target_quantization=choice, feature_dtype=feature_dtype)
+
+    # auto: the GGUF blocks for a GGUF model (the engine's CPU default), float weights for a directory
+    assert target_quantization(args(None, "auto")) == "gguf"
+    assert target_quantization(args(str(default_gguf_path()), "auto")) == "gguf"
+    assert target_quantization(args(str(tiny_model_dir), "auto")) is None
+    assert target_quantization(args(None, "none")) is None
+    # a float target's features come from the fp32 runner itself, or from one in --feature-dtype
+    same, tag = feature_target(args(str(tiny_model_dir), "auto"), runner.config, None, runner)
+    assert same is runner and tag == ""
+    other, tag = feature_target(args(str(tiny_model_dir), "none", "bfloat16"), runner.config,
+                                load_state_dict(tiny_model_dir), runner)
+    assert other.dtype == torch.bfloat16 and other.quantization is None and tag == "-bfloat16"

@@ -25,7 +25,8 @@ import os
 import pathlib
 import time
 
-from specjet.train.eagle import _gguf_name, add_data_arguments, collect_samples, default_threads, describe, fingerprint
+from specjet.train.eagle import (_gguf_name, add_data_arguments, collect_samples, default_threads, describe,
+                                 feature_target, fingerprint)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,9 +120,8 @@ def run(args: argparse.Namespace) -> dict:
     # ---- 2. features: the draft's context at every position
     state_dict = load_state_dict(model_dir)
     runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
-    feature_runner = runner if args.feature_dtype == "float32" else ModelRunner(
-        config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
-    tag = "-L" + "-".join(map(str, target_layers)) + ("" if args.feature_dtype == "float32" else f"-{args.feature_dtype}")
+    feature_runner, target_tag = feature_target(args, config, state_dict, runner)
+    tag = "-L" + "-".join(map(str, target_layers)) + target_tag
     train_dir = work / "features" / f"train-{fingerprint(train_samples)}{tag}"
     eval_dir = work / "features" / f"eval-{fingerprint(eval_samples)}{tag}"
     capture = FeatureLayers(target_layers)
@@ -194,7 +194,7 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
                 "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
                 "warmup_steps",
-                "generate_dtype", "feature_dtype", "seed"):
+                "generate_dtype", "feature_dtype", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--root-context" if args.root_context else "--no-root-context", "--mask-token-id", str(mask_id),
                     "--target-layers", *map(str, target_layers)]

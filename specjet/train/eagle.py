@@ -74,6 +74,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                       help="folder with index.json (schema files and prompts); '' to skip")
     data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
                       help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
+    data.add_argument("--target-quantization", default="auto", choices=["auto", "none", "gguf"],
+                      help="the target the draft learns: its replies and features come from the model with these "
+                           "weights; auto: gguf for a GGUF model (the engine's default on CPU), else none (float)")
     data.add_argument("--num-target-replies", type=int, default=617,
                       help="GSM8K train questions the target answers greedily for training")
     data.add_argument("--num-few-shot-replies", type=int, default=64,
@@ -146,13 +149,11 @@ def run(args: argparse.Namespace) -> dict:
     # reads come from a target in --feature-dtype, the dtype it will draft for.
     state_dict = load_state_dict(model_dir)
     runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
-    feature_runner = runner if args.feature_dtype == "float32" else ModelRunner(
-        config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    feature_runner, target_tag = feature_target(args, config, state_dict, runner)
     features_dir = work / "features"
     feature_layers = tuple(args.feature_layers)
     capture = FeatureLayers(feature_layers) if feature_layers else "last"
-    tag = ("-L" + "-".join(map(str, feature_layers)) if feature_layers else "") + (
-        "" if args.feature_dtype == "float32" else f"-{args.feature_dtype}")
+    tag = ("-L" + "-".join(map(str, feature_layers)) if feature_layers else "") + target_tag
     train_dir = features_dir / f"train-{fingerprint(train_samples)}{tag}"
     eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}{tag}"
     timings["features"] = round(
@@ -206,6 +207,33 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def target_quantization(args) -> str | None:
+    """What ``--target-quantization`` resolves to: "gguf" or None (float weights)."""
+    from specjet.models.weights import gguf_source
+
+    choice = getattr(args, "target_quantization", "none")
+    if choice == "auto":
+        choice = "gguf" if gguf_source(args.model_path) is not None else "none"
+    return None if choice == "none" else choice
+
+
+def feature_target(args, config, state_dict, float_runner):
+    """(the runner whose hidden states the draft reads, a tag naming it in cache paths): the target
+    with the weights the draft will draft for (``--target-quantization``; a quantized target computes
+    in float32) or, with float weights, in ``--feature-dtype``."""
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import gguf_source
+
+    quantization = target_quantization(args)
+    if quantization is not None:
+        return (ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False,
+                            quantization=quantization, gguf_path=gguf_source(args.model_path)), f"-{quantization}")
+    if args.feature_dtype == "float32":
+        return float_runner, ""
+    return (ModelRunner(config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1, batch_invariant=False),
+            f"-{args.feature_dtype}")
+
+
 def collect_samples(args, tokenizer, data_dir: pathlib.Path):
     """(train, eval) samples. Replies the target must write are generated once and cached."""
     from specjet.train import data as D
@@ -217,13 +245,15 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         train += D.extra_samples(tokenizer, path, args.max_len)
 
     mnt = args.max_new_tokens
+    quantization = target_quantization(args)
+    q = f"-{quantization}" if quantization else ""  # replies of a quantized target are cached apart
     jobs = {  # cache file -> requests, in a fixed order
-        f"gsm8k_target_eval-s{args.seed}-n{mnt}.jsonl": gsm8k_requests(tokenizer, eval_records, mnt, "gsm8k"),
-        f"gsm8k_target_train-s{args.seed}-n{mnt}.jsonl":
+        f"gsm8k_target_eval-s{args.seed}-n{mnt}{q}.jsonl": gsm8k_requests(tokenizer, eval_records, mnt, "gsm8k"),
+        f"gsm8k_target_train-s{args.seed}-n{mnt}{q}.jsonl":
             gsm8k_requests(tokenizer, rest[:args.num_target_replies], mnt, "gsm8k_target"),
-        f"gsm8k_fewshot_eval-s{args.seed}-n{mnt}.jsonl":
+        f"gsm8k_fewshot_eval-s{args.seed}-n{mnt}{q}.jsonl":
             gsm8k_few_shot_requests(tokenizer, shots, eval_records[:args.num_few_shot_eval], mnt, "gsm8k_fewshot"),
-        f"gsm8k_fewshot_train-s{args.seed}-n{mnt}.jsonl":
+        f"gsm8k_fewshot_train-s{args.seed}-n{mnt}{q}.jsonl":
             gsm8k_few_shot_requests(tokenizer, shots, rest[:args.num_few_shot_replies], mnt, "gsm8k_fewshot_target"),
     }
     if str(args.jsonschema_dir) and args.json_per_schema > 0:
@@ -231,9 +261,10 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         held = [s for i, s in enumerate(schemas) if (i + 1) % args.json_eval_every == 0]
         kept = [s for i, s in enumerate(schemas) if (i + 1) % args.json_eval_every != 0]
         jmnt = args.json_max_new_tokens
-        jobs[f"json_eval-s{args.seed}-n{jmnt}.jsonl"] = json_requests(tokenizer, held, 1, 0.0, jmnt, "json", args.seed)
-        jobs[f"json_train-s{args.seed}-n{jmnt}.jsonl"] = json_requests(tokenizer, kept, args.json_per_schema, 0.7, jmnt,
-                                                                       "json_target", args.seed)
+        jobs[f"json_eval-s{args.seed}-n{jmnt}{q}.jsonl"] = json_requests(tokenizer, held, 1, 0.0, jmnt, "json",
+                                                                         args.seed)
+        jobs[f"json_train-s{args.seed}-n{jmnt}{q}.jsonl"] = json_requests(tokenizer, kept, args.json_per_schema, 0.7,
+                                                                          jmnt, "json_target", args.seed)
     engine = None
 
     def get_engine():
@@ -242,8 +273,10 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
             from specjet import Engine
 
             # At a batch of 64 the float weights and the C++ (batch-invariant) attention compute a
-            # decode step faster than the quantized kernels and SDPA (bench.step; bench/RESULTS.md).
-            engine = Engine(model_path=args.model_path, dtype=args.generate_dtype, quantization=None,
+            # decode step faster than the quantized kernels and SDPA (bench.step; bench/RESULTS.md),
+            # but a quantized target's replies must come from that target.
+            engine = Engine(model_path=args.model_path, quantization=quantization,
+                            dtype=args.generate_dtype if quantization is None else "auto",
                             max_running_requests=args.max_running_requests,
                             max_total_tokens=args.max_running_requests * (args.max_len + args.max_new_tokens),
                             random_seed=args.seed)
@@ -294,6 +327,6 @@ def _argv_for_summary(args) -> list[str]:
                 "json_per_schema", "max_new_tokens",
                 "json_max_new_tokens", "max_len",
                 "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight",
-                "depths", "depth_decay", "generate_dtype", "feature_dtype", "seed"):
+                "depths", "depth_decay", "generate_dtype", "feature_dtype", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--feature-layers", *map(str, args.feature_layers)]
