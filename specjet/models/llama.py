@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.attention import paged_attention
+from specjet.kernels.attention import paged_attention, whole_batch_native_args
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ModelOutput
@@ -133,6 +133,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
         self.native_ops = False  # see LlamaForCausalLM.use_native_ops
+        self.native_parts: tuple | None = None  # set with native_ops (set_native_ops)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         if self.native_ops:
@@ -141,22 +142,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops."""
-        norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
-        attn = self.self_attn.forward(cpu_ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, batch, kv_cache,
-                                      native=True)
-        x, h = cpu_ops.rms_norm(x, norm2.weight, norm2.eps, residual=attn)
-        return x + mlp.down_proj.project(cpu_ops.silu_mul(mlp.gate_up_proj.project(h)))
+        """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops, the same
+        calls as Attention.forward(native=True) and the norms and MLP make. What it touches comes from
+        ``native_parts`` (set by ``set_native_ops``): a submodule or parameter looked up through
+        nn.Module costs more than the C++ call it feeds at batch 1."""
+        n1_weight, n1_eps, n2_weight, n2_eps, attn, qkv, o, gate_up, down = self.native_parts
+        k_cache, v_cache = kv_cache.k[attn.layer_id], kv_cache.v[attn.layer_id]
+        q = cpu_ops.rope_store(qkv.project(cpu_ops.rms_norm(x, n1_weight, n1_eps)), cos, sin, k_cache, v_cache,
+                               batch.out_cache_loc, attn.num_heads)
+        args = whole_batch_native_args(batch.attn) if attn.batch_invariant else None
+        if args is not None:
+            out = cpu_ops.native_attention(q, k_cache, v_cache, args, attn.scale)
+        else:
+            out = paged_attention(q, k_cache, v_cache, batch.attn, attn.scale, invariant=attn.batch_invariant)
+        x, h = cpu_ops.rms_norm(x, n2_weight, n2_eps, residual=o.project(out.reshape(x.shape[0], attn.q_size)))
+        return x + down.project(cpu_ops.silu_mul(gate_up.project(h)))
 
 
 def set_native_ops(layers, config: ModelConfig, weight: torch.Tensor, flag: bool = True) -> bool:
     """Turn the C++ CPU ops on for ``layers`` (DecoderLayers whose weights are like ``weight``)
     where they apply: CPU, float32 or bfloat16, the extension built, no q/k norm. Returns whether
-    they are on."""
+    they are on. Call it again after replacing a layer's norm parameters or submodules (the native
+    path holds them; a quantized projection's ``packed`` is read at each call)."""
     flag = (flag and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and not config.qk_norm and cpu_ops.extension() is not None)
     for layer in layers:
         layer.native_ops = flag
+        norm1, norm2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
+        layer.native_parts = (norm1.weight, norm1.eps, norm2.weight, norm2.eps, attn, attn.qkv_proj, attn.o_proj,
+                              mlp.gate_up_proj, mlp.down_proj) if flag else None
     return flag
 
 
@@ -183,7 +197,9 @@ class LlamaForCausalLM(nn.Module):
         layer_hidden = {} if isinstance(capture, tuple) else None
         residuals = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, kv_cache)
+            # The native layer directly: nn.Module's call machinery costs ~10 us a layer at batch 1.
+            x = layer.forward_native(x, cos, sin, batch, kv_cache) if layer.native_ops else layer(
+                x, cos, sin, batch, kv_cache)
             if layer_hidden is not None and i in capture:
                 layer_hidden[i] = x
             if i in feature_layers:
