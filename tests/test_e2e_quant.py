@@ -102,10 +102,12 @@ def test_speculative_equals_plain(plain_gguf, algorithm):
         eng.check_kv_invariant()
         stats = eng.get_server_info()["stats"]
         drafter = eng.worker.speculator.drafter
-        if algorithm == "EAGLE":  # the head trained on this target where one is shipped
+        if algorithm in ("EAGLE", "DFLASH"):  # the draft shipped for the default model
+            from specjet.models.dflash import default_dflash_path
             from specjet.models.eagle import default_eagle_path
 
-            assert eng.worker.speculator.draft_model_dir == default_eagle_path("gguf")
+            shipped = default_eagle_path() if algorithm == "EAGLE" else default_dflash_path()
+            assert eng.worker.speculator.draft_model_dir == shipped
         draft = {"EAGLE": lambda: drafter.eagle.head, "DFLASH": lambda: drafter.draft}.get(algorithm)
         if draft is not None:  # a learned draft computes with the target's kind of weights
             linears = [m for m in draft().modules() if isinstance(m, Linear)]

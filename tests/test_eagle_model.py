@@ -301,13 +301,3 @@ def test_default_head_loads_for_the_default_model(default_model_dir):
     assert head.draft_vocab_size == (meta["hot_vocab_size"] or config.vocab_size)
     assert sum((path / name).stat().st_size for name in ("model.safetensors", "config.json")) < 16 * 2**20
 
-
-def test_a_gguf_target_gets_the_head_trained_on_that_target():
-    float_head, gguf_head = default_eagle_path(), default_eagle_path("gguf")
-    assert default_eagle_path("int8") == float_head  # only the GGUF blocks have a head of their own
-    if gguf_head == float_head:
-        pytest.skip("no head trained on the GGUF target is shipped")
-    assert gguf_head.parent == float_head.parent and gguf_head.name == float_head.name + "-gguf"
-    command = read_eagle_config(gguf_head)["training"]["command"]
-    assert "--target-quantization gguf" in command
-    assert "--target-quantization gguf" not in read_eagle_config(float_head)["training"].get("command", "")

@@ -282,15 +282,11 @@ class EagleDraftModel(nn.Module):
 
 
 # ---------------------------------------------------------------- checkpoints
-def default_eagle_path(quantization: str | None = None) -> pathlib.Path:
-    """The head trained for the default model, shipped inside the package. A target computing with the
-    GGUF file's blocks (``quantization="gguf"``) gets the head trained on that target's replies and
-    hidden states where one is shipped: its features differ from the float model's enough to cost a
-    head trained on the float model part of its acceptance (bench/RESULTS.md, session 15)."""
-    root = pathlib.Path(__file__).resolve().parents[1] / "assets" / "eagle"
-    if quantization == "gguf" and (root / f"{DEFAULT_HEAD_NAME}-gguf" / "config.json").is_file():
-        return root / f"{DEFAULT_HEAD_NAME}-gguf"
-    return root / DEFAULT_HEAD_NAME
+def default_eagle_path() -> pathlib.Path:
+    """The head trained for the default model, shipped inside the package. (A head trained on the
+    GGUF target's own replies and features drafted no better for that target: bench/RESULTS.md,
+    session 15.)"""
+    return pathlib.Path(__file__).resolve().parents[1] / "assets" / "eagle" / DEFAULT_HEAD_NAME
 
 
 def target_identity(config: ModelConfig, gguf_name: str | None = None) -> dict:

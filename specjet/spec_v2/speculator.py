@@ -34,11 +34,11 @@ from specjet.spec_v2.ngram import NgramDrafter
 from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput
 
 
-def draft_model_dir(cfg: SpecConfig, runner: ModelRunner):
+def draft_model_dir(cfg: SpecConfig):
     """The directory the EAGLE head or DFlash draft loads from: ``cfg.draft_model_path``, else the one
-    shipped for the default model and this target's weights; None for drafters without a model."""
+    shipped for the default model; None for drafters without a model or with one handed in."""
     if cfg.algorithm == "EAGLE" and cfg.eagle_head is None:
-        return cfg.draft_model_path or default_eagle_path(runner.quantization)
+        return cfg.draft_model_path or default_eagle_path()
     if cfg.algorithm == "DFLASH" and cfg.dflash_draft is None:
         return cfg.draft_model_path or default_dflash_path()
     return None
@@ -53,7 +53,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
         if head is None:
             import pathlib
 
-            head_dir = draft_model_dir(cfg, runner)
+            head_dir = draft_model_dir(cfg)
             if not pathlib.Path(head_dir).exists():
                 raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
             head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device)
@@ -67,7 +67,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
         if draft is None:
             import pathlib
 
-            draft_dir = draft_model_dir(cfg, runner)
+            draft_dir = draft_model_dir(cfg)
             if not pathlib.Path(draft_dir).exists():
                 raise FileNotFoundError(f"DFlash draft model not found at {draft_dir} "
                                         "(train one with `python -m specjet.train dflash`)")
@@ -89,7 +89,7 @@ class Speculator:
             lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.vocab_size = runner.config.vocab_size
         self.context_len = context_len
-        self.draft_model_dir = draft_model_dir(cfg, runner)  # None: a head handed in, or no draft model
+        self.draft_model_dir = draft_model_dir(cfg)  # None: a head handed in, or no draft model
         self.drafter = make_drafter(cfg, runner, allocator)
         self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture)
         self.timings = PhaseTimings()

@@ -74,9 +74,10 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                       help="folder with index.json (schema files and prompts); '' to skip")
     data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
                       help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
-    data.add_argument("--target-quantization", default="auto", choices=["auto", "none", "gguf"],
+    data.add_argument("--target-quantization", default="none", choices=["none", "gguf", "auto"],
                       help="the target the draft learns: its replies and features come from the model with these "
-                           "weights; auto: gguf for a GGUF model (the engine's default on CPU), else none (float)")
+                           "weights; auto: gguf for a GGUF model (the engine's default on CPU), else none. Default "
+                           "none (float): a head trained on the GGUF target drafted no better for it (RESULTS)")
     data.add_argument("--num-target-replies", type=int, default=617,
                       help="GSM8K train questions the target answers greedily for training")
     data.add_argument("--num-few-shot-replies", type=int, default=64,
