@@ -9,8 +9,8 @@ import inspect
 import pytest
 
 from specjet.engine.args import EngineArgs
-from specjet.spec_v2.config import (HYBRID_PATH_NODES, NGRAM_TREE_NODES, DFlashParams, EagleParams, NgramConfig,
-                                   SpecConfig)
+from specjet.spec_v2.config import (HYBRID_PATH_NODES, NGRAM_TREE_NODES, QUANTIZED_EAGLE, QUANTIZED_HYBRID_PATH_NODES,
+                                   DFlashParams, EagleParams, NgramConfig, SpecConfig)
 from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import Drafter
 from specjet.spec_v2.eagle_drafter import EagleDrafter
@@ -39,6 +39,39 @@ def test_eagle_defaults_and_what_the_counts_mean():
     assert given.eagle == EagleParams(num_steps=3, topk=2, tree_nodes=8)
     assert (given.max_tree_nodes, given.hybrid_path_nodes, given.max_verify_nodes) == (8, 0, 32)
     assert given.ngram.max_window == 3 and not given.grammar_aware
+
+
+def test_eagle_defaults_for_a_quantized_cpu_target_are_one_draft_token_and_a_longer_ngram_path():
+    args = EngineArgs(speculative_algorithm="EAGLE")
+    cfg = SpecConfig.from_args(args, quantized_cpu_target=True)
+    assert cfg.eagle == QUANTIZED_EAGLE == EagleParams(num_steps=1, topk=1, tree_nodes=2)
+    assert cfg.hybrid_path_nodes == QUANTIZED_HYBRID_PATH_NODES == 10 and cfg.max_tree_nodes == 12
+    # what the caller sets still wins, argument by argument
+    given = SpecConfig.from_args(EngineArgs(speculative_algorithm="EAGLE", speculative_num_steps=3,
+                                            speculative_hybrid_ngram_tokens=0), quantized_cpu_target=True)
+    assert given.eagle == EagleParams(num_steps=3, topk=1, tree_nodes=2) and given.hybrid_path_nodes == 0
+    # other drafters keep their defaults
+    assert (SpecConfig.from_args(EngineArgs(speculative_algorithm="DFLASH"), quantized_cpu_target=True).dflash
+            == DFlashParams())
+
+
+def test_the_engine_picks_the_quantized_defaults_from_the_weights_it_computes_with(tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoConfig
+
+    import specjet
+    from specjet.models.config import ModelConfig
+    from specjet.models.eagle import EagleDraftModel, save_eagle
+
+    head = save_eagle(EagleDraftModel(ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))), tmp_path,
+                      dtype=torch.float32)
+    for quantization, expected in ((None, EagleParams()), ("int8", QUANTIZED_EAGLE)):
+        with specjet.Engine(model_path=str(tiny_model_dir), quantization=quantization, speculative_algorithm="EAGLE",
+                            speculative_draft_model_path=str(head), max_total_tokens=1024) as eng:
+            assert eng.worker.speculator.cfg.eagle == expected
+            out = eng.generate("Hello", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            assert out["meta_info"]["completion_tokens"] == 8
+            eng.check_kv_invariant()
 
 
 def test_ngram_defaults():

@@ -59,7 +59,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     )
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, args.page_size, runner.device)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)
-    spec_config = SpecConfig.from_args(args)
+    spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantization is not None and runner.device.type == "cpu")
     speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer)
                   if spec_config is not None else None)
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)

@@ -48,6 +48,14 @@ class DFlashParams:
     topk: int = 2
 
 
+# EAGLE's defaults for a target with quantized weights on the CPU (the GGUF blocks, int8, int4): there
+# a one-token step streams ~4x fewer bytes while every verify row costs integer dot products, so a
+# verify row is dear against the step it replaces. One learned draft token (a chain of 2 nodes with the
+# root) and a longer n-gram path beat the float default tree on JSON schemas and on free text, on
+# AVX-512 VNNI and on AVX2 (bench/RESULTS.md, session 15).
+QUANTIZED_EAGLE = EagleParams(num_steps=1, topk=1, tree_nodes=2)
+QUANTIZED_HYBRID_PATH_NODES = 10
+
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
 NGRAM_TREE_NODES = 8
 # EAGLE: the longest n-gram path merged into each learned tree when speculative_hybrid_ngram_tokens is
@@ -119,10 +127,11 @@ class SpecConfig:
         return static, static and cuda and self.cuda_graph
 
     @classmethod
-    def from_args(cls, args) -> "SpecConfig | None":
+    def from_args(cls, args, quantized_cpu_target: bool = False) -> "SpecConfig | None":
         """The configuration an engine's arguments (``EngineArgs``, SGLang's names) ask for; None
-        without ``speculative_algorithm``. Raises ValueError / NotImplementedError naming the
-        argument that is out of range."""
+        without ``speculative_algorithm``. ``quantized_cpu_target``: the target computes with
+        quantized weights on the CPU (EAGLE's defaults are then ``QUANTIZED_EAGLE``). Raises
+        ValueError / NotImplementedError naming the argument that is out of range."""
         for name, least in _LEAST.items():
             value = getattr(args, name)
             if value is not None and value < least:
@@ -146,10 +155,12 @@ class SpecConfig:
                       draft_model_path=args.speculative_draft_model_path,
                       draft_runner=args.speculative_draft_runner, cuda_graph=not args.disable_cuda_graph)
         if algorithm == "EAGLE":
-            eagle = EagleParams(num_steps=_given(args.speculative_num_steps, EagleParams.num_steps),
-                                topk=_given(args.speculative_eagle_topk, EagleParams.topk),
-                                tree_nodes=_given(args.speculative_num_draft_tokens, EagleParams.tree_nodes))
-            path = _given(args.speculative_hybrid_ngram_tokens, HYBRID_PATH_NODES)
+            base = QUANTIZED_EAGLE if quantized_cpu_target else EagleParams()
+            eagle = EagleParams(num_steps=_given(args.speculative_num_steps, base.num_steps),
+                                topk=_given(args.speculative_eagle_topk, base.topk),
+                                tree_nodes=_given(args.speculative_num_draft_tokens, base.tree_nodes))
+            path = _given(args.speculative_hybrid_ngram_tokens,
+                          QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else HYBRID_PATH_NODES)
             # The hybrid's n-gram path is one branch (breadth 1) matched with the same windows.
             return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path, **common)
         if algorithm == "DFLASH":
