@@ -108,7 +108,8 @@ def test_speculative_equals_plain(plain_gguf, algorithm):
 
             shipped = default_eagle_path() if algorithm == "EAGLE" else default_dflash_path()
             assert eng.worker.speculator.draft_model_dir == shipped
-        draft = {"EAGLE": lambda: drafter.eagle.head, "DFLASH": lambda: drafter.draft}.get(algorithm)
+        learned = getattr(drafter, "learned", drafter)  # the learned drafter under the n-gram path
+        draft = {"EAGLE": lambda: learned.head, "DFLASH": lambda: learned.draft}.get(algorithm)
         if draft is not None:  # a learned draft computes with the target's kind of weights
             linears = [m for m in draft().modules() if isinstance(m, Linear)]
             assert linears and all(isinstance(m.packed, QuantizedLinear) for m in linears)

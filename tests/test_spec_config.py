@@ -9,8 +9,8 @@ import inspect
 import pytest
 
 from specjet.engine.args import EngineArgs
-from specjet.spec_v2.config import (HYBRID_PATH_NODES, NGRAM_TREE_NODES, QUANTIZED_EAGLE, QUANTIZED_HYBRID_PATH_NODES,
-                                   DFlashParams, EagleParams, NgramConfig, SpecConfig)
+from specjet.spec_v2.config import (HYBRID_PATH_NODES, NGRAM_TREE_NODES, QUANTIZED_DFLASH, QUANTIZED_EAGLE,
+                                   QUANTIZED_HYBRID_PATH_NODES, DFlashParams, EagleParams, NgramConfig, SpecConfig)
 from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import Drafter
 from specjet.spec_v2.eagle_drafter import EagleDrafter
@@ -41,7 +41,7 @@ def test_eagle_defaults_and_what_the_counts_mean():
     assert given.ngram.max_window == 3 and not given.grammar_aware
 
 
-def test_eagle_defaults_for_a_quantized_cpu_target_are_one_draft_token_and_a_longer_ngram_path():
+def test_defaults_for_a_quantized_cpu_target_are_short_learned_drafts_and_an_ngram_path():
     args = EngineArgs(speculative_algorithm="EAGLE")
     cfg = SpecConfig.from_args(args, quantized_cpu_target=True)
     assert cfg.eagle == QUANTIZED_EAGLE == EagleParams(num_steps=1, topk=1, tree_nodes=2)
@@ -50,9 +50,13 @@ def test_eagle_defaults_for_a_quantized_cpu_target_are_one_draft_token_and_a_lon
     given = SpecConfig.from_args(EngineArgs(speculative_algorithm="EAGLE", speculative_num_steps=3,
                                             speculative_hybrid_ngram_tokens=0), quantized_cpu_target=True)
     assert given.eagle == EagleParams(num_steps=3, topk=1, tree_nodes=2) and given.hybrid_path_nodes == 0
-    # other drafters keep their defaults
-    assert (SpecConfig.from_args(EngineArgs(speculative_algorithm="DFLASH"), quantized_cpu_target=True).dflash
-            == DFlashParams())
+    # DFLASH: a chain of 3 (root and 2 block positions) and the same n-gram path; NGRAM unchanged
+    dflash = SpecConfig.from_args(EngineArgs(speculative_algorithm="DFLASH"), quantized_cpu_target=True)
+    assert dflash.dflash == QUANTIZED_DFLASH == DFlashParams(block_size=3, topk=1)
+    assert dflash.hybrid_path_nodes == 10 and dflash.max_tree_nodes == 13
+    assert config(speculative_algorithm="DFLASH").hybrid_path_nodes == 0
+    assert (SpecConfig.from_args(EngineArgs(speculative_algorithm="NGRAM"), quantized_cpu_target=True)
+            == config(speculative_algorithm="NGRAM"))
 
 
 def test_the_engine_picks_the_quantized_defaults_from_the_weights_it_computes_with(tiny_model_dir, tmp_path):

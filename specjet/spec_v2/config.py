@@ -54,7 +54,10 @@ class DFlashParams:
 # root) and a longer n-gram path beat the float default tree on JSON schemas and on free text, on
 # AVX-512 VNNI and on AVX2 (bench/RESULTS.md, session 15).
 QUANTIZED_EAGLE = EagleParams(num_steps=1, topk=1, tree_nodes=2)
-QUANTIZED_HYBRID_PATH_NODES = 10
+QUANTIZED_HYBRID_PATH_NODES = 10  # EAGLE's and DFLASH's
+# DFLASH likewise: a chain of the root and 2 block positions, and the n-gram path (the float default,
+# a tree of 8 nodes, cost more than it saved on a quantized target: RESULTS, session 15).
+QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1)
 
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
 NGRAM_TREE_NODES = 8
@@ -130,7 +133,8 @@ class SpecConfig:
     def from_args(cls, args, quantized_cpu_target: bool = False) -> "SpecConfig | None":
         """The configuration an engine's arguments (``EngineArgs``, SGLang's names) ask for; None
         without ``speculative_algorithm``. ``quantized_cpu_target``: the target computes with
-        quantized weights on the CPU (EAGLE's defaults are then ``QUANTIZED_EAGLE``). Raises
+        quantized weights on the CPU (EAGLE's and DFLASH's defaults are then ``QUANTIZED_EAGLE`` and
+        ``QUANTIZED_DFLASH``, each with an n-gram path). Raises
         ValueError / NotImplementedError naming the argument that is out of range."""
         for name, least in _LEAST.items():
             value = getattr(args, name)
@@ -164,11 +168,12 @@ class SpecConfig:
             # The hybrid's n-gram path is one branch (breadth 1) matched with the same windows.
             return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path, **common)
         if algorithm == "DFLASH":
-            dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, DFlashParams.block_size),
+            base = QUANTIZED_DFLASH if quantized_cpu_target else DFlashParams()
+            dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, base.block_size),
                                   window=args.speculative_dflash_draft_window_size,
-                                  topk=_given(args.speculative_eagle_topk, DFlashParams.topk))
-            # DFLASH takes an n-gram path only when asked (0 by default: nothing measured it yet).
-            path = _given(args.speculative_hybrid_ngram_tokens, 0)
+                                  topk=_given(args.speculative_eagle_topk, base.topk))
+            # On a float target DFLASH takes an n-gram path only when asked (nothing measured it there).
+            path = _given(args.speculative_hybrid_ngram_tokens, QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else 0)
             return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
                        **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)

@@ -19,25 +19,25 @@ from specjet.spec_v2.tree_verifier import VerifyResult
 
 
 class HybridDrafter:
-    """EAGLE trees with each request's n-gram path merged in (a ``Drafter``)."""
+    """A learned drafter's trees (EAGLE's or DFlash's) with each request's n-gram path merged in (a ``Drafter``)."""
 
-    def __init__(self, eagle: Drafter, ngram: NgramDrafter, max_path_nodes: int, max_tree_nodes: int):
-        self.eagle = eagle
+    def __init__(self, learned: Drafter, ngram: NgramDrafter, max_path_nodes: int, max_tree_nodes: int):
+        self.learned = learned  # the EAGLE or DFlash drafter
         self.ngram = ngram  # one branch: the path
         self.path_length = PathLength(max_path_nodes)
         self.max_tree_nodes = max_tree_nodes
-        self.feature_capture = eagle.feature_capture
-        self.draft_kv_reads_next_token = eagle.draft_kv_reads_next_token
+        self.feature_capture = learned.feature_capture
+        self.draft_kv_reads_next_token = learned.draft_kv_reads_next_token
         # Between propose and after_verify: each request's n-gram path (tokens under the root) and
         # how many of them are the forced chain it shares with the learned tree.
         self._paths: dict[str, tuple[list[int], int]] = {}
 
     def scratch_slots(self, batch_size: int) -> int:
-        return self.eagle.scratch_slots(batch_size)
+        return self.learned.scratch_slots(batch_size)
 
     def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
                       req_to_token: torch.Tensor) -> None:
-        self.eagle.after_prefill(reqs, hidden, first_tokens, req_to_token)
+        self.learned.after_prefill(reqs, hidden, first_tokens, req_to_token)
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         ngram_reqs = []
@@ -48,7 +48,7 @@ class HybridDrafter:
             ngram_reqs.append(replace(r, budget=min(r.budget, 1 + len(r.chain) + limit)))
         ngram_trees = self.ngram.propose(ngram_reqs, share, req_to_token)
         # The learned tree whole: the merge keeps what fits after the path.
-        learned = self.eagle.propose([replace(r, budget=self.max_tree_nodes) for r in reqs], share, req_to_token)
+        learned = self.learned.propose([replace(r, budget=self.max_tree_nodes) for r in reqs], share, req_to_token)
         trees = []
         for r, ngram_tree, tree in zip(reqs, ngram_trees, learned):
             path = first_path(*ngram_tree)
@@ -61,13 +61,13 @@ class HybridDrafter:
             path, shared = self._paths.pop(req.rid)
             taken = next((i for i, (a, b) in enumerate(zip(path, accepted)) if a != b), min(len(path), len(accepted)))
             self.path_length.update(req.rid, len(path) - shared, max(0, taken - shared))
-        self.eagle.after_verify(reqs, result, req_to_token)
+        self.learned.after_verify(reqs, result, req_to_token)
 
     def release(self, rid: str) -> None:
         self.ngram.release(rid)
         self.path_length.release(rid)
         self._paths.pop(rid, None)
-        self.eagle.release(rid)
+        self.learned.release(rid)
 
 
 def merge_trees(first: tuple[list[int], list[int]], second: tuple[list[int], list[int]], max_nodes: int
