@@ -262,9 +262,13 @@ def test_constrained_requests_speculate_on_the_real_model(dev_schemas):
         prompts = [eng.apply_chat_template(e["prompt"]) for e in entries]
         expected = [o["output_ids"] for o in eng.generate(prompts, params)]
     accept = {}
+    # The float defaults' tree, given explicitly (a quantized target defaults to one draft token): what
+    # is tested is how far grammar-aware drafting carries a tree whose nodes it may spend.
+    tree = dict(speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=12,
+                speculative_hybrid_ngram_tokens=14)
     for aware in (True, False):
         with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE",
-                            speculative_grammar_aware=aware) as eng:
+                            speculative_grammar_aware=aware, **tree) as eng:
             outs = eng.generate(prompts, params)
             eng.check_kv_invariant()
             accept[aware] = eng.get_server_info()["stats"]["spec_accept_length"]
