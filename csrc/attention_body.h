@@ -233,14 +233,15 @@ struct Workspace {
   std::vector<const bool*> row_mask;
 };
 
-// One (request, KV head, tile of the request's new tokens): rows r = token j0 + r / group, query head
-// kvh * group + r % group.
+// One (request, KV head, tile of the request's new tokens, query heads h0 .. h1 of the KV head's group):
+// rows r = token j0 + r / heads, query head kvh * group + h0 + r % heads. A row's arithmetic is its own,
+// so how rows are grouped into tiles never changes a bit.
 template <class T>
 void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t b, int64_t kvh,
-                 int64_t j0, int64_t j1, Workspace& ws) {
-  const int64_t D = bt.head_dim, H = bt.num_heads, KV = bt.num_kv_heads, group = H / KV;
+                 int64_t j0, int64_t j1, int64_t h0, int64_t h1, Workspace& ws) {
+  const int64_t D = bt.head_dim, H = bt.num_heads, KV = bt.num_kv_heads, group = H / KV, heads = h1 - h0;
   const int64_t kv_len = bt.kv_lens[b], q_len = bt.q_lens[b], prefix = kv_len - q_len;
-  const int64_t rows = (j1 - j0) * group;
+  const int64_t rows = (j1 - j0) * heads;
   // Causal rows see nothing past their own token; a custom mask may allow any new token.
   const int64_t kv_end = bt.mask ? kv_len : prefix + j1;
   const int64_t* slots = bt.kv_indices + b * bt.max_kv;
@@ -252,7 +253,7 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   int64_t* row_end = ws.row_end.data();
   const bool** row_mask = ws.row_mask.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t j = j0 + r / group;
+    const int64_t j = j0 + r / heads;
     row_end[r] = mask ? kv_end : prefix + j + 1;
     row_mask[r] = mask ? mask + j * bt.max_q - prefix : nullptr;  // indexed by key position p >= prefix
   }
@@ -271,7 +272,7 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
         *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = bt.q_starts[b] + j0 + r / group, h = kvh * group + r % group;
+    const int64_t t = bt.q_starts[b] + j0 + r / heads, h = kvh * group + h0 + r % heads;
     widen(q + (t * H + h) * D, qd + r * Dp, D);
     for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= static_cast<float>(bt.scale);
   }
@@ -343,27 +344,34 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     for (; r < rows; ++r) sum_weights<1>(scores, ld_scores, r, prefix, kv_end, visible, row_sum);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = bt.q_starts[b] + j0 + r / group, h = kvh * group + r % group;
+    const int64_t t = bt.q_starts[b] + j0 + r / heads, h = kvh * group + h0 + r % heads;
     T* dst = out + (t * H + h) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(static_cast<float>(acc[r * D + d] / row_sum[r]));
   }
 }
 
-// Every (request, KV head, query tile) of the batch, spread over the threads.
+// Every (request, KV head, query tile) of the batch, spread over the threads. When those are too few
+// to share out evenly (a decode step of one request: as many items as KV heads), each is split by
+// query head: each key is then read once per head instead of once per group, but no thread idles.
 template <class T>
 void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
+  const int64_t group = bt.num_heads / bt.num_kv_heads;
   std::vector<int64_t> item_start(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b)
     item_start[b + 1] = item_start[b] + bt.num_kv_heads * ((bt.q_lens[b] + kQueryTile - 1) / kQueryTile);
-  at::parallel_for(0, item_start[batch], 1, [&](int64_t i0, int64_t i1) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = (threads > 1 && item_start[batch] % threads != 0 && item_start[batch] < 4 * threads) ? std::min(group, threads) : 1;
+  at::parallel_for(0, item_start[batch] * parts, 1, [&](int64_t i0, int64_t i1) {
     Workspace ws;
     int64_t b = 0;
     for (int64_t i = i0; i < i1; ++i) {
-      while (item_start[b + 1] <= i) ++b;
-      const int64_t local = i - item_start[b];
+      const int64_t item = i / parts, part = i % parts;
+      while (item_start[b + 1] <= item) ++b;
+      const int64_t local = item - item_start[b];
       const int64_t kvh = local % bt.num_kv_heads, tile = local / bt.num_kv_heads;
       const int64_t j0 = tile * kQueryTile;
-      attend_tile(bt, q, k, v, out, b, kvh, j0, std::min(bt.q_lens[b], j0 + kQueryTile), ws);
+      const int64_t h0 = part * group / parts, h1 = (part + 1) * group / parts;
+      attend_tile(bt, q, k, v, out, b, kvh, j0, std::min(bt.q_lens[b], j0 + kQueryTile), h0, h1, ws);
     }
   });
 }

@@ -78,6 +78,35 @@ def test_each_request_gets_the_bits_it_gets_alone_and_matches_the_torch_path(dty
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
 
 
+def test_a_request_split_by_query_head_across_threads_keeps_its_bits():
+    """With fewer (request, KV head, tile) items than the threads can share evenly, each is split by
+    query head (3 KV heads on 2 threads); a row's bits must not change with that split."""
+    heads, kv_heads, dim, kv_len = 9, 3, 64, 300
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(2 * kv_len + 1, kv_heads, dim, generator=gen)
+    v = torch.randn(2 * kv_len + 1, kv_heads, dim, generator=gen)
+    table = scattered_table([kv_len, kv_len], gen)
+    q = torch.randn(8, heads, dim, generator=gen)
+    ext, threads = cpu_ops.extension(), torch.get_num_threads()
+
+    def run(rows, q_lens):
+        b = len(q_lens)
+        meta = build_attention_metadata(table[rows], torch.arange(b), torch.full((b,), kv_len), torch.tensor(q_lens))
+        return ext.paged_attention(q[:sum(q_lens)].contiguous(), k, v, meta.kv_indices.contiguous(), meta.kv_lens,
+                                   meta.q_lens, meta.q_starts, None, 0.125, cpu_ops.isa())
+    try:
+        torch.set_num_threads(2)
+        for q_len in (1, 4):  # 3 items on 2 threads: split; with a second request, 6 items: not split
+            alone = run([0], [q_len])
+            with_other = run([0, 1], [q_len, 4])
+            torch.set_num_threads(1)  # never split
+            one_thread = run([0], [q_len])
+            torch.set_num_threads(2)
+            assert torch.equal(alone, with_other[:q_len]) and torch.equal(alone, one_thread)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
     """Node 3 of the tree sees the prefix, nodes 0 and 2 and itself; decoded as a chain of those
     three tokens (keys contiguous, no masked ones between), its last row must have the same bits."""
