@@ -149,7 +149,7 @@ inline void widen(const T* src, float* dst, int64_t n) {
 
 // Register blocking of the weights x V sums (rows x dims per block): as many accumulators as the
 // build's registers hold. Blocking decides where a sum lives, never its order, so all builds agree.
-#if SJ_VEC_BYTES >= 32
+#if SJ_VEC_BYTES == 64
 constexpr int kPvRows = 4;
 constexpr int64_t kPvDims = 64;
 #elif SJ_VEC_BYTES == 32
@@ -279,7 +279,7 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   constexpr int64_t kAhead = 8;
   for (int64_t p = 0; p < std::min(kv_end, kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
   int64_t p0 = 0;
-#if SJ_VEC_BYTES == 64
+#if SJ_VEC_BYTES >= 32
   for (; p0 + kKeyBlock <= kv_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
     for (int64_t p = p0 + kKeyBlock; p < std::min(kv_end, p0 + 2 * kKeyBlock); ++p)
       prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);

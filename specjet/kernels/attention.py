@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specjet.kernels.attention_metadata import AttentionMetadata
-from specjet.kernels.cpu_ops import native_attention, native_attention_args, native_attention_available
+from specjet.kernels.cpu_ops import native_attention, native_attention_available
 from specjet.kernels.shared_prefix import find_shared_prefixes
 
 
@@ -136,17 +136,6 @@ def paged_attention_invariant(
     for tokens, part_meta, shared in parts:
         out[tokens] = _run_part(q[tokens], k_cache, v_cache, part_meta, scale, shared)
     return out
-
-
-def whole_batch_native_args(meta: AttentionMetadata) -> tuple | None:
-    """The C++ kernel's arguments when the invariant path runs the whole batch as one call of it
-    (``cpu_ops.native_attention(q, k, v, args, scale)`` then computes what ``paged_attention_invariant``
-    does), else None. Built once per forward: the layers' calls skip the dispatch."""
-    if meta.native_args is None:
-        parts = _work_parts(meta) if native_attention_available() else None
-        whole = parts is not None and len(parts) == 1 and parts[0][0] is None and parts[0][2] is None
-        meta.native_args = native_attention_args(parts[0][1]) if whole else False
-    return meta.native_args or None
 
 
 def _run_part(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shared: torch.Tensor | None):

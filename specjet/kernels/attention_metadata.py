@@ -33,8 +33,8 @@ class AttentionMetadata:
     length_groups: list[tuple[torch.Tensor | None, "AttentionMetadata"]] | None = None
     mask_bias: torch.Tensor | None = None
     parts: list[tuple[torch.Tensor | None, "AttentionMetadata", torch.Tensor | None]] | None = None
-    # The C++ kernel's metadata arguments when the whole batch is one call (False: it is not).
-    native_args: tuple | bool | None = None
+    # The C++ kernel's metadata arguments (kernels/cpu_ops.py native_attention_args).
+    native_args: tuple | None = None
 
     def select(self, rows: torch.Tensor) -> "AttentionMetadata":
         """The metadata of the requests ``rows`` alone, padded only to their own longest q and KV;

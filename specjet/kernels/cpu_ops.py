@@ -69,20 +69,21 @@ def native_attention_available(q: torch.Tensor | None = None, k_cache: torch.Ten
 
 
 def native_attention_args(meta: AttentionMetadata) -> tuple:
-    """The kernel's metadata arguments (kv_indices, kv_lens, q_lens, q_starts, mask): the same for
-    every layer of a forward, so a caller may build them once."""
-    mask = meta.custom_mask
-    if mask is not None:
-        mask = mask.to(torch.bool).contiguous()
-    return meta.kv_indices.contiguous(), meta.kv_lens, meta.q_lens, meta.q_starts, mask
+    """The kernel's metadata arguments (kv_indices, kv_lens, q_lens, q_starts, mask), built once per
+    metadata: every layer of a forward passes the same."""
+    if meta.native_args is None:
+        mask = meta.custom_mask
+        if mask is not None:
+            mask = mask.to(torch.bool).contiguous()
+        meta.native_args = (meta.kv_indices.contiguous(), meta.kv_lens, meta.q_lens, meta.q_starts, mask)
+    return meta.native_args
 
 
-def native_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata | tuple,
+def native_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float) -> torch.Tensor:
-    """q [T, H, D] (the batch's new tokens in order), caches [slots, H_kv, D] -> [T, H, D]. ``meta``:
-    the batch's metadata, or ``native_attention_args`` of it."""
-    args = meta if isinstance(meta, tuple) else native_attention_args(meta)
-    return extension().paged_attention(q.contiguous(), k_cache, v_cache, *args, float(scale), isa())
+    """q [T, H, D] (the batch's new tokens in order), caches [slots, H_kv, D] -> [T, H, D]."""
+    return extension().paged_attention(q.contiguous(), k_cache, v_cache, *native_attention_args(meta), float(scale),
+                                       isa())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -103,4 +104,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return extension().silu_mul(gate_up)
 
 
-__all__ = ["native_attention", "native_attention_args", "native_attention_available", "rms_norm", "rope_store", "silu_mul"]
+__all__ = ["native_attention", "native_attention_available", "rms_norm", "rope_store", "silu_mul"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.attention import paged_attention, whole_batch_native_args
+from specjet.kernels.attention import paged_attention
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ModelOutput
@@ -142,20 +142,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops, the same
-        calls as Attention.forward(native=True) and the norms and MLP make. What it touches comes from
-        ``native_parts`` (set by ``set_native_ops``): a submodule or parameter looked up through
-        nn.Module costs more than the C++ call it feeds at batch 1."""
-        n1_weight, n1_eps, n2_weight, n2_eps, attn, qkv, o, gate_up, down = self.native_parts
-        k_cache, v_cache = kv_cache.k[attn.layer_id], kv_cache.v[attn.layer_id]
-        q = cpu_ops.rope_store(qkv.project(cpu_ops.rms_norm(x, n1_weight, n1_eps)), cos, sin, k_cache, v_cache,
-                               batch.out_cache_loc, attn.num_heads)
-        args = whole_batch_native_args(batch.attn) if attn.batch_invariant else None
-        if args is not None:
-            out = cpu_ops.native_attention(q, k_cache, v_cache, args, attn.scale)
-        else:
-            out = paged_attention(q, k_cache, v_cache, batch.attn, attn.scale, invariant=attn.batch_invariant)
-        x, h = cpu_ops.rms_norm(x, n2_weight, n2_eps, residual=o.project(out.reshape(x.shape[0], attn.q_size)))
+        """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops. What it
+        touches comes from ``native_parts`` (set by ``set_native_ops``): a submodule or parameter looked
+        up through nn.Module costs more than the C++ call it feeds at batch 1."""
+        n1_weight, n1_eps, n2_weight, n2_eps, attn, gate_up, down = self.native_parts
+        out = attn.forward(cpu_ops.rms_norm(x, n1_weight, n1_eps), cos, sin, batch, kv_cache, native=True)
+        x, h = cpu_ops.rms_norm(x, n2_weight, n2_eps, residual=out)
         return x + down.project(cpu_ops.silu_mul(gate_up.project(h)))
 
 
@@ -169,8 +161,8 @@ def set_native_ops(layers, config: ModelConfig, weight: torch.Tensor, flag: bool
     for layer in layers:
         layer.native_ops = flag
         norm1, norm2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
-        layer.native_parts = (norm1.weight, norm1.eps, norm2.weight, norm2.eps, attn, attn.qkv_proj, attn.o_proj,
-                              mlp.gate_up_proj, mlp.down_proj) if flag else None
+        layer.native_parts = (norm1.weight, norm1.eps, norm2.weight, norm2.eps, attn, mlp.gate_up_proj,
+                              mlp.down_proj) if flag else None
     return flag
 
 

@@ -212,7 +212,7 @@ def target_quantization(args) -> str | None:
     """What ``--target-quantization`` resolves to: "gguf" or None (float weights)."""
     from specjet.models.weights import gguf_source
 
-    choice = getattr(args, "target_quantization", "none")
+    choice = args.target_quantization
     if choice == "auto":
         choice = "gguf" if gguf_source(args.model_path) is not None else "none"
     return None if choice == "none" else choice
