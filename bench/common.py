@@ -38,6 +38,7 @@ _ENGINE_FLAGS = {
     "speculative_eagle_topk": "speculative_eagle_topk",
     "speculative_num_draft_tokens": "speculative_num_draft_tokens",
     "speculative_dflash_draft_window_size": "speculative_dflash_draft_window_size",
+    "speculative_draft_min_prob": "speculative_draft_min_prob",
     "speculative_draft_model_path": "speculative_draft_model_path",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
@@ -85,6 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="EAGLE head / DFlash draft directory (default: the one shipped in specjet/assets)")
     spec.add_argument("--speculative-dflash-draft-window-size", type=int, default=None,
                       help="DFLASH: context positions the draft sees before its block (default: all)")
+    spec.add_argument("--speculative-draft-min-prob", type=float, default=None,
+                      help="EAGLE, DFLASH: tree nodes whose path probability under the draft is below this are "
+                           "not verified (default: EAGLE 0, DFLASH 0.1)")
     spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
                       help="NGRAM distinct continuations per draft (default 4)")
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",

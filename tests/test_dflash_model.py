@@ -248,3 +248,21 @@ def test_block_tree_ranks_paths_and_keeps_parents_first():
     assert _tree(1, candidates, 1) == ([1], [-1])
     chain = [[(5, 0.0)], [(6, -0.2)], [(7, -0.1)]]  # one candidate each: the chain
     assert _tree(1, chain, 16) == ([1, 5, 6, 7], [-1, 0, 1, 2])
+
+
+def test_block_tree_leaves_out_unlikely_nodes():
+    """speculative_draft_min_prob: a node whose path probability is below the cut is not verified,
+    nor anything under it; a sure (forced) token scores 0 and is always kept."""
+    import math
+
+    from specjet.spec_v2.dflash_drafter import _tree
+
+    candidates = [[(10, -0.1), (11, -1.0)], [(20, -0.2), (21, -0.5)], [(30, -3.0)]]
+    # path scores: 10: -0.1, 11: -1.0, 20: -0.3, 21: -0.6, 30: -3.3
+    assert _tree(1, candidates, 9, math.log(0.5)) == ([1, 10, 20, 21], [-1, 0, 1, 1])
+    assert _tree(1, candidates, 9, math.log(0.7)) == ([1, 10, 20], [-1, 0, 1])
+    assert _tree(1, candidates, 9, math.log(0.8)) == ([1, 10], [-1, 0])
+    assert _tree(1, candidates, 9, math.log(0.95)) == ([1], [-1])  # a plain decode step
+    assert _tree(1, candidates, 3, math.log(0.01)) == ([1, 10, 20], [-1, 0, 1])  # the budget still caps
+    sure = [[(5, 0.0)], [(6, 0.0)], [(7, -2.0)]]
+    assert _tree(1, sure, 16, math.log(0.9)) == ([1, 5, 6], [-1, 0, 1])

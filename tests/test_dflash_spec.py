@@ -87,6 +87,9 @@ def make_copy_draft(path, tiny_model_dir, hot=None, root_context=False):
 
 def dflash_engine(model_dir, draft, **kw):
     kw.setdefault("max_total_tokens", 4096)
+    # The draft's own blocks, whole, unless a test merges n-grams in or cuts unlikely nodes.
+    kw.setdefault("speculative_hybrid_ngram_tokens", 0)
+    kw.setdefault("speculative_draft_min_prob", 0.0)
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm="DFLASH",
                           speculative_draft_model_path=str(draft), **kw)
 
@@ -144,6 +147,23 @@ def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_d
         assert [o["output_ids"] for o in outs] == expected
         accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
     assert accept[0] < 1.2 and accept[4] > 1.5, accept
+
+
+def test_min_prob_cuts_unlikely_block_nodes_and_stays_lossless(tiny_model_dir, copy_draft, expected):
+    """speculative_draft_min_prob: the copy draft's blocks are accepted in long runs without a cut;
+    a cut above every draft probability verifies the root alone (one token per verify), a low one
+    keeps the block's likely head; the ids never change."""
+    accept = {}
+    for min_prob in (0.0, 1e-6, 1.0):
+        with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=2,
+                           speculative_draft_min_prob=min_prob) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+        assert [o["output_ids"] for o in outs] == expected
+        accept[min_prob] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+    # 1e-6 still cuts the tail of the copy draft's blocks (a product of 7 modest probabilities)
+    assert accept[1.0] == 1.0 and accept[0.0] > 2 and 1.5 < accept[1e-6] <= accept[0.0], accept
 
 
 def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):

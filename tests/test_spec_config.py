@@ -9,8 +9,9 @@ import inspect
 import pytest
 
 from specjet.engine.args import EngineArgs
-from specjet.spec_v2.config import (HYBRID_PATH_NODES, NGRAM_TREE_NODES, QUANTIZED_DFLASH, QUANTIZED_EAGLE,
-                                   QUANTIZED_HYBRID_PATH_NODES, DFlashParams, EagleParams, NgramConfig, SpecConfig)
+from specjet.spec_v2.config import (DFLASH_MIN_DRAFT_PROB, EAGLE_MIN_DRAFT_PROB, HYBRID_PATH_NODES, NGRAM_TREE_NODES,
+                                   QUANTIZED_DFLASH, QUANTIZED_EAGLE, QUANTIZED_HYBRID_PATH_NODES, DFlashParams,
+                                   EagleParams, NgramConfig, SpecConfig)
 from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import Drafter
 from specjet.spec_v2.eagle_drafter import EagleDrafter
@@ -54,7 +55,7 @@ def test_defaults_for_a_quantized_cpu_target_are_short_learned_drafts_and_an_ngr
     dflash = SpecConfig.from_args(EngineArgs(speculative_algorithm="DFLASH"), quantized_cpu_target=True)
     assert dflash.dflash == QUANTIZED_DFLASH == DFlashParams(block_size=3, topk=1)
     assert dflash.hybrid_path_nodes == 10 and dflash.max_tree_nodes == 13
-    assert config(speculative_algorithm="DFLASH").hybrid_path_nodes == 0
+    assert config(speculative_algorithm="DFLASH").hybrid_path_nodes == HYBRID_PATH_NODES  # float: as EAGLE
     assert (SpecConfig.from_args(EngineArgs(speculative_algorithm="NGRAM"), quantized_cpu_target=True)
             == config(speculative_algorithm="NGRAM"))
 
@@ -96,6 +97,9 @@ def test_ngram_defaults():
     ({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 1}, ValueError, "block size"),
     ({"speculative_algorithm": "DFLASH", "speculative_dflash_draft_window_size": 0}, ValueError, "window_size"),
     ({"speculative_algorithm": "EAGLE", "speculative_dflash_draft_window_size": 64}, ValueError, "needs"),
+    ({"speculative_algorithm": "DFLASH", "speculative_draft_min_prob": 1.5}, ValueError, "min_prob"),
+    ({"speculative_algorithm": "DFLASH", "speculative_draft_min_prob": float("nan")}, ValueError, "min_prob"),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_min_prob": 0.1}, ValueError, "needs"),
 ])
 def test_out_of_range_arguments_are_named(kwargs, error, name):
     with pytest.raises(error, match=name):
@@ -107,11 +111,16 @@ def test_out_of_range_arguments_are_named(kwargs, error, name):
 def test_dflash_defaults():
     cfg = config(speculative_algorithm="DFLASH")
     assert cfg.dflash == DFlashParams(block_size=8, window=None, topk=2)
-    assert cfg.max_tree_nodes == cfg.dflash.block_size  # the verify chain is the block
+    assert cfg.hybrid_path_nodes == HYBRID_PATH_NODES  # the n-gram path as EAGLE's
+    assert cfg.max_tree_nodes == cfg.dflash.block_size + HYBRID_PATH_NODES  # the block and the path under one root
     given = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
                    speculative_dflash_draft_window_size=512, speculative_eagle_topk=3)
-    assert given.dflash == DFlashParams(block_size=8, window=512, topk=3) and given.max_tree_nodes == 8
-    assert cfg.hybrid_path_nodes == 0  # no n-gram path unless asked
+    assert given.dflash == DFlashParams(block_size=8, window=512, topk=3)
+    alone = config(speculative_algorithm="DFLASH", speculative_hybrid_ngram_tokens=0)
+    assert alone.hybrid_path_nodes == 0 and alone.max_tree_nodes == 8  # the verify chain is the block
+    assert cfg.min_draft_prob == DFLASH_MIN_DRAFT_PROB > 0  # the confidence cut
+    assert config(speculative_algorithm="DFLASH", speculative_draft_min_prob=0.0).min_draft_prob == 0.0
+    assert config(speculative_algorithm="EAGLE").min_draft_prob == EAGLE_MIN_DRAFT_PROB
     hybrid = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8, speculative_hybrid_ngram_tokens=6)
     assert (hybrid.hybrid_path_nodes, hybrid.max_tree_nodes) == (6, 14)  # the block and the path under one root
 

@@ -89,6 +89,7 @@ def lucky_head(tmp_path_factory, tiny_model_dir, expected):
 def eagle_engine(model_dir, head, **kw):
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("speculative_hybrid_ngram_tokens", 0)  # the head's own trees, unless a test merges n-grams in
+    kw.setdefault("speculative_draft_min_prob", 0.0)  # and whole, unless a test cuts unlikely nodes
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm="EAGLE",
                           speculative_draft_model_path=str(head), **kw)
 
@@ -112,6 +113,20 @@ def test_plain_loop_gives_the_same_ids_as_the_overlap_loop(tiny_model_dir, lucky
         stats = eng.get_server_info()["stats"]
     assert [o["output_ids"] for o in outs] == expected
     assert stats["spec_accepted_tokens"] > 1.1 * stats["spec_verify_ct"]
+
+
+def test_min_prob_cuts_unlikely_nodes_and_stays_lossless(tiny_model_dir, lucky_head, expected):
+    """speculative_draft_min_prob: a cut above every draft probability verifies the root alone (one
+    token per verify); a mild one keeps the lucky head's likely nodes; the ids never change."""
+    accept = {}
+    for min_prob in (0.0, 1e-6, 1.0):
+        with eagle_engine(tiny_model_dir, lucky_head, speculative_draft_min_prob=min_prob) as eng:
+            outs = eng.generate(PROMPTS, greedy(40))
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+        assert [o["output_ids"] for o in outs] == expected
+        accept[min_prob] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
+    assert accept[1.0] == 1.0 and accept[0.0] > 1.1 and accept[1e-6] > 1.1, accept
 
 
 def run_eager_and_static(make_engine, expected) -> dict[str, dict]:

@@ -63,6 +63,9 @@ class EngineArgs:
     speculative_max_verify_tokens: int | None = None
     # DFLASH: context positions its draft sees before the block, the last W (SGLang's name); None: all.
     speculative_dflash_draft_window_size: int | None = None
+    # EAGLE and DFLASH (specjet's own): tree nodes whose path probability under the draft is below this
+    # are not verified (0: the whole tree is).
+    speculative_draft_min_prob: float | None = None
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
     speculative_grammar_aware: bool = True

@@ -59,10 +59,19 @@ QUANTIZED_HYBRID_PATH_NODES = 10  # EAGLE's and DFLASH's
 # a tree of 8 nodes, cost more than it saved on a quantized target: RESULTS, session 15).
 QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1)
 
+# The confidence cut of learned drafts (speculative_draft_min_prob) when not given: a node whose path
+# probability under the draft is below this is not verified. Every verify row costs a fraction of a
+# decode step on the CPU, so a node the target will most likely reject costs more than it can save.
+# 0.1 beat 0 (the whole tree), 0.05 and 0.2 for DFLASH's block and 0, 0.02, 0.05, 0.2 and 0.3 for
+# EAGLE's tree with float weights; with quantized weights, whose default drafts are short, it changed
+# nothing measurable (bench/RESULTS.md, session 16).
+DFLASH_MIN_DRAFT_PROB = 0.1
+EAGLE_MIN_DRAFT_PROB = 0.1
+
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
 NGRAM_TREE_NODES = 8
-# EAGLE: the longest n-gram path merged into each learned tree when speculative_hybrid_ngram_tokens is
-# not given: long enough for a repeated record of a JSON array, and cheap where it is not taken
+# EAGLE and DFLASH: the longest n-gram path merged into each learned tree when speculative_hybrid_ngram_tokens
+# is not given (float weights): long enough for a repeated record of a JSON array, and cheap where it is not taken
 # because the path's length adapts (bench/RESULTS.md has the sweep that chose it).
 HYBRID_PATH_NODES = 14
 
@@ -84,6 +93,9 @@ class SpecConfig:
     # EAGLE and DFLASH: each tree also takes the request's best n-gram continuation, a path of at most
     # this many nodes under the root (its length adapts per request: spec_v2/hybrid.py PathLength).
     hybrid_path_nodes: int = 0
+    # EAGLE and DFLASH: tree nodes whose path probability under the draft (the product of the draft's
+    # probabilities along the path) is below this are left out of the verify (0: none left out).
+    min_draft_prob: float = 0.0
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
     max_verify_nodes: int | None = None
@@ -114,6 +126,11 @@ class SpecConfig:
         if self.algorithm == "DFLASH" and self.dflash.block_size < 2:
             raise ValueError(f"speculative_num_draft_tokens is DFLASH's block size (the root and its drafts): "
                              f"it must be >= 2, got {self.dflash.block_size}")
+        if not 0.0 <= self.min_draft_prob <= 1.0:  # also false for NaN
+            raise ValueError(f"speculative_draft_min_prob must be in [0, 1], got {self.min_draft_prob}")
+        if self.min_draft_prob and self.algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
         if self.dflash.window is not None and self.dflash.window < 1:
             raise ValueError(f"speculative_dflash_draft_window_size must be >= 1, got {self.dflash.window}")
         if self.max_verify_nodes is not None and self.max_verify_nodes < 1:
@@ -145,6 +162,9 @@ class SpecConfig:
         if args.speculative_hybrid_ngram_tokens and algorithm not in HYBRID_ALGORITHMS:
             raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
+        if args.speculative_draft_min_prob is not None and algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
             raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
                              "speculative_algorithm='DFLASH'")
@@ -166,16 +186,19 @@ class SpecConfig:
             path = _given(args.speculative_hybrid_ngram_tokens,
                           QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else HYBRID_PATH_NODES)
             # The hybrid's n-gram path is one branch (breadth 1) matched with the same windows.
-            return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path, **common)
+            return cls("EAGLE", eagle.tree_nodes + path, eagle=eagle, ngram=ngram, hybrid_path_nodes=path,
+                       min_draft_prob=_given(args.speculative_draft_min_prob, EAGLE_MIN_DRAFT_PROB), **common)
         if algorithm == "DFLASH":
             base = QUANTIZED_DFLASH if quantized_cpu_target else DFlashParams()
             dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, base.block_size),
                                   window=args.speculative_dflash_draft_window_size,
                                   topk=_given(args.speculative_eagle_topk, base.topk))
-            # On a float target DFLASH takes an n-gram path only when asked (nothing measured it there).
-            path = _given(args.speculative_hybrid_ngram_tokens, QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else 0)
+            # The n-gram path as EAGLE's: with the confidence cut it beat the block alone on JSON schemas
+            # (1.6x) and on GSM8K (1.1x) with float weights (bench/RESULTS.md, session 16).
+            path = _given(args.speculative_hybrid_ngram_tokens,
+                          QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else HYBRID_PATH_NODES)
             return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
-                       **common)
+                       min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
 

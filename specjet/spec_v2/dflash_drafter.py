@@ -17,6 +17,10 @@ to the request's last ``window`` context positions and all of itself. Each reque
 that forward is built here (visible context slots, then the block's), so the window costs nothing:
 earlier positions are simply not listed. Position i of the block gives draft token i, its argmax.
 
+A node whose path probability under the draft (the product of its positions' probabilities) is
+below ``min_prob`` is not verified: the block's tail is mostly wrong, and every verify row costs a
+fraction of a decode step on the CPU.
+
 Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
 tokens first (sure tokens), then at each block position the best token the grammar allows after
 the chain so far; the block's logits at a position do not depend on the tokens chosen before it
@@ -24,6 +28,8 @@ the chain so far; the block's logits at a position do not depend on the tokens c
 other candidates are its next best legal tokens.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -42,7 +48,7 @@ class DFlashDrafter:
     """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
-                 topk: int = 1, static: bool = False, cuda_graph: bool = False):
+                 topk: int = 1, static: bool = False, cuda_graph: bool = False, min_prob: float = 0.0):
         self.runner = runner
         self.draft = draft.bind_target(runner.model)
         self.feature_capture = self.draft.feature_capture
@@ -52,6 +58,8 @@ class DFlashDrafter:
         self.block_size = block_size
         self.window = window
         self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
+        # Nodes whose path log-probability under the draft is below this are not verified (_tree).
+        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
         self.allocator = allocator
         cfg = runner.config
         self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
@@ -121,7 +129,7 @@ class DFlashDrafter:
             for b, block in zip(todo, logits):
                 r = reqs[b]
                 candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1)
-        return [_tree(r.input.root, c, r.budget) for r, c in zip(reqs, candidates)]
+        return [_tree(r.input.root, c, r.budget, self.min_logp) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
         # The draft KV lives in the request's own slots, which the scheduler frees.
@@ -216,13 +224,15 @@ class DFlashDrafter:
         return out
 
 
-def _tree(root: int, candidates: list[list[tuple[int, float]]], budget: int) -> DraftTree:
+def _tree(root: int, candidates: list[list[tuple[int, float]]], budget: int, min_logp: float = -math.inf
+          ) -> DraftTree:
     """The draft tree of a block: a spine of each position's best token, and each position's other
     candidates as leaves beside the spine node there (a block position's prediction does not
     depend on the tokens before it, so an alternative has no drafted continuation of its own).
-    Nodes are ranked by path log-probability and the best ``budget - 1`` kept; a parent's score is
-    at least its child's and, on a tie, its depth is less, so the ranked list keeps parents first.
-    With one candidate per position this is the chain of the spine."""
+    Nodes are ranked by path log-probability and the best ``budget - 1`` kept, none whose path
+    log-probability is below ``min_logp`` (the grammar's sure tokens score 0); a parent's score is
+    at least its child's and, on a tie, its depth is less, so the ranked list keeps parents first
+    and any cut of it is a tree. With one candidate per position this is the chain of the spine."""
     nodes = []  # (score, depth, rank, token, parent key); key of spine node i: i + 1, the root: 0
     spine_score = 0.0
     for i, options in enumerate(candidates):
@@ -230,7 +240,7 @@ def _tree(root: int, candidates: list[list[tuple[int, float]]], budget: int) -> 
             nodes.append((-(spine_score + logp), i, rank, token, i))
         spine_score += options[0][1]
     nodes.sort()
-    kept = nodes[:max(0, budget - 1)]
+    kept = [node for node in nodes[:max(0, budget - 1)] if -node[0] >= min_logp]
     index = {0: 0}  # parent key -> node index in the tree
     tokens, parents = [root], [-1]
     for _, depth, rank, token, parent_key in kept:

@@ -7,7 +7,8 @@ predicts there. One iteration:
 1. draft: the root (last verified token) gets the state's top-k as children (scores: log-probs);
    each of ``num_steps - 1`` draft forwards feeds the current frontier (the ``topk`` best nodes by
    path score) with their parents' hidden states and expands each into its top-k children;
-2. rerank: the ``tree_nodes - 1`` best nodes by path score form the tree (kernels/tree.py);
+2. rerank: the ``tree_nodes - 1`` best nodes by path score form the tree (kernels/tree.py), less
+   any whose path probability is below ``min_prob`` (the confidence cut: a verify row is not free);
 3. (the target verifies the tree: spec_v2/tree_verifier.py);
 4. extend: the head runs over the accepted tokens with the target's hidden states at the real
    positions, writing its KV there and producing the next draft state.
@@ -22,6 +23,8 @@ after the node, and the grammar's forced tokens enter as a chain under the root:
 along the chain (no top-k there) and drafts its tree from the chain's end.
 """
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -66,7 +69,7 @@ class EagleDrafter:
     """EAGLE-2 trees from a trained head (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator,
-                 static: bool = False, cuda_graph: bool = False):
+                 static: bool = False, cuda_graph: bool = False, min_prob: float = 0.0):
         if params.topk > head.draft_vocab_size:
             raise ValueError(f"speculative_eagle_topk={params.topk} exceeds the EAGLE head's vocabulary of "
                              f"{head.draft_vocab_size} tokens")
@@ -75,6 +78,8 @@ class EagleDrafter:
         self.feature_capture = self.head.feature_capture
         self.draft_kv_reads_next_token = True  # position t's draft KV comes from token t+1 and feature t
         self.params = params
+        # Learned nodes whose path log-probability is below this are not verified (draft_trees).
+        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
         self.allocator = allocator
         cfg = runner.config
         self.kv_cache = KVCache(1, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim, runner.dtype,
@@ -230,9 +235,13 @@ class EagleDrafter:
         roots = torch.tensor([c[-1] if c else r for c, r in zip(chains, root_tokens)], dtype=torch.int64, device=device)
         num_nodes = min(p.tree_nodes, cand_tokens.shape[1] + 1)
         tokens, parents = select_draft_nodes(roots, cand_tokens, cand_parents, cand_scores, num_nodes)
+        # The confidence cut: a path's score never grows along it, so the nodes at or above the cut
+        # are a prefix of the ranked list, and a prefix is a tree.
+        keep = 1 + (cand_scores >= self.min_logp).sum(-1).clamp(max=num_nodes - 1)
         trees = []
         for b, (root, chain) in enumerate(zip(root_tokens, chains)):
-            tree_tokens, tree_parents = _hang_below_chain(root, chain, tokens[b].tolist(), parents[b].tolist())
+            n = int(keep[b])
+            tree_tokens, tree_parents = _hang_below_chain(root, chain, tokens[b, :n].tolist(), parents[b, :n].tolist())
             trees.append((tree_tokens[: p.tree_nodes], tree_parents[: p.tree_nodes]))
         return trees
 
