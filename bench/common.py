@@ -88,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="DFLASH: context positions the draft sees before its block (default: all)")
     spec.add_argument("--speculative-draft-min-prob", type=float, default=None,
                       help="EAGLE, DFLASH: tree nodes whose path probability under the draft is below this are "
-                           "not verified (default: EAGLE 0, DFLASH 0.1)")
+                           "not verified (default 0.1; 0: the whole tree)")
     spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
                       help="NGRAM distinct continuations per draft (default 4)")
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",

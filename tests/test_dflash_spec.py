@@ -187,7 +187,8 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
     assert [o["output_ids"] for o in outs] == expected * 2
 
 
-def test_sampling_matches_the_target_distribution(tiny_model_dir, copy_draft):
+@pytest.mark.parametrize("min_prob", [0.0, 1e-4], ids=["whole-block", "cut"])  # 1e-4 cuts the copy draft's tail
+def test_sampling_matches_the_target_distribution(tiny_model_dir, copy_draft, min_prob):
     from test_spec_ngram import exact_two_token_distribution
 
     """1000 seeded draws of three tokens: the (t1, t2) histogram is within a small total variation of
@@ -195,7 +196,8 @@ def test_sampling_matches_the_target_distribution(tiny_model_dir, copy_draft):
     target gives only part of the time: a sampler that took drafts too readily would fail."""
     prompt = PROMPTS[0]
     n = 1000
-    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=4, dtype="float32") as eng:
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=4, speculative_draft_min_prob=min_prob,
+                       dtype="float32") as eng:
         ids = eng.tokenizer(prompt)["input_ids"]
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
                   for s in range(n)]

@@ -98,6 +98,7 @@ def test_ngram_defaults():
     ({"speculative_algorithm": "DFLASH", "speculative_dflash_draft_window_size": 0}, ValueError, "window_size"),
     ({"speculative_algorithm": "EAGLE", "speculative_dflash_draft_window_size": 64}, ValueError, "needs"),
     ({"speculative_algorithm": "DFLASH", "speculative_draft_min_prob": 1.5}, ValueError, "min_prob"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_min_prob": -0.1}, ValueError, "min_prob"),
     ({"speculative_algorithm": "DFLASH", "speculative_draft_min_prob": float("nan")}, ValueError, "min_prob"),
     ({"speculative_algorithm": "NGRAM", "speculative_draft_min_prob": 0.1}, ValueError, "needs"),
 ])
@@ -106,6 +107,11 @@ def test_out_of_range_arguments_are_named(kwargs, error, name):
         EngineArgs(**kwargs).validate()
     with pytest.raises(error, match=name):
         config(**kwargs)
+
+
+def test_min_draft_prob_of_the_wrong_type_is_refused_at_the_door():
+    with pytest.raises(TypeError, match="speculative_draft_min_prob"):
+        EngineArgs(speculative_algorithm="EAGLE", speculative_draft_min_prob="0.1").validate()
 
 
 def test_dflash_defaults():

@@ -78,4 +78,5 @@ def suffix_metadata(meta: AttentionMetadata, shared: int) -> AttentionMetadata:
         max_kv=meta.max_kv - shared,
         length_groups=None,
         mask_bias=None,
+        native_args=None,  # derived from the fields above: the kernel's arguments are rebuilt for the suffix
     )

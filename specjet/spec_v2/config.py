@@ -8,6 +8,7 @@ of the learned part of it, ``hybrid_path_nodes`` the n-gram path merged into it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +139,11 @@ class SpecConfig:
         if not 1 <= n.min_window <= n.max_window:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
         _check_draft_runner(self.draft_runner)
+
+    @property
+    def min_draft_logp(self) -> float:
+        """``min_draft_prob`` as the drafters compare it: a path log-probability (-inf: no cut)."""
+        return math.log(self.min_draft_prob) if self.min_draft_prob > 0 else -math.inf
 
     def runner_mode(self, device) -> tuple[bool, bool]:
         """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on

@@ -17,8 +17,8 @@ to the request's last ``window`` context positions and all of itself. Each reque
 that forward is built here (visible context slots, then the block's), so the window costs nothing:
 earlier positions are simply not listed. Position i of the block gives draft token i, its argmax.
 
-A node whose path probability under the draft (the product of its positions' probabilities) is
-below ``min_prob`` is not verified: the block's tail is mostly wrong, and every verify row costs a
+A node whose path log-probability under the draft (the sum over its positions) is below the cut
+``min_logp`` is not verified: the block's tail is mostly wrong, and every verify row costs a
 fraction of a decode step on the CPU.
 
 Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
@@ -48,7 +48,7 @@ class DFlashDrafter:
     """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
-                 topk: int = 1, static: bool = False, cuda_graph: bool = False, min_prob: float = 0.0):
+                 topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf):
         self.runner = runner
         self.draft = draft.bind_target(runner.model)
         self.feature_capture = self.draft.feature_capture
@@ -58,8 +58,7 @@ class DFlashDrafter:
         self.block_size = block_size
         self.window = window
         self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
-        # Nodes whose path log-probability under the draft is below this are not verified (_tree).
-        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
+        self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (_tree)
         self.allocator = allocator
         cfg = runner.config
         self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,

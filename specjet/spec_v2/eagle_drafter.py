@@ -8,7 +8,7 @@ predicts there. One iteration:
    each of ``num_steps - 1`` draft forwards feeds the current frontier (the ``topk`` best nodes by
    path score) with their parents' hidden states and expands each into its top-k children;
 2. rerank: the ``tree_nodes - 1`` best nodes by path score form the tree (kernels/tree.py), less
-   any whose path probability is below ``min_prob`` (the confidence cut: a verify row is not free);
+   any whose path log-probability is below ``min_logp`` (the confidence cut: a verify row is not free);
 3. (the target verifies the tree: spec_v2/tree_verifier.py);
 4. extend: the head runs over the accepted tokens with the target's hidden states at the real
    positions, writing its KV there and producing the next draft state.
@@ -69,7 +69,7 @@ class EagleDrafter:
     """EAGLE-2 trees from a trained head (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator,
-                 static: bool = False, cuda_graph: bool = False, min_prob: float = 0.0):
+                 static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf):
         if params.topk > head.draft_vocab_size:
             raise ValueError(f"speculative_eagle_topk={params.topk} exceeds the EAGLE head's vocabulary of "
                              f"{head.draft_vocab_size} tokens")
@@ -78,8 +78,7 @@ class EagleDrafter:
         self.feature_capture = self.head.feature_capture
         self.draft_kv_reads_next_token = True  # position t's draft KV comes from token t+1 and feature t
         self.params = params
-        # Learned nodes whose path log-probability is below this are not verified (draft_trees).
-        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
+        self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (draft_trees)
         self.allocator = allocator
         cfg = runner.config
         self.kv_cache = KVCache(1, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim, runner.dtype,
@@ -237,10 +236,10 @@ class EagleDrafter:
         tokens, parents = select_draft_nodes(roots, cand_tokens, cand_parents, cand_scores, num_nodes)
         # The confidence cut: a path's score never grows along it, so the nodes at or above the cut
         # are a prefix of the ranked list, and a prefix is a tree.
-        keep = 1 + (cand_scores >= self.min_logp).sum(-1).clamp(max=num_nodes - 1)
+        keep = (1 + (cand_scores >= self.min_logp).sum(-1).clamp(max=num_nodes - 1)).tolist()
         trees = []
         for b, (root, chain) in enumerate(zip(root_tokens, chains)):
-            n = int(keep[b])
+            n = keep[b]
             tree_tokens, tree_parents = _hang_below_chain(root, chain, tokens[b, :n].tolist(), parents[b, :n].tolist())
             trees.append((tree_tokens[: p.tree_nodes], tree_parents[: p.tree_nodes]))
         return trees
