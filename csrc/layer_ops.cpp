@@ -5,8 +5,10 @@
 //
 // Batch-invariant by construction: every output row is computed by one thread from its own input row
 // in a fixed order (the RMSNorm sum in lanes combined by a fixed tree), whatever the number of rows.
-// Compiled with -ffp-contract=off, once, for the baseline instruction set: these ops are cheap next
-// to the projections, and one build means one set of bits on every CPU.
+// Compiled with -ffp-contract=off, once, for the baseline instruction set (the SiLU rows also per
+// instruction set, with the same operations): one set of bits on every CPU. bf16 rows run on float
+// lanes (converted by bit operations that vectorise) and are rounded to bf16 wherever torch's ops
+// would store a bf16 tensor, so their results are torch's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,29 +16,100 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "exp_float.h"
 
 namespace {
 
+// bf16 <-> float by their bits, as c10::BFloat16 converts (round to nearest even, NaN -> 0x7FC0), but
+// branch-free: loops over these vectorise, loops over c10's conversions do not.
+inline __attribute__((always_inline)) float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// f rounded to bf16, as float bits (the bf16 in the high half, zeros below).
+inline __attribute__((always_inline)) uint32_t bf16_rounded_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t nan = 0u - static_cast<uint32_t>((bits & 0x7FFFFFFFu) > 0x7F800000u);
+  return (rounded & ~nan) | (0x7FC00000u & nan);
+}
+
+inline __attribute__((always_inline)) float round_bf16(float f) {
+  const uint32_t bits = bf16_rounded_bits(f);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// f rounded to T's precision and read back: what storing it in a T tensor gives the next torch op.
 template <class T>
-inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+inline __attribute__((always_inline)) float round_to(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else {
+    return round_bf16(f);
+  }
+}
+
+// A row of T as float lanes: a float row in place, a bf16 row converted into this buffer, so the
+// arithmetic below runs on float vectors whatever T is.
+template <class T>
+struct FloatRow {
+  std::vector<float> buf;
+  const float* load(const T* p, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) {
+      return p;
+    } else {
+      buf.resize(n);
+      const uint16_t* __restrict src = reinterpret_cast<const uint16_t*>(p);
+      float* __restrict dst = buf.data();
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+      return dst;
+    }
+  }
+};
+
+// Float lanes already rounded to T (round_to<T>) -> T.
+template <class T>
+void store(const float* __restrict src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    uint16_t* __restrict out = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bf16_rounded_bits(src[i]) >> 16);
+  }
+}
+
+// Calls fn(T{}) for T = x's dtype, float or c10::BFloat16 (check_rows allows no other).
+template <class Fn>
+void dispatch(const torch::Tensor& x, Fn&& fn) {
+  if (x.scalar_type() == torch::kFloat32) {
+    fn(float{});
+  } else {
+    fn(c10::BFloat16{});
+  }
+}
 
 // Rows per thread: enough elements to pay for waking a thread.
 int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
 
 // sum of squares in 8 float64 lanes, combined by a fixed tree: the same bits for a row in any call.
-template <class T>
-double sum_squares(const T* x, int64_t n) {
+double sum_squares(const float* x, int64_t n) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     for (int l = 0; l < 8; ++l) {
-      const double v = ld(x, i + l);
+      const double v = x[i + l];
       acc[l] += v * v;
     }
   for (int l = 0; i + l < n; ++l) {
-    const double v = ld(x, i + l);
+    const double v = x[i + l];
     acc[l] += v * v;
   }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
@@ -48,22 +121,30 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, ": expected a contiguous 2-D float32 or bfloat16 CPU tensor");
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)); with `residual`, x + residual first, returned too.
+// out = weight * (x * rsqrt(mean(x^2) + eps)); with `residual`, x + residual first, returned too. Each
+// intermediate a torch op would store is rounded to T where that op would round it.
 template <class T>
 void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out, int64_t rows, int64_t n,
                    double eps) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+    FloatRow<T> xs, rs, ws;
+    std::vector<float> sum_buf(n), out_buf(n);
+    float* __restrict s = sum_buf.data();
+    float* __restrict o = out_buf.data();
+    const float* __restrict wf = ws.load(w, n);
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * n;
+      const float* xr = xs.load(x + r * n, n);
       if (residual) {
-        T* s = sum_out + r * n;
-        const T* dr = residual + r * n;
-        for (int64_t i = 0; i < n; ++i) s[i] = static_cast<T>(ld(xr, i) + ld(dr, i));
+        const float* __restrict a = xr;
+        const float* __restrict b = rs.load(residual + r * n, n);
+        for (int64_t i = 0; i < n; ++i) s[i] = round_to<T>(a[i] + b[i]);
+        store(s, sum_out + r * n, n);
         xr = s;
       }
-      const float inv = static_cast<float>(1.0 / std::sqrt(sum_squares(xr, n) / static_cast<double>(n) + eps));
-      T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(ld(w, i) * static_cast<float>(static_cast<T>(ld(xr, i) * inv)));
+      const float* __restrict xv = xr;
+      const float inv = static_cast<float>(1.0 / std::sqrt(sum_squares(xv, n) / static_cast<double>(n) + eps));
+      for (int64_t i = 0; i < n; ++i) o[i] = round_to<T>(wf[i] * round_to<T>(xv[i] * inv));
+      store(o, out + r * n, n);
     }
   });
 }
@@ -81,10 +162,10 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
     sum = torch::empty_like(x);
   }
   auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
-                            weight.data_ptr<scalar_t>(), residual ? sum.data_ptr<scalar_t>() : nullptr,
-                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+                     residual ? sum.data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), x.size(1), eps);
   });
   if (residual) return {sum, out};
   return {out};
@@ -97,21 +178,26 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache,
                int64_t rows, int64_t H, int64_t KV, int64_t D) {
   const int64_t half = D / 2, width = (H + 2 * KV) * D;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
+    FloatRow<T> xs, cs, ss;
+    std::vector<float> out_buf(H * D);
+    float* __restrict y = out_buf.data();
     for (int64_t t = r0; t < r1; ++t) {
-      const T* src = qkv + t * width;
-      const T* c = cos + t * half;
-      const T* s = sin + t * half;
-      auto rotate = [&](const T* x, T* y) {
+      const float* __restrict src = xs.load(qkv + t * width, (H + KV) * D);  // q | k: v is copied as it is
+      const float* __restrict c = cs.load(cos + t * half, half);
+      const float* __restrict s = ss.load(sin + t * half, half);
+      auto rotate = [&](const float* __restrict x, float* __restrict out) {
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = ld(x, i), x2 = ld(x, half + i), ci = ld(c, i), si = ld(s, i);
-          y[i] = static_cast<T>(x1 * ci - x2 * si);
-          y[half + i] = static_cast<T>(x2 * ci + x1 * si);
+          const float x1 = x[i], x2 = x[half + i];
+          out[i] = round_to<T>(x1 * c[i] - x2 * s[i]);
+          out[half + i] = round_to<T>(x2 * c[i] + x1 * s[i]);
         }
       };
-      for (int64_t h = 0; h < H; ++h) rotate(src + h * D, q_out + (t * H + h) * D);
+      for (int64_t h = 0; h < H; ++h) rotate(src + h * D, y + h * D);
+      store(y, q_out + t * H * D, H * D);
       for (int64_t h = 0; h < KV; ++h) {
-        rotate(src + (H + h) * D, k_cache + (slots[t] * KV + h) * D);
-        std::memcpy(v_cache + (slots[t] * KV + h) * D, src + (H + KV + h) * D, D * sizeof(T));
+        rotate(src + (H + h) * D, y);
+        store(y, k_cache + (slots[t] * KV + h) * D, D);
+        std::memcpy(v_cache + (slots[t] * KV + h) * D, qkv + t * width + (H + KV + h) * D, D * sizeof(T));
       }
     }
   });
@@ -139,21 +225,30 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rope_store: slot ", sp[t], " outside the cache");
   auto q = torch::empty({rows, num_heads, D}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
-    rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sp, q.data_ptr<scalar_t>(), rows,
-                        num_heads, KV, D);
+  dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    rope_rows<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), k_cache.data_ptr<T>(),
+                 v_cache.data_ptr<T>(), sp, q.data_ptr<T>(), rows, num_heads, KV, D);
   });
   return q;
 }
 
-// One float row of silu(g) * u, cloned per instruction set (the widest the CPU runs is picked at
-// load): the same IEEE operations in each (no fused products: -ffp-contract=off), so the same bits.
+// One row of silu(g) * u on float lanes, cloned per instruction set (the widest the CPU runs is picked
+// at load): the same IEEE operations in each (no fused products: -ffp-contract=off), so the same bits.
+// The bf16 row rounds silu(g) to bf16 before the product, as torch's silu(g) * u does.
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void silu_mul_float_row(const float* g, const float* u, float* o, int64_t n) {
+void silu_mul_float_row(const float* __restrict g, const float* __restrict u, float* __restrict o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
     o[i] = (gi / (1.0f + exp_float(-gi))) * u[i];
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void silu_mul_bf16_row(const float* __restrict g, const float* __restrict u, float* __restrict o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    o[i] = round_bf16(round_bf16(gi / (1.0f + exp_float(-gi))) * u[i]);
   }
 }
 
@@ -161,17 +256,16 @@ void silu_mul_float_row(const float* g, const float* u, float* o, int64_t n) {
 template <class T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t r0, int64_t r1) {
+    FloatRow<T> rows_in;
+    std::vector<float> out_buf;
     for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
+      const float* g = rows_in.load(gu + r * 2 * inter, 2 * inter);
       if constexpr (std::is_same_v<T, float>) {
-        silu_mul_float_row(g, u, o, inter);
-        continue;
-      }
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gi = ld(g, i);
-        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(gi / (1.0f + exp_float(-gi)))) * ld(u, i));
+        silu_mul_float_row(g, g + inter, out + r * inter, inter);
+      } else {
+        out_buf.resize(inter);
+        silu_mul_bf16_row(g, g + inter, out_buf.data(), inter);
+        store(out_buf.data(), out + r * inter, inter);
       }
     }
   });
@@ -181,9 +275,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
   auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
-    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0),
-                            gate_up.size(1) / 2);
+  dispatch(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), gate_up.size(0), gate_up.size(1) / 2);
   });
   return out;
 }

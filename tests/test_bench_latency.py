@@ -154,7 +154,7 @@ def test_latency_sweep_ngram_two_configs(cyclic_model_dir, tmp_path):
     stdout = run_bench("--model-path", str(cyclic_model_dir), "--speculative-algorithm", "NGRAM", "--sweep",
                        "--sweep-num-draft-tokens", "4", "8", "--sweep-ngram-breadth", "4", "--workload", "json",
                        # enough tokens that t_N - t_1 stands clear of the noise of a loaded machine
-                       "--max-new-tokens", "64", "--repeats", "1", "--num-prompts", "2", "--max-total-tokens", "4096",
+                       "--max-new-tokens", "192", "--repeats", "1", "--num-prompts", "2", "--max-total-tokens", "4096",
                        "--result-file", str(result_file))
 
     assert re.search(r"^# sweep: NGRAM, 2 configurations of num_draft_tokens \{4, 8\} x ngram_breadth \{4\}", stdout,

@@ -206,6 +206,52 @@ def test_layer_ops_match_torch_and_keep_a_rows_bits_in_any_batch(dtype):
         assert torch.equal(cpu_ops.rope_store(qkv[one], cos[one], sin[one], k_cache, v_cache, slots[one], heads), q[one])
 
 
+def test_bf16_rows_round_where_torch_rounds_ties_and_specials_included():
+    """The bf16 layer ops run on float lanes and round by bit operations of their own: each bf16 result
+    must be the float result rounded as torch rounds it (nearest even, NaN stays NaN, infinities
+    kept), including sums that fall exactly between two bf16 values."""
+    gen = torch.Generator().manual_seed(5)
+    rows, hidden = 5, 80
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38, 1e-39, 90.0, -90.0])
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    x.view(-1)[:specials.numel()] = specials.to(torch.bfloat16)
+    # x + delta lands on a tie for every element of the second row: delta is half x's last bit.
+    delta = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    _, exponent = torch.frexp(x[1].float())  # |x| in [2^(e-1), 2^e): its bf16 ulp is 2^(e-8)
+    delta[1] = torch.ldexp(torch.ones(hidden), exponent - 9).to(torch.bfloat16)
+    ties = (x[1].float() + delta[1].float()).view(torch.int32) & 0xFFFF
+    assert int((ties == 0x8000).sum()) == hidden
+    w = torch.ones(hidden, dtype=torch.bfloat16)
+
+    def same(a, b):  # bit equality, every NaN alike
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.float().nan_to_num(0.5), b.float().nan_to_num(0.5))
+
+    summed, _ = cpu_ops.rms_norm(x, w, 1e-5, residual=delta)
+    assert same(summed, (x.float() + delta.float()).to(torch.bfloat16))
+
+    # silu(g) * u: silu rounded to bf16, then the product rounded (torch's bf16 silu(g) * u); the
+    # float op gives the same exp, so the float path rounded by torch is the reference.
+    gate_up = torch.randn(rows, 2 * hidden, generator=gen).mul(6).to(torch.bfloat16)
+    gate_up.view(-1)[:specials.numel()] = specials.to(torch.bfloat16)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    silu = cpu_ops.silu_mul(torch.cat([g, torch.ones_like(u)], dim=-1)).to(torch.bfloat16)
+    assert same(cpu_ops.silu_mul(gate_up), (silu.float() * u).to(torch.bfloat16))
+
+    # RoPE: x1 c - x2 s and x2 c + x1 s in float (separate products and sums), rounded once.
+    heads, kv_heads, dim = 2, 1, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    qkv.view(-1)[:specials.numel()] = specials.to(torch.bfloat16)
+    angles = torch.rand(rows, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    k_cache = torch.zeros(rows, kv_heads, dim, dtype=torch.bfloat16)
+    q = cpu_ops.rope_store(qkv, cos, sin, k_cache, torch.zeros_like(k_cache), torch.arange(rows), heads)
+    qf = qkv.float()[:, :heads * dim].view(rows, heads, dim)
+    x1, x2 = qf.chunk(2, dim=-1)
+    c, s_ = cos.float()[:, None, :], sin.float()[:, None, :]
+    expected = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1).to(torch.bfloat16)
+    assert same(q, expected)
+
+
 def test_layer_ops_refuse_bad_inputs_with_a_clear_error():
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="weight must be"):
