@@ -5,10 +5,10 @@
 //
 // Batch-invariant by construction: every output row is computed by one thread from its own input row
 // in a fixed order (the RMSNorm sum in lanes combined by a fixed tree), whatever the number of rows.
-// Compiled with -ffp-contract=off, once, for the baseline instruction set (the SiLU rows also per
-// instruction set, with the same operations): one set of bits on every CPU. bf16 rows run on float
-// lanes (converted by bit operations that vectorise) and are rounded to bf16 wherever torch's ops
-// would store a bf16 tensor, so their results are torch's.
+// Compiled with -ffp-contract=off; the row functions are cloned per instruction set with the same
+// operations in the same order: one set of bits on every CPU. bf16 rows run on float lanes (converted
+// by bit operations that vectorise) and are rounded to bf16 wherever torch's ops would store a bf16
+// tensor, so their results are torch's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +36,8 @@ inline __attribute__((always_inline)) uint32_t bf16_rounded_bits(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const uint32_t nan = 0u - static_cast<uint32_t>((bits & 0x7FFFFFFFu) > 0x7F800000u);
+  // A signed comparison (both sides are below 2^31): SSE2 and AVX2 have no unsigned one.
+  const uint32_t nan = 0u - static_cast<uint32_t>(static_cast<int32_t>(bits & 0x7FFFFFFFu) > 0x7F800000);
   return (rounded & ~nan) | (0x7FC00000u & nan);
 }
 
@@ -45,45 +46,6 @@ inline __attribute__((always_inline)) float round_bf16(float f) {
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
-}
-
-// f rounded to T's precision and read back: what storing it in a T tensor gives the next torch op.
-template <class T>
-inline __attribute__((always_inline)) float round_to(float f) {
-  if constexpr (std::is_same_v<T, float>) {
-    return f;
-  } else {
-    return round_bf16(f);
-  }
-}
-
-// A row of T as float lanes: a float row in place, a bf16 row converted into this buffer, so the
-// arithmetic below runs on float vectors whatever T is.
-template <class T>
-struct FloatRow {
-  std::vector<float> buf;
-  const float* load(const T* p, int64_t n) {
-    if constexpr (std::is_same_v<T, float>) {
-      return p;
-    } else {
-      buf.resize(n);
-      const uint16_t* __restrict src = reinterpret_cast<const uint16_t*>(p);
-      float* __restrict dst = buf.data();
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-      return dst;
-    }
-  }
-};
-
-// Float lanes already rounded to T (round_to<T>) -> T.
-template <class T>
-void store(const float* __restrict src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    uint16_t* __restrict out = reinterpret_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bf16_rounded_bits(src[i]) >> 16);
-  }
 }
 
 // Calls fn(T{}) for T = x's dtype, float or c10::BFloat16 (check_rows allows no other).
@@ -99,8 +61,9 @@ void dispatch(const torch::Tensor& x, Fn&& fn) {
 // Rows per thread: enough elements to pay for waking a thread.
 int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
 
-// sum of squares in 8 float64 lanes, combined by a fixed tree: the same bits for a row in any call.
-double sum_squares(const float* x, int64_t n) {
+// sum of squares in 8 float64 lanes, combined by a fixed tree: the same bits for a row in any call
+// (and in any instruction set's clone it is inlined into: the lanes are explicit).
+inline __attribute__((always_inline)) double sum_squares(const float* x, int64_t n) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -121,30 +84,71 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, ": expected a contiguous 2-D float32 or bfloat16 CPU tensor");
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)); with `residual`, x + residual first, returned too. Each
-// intermediate a torch op would store is rounded to T where that op would round it.
+// The row functions below are cloned per instruction set (the widest the CPU runs is picked at load):
+// the same IEEE operations in each (no fused products: -ffp-contract=off) in the same order, so the
+// same bits; bf16 rows, converted and rounded element by element, were several times slower than float
+// rows in the baseline build's four lanes. bf16 rows are widened into float scratch (``xf``, ``of``: n
+// floats each) and rounded to bf16 wherever torch's ops would store a bf16 tensor.
+#define SJ_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// out = w * (x * rsqrt(mean(x^2) + eps)); with `residual`, x + residual first, written to sum_out.
+SJ_ROW_CLONES
+void rms_norm_float_row(const float* x, const float* __restrict residual, const float* __restrict w,
+                        float* __restrict sum_out, float* __restrict out, int64_t n, double eps) {
+  if (residual) {
+    for (int64_t i = 0; i < n; ++i) sum_out[i] = x[i] + residual[i];
+    x = sum_out;
+  }
+  const float inv = static_cast<float>(1.0 / std::sqrt(sum_squares(x, n) / static_cast<double>(n) + eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+SJ_ROW_CLONES
+void rms_norm_bf16_row(const uint16_t* __restrict x, const uint16_t* __restrict residual, const float* __restrict w,
+                       uint16_t* __restrict sum_out, uint16_t* __restrict out, float* __restrict xf,
+                       float* __restrict of, int64_t n, double eps) {
+  for (int64_t i = 0; i < n; ++i) xf[i] = bf16_to_float(x[i]);
+  if (residual) {
+    for (int64_t i = 0; i < n; ++i) xf[i] = round_bf16(xf[i] + bf16_to_float(residual[i]));
+    for (int64_t i = 0; i < n; ++i) sum_out[i] = static_cast<uint16_t>(bf16_rounded_bits(xf[i]) >> 16);
+  }
+  const float inv = static_cast<float>(1.0 / std::sqrt(sum_squares(xf, n) / static_cast<double>(n) + eps));
+  for (int64_t i = 0; i < n; ++i) of[i] = w[i] * round_bf16(xf[i] * inv);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bf16_rounded_bits(of[i]) >> 16);
+}
+
+inline const uint16_t* bf16_bits(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* bf16_bits(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
+
+// A float copy of a bf16 vector (a weight, a row of cos or sin), or the float vector itself.
+template <class T>
+const float* as_float(const T* p, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+    return buf.data();
+  }
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) per row; with `residual`, x + residual first, returned too.
 template <class T>
 void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out, int64_t rows, int64_t n,
                    double eps) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
-    FloatRow<T> xs, rs, ws;
-    std::vector<float> sum_buf(n), out_buf(n);
-    float* __restrict s = sum_buf.data();
-    float* __restrict o = out_buf.data();
-    const float* __restrict wf = ws.load(w, n);
+    std::vector<float> w_buf, xf(n), of(n);
+    const float* wf = as_float(w, n, w_buf);
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xs.load(x + r * n, n);
-      if (residual) {
-        const float* __restrict a = xr;
-        const float* __restrict b = rs.load(residual + r * n, n);
-        for (int64_t i = 0; i < n; ++i) s[i] = round_to<T>(a[i] + b[i]);
-        store(s, sum_out + r * n, n);
-        xr = s;
+      const int64_t at = r * n;
+      if constexpr (std::is_same_v<T, float>) {
+        rms_norm_float_row(x + at, residual ? residual + at : nullptr, wf, residual ? sum_out + at : nullptr,
+                           out + at, n, eps);
+      } else {
+        rms_norm_bf16_row(bf16_bits(x + at), residual ? bf16_bits(residual + at) : nullptr, wf,
+                          residual ? bf16_bits(sum_out + at) : nullptr, bf16_bits(out + at), xf.data(), of.data(),
+                          n, eps);
       }
-      const float* __restrict xv = xr;
-      const float inv = static_cast<float>(1.0 / std::sqrt(sum_squares(xv, n) / static_cast<double>(n) + eps));
-      for (int64_t i = 0; i < n; ++i) o[i] = round_to<T>(wf[i] * round_to<T>(xv[i] * inv));
-      store(o, out + r * n, n);
     }
   });
 }
@@ -171,6 +175,28 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
   return {out};
 }
 
+// One head of neox RoPE (rotate its two halves): y = x1 c - x2 s | x2 c + x1 s, each product and sum
+// rounded to float on its own.
+SJ_ROW_CLONES
+void rotate_float_head(const float* __restrict x, const float* __restrict c, const float* __restrict s,
+                       float* __restrict y, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    y[i] = x1 * c[i] - x2 * s[i];
+    y[half + i] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+SJ_ROW_CLONES
+void rotate_bf16_head(const uint16_t* __restrict x, const float* __restrict c, const float* __restrict s,
+                      uint16_t* __restrict y, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[half + i]);
+    y[i] = static_cast<uint16_t>(bf16_rounded_bits(x1 * c[i] - x2 * s[i]) >> 16);
+    y[half + i] = static_cast<uint16_t>(bf16_rounded_bits(x2 * c[i] + x1 * s[i]) >> 16);
+  }
+}
+
 // qkv [T, (H + 2 KV) D] -> q [T, H, D] rotated; k rotated and v written to the pool at slots[t].
 // Neox-style RoPE (rotate the two halves of each head); cos, sin [T, D / 2].
 template <class T>
@@ -178,26 +204,22 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache,
                int64_t rows, int64_t H, int64_t KV, int64_t D) {
   const int64_t half = D / 2, width = (H + 2 * KV) * D;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
-    FloatRow<T> xs, cs, ss;
-    std::vector<float> out_buf(H * D);
-    float* __restrict y = out_buf.data();
+    std::vector<float> c_buf, s_buf;
     for (int64_t t = r0; t < r1; ++t) {
-      const float* __restrict src = xs.load(qkv + t * width, (H + KV) * D);  // q | k: v is copied as it is
-      const float* __restrict c = cs.load(cos + t * half, half);
-      const float* __restrict s = ss.load(sin + t * half, half);
-      auto rotate = [&](const float* __restrict x, float* __restrict out) {
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[i], x2 = x[half + i];
-          out[i] = round_to<T>(x1 * c[i] - x2 * s[i]);
-          out[half + i] = round_to<T>(x2 * c[i] + x1 * s[i]);
+      const float* c = as_float(cos + t * half, half, c_buf);
+      const float* s = as_float(sin + t * half, half, s_buf);
+      auto rotate = [&](const T* x, T* y) {
+        if constexpr (std::is_same_v<T, float>) {
+          rotate_float_head(x, c, s, y, half);
+        } else {
+          rotate_bf16_head(bf16_bits(x), c, s, bf16_bits(y), half);
         }
       };
-      for (int64_t h = 0; h < H; ++h) rotate(src + h * D, y + h * D);
-      store(y, q_out + t * H * D, H * D);
+      const T* src = qkv + t * width;
+      for (int64_t h = 0; h < H; ++h) rotate(src + h * D, q_out + (t * H + h) * D);
       for (int64_t h = 0; h < KV; ++h) {
-        rotate(src + (H + h) * D, y);
-        store(y, k_cache + (slots[t] * KV + h) * D, D);
-        std::memcpy(v_cache + (slots[t] * KV + h) * D, qkv + t * width + (H + KV + h) * D, D * sizeof(T));
+        rotate(src + (H + h) * D, k_cache + (slots[t] * KV + h) * D);
+        std::memcpy(v_cache + (slots[t] * KV + h) * D, src + (H + KV + h) * D, D * sizeof(T));
       }
     }
   });
@@ -233,10 +255,8 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   return q;
 }
 
-// One row of silu(g) * u on float lanes, cloned per instruction set (the widest the CPU runs is picked
-// at load): the same IEEE operations in each (no fused products: -ffp-contract=off), so the same bits.
-// The bf16 row rounds silu(g) to bf16 before the product, as torch's silu(g) * u does.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+// silu(g) * u; the bf16 row rounds silu(g) to bf16 before the product, as torch's silu(g) * u does.
+SJ_ROW_CLONES
 void silu_mul_float_row(const float* __restrict g, const float* __restrict u, float* __restrict o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
@@ -244,28 +264,32 @@ void silu_mul_float_row(const float* __restrict g, const float* __restrict u, fl
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void silu_mul_bf16_row(const float* __restrict g, const float* __restrict u, float* __restrict o, int64_t n) {
+// ``gf``, ``uf``: scratch of n floats each (one loop with the exp and the conversions together does
+// not vectorise).
+SJ_ROW_CLONES
+void silu_mul_bf16_row(const uint16_t* __restrict g, const uint16_t* __restrict u, uint16_t* __restrict o,
+                       float* __restrict gf, float* __restrict uf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gf[i] = bf16_to_float(g[i]);
+  for (int64_t i = 0; i < n; ++i) uf[i] = bf16_to_float(u[i]);
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    o[i] = round_bf16(round_bf16(gi / (1.0f + exp_float(-gi))) * u[i]);
+    const float gi = gf[i];
+    gf[i] = round_bf16(gi / (1.0f + exp_float(-gi))) * uf[i];
   }
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bf16_rounded_bits(gf[i]) >> 16);
 }
 
 // gate_up [T, 2 I] -> silu(gate) * up [T, I].
 template <class T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t r0, int64_t r1) {
-    FloatRow<T> rows_in;
-    std::vector<float> out_buf;
+    std::vector<float> scratch(std::is_same_v<T, float> ? 0 : 2 * inter);
     for (int64_t r = r0; r < r1; ++r) {
-      const float* g = rows_in.load(gu + r * 2 * inter, 2 * inter);
+      const T* g = gu + r * 2 * inter;
       if constexpr (std::is_same_v<T, float>) {
         silu_mul_float_row(g, g + inter, out + r * inter, inter);
       } else {
-        out_buf.resize(inter);
-        silu_mul_bf16_row(g, g + inter, out_buf.data(), inter);
-        store(out_buf.data(), out + r * inter, inter);
+        silu_mul_bf16_row(bf16_bits(g), bf16_bits(g + inter), bf16_bits(out + r * inter), scratch.data(),
+                          scratch.data() + inter, inter);
       }
     }
   });

@@ -9,7 +9,7 @@ K/V have already been written into their slots; they sit at the last ``q_len`` o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,9 +23,12 @@ class AttentionMetadata:
     q_gather: torch.Tensor  # [B, max_q] int64, flat token index of each padded query (padding -> 0)
     q_valid: torch.Tensor  # [B, max_q] bool
     custom_mask: torch.Tensor | None  # [B, max_q, max_q] bool among new tokens, True = may attend
-    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool for the reference; None = no masking needed
     max_q: int
     max_kv: int
+    # The full mask (``mask``) as given, or built on first use from ``mask_inputs``: only the torch paths
+    # read it, and the C++ kernel (the CPU's path) takes the lengths and ``custom_mask`` instead.
+    mask_tensor: torch.Tensor | None = field(default=None, repr=False)
+    mask_inputs: tuple | None = field(default=None, repr=False)  # _full_mask's arguments, until built
     # Per-forward caches of the invariant path, computed on first use and shared by every layer:
     # requests grouped by similar KV length (their flat token indices, their own metadata), and the
     # float64 additive mask (0 where a query may look, -inf elsewhere), and the work plan: the pieces
@@ -35,6 +38,13 @@ class AttentionMetadata:
     parts: list[tuple[torch.Tensor | None, "AttentionMetadata", torch.Tensor | None]] | None = None
     # The C++ kernel's metadata arguments (kernels/cpu_ops.py native_attention_args).
     native_args: tuple | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, max_q, max_kv] bool for the torch paths, True = may attend; None = no masking needed."""
+        if self.mask_inputs is not None:
+            self.mask_tensor, self.mask_inputs = _full_mask(*self.mask_inputs), None
+        return self.mask_tensor
 
     def select(self, rows: torch.Tensor) -> "AttentionMetadata":
         """The metadata of the requests ``rows`` alone, padded only to their own longest q and KV;
@@ -50,9 +60,9 @@ class AttentionMetadata:
             q_gather=q_gather,
             q_valid=q_valid,
             custom_mask=None if self.custom_mask is None else self.custom_mask[rows, :max_q, :max_q],
-            mask=None if self.mask is None else self.mask[rows, :, :max_q, :max_kv],
             max_q=max_q,
             max_kv=max_kv,
+            mask_tensor=None if self.mask is None else self.mask[rows, :, :max_q, :max_kv],
         )
 
 
@@ -80,7 +90,7 @@ def build_attention_metadata(
     kv_lens, q_lens: [B] (python ints or int64 tensors on the device of ``req_to_token``);
     custom_mask: optional [B, max_q, max_q] bool; when None the new tokens attend causally;
     static_sizes: (max_q, max_kv) given, not read off the lengths (nothing is read back from the
-    device, as a CUDA graph capture needs; the mask is then always built).
+    device, as a CUDA graph capture needs; the full mask is then always there for the torch paths).
     """
     device = req_to_token.device
     kv_lens = torch.as_tensor(kv_lens, dtype=torch.int64, device=device)
@@ -98,9 +108,26 @@ def build_attention_metadata(
     kv_valid = pos_kv[None, :] < kv_lens[:, None]  # [B, max_kv]
     kv_indices = req_to_token[req_pool_indices, :max_kv].to(torch.int64)
     kv_indices = torch.where(kv_valid, kv_indices, torch.zeros_like(kv_indices))
+    need_mask = static_sizes is not None or custom_mask is not None or max_q > 1 or bool((kv_lens != max_kv).any())
+    return AttentionMetadata(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        q_starts=q_starts,
+        kv_indices=kv_indices,
+        q_gather=q_gather,
+        q_valid=q_valid,
+        custom_mask=custom_mask,
+        max_q=max_q,
+        max_kv=max_kv,
+        mask_inputs=(kv_lens, q_lens, q_valid, kv_valid, pos_kv, custom_mask, max_q) if need_mask else None,
+    )
 
-    pos_q = torch.arange(max_q, device=device)
 
+def _full_mask(kv_lens: torch.Tensor, q_lens: torch.Tensor, q_valid: torch.Tensor, kv_valid: torch.Tensor,
+               pos_kv: torch.Tensor, custom_mask: torch.Tensor | None, max_q: int) -> torch.Tensor:
+    """[B, 1, max_q, max_kv]: the cached prefix, and the new tokens causally or as ``custom_mask`` says."""
+    batch, max_kv = kv_valid.shape
+    pos_q = torch.arange(max_q, device=kv_valid.device)
     prefix_lens = kv_lens - q_lens
     # Offset of each kv position inside the new-token block (negative = cached prefix).
     new_offset = pos_kv[None, :] - prefix_lens[:, None]  # [B, max_kv]
@@ -113,16 +140,4 @@ def build_attention_metadata(
     mask = (in_prefix[:, None, :] | allowed_new) & kv_valid[:, None, :]
     # Padded query rows would see nothing; let them see slot position 0 so softmax stays finite.
     mask[:, :, 0] |= ~q_valid
-    need_mask = static_sizes is not None or custom_mask is not None or max_q > 1 or bool((kv_lens != max_kv).any())
-    return AttentionMetadata(
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        q_starts=q_starts,
-        kv_indices=kv_indices,
-        q_gather=q_gather,
-        q_valid=q_valid,
-        custom_mask=custom_mask,
-        mask=mask[:, None] if need_mask else None,
-        max_q=max_q,
-        max_kv=max_kv,
-    )
+    return mask[:, None]

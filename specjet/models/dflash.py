@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specjet.kernels import cpu_ops
 from specjet.models.config import ModelConfig
 from specjet.models.eagle import (TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head,
                                   read_draft_config, target_identity)
@@ -179,13 +180,13 @@ class DFlashDraftModel(nn.Module):
 
     def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
         """Block ids [...] -> embeddings [..., h]: the target's embedding, the mask embedding at mask ids."""
-        x = self._shared().embed(ids).to(self.mask_embedding.dtype)
+        x = F.embedding(ids, self._shared().embed.weight).to(self.mask_embedding.dtype)
         is_mask = (ids == self.shape.mask_token_id)[..., None]
         return torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] (already normed) -> [..., K or vocab] float32 through the (hot) LM head."""
-        logits = self._shared().lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
+        logits = self._shared().lm_head.project(hidden.reshape(-1, hidden.shape[-1])).float()
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -230,7 +231,7 @@ class DFlashDraftModel(nn.Module):
         if self.root_proj is not None:
             if root_ctx is None:
                 raise ValueError("this DFlash draft reads the last verified position's context: pass root_ctx")
-            x = x + self.root_proj(root_ctx.to(x.dtype))[:, None, :]
+            x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
         return x.reshape(-1, x.shape[-1])
 
     @torch.inference_mode()
@@ -243,11 +244,15 @@ class DFlashDraftModel(nn.Module):
         blocks = 1 if root_ctx is None else root_ctx.shape[0]
         x = self.block_input(batch.input_ids.view(blocks, -1), root_ctx)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        # The C++ ops' path directly where it is on (as the target's forward does): drafting is a
+        # few small ops per layer, where nn.Module's call machinery and torch's RMSNorm ops show.
+        native = self.layers[0].native_ops
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, kv_cache)
+            x = layer.forward_native(x, cos, sin, batch, kv_cache) if native else layer(x, cos, sin, batch, kv_cache)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return self.logits(self.norm(x))
+        normed = cpu_ops.rms_norm(x.contiguous(), self.norm.weight, self.norm.eps) if native else self.norm(x)
+        return self.logits(normed)
 
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
