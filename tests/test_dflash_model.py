@@ -112,12 +112,18 @@ def scattered_table(num_positions, seed=0):
     return slots[None, :].clone()
 
 
-@pytest.mark.parametrize("window,root_context", [(None, False), (6, False), (None, True), (6, True)])
-def test_paged_block_forward_equals_the_dense_oracle(runner, features, window, root_context):
+@pytest.mark.parametrize("window,root_context,packed", [(None, False, False), (6, False, False), (None, True, False),
+                                                         (6, True, False), (None, True, True), (6, False, True)])
+def test_paged_block_forward_equals_the_dense_oracle(runner, features, window, root_context, packed):
+    """packed: the inference operands and the C++ ops (the context's k|v through their own packed
+    operand, RoPE and the write in one call), as a loaded draft runs."""
     ids, feats = features
     draft = random_draft(runner.config, root_context=root_context)
+    if packed:
+        draft.pack_for_decode()
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
     drafter = DFlashDrafter(runner, draft, BLOCK, window, allocator)
+    assert all(op is not None for op in draft.context_kv) == packed and len(draft.context_kv) == 2
     n = len(ids)
     # Let the allocator own the request's slots so the scratch block gets others.
     table = torch.zeros(2, 64, dtype=torch.int64)

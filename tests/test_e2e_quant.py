@@ -113,5 +113,7 @@ def test_speculative_equals_plain(plain_gguf, algorithm):
         if draft is not None:  # a learned draft computes with the target's kind of weights
             linears = [m for m in draft().modules() if isinstance(m, Linear)]
             assert linears and all(isinstance(m.packed, QuantizedLinear) for m in linears)
+            if algorithm == "DFLASH":  # the context K/V too: the quantized rows of each layer's k|v
+                assert draft().context_kv and all(isinstance(op, QuantizedLinear) for op in draft().context_kv)
     assert outs == expected
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.linear import pack_weight
+from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.eagle import (TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head,
                                   read_draft_config, target_identity)
@@ -113,6 +115,7 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
+        self.context_kv: list = []  # per layer, write_context's k|v operand (_pack_context_kv)
         self.reset_parameters()
 
     # ---------------------------------------------------------------- set-up
@@ -138,6 +141,7 @@ class DFlashDraftModel(nn.Module):
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids),
                                    full_lm_head=target.lm_head)
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
+        self._pack_context_kv()
         return self
 
     def pack_for_decode(self) -> None:
@@ -147,6 +151,24 @@ class DFlashDraftModel(nn.Module):
             if isinstance(module, Linear):
                 module.pack_for_decode()
         set_native_ops(self.layers, self.config, self.mask_embedding)
+        self._pack_context_kv()
+
+    def _pack_context_kv(self) -> None:
+        """Each layer's k|v columns of its fused projection as an inference operand of their own
+        (packed, or the quantized rows of a quantized projection), for ``write_context``: a plain
+        matmul against the column slice re-blocks the bf16 weight on every call. None where the
+        layer is not packed (training), or not on the C++ ops' path."""
+        self.context_kv = []
+        for layer in self.layers:
+            attn, packed = layer.self_attn, layer.self_attn.qkv_proj.packed
+            operand = None
+            if layer.native_ops and isinstance(packed, QuantizedLinear):
+                operand = packed.select_outputs(torch.arange(attn.q_size, attn.q_size + 2 * attn.kv_size))
+            elif layer.native_ops and packed is not None:
+                bias = attn.qkv_proj.bias
+                operand = pack_weight(attn.qkv_proj.weight_t.detach()[:, attn.q_size:].contiguous(),
+                                      None if bias is None else bias.detach()[attn.q_size:].contiguous())
+            self.context_kv.append(operand)
 
     @property
     def feature_capture(self) -> FeatureLayers:
@@ -171,12 +193,17 @@ class DFlashDraftModel(nn.Module):
         return self.target
 
     # ---------------------------------------------------------------- pieces shared by both paths
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [..., (K + 1) h] -> context vectors c [..., h]."""
+    def context(self, features: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """Target features [..., (K + 1) h] -> context vectors c [..., h] (``native``: the packed fc and
+        the C++ RMSNorm, inference only)."""
         if features.shape[-1] != self.feature_width:
             raise ValueError(f"target features have width {features.shape[-1]}, this draft reads {self.feature_width}")
         flat = features.reshape(-1, features.shape[-1])
-        return self.hidden_norm(self.fc(flat)).reshape(*features.shape[:-1], -1)
+        if native:
+            c = cpu_ops.rms_norm(self.fc.project(flat).contiguous(), self.hidden_norm.weight, self.hidden_norm.eps)
+        else:
+            c = self.hidden_norm(self.fc(flat))
+        return c.reshape(*features.shape[:-1], -1)
 
     def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
         """Block ids [...] -> embeddings [..., h]: the target's embedding, the mask embedding at mask ids."""
@@ -216,13 +243,19 @@ class DFlashDraftModel(nn.Module):
         """Materialise verified positions as context: every layer's K/V of c_t at slot ``slots[i]``
         for position ``positions[i]`` (``features[i]``: the target's features there). Returns the
         context vectors c [N, h] (a drafter with a root context keeps each request's last one)."""
-        ctx = self.context(features.to(self.mask_embedding.dtype))
+        operands = self.context_kv or [None] * len(self.layers)
+        native = operands[0] is not None
+        ctx = self.context(features.to(self.mask_embedding.dtype), native=native and features.shape[0] > 0)
         if features.shape[0] == 0:
             return ctx
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = self._kv(layer.self_attn, ctx, cos, sin)
-            kv_cache.write(i, slots, k, v)
+        for i, (layer, operand) in enumerate(zip(self.layers, operands)):
+            if operand is not None:  # k|v, RoPE on k and the write in two calls (no query heads)
+                cpu_ops.rope_store(operand(ctx).contiguous(), cos, sin, kv_cache.k[i], kv_cache.v[i],
+                                   slots.contiguous(), 0)
+            else:
+                k, v = self._kv(layer.self_attn, ctx, cos, sin)
+                kv_cache.write(i, slots, k, v)
         return ctx
 
     def block_input(self, ids: torch.Tensor, root_ctx: torch.Tensor | None) -> torch.Tensor:
