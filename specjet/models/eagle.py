@@ -167,7 +167,7 @@ class EagleDraftModel(nn.Module):
         chunks = features.split(h, dim=-1)
         parts = [norm(c) for norm, c in zip(self.feature_norms, chunks)] + [chunks[-1]]
         fused = torch.cat(parts, dim=-1)
-        return self.fuse(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape[:-1], h)
+        return self.fuse.project(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape[:-1], h)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -184,13 +184,15 @@ class EagleDraftModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> [..., K or V] float32 through the (hot) LM head."""
-        logits = self._shared().lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
+        logits = self._shared().lm_head.project(hidden.reshape(-1, hidden.shape[-1])).float()
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
+    # The inference pieces call projections through ``project`` and embeddings through F.embedding, not
+    # nn.Module's call machinery: a draft step is a handful of small calls where that overhead shows.
     def _fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        embeds = self._shared().embed(input_ids).to(features.dtype)
+        embeds = F.embedding(input_ids, self._shared().embed.weight).to(features.dtype)
         fused = torch.cat([embeds, features], dim=-1)
-        return self.fc(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape)
+        return self.fc.project(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape)
 
     # ---------------------------------------------------------------- inference (paged KV)
     @torch.inference_mode()
@@ -208,7 +210,9 @@ class EagleDraftModel(nn.Module):
             features = self.embed_features(features)
         x = self._fuse(batch.input_ids, features)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        hidden = self.layer(x, cos, sin, batch, kv_cache)
+        layer = self.layer
+        hidden = layer.forward_native(x, cos, sin, batch, kv_cache) if layer.native_ops else layer(
+            x, cos, sin, batch, kv_cache)
         logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         return hidden, self.logits(logits_in)
 
