@@ -70,7 +70,8 @@ def test_latency_against_hf_writes_table_and_record(tiny_model_dir, tmp_path):
 @pytest.mark.e2e
 def test_latency_default_model_specjet_only(tmp_path):
     result_file = tmp_path / "latency.jsonl"
-    stdout = run_bench("--skip-hf", "--batch-sizes", "1", "2", "--max-new-tokens", "8", "--repeats", "1",
+    # enough tokens that t_N - t_1 stands clear of the noise of a loaded machine
+    stdout = run_bench("--skip-hf", "--batch-sizes", "1", "2", "--max-new-tokens", "32", "--repeats", "1",
                        "--num-prompts", "2", "--max-running-requests", "4", "--result-file", str(result_file))
     rows = table_rows(stdout)
     assert set(rows) == {("specjet", 1), ("specjet", 2)}
