@@ -471,3 +471,21 @@ def test_output_check_uses_the_schemas_draft():
 def test_output_check_says_when_it_cannot_check(schema):
     result = check_json_output(schema, '"text"')
     assert result.valid is None and result.message.startswith("output not checked: "), result
+
+
+def test_bitmask_allows_reads_token_t_at_bit_t_mod_32_of_word_t_div_32():
+    """Several rows, token ids in any order and repeated, the first and last bits of words."""
+    from specjet.grammar import bitmask_allows
+
+    gen = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 40), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # all allowed
+    bitmask[2] = 0  # none allowed
+    tokens = torch.cat([torch.tensor([0, 31, 32, 63, 1279, 5, 5]), torch.randint(0, 1280, (200,), generator=gen)])
+    allowed = bitmask_allows(bitmask, tokens)
+    assert allowed.dtype == torch.bool and allowed.shape == (3, len(tokens))
+    for r in range(3):
+        for i, t in enumerate(tokens.tolist()):
+            word = int(bitmask[r, t // 32]) & 0xFFFFFFFF
+            assert bool(allowed[r, i]) == bool((word >> (t % 32)) & 1), (r, t)
+    assert allowed[1].all() and not allowed[2].any()

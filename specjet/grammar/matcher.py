@@ -7,8 +7,10 @@ filled on the CPU by `RequestGrammar.fill_next_token_bitmask` and applied to the
 
 from __future__ import annotations
 
+import sys
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -105,8 +107,13 @@ def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     """Whether each row of `bitmask` allows each token: [R, W] int32 x [M] int64 -> [R, M] bool.
 
     The gather form (rather than unpacking whole rows) costs R x M, which matters when M is a
-    draft head's few thousand hot tokens rather than the whole vocabulary.
+    draft head's few thousand hot tokens rather than the whole vocabulary. On the CPU, numpy unpacks
+    whole rows (bit t of the little-endian words is token t) and gathers: a few torch ops over M
+    int64 lanes cost several times more at a drafter's one row per position.
     """
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[:, token_ids.cpu().numpy()].view(bool))
     token_ids = token_ids.to(device=bitmask.device, dtype=torch.int64)
     words = bitmask[:, token_ids >> 5].to(torch.int64)  # [R, M]
     return ((words >> (token_ids & 31)) & 1).bool()
