@@ -489,3 +489,15 @@ def test_bitmask_allows_reads_token_t_at_bit_t_mod_32_of_word_t_div_32():
             word = int(bitmask[r, t // 32]) & 0xFFFFFFFF
             assert bool(allowed[r, i]) == bool((word >> (t % 32)) & 1), (r, t)
     assert allowed[1].all() and not allowed[2].any()
+
+
+def test_bitmask_popcount_counts_every_set_bit_of_a_row():
+    from specjet.grammar import bitmask_popcount
+
+    gen = torch.Generator().manual_seed(4)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 17), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1
+    bitmask[2] = 0
+    expected = [sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in row.tolist()) for row in bitmask]
+    assert bitmask_popcount(bitmask).tolist() == expected
+    assert expected[1:] == [17 * 32, 0]

@@ -119,6 +119,15 @@ def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return ((words >> (token_ids & 31)) & 1).bool()
 
 
+def bitmask_popcount(bitmask: torch.Tensor) -> torch.Tensor:
+    """Allowed tokens per row of `bitmask` (its set bits): [R, W] int32 -> [R] int64."""
+    if bitmask.device.type == "cpu":
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1)
+        return torch.from_numpy(bits.sum(axis=-1, dtype=np.int64))
+    words = bitmask.to(torch.int64) & 0xFFFFFFFF
+    return ((words[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1).sum(dim=(1, 2))
+
+
 def apply_token_bitmask_(
     logits: torch.Tensor, bitmask: torch.Tensor, indices: Sequence[int] | None = None
 ) -> None:

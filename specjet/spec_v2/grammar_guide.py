@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from specjet.grammar import RequestGrammar, allocate_token_bitmask, bitmask_allows, mask_draft_tree
+from specjet.grammar import (RequestGrammar, allocate_token_bitmask, bitmask_allows, bitmask_popcount,
+                             mask_draft_tree)
 
 
 class GrammarGuide:
@@ -52,7 +53,7 @@ class GrammarGuide:
         bitmask = allocate_token_bitmask(1, self.vocab_size)
         self.grammar.fill_next_token_bitmask(bitmask, 0)
         stops = torch.tensor(self.grammar.compiled.tokenizer_info.stop_token_ids, dtype=torch.int64)
-        num_allowed = int(_popcount(bitmask).sum())
+        num_allowed = int(bitmask_popcount(bitmask).sum())
         return num_allowed == int(bitmask_allows(bitmask, stops).sum())
 
     # ------------------------------------------------------------------ drafting
@@ -88,9 +89,3 @@ class GrammarGuide:
         kept_parents = [-1] + [new_index[parents[i]] for i in keep[1:]]
         return [tokens[i] for i in keep], kept_parents, masks.bitmask[keep]
 
-
-def _popcount(bitmask: torch.Tensor) -> torch.Tensor:
-    """Set bits per row of an int32 bitmask [R, W] -> [R]."""
-    words = bitmask.to(torch.int64) & 0xFFFFFFFF
-    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int64)) & 1
-    return bits.sum(dim=(1, 2))
