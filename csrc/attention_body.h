@@ -362,7 +362,7 @@ void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int
   const int64_t threads = at::get_num_threads();
   const int64_t items = item_start[batch];
   const int64_t parts = (threads > 1 && items % threads != 0 && items < 4 * threads) ? std::min(group, threads) : 1;
-  at::parallel_for(0, item_start[batch] * parts, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
     Workspace ws;
     int64_t b = 0;
     for (int64_t i = i0; i < i1; ++i) {

@@ -112,8 +112,7 @@ def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     int64 lanes cost several times more at a drafter's one row per position.
     """
     if bitmask.device.type == "cpu" and sys.byteorder == "little":
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
-        return torch.from_numpy(bits[:, token_ids.cpu().numpy()].view(bool))
+        return torch.from_numpy(_unpacked_bits(bitmask)[:, token_ids.cpu().numpy()].view(bool))
     token_ids = token_ids.to(device=bitmask.device, dtype=torch.int64)
     words = bitmask[:, token_ids >> 5].to(torch.int64)  # [R, M]
     return ((words >> (token_ids & 31)) & 1).bool()
@@ -121,11 +120,15 @@ def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
 
 def bitmask_popcount(bitmask: torch.Tensor) -> torch.Tensor:
     """Allowed tokens per row of `bitmask` (its set bits): [R, W] int32 -> [R] int64."""
-    if bitmask.device.type == "cpu":
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1)
-        return torch.from_numpy(bits.sum(axis=-1, dtype=np.int64))
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        return torch.from_numpy(_unpacked_bits(bitmask).sum(axis=-1, dtype=np.int64))
     words = bitmask.to(torch.int64) & 0xFFFFFFFF
     return ((words[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1).sum(dim=(1, 2))
+
+
+def _unpacked_bits(bitmask: torch.Tensor) -> np.ndarray:
+    """A CPU bitmask [R, W] int32 as [R, 32 W] uint8 0/1, column t for token t (little-endian words)."""
+    return np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
 
 
 def apply_token_bitmask_(

@@ -199,11 +199,7 @@ class DFlashDraftModel(nn.Module):
         if features.shape[-1] != self.feature_width:
             raise ValueError(f"target features have width {features.shape[-1]}, this draft reads {self.feature_width}")
         flat = features.reshape(-1, features.shape[-1])
-        if native:
-            c = cpu_ops.rms_norm(self.fc.project(flat).contiguous(), self.hidden_norm.weight, self.hidden_norm.eps)
-        else:
-            c = self.hidden_norm(self.fc(flat))
-        return c.reshape(*features.shape[:-1], -1)
+        return self.hidden_norm.normalize(self.fc.project(flat), native).reshape(*features.shape[:-1], -1)
 
     def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
         """Block ids [...] -> embeddings [..., h]: the target's embedding, the mask embedding at mask ids."""
@@ -277,15 +273,13 @@ class DFlashDraftModel(nn.Module):
         blocks = 1 if root_ctx is None else root_ctx.shape[0]
         x = self.block_input(batch.input_ids.view(blocks, -1), root_ctx)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        # The C++ ops' path directly where it is on (as the target's forward does): drafting is a
-        # few small ops per layer, where nn.Module's call machinery and torch's RMSNorm ops show.
-        native = self.layers[0].native_ops
+        # As the target's forward: forward, not __call__ (drafting is a few small ops per layer, where
+        # nn.Module's call machinery shows), and the C++ norm where the layers run native.
         for layer in self.layers:
-            x = layer.forward_native(x, cos, sin, batch, kv_cache) if native else layer(x, cos, sin, batch, kv_cache)
+            x = layer.forward(x, cos, sin, batch, kv_cache)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        normed = cpu_ops.rms_norm(x.contiguous(), self.norm.weight, self.norm.eps) if native else self.norm(x)
-        return self.logits(normed)
+        return self.logits(self.norm.normalize(x, self.layers[0].native_ops))
 
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,

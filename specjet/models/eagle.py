@@ -210,9 +210,7 @@ class EagleDraftModel(nn.Module):
             features = self.embed_features(features)
         x = self._fuse(batch.input_ids, features)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        layer = self.layer
-        hidden = layer.forward_native(x, cos, sin, batch, kv_cache) if layer.native_ops else layer(
-            x, cos, sin, batch, kv_cache)
+        hidden = self.layer.forward(x, cos, sin, batch, kv_cache)  # takes the native path where it is on
         logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         return hidden, self.logits(logits_in)
 

@@ -50,6 +50,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def normalize(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        """The norm through the C++ op (``native``: where the model's layers run on it) or torch's."""
+        return cpu_ops.rms_norm(x.contiguous(), self.weight, self.eps) if native else self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as the reference implementations do, then cast back.
         xf = x.float()
@@ -189,9 +193,9 @@ class LlamaForCausalLM(nn.Module):
         layer_hidden = {} if isinstance(capture, tuple) else None
         residuals = []
         for i, layer in enumerate(self.layers):
-            # The native layer directly: nn.Module's call machinery costs ~10 us a layer at batch 1.
-            x = layer.forward_native(x, cos, sin, batch, kv_cache) if layer.native_ops else layer(
-                x, cos, sin, batch, kv_cache)
+            # forward, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1 (forward
+            # itself takes the native path where it is on).
+            x = layer.forward(x, cos, sin, batch, kv_cache)
             if layer_hidden is not None and i in capture:
                 layer_hidden[i] = x
             if i in feature_layers:
@@ -210,9 +214,7 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layers[0].native_ops:
-            return cpu_ops.rms_norm(x.contiguous(), self.norm.weight, self.norm.eps)
-        return self.norm(x)
+        return self.norm.normalize(x, self.layers[0].native_ops)
 
     def use_native_ops(self, flag: bool = True) -> bool:
         """Inference through specjet's C++ CPU ops (kernels/cpu_ops.py: float64 attention, RMSNorm, RoPE with

@@ -68,6 +68,8 @@ QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1)
 # nothing measurable (bench/RESULTS.md, session 16).
 DFLASH_MIN_DRAFT_PROB = 0.1
 EAGLE_MIN_DRAFT_PROB = 0.1
+MIN_PROB_NEEDS_LEARNED_DRAFT = ("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
+                                "speculative_algorithm='EAGLE' or 'DFLASH'")
 
 # NGRAM: nodes of a request's verify tree when speculative_num_draft_tokens is not given.
 NGRAM_TREE_NODES = 8
@@ -130,8 +132,7 @@ class SpecConfig:
         if not 0.0 <= self.min_draft_prob <= 1.0:  # also false for NaN
             raise ValueError(f"speculative_draft_min_prob must be in [0, 1], got {self.min_draft_prob}")
         if self.min_draft_prob and self.algorithm not in HYBRID_ALGORITHMS:
-            raise ValueError("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
-                             "speculative_algorithm='EAGLE' or 'DFLASH'")
+            raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
         if self.dflash.window is not None and self.dflash.window < 1:
             raise ValueError(f"speculative_dflash_draft_window_size must be >= 1, got {self.dflash.window}")
         if self.max_verify_nodes is not None and self.max_verify_nodes < 1:
@@ -169,8 +170,7 @@ class SpecConfig:
             raise ValueError("speculative_hybrid_ngram_tokens adds n-gram nodes to learned drafts: it needs "
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_draft_min_prob is not None and algorithm not in HYBRID_ALGORITHMS:
-            raise ValueError("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
-                             "speculative_algorithm='EAGLE' or 'DFLASH'")
+            raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
         if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
             raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
                              "speculative_algorithm='DFLASH'")
