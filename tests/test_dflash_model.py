@@ -243,14 +243,17 @@ def test_default_target_layers_spread_over_the_stack():
 
 
 def test_block_tree_ranks_paths_and_keeps_parents_first():
-    """Per-position candidates -> a tree: the spine of best tokens, runners-up beside it, the
-    best budget - 1 nodes by path log-probability (worked out by hand)."""
+    """Per-position candidates -> a tree: any node at depth i may continue with position i + 1's
+    candidates (a runner-up too), the best budget - 1 paths by log-probability, parents first
+    (worked out by hand)."""
     from specjet.spec_v2.dflash_drafter import _tree
 
     candidates = [[(10, -0.1), (11, -1.0)], [(20, -0.2), (21, -0.5)], [(30, -3.0)]]
-    # path scores: 10: -0.1, 11: -1.0, 20: -0.3, 21: -0.6, 30: -3.3
+    # path scores: 10: -0.1, 10-20: -0.3, 10-21: -0.6, 11: -1.0, 11-20: -1.2, 11-21: -1.5,
+    # 10-20-30: -3.3, 10-21-30: -3.6, 11-20-30: -4.2, 11-21-30: -4.5
     assert _tree(1, candidates, 5) == ([1, 10, 20, 21, 11], [-1, 0, 1, 1, 0])
-    assert _tree(1, candidates, 9) == ([1, 10, 20, 21, 11, 30], [-1, 0, 1, 1, 0, 2])
+    assert _tree(1, candidates, 9) == ([1, 10, 20, 21, 11, 20, 21, 30, 30], [-1, 0, 1, 1, 0, 4, 4, 2, 3])
+    assert _tree(1, candidates, 99) == ([1, 10, 20, 21, 11, 20, 21, 30, 30, 30, 30], [-1, 0, 1, 1, 0, 4, 4, 2, 3, 5, 6])
     assert _tree(1, candidates, 1) == ([1], [-1])
     chain = [[(5, 0.0)], [(6, -0.2)], [(7, -0.1)]]  # one candidate each: the chain
     assert _tree(1, chain, 16) == ([1, 5, 6, 7], [-1, 0, 1, 2])

@@ -1,5 +1,6 @@
 """DFlash block drafting (a ``Drafter``): one draft forward per iteration proposes a whole chain (or,
-with ``topk`` > 1, a tree: each block position's other candidates as leaves beside the chain).
+with ``topk`` > 1, a tree: each block position's candidates may follow any node of the position
+before, the most likely paths first).
 
 Per request the drafter keeps its draft KV (and, for a root-context draft, the context vector of
 its last verified position, models/dflash.py): every verified position's context K/V
@@ -29,6 +30,7 @@ other candidates are its next best legal tokens.
 """
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -225,26 +227,28 @@ class DFlashDrafter:
 
 def _tree(root: int, candidates: list[list[tuple[int, float]]], budget: int, min_logp: float = -math.inf
           ) -> DraftTree:
-    """The draft tree of a block: a spine of each position's best token, and each position's other
-    candidates as leaves beside the spine node there (a block position's prediction does not
-    depend on the tokens before it, so an alternative has no drafted continuation of its own).
-    Nodes are ranked by path log-probability and the best ``budget - 1`` kept, none whose path
-    log-probability is below ``min_logp`` (the grammar's sure tokens score 0); a parent's score is
-    at least its child's and, on a tie, its depth is less, so the ranked list keeps parents first
-    and any cut of it is a tree. With one candidate per position this is the chain of the spine."""
-    nodes = []  # (score, depth, rank, token, parent key); key of spine node i: i + 1, the root: 0
-    spine_score = 0.0
-    for i, options in enumerate(candidates):
-        for rank, (token, logp) in enumerate(options):
-            nodes.append((-(spine_score + logp), i, rank, token, i))
-        spine_score += options[0][1]
-    nodes.sort()
-    kept = [node for node in nodes[:max(0, budget - 1)] if -node[0] >= min_logp]
-    index = {0: 0}  # parent key -> node index in the tree
+    """The draft tree of a block, best first: every node at depth i may continue with any of block
+    position i + 1's candidates (a block position's prediction does not depend on the token chosen
+    before it, so after a runner-up the next positions' drafts are as good a guess as after the
+    best token: a lattice, of which the spine of best tokens is one path). Paths are expanded in
+    order of log-probability (the sum over their positions) until ``budget - 1`` nodes are taken or
+    the next is below ``min_logp`` (the grammar's sure tokens score 0). A child never scores above
+    its parent and is only queued once its parent is taken, so the nodes come parents first and any
+    cut of the list is a tree. With one candidate per position this is the chain of the spine."""
     tokens, parents = [root], [-1]
-    for _, depth, rank, token, parent_key in kept:
+    # (-score, depth, order queued, parent index, token): ties go to the shallower, then the earlier node
+    queue = [(-logp, 0, rank, 0, token) for rank, (token, logp) in enumerate(candidates[0])] if candidates else []
+    heapq.heapify(queue)
+    queued = len(queue)
+    while queue and len(tokens) < budget:
+        neg, depth, _, parent, token = heapq.heappop(queue)
+        if -neg < min_logp:
+            break
         tokens.append(token)
-        parents.append(index[parent_key])
-        if rank == 0:
-            index[depth + 1] = len(tokens) - 1
+        parents.append(parent)
+        if depth + 1 < len(candidates):
+            node = len(tokens) - 1
+            for token_next, logp in candidates[depth + 1]:
+                heapq.heappush(queue, (neg - logp, depth + 1, queued, node, token_next))
+                queued += 1
     return tokens, parents
