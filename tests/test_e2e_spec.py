@@ -35,7 +35,7 @@ def plain_outputs():
     {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "speculative_num_steps": 5,
      "speculative_num_draft_tokens": 6, "page_size": 16},
     {"speculative_algorithm": "NGRAM"},
-    {"speculative_algorithm": "DFLASH"},  # the shipped draft: a tree of block 8, topk 2
+    {"speculative_algorithm": "DFLASH"},  # the shipped draft: a lattice tree of block 8, topk 3
     {"speculative_algorithm": "DFLASH", "speculative_eagle_topk": 1, "page_size": 16},
 ])
 def test_speculative_greedy_equals_plain(plain_outputs, kwargs):

@@ -43,10 +43,11 @@ class DFlashParams:
     # the last W; None: all of them.
     window: int | None = None
     # Candidates per block position (speculative_eagle_topk, SGLang's name for the draft's width):
-    # 1 verifies the block as a chain (DFlash as published); k > 1 a tree of the same node count
-    # whose extra nodes are each position's next best tokens beside the chain (spec_v2/dflash_drafter.py).
-    # 2: the tree beat the chain at batch 1 and 4 with the shipped draft (bench/RESULTS.md, session 13).
-    topk: int = 2
+    # 1 verifies the block as a chain (DFlash as published); k > 1 a lattice tree, any node continued
+    # by the next position's k best tokens, the most likely paths first down to the confidence cut
+    # (spec_v2/dflash_drafter.py). 3: with the 1-layer draft it matched or beat 2 and the chain on
+    # GSM8K and stayed within noise of them on JSON schemas (bench/RESULTS.md, session 18).
+    topk: int = 3
 
 
 # EAGLE's defaults for a target with quantized weights on the CPU (the GGUF blocks, int8, int4): there
