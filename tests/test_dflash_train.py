@@ -180,3 +180,32 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
                         speculative_draft_model_path=str(out), speculative_num_draft_tokens=4) as eng:
         assert [o["output_ids"] for o in eng.generate(prompts, params)] == expected
         eng.check_kv_invariant()
+
+
+def test_parser_defaults_are_the_shipped_drafts_recipe():
+    """`python -m specjet.train dflash` with no flags trains what specjet ships: every flag the shipped
+    draft's config records equals the parser's default (the target-derived ones as run() derives them)."""
+    from specjet.models.dflash import default_dflash_path, default_target_layers
+    from specjet.train.dflash import build_parser
+
+    meta = read_dflash_config(default_dflash_path())
+    recorded = meta["training"]["command"].split()
+    flags = recorded[recorded.index("dflash") + 1:]
+    defaults = vars(build_parser().parse_args([]))
+    derived = {"target_layers": " ".join(map(str, default_target_layers(meta["target"]["num_layers"], 5))),
+               "mask_token_id": str(meta["target"]["vocab_size"] - 1)}
+    checked = set()
+    i = 0
+    while i < len(flags):
+        name, values = flags[i][2:].replace("-", "_"), []
+        i += 1
+        while i < len(flags) and not flags[i].startswith("--"):
+            values.append(flags[i])
+            i += 1
+        if name in ("root_context", "no_root_context"):
+            assert defaults["root_context"] == (name == "root_context")
+            continue
+        expected = derived[name] if defaults[name] is None and name in derived else str(defaults[name])
+        assert " ".join(values) == expected, name
+        checked.add(name)
+    assert {"num_layers", "steps", "num_target_replies", "json_per_schema", "block_size"} <= checked
