@@ -191,3 +191,25 @@ def test_no_cascade_for_short_shared_prefixes_small_savings_long_queries_or_unca
     cached = int(kv_lens[0]) - 60
     assert cached < 100
     assert plans(table, rows, kv_lens, q_lens) == [([0, 1, 2, 3], cached), ([4, 5], 80)]
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_a_pieces_mask_is_the_full_masks_rows_and_built_only_when_read(custom):
+    """select(rows): the piece's mask, built from its own rows' inputs when a torch path reads it,
+    equals the batch's full mask at those rows (cut to the piece's own padding); selecting does not
+    build the batch's mask (the C++ kernel never reads one)."""
+    kv_lens, q_lens = [30, 9, 17, 4], [3, 1, 4, 2]
+    _, _, _, table = make_batch(kv_lens, q_lens, torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    custom_mask = torch.rand(4, 4, 4, generator=gen) < 0.6 if custom else None
+    args = (table, torch.arange(4), torch.tensor(kv_lens), torch.tensor(q_lens), custom_mask)
+    meta = build_attention_metadata(*args)
+    for rows in ([1, 3], [0, 2], [2]):
+        piece = meta.select(torch.tensor(rows))
+        assert meta.mask_inputs is not None and piece.mask_inputs is not None  # nothing built yet
+        expected = build_attention_metadata(*args).mask[rows, :, :piece.max_q, :piece.max_kv]
+        assert torch.equal(piece.mask, expected), rows
+    built = build_attention_metadata(*args)
+    full = built.mask  # once the batch's mask exists, a piece takes its rows
+    piece = built.select(torch.tensor([1, 3]))
+    assert (piece.max_q, piece.max_kv) == (2, 9) and torch.equal(piece.mask, full[[1, 3], :, :2, :9])

@@ -52,6 +52,14 @@ class AttentionMetadata:
         q_lens, kv_lens = self.q_lens[rows], self.kv_lens[rows]
         max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
         q_starts, q_valid, q_gather = _query_layout(q_lens, max_q)
+        custom_mask = None if self.custom_mask is None else self.custom_mask[rows, :max_q, :max_q]
+        if self.mask_inputs is not None:
+            # Not built yet: the piece builds its own from its rows' inputs if a torch path reads it
+            # (the same values as the full mask's rows; the C++ kernel never asks).
+            kv_valid, pos_kv = self.mask_inputs[3][rows, :max_kv], self.mask_inputs[4][:max_kv]
+            mask = {"mask_inputs": (kv_lens, q_lens, q_valid, kv_valid, pos_kv, custom_mask, max_q)}
+        else:
+            mask = {"mask_tensor": None if self.mask_tensor is None else self.mask_tensor[rows, :, :max_q, :max_kv]}
         return AttentionMetadata(
             q_lens=q_lens,
             kv_lens=kv_lens,
@@ -59,10 +67,10 @@ class AttentionMetadata:
             kv_indices=self.kv_indices[rows, :max_kv],
             q_gather=q_gather,
             q_valid=q_valid,
-            custom_mask=None if self.custom_mask is None else self.custom_mask[rows, :max_q, :max_q],
+            custom_mask=custom_mask,
             max_q=max_q,
             max_kv=max_kv,
-            mask_tensor=None if self.mask is None else self.mask[rows, :, :max_q, :max_kv],
+            **mask,
         )
 
 

@@ -35,7 +35,8 @@ class NgramConfig:
 
 @dataclass(frozen=True)
 class DFlashParams:
-    # Tokens of a block, root included (speculative_num_draft_tokens): one verify of this many nodes.
+    # Tokens of a block, root included (speculative_num_draft_tokens): the draft forward's rows, and the
+    # verify's nodes (a tree of topk > 1 takes as many; with the n-gram path, block + path in all).
     # 8: the block the shipped draft was trained with; past it the draft's positions are untrained,
     # and a CPU verify of 16 nodes costs far more than one of 8 (bench/RESULTS.md, session 13).
     block_size: int = 8

@@ -26,7 +26,9 @@ Under a grammar (grammar-aware drafting) the chain is built left to right: the g
 tokens first (sure tokens), then at each block position the best token the grammar allows after
 the chain so far; the block's logits at a position do not depend on the tokens chosen before it
 (they are mask tokens in the forward), so one forward still serves the whole walk; a position's
-other candidates are its next best legal tokens.
+other candidates are its next best tokens legal after that chain. In a lattice tree a path through
+a runner-up continues with candidates checked only after the chain: the verify's grammar masks
+(grammar/tree_mask.py) drop whatever the grammar forbids there before any row is computed.
 """
 from __future__ import annotations
 
