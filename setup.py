@@ -1,4 +1,4 @@
-"""Builds specjet's C++ extensions (csrc/: the quantized GEMM kernels, the float64 paged attention) at install time.
+"""Builds specjet's C++ extension (csrc/: paged attention, layer ops, quantized GEMM, the layer stack) at install time.
 
 pyproject.toml holds the package's metadata; this file only adds the extension. Building needs
 torch in the build environment, so install with ``pip install --no-build-isolation`` after torch
@@ -13,31 +13,27 @@ ext_modules, cmdclass = [], {}
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError:
-    print("specjet: torch is not importable at build time; the quantized GEMM extension is not built "
+    print("specjet: torch is not importable at build time; the C++ extension is not built "
           "(install torch first and use pip install --no-build-isolation)", file=sys.stderr)
 else:
     ext = CppExtension(
-        "specjet.kernels._qgemm",
-        ["csrc/qgemm.cpp"],
-        depends=["csrc/qgemm_body.h"],
-        # No -march: the file compiles each instruction set's kernels under its own target pragma and
-        # picks one at run time, so one build runs on any x86-64 CPU. -fopenmp: at::parallel_for.
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-Wno-maybe-uninitialized"],
-        extra_link_args=["-fopenmp"],
-    )
-    attention = CppExtension(
         "specjet.kernels._cpu_ops",
-        ["csrc/attention.cpp", "csrc/layer_ops.cpp"],
-        depends=["csrc/attention_body.h", "csrc/exp_float.h"],
-        # -ffp-contract=off: no product fused into its sum, so every instruction set's build gives the same bits.
+        ["csrc/module.cpp", "csrc/attention.cpp", "csrc/layer_ops.cpp", "csrc/qgemm.cpp", "csrc/layer_stack.cpp"],
+        depends=["csrc/cpu_ops.h", "csrc/attention_body.h", "csrc/exp_float.h", "csrc/qgemm_body.h"],
+        # No -march: each file compiles each instruction set's kernels under its own target pragma (or
+        # target_clones) and picks one at run time, so one build runs on any x86-64 CPU.
+        # -fopenmp: at::parallel_for.
+        # -ffp-contract=off: no product fused into its sum unless the source says so (the quantized GEMM's
+        # explicit fmas), so every instruction set's build gives the same bits.
         # -fno-trapping-math: lets GCC turn exp_float's clamps into selects and so vectorise the loops over
         # it (the SiLU rows); it changes no value (no reassociation, no fusing), only which instructions.
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"],
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math",
+                            "-Wno-maybe-uninitialized"],
         extra_link_args=["-fopenmp"],
     )
     # A failed compile leaves the torch path, not a failed install.
-    ext.optional = attention.optional = True
-    ext_modules = [ext, attention]
+    ext.optional = True
+    ext_modules = [ext]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -7,7 +7,9 @@ The model (``--model-path``, default the embedded one) is loaded once; each requ
 contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
 tokens per request (N = 1: decode; N > 1: a chain of N verify nodes under a tree mask) at positions
 L .. L+N-1, writing the same slots every time. Prints the median and min/max of ``--repeats`` steps
-per attention path, after one warm-up step each.
+per path, after one warm-up step each: ``invariant`` (the batch-invariant attention; the layers as one
+C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
+layer by layer from Python: what the stack saves) and ``sdpa``.
 """
 from __future__ import annotations
 
@@ -68,8 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
     mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
     mask = None if n == 1 else torch.tril(torch.ones(b, n, n, dtype=torch.bool))
     results = {}
-    for name, invariant in (("invariant", True), ("sdpa", False)):
+    stack = runner.model.layer_stack
+    for name, invariant, use_stack in (("invariant", True, True), ("loop", True, False), ("sdpa", False, False)):
         runner.model.set_batch_invariant(invariant)
+        runner.model.layer_stack = stack if use_stack else None
         times = []
         for i in range(args.repeats + 1):
             start = time.perf_counter()
@@ -77,13 +81,14 @@ def main(argv: list[str] | None = None) -> dict:
             if i:  # the first is the warm-up
                 times.append(time.perf_counter() - start)
         results[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    runner.model.layer_stack = stack
     machine["load_avg_after"] = machine_info()["load_avg"]
     for line in report_header_lines(command_line(), date, machine):
         print(line)
     dtype = str(runner.dtype).removeprefix("torch.")
     dtype += f" weights {args.quantization}" if args.quantization else ""
     print(f"# {dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
-    print(f"{'attention':<10} {'median ms':>10} {'min':>8} {'max':>8}")
+    print(f"{'path':<10} {'median ms':>10} {'min':>8} {'max':>8}")
     for name, r in results.items():
         print(f"{name:<10} {1000 * r['median_s']:>10.1f} {1000 * r['min_s']:>8.1f} {1000 * r['max_s']:>8.1f}")
     return results

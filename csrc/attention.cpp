@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "exp_float.h"
 
 namespace {
@@ -84,6 +85,10 @@ void dispatch(int64_t isa, const Batch& bt, const T* q, const T* k, const T* v, 
   else isa_base::attend_all(bt, q, k, v, out, batch);
 }
 
+}  // namespace
+
+namespace specjet_cpu {
+
 // q [T, H, D]; k_cache, v_cache [slots, H_kv, D] of q's dtype (float32 or bfloat16); kv_indices [B, max_kv],
 // kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
 // tokens). Returns [T, H, D] in q's dtype.
@@ -145,13 +150,6 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
-}  // namespace
+bool attention_isa_supported(int64_t isa) { return isa_supported(isa); }
 
-void register_layer_ops(pybind11::module& module);  // layer_ops.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "specjet's batch-invariant CPU ops: float32 paged attention and the per-row parts of a layer";
-  module.def("isa_supported", &isa_supported, "whether this CPU runs the given instruction set (0 base, 1 AVX2, 2 AVX-512)");
-  module.def("paged_attention", &paged_attention, "out = softmax(q K^T * scale) V over each token's visible keys");
-  register_layer_ops(module);
-}
+}  // namespace specjet_cpu

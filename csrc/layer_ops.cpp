@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "exp_float.h"
 
 namespace {
@@ -153,6 +154,10 @@ void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out
   });
 }
 
+}  // namespace
+
+namespace specjet_cpu {
+
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                                     const c10::optional<torch::Tensor>& residual) {
   check_rows(x, "rms_norm");
@@ -174,6 +179,10 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
   if (residual) return {sum, out};
   return {out};
 }
+
+}  // namespace specjet_cpu
+
+namespace {
 
 // One head of neox RoPE (rotate its two halves): y = x1 c - x2 s | x2 c + x1 s, each product and sum
 // rounded to float on its own.
@@ -225,6 +234,10 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache,
   });
 }
 
+}  // namespace
+
+namespace specjet_cpu {
+
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads) {
   check_rows(qkv, "rope_store");
@@ -254,6 +267,10 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   });
   return q;
 }
+
+}  // namespace specjet_cpu
+
+namespace {
 
 // silu(g) * u; the bf16 row rounds silu(g) to bf16 before the product, as torch's silu(g) * u does.
 SJ_ROW_CLONES
@@ -295,6 +312,10 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+}  // namespace
+
+namespace specjet_cpu {
+
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
@@ -306,10 +327,4 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
-
-void register_layer_ops(pybind11::module& module) {
-  module.def("rms_norm", &rms_norm, "[x + residual,] weight * x / rms(x) per row");
-  module.def("rope_store", &rope_store, "rotate q and k (neox RoPE), write k and v into the pool; returns q");
-  module.def("silu_mul", &silu_mul, "silu(gate) * up per row");
-}
+}  // namespace specjet_cpu

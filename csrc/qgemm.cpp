@@ -18,6 +18,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -81,17 +83,17 @@ void quantize_rows_scalar(const float* x, int64_t rows, int64_t K, RowBuffers& b
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-namespace isa_avx512 {
+namespace qgemm_avx512 {
 constexpr int kRows = 8;  // 8 accumulators + 8 weight vectors + scales of the 32 registers
 #define SJ_VEC 16
 #include "qgemm_body.h"
 #undef SJ_VEC
-}  // namespace isa_avx512
+}  // namespace qgemm_avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-namespace isa_avx2 {
+namespace qgemm_avx2 {
 constexpr int kRows = 4;  // of the 16 registers
 #define SJ_VEC 8
 #include "qgemm_body.h"
@@ -132,10 +134,10 @@ static void quantize_rows(const float* x, int64_t rows, int64_t K, RowBuffers& b
   }
   set_view(buf, rows, K);
 }
-}  // namespace isa_avx2
+}  // namespace qgemm_avx2
 #pragma GCC pop_options
 
-namespace isa_scalar {
+namespace qgemm_scalar {
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -184,7 +186,7 @@ static void int8(const QuantizedRows& x, const int8_t* q, const uint16_t* s, con
   }
 }
 
-}  // namespace isa_scalar
+}  // namespace qgemm_scalar
 
 namespace {
 
@@ -224,7 +226,7 @@ void check_packed(const torch::Tensor& t, c10::ScalarType type, std::initializer
 
 void quantize(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t isa) {
   if (isa == kScalar) quantize_rows_scalar(x, rows, K, buf);
-  else isa_avx2::quantize_rows(x, rows, K, buf);
+  else qgemm_avx2::quantize_rows(x, rows, K, buf);
 }
 
 // Splits the 16-column groups over the threads, ~64k weights per thread at least.
@@ -233,6 +235,10 @@ void parallel_groups(int64_t groups, int64_t K, const Fn& fn) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
   at::parallel_for(0, groups, grain, fn);
 }
+
+}  // namespace
+
+namespace specjet_cpu {
 
 torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                         const torch::Tensor& m, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa) {
@@ -251,9 +257,9 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
-    if (isa == kAvx512) isa_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
-    else if (isa == kAvx2) isa_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
-    else isa_scalar::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    if (isa == kAvx512) qgemm_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    else if (isa == kAvx2) qgemm_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    else qgemm_scalar::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
   });
   return y;
 }
@@ -278,19 +284,13 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
-    if (isa == kAvx512) isa_avx512::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
-    else if (isa == kAvx2) isa_avx2::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
-    else isa_scalar::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
+    if (isa == kAvx512) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
+    else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
+    else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
   });
   return y;
 }
 
-}  // namespace
+bool qgemm_isa_supported(int64_t isa) { return isa_supported(isa); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "specjet's quantized GEMM (Q4_1 and int8 blocks of 32 weights, int8 activations)";
-  module.def("isa_supported", &isa_supported,
-             "whether this CPU runs the given instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
-  module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
-  module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
-}
+}  // namespace specjet_cpu

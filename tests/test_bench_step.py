@@ -1,4 +1,4 @@
-"""bench.step: one model forward timed with the invariant attention and with SDPA."""
+"""bench.step: one model forward timed with the invariant attention (layer stack on and off) and with SDPA."""
 from __future__ import annotations
 
 from bench.step import main
@@ -6,15 +6,16 @@ from specjet.kernels.cpu_features import describe_cpu
 
 
 def test_bench_step_times_both_attention_paths(tiny_model_dir, capsys):
-    """bench.step on the tiny model: a decode step and a 3-node verify, invariant and SDPA."""
+    """bench.step on the tiny model: a decode step and a 3-node verify, invariant (the layer stack and
+    the Python loop) and SDPA."""
     for nodes in ("1", "3"):
         results = main(["--model-path", str(tiny_model_dir), "--batch-size", "3", "--context", "20",
                         "--nodes", nodes, "--repeats", "2", "--dtype", "float32"])
-        assert set(results) == {"invariant", "sdpa"}
+        assert set(results) == {"invariant", "loop", "sdpa"}
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in results.values())
     out = capsys.readouterr().out
     assert "batch 3, 20 cached tokens per request, 3 new token(s) per request" in out
-    assert out.count("\ninvariant ") == 2 and out.count("\nsdpa ") == 2
+    assert out.count("\ninvariant ") == 2 and out.count("\nloop ") == 2 and out.count("\nsdpa ") == 2
     assert out.count(f"# machine: {describe_cpu()}; ") == 2
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specjet.kernels.attention_metadata import AttentionMetadata
-from specjet.kernels.cpu_ops import native_attention, native_attention_available
+from specjet.kernels.cpu_ops import native_attention, native_attention_args, native_attention_available
 from specjet.kernels.shared_prefix import find_shared_prefixes
 
 
@@ -136,6 +136,18 @@ def paged_attention_invariant(
     for tokens, part_meta, shared in parts:
         out[tokens] = _run_part(q[tokens], k_cache, v_cache, part_meta, scale, shared)
     return out
+
+
+def native_whole_batch_args(meta: AttentionMetadata) -> tuple | None:
+    """The C++ kernel's metadata arguments when ``paged_attention_invariant`` runs the whole batch as one
+    call of it (the kernels/layer_stack.py loop passes them to every layer), else None (a prefix cascade,
+    or no kernel)."""
+    if not native_attention_available():
+        return None
+    parts = _work_parts(meta)
+    if len(parts) != 1 or parts[0][0] is not None or parts[0][2] is not None:
+        return None
+    return native_attention_args(parts[0][1])
 
 
 def _run_part(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shared: torch.Tensor | None):

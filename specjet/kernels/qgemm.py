@@ -1,4 +1,4 @@
-"""The quantized GEMM kernels (C++ extension ``specjet.kernels._qgemm``, source in csrc/) and their dispatch.
+"""The quantized GEMM kernels (in the C++ extension ``specjet.kernels._cpu_ops``, source csrc/qgemm.cpp) and their dispatch.
 
 ``QuantizedLinear`` is a linear layer's inference operand for a quantized weight: called on x
 [..., K] it returns x @ W^T (+ bias) in x's dtype, the activations quantized to int8 per 32-block
@@ -37,18 +37,18 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 def extension():
     """The compiled module, or None (logged once) when the package was installed without it."""
     try:
-        from specjet.kernels import _qgemm
+        from specjet.kernels import _cpu_ops
     except ImportError as err:
         logger.warning("specjet's quantized GEMM extension is not built (%s); quantized weights are dequantized "
                        "to float32 and run through the float kernels. Rebuild with `pip install "
                        "--no-build-isolation -e .` (or scripts/setup.sh) on a machine with a C++ compiler.", err)
         return None
-    return _qgemm
+    return _cpu_ops
 
 
 def supported_isas() -> list[str]:
     ext = extension()
-    return [name for name, code in ISAS.items() if ext is not None and ext.isa_supported(code)]
+    return [name for name, code in ISAS.items() if ext is not None and ext.qgemm_isa_supported(code)]
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,6 +12,7 @@ from torch import nn
 
 from specjet.kernels import cpu_ops
 from specjet.kernels.attention import paged_attention
+from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ModelOutput
@@ -182,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
         # lookup wants [vocab, hidden] rows, the head's matmul wants [hidden, vocab].
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.quantization: str | None = None  # set by models/quantize.py
+        # The layers as one C++ call (kernels/layer_stack.py), built by use_native_ops: the same kernels
+        # as the native Python loop without the Python between them. None: the loop runs.
+        self.layer_stack = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ModelOutput:
@@ -191,15 +195,28 @@ class LlamaForCausalLM(nn.Module):
         feature_layers = capture.layers if isinstance(capture, FeatureLayers) else ()
         every_row = capture == "last" or bool(feature_layers)  # the hidden state of every row is wanted
         layer_hidden = {} if isinstance(capture, tuple) else None
-        residuals = []
-        for i, layer in enumerate(self.layers):
-            # forward, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1 (forward
-            # itself takes the native path where it is on).
-            x = layer.forward(x, cos, sin, batch, kv_cache)
-            if layer_hidden is not None and i in capture:
-                layer_hidden[i] = x
-            if i in feature_layers:
-                residuals.append(x)
+        # The layers whose outputs are kept (increasing): the EAGLE/DFlash feature layers, the captured ones.
+        features = sorted(i for i in set(feature_layers) if 0 <= i < len(self.layers))
+        captured = sorted(i for i in set(capture) if 0 <= i < len(self.layers)) if layer_hidden is not None else []
+        wanted = sorted({*features, *captured})
+        stacked = None
+        if self.layer_stack is not None and self.layers[0].self_attn.batch_invariant:
+            stacked = run_layer_stack(self.layer_stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k,
+                                      kv_cache.v, wanted)
+        if stacked is not None:
+            x, taken = stacked
+            outputs = dict(zip(wanted, taken))
+        else:
+            outputs = {}
+            for i, layer in enumerate(self.layers):
+                # forward, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1 (forward
+                # itself takes the native path where it is on).
+                x = layer.forward(x, cos, sin, batch, kv_cache)
+                if i in wanted:
+                    outputs[i] = x
+        if layer_hidden is not None:
+            layer_hidden.update((i, outputs[i]) for i in captured)
+        residuals = [outputs[i] for i in features]
         norm = self._final_norm
         if batch.logits_indices is not None and not every_row:
             x = x[batch.logits_indices]  # only the rows that need logits go through the head
@@ -217,11 +234,22 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.normalize(x, self.layers[0].native_ops)
 
     def use_native_ops(self, flag: bool = True) -> bool:
-        """Inference through specjet's C++ CPU ops (kernels/cpu_ops.py: float64 attention, RMSNorm, RoPE with
+        """Inference through specjet's C++ CPU ops (kernels/cpu_ops.py: float32 attention, RMSNorm, RoPE with
         the K/V write, SiLU-and-multiply) where they apply: CPU, float32 or bfloat16, the extension
         built, no q/k norm. Every forward of the model then takes the same ops, so a token's bits do not
-        depend on which kind of forward computed it. Returns whether they are on."""
-        return set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
+        depend on which kind of forward computed it. Also builds the layers' C++ stack
+        (kernels/layer_stack.py), which holds the projections' operands: call this again after replacing
+        one. Returns whether the ops are on."""
+        on = set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
+        self.layer_stack = None
+        if on and self.embed_tokens.weight.device.type == "cpu":
+            attn = self.layers[0].self_attn
+            self.layer_stack = build_layer_stack(
+                [StackLayer(layer.input_layernorm.weight, layer.input_layernorm.eps, layer.post_attention_layernorm.weight,
+                            layer.post_attention_layernorm.eps, layer.self_attn.qkv_proj.packed,
+                            layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
+                 for layer in self.layers], attn.num_heads, attn.head_dim, attn.scale)
+        return on
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; linears are invariant
@@ -231,7 +259,9 @@ class LlamaForCausalLM(nn.Module):
                 module.batch_invariant = flag
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch."""
+        """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch. The
+        projections are packed anew: call ``use_native_ops`` afterwards (build_model does)."""
+        self.layer_stack = None  # it holds the old packed operands
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
         params = dict(self.named_parameters())
         loaded: set[str] = set()

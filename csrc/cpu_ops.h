@@ -1,0 +1,36 @@
+// The entry points of specjet's C++ CPU ops, shared by the files of the one extension
+// (specjet.kernels._cpu_ops): module.cpp binds them for Python, layer_stack.cpp calls them directly.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace specjet_cpu {
+
+// attention.cpp
+bool attention_isa_supported(int64_t isa);
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& kv_indices, const torch::Tensor& kv_lens,
+                              const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+                              const c10::optional<torch::Tensor>& custom_mask, double scale, int64_t isa);
+
+// layer_ops.cpp
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                                    const c10::optional<torch::Tensor>& residual);
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
+// qgemm.cpp
+bool qgemm_isa_supported(int64_t isa);
+torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                        const torch::Tensor& m, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa);
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                        const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa);
+
+// layer_stack.cpp
+void register_layer_stack(pybind11::module& module);
+
+}  // namespace specjet_cpu

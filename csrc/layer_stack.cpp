@@ -1,0 +1,168 @@
+// A model's decoder layers run in one call: for each layer the calls models/llama.py's
+// `DecoderLayer.forward_native` makes (RMSNorm, q|k|v projection, RoPE + K/V write, paged attention,
+// o projection, RMSNorm after the residual add, gate|up projection, SiLU-and-multiply, down
+// projection, residual add), with the same kernels and the same arguments, so every layer gives the
+// same bits as the Python loop. What goes is the Python between the calls (attribute lookups,
+// wrappers, argument checks), which at batch 1 costs about as much as a quantized layer's
+// attention. The per-batch arguments (attention metadata, RoPE tables, KV slots) are passed once for
+// all layers.
+//
+// A projection is one of the inference operands of specjet/kernels: a packed Q4_1 or int8 weight
+// (kernels/qgemm.py's QuantizedLinear, float32 activations) or a float weight (kernels/linear.py's
+// PackedLinear: oneDNN's matmul on a blocked weight, or x @ W, under its row plan).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3 };
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  // The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel.
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
+                               c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                               std::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
+struct Projection {
+  int64_t kind = kDense;
+  torch::Tensor a, b, c;  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t
+  c10::optional<torch::Tensor> bias;
+  int64_t n = 0, group = 0, isa = 0, min_rows = 1, max_rows = 1;
+
+  // PackedLinear.kernel / run_chunk: a chunk below min_rows is padded with zero rows.
+  torch::Tensor float_kernel(const torch::Tensor& x) const {
+    if (kind == kOneDnn) return onednn_linear(x, a, bias);
+    return bias ? at::addmm(*bias, x, a) : at::matmul(x, a);
+  }
+  torch::Tensor float_chunk(const torch::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (rows >= min_rows) return float_kernel(x);
+    auto pad = x.new_zeros({min_rows - rows, x.size(1)});
+    return float_kernel(at::cat({x, pad})).slice(0, 0, rows);
+  }
+  torch::Tensor quantized(const torch::Tensor& x) const {
+    return kind == kQ41 ? specjet_cpu::q4_1_gemm(x, a, b, c, n, bias, isa)
+                        : specjet_cpu::int8_gemm(x, a, b, c, group, n, bias, isa);
+  }
+
+  // x [rows, K] (a layer's activations: 2-D, contiguous) -> [rows, N] in x's dtype.
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kQ41 || kind == kInt8) {  // QuantizedLinear.__call__
+      if (x.scalar_type() == torch::kFloat32) return quantized(x);
+      return quantized(x.to(torch::kFloat32).contiguous()).to(x.scalar_type());
+    }
+    const int64_t rows = x.size(0);  // PackedLinear.__call__
+    if (rows <= max_rows) return float_chunk(x);
+    std::vector<torch::Tensor> parts;
+    for (int64_t i = 0; i < rows; i += max_rows) parts.push_back(float_chunk(x.slice(0, i, std::min(rows, i + max_rows))));
+    return at::cat(parts);
+  }
+};
+
+struct Layer {
+  torch::Tensor norm1, norm2;
+  double eps1, eps2;
+  Projection qkv, o, gate_up, down;
+};
+
+class LayerStack {
+ public:
+  LayerStack(int64_t num_heads, int64_t head_dim, double scale) : num_heads_(num_heads), head_dim_(head_dim), scale_(scale) {}
+
+  void add_layer(torch::Tensor norm1, double eps1, torch::Tensor norm2, double eps2, Projection qkv, Projection o,
+                 Projection gate_up, Projection down) {
+    layers_.push_back({std::move(norm1), std::move(norm2), eps1, eps2, std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down)});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden] through every layer; k_cache, v_cache [layers, slots, H_kv, D]; the attention's
+  // metadata as kernels/cpu_ops.py's native_attention passes it. Returns the last layer's output and
+  // the outputs of the layers listed in `capture` (increasing indices), in that order.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(
+      torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
+      const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& kv_indices,
+      const torch::Tensor& kv_lens, const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+      const c10::optional<torch::Tensor>& mask, int64_t attention_isa, const std::vector<int64_t>& capture) const {
+    TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == size() && v_cache.size(0) == size(),
+                "layer stack: the KV caches must be [", size(), " layers, slots, H_kv, D]");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "layer stack: x must be contiguous [T, hidden]");
+    std::vector<torch::Tensor> taken;
+    size_t next = 0;
+    const int64_t tokens = x.size(0);
+    for (int64_t l = 0; l < size(); ++l) {
+      const Layer& layer = layers_[l];
+      torch::Tensor k = k_cache.select(0, l), v = v_cache.select(0, l);
+      auto h = specjet_cpu::rms_norm(x, layer.norm1, layer.eps1, c10::nullopt)[0];
+      auto q = specjet_cpu::rope_store(layer.qkv(h), cos, sin, k, v, slots, num_heads_);
+      auto attended = specjet_cpu::paged_attention(q, k, v, kv_indices, kv_lens, q_lens, q_starts, mask, scale_,
+                                                   attention_isa);
+      auto out = layer.o(attended.reshape({tokens, num_heads_ * head_dim_}));
+      auto normed = specjet_cpu::rms_norm(x, layer.norm2, layer.eps2, out);  // x + out, its norm
+      x = normed[0] + layer.down(specjet_cpu::silu_mul(layer.gate_up(normed[1])));
+      if (next < capture.size() && capture[next] == l) {
+        taken.push_back(x);
+        ++next;
+      }
+    }
+    TORCH_CHECK(next == capture.size(), "layer stack: capture must list increasing layer indices below ", size());
+    return {x, taken};
+  }
+
+ private:
+  int64_t num_heads_, head_dim_;
+  double scale_;
+  std::vector<Layer> layers_;
+};
+
+Projection quantized_projection(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n,
+                                int64_t group, c10::optional<torch::Tensor> bias, int64_t isa) {
+  TORCH_CHECK(kind == kQ41 || kind == kInt8, "layer stack: unknown quantized kind ", kind);
+  TORCH_CHECK(specjet_cpu::qgemm_isa_supported(isa), "layer stack: quantized GEMM instruction set ", isa,
+              " is not supported by this CPU");
+  Projection p;
+  p.kind = kind;
+  p.a = std::move(a), p.b = std::move(b), p.c = std::move(c);
+  p.n = n, p.group = group, p.bias = std::move(bias), p.isa = isa;
+  return p;
+}
+
+Projection float_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias, bool blocked, int64_t min_rows,
+                            int64_t max_rows) {
+  TORCH_CHECK(min_rows >= 1 && max_rows >= min_rows, "layer stack: bad row plan ", min_rows, "..", max_rows);
+  Projection p;
+  p.kind = blocked ? kOneDnn : kDense;
+  p.a = std::move(weight), p.bias = std::move(bias), p.min_rows = min_rows, p.max_rows = max_rows;
+  return p;
+}
+
+}  // namespace
+
+namespace specjet_cpu {
+
+void register_layer_stack(pybind11::module& module) {
+  pybind11::class_<Projection>(module, "StackProjection");
+  module.def("quantized_projection", &quantized_projection,
+             "a packed Q4_1 (kind 0: qs, d, m) or int8 (kind 1: q, s, wsum) weight of n columns");
+  module.def("float_projection", &float_projection,
+             "a float weight: oneDNN-blocked (blocked) or weight_t, run in chunks of min_rows..max_rows rows");
+  pybind11::class_<LayerStack>(module, "LayerStack")
+      .def(pybind11::init<int64_t, int64_t, double>())
+      .def("add_layer", &LayerStack::add_layer)
+      .def("__len__", &LayerStack::size)
+      .def("run", &LayerStack::run);
+}
+
+}  // namespace specjet_cpu

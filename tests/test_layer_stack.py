@@ -1,0 +1,170 @@
+"""The decoder layers as one C++ call (kernels/layer_stack.py, csrc/layer_stack.cpp) against the Python
+loop over the same layers: the same kernels in the same order, so the same bits: logits, captured
+hidden states and every KV slot written. Each test runs the same forwards twice in one process, once
+with the stack and once without, and checks that the stack really ran (or, for a prefix cascade,
+really stood aside).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specjet.kernels import cpu_ops
+from specjet.kernels.linear import PackedLinear
+from specjet.models import llama
+from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ForwardMode
+
+pytestmark = pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+
+
+def make_runner(model_dir, dtype: str, quantization: str | None, slots: int = 512):
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    return ModelRunner(config, load_state_dict(model_dir), dtype, "cpu", slots, 0.0, 1, quantization=quantization)
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """How many forwards the stack ran (run_layer_stack returned a result) and stood aside (None)."""
+    counts = {"ran": 0, "aside": 0}
+    real = llama.run_layer_stack
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        counts["ran" if out is not None else "aside"] += 1
+        return out
+
+    monkeypatch.setattr(llama, "run_layer_stack", spy)
+    return counts
+
+
+def forward(runner, table, ids, kv_lens, q_lens, mode, mask=None, capture=None):
+    """Request b's new tokens are its positions kv_len - q_len .. kv_len - 1, in slots table[b, p]."""
+    positions = torch.cat([torch.arange(k - q, k) for k, q in zip(kv_lens, q_lens)])
+    rows = torch.cat([torch.full((q,), b) for b, q in enumerate(q_lens)])
+    batch = ForwardBatch.build(
+        mode, input_ids=ids[rows, positions], positions=positions, out_cache_loc=table[rows, positions],
+        req_to_token=table, req_pool_indices=torch.arange(len(q_lens)), kv_lens=torch.tensor(kv_lens),
+        q_lens=torch.tensor(q_lens), custom_mask=mask, logits="all", capture_hidden=capture)
+    return runner.forward(batch)
+
+
+def tree_mask(batch: int, q_len: int, gen) -> torch.Tensor:
+    mask = torch.rand(batch, q_len, q_len, generator=gen) < 0.5
+    return (mask | torch.eye(q_len, dtype=torch.bool)) & torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
+
+
+def workload(runner, use_stack: bool) -> list[torch.Tensor]:
+    """A prefill of three requests of different lengths (feature layers captured), then a tree verify
+    of 5 nodes each (two layers captured); every output and the KV pools afterwards."""
+    model = runner.model
+    stack = model.layer_stack
+    model.layer_stack = stack if use_stack else None
+    runner.kv_cache.k.zero_()
+    runner.kv_cache.v.zero_()
+    gen = torch.Generator().manual_seed(3)
+    table = (torch.arange(3 * 40).view(3, 40) + 1)[:, torch.randperm(40, generator=gen)]  # scattered slots
+    ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=gen)
+    last = model.config.num_layers - 1
+    try:
+        pre = forward(runner, table, ids, [17, 5, 30], [17, 5, 30], ForwardMode.EXTEND,
+                      capture=FeatureLayers((0, last)))
+        ver = forward(runner, table, ids, [22, 10, 35], [5, 5, 5], ForwardMode.VERIFY, mask=tree_mask(3, 5, gen),
+                      capture=(last, 0))
+    finally:
+        model.layer_stack = stack
+    return [pre.logits, pre.hidden, ver.logits, ver.layer_hidden[0], ver.layer_hidden[last],
+            runner.kv_cache.k.clone(), runner.kv_cache.v.clone()]
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x, y), f"output {i} differs: max |d| {(x.float() - y.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
+                                                ("float32", "int4"), ("bfloat16", "int8")])
+def test_the_stack_gives_the_python_loops_bits(tiny_model_dir, stack_calls, dtype, quantization):
+    runner = make_runner(tiny_model_dir, dtype, quantization)
+    assert runner.model.layer_stack is not None and len(runner.model.layer_stack) == runner.config.num_layers
+    with_stack = workload(runner, True)
+    assert stack_calls == {"ran": 2, "aside": 0}
+    assert_same(with_stack, workload(runner, False))
+    assert with_stack[0].abs().sum() > 0 and with_stack[5].abs().sum() > 0  # something was computed and written
+
+
+def test_a_float_weights_row_plan_is_followed_chunk_by_chunk(tiny_model_dir, stack_calls):
+    """Projections whose plan pads calls below 2 rows and splits calls above 3 (PackedLinear's chunks):
+    the stack's padding, slicing and concatenation give every row the loop's bits."""
+    runner = make_runner(tiny_model_dir, "float32", None)
+    for module in runner.model.modules():
+        if isinstance(module, llama.Linear) and isinstance(module.packed, PackedLinear):
+            module.packed.min_rows, module.packed.max_rows = 2, 3
+    runner.model.use_native_ops()  # rebuilds the stack from the changed operands
+    with_stack = workload(runner, True)
+    assert stack_calls["ran"] == 2
+    assert_same(with_stack, workload(runner, False))
+
+
+def test_a_prefix_cascade_runs_the_python_loop_with_the_same_result(tiny_model_dir, stack_calls):
+    """Three requests holding the same 1,100 cached slots: the attention runs as a cascade (torch's
+    float64 path, two parts), which the stack does not do, so the forward takes the loop; the same step
+    with each prefix in slots of its own takes the stack. The two are other kernels: close, not equal."""
+    runner = make_runner(tiny_model_dir, "float32", None, slots=4 * 1104)
+    shared, gen = 1100, torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, runner.config.vocab_size, (shared + 1,), generator=gen)
+    ids = torch.stack([torch.cat([prompt[:shared], torch.tensor([t])]) for t in (11, 12, 13)])
+    own = torch.arange(1, 3 * (shared + 1) + 1).view(3, shared + 1)  # no slot shared
+    common = own.clone()
+    common[:, :shared] = own[0, :shared]  # the prefix in request 0's slots for all three
+    results = []
+    for table in (common, own):
+        runner.kv_cache.k.zero_()
+        runner.kv_cache.v.zero_()
+        for b in range(3 if table is own else 1):  # prefill each prefix (shared: once)
+            forward(runner, table[b:b + 1], ids[b:b + 1], [shared], [shared], ForwardMode.EXTEND)
+        before = dict(stack_calls)
+        out = forward(runner, table, ids, [shared + 1] * 3, [1, 1, 1], ForwardMode.DECODE)
+        results.append(out.logits)
+        took = {k: stack_calls[k] - before[k] for k in before}
+        assert took == ({"ran": 0, "aside": 1} if table is common else {"ran": 1, "aside": 0})
+    torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_stack_goes_with_the_native_ops_and_with_reloaded_weights(tiny_model_dir):
+    from specjet.models.weights import load_state_dict
+
+    runner = make_runner(tiny_model_dir, "float32", None)
+    model = runner.model
+    assert model.layer_stack is not None
+    model.use_native_ops(False)
+    assert model.layer_stack is None
+    model.use_native_ops()
+    assert model.layer_stack is not None
+    model.load_weights(load_state_dict(tiny_model_dir))
+    assert model.layer_stack is None, "a stack holding the old packed weights must not survive a reload"
+
+
+def test_an_operand_without_a_cpp_form_leaves_the_loop(tiny_model_dir):
+    """A projection with no inference operand (packed None, as in training) has no C++ form."""
+    runner = make_runner(tiny_model_dir, "float32", None)
+    runner.model.layers[1].mlp.down_proj.packed = None
+    runner.model.use_native_ops()
+    assert runner.model.layer_stack is None
+
+
+def test_the_stack_refuses_a_kv_pool_of_another_depth(tiny_model_dir):
+    runner = make_runner(tiny_model_dir, "float32", None)
+    stack, layers = runner.model.layer_stack, runner.config.num_layers
+    x = torch.zeros(1, runner.config.hidden_size)
+    wrong = torch.zeros(layers + 1, 8, runner.config.num_kv_heads, runner.config.head_dim)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="KV caches"):
+        stack.run(x, torch.ones(1, 8), torch.zeros(1, 8), wrong, wrong, one, one.view(1, 1), one, one,
+                  torch.zeros(1, dtype=torch.int64), None, cpu_ops.isa(), [])
