@@ -7,7 +7,7 @@ The model (``--model-path``, default the embedded one) is loaded once; each requ
 contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
 tokens per request (N = 1: decode; N > 1: a chain of N verify nodes under a tree mask) at positions
 L .. L+N-1, writing the same slots every time. Prints the median and min/max of ``--repeats`` steps
-per path, after one warm-up step each: ``invariant`` (the batch-invariant attention; the layers as one
+per path, the paths taking turns after one warm-up round: ``invariant`` (the batch-invariant attention; the layers as one
 C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
 layer by layer from Python: what the stack saves) and ``sdpa``.
 """
@@ -69,18 +69,20 @@ def main(argv: list[str] | None = None) -> dict:
     step_positions = torch.arange(length, length + n).repeat(b)
     mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
     mask = None if n == 1 else torch.tril(torch.ones(b, n, n, dtype=torch.bool))
-    results = {}
     stack = runner.model.layer_stack
-    for name, invariant, use_stack in (("invariant", True, True), ("loop", True, False), ("sdpa", False, False)):
-        runner.model.set_batch_invariant(invariant)
-        runner.model.layer_stack = stack if use_stack else None
-        times = []
-        for i in range(args.repeats + 1):
+    paths = {"invariant": (True, stack), "loop": (True, None), "sdpa": (False, None)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    # Round-robin: one step of each path per repeat (the first round a warm-up), so a slower stretch of
+    # a shared machine falls on every path alike.
+    for i in range(args.repeats + 1):
+        for name, (invariant, use_stack) in paths.items():
+            runner.model.set_batch_invariant(invariant)
+            runner.model.layer_stack = use_stack
             start = time.perf_counter()
             forward(mode, step_positions, n, mask)
-            if i:  # the first is the warm-up
-                times.append(time.perf_counter() - start)
-        results[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+            if i:
+                times[name].append(time.perf_counter() - start)
+    results = {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for name, t in times.items()}
     runner.model.layer_stack = stack
     machine["load_avg_after"] = machine_info()["load_avg"]
     for line in report_header_lines(command_line(), date, machine):
