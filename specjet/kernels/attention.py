@@ -140,8 +140,8 @@ def paged_attention_invariant(
 
 def native_whole_batch_args(meta: AttentionMetadata) -> tuple | None:
     """The C++ kernel's metadata arguments when ``paged_attention_invariant`` runs the whole batch as one
-    call of it (the kernels/layer_stack.py loop passes them to every layer), else None (a prefix cascade,
-    or no kernel)."""
+    call of it (the kernels/layer_stack.py loop passes them to every layer), else None (no kernel: the
+    torch path, which may split the batch)."""
     if not native_attention_available():
         return None
     parts = _work_parts(meta)
@@ -164,10 +164,16 @@ def _whole(meta: AttentionMetadata) -> list[tuple[None, AttentionMetadata]]:
 def _work_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor | None, AttentionMetadata, torch.Tensor | None]]:
     """The pieces a batch runs in, built once per forward: each piece's flat token indices (None:
     the whole batch in order), its metadata, and the KV slots its rows share (None: no cascade).
-    Rows sharing a prefix run as one cascade per group; the others as before; each in length groups."""
+    On the torch path rows sharing a prefix run as one cascade per group, the others as before, each in
+    length groups; the C++ kernel takes the whole batch in one call."""
     if meta.parts is None:
-        plans = find_shared_prefixes(meta, INVARIANT_Q_CHUNK)  # a cascade runs in one query chunk
-        groups = _whole if native_attention_available() else _length_groups
+        native = native_attention_available()
+        # The cascade serves the torch path, whose per-row gather of the shared keys it saves. The C++
+        # kernel reads shared slots in place (from cache after the first row): faster than the cascade
+        # (bench/RESULTS.md, session 19), and each row keeps the bits it gets with no one sharing, which
+        # the cascade's float64 merge does not give it.
+        plans = [] if native else find_shared_prefixes(meta, INVARIANT_Q_CHUNK)  # one query chunk
+        groups = _whole if native else _length_groups
         if not plans:
             meta.parts = [(tokens, group, None) for tokens, group in groups(meta)]
             return meta.parts

@@ -67,7 +67,7 @@ def run_layer_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     capture: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """x through every layer of ``stack`` (returns it and the outputs of the layers in ``capture``,
     increasing indices), or None when this batch's attention does not run as one call of the C++
-    kernel (a prefix cascade): the caller then runs its Python loop."""
+    kernel (the extension's attention is off): the caller then runs its Python loop."""
     args = native_whole_batch_args(meta)
     if args is None:
         return None
