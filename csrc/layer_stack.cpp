@@ -162,9 +162,8 @@ void register_layer_stack(pybind11::module& module) {
       .def(pybind11::init<int64_t, int64_t, double>())
       .def("add_layer", &LayerStack::add_layer)
       .def("__len__", &LayerStack::size)
-      // The GIL goes for the whole forward: the overlap loop's host thread runs its Python beside it
-      // (scheduler/streams.py), as it does beside torch's own kernels.
-      .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+      // The call keeps the GIL (module.cpp says why).
+      .def("run", &LayerStack::run);
 }
 
 }  // namespace specjet_cpu

@@ -7,17 +7,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "specjet's batch-invariant CPU ops: paged attention, layer ops, quantized GEMM, the layer stack";
   module.def("isa_supported", &attention_isa_supported,
              "whether this CPU runs the attention's instruction set (0 base, 1 AVX2, 2 AVX-512)");
-  // The longer kernels (tens of microseconds to milliseconds) let the GIL go, as torch's kernels do, so
-  // the overlap loop's host thread runs beside them; the row ops take a few microseconds and keep it.
-  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  module.def("paged_attention", &paged_attention, "out = softmax(q K^T * scale) V over each token's visible keys",
-             release_gil());
+  // The kernels keep the GIL while they compute. Letting it go lets the overlap loop's host thread run
+  // its Python beside them, but on a CPU whose cores the kernels' threads all use, that thread then takes
+  // a core from a kernel thread, and every thread of the parallel region waits for the slowed one:
+  // measured slower end to end (bench/RESULTS.md, sessions 11 and 19), so the host's short work runs
+  // between forwards instead.
+  module.def("paged_attention", &paged_attention, "out = softmax(q K^T * scale) V over each token's visible keys");
   module.def("rms_norm", &rms_norm, "[x + residual,] weight * x / rms(x) per row");
   module.def("rope_store", &rope_store, "rotate q and k (neox RoPE), write k and v into the pool; returns q");
   module.def("silu_mul", &silu_mul, "silu(gate) * up per row");
   module.def("qgemm_isa_supported", &qgemm_isa_supported,
              "whether this CPU runs the quantized GEMM's instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
-  module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns", release_gil());
-  module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns", release_gil());
+  module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
+  module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
   register_layer_stack(module);
 }

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.layer_stack import run_layer_stack
 from specjet.kernels.linear import PackedLinear
 from specjet.models import llama
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ForwardMode
@@ -168,54 +167,3 @@ def test_the_stack_refuses_a_kv_pool_of_another_depth(tiny_model_dir):
         stack.run(x, torch.ones(1, 8), torch.zeros(1, 8), wrong, wrong, one, one.view(1, 1), one, one,
                   torch.zeros(1, dtype=torch.int64), None, cpu_ops.isa(), [])
 
-
-def test_the_host_thread_runs_python_while_the_stack_computes(tiny_model_dir):
-    """The overlap loop's host thread must run beside a forward (scheduler/streams.py): the stack lets
-    the GIL go for its whole call. A Python thread counting in a loop advances during a long prefill
-    by far more than the few switch intervals it could get if the GIL were held throughout."""
-    import threading
-    import time
-
-    runner = make_runner(tiny_model_dir, "float32", None, slots=3500)
-    n = 3000
-    ids = torch.randint(0, runner.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    table = torch.arange(1, n + 1)[None]
-    count, stop = [0], threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            count[0] += 1
-
-    batch = ForwardBatch.build(
-        ForwardMode.EXTEND, input_ids=ids[0], positions=torch.arange(n), out_cache_loc=table[0],
-        req_to_token=table, req_pool_indices=torch.tensor([0]), kv_lens=torch.tensor([n]), q_lens=torch.tensor([n]),
-        logits="last")
-    model = runner.model
-    with torch.inference_mode():
-        x = model.embed_tokens(batch.input_ids)
-        cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
-
-    def prefill() -> float:  # the layers alone: the stack's one call
-        start = time.perf_counter()
-        with torch.inference_mode():
-            assert run_layer_stack(model.layer_stack, x, cos, sin, batch.attn, batch.out_cache_loc,
-                                   runner.kv_cache.k, runner.kv_cache.v, []) is not None
-        return time.perf_counter() - start
-
-    prefill()  # warm-up
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
-    try:
-        time.sleep(0.05)
-        rate_start, t0 = count[0], time.perf_counter()
-        time.sleep(0.2)
-        rate = (count[0] - rate_start) / (time.perf_counter() - t0)  # counts per second, sharing the CPU
-        before = count[0]
-        elapsed = prefill()
-        during = count[0] - before
-    finally:
-        stop.set()
-        spinner.join()
-    assert elapsed > 0.08, "the prefill must be long against the 5 ms switch interval for this test to mean anything"
-    held_bound = rate * 0.03  # a held GIL would leave the counter a few switch intervals at most
-    assert during > max(held_bound, rate * elapsed / 10), (during, rate, elapsed)

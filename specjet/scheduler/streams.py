@@ -7,7 +7,9 @@ what N wrote (the worker's compute state) without the host looking at it in betw
 exception on the caller's thread.
 
 - ``CpuStream``: torch ops on the CPU are synchronous, so the work runs on one worker thread; torch
-  releases the GIL inside its kernels, so the host's Python and xgrammar really run beside it.
+  releases the GIL inside its kernels, so the host's Python and xgrammar run beside them (specjet's C++
+  CPU kernels keep it: on a CPU whose cores they all use, the host's work measured cheaper between
+  forwards than beside them; csrc/module.cpp).
 - ``CudaStream``: the host thread itself launches the work on a compute stream (launches are
   asynchronous); the returned future is already resolved and its tensors become valid once the
   stream reaches them, so results meant for the host are copied with ``non_blocking`` and an event.
