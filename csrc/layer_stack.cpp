@@ -23,15 +23,23 @@ namespace {
 
 enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3 };
 
+// The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel. Looked
+// up (and its signature checked) when a oneDNN projection is built, so a torch whose op differs fails the
+// stack's construction, where the model falls back to its Python loop, not a forward.
+using OneDnnLinearFn = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
+                                     c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                     std::optional<c10::string_view>);
+using OneDnnLinear = c10::TypedOperatorHandle<OneDnnLinearFn>;
+
+const OneDnnLinear& onednn_linear_op() {
+  static const OneDnnLinear op = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                                     .typed<OneDnnLinearFn>();
+  return op;
+}
+
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  // The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel.
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
-                               c10::string_view, c10::List<std::optional<c10::Scalar>>,
-                               std::optional<c10::string_view>)>();
-  return op.call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
+  return onednn_linear_op().call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
 struct Projection {
@@ -99,6 +107,10 @@ class LayerStack {
     TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == size() && v_cache.size(0) == size(),
                 "layer stack: the KV caches must be [", size(), " layers, slots, H_kv, D]");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "layer stack: x must be contiguous [T, hidden]");
+    for (size_t i = 0; i < capture.size(); ++i) {  // checked before any layer writes the KV pools
+      TORCH_CHECK(capture[i] >= 0 && capture[i] < size() && (i == 0 || capture[i] > capture[i - 1]),
+                  "layer stack: capture must list increasing layer indices below ", size());
+    }
     std::vector<torch::Tensor> taken;
     size_t next = 0;
     const int64_t tokens = x.size(0);
@@ -117,7 +129,6 @@ class LayerStack {
         ++next;
       }
     }
-    TORCH_CHECK(next == capture.size(), "layer stack: capture must list increasing layer indices below ", size());
     return {x, taken};
   }
 
@@ -143,6 +154,7 @@ Projection float_projection(torch::Tensor weight, c10::optional<torch::Tensor> b
                             int64_t max_rows) {
   TORCH_CHECK(min_rows >= 1 && max_rows >= min_rows, "layer stack: bad row plan ", min_rows, "..", max_rows);
   Projection p;
+  if (blocked) onednn_linear_op();  // throws here if this torch's op is not the one called
   p.kind = blocked ? kOneDnn : kDense;
   p.a = std::move(weight), p.bias = std::move(bias), p.min_rows = min_rows, p.max_rows = max_rows;
   return p;

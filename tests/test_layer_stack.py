@@ -157,13 +157,70 @@ def test_an_operand_without_a_cpp_form_leaves_the_loop(tiny_model_dir):
     assert runner.model.layer_stack is None
 
 
-def test_the_stack_refuses_a_kv_pool_of_another_depth(tiny_model_dir):
+def test_the_stack_refuses_bad_arguments_before_writing_anything(tiny_model_dir):
+    """A KV pool of another depth, a capture list out of range or out of order: a clear error, and
+    no layer has run (the pool is untouched)."""
     runner = make_runner(tiny_model_dir, "float32", None)
-    stack, layers = runner.model.layer_stack, runner.config.num_layers
-    x = torch.zeros(1, runner.config.hidden_size)
-    wrong = torch.zeros(layers + 1, 8, runner.config.num_kv_heads, runner.config.head_dim)
-    one = torch.ones(1, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="KV caches"):
-        stack.run(x, torch.ones(1, 8), torch.zeros(1, 8), wrong, wrong, one, one.view(1, 1), one, one,
-                  torch.zeros(1, dtype=torch.int64), None, cpu_ops.isa(), [])
+    stack, layers, cfg = runner.model.layer_stack, runner.config.num_layers, runner.config
+    x = torch.ones(1, cfg.hidden_size)
+    cos, sin = torch.ones(1, cfg.head_dim // 2), torch.zeros(1, cfg.head_dim // 2)
+    one, zero = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    k, v = runner.kv_cache.k, runner.kv_cache.v
+    k.zero_()
+    v.zero_()
 
+    def run(k_pool, v_pool, capture):
+        return stack.run(x, cos, sin, k_pool, v_pool, one, one.view(1, 1), one, one, zero, None, cpu_ops.isa(), capture)
+
+    wrong = torch.zeros(layers + 1, 8, cfg.num_kv_heads, cfg.head_dim)
+    with pytest.raises(RuntimeError, match="KV caches"):
+        run(wrong, wrong, [])
+    for capture in ([layers], [-1], [1, 0], [0, 0]):
+        with pytest.raises(RuntimeError, match="capture must list increasing layer indices"):
+            run(k, v, capture)
+    assert k.abs().sum() == 0 and v.abs().sum() == 0, "a refused call wrote the KV pools"
+    out, taken = run(k, v, [0, layers - 1])  # the same call with a good capture list runs
+    assert len(taken) == 2 and torch.equal(taken[1], out) and k.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"speculative_algorithm": "NGRAM", "page_size": 16},
+                                    {"speculative_algorithm": "NGRAM", "disable_overlap_schedule": True},
+                                    {"speculative_algorithm": "EAGLE"}], ids=["plain", "ngram-p16", "ngram-no-overlap",
+                                                                              "eagle"])
+def test_the_engine_with_the_stack_gives_the_ids_of_the_python_loop(tiny_model_dir, tmp_path, monkeypatch,
+                                                                     stack_calls, kwargs):
+    """Through the engine (scheduler, overlap loop, speculation): greedy ids with the stack equal plain
+    decoding's ids through the Python loop; the KV allocator's invariant holds after each."""
+    import specjet
+    from test_spec_eagle import copy_head
+
+    prompts = [[1, 9, 42, 42, 7, 100 + i, 42, 7] * (2 + i) for i in range(3)]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    with monkeypatch.context() as loop_only:
+        loop_only.setattr(llama, "build_layer_stack", lambda *args, **kw: None)
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048) as eng:
+            expected = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+            eng.check_kv_invariant()
+    assert stack_calls["ran"] == 0
+    if kwargs.get("speculative_algorithm") == "EAGLE":
+        kwargs = dict(kwargs, speculative_draft_model_path=str(copy_head(tmp_path, tiny_model_dir, expected)))
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, **kwargs) as eng:
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+        eng.check_kv_invariant()
+    assert stack_calls["ran"] > 0
+    assert got == expected
+
+
+def test_a_projection_the_cpp_side_refuses_leaves_the_loop_with_a_warning(tiny_model_dir, monkeypatch, caplog):
+    """E.g. a torch whose oneDNN linear op has another signature: the stack's construction fails, is
+    logged, and the model runs its Python loop (with the same bits) instead of failing forwards."""
+    runner = make_runner(tiny_model_dir, "float32", None)
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn::_linear_pointwise: unexpected signature")
+
+    monkeypatch.setattr(cpu_ops.extension(), "float_projection", refuse)
+    with caplog.at_level("WARNING"):
+        runner.model.use_native_ops()
+    assert runner.model.layer_stack is None
+    assert "the C++ layer stack is off" in caplog.text and "unexpected signature" in caplog.text

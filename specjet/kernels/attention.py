@@ -139,15 +139,10 @@ def paged_attention_invariant(
 
 
 def native_whole_batch_args(meta: AttentionMetadata) -> tuple | None:
-    """The C++ kernel's metadata arguments when ``paged_attention_invariant`` runs the whole batch as one
-    call of it (the kernels/layer_stack.py loop passes them to every layer), else None (no kernel: the
-    torch path, which may split the batch)."""
-    if not native_attention_available():
-        return None
-    parts = _work_parts(meta)
-    if len(parts) != 1 or parts[0][0] is not None or parts[0][2] is not None:
-        return None
-    return native_attention_args(parts[0][1])
+    """The C++ kernel's metadata arguments (the kernels/layer_stack.py loop passes them to every layer):
+    where the kernel runs, ``paged_attention_invariant`` runs the whole batch as one call of it
+    (``_work_parts``); None where it does not (the torch path)."""
+    return native_attention_args(meta) if native_attention_available() else None
 
 
 def _run_part(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shared: torch.Tensor | None):

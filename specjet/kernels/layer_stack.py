@@ -9,6 +9,7 @@ still training, a quantized weight whose extension is missing), and the Python l
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from specjet.kernels.attention import native_whole_batch_args
 from specjet.kernels.attention_metadata import AttentionMetadata
 from specjet.kernels.dot_layout import DotQ41
 from specjet.kernels.linear import PackedLinear
+
+logger = logging.getLogger(__name__)
 
 Q4_1, INT8 = 0, 1  # csrc/layer_stack.cpp's quantized kinds
 
@@ -49,16 +52,21 @@ def _projection(ext, packed):
 
 
 def build_layer_stack(layers: list[StackLayer], num_heads: int, head_dim: int, scale: float):
-    """The C++ stack of ``layers``, or None when the extension is missing or an operand has no C++ form."""
+    """The C++ stack of ``layers``, or None when the extension is missing, an operand has no C++ form,
+    or the C++ side refuses one (e.g. a torch whose oneDNN op it cannot call: logged)."""
     ext = cpu_ops.extension()
     if ext is None or not hasattr(ext, "LayerStack"):
         return None
     stack = ext.LayerStack(num_heads, head_dim, float(scale))
-    for layer in layers:
-        projections = [_projection(ext, p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if any(p is None for p in projections):
-            return None
-        stack.add_layer(layer.norm1, float(layer.eps1), layer.norm2, float(layer.eps2), *projections)
+    try:
+        for layer in layers:
+            projections = [_projection(ext, p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in projections):
+                return None
+            stack.add_layer(layer.norm1, float(layer.eps1), layer.norm2, float(layer.eps2), *projections)
+    except RuntimeError as err:
+        logger.warning("the C++ layer stack is off (%s); the layers run one call at a time", err)
+        return None
     return stack
 
 
@@ -67,7 +75,7 @@ def run_layer_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     capture: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """x through every layer of ``stack`` (returns it and the outputs of the layers in ``capture``,
     increasing indices), or None when this batch's attention does not run as one call of the C++
-    kernel (the extension's attention is off): the caller then runs its Python loop."""
+    kernel (the torch attention path): the caller then runs its Python loop."""
     args = native_whole_batch_args(meta)
     if args is None:
         return None

@@ -243,12 +243,13 @@ class LlamaForCausalLM(nn.Module):
         on = set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
         self.layer_stack = None
         if on and self.embed_tokens.weight.device.type == "cpu":
+            stack_layers = []
+            for layer in self.layers:  # what forward_native reads (set_native_ops collected it)
+                n1_weight, n1_eps, n2_weight, n2_eps, attn, gate_up, down = layer.native_parts
+                stack_layers.append(StackLayer(n1_weight, n1_eps, n2_weight, n2_eps, attn.qkv_proj.packed,
+                                               attn.o_proj.packed, gate_up.packed, down.packed))
             attn = self.layers[0].self_attn
-            self.layer_stack = build_layer_stack(
-                [StackLayer(layer.input_layernorm.weight, layer.input_layernorm.eps, layer.post_attention_layernorm.weight,
-                            layer.post_attention_layernorm.eps, layer.self_attn.qkv_proj.packed,
-                            layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed)
-                 for layer in self.layers], attn.num_heads, attn.head_dim, attn.scale)
+            self.layer_stack = build_layer_stack(stack_layers, attn.num_heads, attn.head_dim, attn.scale)
         return on
 
     def set_batch_invariant(self, flag: bool) -> None:
