@@ -353,6 +353,9 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
 // Every (request, KV head, query tile) of the batch, spread over the threads. When those are too few
 // to share out evenly (a decode step of one request: as many items as KV heads), each is split by
 // query head: each key is then read once per head instead of once per group, but no thread idles.
+// Threads take runs of consecutive items of about equal cost (rows x keys seen), not equal counts:
+// a verify of 26 nodes has tiles of 8, 8, 8 and 2 tokens. A KV head's tiles are consecutive, so a
+// thread taking two of them reads that head's keys and values from memory once.
 template <class T>
 void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
   const int64_t group = bt.num_heads / bt.num_kv_heads;
@@ -362,17 +365,40 @@ void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int
   const int64_t threads = at::get_num_threads();
   const int64_t items = item_start[batch];
   const int64_t parts = (threads > 1 && items % threads != 0 && items < 4 * threads) ? std::min(group, threads) : 1;
-  at::parallel_for(0, items * parts, 1, [&](int64_t i0, int64_t i1) {
+  struct Unit {
+    int64_t b, kvh, j0, j1, h0, h1;
+  };
+  std::vector<Unit> units;
+  units.reserve(items * parts);
+  std::vector<double> cost_end;  // cumulative cost of units [0, i]
+  cost_end.reserve(items * parts);
+  double total = 0.0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t tiles = (bt.q_lens[b] + kQueryTile - 1) / kQueryTile;
+    for (int64_t kvh = 0; kvh < bt.num_kv_heads; ++kvh)
+      for (int64_t tile = 0; tile < tiles; ++tile)
+        for (int64_t part = 0; part < parts; ++part) {
+          const int64_t j0 = tile * kQueryTile, j1 = std::min(bt.q_lens[b], j0 + kQueryTile);
+          const int64_t h0 = part * group / parts, h1 = (part + 1) * group / parts;
+          units.push_back({b, kvh, j0, j1, h0, h1});
+          total += static_cast<double>((j1 - j0) * (h1 - h0)) * static_cast<double>(bt.kv_lens[b]) + 1.0;
+          cost_end.push_back(total);
+        }
+  }
+  const int64_t n = static_cast<int64_t>(units.size());
+  const int64_t shares = std::max<int64_t>(1, std::min(threads, n));
+  // Share s runs the units whose cumulative cost ends in (s / shares, (s + 1) / shares] of the total.
+  auto share_start = [&](int64_t s) -> int64_t {
+    if (s <= 0) return 0;
+    if (s >= shares) return n;
+    const double bound = total * static_cast<double>(s) / static_cast<double>(shares);
+    return std::upper_bound(cost_end.begin(), cost_end.end(), bound) - cost_end.begin();
+  };
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
     Workspace ws;
-    int64_t b = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t item = i / parts, part = i % parts;
-      while (item_start[b + 1] <= item) ++b;
-      const int64_t local = item - item_start[b];
-      const int64_t kvh = local % bt.num_kv_heads, tile = local / bt.num_kv_heads;
-      const int64_t j0 = tile * kQueryTile;
-      const int64_t h0 = part * group / parts, h1 = (part + 1) * group / parts;
-      attend_tile(bt, q, k, v, out, b, kvh, j0, std::min(bt.q_lens[b], j0 + kQueryTile), h0, h1, ws);
+    for (int64_t i = share_start(s0); i < share_start(s1); ++i) {
+      const Unit& u = units[i];
+      attend_tile(bt, q, k, v, out, u.b, u.kvh, u.j0, u.j1, u.h0, u.h1, ws);
     }
   });
 }

@@ -107,6 +107,37 @@ def test_a_request_split_by_query_head_across_threads_keeps_its_bits():
         torch.set_num_threads(threads)
 
 
+def test_threads_share_uneven_tiles_by_cost_and_every_row_is_computed_once():
+    """A 26-node verify (tiles of 8, 8, 8 and 2 tokens) beside requests of very different context
+    lengths: the threads take runs of about equal cost, not equal counts. Every row must come out
+    (the output is allocated uninitialised) with the bits of a one-thread run, whatever the thread
+    count."""
+    heads, kv_heads, dim = 9, 3, 64
+    q_lens, kv_lens = [26, 1, 3, 1], [326, 40, 900, 7]
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen)
+    v = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen)
+    table = scattered_table(kv_lens, gen)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    mask = tree_mask(len(q_lens), max(q_lens), gen)
+    meta = build_attention_metadata(table, torch.arange(4), torch.tensor(kv_lens), torch.tensor(q_lens), mask)
+    ext, threads = cpu_ops.extension(), torch.get_num_threads()
+
+    def run():
+        return ext.paged_attention(q, k, v, meta.kv_indices.contiguous(), meta.kv_lens, meta.q_lens, meta.q_starts,
+                                   meta.custom_mask.contiguous(), 0.125, cpu_ops.isa())
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            assert torch.equal(run(), one), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+    reference = A.paged_attention_reference(q, k, v, meta, 0.125)
+    torch.testing.assert_close(one, reference, rtol=2e-2, atol=2e-2)
+
+
 def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
     """Node 3 of the tree sees the prefix, nodes 0 and 2 and itself; decoded as a chain of those
     three tokens (keys contiguous, no masked ones between), its last row must have the same bits."""
