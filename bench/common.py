@@ -40,6 +40,7 @@ _ENGINE_FLAGS = {
     "speculative_dflash_draft_window_size": "speculative_dflash_draft_window_size",
     "speculative_draft_min_prob": "speculative_draft_min_prob",
     "speculative_draft_model_path": "speculative_draft_model_path",
+    "speculative_draft_model_quantization": "speculative_draft_model_quantization",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
     "speculative_hybrid_ngram_tokens": "speculative_hybrid_ngram_tokens",
@@ -84,6 +85,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="tree nodes per verify, root included (default: EAGLE 12, NGRAM 8; DFLASH: its block, 8)")
     spec.add_argument("--speculative-draft-model-path", default=None,
                       help="EAGLE head / DFlash draft directory (default: the one shipped in specjet/assets)")
+    spec.add_argument("--speculative-draft-model-quantization", default=None,
+                      choices=["auto", "none", "int8", "int4", "gguf"],
+                      help="EAGLE head's / DFlash draft's weights (default auto: the target's method for a "
+                           "quantized target, int8 beside a float one on CPU; none: float)")
     spec.add_argument("--speculative-dflash-draft-window-size", type=int, default=None,
                       help="DFLASH: context positions the draft sees before its block (default: all)")
     spec.add_argument("--speculative-draft-min-prob", type=float, default=None,
@@ -119,8 +124,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """Engine keywords for the flags that were set (None means: leave it to the Engine; its dtype
     ``auto`` follows the CPU: bf16 with native bf16 instructions, else fp32)."""
     kwargs = {kw: getattr(args, dest) for dest, kw in _ENGINE_FLAGS.items() if getattr(args, dest, None) is not None}
-    if kwargs.get("quantization") == "none":  # the engine's None: float weights
-        kwargs["quantization"] = None
+    for name in ("quantization", "speculative_draft_model_quantization"):
+        if kwargs.get(name) == "none":  # the engine's None: float weights
+            kwargs[name] = None
     return kwargs
 
 

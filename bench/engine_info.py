@@ -42,6 +42,8 @@ def describe_engine(engine) -> dict:
                                    "max_bfs_breadth": spec.ngram.max_branches,
                                    "match_window": [spec.ngram.min_window, spec.ngram.max_window]}
         desc["speculative"]["max_verify_tokens"] = spec.max_verify_nodes
+        if spec.algorithm in ("EAGLE", "DFLASH"):
+            desc["speculative"]["draft_model_quantization"] = spec.draft_quantization
     return desc
 
 
@@ -53,10 +55,15 @@ def spec_str(spec: dict | None) -> str:
     if spec["algorithm"] == "EAGLE":
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
         return (f"EAGLE num_steps={spec['num_steps']} topk={spec['topk']} num_draft_tokens={spec['num_draft_tokens']}"
-                f"{hybrid}{cap}")
+                f"{hybrid}{cap}{_draft_weights(spec)}")
     if spec["algorithm"] == "DFLASH":
         window = f" window={spec['draft_window_size']}" if spec.get("draft_window_size") else ""
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
-        return f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{window}{hybrid}{cap}"
+        return f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{window}{hybrid}{cap}{_draft_weights(spec)}"
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")
+
+
+def _draft_weights(spec: dict) -> str:
+    method = spec.get("draft_model_quantization", "target")
+    return "" if method == "target" else f", {method or 'float'} draft weights"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model_harness import OneRequest, load_runner
+from specjet.kernels import cpu_ops
 from specjet.models.dflash import (DFlashDraftModel, DFlashShape, default_target_layers, load_dflash,
                                    read_dflash_config, save_dflash)
 from specjet.scheduler.memory_pool import TokenToKVPoolAllocator
@@ -275,3 +276,37 @@ def test_block_tree_leaves_out_unlikely_nodes():
     assert _tree(1, candidates, 3, math.log(0.01)) == ([1, 10, 20], [-1, 0, 1])  # the budget still caps
     sure = [[(5, 0.0)], [(6, 0.0)], [(7, -2.0)]]
     assert _tree(1, sure, 16, math.log(0.9)) == ([1, 5, 6], [-1, 0, 1])
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+def test_a_packed_draft_runs_its_layers_as_one_cpp_call_with_the_loops_bits(runner, features, monkeypatch):
+    """pack_for_decode builds the draft's layer stack (models/llama.py native_layer_stack); a drafting
+    forward through it gives, bit for bit, the logits of the same layers called one by one."""
+    from specjet.models import llama
+
+    ids, feats = features
+    draft = random_draft(runner.config, root_context=True)
+    draft.pack_for_decode()
+    assert draft.layer_stack is not None and len(draft.layer_stack) == 2
+    calls = {"ran": 0}
+    real = llama.run_layer_stack
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["ran"] += out is not None
+        return out
+
+    monkeypatch.setattr(llama, "run_layer_stack", spy)
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    drafter = DFlashDrafter(runner, draft, BLOCK, None, allocator)
+    n = len(ids)
+    table = torch.zeros(1, 64, dtype=torch.int64)
+    table[0, : n + 8] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + 8)
+    drafter.after_prefill([SpecInput("r", 0, 0, ids, 0)], feats, [11], table)
+    block = [SpecInput("r", 0, n, ids + [11], 8)]
+    stacked = drafter.draft_blocks(block, table)[0]
+    assert calls["ran"] == 1
+    stack, draft.layer_stack = draft.layer_stack, None
+    looped = drafter.draft_blocks(block, table)[0]
+    assert calls["ran"] == 1 and torch.equal(stacked, looped)
+    draft.layer_stack = stack

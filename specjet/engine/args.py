@@ -47,6 +47,10 @@ class EngineArgs:
     # range check is in one place, specjet/spec_v2/config.py (SpecConfig.from_args).
     speculative_algorithm: str | None = None  # "EAGLE" or "NGRAM"
     speculative_draft_model_path: str | None = None  # EAGLE head; None: the head shipped with specjet
+    # The EAGLE head's / DFlash draft's weights (SGLang's name): "int8", "int4", "gguf" (4-bit blocks),
+    # None (float), or "auto": the target's method for a quantized target, int8 beside a float target
+    # on a CPU with the vectorised kernels (models/quantize.py choose_draft_method), else float.
+    speculative_draft_model_quantization: str | None = "auto"
     speculative_num_steps: int | None = None  # EAGLE: draft forwards per iteration
     speculative_eagle_topk: int | None = None  # EAGLE: branching per draft step
     # Nodes of the drafter's tree, root included (EAGLE: the learned tree; NGRAM: the whole tree).
@@ -134,6 +138,10 @@ class EngineArgs:
         from specjet.models.quantize import check_method
 
         check_method(self.quantization, allow_auto=True)
+        try:
+            check_method(self.speculative_draft_model_quantization, allow_auto=True)
+        except ValueError as err:
+            raise ValueError(f"speculative_draft_model_{err}") from None
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
         from specjet.spec_v2.config import SpecConfig

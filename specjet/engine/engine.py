@@ -18,6 +18,7 @@ from specjet.engine.streams import AsyncStream, SyncStream
 from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.request import Req
 from specjet.scheduler.sampling_params import SamplingParams
+from specjet.spec_v2.config import HYBRID_ALGORITHMS
 
 logger = logging.getLogger("specjet")
 
@@ -291,7 +292,7 @@ class Engine:
             time.sleep(0.01)
 
     def get_server_info(self, reset_timings: bool = False) -> dict[str, Any]:
-        """The dtype and quantization in effect, counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
+        """The dtype and quantization in effect (the EAGLE head's / DFlash draft's too), counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
         side's median time and how long it waited for the host; with speculation ``stats["spec_phases"]``,
         the mean ms per iteration of its phases (``reset_timings`` starts both afresh)."""
         stats = dict(self.scheduler.stats)
@@ -309,8 +310,10 @@ class Engine:
             except RuntimeError:
                 stats["spec_phases"] = {"iterations": 0}
         runner = self.worker.runner
+        learned = speculator is not None and speculator.cfg.algorithm in HYBRID_ALGORITHMS
         return {"args": self.args, "dtype": str(runner.dtype).removeprefix("torch."),  # what "auto" resolved to
                 "quantization": runner.quantization,
+                "draft_quantization": speculator.cfg.draft_quantization if learned else None,
                 "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,
                 "grammar": dict(self.scheduler.grammar_backend.compile_stats), "radix_cache": cache}

@@ -3,21 +3,21 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from specjet.engine.args import EngineArgs
 from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
-from specjet.models.quantize import choose_method
+from specjet.models.quantize import choose_draft_method, choose_method
 from specjet.models.runner import ModelRunner
 from specjet.models.weights import gguf_source, load_state_dict, resolve_model_path
 from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
 from specjet.scheduler.worker import ModelWorker
-from specjet.spec_v2.config import SpecConfig
+from specjet.spec_v2.config import HYBRID_ALGORITHMS, SpecConfig
 from specjet.spec_v2.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,11 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, args.page_size, runner.device)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)
     spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantization is not None and runner.device.type == "cpu")
+    if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
+        draft_quantization, why = choose_draft_method(args.speculative_draft_model_quantization, quantization,
+                                                      runner.device)
+        logger.info("draft quantization %s (%s)", draft_quantization, why)
+        spec_config = replace(spec_config, draft_quantization=draft_quantization)
     speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer)
                   if spec_config is not None else None)
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)

@@ -49,13 +49,13 @@ from specjet.kernels import cpu_ops
 from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
-from specjet.models.eagle import (TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, hot_lm_head,
-                                  read_draft_config, target_identity)
+from specjet.models.eagle import (FOLLOW_TARGET, TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, draft_method,
+                                  hot_lm_head, read_draft_config, target_identity)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.quantize import quantize_linears
 from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
-                                  set_native_ops)
+                                  native_layer_stack, run_layers, set_native_ops)
 
 FORMAT = "specjet-dflash"
 FORMAT_VERSION = 1
@@ -116,6 +116,7 @@ class DFlashDraftModel(nn.Module):
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
         self.context_kv: list = []  # per layer, write_context's k|v operand (_pack_context_kv)
+        self.layer_stack = None  # the drafting forward's layers as one C++ call (_pack_context_kv)
         self.reset_parameters()
 
     # ---------------------------------------------------------------- set-up
@@ -130,15 +131,17 @@ class DFlashDraftModel(nn.Module):
                 else:
                     p.fill_(1.0)
 
-    def bind_target(self, target: LlamaForCausalLM) -> "DFlashDraftModel":
+    def bind_target(self, target: LlamaForCausalLM, quantization: str | None = FOLLOW_TARGET) -> "DFlashDraftModel":
+        """Share ``target``'s embedding and LM head; ``quantization`` as an EAGLE head's
+        (``FOLLOW_TARGET``: a quantized target's draft computes like it; ``gguf``: 4-bit blocks)."""
         for name in TARGET_SHAPE_FIELDS:
             if getattr(target.config, name) != getattr(self.config, name):
                 raise ValueError(f"DFlash draft and target differ in {name}: "
                                  f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
-        if getattr(target, "quantization", None) is not None:
-            # As an EAGLE head: a quantized target's draft computes like it (``gguf``: 4-bit blocks).
-            quantize_linears(self, target.quantization)
-        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids),
+        method = draft_method(target, quantization)
+        if method is not None:
+            quantize_linears(self, method)
+        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method),
                                    full_lm_head=target.lm_head)
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         self._pack_context_kv()
@@ -157,7 +160,10 @@ class DFlashDraftModel(nn.Module):
         """Each layer's k|v columns of its fused projection as an inference operand of their own
         (packed, or the quantized rows of a quantized projection), for ``write_context``: a plain
         matmul against the column slice re-blocks the bf16 weight on every call. None where the
-        layer is not packed (training), or not on the C++ ops' path."""
+        layer is not packed (training), or not on the C++ ops' path. Also builds the layers' C++
+        stack for the drafting forward (models/llama.py ``native_layer_stack``), which holds the
+        same operands."""
+        self.layer_stack = native_layer_stack(list(self.layers))
         self.context_kv = []
         for layer in self.layers:
             attn, packed = layer.self_attn, layer.self_attn.qkv_proj.packed
@@ -273,10 +279,9 @@ class DFlashDraftModel(nn.Module):
         blocks = 1 if root_ctx is None else root_ctx.shape[0]
         x = self.block_input(batch.input_ids.view(blocks, -1), root_ctx)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        # As the target's forward: forward, not __call__ (drafting is a few small ops per layer, where
-        # nn.Module's call machinery shows), and the C++ norm where the layers run native.
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, batch, kv_cache)
+        # As the target's forward: the layers as one C++ call where they run native (else forward, not
+        # __call__: nn.Module's call machinery shows on a few small ops), and the C++ norm.
+        x = run_layers(self.layers, self.layer_stack, x, cos, sin, batch, kv_cache)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
         return self.logits(self.norm.normalize(x, self.layers[0].native_ops))

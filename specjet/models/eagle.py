@@ -39,7 +39,7 @@ from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
-from specjet.models.quantize import quantize_linears
+from specjet.models.quantize import quantize_linears, quantize_weight
 
 FORMAT = "specjet-eagle"
 FORMAT_VERSION = 1
@@ -72,8 +72,19 @@ def check_hot_token_ids(hot_token_ids, vocab_size: int) -> torch.Tensor | None:
     return hot_token_ids
 
 
-def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None) -> Linear:
-    """The target's LM head, or a [hidden, K] copy of its hot columns (packed like the target's)."""
+# ``bind_target``'s default quantization: the draft computes as its target does (quantized like a
+# quantized target, float beside a float one).
+FOLLOW_TARGET = "target"
+
+
+def draft_method(target: LlamaForCausalLM, quantization: str | None) -> str | None:
+    """The method a draft bound to ``target`` quantizes its weights with (None: float)."""
+    return getattr(target, "quantization", None) if quantization == FOLLOW_TARGET else quantization
+
+
+def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None, method: str | None = None) -> Linear:
+    """The target's LM head, or a [hidden, K] copy of its hot columns: packed like the target's, or,
+    beside a float target's head, quantized with the draft's ``method`` (never while training)."""
     head = target.lm_head
     if hot_token_ids is None:
         return head
@@ -82,6 +93,8 @@ def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None) ->
     hot.weight_t = nn.Parameter(weight_t, requires_grad=False)
     if isinstance(head.packed, QuantizedLinear):  # the target head's own blocks, hot rows
         hot.packed = head.packed.select_outputs(hot_token_ids)
+    elif head.packed is not None and method is not None and (weight := quantize_weight(weight_t, method, is_head=True)):
+        hot.packed = QuantizedLinear.build(weight, None)  # a head in the method's head format (int4: Q8_0)
     elif head.packed is not None:  # packed like the target's head (never while training)
         hot.pack_for_decode()
     return hot
@@ -125,17 +138,19 @@ class EagleDraftModel(nn.Module):
                 self.fuse.weight_t.zero_()
                 self.fuse.weight_t[-h:].copy_(torch.eye(h))
 
-    def bind_target(self, target: LlamaForCausalLM) -> "EagleDraftModel":
-        """Share ``target``'s embedding and LM head (a hot head copies the head's K hot columns)."""
+    def bind_target(self, target: LlamaForCausalLM, quantization: str | None = FOLLOW_TARGET) -> "EagleDraftModel":
+        """Share ``target``'s embedding and LM head (a hot head copies the head's K hot columns).
+        ``quantization``: the method of the head's own weights (``FOLLOW_TARGET``: the target's, so a
+        quantized target's head computes like it; ``gguf`` takes the 4-bit format, the file holding no
+        draft weights), or None for float."""
         for name in TARGET_SHAPE_FIELDS:
             if getattr(target.config, name) != getattr(self.config, name):
                 raise ValueError(f"draft head and target differ in {name}: "
                                  f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
-        if getattr(target, "quantization", None) is not None:
-            # A quantized target's draft head computes like it: its projections in the same method
-            # (``gguf``: the file holds no draft weights, so they take its 4-bit format).
-            quantize_linears(self, target.quantization)
-        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids))
+        method = draft_method(target, quantization)
+        if method is not None:
+            quantize_linears(self, method)
+        self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method))
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         return self
 

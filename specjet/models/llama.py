@@ -171,6 +171,35 @@ def set_native_ops(layers, config: ModelConfig, weight: torch.Tensor, flag: bool
     return flag
 
 
+def native_layer_stack(layers):
+    """The C++ stack of ``layers`` (kernels/layer_stack.py) from what their native forward reads
+    (``set_native_ops`` collected it), or None: not on the C++ ops, not on the CPU, or an operand
+    without a C++ form. Build it again after replacing a layer's operands."""
+    if not layers or not all(layer.native_ops for layer in layers):
+        return None
+    stack_layers = []
+    for layer in layers:
+        n1_weight, n1_eps, n2_weight, n2_eps, attn, gate_up, down = layer.native_parts
+        if n1_weight.device.type != "cpu":
+            return None
+        stack_layers.append(StackLayer(n1_weight, n1_eps, n2_weight, n2_eps, attn.qkv_proj.packed,
+                                       attn.o_proj.packed, gate_up.packed, down.packed))
+    attn = layers[0].self_attn
+    return build_layer_stack(stack_layers, attn.num_heads, attn.head_dim, attn.scale)
+
+
+def run_layers(layers, stack, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+    """x through ``layers``: as one C++ call where ``stack`` (``native_layer_stack``) runs this batch,
+    else layer by layer (same kernels, same bits)."""
+    if stack is not None and layers[0].self_attn.batch_invariant:
+        stacked = run_layer_stack(stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k, kv_cache.v, [])
+        if stacked is not None:
+            return stacked[0]
+    for layer in layers:
+        x = layer.forward(x, cos, sin, batch, kv_cache)
+    return x
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -241,15 +270,7 @@ class LlamaForCausalLM(nn.Module):
         (kernels/layer_stack.py), which holds the projections' operands: call this again after replacing
         one. Returns whether the ops are on."""
         on = set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
-        self.layer_stack = None
-        if on and self.embed_tokens.weight.device.type == "cpu":
-            stack_layers = []
-            for layer in self.layers:  # what forward_native reads (set_native_ops collected it)
-                n1_weight, n1_eps, n2_weight, n2_eps, attn, gate_up, down = layer.native_parts
-                stack_layers.append(StackLayer(n1_weight, n1_eps, n2_weight, n2_eps, attn.qkv_proj.packed,
-                                               attn.o_proj.packed, gate_up.packed, down.packed))
-            attn = self.layers[0].self_attn
-            self.layer_stack = build_layer_stack(stack_layers, attn.num_heads, attn.head_dim, attn.scale)
+        self.layer_stack = native_layer_stack(self.layers) if on else None
         return on
 
     def set_batch_invariant(self, flag: bool) -> None:

@@ -56,6 +56,24 @@ def choose_method(requested: str | None, device: torch.device, gguf_path, config
     return "gguf", "auto: the GGUF file's own blocks (quantization=None computes with their float dequantization)"
 
 
+def choose_draft_method(requested: str | None, target_method: str | None, device: torch.device) -> tuple[str | None, str]:
+    """The quantization of a draft model's weights (EAGLE head, DFlash draft; the engine's
+    ``speculative_draft_model_quantization``) for ``requested`` (``auto`` resolved) and why, for the
+    start-up log. A draft's forwards read all its weights for a few rows, every iteration: they are
+    a stream of the weights, as a target's decode step is."""
+    if requested != AUTO:
+        return requested, "asked for"
+    if target_method is not None:
+        return target_method, "auto: the target's"
+    if torch.device(device).type != "cpu":
+        return None, "auto: the quantized kernels are CPU kernels"
+    from specjet.kernels.qgemm import default_isa, extension
+
+    if extension() is None or default_isa() == "scalar":
+        return None, "auto: no vectorised quantized kernels on this CPU (AVX2 or AVX-512, and the C++ extension)"
+    return "int8", "auto: int8 draft weights on a float target (half of bf16's bytes, a quarter of float32's)"
+
+
 def quantize_weight(weight_t: torch.Tensor, method: str, is_head: bool = False) -> QuantWeight | None:
     """A [in, out] float weight in ``method``'s format, or None where its input width is not whole
     32-weight blocks (that projection stays float). ``gguf`` quantizes like ``int4`` (weights that are

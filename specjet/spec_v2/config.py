@@ -92,6 +92,9 @@ class SpecConfig:
     dflash: DFlashParams = DFlashParams()
     # EAGLE head / DFlash draft directory; None: the one shipped with specjet for the default model.
     draft_model_path: str | None = None
+    # The draft's weights (speculative_draft_model_quantization, resolved by engine/loading.py with
+    # models/quantize.py choose_draft_method): a method name, None (float), or "target" (as the target).
+    draft_quantization: str | None = "target"
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob).
     grammar_aware: bool = True

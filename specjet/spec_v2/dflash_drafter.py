@@ -39,6 +39,7 @@ import torch
 
 from specjet.grammar import bitmask_allows
 from specjet.models.dflash import DFlashDraftModel
+from specjet.models.eagle import FOLLOW_TARGET
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
@@ -52,9 +53,10 @@ class DFlashDrafter:
     """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
-                 topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf):
+                 topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
+                 quantization: str | None = FOLLOW_TARGET):
         self.runner = runner
-        self.draft = draft.bind_target(runner.model)
+        self.draft = draft.bind_target(runner.model, quantization)
         self.feature_capture = self.draft.feature_capture
         # A position's draft KV is its own target feature projected: the token after it plays no
         # part, so the prefix cache may hand out a match's every position.

@@ -32,7 +32,7 @@ import torch
 
 from specjet.grammar import bitmask_allows
 from specjet.kernels.tree import flatten_expansion_steps, select_draft_nodes
-from specjet.models.eagle import EagleDraftModel
+from specjet.models.eagle import FOLLOW_TARGET, EagleDraftModel
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
@@ -69,12 +69,13 @@ class EagleDrafter:
     """EAGLE-2 trees from a trained head (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator,
-                 static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf):
+                 static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
+                 quantization: str | None = FOLLOW_TARGET):
         if params.topk > head.draft_vocab_size:
             raise ValueError(f"speculative_eagle_topk={params.topk} exceeds the EAGLE head's vocabulary of "
                              f"{head.draft_vocab_size} tokens")
         self.runner = runner
-        self.head = head.bind_target(runner.model)
+        self.head = head.bind_target(runner.model, quantization)
         self.feature_capture = self.head.feature_capture
         self.draft_kv_reads_next_token = True  # position t's draft KV comes from token t+1 and feature t
         self.params = params

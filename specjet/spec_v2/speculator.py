@@ -58,7 +58,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                 raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
             head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device)
         eagle = EagleDrafter(runner, head, cfg.eagle, allocator, *cfg.runner_mode(runner.device),
-                             min_logp=cfg.min_draft_logp)
+                             min_logp=cfg.min_draft_logp, quantization=cfg.draft_quantization)
         if not cfg.hybrid_path_nodes:
             return eagle
         return HybridDrafter(eagle, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
@@ -74,7 +74,8 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                                         "(train one with `python -m specjet.train dflash`)")
             draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
         dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk,
-                               *cfg.runner_mode(runner.device), min_logp=cfg.min_draft_logp)
+                               *cfg.runner_mode(runner.device), min_logp=cfg.min_draft_logp,
+                               quantization=cfg.draft_quantization)
         if not cfg.hybrid_path_nodes:
             return dflash
         return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,

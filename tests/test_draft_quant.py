@@ -1,0 +1,109 @@
+"""The draft's weights (``speculative_draft_model_quantization``): "auto" picks the target's method for a
+quantized target and int8 beside a float target on a CPU with the vectorised kernels; every method
+keeps speculation lossless (greedy ids equal plain decoding's, KV invariant after each workload), the
+draft's projections and hot head really take the method, and the engine reports what it chose."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specjet
+from specjet.kernels import qgemm
+from specjet.kernels.linear import PackedLinear
+from specjet.kernels.qgemm import QuantizedLinear
+from specjet.models.quantize import choose_draft_method
+from test_dflash_spec import make_copy_draft
+from test_spec_eagle import copy_head
+
+PROMPTS = [[1, 9, 42, 42, 7, 100 + i, 42, 7] * (2 + i) for i in range(3)]
+PARAMS = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+CPU = torch.device("cpu")
+
+
+def test_auto_follows_a_quantized_target_and_takes_int8_beside_a_float_one():
+    assert choose_draft_method("auto", "gguf", CPU)[0] == "gguf"
+    assert choose_draft_method("auto", "int4", CPU)[0] == "int4"
+    method, why = choose_draft_method("auto", None, CPU)
+    assert method == ("int8" if qgemm.extension() is not None and qgemm.default_isa() != "scalar" else None), why
+    assert choose_draft_method("auto", None, torch.device("cuda"))[0] is None  # the kernels are CPU kernels
+
+
+@pytest.mark.parametrize("method", [None, "int8", "int4", "gguf"])
+def test_an_explicit_draft_method_is_kept(method):
+    assert choose_draft_method(method, "gguf", CPU)[0] == method
+    assert choose_draft_method(method, None, CPU)[0] == method
+
+
+def test_auto_keeps_a_float_draft_where_the_kernels_would_run_scalar(monkeypatch):
+    monkeypatch.setattr(qgemm, "default_isa", lambda: "scalar")
+    method, why = choose_draft_method("auto", None, CPU)
+    assert method is None and "AVX2" in why
+
+
+def test_an_unknown_draft_method_is_refused_at_the_door(tiny_model_dir):
+    with pytest.raises(ValueError, match="speculative_draft_model_quantization 'int3'"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="EAGLE",
+                       speculative_draft_model_quantization="int3")
+    with pytest.raises((TypeError, ValueError), match="speculative_draft_model_quantization"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="EAGLE",
+                       speculative_draft_model_quantization=8)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048) as eng:
+        out = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+        eng.check_kv_invariant()
+    return out
+
+
+def _operands(drafter):
+    """The draft's own projections' operands and its (hot) head's."""
+    from specjet.models.llama import Linear
+
+    model = drafter.head if hasattr(drafter, "head") else drafter.draft
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and not name.startswith("target")]
+    return [m.packed for m in linears], model.target.lm_head.packed
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "DFLASH"])
+@pytest.mark.parametrize("method", ["auto", None, "int8", "int4"])
+def test_every_draft_method_keeps_greedy_output_exact(tiny_model_dir, tmp_path, expected, algorithm, method):
+    hot = torch.tensor(sorted({t for ids in expected for t in ids} | {0, 1, 2}))
+    if algorithm == "EAGLE":
+        path = copy_head(tmp_path, tiny_model_dir, expected)
+    else:
+        path = make_copy_draft(tmp_path, tiny_model_dir, hot)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, speculative_algorithm=algorithm,
+                        speculative_draft_model_path=str(path), speculative_draft_model_quantization=method) as eng:
+        got = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+        eng.check_kv_invariant()
+        info = eng.get_server_info()
+        drafter = eng.worker.speculator.drafter
+        drafter = getattr(drafter, "learned", drafter)  # a hybrid drafter wraps the learned one
+    assert got == expected
+    assert info["stats"]["spec_accepted_tokens"] > info["stats"]["spec_verify_ct"]  # drafts were taken
+    resolved = choose_draft_method(method, None, CPU)[0]
+    assert info["draft_quantization"] == resolved and info["quantization"] is None
+    projections, head = _operands(drafter)
+    if resolved is None:
+        assert all(isinstance(p, PackedLinear) for p in projections) and isinstance(head, PackedLinear)
+    else:  # the tiny model's widths are whole 32-blocks: every projection and the hot head quantized
+        assert all(isinstance(p, QuantizedLinear) for p in projections) and isinstance(head, QuantizedLinear)
+
+
+def test_a_float_draft_beside_a_quantized_target_stays_float(cyclic_model_dir, tmp_path):
+    """None is a float draft even when the target computes with quantized weights (its hot head
+    is the target head's own quantized rows)."""
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization="int8") as eng:
+        expected = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+    path = copy_head(tmp_path, cyclic_model_dir, expected)
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization="int8",
+                        speculative_algorithm="EAGLE", speculative_draft_model_path=str(path),
+                        speculative_hybrid_ngram_tokens=0, speculative_draft_model_quantization=None) as eng:
+        got = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+        eng.check_kv_invariant()
+        info = eng.get_server_info()
+        projections, head = _operands(eng.worker.speculator.drafter)
+    assert got == expected and info["draft_quantization"] is None and info["quantization"] == "int8"
+    assert all(isinstance(p, PackedLinear) for p in projections) and isinstance(head, QuantizedLinear)
