@@ -49,6 +49,13 @@ def test_an_unknown_draft_method_is_refused_at_the_door(tiny_model_dir):
                        speculative_draft_model_quantization=8)
 
 
+@pytest.mark.parametrize("algorithm", [None, "NGRAM"])
+def test_a_draft_method_without_a_learned_draft_is_refused(tiny_model_dir, algorithm):
+    with pytest.raises(ValueError, match="speculative_draft_model_quantization .* needs"):
+        specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm=algorithm,
+                       speculative_draft_model_quantization="int8")
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir):
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048) as eng:

@@ -176,6 +176,9 @@ class SpecConfig:
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_draft_min_prob is not None and algorithm not in HYBRID_ALGORITHMS:
             raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
+        if args.speculative_draft_model_quantization != "auto" and algorithm not in HYBRID_ALGORITHMS:
+            raise ValueError("speculative_draft_model_quantization sets a learned draft's weights: it needs "
+                             "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
             raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
                              "speculative_algorithm='DFLASH'")
