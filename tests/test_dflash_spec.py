@@ -138,12 +138,13 @@ def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_d
     accept = {}
     for extra in (0, 4):
         with dflash_engine(tiny_model_dir, wrong_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1,
-                           speculative_hybrid_ngram_tokens=extra) as eng:
+                           speculative_hybrid_ngram_tokens=extra, speculative_draft_model_quantization=None) as eng:
             outs = eng.generate(PROMPTS, greedy(40))
             eng.check_kv_invariant()
             stats = eng.get_server_info()["stats"]
             if extra:
-                assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1 + 4 n-gram nodes"
+                assert (spec_str(describe_engine(eng)["speculative"])
+                        == "DFLASH block=8 topk=1 + 4 n-gram nodes, float draft weights")
         assert [o["output_ids"] for o in outs] == expected
         accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
     assert accept[0] < 1.2 and accept[4] > 1.5, accept
@@ -172,8 +173,9 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
     ref_stop = plain.generate(PROMPTS[0], greedy(40, stop=[stop]))
     from bench.engine_info import describe_engine, spec_str
 
-    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1) as eng:
-        assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1"
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1,
+                       speculative_draft_model_quantization="int8") as eng:
+        assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1, int8 draft weights"
         for n in (1, 2, 5, 11):  # budgets that end inside a block
             assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]
         out = eng.generate(PROMPTS[0], greedy(40, stop=[stop]))
