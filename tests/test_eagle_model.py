@@ -301,3 +301,47 @@ def test_default_head_loads_for_the_default_model(default_model_dir):
     assert head.draft_vocab_size == (meta["hot_vocab_size"] or config.vocab_size)
     assert sum((path / name).stat().st_size for name in ("model.safetensors", "config.json")) < 16 * 2**20
 
+
+
+@HEAD_KINDS
+def test_a_packed_head_runs_its_layer_as_one_cpp_call_with_the_loops_bits(runner, feature_layers, monkeypatch):
+    """pack_for_decode puts the head's layer on the C++ ops and builds its stack (models/llama.py
+    native_layer_stack); the paged forward through it gives, bit for bit, the hidden states and
+    logits of the same layer called op by op, and stays close to the training forward."""
+    from specjet.kernels import cpu_ops
+    from specjet.models import llama
+
+    if cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    head = make_head(runner, seed=5, feature_layers=feature_layers)
+    head.pack_for_decode()
+    assert head.layer.native_ops and head.layer_stack is not None
+    calls = {"ran": 0}
+    real = llama.run_layer_stack
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["ran"] += out is not None
+        return out
+
+    monkeypatch.setattr(llama, "run_layer_stack", spy)
+    g = torch.Generator().manual_seed(2)
+    lens = [9, 6]
+    ids = [torch.randint(0, runner.config.vocab_size, (n,), generator=g) for n in lens]
+    feats = [torch.randn(n, head.feature_width, generator=g) for n in lens]
+    stacked = paged_forward(head, ids, feats, chunks=[4, 3, 1, 1])
+    assert calls["ran"] == 4
+    head.layer_stack = None
+    looped = paged_forward(head, ids, feats, chunks=[4, 3, 1, 1])
+    assert calls["ran"] == 4
+    for a, b in zip(stacked[0], looped[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(stacked[1], looped[1])
+    padded_ids = torch.zeros(2, max(lens), dtype=torch.int64)
+    padded_feats = torch.zeros(2, max(lens), head.feature_width)
+    for r, n in enumerate(lens):
+        padded_ids[r, :n], padded_feats[r, :n] = ids[r], feats[r]
+    with torch.no_grad():
+        train_hidden = head.forward_train(padded_ids, padded_feats)
+    for r, n in enumerate(lens):
+        torch.testing.assert_close(stacked[0][r], train_hidden[r, :n], rtol=1e-4, atol=1e-4)

@@ -38,7 +38,8 @@ from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
-from specjet.models.llama import DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary
+from specjet.models.llama import (DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
+                                  native_layer_stack, run_layers, set_native_ops)
 from specjet.models.quantize import quantize_linears, quantize_weight
 
 FORMAT = "specjet-eagle"
@@ -119,6 +120,7 @@ class EagleDraftModel(nn.Module):
         self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
+        self.layer_stack = None  # the layer as one C++ call, for inference (pack_for_decode, bind_target)
         self.reset_parameters()
 
     # ---------------------------------------------------------------- set-up
@@ -152,14 +154,18 @@ class EagleDraftModel(nn.Module):
             quantize_linears(self, method)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method))
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
+        self.layer_stack = native_layer_stack([self.layer])  # holds the (now final) operands
         return self
 
     def pack_for_decode(self) -> None:
-        """Pack the projections for inference (see kernels/linear.py). Training must not call it:
+        """Pack the projections for inference (see kernels/linear.py) and run the layer through the
+        C++ CPU ops where they apply (as one call: ``native_layer_stack``). Training must not call it:
         the packed copy would go stale as the weights change."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_decode()
+        set_native_ops([self.layer], self.config, self.fc.weight_t)
+        self.layer_stack = native_layer_stack([self.layer])
 
     @property
     def feature_width(self) -> int:
@@ -225,7 +231,7 @@ class EagleDraftModel(nn.Module):
             features = self.embed_features(features)
         x = self._fuse(batch.input_ids, features)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        hidden = self.layer.forward(x, cos, sin, batch, kv_cache)  # takes the native path where it is on
+        hidden = run_layers([self.layer], self.layer_stack, x, cos, sin, batch, kv_cache)
         logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         return hidden, self.logits(logits_in)
 
