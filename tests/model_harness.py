@@ -43,3 +43,20 @@ class OneRequest:
         out = self.runner.forward(batch)
         self.len += n
         return out
+
+
+def count_stack_runs(monkeypatch) -> dict:
+    """Spies on models/llama.py's ``run_layer_stack``: ``counts["ran"]`` forwards that went as one C++
+    call, ``counts["aside"]`` those where the stack stood aside (the Python loop ran)."""
+    from specjet.models import llama
+
+    counts = {"ran": 0, "aside": 0}
+    real = llama.run_layer_stack
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        counts["ran" if out is not None else "aside"] += 1
+        return out
+
+    monkeypatch.setattr(llama, "run_layer_stack", spy)
+    return counts

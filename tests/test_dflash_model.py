@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from model_harness import OneRequest, load_runner
+from model_harness import OneRequest, count_stack_runs, load_runner
 from specjet.kernels import cpu_ops
 from specjet.models.dflash import (DFlashDraftModel, DFlashShape, default_target_layers, load_dflash,
                                    read_dflash_config, save_dflash)
@@ -282,21 +282,11 @@ def test_block_tree_leaves_out_unlikely_nodes():
 def test_a_packed_draft_runs_its_layers_as_one_cpp_call_with_the_loops_bits(runner, features, monkeypatch):
     """pack_for_decode builds the draft's layer stack (models/llama.py native_layer_stack); a drafting
     forward through it gives, bit for bit, the logits of the same layers called one by one."""
-    from specjet.models import llama
-
     ids, feats = features
     draft = random_draft(runner.config, root_context=True)
     draft.pack_for_decode()
     assert draft.layer_stack is not None and len(draft.layer_stack) == 2
-    calls = {"ran": 0}
-    real = llama.run_layer_stack
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls["ran"] += out is not None
-        return out
-
-    monkeypatch.setattr(llama, "run_layer_stack", spy)
+    calls = count_stack_runs(monkeypatch)
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
     drafter = DFlashDrafter(runner, draft, BLOCK, None, allocator)
     n = len(ids)

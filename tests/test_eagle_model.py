@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from model_harness import load_runner
+from model_harness import count_stack_runs, load_runner
 from specjet.models.eagle import EagleDraftModel, default_eagle_path, load_eagle, read_eagle_config, save_eagle
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
@@ -302,29 +302,19 @@ def test_default_head_loads_for_the_default_model(default_model_dir):
     assert sum((path / name).stat().st_size for name in ("model.safetensors", "config.json")) < 16 * 2**20
 
 
-
 @HEAD_KINDS
 def test_a_packed_head_runs_its_layer_as_one_cpp_call_with_the_loops_bits(runner, feature_layers, monkeypatch):
     """pack_for_decode puts the head's layer on the C++ ops and builds its stack (models/llama.py
     native_layer_stack); the paged forward through it gives, bit for bit, the hidden states and
     logits of the same layer called op by op, and stays close to the training forward."""
     from specjet.kernels import cpu_ops
-    from specjet.models import llama
 
     if cpu_ops.extension() is None:
         pytest.skip("the C++ CPU ops are not built")
     head = make_head(runner, seed=5, feature_layers=feature_layers)
     head.pack_for_decode()
     assert head.layer.native_ops and head.layer_stack is not None
-    calls = {"ran": 0}
-    real = llama.run_layer_stack
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls["ran"] += out is not None
-        return out
-
-    monkeypatch.setattr(llama, "run_layer_stack", spy)
+    calls = count_stack_runs(monkeypatch)
     g = torch.Generator().manual_seed(2)
     lens = [9, 6]
     ids = [torch.randint(0, runner.config.vocab_size, (n,), generator=g) for n in lens]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_harness import count_stack_runs
+
 from specjet.kernels import cpu_ops
 from specjet.kernels.linear import PackedLinear
 from specjet.models import llama
@@ -31,16 +33,7 @@ def make_runner(model_dir, dtype: str, quantization: str | None, slots: int = 51
 @pytest.fixture
 def stack_calls(monkeypatch):
     """How many forwards the stack ran (run_layer_stack returned a result) and stood aside (None)."""
-    counts = {"ran": 0, "aside": 0}
-    real = llama.run_layer_stack
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        counts["ran" if out is not None else "aside"] += 1
-        return out
-
-    monkeypatch.setattr(llama, "run_layer_stack", spy)
-    return counts
+    return count_stack_runs(monkeypatch)
 
 
 def forward(runner, table, ids, kv_lens, q_lens, mode, mask=None, capture=None):
