@@ -34,6 +34,12 @@ def test_an_explicit_draft_method_is_kept(method):
     assert choose_draft_method(method, None, CPU)[0] == method
 
 
+def test_an_explicit_draft_method_needs_the_cpu():
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        choose_draft_method("int8", None, torch.device("cuda"))
+    assert choose_draft_method(None, None, torch.device("cuda"))[0] is None
+
+
 def test_auto_keeps_a_float_draft_where_the_kernels_would_run_scalar(monkeypatch):
     monkeypatch.setattr(qgemm, "default_isa", lambda: "scalar")
     method, why = choose_draft_method("auto", None, CPU)

@@ -62,6 +62,9 @@ def choose_draft_method(requested: str | None, target_method: str | None, device
     start-up log. A draft's forwards read all its weights for a few rows, every iteration: they are
     a stream of the weights, as a target's decode step is."""
     if requested != AUTO:
+        if requested is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"speculative_draft_model_quantization={requested!r} has CPU kernels only; "
+                             f"device is {device}")
         return requested, "asked for"
     if target_method is not None:
         return target_method, "auto: the target's"
