@@ -359,11 +359,9 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
 template <class T>
 void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
   const int64_t group = bt.num_heads / bt.num_kv_heads;
-  std::vector<int64_t> item_start(batch + 1, 0);
-  for (int64_t b = 0; b < batch; ++b)
-    item_start[b + 1] = item_start[b] + bt.num_kv_heads * ((bt.q_lens[b] + kQueryTile - 1) / kQueryTile);
+  int64_t items = 0;
+  for (int64_t b = 0; b < batch; ++b) items += bt.num_kv_heads * ((bt.q_lens[b] + kQueryTile - 1) / kQueryTile);
   const int64_t threads = at::get_num_threads();
-  const int64_t items = item_start[batch];
   const int64_t parts = (threads > 1 && items % threads != 0 && items < 4 * threads) ? std::min(group, threads) : 1;
   struct Unit {
     int64_t b, kvh, j0, j1, h0, h1;

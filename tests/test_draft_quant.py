@@ -110,6 +110,7 @@ def test_a_float_draft_beside_a_quantized_target_stays_float(cyclic_model_dir, t
     is the target head's own quantized rows)."""
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization="int8") as eng:
         expected = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+        eng.check_kv_invariant()
     path = copy_head(tmp_path, cyclic_model_dir, expected)
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization="int8",
                         speculative_algorithm="EAGLE", speculative_draft_model_path=str(path),

@@ -37,18 +37,27 @@ def check_method(method: str | None, allow_auto: bool = False) -> None:
     raise ValueError(f"quantization {method!r} is not supported; use one of {choices} or None")
 
 
+def _no_vectorised_kernels(device: torch.device) -> str | None:
+    """Why ``auto`` keeps float weights on ``device`` (None: the quantized kernels run vectorised there;
+    where they would run scalar, the float kernels are faster)."""
+    if torch.device(device).type != "cpu":
+        return "auto: the quantized kernels are CPU kernels"
+    from specjet.kernels.qgemm import default_isa, extension
+
+    if extension() is None or default_isa() == "scalar":
+        return "auto: no vectorised quantized kernels on this CPU (AVX2 or AVX-512, and the C++ extension)"
+    return None
+
+
 def choose_method(requested: str | None, device: torch.device, gguf_path, config) -> tuple[str | None, str]:
     """The method to use for ``requested`` (``auto`` resolved) and why, for the start-up log."""
     if requested != AUTO:
         return requested, "asked for"
-    if torch.device(device).type != "cpu":
-        return None, "auto: the quantized kernels are CPU kernels"
-    if gguf_path is None:
+    if gguf_path is None and torch.device(device).type == "cpu":
         return None, "auto: the model is not a GGUF file (int8 / int4 would change its weights: ask for them)"
-    from specjet.kernels.qgemm import default_isa, extension
-
-    if extension() is None or default_isa() == "scalar":  # the float kernels are faster than scalar ones
-        return None, "auto: no vectorised quantized kernels on this CPU (AVX2 or AVX-512, and the C++ extension)"
+    missing = _no_vectorised_kernels(device)
+    if missing:
+        return None, missing
     from specjet.models.gguf_blocks import SUPPORTED_TYPES, blocks_supported
 
     if not blocks_supported(gguf_path, config):
@@ -68,12 +77,9 @@ def choose_draft_method(requested: str | None, target_method: str | None, device
         return requested, "asked for"
     if target_method is not None:
         return target_method, "auto: the target's"
-    if torch.device(device).type != "cpu":
-        return None, "auto: the quantized kernels are CPU kernels"
-    from specjet.kernels.qgemm import default_isa, extension
-
-    if extension() is None or default_isa() == "scalar":
-        return None, "auto: no vectorised quantized kernels on this CPU (AVX2 or AVX-512, and the C++ extension)"
+    missing = _no_vectorised_kernels(device)
+    if missing:
+        return None, missing
     return "int8", "auto: int8 draft weights on a float target (half of bf16's bytes, a quarter of float32's)"
 
 
