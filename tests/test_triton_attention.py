@@ -1,7 +1,8 @@
 """The Triton paged-attention kernel against the torch reference, and the reference against a
 naive per-token loop (an oracle that shares no code with either).
 
-The kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The
+The kernel runs compiled on a CUDA GPU when one is present, else under Triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors. The
 interpreter flag is read when a kernel is decorated, i.e. when the kernel module is first
 imported, and another test may already have imported triton in this process; so the kernel
 checks run once in a subprocess of this very file (``--kernel-worker``) with the flag set, and
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_interpreter import report_cases, run_kernel_worker
+from triton_interpreter import interpreted, report_cases, run_kernel_worker, to_kernel_device
 import torch
 
 from specjet.kernels.attention import paged_attention_reference
@@ -200,15 +201,16 @@ def _patch_interpreter_bf16_dot() -> bool:
 
 
 def _kernel_worker() -> None:
-    """Run in the subprocess: every case through the interpreted kernel, errors printed as JSON."""
+    """Run in the subprocess: every case through the kernel (compiled on a GPU, else interpreted) and
+    the torch reference on the same device, errors printed as JSON."""
     from specjet.kernels.triton_attention import paged_attention_triton
 
-    bf16_ok = _patch_interpreter_bf16_dot()
+    bf16_ok = _patch_interpreter_bf16_dot() if interpreted() else True
 
     def run_case(case):
         if case.dtype == torch.bfloat16 and not bf16_ok:
             return {"skip": "the Triton interpreter cannot compute bf16 tl.dot (triton#11584)"}
-        inputs = build_inputs(case)
+        inputs = to_kernel_device(build_inputs(case))
         args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["meta"], inputs["scale"])
         ref = paged_attention_reference(*args)
         out = paged_attention_triton(*args)

@@ -1,6 +1,7 @@
 """The Triton draft-tree kernels against their torch references, on random batched trees.
 
-The kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The flag is
+The kernels run compiled on a CUDA GPU when one is present, else under Triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors. The flag is
 read when a kernel is decorated, i.e. when the kernel module is first imported, and another test
 may already have imported triton in this process; so the checks run once in a subprocess of this
 very file (``--kernel-worker``) with the flag set, and report one verdict per case back as JSON.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_interpreter import report_cases, run_kernel_worker
+from triton_interpreter import report_cases, run_kernel_worker, to_kernel_device
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the worker runs this file as a script
@@ -95,7 +96,7 @@ def run_case(case: Case) -> dict:
         verify_tree_sampling_triton,
     )
 
-    inputs = build_inputs(case)
+    inputs = to_kernel_device(build_inputs(case))
     tree = build_tree_reference(inputs["parents"], inputs["seq_lens"])
     if case.kernel == "build_tree":
         got = build_tree_triton(inputs["parents"], inputs["seq_lens"])
