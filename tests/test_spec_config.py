@@ -72,7 +72,7 @@ def test_the_engine_picks_the_quantized_defaults_from_the_weights_it_computes_wi
                       dtype=torch.float32)
     for quantization, expected in ((None, EagleParams()), ("int8", QUANTIZED_EAGLE)):
         with specjet.Engine(model_path=str(tiny_model_dir), quantization=quantization, speculative_algorithm="EAGLE",
-                            speculative_draft_model_path=str(head), max_total_tokens=1024) as eng:
+                            speculative_draft_model_path=str(head), max_total_tokens=1024, device="cpu") as eng:
             assert eng.worker.speculator.cfg.eagle == expected
             out = eng.generate("Hello", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
             assert out["meta_info"]["completion_tokens"] == 8

@@ -189,8 +189,10 @@ def test_only_the_scheduler_thread_touches_a_requests_matcher(tiny_model_dir, he
             return _real(self, *args, **kwargs)
         monkeypatch.setattr(RequestGrammar, name, spy)
     monkeypatch.setattr(RequestGrammar, "fork", fork)
+    # On the CPU the compute side is a thread of its own (on CUDA it is a stream the scheduler thread
+    # launches on, so there is no second thread to keep the matcher from).
     with spec_engine(tiny_model_dir, "EAGLE", head, speculative_eagle_topk=2, speculative_num_steps=3,
-                     speculative_num_draft_tokens=8) as eng:
+                     speculative_num_draft_tokens=8, device="cpu") as eng:
         outs = eng.generate(PROMPTS, MIXED)
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in outs] == expected

@@ -220,7 +220,48 @@ def _kernel_worker() -> None:
             "finite": bool(torch.isfinite(out).all()),
         }
 
-    report_cases(CASES, run_case)
+    def run_invariance(case):
+        """The invariant kernel on a tree / chain / prefill batch, and every new token again as a lone
+        decode row that reads the keys it saw (prefix, then the new tokens it may see) at consecutive
+        positions from copies in fresh slots: the rows must agree bit for bit."""
+        if case.dtype == torch.bfloat16 and not bf16_ok:
+            return {"skip": "the Triton interpreter cannot compute bf16 tl.dot (triton#11584)"}
+        inputs = build_inputs(case)
+        meta, scale = inputs["meta"], inputs["scale"]
+        k_cache, v_cache = inputs["k_cache"], inputs["v_cache"]
+        dev = to_kernel_device
+        together = paged_attention_triton(dev(inputs["q"]), dev(k_cache), dev(v_cache), dev(meta), scale,
+                                          invariant=True).cpu()
+        mismatched, token = [], 0
+        for b, (kv_len, q_len) in enumerate(zip(case.kv_lens, case.q_lens)):
+            row = inputs["req_to_token"][inputs["req_pool_indices"][b]]
+            prefix = kv_len - q_len
+            for i in range(q_len):
+                if inputs["custom_mask"] is None:
+                    seen = list(range(i + 1))
+                else:
+                    seen = [j for j in range(q_len) if inputs["custom_mask"][b, i, j]]
+                slots = row[list(range(prefix)) + [prefix + j for j in seen]].long()
+                # Fresh slots (past the pool) holding copies of exactly those keys and values.
+                k_big = torch.cat([k_cache, k_cache[slots]])
+                v_big = torch.cat([v_cache, v_cache[slots]])
+                table = (k_cache.shape[0] + torch.arange(len(slots)))[None, :]
+                alone_meta = build_attention_metadata(table, torch.tensor([0]), [len(slots)], [1])
+                alone = paged_attention_triton(dev(inputs["q"][token:token + 1]), dev(k_big), dev(v_big),
+                                               dev(alone_meta), scale, invariant=True).cpu()
+                if not torch.equal(alone[0], together[token]):
+                    mismatched.append(token)
+                token += 1
+        return {"mismatched": mismatched, "rows": token}
+
+    report_cases(dict({name: case for name, case in CASES.items()},
+                      **{f"invariant:{name}": ("invariant", CASES[name]) for name in INVARIANCE_CASES}),
+                 lambda case: run_invariance(case[1]) if isinstance(case, tuple) else run_case(case))
+
+
+# Batches whose every row is checked against the same token decoded alone (``invariant=True``): a tree
+# with ancestors among non-ancestors, mixed prefill and decode rows, a GQA prefill spanning KV blocks.
+INVARIANCE_CASES = ["tree_verify", "extend_mixed", "gqa_smollm2_extend", "tree_verify_fp16_gqa", "extend_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +278,16 @@ def test_triton_kernel_matches_reference(kernel_report, name):
     assert result["shape_ok"]
     assert result["finite"]
     assert result["tolerance_ratio"] <= 1.0, result
+
+
+@pytest.mark.parametrize("name", INVARIANCE_CASES)
+def test_invariant_kernel_gives_each_row_the_bits_of_its_lone_decode(kernel_report, name):
+    result = kernel_report[f"invariant:{name}"]
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert "error" not in result, result.get("error")
+    assert result["rows"] == sum(CASES[name].q_lens)
+    assert result["mismatched"] == [], result
 
 
 if __name__ == "__main__" and "--kernel-worker" in sys.argv:

@@ -318,12 +318,12 @@ def paged_attention(
     scale: float,
     invariant: bool = True,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA; elsewhere the batch-invariant torch path, or SDPA when
-    ``invariant`` is off."""
+    """Dispatch: the Triton kernel on CUDA (batch-invariant unless ``invariant`` is off); elsewhere the
+    batch-invariant torch path, or SDPA when ``invariant`` is off."""
     if q.is_cuda:
         from specjet.kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, invariant=invariant)
     if not invariant:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
     return paged_attention_invariant(q, k_cache, v_cache, meta, scale)

@@ -38,6 +38,8 @@ class AttentionMetadata:
     parts: list[tuple[torch.Tensor | None, "AttentionMetadata", torch.Tensor | None]] | None = None
     # The C++ kernel's metadata arguments (kernels/cpu_ops.py native_attention_args).
     native_args: tuple | None = None
+    # The Triton kernel's invariant view of a masked batch (``rows_as_requests``), built on first use.
+    row_requests: "AttentionMetadata | None" = field(default=None, repr=False)
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -149,3 +151,48 @@ def _full_mask(kv_lens: torch.Tensor, q_lens: torch.Tensor, q_valid: torch.Tenso
     # Padded query rows would see nothing; let them see slot position 0 so softmax stays finite.
     mask[:, :, 0] |= ~q_valid
     return mask[:, None]
+
+
+def rows_as_requests(meta: AttentionMetadata) -> AttentionMetadata:
+    """Each (request, new token) slot of a masked batch as a request of its own: one new token whose KV
+    row is the request's cached prefix followed by the new tokens it may see, in their order.
+
+    A draft-tree node's ancestors sit among its non-ancestors; decoded alone after acceptance, the same
+    token sees them contiguously, at consecutive positions. A kernel that sums over keys by position
+    (the Triton kernel's blocks of ``BLOCK_N`` positions, and the order of its products inside one)
+    then adds the same terms in another order and may round differently. In this view a node reads
+    exactly the key sequence its decode will read, in the same places, so the kernel computes it the
+    same way. Nothing is read back from the device (a CUDA graph may capture it): the view has one
+    row per padded [B, max_q] query slot (a padded slot has no new token and is skipped) and the
+    batch's KV width."""
+    batch, width = meta.kv_indices.shape
+    max_q = meta.max_q
+    device = meta.kv_indices.device
+    prefix = meta.kv_lens - meta.q_lens  # [B]
+    j = torch.arange(max_q, device=device)
+    if meta.custom_mask is not None:
+        visible = meta.custom_mask[:, :max_q, :max_q].to(torch.bool)
+    else:
+        visible = j[None, None, :] <= j[None, :, None]  # causal among the new tokens
+    visible = visible & (j < meta.q_lens[:, None])[:, None, :] & meta.q_valid[:, :, None]  # [B, max_q, max_q]
+    seen = visible.sum(-1)  # [B, max_q] new tokens each row sees (itself included)
+    # Row (b, i): the request's own row, then its visible new tokens' slots moved down to prefix + rank.
+    own_new = meta.kv_indices.gather(1, (prefix[:, None] + j[None, :]).clamp(max=width - 1))  # [B, max_q]
+    dest = torch.where(visible, prefix[:, None, None] + visible.cumsum(-1) - 1, width)  # width: a spill column
+    rows = torch.cat([meta.kv_indices, meta.kv_indices.new_zeros(batch, 1)], 1)
+    rows = rows[:, None, :].expand(batch, max_q, width + 1).clone()
+    rows.scatter_(2, dest, own_new[:, None, :].expand(batch, max_q, max_q).contiguous())
+    flat = batch * max_q
+    q_lens = meta.q_valid.reshape(flat).to(torch.int64)
+    kv_lens = torch.where(meta.q_valid, prefix[:, None] + seen, 0).reshape(flat)
+    return AttentionMetadata(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        q_starts=meta.q_gather.reshape(flat),
+        kv_indices=rows[:, :, :width].reshape(flat, width),
+        q_gather=meta.q_gather.reshape(flat, 1),
+        q_valid=meta.q_valid.reshape(flat, 1),
+        custom_mask=None,
+        max_q=1,
+        max_kv=meta.max_kv,
+    )

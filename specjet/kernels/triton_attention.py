@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specjet.kernels.attention_metadata import AttentionMetadata
+from specjet.kernels.attention_metadata import AttentionMetadata, rows_as_requests
 
 _LOG2E = 1.4426950408889634
 
@@ -139,8 +139,16 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """q: [T, H, D] flat new tokens; k_cache/v_cache: [num_slots, H_kv, D]. Returns [T, H, D]."""
+    """q: [T, H, D] flat new tokens; k_cache/v_cache: [num_slots, H_kv, D]. Returns [T, H, D].
+
+    ``invariant``: a row's bits depend only on its query and the keys it sees, as plain decoding
+    needs of a verify forward. Rows are independent in the kernel's products, and positions a row
+    may not see add exact zeros, so under the causal rule a row is computed alike in any batch,
+    given one block shape: 16 query rows always (a wider block takes other matrix instructions).
+    A masked (tree) batch runs as one request per new token (``rows_as_requests``), each reading
+    the keys it sees in decode order."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -151,10 +159,15 @@ def paged_attention_triton(
     if num_tokens == 0 or batch == 0 or meta.max_q == 0:
         return out
 
+    if invariant and meta.custom_mask is not None:
+        if meta.row_requests is None:
+            meta.row_requests = rows_as_requests(meta)
+        meta = meta.row_requests
+        batch = meta.q_lens.shape[0]
     rows = meta.max_q * group
     # Decode and small verify batches have few rows per request: a 16-row block (tl.dot's minimum)
     # wastes the least. Prefill has many, and bigger blocks reuse each loaded K/V block more.
-    block_m = 16 if rows <= 16 else 64
+    block_m = 16 if rows <= 16 or invariant else 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32  # keep the K/V tiles within registers for big heads
 

@@ -56,6 +56,11 @@ class RMSNorm(nn.Module):
         return cpu_ops.rms_norm(x.contiguous(), self.weight, self.eps) if native else self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not torch.is_grad_enabled() and x.dtype == self.weight.dtype:
+            # Inference on CUDA: the batch-invariant kernel (training keeps torch's, which has autograd).
+            from specjet.kernels.triton_norm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps)
         # Normalise in fp32 as the reference implementations do, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -84,11 +84,12 @@ class TreeVerifier:
         self._apply_grammar_masks(reqs, logits, offsets)
         probs = None
         if not sampling.all_greedy:
+            nodes = torch.tensor(sizes, device=sampling.temperatures.device)  # each request's row, once per node
             per_node = SamplingTensors(
-                temperatures=sampling.temperatures.repeat_interleave(torch.tensor(sizes)),
-                top_ks=sampling.top_ks.repeat_interleave(torch.tensor(sizes)),
-                top_ps=sampling.top_ps.repeat_interleave(torch.tensor(sizes)),
-                min_ps=sampling.min_ps.repeat_interleave(torch.tensor(sizes)),
+                temperatures=sampling.temperatures.repeat_interleave(nodes),
+                top_ks=sampling.top_ks.repeat_interleave(nodes),
+                top_ps=sampling.top_ps.repeat_interleave(nodes),
+                min_ps=sampling.min_ps.repeat_interleave(nodes),
                 all_greedy=False, need_sort=sampling.need_sort)
             probs = filtered_probs(logits, per_node)
         argmax = logits.argmax(-1)
