@@ -100,7 +100,9 @@ class TreeVerifier:
             if r.uniforms is None:
                 path, lens, bonus = verify_tree_greedy(tokens, tree, argmax[None, off:off + n])
             else:
-                path, lens, bonus = verify_tree_sampling(tokens, tree, probs[None, off:off + n], r.uniforms[None])
+                # The request's seeded draws are made on the host; the verifier runs where the probs are.
+                path, lens, bonus = verify_tree_sampling(tokens, tree, probs[None, off:off + n],
+                                                         r.uniforms[None].to(device))
             nodes = path[0, : int(lens[0])].tolist()
             accepted_nodes.append(nodes)
             accepted_tokens.append([r.tokens[i] for i in nodes[1:]] + [int(bonus[0])])
