@@ -292,3 +292,33 @@ def test_invariant_kernel_gives_each_row_the_bits_of_its_lone_decode(kernel_repo
 
 if __name__ == "__main__" and "--kernel-worker" in sys.argv:
     _kernel_worker()
+
+
+def test_rows_as_requests_lists_the_prefix_then_the_visible_new_tokens():
+    """The invariant view of a masked batch, read directly: padded query slot (b, i) becomes a request
+    of one new token whose KV row is b's prefix slots followed by the slots of the new tokens i may see,
+    in their order (an oracle written out by hand from the tree's parents)."""
+    from specjet.kernels.attention_metadata import rows_as_requests
+
+    case = CASES["tree_verify"]  # kv_lens [20, 7], q_lens [7, 4]: request 1's slots 4..6 are padding
+    inputs = build_inputs(case)
+    meta, table, pool_rows = inputs["meta"], inputs["req_to_token"], inputs["req_pool_indices"]
+    view = rows_as_requests(meta)
+    max_q = max(case.q_lens)
+    assert view.max_q == 1 and view.custom_mask is None and view.kv_indices.shape == (2 * max_q, meta.max_kv)
+    for b, (kv_len, q_len, parents) in enumerate(zip(case.kv_lens, case.q_lens, case.tree_parents)):
+        prefix = kv_len - q_len
+        row = table[pool_rows[b]]
+        for i in range(max_q):
+            r = b * max_q + i
+            if i >= q_len:
+                assert view.q_lens[r] == 0 and view.kv_lens[r] == 0
+                continue
+            path, node = [], i
+            while node != -1:
+                path.append(node)
+                node = parents[node]
+            expected = row[list(range(prefix)) + [prefix + j for j in sorted(path)]].tolist()
+            assert view.q_lens[r] == 1 and view.q_starts[r] == meta.q_gather[b, i]
+            assert view.kv_lens[r] == len(expected)
+            assert view.kv_indices[r, :len(expected)].tolist() == expected
