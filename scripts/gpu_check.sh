@@ -8,7 +8,8 @@
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
 # and cannot reach a registry: they come as wheels in .whl/, the default model's tokenizer and config
 # in .gpu/tok/, the GGUF (98 MB, over one transfer's limit) xz-compressed in two halves .gpu/part1 and
-# .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/. Results go to $OUT.
+# .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/, all made here by
+# scripts/gpu_prepare.sh (whose header gives the two calls). Results go to $OUT.
 set -u -o pipefail
 phase=${1:?usage: scripts/gpu_check.sh stage|tests|bench}
 OUT=${OUT:-/tmp/gpu_check_out}
