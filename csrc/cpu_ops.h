@@ -30,6 +30,10 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
                         const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
 
+// draft_ops.cpp
+std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const torch::Tensor& bitmask,
+                                            const c10::optional<torch::Tensor>& token_ids, int64_t k);
+
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& module);
 

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from specjet.grammar import bitmask_allows
+from specjet.kernels.masked_topk import masked_topk_logp
 from specjet.models.dflash import DFlashDraftModel
 from specjet.models.eagle import FOLLOW_TARGET
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
@@ -214,18 +214,14 @@ class DFlashDrafter:
                 logp, cols = torch.log_softmax(logits[len(out):stop], -1).topk(min(self.topk, logits.shape[-1]), -1)
                 out += [list(zip(ids, lps)) for ids, lps in zip(self.draft.hot_to_full(cols).tolist(), logp.tolist())]
             return out
-        hot = self.draft.hot_token_ids
-        vocab = torch.arange(logits.shape[-1]) if hot is None else hot.cpu()  # target id of each column
         while len(out) < stop:
-            row = logits[len(out)]
             chain = [c[0][0] for c in out]
-            allowed = bitmask_allows(guide.masks_after([chain]), vocab)[0].to(row.device)
-            if not bool(allowed.any()):
+            ids, logp, allowed = masked_topk_logp(logits[len(out)][None], guide.masks_after([chain]),
+                                                  self.draft.hot_token_ids, self.topk)
+            if not int(allowed[0]):
                 break
-            row = row.masked_fill(~allowed, float("-inf"))
-            logp, cols = torch.log_softmax(row, -1).topk(min(self.topk, row.shape[-1]))
-            keep = torch.isfinite(logp)  # fewer legal tokens than topk
-            out.append(list(zip(self.draft.hot_to_full(cols[keep]).tolist(), logp[keep].tolist())))
+            # Fewer legal (finite) tokens than topk leave -1 entries.
+            out.append([(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0])
         return out
 
 

@@ -1,0 +1,45 @@
+"""The k best tokens a grammar allows in each row of a drafter's logits, with their log-probabilities
+renormalised over the allowed tokens: grammar-aware drafting picks a block position's candidates so
+(spec_v2/dflash_drafter.py).
+
+``logits`` [R, K] holds K columns whose target token ids are ``token_ids`` [K] (a draft's hot
+vocabulary; None: column c is token c); ``bitmask`` [R, W] int32 is xgrammar's token bitmask (bit t of
+the little-endian words is token t). Returns ids [R, k] (-1 past the allowed finite columns), log-probs
+[R, k] (-inf there) and the count of allowed columns per row [R], best first.
+
+The C++ op (csrc/draft_ops.cpp) on the CPU: two passes over a row instead of a dozen small torch ops,
+each a dispatch, once per block position every iteration. The torch reference elsewhere."""
+from __future__ import annotations
+
+import torch
+
+from specjet.kernels import cpu_ops
+
+
+def masked_topk_logp_reference(logits: torch.Tensor, bitmask: torch.Tensor, token_ids: torch.Tensor | None,
+                               k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, cols = logits.shape
+    device = logits.device
+    vocab = 32 * bitmask.shape[1]
+    tokens = torch.arange(cols, device=device) if token_ids is None else token_ids.to(device=device, dtype=torch.int64)
+    inside = (tokens >= 0) & (tokens < vocab)
+    t = tokens.clamp(0, vocab - 1)
+    words = bitmask.to(device)[:, t >> 5].to(torch.int64)
+    allowed = (((words >> (t & 31)) & 1) == 1) & inside
+    masked = logits.float().masked_fill(~allowed, float("-inf"))
+    logp, best = torch.log_softmax(masked, -1).topk(min(k, cols), -1)
+    keep = torch.isfinite(logp)  # fewer allowed finite columns than k (NaN: a row that allows nothing)
+    ids = torch.full((rows, k), -1, dtype=torch.int64, device=device)
+    out_logp = torch.full((rows, k), float("-inf"), dtype=torch.float32, device=device)
+    ids[:, :best.shape[1]] = torch.where(keep, tokens[best], -1)
+    out_logp[:, :best.shape[1]] = torch.where(keep, logp, float("-inf"))
+    return ids, out_logp, allowed.sum(-1)
+
+
+def masked_topk_logp(logits: torch.Tensor, bitmask: torch.Tensor, token_ids: torch.Tensor | None,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = cpu_ops.extension()
+    if ext is not None and logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        ids = None if token_ids is None else token_ids.cpu()
+        return tuple(ext.masked_topk_logp(logits.float(), bitmask, ids, k))
+    return masked_topk_logp_reference(logits, bitmask, token_ids, k)

@@ -1,0 +1,85 @@
+"""kernels/masked_topk.py: a drafter's best grammar-allowed tokens with renormalised log-probs. The
+torch reference against a plain-Python oracle, and the C++ op against the reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specjet.kernels import cpu_ops
+from specjet.kernels.masked_topk import masked_topk_logp, masked_topk_logp_reference
+
+
+def random_case(seed: int, rows: int, cols: int, vocab: int, density: float, hot: bool):
+    gen = torch.Generator().manual_seed(seed)
+    logits = 4 * torch.randn(rows, cols, generator=gen)
+    bits = torch.rand(rows, vocab, generator=gen) < density
+    bits[0] = False if rows > 2 else bits[0]  # a row the grammar allows nothing in
+    words = torch.zeros(rows, vocab // 32, dtype=torch.int64)
+    for b in range(32):
+        words |= bits[:, b::32].to(torch.int64) << b
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    token_ids = torch.randperm(vocab, generator=gen)[:cols] if hot else None
+    return logits, bitmask, token_ids, bits
+
+
+def oracle(logits, bits, token_ids, k):
+    """Plain Python floats: every allowed (token, logit), sorted; log-probs over the allowed ones."""
+    out = []
+    for r in range(logits.shape[0]):
+        pairs = [(int(token_ids[c]) if token_ids is not None else c, float(logits[r, c]))
+                 for c in range(logits.shape[1]) if bits[r, int(token_ids[c]) if token_ids is not None else c]]
+        if not pairs:
+            out.append(([], 0))
+            continue
+        top = max(v for _, v in pairs)
+        log_total = top + math.log(sum(math.exp(v - top) for _, v in pairs))
+        best = sorted(pairs, key=lambda p: -p[1])[:k]
+        out.append(([(t, v - log_total) for t, v in best], len(pairs)))
+    return out
+
+
+@pytest.mark.parametrize("impl", ["reference", "dispatch"])
+@pytest.mark.parametrize("hot,density,k", [(True, 0.3, 3), (False, 0.02, 4), (True, 0.001, 5), (False, 0.9, 1)])
+def test_matches_a_plain_python_oracle(impl, hot, density, k):
+    if impl == "dispatch" and cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    logits, bitmask, token_ids, bits = random_case(3, rows=4, cols=300 if hot else 256, vocab=512,
+                                                   density=density, hot=hot)
+    fn = masked_topk_logp_reference if impl == "reference" else masked_topk_logp
+    ids, logp, count = fn(logits, bitmask, token_ids, k)
+    assert ids.shape == logp.shape == (4, k)
+    for r, (best, allowed) in enumerate(oracle(logits, bits, token_ids, k)):
+        assert int(count[r]) == allowed
+        got = [(int(i), float(lp)) for i, lp in zip(ids[r], logp[r]) if i >= 0]
+        assert [t for t, _ in got] == [t for t, _ in best]
+        assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(got, best))
+        assert all(i == -1 for i in ids[r, len(best):].tolist())
+        assert all(lp == float("-inf") for lp in logp[r, len(best):].tolist())
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cpp_op_equals_the_reference_at_a_drafts_sizes(seed):
+    """8192 hot columns of a 49152-token vocabulary, as the packaged DFlash draft has."""
+    hot, k = seed % 2 == 0, 1 + seed % 4
+    logits, bitmask, token_ids, _ = random_case(seed, rows=3, cols=8192 if hot else 49152, vocab=49152,
+                                                density=[0.5, 0.01, 0.0005][seed % 3], hot=hot)
+    logits[1, :7] = float("-inf")  # masked-out logits the grammar still allows
+    ids, logp, count = masked_topk_logp(logits, bitmask, token_ids, k)
+    ref_ids, ref_logp, ref_count = masked_topk_logp_reference(logits, bitmask, token_ids, k)
+    assert torch.equal(ids, ref_ids) and torch.equal(count, ref_count)
+    assert torch.allclose(logp, ref_logp, atol=1e-5, rtol=0) or torch.equal(logp, ref_logp)
+
+
+def test_argument_checks():
+    if cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    logits, bitmask, _, _ = random_case(0, rows=2, cols=64, vocab=64, density=0.5, hot=False)
+    with pytest.raises(RuntimeError, match="k must be"):
+        masked_topk_logp(logits, bitmask, None, 0)
+    with pytest.raises(RuntimeError, match="one row per logits row"):
+        masked_topk_logp(logits, bitmask[:1], None, 2)
+    with pytest.raises(RuntimeError, match="token_ids"):
+        masked_topk_logp(logits, bitmask, torch.arange(10), 2)
