@@ -7,8 +7,9 @@ vocabulary; None: column c is token c); ``bitmask`` [R, W] int32 is xgrammar's t
 the little-endian words is token t). Returns ids [R, k] (-1 past the allowed finite columns), log-probs
 [R, k] (-inf there) and the count of allowed columns per row [R], best first.
 
-The C++ op (csrc/draft_ops.cpp) on the CPU: two passes over a row instead of a dozen small torch ops,
-each a dispatch, once per block position every iteration. The torch reference elsewhere."""
+The C++ op (csrc/draft_ops.cpp) on the CPU: one pass over a row's columns and one over its allowed
+logits instead of a dozen small torch ops, each a dispatch, once per block position every iteration.
+The torch reference elsewhere."""
 from __future__ import annotations
 
 import torch
