@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import bitmask_allows
+from specjet.kernels.masked_topk import masked_topk_logp
 from specjet.kernels.tree import flatten_expansion_steps, select_draft_nodes
 from specjet.models.eagle import FOLLOW_TARGET, EagleDraftModel
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
@@ -215,9 +216,8 @@ class EagleDrafter:
                 inputs = {"ids": cur_tokens.reshape(-1), "positions": (base + depth - 1).repeat_interleave(k),
                           "slots": own.reshape(-1), "table": table, "features": cur_feat.reshape(batch * k, -1)}
                 hidden, logits = self.graph(inputs) if self.graph is not None else self._step_forward(inputs)
-                logp = self._frontier_logp(logits, guides, chains, paths)
-                logp, idx = logp.topk(k, dim=-1)  # [B*k, k]
-                child_ids = self.head.hot_to_full(idx).view(batch, k, k)
+                logp, child_ids = self._frontier_children(logits, guides, chains, paths)  # [B*k, k] each
+                child_ids = child_ids.view(batch, k, k)
                 child_scores = cur_scores[:, :, None] + logp.view(batch, k, k)
                 step_tokens.append(child_ids)
                 step_scores.append(child_scores)
@@ -341,33 +341,42 @@ class EagleDrafter:
             if guide is None and not chain:
                 continue
             logits = start_logits[b][None]
-            logp = self._masked_logp(logits, guide.masks_after([chain])) if guide is not None \
-                else torch.log_softmax(logits, -1)
-            logp, idx = logp.topk(self.params.topk, dim=-1)
-            top_ids[b], top_logp[b] = self.head.hot_to_full(idx[0]), logp[0]
+            if guide is not None:
+                ids, logp = self._masked_children(logits, guide.masks_after([chain]))
+            else:
+                logp, idx = torch.log_softmax(logits, -1).topk(self.params.topk, dim=-1)
+                ids = self.head.hot_to_full(idx)
+            top_ids[b], top_logp[b] = ids[0], logp[0]
         return top_ids, top_logp
 
-    def _frontier_logp(self, logits: torch.Tensor, guides: list[GrammarGuide | None], chains: list[list[int]],
-                       paths: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of each frontier node's children [B*k, K]; a guided request's rows are
-        restricted to what its grammar allows after the node's path (chain, then ``paths[b, f]``)."""
-        logp = torch.log_softmax(logits, -1)
+    def _frontier_children(self, logits: torch.Tensor, guides: list[GrammarGuide | None], chains: list[list[int]],
+                           paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each frontier node's k best children: log-probabilities and target ids [B*k, k]; a guided
+        request's rows are restricted to what its grammar allows after the node's path (chain, then
+        ``paths[b, f]``)."""
         k = self.params.topk
         guided = [b for b, g in enumerate(guides) if g is not None]
+        if len(guided) == len(guides):  # every row guided: nothing to compute over the whole row
+            logp = torch.empty((logits.shape[0], k), dtype=torch.float32, device=logits.device)
+            ids = torch.empty((logits.shape[0], k), dtype=torch.int64, device=logits.device)
+        else:
+            logp, idx = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            ids = self.head.hot_to_full(idx)
         if guided:
             masks = torch.cat([guides[b].masks_after([chains[b] + path for path in paths[b].tolist()])
                                for b in guided])
             rows = torch.cat([torch.arange(b * k, (b + 1) * k) for b in guided]).to(logits.device)
-            logp[rows] = self._masked_logp(logits[rows], masks)
-        return logp
+            ids[rows], logp[rows] = self._masked_children(logits[rows], masks)
+        return logp.float(), ids
 
-    def _masked_logp(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-        """log_softmax over the grammar-allowed part of the head's vocabulary, -inf elsewhere. The
-        renormalisation makes a forced token score 0 (probability 1), so deeper nodes under it
-        keep their rank; a row with no allowed hot token is all -inf (its node gets no children)."""
-        allowed = bitmask_allows(bitmask, self._draft_vocab_ids()).to(logits.device)
-        logp = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1)
-        return logp.masked_fill(~allowed, float("-inf"))  # an all-masked row is NaN before this
+    def _masked_children(self, logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best grammar-allowed tokens of each row and their log-probabilities renormalised over
+        the allowed part of the head's vocabulary (target ids, [R, k] each). The renormalisation makes
+        a forced token score 0 (probability 1), so deeper nodes under it keep their rank. A row with
+        fewer than k allowed tokens fills the rest with -inf scores (on token 0): no path through
+        them is ever ranked above a real one, and verification drops them with the grammar's masks."""
+        ids, logp, _ = masked_topk_logp(logits, bitmask, self.head.hot_token_ids, self.params.topk)
+        return ids.clamp(min=0).to(logits.device), logp.to(logits.device)
 
     def _draft_vocab_ids(self) -> torch.Tensor:
         """Target token id of each column of the head's logits (on the CPU, where bitmasks live)."""
