@@ -4,6 +4,8 @@ keeps speculation lossless (greedy ids equal plain decoding's, KV invariant afte
 draft's projections and hot head really take the method, and the engine reports what it chose."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -96,7 +98,11 @@ def test_every_draft_method_keeps_greedy_output_exact(tiny_model_dir, tmp_path, 
         drafter = getattr(drafter, "learned", drafter)  # a hybrid drafter wraps the learned one
     assert got == expected
     assert info["stats"]["spec_accepted_tokens"] > info["stats"]["spec_verify_ct"]  # drafts were taken
-    resolved = choose_draft_method(method, None, CPU)[0]
+    # auto beside a float target: int8 where the quantized kernels run vectorised (the extension built,
+    # and ATen itself on AVX2 or wider; SPECJET_QGEMM_ISA=scalar forces them scalar), else float.
+    vectorised = (qgemm.extension() is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                  and os.environ.get("SPECJET_QGEMM_ISA", "").strip().lower() != "scalar")
+    resolved = ("int8" if vectorised else None) if method == "auto" else method
     assert info["draft_quantization"] == resolved and info["quantization"] is None
     projections, head = _operands(drafter)
     if resolved is None:
