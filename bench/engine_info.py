@@ -35,7 +35,8 @@ def describe_engine(engine) -> dict:
                                    "hybrid_ngram_tokens": spec.hybrid_path_nodes}
         elif spec.algorithm == "DFLASH":
             desc["speculative"] = {"algorithm": "DFLASH", "num_draft_tokens": spec.dflash.block_size,
-                                   "topk": spec.dflash.topk, "draft_window_size": spec.dflash.window,
+                                   "topk": spec.dflash.topk, "grammar_topk": spec.dflash.grammar_topk,
+                                   "draft_window_size": spec.dflash.window,
                                    "hybrid_ngram_tokens": spec.hybrid_path_nodes}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
@@ -59,7 +60,10 @@ def spec_str(spec: dict | None) -> str:
     if spec["algorithm"] == "DFLASH":
         window = f" window={spec['draft_window_size']}" if spec.get("draft_window_size") else ""
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
-        return f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{window}{hybrid}{cap}{_draft_weights(spec)}"
+        grammar = (f" ({spec['grammar_topk']} under a grammar)"
+                   if spec.get("grammar_topk", spec["topk"]) != spec["topk"] else "")
+        return (f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{grammar}{window}{hybrid}{cap}"
+                f"{_draft_weights(spec)}")
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")
 

@@ -235,6 +235,38 @@ def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, copy_d
     assert accept[True] > 1.3 and accept[True] > accept[False], accept
 
 
+def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, copy_draft, plain, monkeypatch):
+    """Without speculative_eagle_topk the block is a 3-wide tree for free text and a chain (one
+    candidate a position) under a grammar; the ids stay plain decoding's."""
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    trees = []  # (guided?, parents) of every proposed tree
+    real = DFlashDrafter.propose
+
+    def spy(self, reqs, share, req_to_token):
+        out = real(self, reqs, share, req_to_token)
+        trees.extend((r.guide is not None, parents) for r, (_, parents) in zip(reqs, out))
+        return out
+
+    monkeypatch.setattr(DFlashDrafter, "propose", spy)
+    ref = plain.generate(PROMPTS[:4], MIXED)
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8) as eng:
+        dflash = eng.worker.speculator.cfg.dflash
+        outs = eng.generate(PROMPTS[:4], MIXED)
+        eng.check_kv_invariant()
+    assert (dflash.topk, dflash.grammar_topk) == (3, 1)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+
+    def branches(parents):  # some node has two children
+        return len(set(parents[1:])) < len(parents) - 1
+
+    guided = [parents for g, parents in trees if g]
+    free = [parents for g, parents in trees if not g]
+    assert guided and not any(branches(p) for p in guided)
+    assert any(len(p) > 2 for p in guided)  # chains of several drafted tokens, not just a root
+    assert free and any(branches(p) for p in free)
+
+
 def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="DFlash draft model not found"):
         specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="DFLASH",

@@ -116,12 +116,12 @@ def test_min_draft_prob_of_the_wrong_type_is_refused_at_the_door():
 
 def test_dflash_defaults():
     cfg = config(speculative_algorithm="DFLASH")
-    assert cfg.dflash == DFlashParams(block_size=8, window=None, topk=3)
+    assert cfg.dflash == DFlashParams(block_size=8, window=None, topk=3, grammar_topk=1)  # a chain under a grammar
     assert cfg.hybrid_path_nodes == HYBRID_PATH_NODES  # the n-gram path as EAGLE's
     assert cfg.max_tree_nodes == cfg.dflash.block_size + HYBRID_PATH_NODES  # the block and the path under one root
     given = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
                    speculative_dflash_draft_window_size=512, speculative_eagle_topk=2)
-    assert given.dflash == DFlashParams(block_size=8, window=512, topk=2)
+    assert given.dflash == DFlashParams(block_size=8, window=512, topk=2, grammar_topk=2)  # given: for both
     alone = config(speculative_algorithm="DFLASH", speculative_hybrid_ngram_tokens=0)
     assert alone.hybrid_path_nodes == 0 and alone.max_tree_nodes == 8  # the verify chain is the block
     assert cfg.min_draft_prob == DFLASH_MIN_DRAFT_PROB > 0  # the confidence cut

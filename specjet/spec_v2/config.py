@@ -49,6 +49,10 @@ class DFlashParams:
     # (spec_v2/dflash_drafter.py). 3: with the 1-layer draft it matched or beat 2 and the chain on
     # GSM8K and stayed within noise of them on JSON schemas (bench/RESULTS.md, session 18).
     topk: int = 3
+    # The same for a request under a grammar, unless speculative_eagle_topk is given (then it is both):
+    # the grammar already narrows each position and forces text, and the chain beat the 3-wide tree on
+    # JSON schemas in four of four bf16 comparisons, at batch 1 and 4 (bench/RESULTS.md, sessions 20-21).
+    grammar_topk: int = 1
 
 
 # EAGLE's defaults for a target with quantized weights on the CPU (the GGUF blocks, int8, int4): there
@@ -206,7 +210,8 @@ class SpecConfig:
             base = QUANTIZED_DFLASH if quantized_cpu_target else DFlashParams()
             dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, base.block_size),
                                   window=args.speculative_dflash_draft_window_size,
-                                  topk=_given(args.speculative_eagle_topk, base.topk))
+                                  topk=_given(args.speculative_eagle_topk, base.topk),
+                                  grammar_topk=_given(args.speculative_eagle_topk, base.grammar_topk))
             # The n-gram path as EAGLE's: with the confidence cut it beat the block alone on JSON schemas
             # (1.6x) and on GSM8K (1.1x) with float weights (bench/RESULTS.md, session 16).
             path = _given(args.speculative_hybrid_ngram_tokens,

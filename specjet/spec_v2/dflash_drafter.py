@@ -54,7 +54,7 @@ class DFlashDrafter:
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
                  topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
-                 quantization: str | None = FOLLOW_TARGET):
+                 quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None):
         self.runner = runner
         self.draft = draft.bind_target(runner.model, quantization)
         self.feature_capture = self.draft.feature_capture
@@ -64,6 +64,7 @@ class DFlashDrafter:
         self.block_size = block_size
         self.window = window
         self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
+        self.grammar_topk = topk if grammar_topk is None else grammar_topk  # the same under a grammar
         self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (_tree)
         self.allocator = allocator
         cfg = runner.config
@@ -204,9 +205,9 @@ class DFlashDrafter:
     def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
                     want: int) -> list[list[tuple[int, float]]]:
         """Per draft position after the forced ones: the draft's ``topk`` best (token, log-prob),
-        best first; under a grammar only tokens it allows after the chain of best tokens before
-        (renormalised over them). Stops where nothing is allowed (the grammar has ended), at the
-        block's end or at ``want`` positions."""
+        best first; under a grammar its ``grammar_topk`` best among the tokens the grammar allows after
+        the chain of best tokens before (renormalised over them). Stops where nothing is allowed (the
+        grammar has ended), at the block's end or at ``want`` positions."""
         out = list(forced)
         stop = min(want, logits.shape[0])
         if guide is None:  # every position at once: nothing depends on the tokens chosen before
@@ -217,7 +218,7 @@ class DFlashDrafter:
         while len(out) < stop:
             chain = [c[0][0] for c in out]
             ids, logp, allowed = masked_topk_logp(logits[len(out)][None], guide.masks_after([chain]),
-                                                  self.draft.hot_token_ids, self.topk)
+                                                  self.draft.hot_token_ids, self.grammar_topk)
             if not int(allowed[0]):
                 break
             # Fewer legal (finite) tokens than topk leave -1 entries.
