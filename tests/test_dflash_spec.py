@@ -144,7 +144,7 @@ def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_d
             stats = eng.get_server_info()["stats"]
             if extra:
                 assert (spec_str(describe_engine(eng)["speculative"])
-                        == "DFLASH block=8 topk=1 + 4 n-gram nodes, float draft weights")
+                        == "DFLASH block=8 topk=1 + 4 n-gram nodes, at most 32 nodes per verify, float draft weights")
         assert [o["output_ids"] for o in outs] == expected
         accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
     assert accept[0] < 1.2 and accept[4] > 1.5, accept
@@ -175,7 +175,8 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
 
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1,
                        speculative_draft_model_quantization="int8", device="cpu") as eng:  # int8: CPU kernels
-        assert spec_str(describe_engine(eng)["speculative"]) == "DFLASH block=8 topk=1, int8 draft weights"
+        assert (spec_str(describe_engine(eng)["speculative"])
+                == "DFLASH block=8 topk=1, at most 32 nodes per verify, int8 draft weights")
         for n in (1, 2, 5, 11):  # budgets that end inside a block
             assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]
         out = eng.generate(PROMPTS[0], greedy(40, stop=[stop]))

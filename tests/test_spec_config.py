@@ -23,6 +23,21 @@ def config(**kwargs):
     return SpecConfig.from_args(EngineArgs(**kwargs))
 
 
+def test_verify_nodes_are_capped_by_default_for_float_weights_on_the_cpu():
+    from specjet.spec_v2.config import FLOAT_CPU_MAX_VERIFY_NODES
+
+    def cap(quantized=False, cpu=True, **kwargs):
+        return SpecConfig.from_args(EngineArgs(**kwargs), quantized_cpu_target=quantized, cpu_target=cpu).max_verify_nodes
+
+    assert FLOAT_CPU_MAX_VERIFY_NODES == 32
+    for algorithm in ("EAGLE", "DFLASH"):
+        assert cap(speculative_algorithm=algorithm) == 32
+        assert cap(quantized=True, speculative_algorithm=algorithm) is None  # small quantized trees: no cap
+        assert cap(cpu=False, speculative_algorithm=algorithm) is None  # a GPU's verify rows are cheap
+        assert cap(speculative_algorithm=algorithm, speculative_max_verify_tokens=100) == 100  # given: kept
+    assert cap(speculative_algorithm="NGRAM") is None
+
+
 def test_no_algorithm_no_config():
     assert config() is None
 

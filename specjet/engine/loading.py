@@ -59,7 +59,8 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     )
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, args.page_size, runner.device)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)
-    spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantization is not None and runner.device.type == "cpu")
+    cpu = runner.device.type == "cpu"
+    spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantization is not None and cpu, cpu_target=cpu)
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
         draft_quantization, why = choose_draft_method(args.speculative_draft_model_quantization, quantization,
                                                       runner.device)

@@ -73,6 +73,12 @@ QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1)
 # EAGLE's tree with float weights; with quantized weights, whose default drafts are short, it changed
 # nothing measurable (bench/RESULTS.md, session 16).
 DFLASH_MIN_DRAFT_PROB = 0.1
+# Verify nodes of one forward, all requests together (speculative_max_verify_tokens; each tree gets an
+# even share), when not given and EAGLE or DFLASH runs on a CPU target with float weights: a verify row
+# costs a fraction of a decode step there, so at batch 4 the full trees made speculation 0.79-0.82x plain
+# on GSM8K (bf16); 32 made it 0.93-0.97x and left JSON schemas at or above the full trees (2.69 -> 2.82x,
+# 3.09 -> 3.10x), and changes nothing at batch 1, whose trees are smaller (bench/RESULTS.md, session 21).
+FLOAT_CPU_MAX_VERIFY_NODES = 32
 EAGLE_MIN_DRAFT_PROB = 0.1
 MIN_PROB_NEEDS_LEARNED_DRAFT = ("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
                                 "speculative_algorithm='EAGLE' or 'DFLASH'")
@@ -163,11 +169,12 @@ class SpecConfig:
         return static, static and cuda and self.cuda_graph
 
     @classmethod
-    def from_args(cls, args, quantized_cpu_target: bool = False) -> "SpecConfig | None":
+    def from_args(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False) -> "SpecConfig | None":
         """The configuration an engine's arguments (``EngineArgs``, SGLang's names) ask for; None
         without ``speculative_algorithm``. ``quantized_cpu_target``: the target computes with
         quantized weights on the CPU (EAGLE's and DFLASH's defaults are then ``QUANTIZED_EAGLE`` and
-        ``QUANTIZED_DFLASH``, each with an n-gram path). Raises
+        ``QUANTIZED_DFLASH``, each with an n-gram path); ``cpu_target``: it runs on the CPU (with float
+        weights, EAGLE's and DFLASH's verify forwards then hold ``FLOAT_CPU_MAX_VERIFY_NODES``). Raises
         ValueError / NotImplementedError naming the argument that is out of range."""
         for name, least in _LEAST.items():
             value = getattr(args, name)
@@ -193,7 +200,9 @@ class SpecConfig:
             min_window=_given(args.speculative_ngram_min_match_window_size, NgramConfig.min_window),
             max_branches=_given(args.speculative_ngram_max_bfs_breadth, NgramConfig.max_branches),
         )
-        common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=args.speculative_max_verify_tokens,
+        float_cpu = cpu_target and not quantized_cpu_target and algorithm in HYBRID_ALGORITHMS
+        max_verify = _given(args.speculative_max_verify_tokens, FLOAT_CPU_MAX_VERIFY_NODES if float_cpu else None)
+        common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=max_verify,
                       draft_model_path=args.speculative_draft_model_path,
                       draft_runner=args.speculative_draft_runner, cuda_graph=not args.disable_cuda_graph)
         if algorithm == "EAGLE":
