@@ -73,13 +73,13 @@ QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1)
 # EAGLE's tree with float weights; with quantized weights, whose default drafts are short, it changed
 # nothing measurable (bench/RESULTS.md, session 16).
 DFLASH_MIN_DRAFT_PROB = 0.1
+EAGLE_MIN_DRAFT_PROB = 0.1
 # Verify nodes of one forward, all requests together (speculative_max_verify_tokens; each tree gets an
 # even share), when not given and EAGLE or DFLASH runs on a CPU target with float weights: a verify row
 # costs a fraction of a decode step there, so at batch 4 the full trees made speculation 0.79-0.82x plain
 # on GSM8K (bf16); 32 made it 0.93-0.97x and left JSON schemas at or above the full trees (2.69 -> 2.82x,
 # 3.09 -> 3.10x), and changes nothing at batch 1, whose trees are smaller (bench/RESULTS.md, session 21).
 FLOAT_CPU_MAX_VERIFY_NODES = 32
-EAGLE_MIN_DRAFT_PROB = 0.1
 MIN_PROB_NEEDS_LEARNED_DRAFT = ("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
                                 "speculative_algorithm='EAGLE' or 'DFLASH'")
 
