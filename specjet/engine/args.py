@@ -75,9 +75,11 @@ class EngineArgs:
     speculative_grammar_aware: bool = True
     # The drafters' fixed-shape forwards (EAGLE's draft steps, DFLASH's block): "auto" (CUDA graphs
     # on CUDA, eager on CPU), "eager", or "static" (padded batch buckets on static buffers, captured
-    # as CUDA graphs on CUDA unless disable_cuda_graph; spec_v2/draft_runner.py).
+    # as CUDA graphs on CUDA unless disable_cuda_graph; models/graph_runner.py).
     speculative_draft_runner: str = "auto"
-    disable_cuda_graph: bool = False  # SGLang's name: never capture CUDA graphs
+    # SGLang's name: never capture CUDA graphs (on CUDA the target's decode and verify forwards and the
+    # drafters' are captured per batch bucket and replayed; models/target_graphs.py, graph_runner.py).
+    disable_cuda_graph: bool = False
     # Batch-invariant attention on CPU (SGLang's name; on by default here): a token's logits do not
     # depend on what else is in its batch, which bf16 speculative decoding needs to reproduce plain
     # decoding bit for bit. Off: SDPA (a batch-64 decode step ~3x faster, bench.step), for

@@ -68,6 +68,9 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         spec_config = replace(spec_config, draft_quantization=draft_quantization)
     speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer)
                   if spec_config is not None else None)
+    if runner.device.type == "cuda" and not args.disable_cuda_graph:
+        # The target's decode and verify forwards replay CUDA graphs (models/target_graphs.py).
+        runner.enable_graphs(req_to_token_pool.table)
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)
     scheduler = Scheduler(tokenizer, grammar, sched_config, allocator, req_to_token_pool, config.vocab_size,
                           config.eos_token_ids, spec=speculator)

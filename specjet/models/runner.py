@@ -12,6 +12,7 @@ from specjet.models.forward_batch import ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import LlamaForCausalLM, Rotary
 from specjet.models.quantize import check_method, quantize_model
+from specjet.models.target_graphs import TargetGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,13 @@ class ModelRunner:
         self.kv_cache = KVCache(config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim,
                                 self.dtype, self.device)
         logger.info("KV cache: %d tokens (%.1f MiB)", max_total_tokens, num_pages * page_size * per_token / 2**20)
+        self.graphs: TargetGraphs | None = None  # decode and verify on static buffers (enable_graphs)
+
+    def enable_graphs(self, req_to_token: torch.Tensor, capture: bool | None = None) -> TargetGraphs:
+        """Run decode and verify forwards through padded batch buckets over ``req_to_token``'s slots,
+        captured as CUDA graphs on CUDA (``capture``; models/target_graphs.py)."""
+        self.graphs = TargetGraphs(self, req_to_token, capture)
+        return self.graphs
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, self.kv_cache)

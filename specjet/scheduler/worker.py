@@ -105,7 +105,7 @@ class ModelWorker:
                                                      inp.cached_len)
             capture = self.speculator.target_capture if self.speculator is not None else None
             return self.runner.forward(self._prefill_batch(batch.inputs, capture))
-        return self.runner.forward(self._decode_batch([self._state(inp) for inp in batch.inputs], batch.inputs))
+        return self._decode_forward([self._state(inp) for inp in batch.inputs], batch.inputs)
 
     def sample(self, batch: WorkerBatch, forward: Future, grammar_mask) -> list[list[int]]:
         """Each request's next token from the forward's logits, masked by the host-built grammar
@@ -197,14 +197,18 @@ class ModelWorker:
             capture_hidden=capture,
         )
 
-    def _decode_batch(self, states: list[ComputeState], inputs: list[ReqInput]) -> ForwardBatch:
-        """Feed each request's last token at position committed_len."""
+    def _decode_forward(self, states: list[ComputeState], inputs: list[ReqInput]) -> ModelOutput:
+        """Feed each request's last token at position committed_len (through the target's graphs
+        where the runner has them)."""
         device, table = self.device, self.req_to_token
         rows = torch.tensor([inp.row for inp in inputs], dtype=torch.int64, device=device)
         positions = torch.tensor([s.committed_len for s in states], dtype=torch.int64, device=device)
-        return ForwardBatch.build(
+        ids = torch.tensor([s.tokens[-1] for s in states], dtype=torch.int64, device=device)
+        if self.runner.graphs is not None:
+            return self.runner.graphs.decode(ids, positions, rows)
+        return self.runner.forward(ForwardBatch.build(
             ForwardMode.DECODE,
-            input_ids=torch.tensor([s.tokens[-1] for s in states], dtype=torch.int64, device=device),
+            input_ids=ids,
             positions=positions,
             out_cache_loc=table[rows, positions],
             req_to_token=table,
@@ -212,7 +216,7 @@ class ModelWorker:
             kv_lens=positions + 1,
             q_lens=torch.ones_like(positions),
             logits="all",
-        )
+        ))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:

@@ -118,7 +118,7 @@ class SpecConfig:
     # share. A CPU verify costs about its token count once the batch is past a few rows.
     max_verify_nodes: int | None = None
     # How the drafter's fixed-shape forwards run (speculative_draft_runner): "eager", or "static":
-    # padded batch buckets on static buffers (spec_v2/draft_runner.py), captured as CUDA graphs
+    # padded batch buckets on static buffers (models/graph_runner.py), captured as CUDA graphs
     # on CUDA unless ``cuda_graph`` is off. "auto" resolves per device in ``runner_mode``.
     draft_runner: str = "auto"
     cuda_graph: bool = True

@@ -43,7 +43,7 @@ from specjet.models.eagle import FOLLOW_TARGET
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
-from specjet.spec_v2.draft_runner import DraftGraphRunner, capture_sizes
+from specjet.models.graph_runner import GraphRunner, capture_sizes
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -72,7 +72,7 @@ class DFlashDrafter:
                                 runner.dtype, runner.device)
         self.root_ctx: dict[str, torch.Tensor] = {}  # root-context drafts: rid -> c at its last verified position
         # static: the block forward runs on padded static buffers per batch bucket (draft_runner.py).
-        self.graph = DraftGraphRunner(
+        self.graph = GraphRunner(
             self._block_forward, {"ids": draft.shape.mask_token_id, "positions": 0, "slots": 0, "table": 0,
                                   "kv_lens": block_size, "root_ctx": 0.0}, runner.device, capture=cuda_graph,
             growing=("table",)) if static else None

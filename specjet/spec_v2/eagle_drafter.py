@@ -38,7 +38,7 @@ from specjet.models.forward_batch import ForwardBatch, ForwardMode
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
 from specjet.spec_v2.config import EagleParams
-from specjet.spec_v2.draft_runner import DraftGraphRunner, capture_sizes
+from specjet.models.graph_runner import GraphRunner, capture_sizes
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
@@ -89,7 +89,7 @@ class EagleDrafter:
         self._vocab_ids: torch.Tensor | None = None
         # static: each draft step runs on padded static buffers per batch bucket (draft_runner.py);
         # a padded frontier row is token 0 at position 0 writing and reading the padding slot.
-        self.graph = DraftGraphRunner(
+        self.graph = GraphRunner(
             self._step_forward, {"ids": 0, "positions": 0, "slots": 0, "table": 0, "features": 0.0},
             runner.device, capture=cuda_graph, growing=("table",)) if static else None
 

@@ -93,7 +93,7 @@ class Speculator:
         self.context_len = context_len
         self.draft_model_dir = draft_model_dir(cfg)  # None: a head handed in, or no draft model
         self.drafter = make_drafter(cfg, runner, allocator)
-        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture)
+        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture, static_nodes=cfg.max_tree_nodes)
         self.timings = PhaseTimings()
 
     # ---------------------------------------------------------------- geometry (pure: config only)

@@ -46,9 +46,12 @@ class VerifyResult:
 
 
 class TreeVerifier:
-    def __init__(self, runner: ModelRunner, capture_hidden=None):
+    def __init__(self, runner: ModelRunner, capture_hidden=None, static_nodes: int | None = None):
         self.runner = runner
         self.capture_hidden = capture_hidden
+        # Every tree has at most this many nodes: the width a verify is padded to when the runner
+        # has static graphs (models/target_graphs.py); None: verifies always run eagerly.
+        self.static_nodes = static_nodes
 
     def verify(self, reqs: list[VerifyInput], req_to_token: torch.Tensor, sampling: SamplingTensors) -> VerifyResult:
         device = req_to_token.device
@@ -61,21 +64,28 @@ class TreeVerifier:
             mask[b, :n, :n] = tree.mask[0]
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device)
         committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
-        batch = ForwardBatch.build(
-            ForwardMode.VERIFY,
-            input_ids=torch.tensor([t for r in reqs for t in r.tokens], dtype=torch.int64, device=device),
-            positions=torch.cat([tree.positions[0] for tree in trees]),
-            out_cache_loc=torch.cat([req_to_token[r.row, r.committed_len:r.committed_len + n]
-                                     for r, n in zip(reqs, sizes)]),
-            req_to_token=req_to_token,
-            req_pool_indices=rows,
-            kv_lens=committed + torch.tensor(sizes, device=device),
-            q_lens=torch.tensor(sizes, dtype=torch.int64, device=device),
-            custom_mask=mask,
-            logits="all",
-            capture_hidden=self.capture_hidden,
-        )
-        out = self.runner.forward(batch)
+        ids = torch.tensor([t for r in reqs for t in r.tokens], dtype=torch.int64, device=device)
+        positions = torch.cat([tree.positions[0] for tree in trees])
+        slots = torch.cat([req_to_token[r.row, r.committed_len:r.committed_len + n] for r, n in zip(reqs, sizes)])
+        q_lens = torch.tensor(sizes, dtype=torch.int64, device=device)
+        graphs = self.runner.graphs
+        if graphs is not None and self.static_nodes is not None and max_n <= self.static_nodes:
+            out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
+                                self.capture_hidden)
+        else:
+            out = self.runner.forward(ForwardBatch.build(
+                ForwardMode.VERIFY,
+                input_ids=ids,
+                positions=positions,
+                out_cache_loc=slots,
+                req_to_token=req_to_token,
+                req_pool_indices=rows,
+                kv_lens=committed + q_lens,
+                q_lens=q_lens,
+                custom_mask=mask,
+                logits="all",
+                capture_hidden=self.capture_hidden,
+            ))
         logits = out.logits
         offsets = [0]
         for n in sizes[:-1]:

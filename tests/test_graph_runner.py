@@ -1,4 +1,4 @@
-"""The draft runner (spec_v2/draft_runner.py): padded batch buckets on static buffers.
+"""The draft runner (models/graph_runner.py): padded batch buckets on static buffers.
 
 Unit level: which bucket a batch takes, what padded rows and padded columns hold, that buffers are
 reused per bucket and grown for a wider table, that outputs are cut to the real batch, and the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specjet.spec_v2.config import SpecConfig
-from specjet.spec_v2.draft_runner import DraftGraphRunner
+from specjet.models.graph_runner import GraphRunner
 
 
 class Recorder:
@@ -26,7 +26,7 @@ class Recorder:
 
 
 def make(step, **kw):
-    return DraftGraphRunner(step, {"ids": -1, "table": 7}, "cpu", growing=("table",), **kw)
+    return GraphRunner(step, {"ids": -1, "table": 7}, "cpu", growing=("table",), **kw)
 
 
 def test_pads_to_the_bucket_and_cuts_outputs():
@@ -77,7 +77,7 @@ def test_fixed_trailing_sizes_are_not_padded():
         seen.append(buffers["features"].shape)
         return (buffers["features"].sum(-1),)
 
-    runner = DraftGraphRunner(step, {"features": 0.0}, "cpu", buckets=(4,))
+    runner = GraphRunner(step, {"features": 0.0}, "cpu", buckets=(4,))
     (out,) = runner({"features": torch.ones(3, 5)})
     assert seen == [(4, 5)] and out.tolist() == [5.0, 5.0, 5.0]
 
@@ -89,7 +89,7 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="CUDA graphs"):
         make(step, capture=True)
     with pytest.raises(ValueError, match="no pad value"):
-        DraftGraphRunner(step, {"ids": 0}, "cpu", growing=("table",))
+        GraphRunner(step, {"ids": 0}, "cpu", growing=("table",))
     runner = make(step)
     with pytest.raises(ValueError, match="differ from its pad values"):
         runner({"ids": torch.zeros(2, dtype=torch.int64)})
@@ -135,9 +135,9 @@ def test_captured_graph_replays_equal_eager_runs():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(50, 64, generator=gen).cuda()
     step = gather_and_project(weight)
-    captured = DraftGraphRunner(step, {"ids": 0, "table": 0}, "cuda", growing=("table",), buckets=(2, 4),
+    captured = GraphRunner(step, {"ids": 0, "table": 0}, "cuda", growing=("table",), buckets=(2, 4),
                                 width_multiple=16)
-    eager = DraftGraphRunner(step, {"ids": 0, "table": 0}, "cuda", capture=False, growing=("table",),
+    eager = GraphRunner(step, {"ids": 0, "table": 0}, "cuda", capture=False, growing=("table",),
                              buckets=(2, 4), width_multiple=16)
     assert captured.capture and not eager.capture
     held = []

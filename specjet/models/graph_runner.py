@@ -1,9 +1,10 @@
-"""Fixed-shape draft forwards (SGLang's ``EAGLEDraftCudaGraphRunner``, shared by every drafter).
+"""Fixed-shape forwards on static buffers per batch bucket, captured as CUDA graphs on CUDA (SGLang's
+``CudaGraphRunner`` and ``EAGLEDraftCudaGraphRunner``), shared by the drafters and the target.
 
-A drafter's forward (EAGLE's draft step over a frontier, DFlash's block) has the same shape every
-iteration except for its batch: the runner pads the batch up to a bucket (1, 2, 4, 8, ...) and runs
-the forward on static input buffers of that bucket, so each bucket's forward always sees tensors
-of one shape at one address:
+A drafter's forward (EAGLE's draft step over a frontier, DFlash's block) and the target's decode and
+verify (models/target_graphs.py) have the same shape every iteration except for their batch: the
+runner pads the batch up to a bucket (1, 2, 4, 8, ...) and runs the forward on static input buffers
+of that bucket, so each bucket's forward always sees tensors of one shape at one address:
 
 - on CUDA the first run of a bucket captures the forward as a CUDA graph (after warm-up runs that
   let Triton compile and the allocator settle) and later runs replay it: no Python, no kernel
@@ -46,7 +47,7 @@ class _Bucket:
 
 
 @dataclass
-class DraftRunnerStats:
+class GraphRunnerStats:
     calls: int = 0
     eager_calls: int = 0  # batches wider than the largest bucket
     padded_rows: int = 0
@@ -54,14 +55,14 @@ class DraftRunnerStats:
     buckets: dict[tuple, int] = field(default_factory=dict)  # bucket key -> calls
 
 
-def capture_sizes(runner: "DraftGraphRunner | None", max_q: int, table: torch.Tensor) -> tuple[int, int] | None:
+def capture_sizes(runner: "GraphRunner | None", max_q: int, table: torch.Tensor) -> tuple[int, int] | None:
     """``ForwardBatch.build``'s ``static_sizes`` for a step run by ``runner``: the buffers' own
     (max_q, table width) while it captures CUDA graphs (a capture cannot read sizes back from the
     device); None otherwise (the batch's real sizes, so attention spans only the real lengths)."""
     return (max_q, table.shape[1]) if runner is not None and runner.capture else None
 
 
-class DraftGraphRunner:
+class GraphRunner:
     """Runs ``step`` on padded static buffers per batch bucket; captures CUDA graphs on CUDA."""
 
     def __init__(self, step: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
@@ -85,7 +86,7 @@ class DraftGraphRunner:
         self.width_multiple = width_multiple
         self._states: dict[tuple, _Bucket] = {}
         self._pool = None  # one memory pool shared by every captured graph (as SGLang does)
-        self.stats = DraftRunnerStats()
+        self.stats = GraphRunnerStats()
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest bucket that holds ``batch`` rows (None: wider than every bucket)."""
@@ -156,7 +157,9 @@ class DraftGraphRunner:
                 self.step(state.buffers)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the host thread may launch its own CUDA work (a later batch's inputs) while
+        # the compute thread captures; only this thread's unsafe calls may break the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = tuple(self.step(state.buffers))
         self._pool = graph.pool()
         state.graph, state.outputs = graph, outputs
