@@ -143,8 +143,9 @@ def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_d
             eng.check_kv_invariant()
             stats = eng.get_server_info()["stats"]
             if extra:
+                cap = ", at most 32 nodes per verify" if eng.worker.device.type == "cpu" else ""  # float CPU targets
                 assert (spec_str(describe_engine(eng)["speculative"])
-                        == "DFLASH block=8 topk=1 + 4 n-gram nodes, at most 32 nodes per verify, float draft weights")
+                        == f"DFLASH block=8 topk=1 + 4 n-gram nodes{cap}, float draft weights")
         assert [o["output_ids"] for o in outs] == expected
         accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
     assert accept[0] < 1.2 and accept[4] > 1.5, accept
