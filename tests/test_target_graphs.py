@@ -54,8 +54,9 @@ def test_decode_equals_the_eager_decode(runner, count):
         eager = eager_forward(runner, table, ForwardMode.DECODE, ids, positions, table[rows, positions], rows,
                               torch.ones_like(positions), positions + 1).logits
         k_before = runner.kv_cache.k.clone()
-        static = graphs.decode(ids, positions, rows).logits
-        again = graphs.decode(ids, positions, rows).logits  # a replay on CUDA
+        requests = torch.stack([ids, positions, rows], 1)
+        static = graphs.decode(requests.cpu()).logits  # from the host, as the worker hands them
+        again = graphs.decode(requests).logits  # from the device; a replay on CUDA
         assert torch.equal(static, eager) and torch.equal(again, eager)
         # The padded rows wrote the padding slot 0 and nothing else (the real rows rewrote their own
         # slots with the same values).

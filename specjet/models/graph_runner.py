@@ -137,13 +137,13 @@ class GraphRunner:
         return tuple(t.shape[1:-1]) + (-(-t.shape[-1] // m) * m,)
 
     def _fill(self, buffers: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], batch: int) -> None:
-        """Copy the real rows in and set everything else (padded rows, padded trailing sizes) to the
-        input's pad value."""
+        """Copy the real rows in (from the host or the device) and set everything else (padded rows,
+        padded trailing sizes) to the input's pad value."""
         for name, src in inputs.items():
             buf = buffers[name]
             if buf.shape[1:] != src.shape[1:]:
                 buf.fill_(self.pad_values[name])
-            else:
+            elif batch < buf.shape[0]:
                 buf[batch:].fill_(self.pad_values[name])
             buf[(slice(0, batch),) + tuple(slice(0, d) for d in src.shape[1:])].copy_(src, non_blocking=True)
 

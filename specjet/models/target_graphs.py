@@ -37,8 +37,8 @@ class TargetGraphs:
         self.runner = runner
         self.table = req_to_token
         self.capture = runner.device.type == "cuda" if capture is None else capture
-        self._decode = GraphRunner(lambda b: self._step(b, ForwardMode.DECODE, None), _PADS, runner.device,
-                                   capture=self.capture)
+        # A padded decode row is (-1, -1, -1): a negative position marks it (``_decode_step``).
+        self._decode = GraphRunner(self._decode_step, {"decode": -1}, runner.device, capture=self.capture)
         self._verify: dict[object, GraphRunner] = {}  # one per hidden-state capture
 
     def stats(self) -> dict:
@@ -46,13 +46,12 @@ class TargetGraphs:
         return {name: {"calls": r.stats.calls, "eager_calls": r.stats.eager_calls, "captures": r.stats.captures,
                        "padded_rows": r.stats.padded_rows} for name, r in runners.items()}
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> ModelOutput:
-        """Logits of each request's token ``ids[b]`` at ``positions[b]`` (its row ``rows[b]`` of the table)."""
-        slots = self.table[rows, positions]
-        ones = torch.ones_like(positions)
-        (logits,) = self._decode({"ids": ids[:, None], "positions": positions[:, None], "slots": slots[:, None],
-                                  "rows": rows, "q_lens": ones, "kv_lens": positions + 1})
-        return ModelOutput(logits=logits[:, 0])
+    def decode(self, requests: torch.Tensor) -> ModelOutput:
+        """Logits of each request's next token: ``requests`` [B, 3] int64 (on the host or the device)
+        holds (token id, its position, the request's row of the table) per request."""
+        batch = requests.shape[0]
+        (logits,) = self._decode({"decode": requests})
+        return ModelOutput(logits=logits[:batch, 0])
 
     def verify(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
                q_lens: torch.Tensor, kv_lens: torch.Tensor, mask: torch.Tensor, nodes: int,
@@ -76,6 +75,17 @@ class TargetGraphs:
         logits = outputs[0].reshape(batch * nodes, -1)[:total]
         hidden = outputs[1].reshape(batch * nodes, -1)[:total] if len(outputs) > 1 else None
         return ModelOutput(logits=logits, hidden=hidden)
+
+    def _decode_step(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The decode bucket's forward: slots and lengths looked up on the device (inside the graph),
+        padded rows sent to slot 0 with token 0 at position 0."""
+        packed = buffers["decode"]
+        real = packed[:, 1] >= 0
+        ids, positions, rows = packed.clamp(min=0).unbind(1)
+        slots = torch.where(real, self.table[rows, positions].to(torch.int64), 0)
+        ones = torch.ones_like(positions)
+        return self._step({"ids": ids[:, None], "positions": positions[:, None], "slots": slots[:, None],
+                           "rows": rows, "q_lens": ones, "kv_lens": positions + 1}, ForwardMode.DECODE, None)
 
     def _step(self, buffers: dict[str, torch.Tensor], mode: ForwardMode, capture_hidden: CaptureHidden
               ) -> tuple[torch.Tensor, ...]:

@@ -199,13 +199,13 @@ class ModelWorker:
 
     def _decode_forward(self, states: list[ComputeState], inputs: list[ReqInput]) -> ModelOutput:
         """Feed each request's last token at position committed_len (through the target's graphs
-        where the runner has them)."""
-        device, table = self.device, self.req_to_token
-        rows = torch.tensor([inp.row for inp in inputs], dtype=torch.int64, device=device)
-        positions = torch.tensor([s.committed_len for s in states], dtype=torch.int64, device=device)
-        ids = torch.tensor([s.tokens[-1] for s in states], dtype=torch.int64, device=device)
+        where the runner has them). The batch's numbers go to the device as one tensor."""
+        host = torch.tensor([[s.tokens[-1], s.committed_len, inp.row] for s, inp in zip(states, inputs)],
+                            dtype=torch.int64)
         if self.runner.graphs is not None:
-            return self.runner.graphs.decode(ids, positions, rows)
+            return self.runner.graphs.decode(host)
+        table = self.req_to_token
+        ids, positions, rows = host.to(self.device, non_blocking=True).unbind(1)
         return self.runner.forward(ForwardBatch.build(
             ForwardMode.DECODE,
             input_ids=ids,

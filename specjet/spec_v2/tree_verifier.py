@@ -56,18 +56,30 @@ class TreeVerifier:
     def verify(self, reqs: list[VerifyInput], req_to_token: torch.Tensor, sampling: SamplingTensors) -> VerifyResult:
         device = req_to_token.device
         sizes = [len(r.tokens) for r in reqs]
-        trees = [build_tree(torch.tensor([r.parents], dtype=torch.int64, device=device),
-                            torch.tensor([r.committed_len], dtype=torch.int64, device=device)) for r in reqs]
         max_n = max(sizes)
-        mask = torch.zeros((len(reqs), max_n, max_n), dtype=torch.bool, device=device)
-        for b, (tree, n) in enumerate(zip(trees, sizes)):
-            mask[b, :n, :n] = tree.mask[0]
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device)
-        committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
-        ids = torch.tensor([t for r in reqs for t in r.tokens], dtype=torch.int64, device=device)
-        positions = torch.cat([tree.positions[0] for tree in trees])
-        slots = torch.cat([req_to_token[r.row, r.committed_len:r.committed_len + n] for r, n in zip(reqs, sizes)])
-        q_lens = torch.tensor(sizes, dtype=torch.int64, device=device)
+        # The trees' shapes are built on the host from the parents lists (a few dozen nodes: Python
+        # beats a kernel launch and a read-back per request on a GPU, and a loop of torch ops on a CPU)
+        # and go to the device as one mask, one id/position tensor and one slot gather.
+        depths = [_depths(r.parents) for r in reqs]
+        mask_index = [[], [], []]  # (request, node, ancestor) of every True entry of the tree masks
+        for b, r in enumerate(reqs):
+            for i, ancestors in enumerate(_ancestors(r.parents)):
+                mask_index[0].extend([b] * len(ancestors))
+                mask_index[1].extend([i] * len(ancestors))
+                mask_index[2].extend(ancestors)
+        mask = torch.zeros((len(reqs), max_n, max_n), dtype=torch.bool)
+        mask[tuple(torch.tensor(ix) for ix in mask_index)] = True
+        mask = mask.to(device, non_blocking=True)
+        host = torch.tensor([[t for r in reqs for t in r.tokens],
+                             [r.committed_len + d for r, ds in zip(reqs, depths) for d in ds],
+                             [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
+                             [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]], dtype=torch.int64)
+        host = host.to(device, non_blocking=True)
+        ids, positions = host[0], host[1]
+        slots = req_to_token[host[2], host[3]].to(torch.int64)
+        per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
+                                   dtype=torch.int64).to(device, non_blocking=True)
+        rows, committed, q_lens = per_request[0], per_request[1], per_request[2]
         graphs = self.runner.graphs
         if graphs is not None and self.static_nodes is not None and max_n <= self.static_nodes:
             out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
@@ -92,32 +104,43 @@ class TreeVerifier:
             offsets.append(offsets[-1] + n)
         self._apply_penalties(reqs, logits, offsets)
         self._apply_grammar_masks(reqs, logits, offsets)
-        probs = None
-        if not sampling.all_greedy:
-            nodes = torch.tensor(sizes, device=sampling.temperatures.device)  # each request's row, once per node
-            per_node = SamplingTensors(
-                temperatures=sampling.temperatures.repeat_interleave(nodes),
-                top_ks=sampling.top_ks.repeat_interleave(nodes),
-                top_ps=sampling.top_ps.repeat_interleave(nodes),
-                min_ps=sampling.min_ps.repeat_interleave(nodes),
-                all_greedy=False, need_sort=sampling.need_sort)
-            probs = filtered_probs(logits, per_node)
-        argmax = logits.argmax(-1)
+        if sampling.all_greedy:
+            argmax = logits.argmax(-1).tolist()  # the one read-back of a greedy verify
+            paths = [_greedy_path(r.tokens, r.parents, argmax[off:off + len(r.tokens)]) for r, off in zip(reqs, offsets)]
+        else:
+            paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device)
+        accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
+        accepted_nodes = [nodes for nodes, _ in paths]
+        self._commit_kv(reqs, accepted_nodes, req_to_token)
+        return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
 
-        accepted_tokens, accepted_nodes = [], []
-        for b, (r, tree, n, off) in enumerate(zip(reqs, trees, sizes, offsets)):
+    @staticmethod
+    def _sampled_paths(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int], sizes: list[int],
+                       sampling: SamplingTensors, device) -> list[tuple[list[int], int]]:
+        """Each request's accepted path and bonus token by lossless rejection sampling (greedy
+        requests of a mixed batch walk their argmax), where the probabilities are."""
+        nodes = torch.tensor(sizes, device=sampling.temperatures.device)  # each request's row, once per node
+        per_node = SamplingTensors(
+            temperatures=sampling.temperatures.repeat_interleave(nodes),
+            top_ks=sampling.top_ks.repeat_interleave(nodes),
+            top_ps=sampling.top_ps.repeat_interleave(nodes),
+            min_ps=sampling.min_ps.repeat_interleave(nodes),
+            all_greedy=False, need_sort=sampling.need_sort)
+        probs = filtered_probs(logits, per_node)
+        argmax = logits.argmax(-1)
+        paths = []
+        for r, n, off in zip(reqs, sizes, offsets):
             tokens = torch.tensor([r.tokens], dtype=torch.int64, device=device)
+            tree = build_tree(torch.tensor([r.parents], dtype=torch.int64, device=device),
+                              torch.tensor([r.committed_len], dtype=torch.int64, device=device))
             if r.uniforms is None:
                 path, lens, bonus = verify_tree_greedy(tokens, tree, argmax[None, off:off + n])
             else:
                 # The request's seeded draws are made on the host; the verifier runs where the probs are.
                 path, lens, bonus = verify_tree_sampling(tokens, tree, probs[None, off:off + n],
                                                          r.uniforms[None].to(device))
-            nodes = path[0, : int(lens[0])].tolist()
-            accepted_nodes.append(nodes)
-            accepted_tokens.append([r.tokens[i] for i in nodes[1:]] + [int(bonus[0])])
-            self._commit_kv(r, nodes, req_to_token)
-        return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
+            paths.append((path[0, : int(lens[0])].tolist(), int(bonus[0])))
+        return paths
 
     @staticmethod
     def _apply_penalties(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:
@@ -155,13 +178,51 @@ class TreeVerifier:
         full[torch.cat(rows)] = bitmask
         apply_token_bitmask_(logits, full, indices=torch.cat(rows).tolist())
 
-    def _commit_kv(self, r: VerifyInput, nodes: list[int], req_to_token: torch.Tensor) -> None:
+    def _commit_kv(self, reqs: list[VerifyInput], paths: list[list[int]], req_to_token: torch.Tensor) -> None:
         """Node i's KV sits at position committed+i; the j-th node of the path must sit at committed+j.
-        Rejected nodes' slots stay reserved for the request and are overwritten next iteration."""
-        moves = [(i, j) for j, i in enumerate(nodes) if i != j]
-        if not moves:
+        Rejected nodes' slots stay reserved for the request and are overwritten next iteration. One
+        gather and one copy for the whole batch (requests' slots are disjoint, and within a request
+        every source is read before any destination is written)."""
+        rows, src, dst = [], [], []
+        for r, nodes in zip(reqs, paths):
+            for j, i in enumerate(nodes):
+                if i != j:
+                    rows.append(r.row)
+                    src.append(r.committed_len + i)
+                    dst.append(r.committed_len + j)
+        if not rows:
             return
-        base = req_to_token[r.row, r.committed_len:r.committed_len + len(r.tokens)]
-        src = base[torch.tensor([i for i, _ in moves])]
-        dst = base[torch.tensor([j for _, j in moves])]
-        self.runner.kv_cache.move_slots(src, dst)
+        index = torch.tensor([rows, src, dst], dtype=torch.int64).to(req_to_token.device, non_blocking=True)
+        self.runner.kv_cache.move_slots(req_to_token[index[0], index[1]].to(torch.int64),
+                                        req_to_token[index[0], index[2]].to(torch.int64))
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def _ancestors(parents: list[int]) -> list[list[int]]:
+    """Each node's ancestors and itself (parents come before their children)."""
+    out: list[list[int]] = [[0]]
+    for i in range(1, len(parents)):
+        out.append(out[parents[i]] + [i])
+    return out
+
+
+def _greedy_path(tokens: list[int], parents: list[int], target: list[int]) -> tuple[list[int], int]:
+    """The greedy walk (``tree_verify.verify_tree_greedy``'s rule) on host lists: from the root, move
+    to the first child in draft order whose token is the target's argmax after the current node; the
+    argmax where no child matches is the bonus token. Returns (path nodes, root first; bonus)."""
+    children: list[list[int]] = [[] for _ in tokens]
+    for i in range(1, len(tokens)):
+        children[parents[i]].append(i)
+    path = [0]
+    while True:
+        want = target[path[-1]]
+        nxt = next((c for c in children[path[-1]] if tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
