@@ -29,12 +29,16 @@ if [ "$phase" = tests ]; then
   export SPECJET_TEST_MODEL_DIR=$PWD/.gpu/tok
   # The tests read the JSON-schema dev set from ../shared/data, which stays behind.
   [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
-  files="test_target_graphs test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_graph_runner test_attention_invariant
+  files="test_target_graphs test_triton_rope test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_graph_runner test_attention_invariant
          test_model test_engine test_spec_eagle test_spec_ngram test_dflash_spec test_dflash_model test_eagle_model
          test_spec_grammar test_overlap test_robustness test_fault_injection test_liveness test_spec_limits
          test_eagle_frontier_rows test_sampling test_structured test_prefix_cache test_radix_cache test_memory_pool
          test_param_fuzz test_penalties test_grammar test_spec_config"
   paths=$(for f in $files; do printf 'tests/%s.py ' "$f"; done)
+  # The projections' batch-invariant row plans on this GPU at the default model's shapes (kernels/linear.py).
+  python3 -c "import torch; from specjet.kernels.linear import pack_weight, _PLANS
+[pack_weight(torch.randn(i, o, device='cuda', dtype=torch.bfloat16)) for i, o in ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))]
+print('linear plans (in, out, dtype, bias, threads, blocked) -> (hint, min_rows, max_rows):', _PLANS)" 2>&1 | tee "$OUT/plans.log"
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --dist loadfile -m "not e2e" \
     --timeout 200 -rfE --durations=12 $paths 2>&1 | tee "$OUT/tests.log" | tail -80
   exit 0

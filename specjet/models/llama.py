@@ -104,12 +104,19 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache, native: bool = False) -> torch.Tensor:
-        """``native``: RoPE and the K/V write as one C++ call (kernels/cpu_ops.py; no q/k norm)."""
+        """``native``: RoPE and the K/V write as one C++ call (kernels/cpu_ops.py; no q/k norm); on
+        CUDA as one Triton kernel (kernels/triton_rope.py)."""
         num_tokens = x.shape[0]
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         if native:
             q = cpu_ops.rope_store(self.qkv_proj.project(x), cos, sin, k_cache, v_cache, batch.out_cache_loc,
                                    self.num_heads)
+        elif x.is_cuda and self.q_norm is None and not torch.is_grad_enabled():
+            # Inference on CUDA: the same math as below in one kernel instead of a dozen.
+            from specjet.kernels.triton_rope import rope_store_triton
+
+            q = rope_store_triton(self.qkv_proj.project(x), cos, sin, k_cache, v_cache, batch.out_cache_loc,
+                                  self.num_heads)
         else:
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
