@@ -153,3 +153,22 @@ def test_captured_graph_replays_equal_eager_runs():
     # Outputs handed out earlier are copies: later replays of the same graph left them alone.
     for got, want in held:
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_failed_capture_falls_back_to_eager_runs(monkeypatch):
+    """A capture that raises (a non-capturable library call on a GPU) costs the batch nothing: it runs
+    eagerly on the buffers, and so does every later call of that runner."""
+    step = Recorder()
+    runner = make(step, buckets=(2, 4), width_multiple=4)
+    runner.capture = True  # as on CUDA; the capture itself is made to fail below
+
+    def broken_capture(state):
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED during capture")
+
+    monkeypatch.setattr(runner, "_capture", broken_capture)
+    ids, table = torch.tensor([3, 4, 5]), torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    out = runner({"ids": ids, "table": table})
+    assert out[0].tolist() == [30, 40, 50] and out[1].tolist() == [13, 22, 31]
+    assert runner.capture is False and runner.stats.capture_failures == 1
+    again = runner({"ids": torch.tensor([9]), "table": torch.tensor([[1, 1, 1]])})
+    assert again[0].tolist() == [90] and runner.stats.capture_failures == 1

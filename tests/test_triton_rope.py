@@ -1,7 +1,8 @@
 """The Triton RoPE + K/V write (kernels/triton_rope.py) against the model's torch path (``apply_rotary``
-and ``KVCache.write``): within a few roundings everywhere, and compiled the same bits in bf16 and fp16
-(each product and sum rounded as torch rounds them); v copied as it is, untouched slots unchanged, and
-each token's bits the same alone as among the others. Compiled on a CUDA GPU when one is
+and ``KVCache.write``): within a rounding or two of torch's (not its bits: the H200 differed by one
+rounding in places, and the interpreter truncates float32 -> bfloat16); v copied as it is, untouched
+slots unchanged, and each token's bits the same alone as among the others (what lossless decoding needs:
+decode and verify rows go through this same kernel). Compiled on a CUDA GPU when one is
 present, else under Triton's interpreter in a subprocess (tests/triton_interpreter.py)."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from triton_interpreter import interpreted, report_cases, run_kernel_worker, to_kernel_device
+from triton_interpreter import report_cases, run_kernel_worker, to_kernel_device
 
 # (tokens, query heads, KV heads, head dim, dtype): the default model's 9 / 3 / 64, odd counts.
 CASES = {"smollm2_bf16": (21, 9, 3, 64, torch.bfloat16), "smollm2_fp32": (4, 9, 3, 64, torch.float32),
@@ -50,11 +51,7 @@ def run_case(case) -> dict:
         return ((a.double() - b.double()).abs().max() / (torch.finfo(dtype).eps * qkv.abs().max().double())).item()
 
     return {"q_error": error(q_out.cpu(), q_ref), "k_error": error(k_out, k_ref),
-            "q_equal": torch.equal(q_out.cpu(), q_ref), "k_equal": torch.equal(k_out, k_ref),
-            "v_equal": torch.equal(v_out, v_ref), "rows_equal": torch.equal(alone, q_out),
-            # Compiled, a bf16/fp16 rounding is torch's (to nearest even); the interpreter truncates
-            # float32 -> bfloat16, and a compiler may fuse fp32's multiply-adds.
-            "exact": dtype == torch.float16 or (dtype == torch.bfloat16 and not interpreted())}
+            "v_equal": torch.equal(v_out, v_ref), "rows_equal": torch.equal(alone, q_out)}
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +64,6 @@ def test_triton_rope_store_matches_torch_and_is_row_invariant(kernel_report, nam
     result = kernel_report[name]
     assert "error" not in result, result.get("error")
     assert result["q_error"] <= 4 and result["k_error"] <= 4, result
-    if result["exact"]:
-        assert result["q_equal"] and result["k_equal"], result
     assert result["v_equal"] and result["rows_equal"], result
 
 

@@ -4,8 +4,9 @@ A decode step on a small model is bound by kernel launches (a CUDA graph replays
 runs): torch's ``apply_rotary`` on q and k and the two ``index_copy_`` writes are a dozen kernels a
 layer; this is one, one program per token over all its heads. The CUDA counterpart of the C++
 ``cpu_ops.rope_store`` (kernels/cpu_ops.py): same contract, same math as ``apply_rotary`` (models/llama.py:
-neox layout, rotate the two halves of each head) with each product and sum rounded to the dtype as
-torch's element-wise ops round them, so a token's bits depend on nothing but its own row.
+neox layout, rotate the two halves of each head) with each product and sum rounded to the dtype, within
+a rounding of torch's results (not always its bits). A token's bits depend on nothing but its own row,
+and every CUDA forward (decode, verify, prefill) takes this kernel, so speculation stays exact.
 """
 from __future__ import annotations
 

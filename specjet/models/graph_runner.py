@@ -26,10 +26,13 @@ so a later replay never overwrites what a caller holds.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Trailing sizes of a buffer are rounded up to a multiple of this: a growing context then reuses a
@@ -52,6 +55,7 @@ class GraphRunnerStats:
     eager_calls: int = 0  # batches wider than the largest bucket
     padded_rows: int = 0
     captures: int = 0
+    capture_failures: int = 0  # after one the runner runs eagerly (``capture`` turns False)
     buckets: dict[tuple, int] = field(default_factory=dict)  # bucket key -> calls
 
 
@@ -114,7 +118,16 @@ class GraphRunner:
         if not self.capture:
             return tuple(out[:batch] for out in self.step(state.buffers))
         if state.graph is None:
-            self._capture(state)
+            try:
+                self._capture(state)
+            except Exception:
+                # A capture can fail where an eager run does not (a library call that is not
+                # capturable, the capture invalidated): this runner stops capturing and runs its
+                # buffers eagerly from now on, the same bits without the replay's speed.
+                logger.warning("CUDA graph capture failed; running eagerly from now on", exc_info=True)
+                self.capture = False
+                self.stats.capture_failures += 1
+                return tuple(out[:batch] for out in self.step(state.buffers))
         state.graph.replay()
         return tuple(out[:batch].clone() for out in state.outputs)
 
