@@ -45,6 +45,18 @@ class OneRequest:
         return out
 
 
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: node i may see node j when j is i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
 def count_stack_runs(monkeypatch) -> dict:
     """Spies on models/llama.py's ``run_layer_stack``: ``counts["ran"]`` forwards that went as one C++
     call, ``counts["aside"]`` those where the stack stood aside (the Python loop ran)."""

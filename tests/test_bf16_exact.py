@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specjet
-from model_harness import load_runner
+from model_harness import load_runner, tree_mask
 from specjet.kernels.cpu_features import has_native_bf16
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
 
@@ -57,17 +57,6 @@ def tree_with_chain(chain: list[int]):
         parents.append(path[-1])
         path.append(len(tokens) - 1)
     return tokens, parents, path
-
-
-def tree_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
 
 
 # The CUDA runs (a lent GPU: scripts/gpu_check.sh) check the Triton attention and RMSNorm and the

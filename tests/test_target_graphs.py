@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specjet
-from model_harness import load_runner
+from model_harness import load_runner, tree_mask
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ForwardMode
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -66,23 +66,13 @@ def test_decode_equals_the_eager_decode(runner, count):
         runner.graphs = None
 
 
-def tree(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            mask[i, j], j = True, parents[j]
-    return mask
-
-
 def test_verify_equals_the_eager_verify_with_hidden_states(runner):
     table = prefilled(runner, 3)
     on = runner.device
     graphs = runner.enable_graphs(table)
     try:
         trees = [[-1, 0, 0, 1, 2, 3], [-1], [-1, 0, 1, 1]]  # 6, 1 and 4 nodes: padded to 8 nodes a request
-        masks = [tree(p) for p in trees]
+        masks = [tree_mask(p) for p in trees]
         width = max(len(p) for p in trees)
         mask = torch.zeros(3, width, width, dtype=torch.bool)
         for b, m in enumerate(masks):
