@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks only a CUDA GPU can make, run on a lent GPU machine (never by CI or `make test`):
-#   tests: the Triton kernels compiled for real, the draft runner's CUDA graphs (replay == eager),
+#   tests: the Triton kernels compiled for real, the graph runners' CUDA graphs (replay == eager),
 #          and the engine test files on CUDA (tiny random models: spec == plain ids, overlap with the
-#          compute stream, grammars, failures), in one pytest run;
+#          compute stream, grammars, failures), in one pytest run (TEST_FILES: other test files);
 #   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH, CUDA graphs on and
 #          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations).
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
@@ -29,11 +29,11 @@ if [ "$phase" = tests ]; then
   export SPECJET_TEST_MODEL_DIR=$PWD/.gpu/tok
   # The tests read the JSON-schema dev set from ../shared/data, which stays behind.
   [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
-  files="test_target_graphs test_triton_rope test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_graph_runner test_attention_invariant
+  files=${TEST_FILES:-"test_target_graphs test_triton_rope test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_graph_runner test_attention_invariant
          test_model test_engine test_spec_eagle test_spec_ngram test_dflash_spec test_dflash_model test_eagle_model
          test_spec_grammar test_overlap test_robustness test_fault_injection test_liveness test_spec_limits
          test_eagle_frontier_rows test_sampling test_structured test_prefix_cache test_radix_cache test_memory_pool
-         test_param_fuzz test_penalties test_grammar test_spec_config"
+         test_param_fuzz test_penalties test_grammar test_spec_config"}
   paths=$(for f in $files; do printf 'tests/%s.py ' "$f"; done)
   # The projections' batch-invariant row plans on this GPU at the default model's shapes (kernels/linear.py).
   python3 -c "import torch; from specjet.kernels.linear import pack_weight, _PLANS

@@ -11,6 +11,8 @@ import torch
 import specjet
 from model_harness import load_runner, tree_mask
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ForwardMode
+from specjet.models.graph_runner import BATCH_BUCKETS
+from specjet.models.target_graphs import VERIFY_BUCKETS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PREFIXES = [[1, 520, 3303, 28, 2185, 16, 4785], [1, 77, 1200, 5, 9000], [1, 4000, 12, 812, 7, 7, 19, 2222, 301],
@@ -123,3 +125,33 @@ def test_engine_outputs_are_unchanged(tiny_model_dir, kw):
     assert outputs(tiny_model_dir, True, greedy, **kw) == outputs(tiny_model_dir, False, greedy, **kw)
     sampled = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 24, "ignore_eos": True, "seed": 5}
     assert outputs(tiny_model_dir, True, sampled, **kw) == outputs(tiny_model_dir, False, sampled, **kw)
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_buckets_captured_at_start_touch_only_the_padding_slot(runner, verify):
+    """``capture_buckets`` (what an engine on CUDA runs before serving) runs each bucket on padding
+    alone: only slot 0's K/V change and stay finite (a padded request's token sees itself; seeing
+    nothing gave NaN there on an AMX CPU, which the next batch's padded key positions read), every
+    bucket is run once, and the forwards after it still give the eager forward's logits."""
+    table = prefilled(runner, 2)
+    graphs = runner.enable_graphs(table)
+    try:
+        k_before, v_before = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+        capture = FeatureLayers((0,)) if verify else None
+        graphs.capture_buckets(5 if verify else None, capture)
+        assert torch.equal(runner.kv_cache.k[:, 1:], k_before[:, 1:])
+        assert torch.equal(runner.kv_cache.v[:, 1:], v_before[:, 1:])
+        # Finite there too: a later batch's padded key positions read slot 0 (weighted by zero).
+        assert torch.isfinite(runner.kv_cache.k[:, 0]).all() and torch.isfinite(runner.kv_cache.v[:, 0]).all()
+        name = f"verify {capture!r}" if verify else "decode"
+        stats = graphs.stats()[name]
+        assert stats["calls"] == len(VERIFY_BUCKETS if verify else BATCH_BUCKETS) and stats["eager_calls"] == 0
+        on = runner.device
+        rows = torch.arange(2, device=on)
+        positions = torch.tensor([len(p) for p in PREFIXES[:2]], device=on)
+        ids = torch.tensor([701, 702], device=on)
+        eager = eager_forward(runner, table, ForwardMode.DECODE, ids, positions, table[rows, positions], rows,
+                              torch.ones_like(positions), positions + 1).logits
+        assert torch.equal(graphs.decode(torch.stack([ids, positions, rows], 1)).logits, eager)
+    finally:
+        runner.graphs = None

@@ -69,8 +69,13 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer)
                   if spec_config is not None else None)
     if runner.device.type == "cuda" and not args.disable_cuda_graph:
-        # The target's decode and verify forwards replay CUDA graphs (models/target_graphs.py).
-        runner.enable_graphs(req_to_token_pool.table)
+        # The target's decode and verify forwards replay CUDA graphs (models/target_graphs.py), the
+        # buckets this engine's iterations take captured now.
+        graphs = runner.enable_graphs(req_to_token_pool.table)
+        if speculator is None:
+            graphs.capture_buckets()
+        else:
+            graphs.capture_buckets(speculator.max_nodes, speculator.target_capture)
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)
     scheduler = Scheduler(tokenizer, grammar, sched_config, allocator, req_to_token_pool, config.vocab_size,
                           config.eos_token_ids, spec=speculator)

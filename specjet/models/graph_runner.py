@@ -162,17 +162,19 @@ class GraphRunner:
 
     # ---------------------------------------------------------------- CUDA graphs
     def _capture(self, state: _Bucket) -> None:
-        """Warm up on a side stream, then capture one run of ``step`` on the static buffers."""
+        """Warm up on a side stream, then capture one run of ``step`` on the static buffers, on that
+        same stream (the libraries' per-stream state, e.g. cuBLAS's workspace, set up by the warm-up
+        and not allocated inside the capture)."""
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
                 self.step(state.buffers)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the host thread may launch its own CUDA work (a later batch's inputs) while
         # the compute thread captures; only this thread's unsafe calls may break the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             outputs = tuple(self.step(state.buffers))
         self._pool = graph.pool()
         state.graph, state.outputs = graph, outputs

@@ -25,7 +25,8 @@ from specjet.models.graph_runner import GraphRunner
 # of holding a graph's worth of logits per bucket.
 VERIFY_BUCKETS = (1, 2, 4, 8, 16)
 # A padded request has one new token (the CPU's kernels want one at least) that sees only itself
-# (its KV position 0 is read from the table's row 0, whatever it holds) and writes slot 0.
+# (its KV position 0 is read from the table's row 0, whatever it holds; ``_step`` opens its mask
+# entry) and writes slot 0.
 _PADS = {"ids": 0, "positions": 0, "slots": 0, "rows": 0, "q_lens": 1, "kv_lens": 1}
 
 
@@ -62,11 +63,7 @@ class TargetGraphs:
         batch, total = rows.shape[0], ids.shape[0]
         if mask.shape[1] > nodes or total > batch * nodes:
             raise ValueError(f"a verify of trees up to {mask.shape[1]} nodes does not fit {nodes} nodes a request")
-        runner = self._verify.get(capture_hidden)
-        if runner is None:
-            runner = self._verify[capture_hidden] = GraphRunner(
-                lambda b: self._step(b, ForwardMode.VERIFY, capture_hidden), {**_PADS, "mask": False},
-                self.runner.device, capture=self.capture, buckets=VERIFY_BUCKETS)
+        runner = self._verify_runner(capture_hidden)
         square = torch.zeros((batch, nodes, nodes), dtype=torch.bool, device=mask.device)
         square[:, :mask.shape[1], :mask.shape[2]] = mask
         outputs = runner({"ids": _flat_padded(ids, batch, nodes), "positions": _flat_padded(positions, batch, nodes),
@@ -75,6 +72,30 @@ class TargetGraphs:
         logits = outputs[0].reshape(batch * nodes, -1)[:total]
         hidden = outputs[1].reshape(batch * nodes, -1)[:total] if len(outputs) > 1 else None
         return ModelOutput(logits=logits, hidden=hidden)
+
+    def capture_buckets(self, verify_nodes: int | None = None, capture_hidden: CaptureHidden = None) -> None:
+        """Run every decode bucket (or, given ``verify_nodes``, every verify bucket of trees that wide)
+        once on padding rows alone (they write only slot 0): on CUDA each bucket is captured now,
+        before any request, when no other thread uses the GPU and no request waits for a capture."""
+        device = self.runner.device
+        if verify_nodes is None:
+            for bucket in self._decode.buckets:
+                self._decode({"decode": torch.full((bucket, 3), -1, dtype=torch.int64)})
+            return
+        runner = self._verify_runner(capture_hidden)
+        for bucket in runner.buckets:
+            padding = {name: torch.full((bucket, verify_nodes) if name in ("ids", "positions", "slots") else (bucket,),
+                                        value, dtype=torch.int64, device=device) for name, value in _PADS.items()}
+            runner({**padding, "mask": torch.zeros((bucket, verify_nodes, verify_nodes), dtype=torch.bool,
+                                                   device=device)})
+
+    def _verify_runner(self, capture_hidden: CaptureHidden) -> GraphRunner:
+        runner = self._verify.get(capture_hidden)
+        if runner is None:
+            runner = self._verify[capture_hidden] = GraphRunner(
+                lambda b: self._step(b, ForwardMode.VERIFY, capture_hidden), {**_PADS, "mask": False},
+                self.runner.device, capture=self.capture, buckets=VERIFY_BUCKETS)
+        return runner
 
     def _decode_step(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The decode bucket's forward: slots and lengths looked up on the device (inside the graph),
@@ -93,6 +114,10 @@ class TargetGraphs:
         bucket, nodes = ids.shape
         flat = {name: buffers[name].reshape(-1) for name in ("ids", "positions", "slots")}
         mask = buffers.get("mask")
+        if mask is not None:
+            # A padded request's one token sees itself (a real tree's root always does): a row that
+            # sees nothing would put NaN into the padding slot's K/V on kernels without a guard.
+            mask[:, 0, 0] = True
         if self.capture:
             # A capture cannot read sizes back from the device: the widest a request may be, and
             # every padded token computed.
