@@ -1,10 +1,14 @@
-// A drafter's best tokens under a grammar: per row of draft logits, the k best columns among those
+// Tokens chosen under a grammar's token bitmask.
+// masked_topk_logp: a drafter's best tokens: per row of draft logits, the k best columns among those
 // the row's token bitmask allows, with their log-probabilities renormalised over the allowed columns.
 // The torch form (kernels/masked_topk.py) takes a dozen small ops a row (unpack the mask, gather, fill,
 // log_softmax, topk, filter), each of them a dispatch; a grammar-aware drafter runs it once per block
 // position, every iteration. Here it is one pass over the row's columns and one over its allowed logits.
+// masked_argmax: plain greedy decoding's token under a grammar, torch.argmax of the masked row in one
+// pass, instead of writing -inf over the forbidden logits and reading the whole row again.
 #include "cpu_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -75,6 +79,48 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const t
     }
   }
   return {out_ids, out_logp, allowed_count};
+}
+
+torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
+              "masked_argmax: logits must be a CPU float32 [R, V] tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.device().is_cpu() &&
+                  bitmask.size(0) == logits.size(0),
+              "masked_argmax: bitmask must be a CPU int32 [R, W] tensor, one row per logits row");
+  TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.size(0) == logits.size(0),
+              "masked_argmax: masked must be bool [R]");
+  const int64_t rows = logits.size(0), cols = logits.size(1), words_per_row = bitmask.size(1);
+  // As xgrammar's apply_token_bitmask_inplace: columns past the mask's 32 W tokens are left as they are.
+  const int64_t covered = std::min(cols, 32 * words_per_row);
+  const torch::Tensor x = logits.contiguous(), mask = bitmask.contiguous(), flags = masked.contiguous();
+  torch::Tensor out = torch::zeros({rows}, torch::kInt64);
+  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * cols;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + r * words_per_row;
+    const bool use_mask = flags.data_ptr<bool>()[r];
+    auto value = [&](int64_t c) {
+      return (!use_mask || c >= covered || ((words[c >> 5] >> (c & 31)) & 1u)) ? row[c] : minus_inf;
+    };
+    // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins).
+    int64_t best = 0;
+    float best_value = value(0);
+    if (!std::isnan(best_value)) {
+      for (int64_t c = 1; c < cols; ++c) {
+        const float v = value(c);
+        if (std::isnan(v)) {
+          best = c;
+          break;
+        }
+        if (v > best_value) {
+          best_value = v;
+          best = c;
+        }
+      }
+    }
+    out.data_ptr<int64_t>()[r] = best;
+  }
+  return out;
 }
 
 }  // namespace specjet_cpu

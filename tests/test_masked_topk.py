@@ -83,3 +83,28 @@ def test_argument_checks():
         masked_topk_logp(logits, bitmask[:1], None, 2)
     with pytest.raises(RuntimeError, match="token_ids"):
         masked_topk_logp(logits, bitmask, torch.arange(10), 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_argmax_is_xgrammars_mask_then_torch_argmax(seed):
+    """Greedy decoding's token under a grammar: the C++ pass and the torch reference give what the plain
+    path computed, xgrammar's apply_token_bitmask on the masked rows then torch.argmax, on rows with
+    ties, NaNs, -inf, nothing allowed, unmasked rows and columns past the mask's width."""
+    from specjet.grammar import apply_token_bitmask_
+
+    rows, vocab = 7, 256
+    logits, bitmask, _, bits = random_case(seed, rows, vocab + 5, vocab, 0.2, hot=False)  # 5 columns unmasked
+    logits = logits.round()  # many ties
+    logits[1, 3] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, :] = 7.0  # a row of equal values
+    masked = torch.tensor([True, True, True, True, False, True, False])
+    expected = logits.clone()
+    apply_token_bitmask_(expected, bitmask, indices=[r for r in range(rows) if masked[r]])
+    expected = expected.argmax(-1)
+    from specjet.kernels.masked_topk import masked_argmax, masked_argmax_reference
+
+    assert torch.equal(masked_argmax_reference(logits, bitmask, masked), expected)
+    if cpu_ops.extension() is None:
+        pytest.skip("the C++ extension is not built")
+    assert torch.equal(masked_argmax(logits, bitmask, masked), expected)

@@ -1,6 +1,7 @@
-"""The k best tokens a grammar allows in each row of a drafter's logits, with their log-probabilities
-renormalised over the allowed tokens: grammar-aware drafting picks a block position's candidates so
-(spec_v2/dflash_drafter.py).
+"""Tokens chosen under a grammar's token bitmask. ``masked_topk_logp``: the k best tokens a grammar allows
+in each row of a drafter's logits, with their log-probabilities renormalised over the allowed tokens
+(grammar-aware drafting picks a block position's candidates so, spec_v2/dflash_drafter.py);
+``masked_argmax``: plain greedy decoding's token under a grammar (scheduler/worker.py).
 
 ``logits`` [R, K] holds K columns whose target token ids are ``token_ids`` [K] (a draft's hot
 vocabulary; None: column c is token c); ``bitmask`` [R, W] int32 is xgrammar's token bitmask (bit t of
@@ -44,3 +45,25 @@ def masked_topk_logp(logits: torch.Tensor, bitmask: torch.Tensor, token_ids: tor
         ids = None if token_ids is None else token_ids.cpu()
         return tuple(ext.masked_topk_logp(logits.float(), bitmask, ids, k))
     return masked_topk_logp_reference(logits, bitmask, token_ids, k)
+
+
+def masked_argmax_reference(logits: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """torch.argmax of each row of ``logits`` [R, V] after the columns its ``bitmask`` row forbids are set
+    to -inf, for the rows where ``masked`` [R] bool is set (columns past the mask's 32 W tokens stay)."""
+    rows, cols = logits.shape
+    covered = min(cols, 32 * bitmask.shape[1])
+    c = torch.arange(covered, device=logits.device)
+    words = bitmask.to(logits.device)[:, c >> 5].to(torch.int64)
+    forbidden = (((words >> (c & 31)) & 1) == 0) & masked.to(logits.device)[:, None]
+    values = logits.float().clone()
+    values[:, :covered] = values[:, :covered].masked_fill(forbidden, float("-inf"))
+    return values.argmax(-1)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Greedy decoding's tokens under a grammar: ``masked_argmax_reference``'s result (int64 [R]) in one
+    C++ pass a row on the CPU (the mask is not written into the logits)."""
+    ext = cpu_ops.extension()
+    if ext is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return ext.masked_argmax(logits, bitmask.cpu(), masked.cpu())
+    return masked_argmax_reference(logits, bitmask, masked)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
+from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, sample
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput
@@ -113,21 +114,32 @@ class ModelWorker:
         the prompt's last gets no token ([]), and draws none of its request's coins."""
         out: ModelOutput = forward.result()
         logits = out.logits
-        if grammar_mask is not None:
-            bitmask, rows = grammar_mask
-            logits = logits.cpu() if logits.device.type != "cpu" else logits
-            apply_token_bitmask_(logits, bitmask, indices=rows)
         states = [self._state(inp) for inp in batch.inputs]
         penalised = [i for i, inp in enumerate(batch.inputs) if inp.sampling.penalties is not None]
-        if penalised:
-            self._penalise(logits, [states[i] for i in penalised], [batch.inputs[i] for i in penalised], penalised)
         sampled = [i for i, inp in enumerate(batch.inputs) if _samples(batch.kind, inp)]
-        if len(sampled) < len(batch.inputs):
-            logits = logits[sampled]
         tokens: list[int | None] = [None] * len(batch.inputs)
-        if sampled:
-            for i, token in zip(sampled, self._sample_tokens([batch.inputs[i] for i in sampled], logits)):
-                tokens[i] = token
+        if (grammar_mask is not None and not penalised and logits.device.type == "cpu"
+                and all(inp.sampling.is_greedy for inp in batch.inputs)):
+            # Greedy under a grammar: the masked argmax in one pass, the mask never written into the logits.
+            bitmask, rows = grammar_mask
+            masked = torch.zeros(len(batch.inputs), dtype=torch.bool)
+            masked[rows] = True
+            best = masked_argmax(logits, bitmask, masked).tolist()
+            for i in sampled:
+                tokens[i] = best[i]
+        else:
+            if grammar_mask is not None:
+                bitmask, rows = grammar_mask
+                logits = logits.cpu() if logits.device.type != "cpu" else logits
+                apply_token_bitmask_(logits, bitmask, indices=rows)
+            if penalised:
+                self._penalise(logits, [states[i] for i in penalised], [batch.inputs[i] for i in penalised],
+                               penalised)
+            if len(sampled) < len(batch.inputs):
+                logits = logits[sampled]
+            if sampled:
+                for i, token in zip(sampled, self._sample_tokens([batch.inputs[i] for i in sampled], logits)):
+                    tokens[i] = token
         if batch.kind is BatchKind.PREFILL and self.speculator is not None:
             # After a chunk, the token after its last position is the next prompt token.
             nexts = [inp.prefill_ids[len(s.tokens)] if t is None else t for s, inp, t in zip(states, batch.inputs, tokens)]
