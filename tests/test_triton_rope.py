@@ -1,6 +1,6 @@
 """The Triton RoPE + K/V write (kernels/triton_rope.py) against the model's torch path (``apply_rotary``
-and ``KVCache.write``): within a rounding or two of torch's (not its bits: the H200 differed by one
-rounding in places, and the interpreter truncates float32 -> bfloat16); v copied as it is, untouched
+and ``KVCache.write``): within a rounding or two of torch's (not its bits: compiled, a product may round
+differently from torch's own kernel, and the interpreter truncates float32 -> bfloat16); v copied as it is, untouched
 slots unchanged, and each token's bits the same alone as among the others (what lossless decoding needs:
 decode and verify rows go through this same kernel). Compiled on a CUDA GPU when one is
 present, else under Triton's interpreter in a subprocess (tests/triton_interpreter.py)."""

@@ -61,15 +61,7 @@ class TreeVerifier:
         # beats a kernel launch and a read-back per request on a GPU, and a loop of torch ops on a CPU)
         # and go to the device as one mask, one id/position tensor and one slot gather.
         depths = [_depths(r.parents) for r in reqs]
-        mask_index = [[], [], []]  # (request, node, ancestor) of every True entry of the tree masks
-        for b, r in enumerate(reqs):
-            for i, ancestors in enumerate(_ancestors(r.parents)):
-                mask_index[0].extend([b] * len(ancestors))
-                mask_index[1].extend([i] * len(ancestors))
-                mask_index[2].extend(ancestors)
-        mask = torch.zeros((len(reqs), max_n, max_n), dtype=torch.bool)
-        mask[tuple(torch.tensor(ix) for ix in mask_index)] = True
-        mask = mask.to(device, non_blocking=True)
+        mask = _tree_masks([r.parents for r in reqs], max_n).to(device, non_blocking=True)
         host = torch.tensor([[t for r in reqs for t in r.tokens],
                              [r.committed_len + d for r, ds in zip(reqs, depths) for d in ds],
                              [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
@@ -195,6 +187,20 @@ class TreeVerifier:
         index = torch.tensor([rows, src, dst], dtype=torch.int64).to(req_to_token.device, non_blocking=True)
         self.runner.kv_cache.move_slots(req_to_token[index[0], index[1]].to(torch.int64),
                                         req_to_token[index[0], index[2]].to(torch.int64))
+
+
+def _tree_masks(trees: list[list[int]], width: int) -> torch.Tensor:
+    """[B, width, width] bool on the host: entry (b, i, j) is set when node j of tree b is node i or one
+    of its ancestors (``trees``: each tree's parents list)."""
+    index: list[list[int]] = [[], [], []]  # (tree, node, ancestor) of every set entry
+    for b, parents in enumerate(trees):
+        for i, ancestors in enumerate(_ancestors(parents)):
+            index[0].extend([b] * len(ancestors))
+            index[1].extend([i] * len(ancestors))
+            index[2].extend(ancestors)
+    mask = torch.zeros((len(trees), width, width), dtype=torch.bool)
+    mask[tuple(torch.tensor(ix) for ix in index)] = True
+    return mask
 
 
 def _depths(parents: list[int]) -> list[int]:
