@@ -1,4 +1,4 @@
-"""The draft runner (models/graph_runner.py): padded batch buckets on static buffers.
+"""The graph runner (models/graph_runner.py): padded batch buckets on static buffers.
 
 Unit level: which bucket a batch takes, what padded rows and padded columns hold, that buffers are
 reused per bucket and grown for a wider table, that outputs are cut to the real batch, and the

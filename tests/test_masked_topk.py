@@ -109,3 +109,4 @@ def test_masked_argmax_is_xgrammars_mask_then_torch_argmax(seed):
     if cpu_ops.extension() is None:
         pytest.skip("the C++ extension is not built")
     assert torch.equal(masked_argmax(logits, bitmask, masked), expected)
+

@@ -506,3 +506,26 @@ if __name__ == "__main__":  # pragma: no cover
     import sys
 
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def random_tree(gen: torch.Generator, n: int) -> tuple[list[int], list[int]]:
+    """A draft tree of n nodes over a 6-token vocabulary (so siblings often share tokens)."""
+    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+    return [int(t) for t in torch.randint(0, 6, (n,), generator=gen)], parents
+
+
+def test_the_verifiers_host_greedy_walk_is_the_tensor_verifiers():
+    """spec_v2/tree_verifier.py walks greedy verifies on host lists: the same path and bonus token as
+    kernels/tree_verify.py's tensor verifier (the rule the Triton verifier shares) on random trees."""
+    from specjet.kernels.tree import build_tree_reference
+    from specjet.kernels.tree_verify import verify_tree_greedy_reference
+    from specjet.spec_v2.tree_verifier import _greedy_path
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        n = int(torch.randint(1, 20, (), generator=gen))
+        tokens, parents = random_tree(gen, n)
+        target = [int(t) for t in torch.randint(0, 6, (n,), generator=gen)]
+        tree = build_tree_reference(torch.tensor([parents]), torch.tensor([0]))
+        path, lens, bonus = verify_tree_greedy_reference(torch.tensor([tokens]), tree, torch.tensor([target]))
+        assert _greedy_path(tokens, parents, target) == (path[0, :int(lens[0])].tolist(), int(bonus[0])), trial

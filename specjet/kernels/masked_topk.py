@@ -3,19 +3,26 @@ in each row of a drafter's logits, with their log-probabilities renormalised ove
 (grammar-aware drafting picks a block position's candidates so, spec_v2/dflash_drafter.py);
 ``masked_argmax``: plain greedy decoding's token under a grammar (scheduler/worker.py).
 
-``logits`` [R, K] holds K columns whose target token ids are ``token_ids`` [K] (a draft's hot
-vocabulary; None: column c is token c); ``bitmask`` [R, W] int32 is xgrammar's token bitmask (bit t of
-the little-endian words is token t). Returns ids [R, k] (-1 past the allowed finite columns), log-probs
-[R, k] (-inf there) and the count of allowed columns per row [R], best first.
+``bitmask`` [R, W] int32 is xgrammar's token bitmask (bit t of the little-endian words is token t). For
+``masked_topk_logp``, ``logits`` [R, K] holds K columns whose target token ids are ``token_ids`` [K] (a
+draft's hot vocabulary; None: column c is token c), and it returns ids [R, k] (-1 past the allowed
+finite columns), log-probs [R, k] (-inf there) and the count of allowed columns per row [R], best first.
 
-The C++ op (csrc/draft_ops.cpp) on the CPU: one pass over a row's columns and one over its allowed
-logits instead of a dozen small torch ops, each a dispatch, once per block position every iteration.
-The torch reference elsewhere."""
+The C++ ops (csrc/draft_ops.cpp) on the CPU: one pass over a row's columns (and one over its allowed
+logits for the log-probs) instead of a dozen small torch ops, each a dispatch; the torch references
+elsewhere."""
 from __future__ import annotations
 
 import torch
 
 from specjet.kernels import cpu_ops
+
+
+def _allowed(bitmask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[R, len(tokens)] bool: bit ``tokens[c]`` of each bitmask row (tokens within its 32 W bits).
+    (grammar.bitmask_allows is the same test above this layer; kernels do not import grammar.)"""
+    words = bitmask[:, tokens >> 5].to(torch.int64)
+    return ((words >> (tokens & 31)) & 1) == 1
 
 
 def masked_topk_logp_reference(logits: torch.Tensor, bitmask: torch.Tensor, token_ids: torch.Tensor | None,
@@ -25,9 +32,7 @@ def masked_topk_logp_reference(logits: torch.Tensor, bitmask: torch.Tensor, toke
     vocab = 32 * bitmask.shape[1]
     tokens = torch.arange(cols, device=device) if token_ids is None else token_ids.to(device=device, dtype=torch.int64)
     inside = (tokens >= 0) & (tokens < vocab)
-    t = tokens.clamp(0, vocab - 1)
-    words = bitmask.to(device)[:, t >> 5].to(torch.int64)
-    allowed = (((words >> (t & 31)) & 1) == 1) & inside
+    allowed = _allowed(bitmask.to(device), tokens.clamp(0, vocab - 1)) & inside
     masked = logits.float().masked_fill(~allowed, float("-inf"))
     logp, best = torch.log_softmax(masked, -1).topk(min(k, cols), -1)
     keep = torch.isfinite(logp)  # fewer allowed finite columns than k (NaN: a row that allows nothing)
@@ -53,8 +58,7 @@ def masked_argmax_reference(logits: torch.Tensor, bitmask: torch.Tensor, masked:
     rows, cols = logits.shape
     covered = min(cols, 32 * bitmask.shape[1])
     c = torch.arange(covered, device=logits.device)
-    words = bitmask.to(logits.device)[:, c >> 5].to(torch.int64)
-    forbidden = (((words >> (c & 31)) & 1) == 0) & masked.to(logits.device)[:, None]
+    forbidden = ~_allowed(bitmask.to(logits.device), c) & masked.to(logits.device)[:, None]
     values = logits.float().clone()
     values[:, :covered] = values[:, :covered].masked_fill(forbidden, float("-inf"))
     return values.argmax(-1)

@@ -46,7 +46,6 @@ class _Bucket:
     buffers: dict[str, torch.Tensor]
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     outputs: tuple[torch.Tensor, ...] | None = None  # the captured graph's output tensors
-    runs: int = 0
 
 
 @dataclass
@@ -101,10 +100,10 @@ class GraphRunner:
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if set(inputs) != set(self.pad_values):
-            raise ValueError(f"draft runner inputs {sorted(inputs)} differ from its pad values {sorted(self.pad_values)}")
+            raise ValueError(f"graph runner inputs {sorted(inputs)} differ from its pad values {sorted(self.pad_values)}")
         sizes = {t.shape[0] for t in inputs.values()}
         if len(sizes) != 1:
-            raise ValueError(f"draft runner inputs disagree on the batch size: {sorted(sizes)}")
+            raise ValueError(f"graph runner inputs disagree on the batch size: {sorted(sizes)}")
         batch = sizes.pop()
         self.stats.calls += 1
         bucket = self.bucket_for(batch)

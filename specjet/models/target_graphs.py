@@ -64,8 +64,10 @@ class TargetGraphs:
         if mask.shape[1] > nodes or total > batch * nodes:
             raise ValueError(f"a verify of trees up to {mask.shape[1]} nodes does not fit {nodes} nodes a request")
         runner = self._verify_runner(capture_hidden)
-        square = torch.zeros((batch, nodes, nodes), dtype=torch.bool, device=mask.device)
-        square[:, :mask.shape[1], :mask.shape[2]] = mask
+        square = mask
+        if mask.shape[1:] != (nodes, nodes):
+            square = torch.zeros((batch, nodes, nodes), dtype=torch.bool, device=mask.device)
+            square[:, :mask.shape[1], :mask.shape[2]] = mask
         outputs = runner({"ids": _flat_padded(ids, batch, nodes), "positions": _flat_padded(positions, batch, nodes),
                           "slots": _flat_padded(slots, batch, nodes), "rows": rows, "q_lens": q_lens,
                           "kv_lens": kv_lens, "mask": square})

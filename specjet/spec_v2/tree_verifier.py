@@ -60,10 +60,13 @@ class TreeVerifier:
         # The trees' shapes are built on the host from the parents lists (a few dozen nodes: Python
         # beats a kernel launch and a read-back per request on a GPU, and a loop of torch ops on a CPU)
         # and go to the device as one mask, one id/position tensor and one slot gather.
-        depths = [_depths(r.parents) for r in reqs]
-        mask = _tree_masks([r.parents for r in reqs], max_n).to(device, non_blocking=True)
+        ancestors = [_ancestors(r.parents) for r in reqs]  # a node's depth is its ancestors' count
+        graphs = self.runner.graphs
+        static = graphs is not None and self.static_nodes is not None and max_n <= self.static_nodes
+        # Through the graphs the mask is built at their width (no second, padded copy on the device).
+        mask = _tree_masks(ancestors, self.static_nodes if static else max_n).to(device, non_blocking=True)
         host = torch.tensor([[t for r in reqs for t in r.tokens],
-                             [r.committed_len + d for r, ds in zip(reqs, depths) for d in ds],
+                             [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes],
                              [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
                              [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]], dtype=torch.int64)
         host = host.to(device, non_blocking=True)
@@ -72,8 +75,7 @@ class TreeVerifier:
         per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
                                    dtype=torch.int64).to(device, non_blocking=True)
         rows, committed, q_lens = per_request[0], per_request[1], per_request[2]
-        graphs = self.runner.graphs
-        if graphs is not None and self.static_nodes is not None and max_n <= self.static_nodes:
+        if static:
             out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
                                 self.capture_hidden)
         else:
@@ -189,25 +191,18 @@ class TreeVerifier:
                                         req_to_token[index[0], index[2]].to(torch.int64))
 
 
-def _tree_masks(trees: list[list[int]], width: int) -> torch.Tensor:
+def _tree_masks(trees: list[list[list[int]]], width: int) -> torch.Tensor:
     """[B, width, width] bool on the host: entry (b, i, j) is set when node j of tree b is node i or one
-    of its ancestors (``trees``: each tree's parents list)."""
+    of its ancestors (``trees``: each tree's ``_ancestors``)."""
     index: list[list[int]] = [[], [], []]  # (tree, node, ancestor) of every set entry
-    for b, parents in enumerate(trees):
-        for i, ancestors in enumerate(_ancestors(parents)):
+    for b, nodes in enumerate(trees):
+        for i, ancestors in enumerate(nodes):
             index[0].extend([b] * len(ancestors))
             index[1].extend([i] * len(ancestors))
             index[2].extend(ancestors)
     mask = torch.zeros((len(trees), width, width), dtype=torch.bool)
     mask[tuple(torch.tensor(ix) for ix in index)] = True
     return mask
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depths = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    return depths
 
 
 def _ancestors(parents: list[int]) -> list[list[int]]:
