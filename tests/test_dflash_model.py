@@ -175,6 +175,41 @@ def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tm
     assert [[t for t, _ in c] for c in candidates] == hot[best].tolist()
 
 
+def test_past_the_blocks_end_a_chain_takes_the_grammars_forced_text(runner, default_model_dir):
+    """Under a grammar the block's positions give the first drafts (each the best legal token); where
+    the grammar still forces text after them, its tokens follow as sure ones (log-prob 0), in the
+    tokenizer's split, up to the tree's budget."""
+    from transformers import AutoTokenizer
+
+    from specjet.grammar import GrammarBackend, RequestGrammar
+    from specjet.spec_v2.grammar_guide import GrammarGuide
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    vocab = runner.config.vocab_size
+    backend = GrammarBackend(tokenizer, vocab)
+    try:
+        grammar = RequestGrammar(backend.compile("regex", "(a|b)c, then this text is forced( x| y)").result())
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        guide = GrammarGuide(grammar, vocab, encode)
+        allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+        drafter = DFlashDrafter(runner, random_draft(runner.config), BLOCK, None, allocator, topk=1)
+        logits = torch.zeros(BLOCK - 1, vocab)
+        logits[0, encode("b")[0]] = 5.0  # the first position's choice; later ones: whatever is legal
+        chain = drafter._candidates(guide, [], logits, 32)
+        tokens = [c[0][0] for c in chain]
+        drafted = tokenizer.decode(tokens[:BLOCK - 1])
+        full = "bc, then this text is forced "  # the space both endings start with is forced too
+        assert drafted.startswith("b") and full.startswith(drafted)
+        rest = encode(full[len(drafted):])[:-1]  # its last token may merge with " x" / " y"
+        assert rest and tokens[BLOCK - 1:] == rest
+        assert all(lp == 0.0 for c in chain[BLOCK - 1:] for _, lp in c)
+        assert [c[0][0] for c in drafter._candidates(guide, [], logits, BLOCK + 1)] == tokens[:BLOCK + 1]
+        # Without a grammar the chain ends with the block.
+        assert len(drafter._candidates(None, [], logits, 32)) == BLOCK - 1
+    finally:
+        backend.shutdown()
+
+
 @pytest.mark.parametrize("root_context", [False, True])
 def test_training_forward_equals_the_dense_oracle(runner, features, root_context):
     """Three blocks of one sequence (and a padded slot) in one training forward, each isolated:

@@ -123,6 +123,25 @@ def test_forced_chain_and_draft_masks_leave_the_state_alone(backend):
     assert grammar.accept_tokens(ids(backend, forced)) == len(ids(backend, forced))
 
 
+def test_forced_chain_after_a_path_is_the_forced_chain_of_a_matcher_that_took_it(backend):
+    schema = {"type": "object", "properties": {"name": {"enum": ["web_search", "translate"]}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    grammar = RequestGrammar(backend.compile("json_schema", schema).result())
+    guide = GrammarGuide(grammar, VOCAB_SIZE, lambda text: ids(backend, text))
+    before = grammar.find_jump_forward_string()
+    for text in ('{"name": "web', '{"name": "translate"', '{"name": "translate", "n": 4'):
+        path = ids(backend, text)
+        fork = grammar.fork()
+        assert fork.accept_tokens(path) == len(path)
+        expected = GrammarGuide(fork, VOCAB_SIZE, lambda t: ids(backend, t)).forced_chain(16)
+        assert guide.forced_chain(16, path) == expected, text
+        assert guide.forced_chain(2, path) == expected[:2]
+        assert grammar.find_jump_forward_string() == before  # the path was rolled back
+    # '{"name": "translate"' forces ', "n": ' (all but its last token, which may merge with the digits)
+    assert backend.tokenizer.decode(guide.forced_chain(16, ids(backend, '{"name": "translate"'))) in (', "n":', ', "n')
+    assert guide.forced_chain(16, ids(backend, '{"nope')) == []  # an illegal path forces nothing
+
+
 # ------------------------------------------------------------------ engines (tiny model)
 @pytest.fixture(scope="module")
 def expected(plain):

@@ -223,6 +223,10 @@ class DFlashDrafter:
                 break
             # Fewer legal (finite) tokens than topk leave -1 entries.
             out.append([(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0])
+        if len(out) == logits.shape[0] and len(out) < want:
+            # Past the block's end the grammar's forced text is still a sure guess (jump-forward
+            # after the chain of best tokens): verify rows, but no draft forward.
+            out += [[(t, 0.0)] for t in guide.forced_chain(want - len(out), [c[0][0] for c in out])]
         return out
 
 

@@ -29,8 +29,9 @@ class GrammarGuide:
         self.tokenize = tokenize  # text -> token ids as the model's tokenizer splits it; None: no chains
 
     # ------------------------------------------------------------------ jump-forward
-    def forced_chain(self, max_len: int) -> list[int]:
-        """Tokens of the grammar's forced continuation, at most `max_len`, each accepted in turn.
+    def forced_chain(self, max_len: int, after: list[int] = ()) -> list[int]:
+        """Tokens of the grammar's forced continuation after the path `after` from the root (itself
+        assumed legal), at most `max_len`, each accepted in turn; [] where the path is not legal.
 
         The last token of the forced text's tokenization is left out unless the grammar can only
         stop after it: at the text's end the model may merge it with what follows (' "' then
@@ -38,16 +39,22 @@ class GrammarGuide:
         boundary token better than a tokenizer that cannot see past the forced text."""
         if self.tokenize is None or max_len <= 0:
             return []
-        text = self.grammar.find_jump_forward_string()
-        if not text:
-            return []
-        ids = self.tokenize(text)
-        accepted = self.grammar.accept_tokens(ids)
+        taken = self.grammar.accept_tokens(after)
         try:
-            keep = accepted if accepted < len(ids) or self._only_stop_allowed() else len(ids) - 1
+            if taken < len(after) or self.grammar.is_terminated():
+                return []
+            text = self.grammar.find_jump_forward_string()
+            if not text:
+                return []
+            ids = self.tokenize(text)
+            accepted = self.grammar.accept_tokens(ids)
+            try:
+                keep = accepted if accepted < len(ids) or self._only_stop_allowed() else len(ids) - 1
+            finally:
+                self.grammar.rollback(accepted)
+            return ids[:min(keep, max_len)]
         finally:
-            self.grammar.rollback(accepted)
-        return ids[:min(keep, max_len)]
+            self.grammar.rollback(taken)
 
     def _only_stop_allowed(self) -> bool:
         bitmask = allocate_token_bitmask(1, self.vocab_size)
