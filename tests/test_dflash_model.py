@@ -204,8 +204,10 @@ def test_past_the_blocks_end_a_chain_takes_the_grammars_forced_text(runner, defa
         assert rest and tokens[BLOCK - 1:] == rest
         assert all(lp == 0.0 for c in chain[BLOCK - 1:] for _, lp in c)
         assert [c[0][0] for c in drafter._candidates(guide, [], logits, BLOCK + 1)] == tokens[:BLOCK + 1]
-        # Without a grammar the chain ends with the block.
+        # Without a grammar, or with the tail off (quantized targets' default), the chain ends with the block.
         assert len(drafter._candidates(None, [], logits, 32)) == BLOCK - 1
+        drafter.forced_tail = False
+        assert [c[0][0] for c in drafter._candidates(guide, [], logits, 32)] == tokens[:BLOCK - 1]
     finally:
         backend.shutdown()
 

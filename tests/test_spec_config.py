@@ -68,7 +68,7 @@ def test_defaults_for_a_quantized_cpu_target_are_short_learned_drafts_and_an_ngr
     assert given.eagle == EagleParams(num_steps=3, topk=1, tree_nodes=2) and given.hybrid_path_nodes == 0
     # DFLASH: a chain of 3 (root and 2 block positions) and the same n-gram path; NGRAM unchanged
     dflash = SpecConfig.from_args(EngineArgs(speculative_algorithm="DFLASH"), quantized_cpu_target=True)
-    assert dflash.dflash == QUANTIZED_DFLASH == DFlashParams(block_size=3, topk=1)
+    assert dflash.dflash == QUANTIZED_DFLASH == DFlashParams(block_size=3, topk=1, forced_tail=False)
     assert dflash.hybrid_path_nodes == 10 and dflash.max_tree_nodes == 13
     assert config(speculative_algorithm="DFLASH").hybrid_path_nodes == HYBRID_PATH_NODES  # float: as EAGLE
     assert (SpecConfig.from_args(EngineArgs(speculative_algorithm="NGRAM"), quantized_cpu_target=True)
@@ -131,7 +131,7 @@ def test_min_draft_prob_of_the_wrong_type_is_refused_at_the_door():
 
 def test_dflash_defaults():
     cfg = config(speculative_algorithm="DFLASH")
-    assert cfg.dflash == DFlashParams(block_size=8, window=None, topk=3, grammar_topk=1)  # a chain under a grammar
+    assert cfg.dflash == DFlashParams(block_size=8, window=None, topk=3, grammar_topk=1, forced_tail=True)  # a chain under a grammar
     assert cfg.hybrid_path_nodes == HYBRID_PATH_NODES  # the n-gram path as EAGLE's
     assert cfg.max_tree_nodes == cfg.dflash.block_size + HYBRID_PATH_NODES  # the block and the path under one root
     given = config(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,

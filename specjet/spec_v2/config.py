@@ -53,6 +53,11 @@ class DFlashParams:
     # the grammar already narrows each position and forces text, and the chain beat the 3-wide tree on
     # JSON schemas in four of four bf16 comparisons, at batch 1 and 4 (bench/RESULTS.md, sessions 20-21).
     grammar_topk: int = 1
+    # Under a grammar, past the block's end: the text the grammar still forces after the chain, as sure
+    # tokens (verify rows, no draft work). On where a verify row is cheap beside the token it may add
+    # (float weights: bf16 accept 4.86 -> 5.10 on JSON schemas at equal tokens/s); off for quantized
+    # CPU targets, where the extra rows cost more than they gained (5% slower; bench/RESULTS.md, session 23).
+    forced_tail: bool = True
 
 
 # EAGLE's defaults for a target with quantized weights on the CPU (the GGUF blocks, int8, int4): there
@@ -64,7 +69,7 @@ QUANTIZED_EAGLE = EagleParams(num_steps=1, topk=1, tree_nodes=2)
 QUANTIZED_HYBRID_PATH_NODES = 10  # EAGLE's and DFLASH's
 # DFLASH likewise: a chain of the root and 2 block positions, and the n-gram path (the float default,
 # a tree of 8 nodes, cost more than it saved on a quantized target: RESULTS, session 15).
-QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1)
+QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1, forced_tail=False)
 
 # The confidence cut of learned drafts (speculative_draft_min_prob) when not given: a node whose path
 # probability under the draft is below this is not verified. Every verify row costs a fraction of a
@@ -220,7 +225,8 @@ class SpecConfig:
             dflash = DFlashParams(block_size=_given(args.speculative_num_draft_tokens, base.block_size),
                                   window=args.speculative_dflash_draft_window_size,
                                   topk=_given(args.speculative_eagle_topk, base.topk),
-                                  grammar_topk=_given(args.speculative_eagle_topk, base.grammar_topk))
+                                  grammar_topk=_given(args.speculative_eagle_topk, base.grammar_topk),
+                                  forced_tail=base.forced_tail)
             # The n-gram path as EAGLE's: with the confidence cut it beat the block alone on JSON schemas
             # (1.6x) and on GSM8K (1.1x) with float weights (bench/RESULTS.md, session 16).
             path = _given(args.speculative_hybrid_ngram_tokens,

@@ -54,7 +54,7 @@ class DFlashDrafter:
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
                  topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
-                 quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None):
+                 quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None, forced_tail: bool = True):
         self.runner = runner
         self.draft = draft.bind_target(runner.model, quantization)
         self.feature_capture = self.draft.feature_capture
@@ -65,6 +65,7 @@ class DFlashDrafter:
         self.window = window
         self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
         self.grammar_topk = topk if grammar_topk is None else grammar_topk  # the same under a grammar
+        self.forced_tail = forced_tail  # under a grammar, the forced text past the block's end (_candidates)
         self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (_tree)
         self.allocator = allocator
         cfg = runner.config
@@ -223,7 +224,7 @@ class DFlashDrafter:
                 break
             # Fewer legal (finite) tokens than topk leave -1 entries.
             out.append([(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0])
-        if len(out) == logits.shape[0] and len(out) < want:
+        if self.forced_tail and len(out) == logits.shape[0] and len(out) < want:
             # Past the block's end the grammar's forced text is still a sure guess (jump-forward
             # after the chain of best tokens): verify rows, but no draft forward.
             out += [[(t, 0.0)] for t in guide.forced_chain(want - len(out), [c[0][0] for c in out])]
