@@ -20,7 +20,7 @@ from conftest import make_tiny_model_dir
 from specjet.models.config import ModelConfig
 from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
 from test_spec_eagle import PROMPTS, greedy, run_eager_and_static
-from test_spec_grammar import MIXED, check_valid
+from test_spec_grammar import MIXED, REGEX, check_valid
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +267,37 @@ def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, cop
     assert guided and not any(branches(p) for p in guided)
     assert any(len(p) > 2 for p in guided)  # chains of several drafted tokens, not just a root
     assert free and any(branches(p) for p in free)
+
+
+def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_dir, copy_draft, plain, monkeypatch):
+    """The regex's forced text ('hello world, ' twice) is longer than a block of 4 holds, and the
+    n-gram path's budget lets the chain run past it: those iterations verify the chain without a
+    block forward, and the ids stay plain decoding's."""
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    chains, drafted = [], []
+    real_propose, real_blocks = DFlashDrafter.propose, DFlashDrafter.draft_blocks
+
+    def propose(self, reqs, share, req_to_token):
+        chains.append([len(r.chain) for r in reqs])
+        return real_propose(self, reqs, share, req_to_token)
+
+    def draft_blocks(self, reqs, req_to_token):
+        drafted.append(len(reqs))
+        return real_blocks(self, reqs, req_to_token)
+
+    monkeypatch.setattr(DFlashDrafter, "propose", propose)
+    monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
+    params = [greedy(40, regex=REGEX)]
+    ref = plain.generate(PROMPTS[:1], params)
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=4,
+                       speculative_hybrid_ngram_tokens=8) as eng:
+        outs = eng.generate(PROMPTS[:1], params)
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    check_valid(outs, params)
+    assert any(n >= 3 for c in chains for n in c)  # the chain filled the block's 3 positions at least once
+    assert sum(drafted) == sum(1 for c in chains for n in c if n < 3)
 
 
 def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path):

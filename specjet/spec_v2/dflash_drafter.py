@@ -130,7 +130,8 @@ class DFlashDrafter:
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         candidates: list[list[list[tuple[int, float]]]] = [[[(t, 0.0)] for t in r.chain[:max(0, r.budget - 1)]]
                                                            for r in reqs]  # forced tokens are sure
-        todo = [b for b, r in enumerate(reqs) if r.budget - 1 > len(candidates[b])]
+        # A block adds drafts after the forced chain only where the chain leaves it positions.
+        todo = [b for b, r in enumerate(reqs) if min(r.budget - 1, self.block_size - 1) > len(candidates[b])]
         if todo:
             logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token)  # [n, S - 1, V]
             for b, block in zip(todo, logits):
