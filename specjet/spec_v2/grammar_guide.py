@@ -13,7 +13,7 @@ because the scheduler advances the matcher later, by the accepted tokens only:
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ class GrammarGuide:
         self.tokenize = tokenize  # text -> token ids as the model's tokenizer splits it; None: no chains
 
     # ------------------------------------------------------------------ jump-forward
-    def forced_chain(self, max_len: int, after: list[int] = ()) -> list[int]:
+    def forced_chain(self, max_len: int, after: Sequence[int] = ()) -> list[int]:
         """Tokens of the grammar's forced continuation after the path `after` from the root (itself
         assumed legal), at most `max_len`, each accepted in turn; [] where the path is not legal.
 
