@@ -299,3 +299,34 @@ def test_constrained_requests_speculate_on_the_real_model(dev_schemas):
             if out["meta_info"]["finish_reason"]["type"] == "stop":
                 jsonschema.validate(json.loads(out["text"]), e["schema"])
     assert accept[False] > 1.5 and accept[True] > 2.5, accept
+
+
+@pytest.mark.e2e
+def test_dflash_with_float_weights_runs_past_its_block_on_forced_text_and_stays_exact(dev_schemas, monkeypatch):
+    """DFLASH with the packaged draft on float weights (the dtype the CPU picks): under a schema the
+    chain takes the grammar's forced text past the block's end (``forced_tail``, on for float targets),
+    and the tokens are still plain constrained decoding's, every completed object valid."""
+    entries = [e for e in dev_schemas if e["file"] in ("agent_01.json", "022_Github_medium.json")]
+    params = [greedy(96, json_schema=e["schema"]) for e in entries]
+    with specjet.Engine(max_total_tokens=8192, quantization=None) as eng:
+        prompts = [eng.apply_chat_template(e["prompt"]) for e in entries]
+        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+    tails = []
+    real = GrammarGuide.forced_chain
+
+    def spy(self, max_len, after=()):
+        out = real(self, max_len, after)
+        if after:
+            tails.append(len(out))
+        return out
+
+    monkeypatch.setattr(GrammarGuide, "forced_chain", spy)
+    with specjet.Engine(max_total_tokens=8192, quantization=None, speculative_algorithm="DFLASH") as eng:
+        assert eng.worker.speculator.cfg.dflash.forced_tail
+        outs = eng.generate(prompts, params)
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == expected
+    assert any(n > 0 for n in tails)  # some chain went on past its block
+    for out, e in zip(outs, entries):
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(out["text"]), e["schema"])
