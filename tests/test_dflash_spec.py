@@ -290,6 +290,7 @@ def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_d
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
     params = [greedy(40, regex=REGEX)]
     ref = plain.generate(PROMPTS[:1], params)
+    plain.check_kv_invariant()
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=4,
                        speculative_hybrid_ngram_tokens=8) as eng:
         outs = eng.generate(PROMPTS[:1], params)

@@ -311,6 +311,7 @@ def test_dflash_with_float_weights_runs_past_its_block_on_forced_text_and_stays_
     with specjet.Engine(max_total_tokens=8192, quantization=None) as eng:
         prompts = [eng.apply_chat_template(e["prompt"]) for e in entries]
         expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+        eng.check_kv_invariant()
     tails = []
     real = GrammarGuide.forced_chain
 
