@@ -31,7 +31,7 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
                         int64_t isa);
 
 // draft_ops.cpp
-std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const torch::Tensor& bitmask,
+std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
                                             const c10::optional<torch::Tensor>& token_ids, int64_t k);
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked);
 

@@ -1,29 +1,84 @@
 // Tokens chosen under a grammar's token bitmask.
 // masked_topk_logp: a drafter's best tokens: per row of draft logits, the k best columns among those
-// the row's token bitmask allows, with their log-probabilities renormalised over the allowed columns.
-// The torch form (kernels/masked_topk.py) takes a dozen small ops a row (unpack the mask, gather, fill,
-// log_softmax, topk, filter), each of them a dispatch; a grammar-aware drafter runs it once per block
-// position, every iteration. Here it is one pass over the row's columns and one over its allowed logits.
+// the row's token bitmask allows (every column without one), with their log-probabilities renormalised
+// over the allowed columns. The torch form (kernels/masked_topk.py) takes a dozen small ops a row
+// (unpack the mask, gather, fill, log_softmax, topk, filter), each of them a dispatch; a grammar-aware
+// drafter runs it once per block position, every iteration, and an unconstrained one once per block.
+// Here it is one pass over the row's columns and one over its allowed logits.
 // masked_argmax: plain greedy decoding's token under a grammar, torch.argmax of the masked row in one
 // pass, instead of writing -inf over the forbidden logits and reading the whole row again.
 #include "cpu_ops.h"
+#include "exp_float.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kFlush = 64;  // terms per lane summed in float before they go into the double total
+
+// sum of exp(v[i] - shift) over n floats: 16 float lanes, each flushed into a double total every 64 of
+// its terms (a sequential float sum over tens of thousands of terms drifts by ~1e-4; the lanes let GCC
+// vectorise the exp). The additions' order is fixed by the lanes, not by the instruction set.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+double sum_exp(const float* __restrict v, int64_t n, float shift) {
+  double total = 0.0;
+  int64_t i = 0;
+  for (; i + kLanes * kFlush <= n; i += kLanes * kFlush) {
+    float lane[kLanes] = {};
+    for (int64_t j = 0; j < kFlush; ++j) {
+      const float* x = v + i + j * kLanes;
+      for (int64_t l = 0; l < kLanes; ++l) lane[l] += exp_float(x[l] - shift);
+    }
+    for (int64_t l = 0; l < kLanes; ++l) total += lane[l];
+  }
+  for (; i < n; ++i) total += exp_float(v[i] - shift);
+  return total;
+}
+
+constexpr int64_t kBlock = 64;  // values per block of the top-k scan
+
+// out[b]: the largest of v[b * 64 .. b * 64 + 63] (NaN ignored; -inf for a block of none), in 16 lanes
+// GCC vectorises, so the top-k scan reads only the blocks that may hold a candidate.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void block_maxima(const float* __restrict v, int64_t n, float* __restrict out) {
+  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
+  int64_t b = 0;
+  for (; (b + 1) * kBlock <= n; ++b) {
+    float lane[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) lane[l] = minus_inf;
+    for (int64_t j = 0; j < kBlock / kLanes; ++j) {
+      const float* x = v + b * kBlock + j * kLanes;
+      for (int64_t l = 0; l < kLanes; ++l) lane[l] = x[l] > lane[l] ? x[l] : lane[l];
+    }
+    float m = minus_inf;
+    for (int64_t l = 0; l < kLanes; ++l) m = lane[l] > m ? lane[l] : m;
+    out[b] = m;
+  }
+  if (b * kBlock < n) {
+    float m = minus_inf;
+    for (int64_t i = b * kBlock; i < n; ++i) m = v[i] > m ? v[i] : m;
+    out[b] = m;
+  }
+}
+
+}  // namespace
+
 namespace specjet_cpu {
 
-std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const torch::Tensor& bitmask,
+std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
                                             const c10::optional<torch::Tensor>& token_ids, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
               "masked_topk_logp: logits must be a CPU float32 [R, K] tensor");
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.device().is_cpu() &&
-                  bitmask.size(0) == logits.size(0),
+  const bool masked = bitmask.has_value();
+  TORCH_CHECK(!masked || (bitmask->dim() == 2 && bitmask->scalar_type() == torch::kInt32 &&
+                          bitmask->device().is_cpu() && bitmask->size(0) == logits.size(0)),
               "masked_topk_logp: bitmask must be a CPU int32 [R, W] tensor, one row per logits row");
   TORCH_CHECK(k >= 1, "masked_topk_logp: k must be >= 1");
-  const int64_t rows = logits.size(0), cols = logits.size(1), words_per_row = bitmask.size(1);
+  const int64_t rows = logits.size(0), cols = logits.size(1), words_per_row = masked ? bitmask->size(1) : 0;
   const int64_t vocab = 32 * words_per_row;
   torch::Tensor ids_tensor;
   if (token_ids.has_value()) {
@@ -31,48 +86,63 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const t
     TORCH_CHECK(ids_tensor.dim() == 1 && ids_tensor.scalar_type() == torch::kInt64 && ids_tensor.size(0) == cols,
                 "masked_topk_logp: token_ids must be int64 [K], the token of each logits column");
   }
-  const torch::Tensor x = logits.contiguous(), mask = bitmask.contiguous();
+  const torch::Tensor x = logits.contiguous();
+  const torch::Tensor mask = masked ? bitmask->contiguous() : torch::zeros({rows, 0}, torch::kInt32);
   const int64_t* token = token_ids.has_value() ? ids_tensor.data_ptr<int64_t>() : nullptr;
   torch::Tensor out_ids = torch::full({rows, k}, -1, torch::kInt64);
   torch::Tensor out_logp = torch::full({rows, k}, -std::numeric_limits<float>::infinity(), torch::kFloat32);
   torch::Tensor allowed_count = torch::zeros({rows}, torch::kInt64);
   std::vector<float> top_value(k);
   std::vector<int64_t> top_col(k);
-  std::vector<float> kept;  // the row's allowed logits, for the denominator
-  kept.reserve(cols);
+  std::vector<float> kept;  // a masked row's allowed logits
+  std::vector<int64_t> kept_col;  // and their columns
+  std::vector<float> block_max;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x.data_ptr<float>() + r * cols;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + r * words_per_row;
-    auto allowed = [&](int64_t c) {
-      const int64_t t = token ? token[c] : c;
-      return t >= 0 && t < vocab && ((words[t >> 5] >> (t & 31)) & 1u);
-    };
-    // Pass 1: the largest allowed logit and the k best allowed finite ones (on a tie the earlier column).
+    const float* values = row;  // the allowed logits (the whole row without a mask)
+    const int64_t* column = nullptr;  // their columns (nullptr: value i is column i)
+    int64_t n = cols;
+    if (masked) {
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + r * words_per_row;
+      kept.clear();
+      kept_col.clear();
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t t = token ? token[c] : c;
+        if (t >= 0 && t < vocab && ((words[t >> 5] >> (t & 31)) & 1u)) {
+          kept.push_back(row[c]);
+          kept_col.push_back(c);
+        }
+      }
+      values = kept.data();
+      column = kept_col.data();
+      n = static_cast<int64_t>(kept.size());
+    }
+    allowed_count.data_ptr<int64_t>()[r] = n;
+    // Pass 1: the largest value and the k best finite ones (on a tie the earlier), a block at a time: a
+    // block whose maximum cannot enter the k best is not scanned.
+    block_max.resize((n + kBlock - 1) / kBlock);
+    block_maxima(values, n, block_max.data());
     float max_value = -std::numeric_limits<float>::infinity();
     int64_t found = 0;
-    kept.clear();
-    for (int64_t c = 0; c < cols; ++c) {
-      if (!allowed(c)) continue;
-      const float v = row[c];
-      kept.push_back(v);
-      if (v > max_value) max_value = v;
-      if (!std::isfinite(v) || (found == k && !(v > top_value[k - 1]))) continue;
-      int64_t j = found < k ? found++ : k - 1;
-      while (j > 0 && v > top_value[j - 1]) {
-        top_value[j] = top_value[j - 1];
-        top_col[j] = top_col[j - 1];
-        --j;
+    for (int64_t b = 0; b < static_cast<int64_t>(block_max.size()); ++b) {
+      if (block_max[b] > max_value) max_value = block_max[b];
+      if (found == k && !(block_max[b] > top_value[k - 1])) continue;
+      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
+        const float v = values[i];
+        if (!std::isfinite(v) || (found == k && !(v > top_value[k - 1]))) continue;
+        int64_t j = found < k ? found++ : k - 1;
+        while (j > 0 && v > top_value[j - 1]) {
+          top_value[j] = top_value[j - 1];
+          top_col[j] = top_col[j - 1];
+          --j;
+        }
+        top_value[j] = v;
+        top_col[j] = column ? column[i] : i;
       }
-      top_value[j] = v;
-      top_col[j] = c;
     }
-    allowed_count.data_ptr<int64_t>()[r] = static_cast<int64_t>(kept.size());
     if (found == 0 || !std::isfinite(max_value)) continue;
-    // Pass 2: the allowed logits' softmax denominator (float terms summed in double: a sequential
-    // float sum over tens of thousands of terms drifts by ~1e-4).
-    double sum = 0.0;
-    for (const float v : kept) sum += std::exp(v - max_value);
-    const float log_total = max_value + static_cast<float>(std::log(sum));
+    // Pass 2: the allowed logits' softmax denominator.
+    const float log_total = max_value + static_cast<float>(std::log(sum_exp(values, n, max_value)));
     for (int64_t j = 0; j < found; ++j) {
       out_ids.data_ptr<int64_t>()[r * k + j] = token ? token[top_col[j]] : top_col[j];
       out_logp.data_ptr<float>()[r * k + j] = static_cast<float>(top_value[j] - log_total);

@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
   module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
   module.def("masked_topk_logp", &masked_topk_logp,
-             "per row: the k best columns the row's token bitmask allows, log-probs over the allowed columns");
+             "per row: the k best columns the row's token bitmask allows (all without one), log-probs over them");
   module.def("masked_argmax", &masked_argmax,
              "per row: torch.argmax of the row with the columns its token bitmask forbids at -inf (masked rows only)");
   register_layer_stack(module);

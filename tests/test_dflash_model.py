@@ -153,6 +153,68 @@ def test_paged_block_forward_equals_the_dense_oracle(runner, features, window, r
                                                            5, 12), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner, features, packed, monkeypatch):
+    """In place (``reserved`` positions past the committed length held by the request: the block's K/V
+    go to its own slots and the forward reads its own table row; packed, the C++ layer stack takes the
+    kernel's metadata straight from the table) the logits equal, bit for bit, those of a block in
+    borrowed scratch slots, and the oracle's, for one request and for a batch of two with different
+    context lengths; nothing is borrowed from the allocator, and the context before the block is left
+    as it was (a second block gives the same logits). Where a block would pass the table's end
+    (the context's), or the drafter holds fewer reserved positions than a block, it borrows scratch."""
+    if packed and cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    ids, feats = features
+    draft = random_draft(runner.config, root_context=True)
+    if packed:
+        draft.pack_for_decode()
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    scratch = DFlashDrafter(runner, draft, BLOCK, None, allocator)
+    in_place = DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK)
+    borrowed = []
+    real_extend = allocator.extend
+    monkeypatch.setattr(allocator, "extend", lambda *a: borrowed.append(a[2]) or real_extend(*a))
+    native = []
+    real_native = draft.native_block_logits
+
+
+    def spy(*args):  # counts the blocks the C++ stack ran
+        out = real_native(*args)
+        native.extend([] if out is None else [1])
+        return out
+
+    monkeypatch.setattr(draft, "native_block_logits", spy)
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    reqs = []
+    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
+        table[row, :n + BLOCK] = real_extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
+        for drafter in (scratch, in_place):
+            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
+        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    results = []
+    for batch in (reqs[1:], reqs):
+        borrowed.clear()
+        got = in_place.draft_blocks(batch, table)
+        results.append(got)
+        assert not borrowed
+        expected = scratch.draft_blocks(batch, table)
+        assert borrowed == [BLOCK * len(batch)]
+        assert torch.equal(got, expected)
+        for logits, r in zip(got, batch):
+            n = r.committed_len
+            torch.testing.assert_close(logits, dense_block_logits(draft, runner, feats[:n], torch.arange(n), r.root, n),
+                                       rtol=1e-4, atol=1e-4)
+    assert bool(native) == packed
+    assert torch.equal(in_place.draft_blocks(reqs, table), got)  # the context K/V were left alone
+    borrowed.clear()
+    narrow = table[:, :len(ids) + BLOCK - 1].contiguous()  # the second block would pass the table's end
+    assert torch.equal(in_place.draft_blocks(reqs, narrow), got) and borrowed == [2 * BLOCK]
+    short = DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK - 1)
+    short.after_prefill([SpecInput("r1", 1, 0, ids, 0)], feats, [11], table)
+    borrowed.clear()
+    assert torch.equal(short.draft_blocks(reqs[1:], table), results[0]) and borrowed == [BLOCK]
+
+
 def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tmp_path):
     """A hot head: the block's logits are the full head's at the hot ids, the drafter's candidates
     are target ids, and the hot ids survive a checkpoint."""

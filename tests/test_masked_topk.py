@@ -59,6 +59,39 @@ def test_matches_a_plain_python_oracle(impl, hot, density, k):
         assert all(lp == float("-inf") for lp in logp[r, len(best):].tolist())
 
 
+@pytest.mark.parametrize("impl", ["reference", "dispatch"])
+@pytest.mark.parametrize("hot,k", [(True, 3), (False, 1), (False, 5)])
+def test_without_a_bitmask_every_column_is_allowed(impl, hot, k):
+    """An unconstrained drafter's top-k with log-probabilities over all of its columns."""
+    if impl == "dispatch" and cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    logits, _, token_ids, _ = random_case(4, rows=3, cols=300 if hot else 256, vocab=512, density=1.0, hot=hot)
+    logits[2, 100:] = float("-inf")  # a row with masked-out logits
+    fn = masked_topk_logp_reference if impl == "reference" else masked_topk_logp
+    ids, logp, count = fn(logits, None, token_ids, k)
+    every = torch.ones(3, 512, dtype=torch.bool)
+    for r, (best, allowed) in enumerate(oracle(logits, every, token_ids, k)):
+        assert int(count[r]) == allowed == logits.shape[1]
+        got = [(int(i), float(lp)) for i, lp in zip(ids[r], logp[r])]
+        assert [t for t, _ in got] == [t for t, _ in best]
+        assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(got, best))
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+@pytest.mark.parametrize("rows,cols", [(7, 8192), (2, 1000), (1, 63)])
+def test_the_cpp_op_without_a_bitmask_equals_the_reference(rows, cols):
+    """A block's positions over the packaged draft's hot columns, and sizes that leave partial blocks
+    of the op's 64-column scan."""
+    gen = torch.Generator().manual_seed(cols)
+    logits = 3 * torch.randn(rows, cols, generator=gen)
+    logits[0, cols // 2] = 40.0  # one sure token
+    token_ids = torch.randperm(49152, generator=gen)[:cols]
+    ids, logp, count = masked_topk_logp(logits, None, token_ids, 3)
+    ref_ids, ref_logp, ref_count = masked_topk_logp_reference(logits, None, token_ids, 3)
+    assert torch.equal(ids, ref_ids) and torch.equal(count, ref_count)
+    assert torch.allclose(logp, ref_logp, atol=1e-5, rtol=0)
+
+
 @pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
 @pytest.mark.parametrize("seed", range(6))
 def test_the_cpp_op_equals_the_reference_at_a_drafts_sizes(seed):

@@ -8,6 +8,7 @@ import pytest
 
 import specjet
 from robustness_helpers import assert_healthy, bounded
+from test_dflash_spec import make_copy_draft
 from test_spec_eagle import random_head
 
 PROMPTS = ["a b c a b c a b c a b c a b c a b", "1 2 3 4 1 2 3 4 1 2 3", "x y z"]
@@ -19,19 +20,29 @@ def head(tmp_path_factory, tiny_model_dir):
     return random_head(tmp_path_factory.mktemp("limits-head"), tiny_model_dir)
 
 
-def spec_kwargs(algorithm, head):
+@pytest.fixture(scope="module")
+def copy_draft(tmp_path_factory, cyclic_model_dir):
+    """A DFlash draft whose blocks the cyclic target accepts whole: the compute side reaches the
+    context's end fast, where a block no longer fits in the request's own slots (it borrows scratch)."""
+    return make_copy_draft(tmp_path_factory.mktemp("limits-dflash"), cyclic_model_dir, root_context=True)
+
+
+def spec_kwargs(algorithm, head, copy_draft=None):
     if algorithm == "EAGLE":
         return {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head)}
+    if algorithm == "DFLASH":
+        return {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(copy_draft),
+                "speculative_num_draft_tokens": 8, "speculative_hybrid_ngram_tokens": 0}
     return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8}
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "DFLASH"])
 @pytest.mark.parametrize("context_length", [64, 97])
-def test_context_limit(cyclic_model_dir, head, algorithm, context_length):
+def test_context_limit(cyclic_model_dir, head, copy_draft, algorithm, context_length):
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length) as plain:
         expected = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length,
-                        **spec_kwargs(algorithm, head)) as eng:
+                        **spec_kwargs(algorithm, head, copy_draft)) as eng:
         outs = bounded(eng.generate, PROMPTS, GREEDY)
         for out, ids in zip(outs, expected):
             assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]

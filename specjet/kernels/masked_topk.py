@@ -6,7 +6,8 @@ in each row of a drafter's logits, with their log-probabilities renormalised ove
 ``bitmask`` [R, W] int32 is xgrammar's token bitmask (bit t of the little-endian words is token t). For
 ``masked_topk_logp``, ``logits`` [R, K] holds K columns whose target token ids are ``token_ids`` [K] (a
 draft's hot vocabulary; None: column c is token c), and it returns ids [R, k] (-1 past the allowed
-finite columns), log-probs [R, k] (-inf there) and the count of allowed columns per row [R], best first.
+finite columns), log-probs [R, k] (-inf there) and the count of allowed columns per row [R], best first;
+without a bitmask (None) every column is allowed: an unconstrained drafter's top-k with log-probs.
 
 The C++ ops (csrc/draft_ops.cpp) on the CPU: one pass over a row's columns (and one over its allowed
 logits for the log-probs) instead of a dozen small torch ops, each a dispatch; the torch references
@@ -25,14 +26,17 @@ def _allowed(bitmask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return ((words >> (tokens & 31)) & 1) == 1
 
 
-def masked_topk_logp_reference(logits: torch.Tensor, bitmask: torch.Tensor, token_ids: torch.Tensor | None,
+def masked_topk_logp_reference(logits: torch.Tensor, bitmask: torch.Tensor | None, token_ids: torch.Tensor | None,
                                k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = logits.shape
     device = logits.device
-    vocab = 32 * bitmask.shape[1]
     tokens = torch.arange(cols, device=device) if token_ids is None else token_ids.to(device=device, dtype=torch.int64)
-    inside = (tokens >= 0) & (tokens < vocab)
-    allowed = _allowed(bitmask.to(device), tokens.clamp(0, vocab - 1)) & inside
+    if bitmask is None:
+        allowed = torch.ones((rows, cols), dtype=torch.bool, device=device)
+    else:
+        vocab = 32 * bitmask.shape[1]
+        inside = (tokens >= 0) & (tokens < vocab)
+        allowed = _allowed(bitmask.to(device), tokens.clamp(0, vocab - 1)) & inside
     masked = logits.float().masked_fill(~allowed, float("-inf"))
     logp, best = torch.log_softmax(masked, -1).topk(min(k, cols), -1)
     keep = torch.isfinite(logp)  # fewer allowed finite columns than k (NaN: a row that allows nothing)
@@ -43,10 +47,10 @@ def masked_topk_logp_reference(logits: torch.Tensor, bitmask: torch.Tensor, toke
     return ids, out_logp, allowed.sum(-1)
 
 
-def masked_topk_logp(logits: torch.Tensor, bitmask: torch.Tensor, token_ids: torch.Tensor | None,
+def masked_topk_logp(logits: torch.Tensor, bitmask: torch.Tensor | None, token_ids: torch.Tensor | None,
                      k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = cpu_ops.extension()
-    if ext is not None and logits.device.type == "cpu" and bitmask.device.type == "cpu":
+    if ext is not None and logits.device.type == "cpu" and (bitmask is None or bitmask.device.type == "cpu"):
         ids = None if token_ids is None else token_ids.cpu()
         return tuple(ext.masked_topk_logp(logits.float(), bitmask, ids, k))
     return masked_topk_logp_reference(logits, bitmask, token_ids, k)

@@ -117,6 +117,7 @@ class DFlashDraftModel(nn.Module):
         self.target: SharedTarget | None = None  # set by bind_target()
         self.context_kv: list = []  # per layer, write_context's k|v operand (_pack_context_kv)
         self.layer_stack = None  # the drafting forward's layers as one C++ call (_pack_context_kv)
+        self._mask_rows_cache: dict[int, torch.Tensor] = {}  # native_block_logits' block rows (_mask_rows)
         self.reset_parameters()
 
     # ---------------------------------------------------------------- set-up
@@ -164,6 +165,7 @@ class DFlashDraftModel(nn.Module):
         stack for the drafting forward (models/llama.py ``native_layer_stack``), which holds the
         same operands."""
         self.layer_stack = native_layer_stack(list(self.layers))
+        self._mask_rows_cache = {}
         self.context_kv = []
         for layer in self.layers:
             attn, packed = layer.self_attn, layer.self_attn.qkv_proj.packed
@@ -268,6 +270,41 @@ class DFlashDraftModel(nn.Module):
                 raise ValueError("this DFlash draft reads the last verified position's context: pass root_ctx")
             x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
         return x.reshape(-1, x.shape[-1])
+
+    def _mask_rows(self, size: int) -> torch.Tensor:
+        """[1, size, h]: zeros at the root's row, the mask embedding at the others (made once a size)."""
+        if size not in self._mask_rows_cache:
+            with torch.inference_mode(False):  # a plain tensor, whatever mode the first call runs in
+                rows = self.mask_embedding.detach().expand(size, -1).clone()
+                rows[0] = 0
+            self._mask_rows_cache[size] = rows[None]
+        return self._mask_rows_cache[size]
+
+    @torch.inference_mode()
+    def native_block_logits(self, roots: torch.Tensor, root_ctx: torch.Tensor | None, positions: torch.Tensor,
+                            slots: torch.Tensor, attention_args: tuple, kv_cache: KVCache) -> torch.Tensor | None:
+        """``forward`` over B blocks [root, mask, ...] as the C++ layer stack runs it, given the C++
+        attention kernel's metadata (``kernels/cpu_ops.native_attention_args``'s tuple) instead of a
+        ``ForwardBatch``: the same kernels and bits with none of the metadata a torch attention path
+        would need. ``roots`` [B], ``positions`` and ``slots`` [B * S]. Logits of block positions 1..
+        [B, S - 1, K or vocab]; None where the layers do not run as one C++ call."""
+        if self.layer_stack is None or not self.layers[0].self_attn.batch_invariant:
+            return None
+        batch = roots.shape[0]
+        size = positions.shape[0] // batch  # the drafter's block, which need not be the one trained for
+        # block_input's values in fewer operations: [0 ; mask x (S - 1)] (+ root_proj(c)), then the
+        # root's embedding added to row 0 (0 + r + e == e + r exactly).
+        x = self._mask_rows(size)
+        if self.root_proj is not None:
+            x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
+        else:
+            x = x.expand(batch, size, -1).clone()
+        x[:, 0] += F.embedding(roots, self._shared().embed.weight).to(x.dtype)
+        x = x.view(batch * size, -1)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]
+        x = x.view(batch, size, -1)[:, 1:].reshape(batch * (size - 1), -1)
+        return self.logits(self.norm.normalize(x, True)).view(batch, size - 1, -1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache, root_ctx: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,15 +58,18 @@ class ForwardBatch:
         kv_lens: torch.Tensor,
         q_lens: torch.Tensor,
         custom_mask: torch.Tensor | None = None,
-        logits: str = "last",
+        logits: str | torch.Tensor = "last",
         capture_hidden: CaptureHidden = None,
         static_sizes: tuple[int, int] | None = None,
     ) -> "ForwardBatch":
-        """``logits``: "last" (last new token of each request), "all", or "none". ``static_sizes``:
+        """``logits``: "last" (last new token of each request), "all", "none", or the flat rows that
+        need them (an int64 tensor). ``static_sizes``:
         (max_q, max_kv) to use instead of reading them off ``q_lens`` / ``kv_lens`` (a CUDA graph's
         capture cannot read the device)."""
         attn = build_attention_metadata(req_to_token, req_pool_indices, kv_lens, q_lens, custom_mask, static_sizes)
-        if logits == "last":
+        if isinstance(logits, torch.Tensor):
+            logits_indices = logits
+        elif logits == "last":
             logits_indices = attn.q_starts + attn.q_lens - 1
         elif logits == "all":
             logits_indices = None

@@ -12,11 +12,19 @@ the request-to-token table addresses both caches and nothing is allocated for it
 - after verify: the root and the accepted draft nodes, from the verify's captured features at those
   nodes (the bonus token has none yet: it is the next root).
 
-Drafting: the block [root, mask x (S - 1)] sits at positions committed .. committed + S - 1 in
-scratch slots borrowed from the allocator (snapshot / restore, as EAGLE's tree nodes), and attends
-to the request's last ``window`` context positions and all of itself. Each request's table row for
-that forward is built here (visible context slots, then the block's), so the window costs nothing:
-earlier positions are simply not listed. Position i of the block gives draft token i, its argmax.
+Drafting: the block [root, mask x (S - 1)] sits at positions committed .. committed + S - 1 and
+attends to the request's visible context positions and all of itself. Position i of the block gives
+draft token i, its argmax. Where the block's K/V go:
+
+- in place (the common case): the request's own slots of those positions, which the scheduler holds
+  for the verify's tree (``reserved`` positions past the committed length, the speculator's
+  ``max_nodes``), in the draft's own cache: a position's draft K/V is rewritten with its context
+  K/V once verified, and the draft reads only verified positions. The forward then reads the
+  request's own table row: no slots to borrow, no table to build;
+- otherwise (a context window, the block past the reserved positions or the context's end, the
+  static draft runner): scratch slots borrowed from the allocator (snapshot / restore, as EAGLE's
+  tree nodes) and a table row per request built here (visible context slots, then the block's), so
+  the window costs nothing: earlier positions are simply not listed.
 
 A node whose path log-probability under the draft (the sum over its positions) is below the cut
 ``min_logp`` is not verified: the block's tail is mostly wrong, and every verify row costs a
@@ -37,6 +45,7 @@ import math
 
 import torch
 
+from specjet.kernels.cpu_ops import native_attention_available
 from specjet.kernels.masked_topk import masked_topk_logp
 from specjet.models.dflash import DFlashDraftModel
 from specjet.models.eagle import FOLLOW_TARGET
@@ -54,7 +63,8 @@ class DFlashDrafter:
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
                  topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
-                 quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None, forced_tail: bool = True):
+                 quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None, forced_tail: bool = True,
+                 reserved: int = 0):
         self.runner = runner
         self.draft = draft.bind_target(runner.model, quantization)
         self.feature_capture = self.draft.feature_capture
@@ -68,6 +78,10 @@ class DFlashDrafter:
         self.forced_tail = forced_tail  # under a grammar, the forced text past the block's end (_candidates)
         self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (_tree)
         self.allocator = allocator
+        # Positions past a request's committed length whose slots the scheduler holds when it drafts
+        # (the verify writes its tree there): a block that fits runs in place (see the module's docstring).
+        self.reserved = reserved
+        self._block_constants: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> _constants
         cfg = runner.config
         self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
                                 runner.dtype, runner.device)
@@ -149,6 +163,9 @@ class DFlashDrafter:
         1.. (K: the draft's hot vocabulary, ``draft.hot_to_full`` maps a column to a target id)."""
         device = req_to_token.device
         size, batch = self.block_size, len(reqs)
+        if self.graph is None and self.window is None and size <= self.reserved and all(
+                r.committed_len + size <= req_to_token.shape[1] for r in reqs):
+            return self._in_place_blocks(reqs, req_to_token)
         visible = [r.committed_len if self.window is None else min(r.committed_len, self.window) for r in reqs]
         # With CUDA graphs every call passes the widest table the pool can need, so each batch
         # bucket captures one graph; elsewhere the table is as wide as this batch needs.
@@ -174,35 +191,90 @@ class DFlashDrafter:
             self.allocator.restore(snapshot)
         return logits
 
+    def _in_place_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
+        """``draft_blocks`` with each block in its request's own reserved slots, read through its own
+        table row (every committed position visible)."""
+        device = req_to_token.device
+        size, batch = self.block_size, len(reqs)
+        host = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], [r.root for r in reqs]],
+                            dtype=torch.int64).to(device, non_blocking=True)
+        rows, committed, roots = host[0], host[1], host[2]
+        root_ctx = self._root_ctx(reqs, device)
+        if device.type == "cpu" and native_attention_available():
+            # The C++ kernel's metadata straight from the table: each row's slots up to its block's end
+            # (one request: views of its row).
+            width = max(r.committed_len for r in reqs) + size
+            if batch == 1:
+                start = reqs[0].committed_len
+                table = req_to_token[reqs[0].row:reqs[0].row + 1, :width]
+                positions, slots = self._offsets(device) + start, table[0, start:]
+            else:
+                table = req_to_token[rows, :width]
+                positions = (committed[:, None] + self._offsets(device)).reshape(-1)
+                slots = table.gather(1, positions.view(batch, size)).reshape(-1)
+            mask, _, q_lens, q_starts, _ = self._constants(batch, device)
+            logits = self.draft.native_block_logits(roots, root_ctx, positions, slots,
+                                                    (table, committed + size, q_lens, q_starts, mask), self.kv_cache)
+            if logits is not None:
+                return logits
+        positions = committed[:, None] + self._offsets(device)
+        slots = req_to_token[rows[:, None], positions]
+        ids = torch.full((batch, size), self.draft.shape.mask_token_id, dtype=torch.int64, device=device)
+        ids[:, 0] = roots
+        inputs = {"ids": ids, "positions": positions, "slots": slots, "table": req_to_token, "rows": rows,
+                  "kv_lens": committed + size, "root_ctx": root_ctx}
+        return self._block_forward(inputs)[0]
+
     def _block_forward(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """The draft over blocks ``inputs["ids"]`` [B, S]: each row's table lists its visible context
-        slots, then its block's ``slots``; the block sees all of itself. A row of the padding the
-        draft runner adds (mask ids, slot 0, a KV length of one block) reads and writes only the
-        padding slot. Logits of block positions 1.. [B, S - 1, K or vocab]."""
+        """The draft over blocks ``inputs["ids"]`` [B, S]: row ``inputs["rows"][b]`` of the table
+        (row b without "rows") lists block b's visible context slots, then its ``slots``; the block
+        sees all of itself. A row of the padding the draft runner adds (mask ids, slot 0, a KV length
+        of one block) reads and writes only the padding slot. Logits of block positions 1.. [B, S - 1,
+        K or vocab]."""
         ids = inputs["ids"]
         batch, size = ids.shape
         device = ids.device
+        mask, logits_rows = self._constants(batch, device)[:2]
         fb = ForwardBatch.build(
             ForwardMode.VERIFY,  # several new tokens under a caller-given mask
             input_ids=ids.reshape(-1),
             positions=inputs["positions"].reshape(-1),
             out_cache_loc=inputs["slots"].reshape(-1),
             req_to_token=inputs["table"],
-            req_pool_indices=torch.arange(batch, device=device),
+            req_pool_indices=inputs["rows"] if "rows" in inputs else torch.arange(batch, device=device),
             kv_lens=inputs["kv_lens"],
             q_lens=torch.full((batch,), size, dtype=torch.int64, device=device),
-            custom_mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),  # non-causal block
-            logits="all",
+            custom_mask=mask,  # the non-causal block
+            logits=logits_rows,  # position 0 (the root) drafts nothing
             static_sizes=capture_sizes(self.graph, size, inputs["table"]),
         )
         root_ctx = inputs["root_ctx"] if self.draft.root_proj is not None else None
-        return (self.draft(fb, self.kv_cache, root_ctx).view(batch, size, -1)[:, 1:],)
+        return (self.draft(fb, self.kv_cache, root_ctx).view(batch, size - 1, -1),)
+
+    def _offsets(self, device) -> torch.Tensor:
+        """[S]: 0 .. S - 1, a block's positions past its root's."""
+        return self._constants(1, device)[4]
+
+    def _constants(self, batch: int, device) -> tuple[torch.Tensor, ...]:
+        """A batch of blocks' all-true mask [B, S, S], the flat rows of positions 1.. [B * (S - 1)], the
+        query lengths [B], the blocks' first flat rows [B] and 0 .. S - 1, made once per batch size
+        (read-only; kept alive for a captured graph that reads them)."""
+        if batch not in self._block_constants:
+            size = self.block_size
+            starts = torch.arange(batch, device=device) * size
+            offsets = torch.arange(size, device=device)
+            self._block_constants[batch] = (
+                torch.ones((batch, size, size), dtype=torch.bool, device=device),
+                (starts[:, None] + offsets[1:]).reshape(-1),
+                torch.full((batch,), size, dtype=torch.int64, device=device), starts, offsets)
+        return self._block_constants[batch]
 
     def _root_ctx(self, reqs: list[SpecInput], device) -> torch.Tensor:
         """[B, h] each request's last verified context (zeros for a draft without a root context)."""
         if self.draft.root_proj is None:
             return torch.zeros((len(reqs), 1), dtype=self.runner.dtype, device=device)
-        return torch.stack([self.root_ctx[r.rid] for r in reqs]).to(device)
+        ctx = [self.root_ctx[r.rid] for r in reqs]  # kept on the device (_keep_last)
+        return ctx[0][None] if len(ctx) == 1 else torch.stack(ctx)
 
     def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
                     want: int) -> list[list[tuple[int, float]]]:
@@ -214,8 +286,9 @@ class DFlashDrafter:
         stop = min(want, logits.shape[0])
         if guide is None:  # every position at once: nothing depends on the tokens chosen before
             if len(out) < stop:
-                logp, cols = torch.log_softmax(logits[len(out):stop], -1).topk(min(self.topk, logits.shape[-1]), -1)
-                out += [list(zip(ids, lps)) for ids, lps in zip(self.draft.hot_to_full(cols).tolist(), logp.tolist())]
+                ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, self.topk)
+                out += [[(t, lp) for t, lp in zip(row_ids, row_logp) if t >= 0]
+                        for row_ids, row_logp in zip(ids.tolist(), logp.tolist())]
             return out
         while len(out) < stop:
             chain = [c[0][0] for c in out]

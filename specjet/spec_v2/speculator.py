@@ -76,7 +76,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
         dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk,
                                *cfg.runner_mode(runner.device), min_logp=cfg.min_draft_logp,
                                quantization=cfg.draft_quantization, grammar_topk=cfg.dflash.grammar_topk,
-                               forced_tail=cfg.dflash.forced_tail)
+                               forced_tail=cfg.dflash.forced_tail, reserved=cfg.max_tree_nodes)
         if not cfg.hybrid_path_nodes:
             return dflash
         return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
