@@ -142,6 +142,36 @@ def test_forced_chain_after_a_path_is_the_forced_chain_of_a_matcher_that_took_it
     assert guide.forced_chain(16, ids(backend, '{"nope')) == []  # an illegal path forces nothing
 
 
+def test_a_chain_walk_gives_masks_after_and_forced_chain_of_each_prefix(backend):
+    """The incremental walk grammar-aware DFLASH drafting takes along its chain: after each token its
+    mask is ``masks_after([prefix])``'s and its forced text ``forced_chain(n, after=prefix)``'s; past
+    an illegal token both are empty; the grammar is left as it was."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["web_search", "translate"]}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    grammar = RequestGrammar(backend.compile("json_schema", schema).result())
+    guide = GrammarGuide(grammar, VOCAB_SIZE, lambda text: ids(backend, text))
+    before = guide.masks_after([[]])
+    chain = ids(backend, '{"name": "translate", "n": 42}')
+    start = ids(backend, '{"name')
+    assert chain[:len(start)] == start
+    # (The walk holds the request's matcher: what to expect is worked out before it starts.)
+    expected = [(guide.masks_after([chain[:i]]), guide.forced_chain(16, chain[:i]))
+                for i in range(len(start), len(chain) + 1)]
+    assert any(forced for _, forced in expected) and all(mask.any() for mask, _ in expected[:-1])
+    with guide.walk(start) as walk:
+        for i, (mask, forced) in zip(range(len(start), len(chain) + 1), expected):
+            assert torch.equal(walk.mask(), mask), i
+            assert walk.forced_chain(16) == forced, i
+            if i < len(chain):
+                walk.take(chain[i])
+        walk.take(ids(backend, "x")[0])  # after the object's end nothing is legal
+        assert not walk.mask().any() and walk.forced_chain(16) == []
+    assert torch.equal(guide.masks_after([[]]), before)
+    with guide.walk(ids(backend, '{"nope')) as walk:  # an illegal start
+        assert not walk.mask().any() and walk.forced_chain(16) == []
+    assert torch.equal(guide.masks_after([[]]), before)
+
+
 # ------------------------------------------------------------------ engines (tiny model)
 @pytest.fixture(scope="module")
 def expected(plain):

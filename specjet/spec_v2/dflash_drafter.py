@@ -290,18 +290,19 @@ class DFlashDrafter:
                 out += [[(t, lp) for t, lp in zip(row_ids, row_logp) if t >= 0]
                         for row_ids, row_logp in zip(ids.tolist(), logp.tolist())]
             return out
-        while len(out) < stop:
-            chain = [c[0][0] for c in out]
-            ids, logp, allowed = masked_topk_logp(logits[len(out)][None], guide.masks_after([chain]),
-                                                  self.draft.hot_token_ids, self.grammar_topk)
-            if not int(allowed[0]):
-                break
-            # Fewer legal (finite) tokens than topk leave -1 entries.
-            out.append([(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0])
-        if self.forced_tail and len(out) == logits.shape[0] and len(out) < want:
-            # Past the block's end the grammar's forced text is still a sure guess (jump-forward
-            # after the chain of best tokens): verify rows, but no draft forward.
-            out += [[(t, 0.0)] for t in guide.forced_chain(want - len(out), [c[0][0] for c in out])]
+        with guide.walk([c[0][0] for c in out]) as walk:  # the chain of best tokens, grown in turn
+            while len(out) < stop:
+                ids, logp, allowed = masked_topk_logp(logits[len(out)][None], walk.mask(), self.draft.hot_token_ids,
+                                                      self.grammar_topk)
+                if not int(allowed[0]):
+                    break
+                # Fewer legal (finite) tokens than topk leave -1 entries.
+                out.append([(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0])
+                walk.take(out[-1][0][0])
+            if self.forced_tail and len(out) == logits.shape[0] and len(out) < want:
+                # Past the block's end the grammar's forced text is still a sure guess (jump-forward
+                # after the chain of best tokens): verify rows, but no draft forward.
+                out += [[(t, 0.0)] for t in walk.forced_chain(want - len(out))]
         return out
 
 

@@ -77,6 +77,11 @@ class GrammarGuide:
             self.grammar.rollback(taken)
         return bitmask
 
+    def walk(self, path: Sequence[int] = ()) -> "ChainWalk":
+        """The grammar along a chain that grows one token at a time from ``path`` (a ``with`` block:
+        its accepts are rolled back at the end)."""
+        return ChainWalk(self, path)
+
     def legal_prefix_len(self, prefix: list[int], tokens: list[int]) -> int:
         """How many of `tokens` the grammar accepts after `prefix` (itself assumed legal)."""
         taken = self.grammar.accept_tokens(list(prefix) + list(tokens))
@@ -96,3 +101,47 @@ class GrammarGuide:
         kept_parents = [-1] + [new_index[parents[i]] for i in keep[1:]]
         return [tokens[i] for i in keep], kept_parents, masks.bitmask[keep]
 
+
+
+class ChainWalk:
+    """Grammar-aware drafting's left-to-right walk along a chain: each token is accepted once, as the
+    chain grows (``masks_after`` of every prefix would accept the chain from the root again at every
+    step), and all of them are rolled back when the ``with`` block ends. Its masks and forced text are
+    ``masks_after([chain])``'s and ``forced_chain(n, after=chain)``'s."""
+
+    def __init__(self, guide: GrammarGuide, path: Sequence[int]):
+        self.guide = guide
+        self.grammar = guide.grammar
+        self.path = list(path)
+        self.taken = 0
+        self.legal = True  # every token of the chain so far was accepted
+        self.bitmask = allocate_token_bitmask(1, guide.vocab_size)  # one buffer, refilled by mask()
+
+    def __enter__(self) -> "ChainWalk":
+        self.taken = self.grammar.accept_tokens(self.path)
+        self.legal = self.taken == len(self.path)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.grammar.rollback(self.taken)
+        self.taken = 0
+
+    def mask(self) -> torch.Tensor:
+        """[1, W] int32: the tokens allowed after the chain (all-zero after an illegal token or the
+        grammar's end). The buffer is the walk's own: the next call overwrites it."""
+        if self.legal and not self.grammar.is_terminated():
+            self.grammar.fill_next_token_bitmask(self.bitmask, 0)
+        else:
+            self.bitmask.zero_()
+        return self.bitmask
+
+    def take(self, token: int) -> None:
+        """Grow the chain by ``token``."""
+        if self.legal:
+            accepted = self.grammar.accept_tokens([token])
+            self.taken += accepted
+            self.legal = accepted == 1
+
+    def forced_chain(self, max_len: int) -> list[int]:
+        """The grammar's forced text after the chain (``GrammarGuide.forced_chain``)."""
+        return self.guide.forced_chain(max_len) if self.legal else []
