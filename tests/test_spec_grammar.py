@@ -16,7 +16,7 @@ import torch
 
 import specjet
 from specjet.grammar import GrammarBackend, RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
-from specjet.spec_v2.grammar_guide import GrammarGuide
+from specjet.spec_v2.grammar_guide import ChainWalk, GrammarGuide
 from test_spec_eagle import random_head
 
 VOCAB_SIZE = 49152
@@ -123,7 +123,7 @@ def test_forced_chain_and_draft_masks_leave_the_state_alone(backend):
     assert grammar.accept_tokens(ids(backend, forced)) == len(ids(backend, forced))
 
 
-def test_forced_chain_after_a_path_is_the_forced_chain_of_a_matcher_that_took_it(backend):
+def test_a_walks_forced_chain_is_the_forced_chain_of_a_matcher_that_took_its_path(backend):
     schema = {"type": "object", "properties": {"name": {"enum": ["web_search", "translate"]}, "n": {"type": "integer"}},
               "required": ["name", "n"]}
     grammar = RequestGrammar(backend.compile("json_schema", schema).result())
@@ -134,18 +134,21 @@ def test_forced_chain_after_a_path_is_the_forced_chain_of_a_matcher_that_took_it
         fork = grammar.fork()
         assert fork.accept_tokens(path) == len(path)
         expected = GrammarGuide(fork, VOCAB_SIZE, lambda t: ids(backend, t)).forced_chain(16)
-        assert guide.forced_chain(16, path) == expected, text
-        assert guide.forced_chain(2, path) == expected[:2]
+        with guide.walk(path) as walk:
+            assert walk.forced_chain(16) == expected, text
+            assert walk.forced_chain(2) == expected[:2]
         assert grammar.find_jump_forward_string() == before  # the path was rolled back
     # '{"name": "translate"' forces ', "n": ' (all but its last token, which may merge with the digits)
-    assert backend.tokenizer.decode(guide.forced_chain(16, ids(backend, '{"name": "translate"'))) in (', "n":', ', "n')
-    assert guide.forced_chain(16, ids(backend, '{"nope')) == []  # an illegal path forces nothing
+    with guide.walk(ids(backend, '{"name": "translate"')) as walk:
+        assert backend.tokenizer.decode(walk.forced_chain(16)) in (', "n":', ', "n')
+    with guide.walk(ids(backend, '{"nope')) as walk:
+        assert walk.forced_chain(16) == []  # an illegal path forces nothing
 
 
 def test_a_chain_walk_gives_masks_after_and_forced_chain_of_each_prefix(backend):
     """The incremental walk grammar-aware DFLASH drafting takes along its chain: after each token its
-    mask is ``masks_after([prefix])``'s and its forced text ``forced_chain(n, after=prefix)``'s; past
-    an illegal token both are empty; the grammar is left as it was."""
+    mask is ``masks_after([prefix])``'s and its forced text that of a matcher that took the prefix;
+    past an illegal token both are empty; the grammar is left as it was."""
     schema = {"type": "object", "properties": {"name": {"enum": ["web_search", "translate"]}, "n": {"type": "integer"}},
               "required": ["name", "n"]}
     grammar = RequestGrammar(backend.compile("json_schema", schema).result())
@@ -155,8 +158,13 @@ def test_a_chain_walk_gives_masks_after_and_forced_chain_of_each_prefix(backend)
     start = ids(backend, '{"name')
     assert chain[:len(start)] == start
     # (The walk holds the request's matcher: what to expect is worked out before it starts.)
-    expected = [(guide.masks_after([chain[:i]]), guide.forced_chain(16, chain[:i]))
-                for i in range(len(start), len(chain) + 1)]
+
+    def forced_after(prefix):
+        fork = grammar.fork()
+        assert fork.accept_tokens(prefix) == len(prefix)
+        return GrammarGuide(fork, VOCAB_SIZE, lambda t: ids(backend, t)).forced_chain(16)
+
+    expected = [(guide.masks_after([chain[:i]]), forced_after(chain[:i])) for i in range(len(start), len(chain) + 1)]
     assert any(forced for _, forced in expected) and all(mask.any() for mask, _ in expected[:-1])
     with guide.walk(start) as walk:
         for i, (mask, forced) in zip(range(len(start), len(chain) + 1), expected):
@@ -343,15 +351,14 @@ def test_dflash_with_float_weights_runs_past_its_block_on_forced_text_and_stays_
         expected = [o["output_ids"] for o in eng.generate(prompts, params)]
         eng.check_kv_invariant()
     tails = []
-    real = GrammarGuide.forced_chain
+    real = ChainWalk.forced_chain
 
-    def spy(self, max_len, after=()):
-        out = real(self, max_len, after)
-        if after:
-            tails.append(len(out))
+    def spy(self, max_len):
+        out = real(self, max_len)
+        tails.append(len(out))
         return out
 
-    monkeypatch.setattr(GrammarGuide, "forced_chain", spy)
+    monkeypatch.setattr(ChainWalk, "forced_chain", spy)
     with specjet.Engine(max_total_tokens=8192, quantization=None, speculative_algorithm="DFLASH") as eng:
         assert eng.worker.speculator.cfg.dflash.forced_tail
         outs = eng.generate(prompts, params)

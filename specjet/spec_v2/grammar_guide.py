@@ -29,32 +29,26 @@ class GrammarGuide:
         self.tokenize = tokenize  # text -> token ids as the model's tokenizer splits it; None: no chains
 
     # ------------------------------------------------------------------ jump-forward
-    def forced_chain(self, max_len: int, after: Sequence[int] = ()) -> list[int]:
-        """Tokens of the grammar's forced continuation after the path `after` from the root (itself
-        assumed legal), at most `max_len`, each accepted in turn; [] where the path is not legal.
+    def forced_chain(self, max_len: int) -> list[int]:
+        """Tokens of the grammar's forced continuation from its current state, at most `max_len`,
+        each accepted in turn ([] after the grammar's end; after a draft chain: ``ChainWalk``).
 
         The last token of the forced text's tokenization is left out unless the grammar can only
         stop after it: at the text's end the model may merge it with what follows (' "' then
         'web' versus ' "web'), and the drafter, which sees the grammar mask there, proposes that
         boundary token better than a tokenizer that cannot see past the forced text."""
-        if self.tokenize is None or max_len <= 0:
+        if self.tokenize is None or max_len <= 0 or self.grammar.is_terminated():
             return []
-        taken = self.grammar.accept_tokens(after)
+        text = self.grammar.find_jump_forward_string()
+        if not text:
+            return []
+        ids = self.tokenize(text)
+        accepted = self.grammar.accept_tokens(ids)
         try:
-            if taken < len(after) or self.grammar.is_terminated():
-                return []
-            text = self.grammar.find_jump_forward_string()
-            if not text:
-                return []
-            ids = self.tokenize(text)
-            accepted = self.grammar.accept_tokens(ids)
-            try:
-                keep = accepted if accepted < len(ids) or self._only_stop_allowed() else len(ids) - 1
-            finally:
-                self.grammar.rollback(accepted)
-            return ids[:min(keep, max_len)]
+            keep = accepted if accepted < len(ids) or self._only_stop_allowed() else len(ids) - 1
         finally:
-            self.grammar.rollback(taken)
+            self.grammar.rollback(accepted)
+        return ids[:min(keep, max_len)]
 
     def _only_stop_allowed(self) -> bool:
         bitmask = allocate_token_bitmask(1, self.vocab_size)
@@ -107,7 +101,7 @@ class ChainWalk:
     """Grammar-aware drafting's left-to-right walk along a chain: each token is accepted once, as the
     chain grows (``masks_after`` of every prefix would accept the chain from the root again at every
     step), and all of them are rolled back when the ``with`` block ends. Its masks and forced text are
-    ``masks_after([chain])``'s and ``forced_chain(n, after=chain)``'s."""
+    those of a matcher that took the chain."""
 
     def __init__(self, guide: GrammarGuide, path: Sequence[int]):
         self.guide = guide
