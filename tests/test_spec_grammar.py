@@ -180,6 +180,20 @@ def test_a_chain_walk_gives_masks_after_and_forced_chain_of_each_prefix(backend)
     assert torch.equal(guide.masks_after([[]]), before)
 
 
+def test_forced_text_is_split_as_the_tokenizer_splits_it(default_model_dir):
+    """The speculator tokenizes forced text through the fast tokenizer's backend: the ids of
+    ``tokenizer.encode`` without special tokens, for the kinds of text a JSON grammar forces."""
+    from transformers import AutoTokenizer
+
+    from specjet.spec_v2.speculator import text_to_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    assert getattr(tokenizer, "backend_tokenizer", None) is not None
+    split = text_to_ids(tokenizer)
+    for text in ('{"name": "', '", "n": ', '"}\n', " true", "\u00e9t\u00e9 \u2014 ok", "   ", "<|im_end|>"):
+        assert split(text) == tokenizer.encode(text, add_special_tokens=False), text
+
+
 # ------------------------------------------------------------------ engines (tiny model)
 @pytest.fixture(scope="module")
 def expected(plain):

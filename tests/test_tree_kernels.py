@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from specjet.kernels.tree import build_tree, flatten_expansion_steps, select_draft_nodes
+from specjet.kernels.tree import build_tree, flatten_expansion_steps, select_draft_nodes, traversal_arrays
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 
 # --- shared random inputs (also used by test_triton_tree.py) --------------------------------
@@ -207,6 +207,19 @@ def test_build_tree_rejects_bad_parents():
         build_tree(torch.tensor([[0, 0, 1]]), torch.tensor([0]))  # node 0 is not a root
     with pytest.raises(ValueError):
         build_tree(torch.tensor(HAND_PARENTS), torch.tensor(HAND_SEQ_LENS), max_depth=2)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 9, 33])
+def test_the_host_traversal_of_one_tree_equals_traversal_arrays(num_nodes):
+    """grammar/tree_mask.py walks a verify tree's first children and next siblings on the host."""
+    from specjet.grammar.tree_mask import first_child_next_sibling
+
+    gen = torch.Generator().manual_seed(num_nodes)
+    for chain_bias in (0.0, 0.5, 1.0):
+        parents = random_parents(4, num_nodes, gen, chain_bias)
+        first, after = traversal_arrays(parents)
+        for row in range(4):
+            assert first_child_next_sibling(parents[row].tolist()) == (first[row].tolist(), after[row].tolist())
 
 
 def test_traversal_arrays_drive_xgrammar():

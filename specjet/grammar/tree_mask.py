@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specjet.grammar.matcher import RequestGrammar, allocate_token_bitmask
-from specjet.kernels.tree import traversal_arrays
 
 
 @dataclass
@@ -33,19 +33,33 @@ def mask_draft_tree(grammar: RequestGrammar, tokens: list[int], parents: list[in
     target's logits into NaN probabilities there.
     """
     n = len(tokens)
-    parent_ids = torch.tensor(parents, dtype=torch.int64)
-    next_token, next_sibling = traversal_arrays(parent_ids[None])
+    next_token, next_sibling = first_child_next_sibling(parents)
     bitmask = allocate_token_bitmask(n, vocab_size)
-    token_ids = torch.tensor(tokens, dtype=torch.int64)
-    grammar.fill_draft_tree_bitmask(next_token[0], next_sibling[0], token_ids, bitmask)
-    # Legal iff the parent is legal and its row allows the token. Rows below an illegal node were
-    # not written by the walk; they are only read here for nodes already known to be illegal.
-    parent_rows = parent_ids.clamp(min=0)
-    words = bitmask[parent_rows, token_ids >> 5].to(torch.int64)
-    allowed = ((words >> (token_ids & 31)) & 1).bool().tolist()
+    arrays = torch.tensor([next_token, next_sibling, tokens], dtype=torch.int64)
+    grammar.fill_draft_tree_bitmask(arrays[0], arrays[1], arrays[2], bitmask)
+    # Legal iff the parent is legal and its row allows the token (a few dozen nodes: host ints beat
+    # tensor ops). Rows below an illegal node were not written by the walk; they are not read.
+    words = bitmask.numpy().view(np.uint32)
     legal = [True] * n
     for i in range(1, n):
-        legal[i] = legal[parents[i]] and allowed[i]
-    dead_end = ~bitmask.any(dim=1)
-    bitmask[dead_end] = -1
+        t = tokens[i]
+        legal[i] = legal[parents[i]] and bool((int(words[parents[i], t >> 5]) >> (t & 31)) & 1)
+    dead_end = ~words.any(axis=1)
+    if dead_end.any():
+        bitmask[torch.from_numpy(dead_end)] = -1
     return TreeMasks(legal, bitmask)
+
+
+def first_child_next_sibling(parents: list[int]) -> tuple[list[int], list[int]]:
+    """kernels/tree.py ``traversal_arrays`` of one tree on the host: each node's first child and next
+    sibling (-1 = none), parents before children."""
+    n = len(parents)
+    first, after, last = [-1] * n, [-1] * n, [-1] * n
+    for j in range(1, n):
+        p = parents[j]
+        if first[p] < 0:
+            first[p] = j
+        else:
+            after[last[p]] = j
+        last[p] = j
+    return first, after

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from specjet.grammar import (RequestGrammar, allocate_token_bitmask, bitmask_allows, bitmask_popcount,
-                             mask_draft_tree)
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, mask_draft_tree
 
 
 class GrammarGuide:
@@ -51,11 +51,14 @@ class GrammarGuide:
         return ids[:min(keep, max_len)]
 
     def _only_stop_allowed(self) -> bool:
+        """Whether the grammar allows no token here but its stop tokens (or none at all)."""
         bitmask = allocate_token_bitmask(1, self.vocab_size)
         self.grammar.fill_next_token_bitmask(bitmask, 0)
-        stops = torch.tensor(self.grammar.compiled.tokenizer_info.stop_token_ids, dtype=torch.int64)
-        num_allowed = int(bitmask_popcount(bitmask).sum())
-        return num_allowed == int(bitmask_allows(bitmask, stops).sum())
+        words = bitmask.numpy().view(np.uint32)[0]
+        for t in self.grammar.compiled.tokenizer_info.stop_token_ids:
+            if 0 <= t < 32 * words.shape[0]:
+                words[t >> 5] &= ~np.uint32(1 << (t & 31))
+        return not words.any()
 
     # ------------------------------------------------------------------ drafting
     def masks_after(self, paths: list[list[int]]) -> torch.Tensor:
