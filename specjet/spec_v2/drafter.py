@@ -80,7 +80,10 @@ class Drafter(Protocol):
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         """One tree per request, of at most ``budget`` nodes. ``share``: the nodes each tree of
-        this batch may have before the request's own limits (the verify's cap split evenly)."""
+        this batch may have before the request's own limits (the verify's cap split evenly).
+        Positions ``committed_len`` .. ``committed_len + max_nodes - 1`` (the speculator's
+        ``max_nodes``, up to the context's end) of each request's table row hold its own slots: the
+        verify writes its tree there, and a drafter may write its own cache's entries there too."""
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
         """The target verified the proposed trees: ``result`` holds each request's accepted
