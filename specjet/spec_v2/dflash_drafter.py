@@ -116,13 +116,15 @@ class DFlashDrafter:
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
         """Context K/V of the root and the accepted drafts: path node j sits at committed_len + j."""
-        rows, positions, slots = [], [], []
-        for r, nodes, off in zip(reqs, result.accepted_nodes, result.node_offsets):
-            rows.append(torch.tensor(nodes, dtype=torch.int64) + off)
-            pos = torch.arange(r.committed_len, r.committed_len + len(nodes))
-            positions.append(pos)
-            slots.append(req_to_token[r.row, r.committed_len:r.committed_len + len(nodes)])
-        ctx = self._write(result.output.hidden, torch.cat(rows), torch.cat(positions), torch.cat(slots))
+        # Feature row, position and table row of every accepted node, as one host tensor (a few ints
+        # a request: one transfer beats a tensor per request).
+        host = torch.tensor([[off + node for nodes, off in zip(result.accepted_nodes, result.node_offsets)
+                              for node in nodes],
+                             [r.committed_len + j for r, nodes in zip(reqs, result.accepted_nodes)
+                              for j in range(len(nodes))],
+                             [r.row for r, nodes in zip(reqs, result.accepted_nodes) for _ in nodes]],
+                            dtype=torch.int64).to(req_to_token.device, non_blocking=True)
+        ctx = self._write(result.output.hidden, host[0], host[1], req_to_token[host[2], host[1]])
         self._keep_last(reqs, ctx, [len(nodes) for nodes in result.accepted_nodes])
 
     def _write(self, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
