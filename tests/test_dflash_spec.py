@@ -269,6 +269,39 @@ def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, cop
     assert free and any(branches(p) for p in free)
 
 
+def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir, copy_draft, plain, monkeypatch):
+    """With the default confidence cut on a float CPU target (the tiny model computes in float32 here)
+    the speculator hands each request the cut of its batch size: the base cut alone, or a constrained
+    request in any batch; min_prob x batch / 2 for free text beside others. The ids stay plain's."""
+    import math
+
+    from specjet.spec_v2.config import DFLASH_MIN_DRAFT_PROB
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    seen = set()  # (batch size, constrained?, cut)
+    real = DFlashDrafter.propose
+
+    def spy(self, reqs, share, req_to_token):
+        seen.update((len(reqs), r.guide is not None, round(math.exp(r.min_logp), 6)) for r in reqs)
+        return real(self, reqs, share, req_to_token)
+
+    monkeypatch.setattr(DFlashDrafter, "propose", spy)
+    ref = plain.generate(PROMPTS[:4], MIXED)
+    alone = plain.generate(PROMPTS[2], MIXED[2])
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8,
+                       speculative_draft_min_prob=None) as eng:
+        assert eng.worker.speculator.cfg.min_draft_prob_grows
+        outs = eng.generate(PROMPTS[:4], MIXED)
+        one = eng.generate(PROMPTS[2], MIXED[2])
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    assert one["output_ids"] == alone["output_ids"]
+    base = DFLASH_MIN_DRAFT_PROB
+    assert (4, False, round(2 * base, 6)) in seen and (4, True, round(base, 6)) in seen
+    assert (1, False, round(base, 6)) in seen
+    assert all(cut == round(base * max(1, n / 2) if not constrained else base, 6) for n, constrained, cut in seen)
+
+
 def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_dir, copy_draft, plain, monkeypatch):
     """The regex's forced text ('hello world, ' twice) is longer than a block of 4 holds, and the
     n-gram path's budget lets the chain run past it: those iterations verify the chain without a

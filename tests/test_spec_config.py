@@ -38,6 +38,32 @@ def test_verify_nodes_are_capped_by_default_for_float_weights_on_the_cpu():
     assert cap(speculative_algorithm="NGRAM") is None
 
 
+def test_the_default_cut_grows_with_the_batch_for_free_text_on_a_float_cpu_target():
+    """The confidence cut a request's tree gets: the default on a float CPU target is min_draft_prob x
+    batch / 2 within [min_draft_prob, BATCH_MIN_DRAFT_PROB_CAP] for a request without a grammar, the
+    plain cut under a grammar; a given cut, a quantized target and a GPU keep it at every batch size."""
+    import math
+
+    from specjet.spec_v2.config import BATCH_MIN_DRAFT_PROB_CAP
+
+    def cfg(quantized=False, cpu=True, **kwargs):
+        return SpecConfig.from_args(EngineArgs(**kwargs), quantized_cpu_target=quantized, cpu_target=cpu)
+
+    assert BATCH_MIN_DRAFT_PROB_CAP == 0.4
+    for algorithm, base in (("EAGLE", EAGLE_MIN_DRAFT_PROB), ("DFLASH", DFLASH_MIN_DRAFT_PROB)):
+        grows = cfg(speculative_algorithm=algorithm)
+        assert grows.min_draft_prob_grows
+        cuts = [math.exp(grows.min_draft_logp(b)) for b in (1, 2, 4, 8, 64)]
+        assert cuts == pytest.approx([base, base, 2 * base, min(4 * base, 0.4), 0.4])
+        assert all(math.exp(grows.min_draft_logp(b, constrained=True)) == pytest.approx(base) for b in (1, 4, 64))
+        for fixed in (cfg(speculative_algorithm=algorithm, speculative_draft_min_prob=base),
+                      cfg(quantized=True, speculative_algorithm=algorithm), cfg(cpu=False, speculative_algorithm=algorithm)):
+            assert not fixed.min_draft_prob_grows
+            assert [math.exp(fixed.min_draft_logp(b)) for b in (1, 8)] == pytest.approx([base, base])
+        assert cfg(speculative_algorithm=algorithm, speculative_draft_min_prob=0.0).min_draft_logp(8) == -math.inf
+    assert cfg(speculative_algorithm="NGRAM").min_draft_logp(8) == -math.inf
+
+
 def test_no_algorithm_no_config():
     assert config() is None
 

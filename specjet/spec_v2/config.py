@@ -79,6 +79,14 @@ QUANTIZED_DFLASH = DFlashParams(block_size=3, topk=1, forced_tail=False)
 # nothing measurable (bench/RESULTS.md, session 16).
 DFLASH_MIN_DRAFT_PROB = 0.1
 EAGLE_MIN_DRAFT_PROB = 0.1
+# With those defaults on a float CPU target, the cut of a request without a grammar grows with the batch:
+# the default times batch / 2, at most this. A node pays for its verify row when its chance of being
+# accepted exceeds the row's cost times the tokens a millisecond the engine already makes, which grows
+# with the batch. bf16 on GSM8K (bench/RESULTS.md, session 24): at batch 4 a cut of 0.2 made DFLASH 9-12%
+# and EAGLE 6-7% faster than 0.1, at batch 8 0.4 DFLASH 12% and EAGLE 6%; at batch 2 0.1 stayed DFLASH's
+# best. Under a grammar the cut stays (a chain node there also carries the forced text after it: at
+# batch 4 on JSON schemas 0.4 made DFLASH 7% slower).
+BATCH_MIN_DRAFT_PROB_CAP = 0.4
 # Verify nodes of one forward, all requests together (speculative_max_verify_tokens; each tree gets an
 # even share), when not given and EAGLE or DFLASH runs on a CPU target with float weights: a verify row
 # costs a fraction of a decode step there, so at batch 4 the full trees made speculation 0.79-0.82x plain
@@ -119,6 +127,9 @@ class SpecConfig:
     # EAGLE and DFLASH: tree nodes whose path probability under the draft (the product of the draft's
     # probabilities along the path) is below this are left out of the verify (0: none left out).
     min_draft_prob: float = 0.0
+    # Whether that cut grows with the batch for requests without a grammar (``min_draft_logp``): the
+    # default on a float CPU target, where every verify row costs a fraction of a decode step.
+    min_draft_prob_grows: bool = False
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
     max_verify_nodes: int | None = None
@@ -161,10 +172,15 @@ class SpecConfig:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
         _check_draft_runner(self.draft_runner)
 
-    @property
-    def min_draft_logp(self) -> float:
-        """``min_draft_prob`` as the drafters compare it: a path log-probability (-inf: no cut)."""
-        return math.log(self.min_draft_prob) if self.min_draft_prob > 0 else -math.inf
+    def min_draft_logp(self, batch_size: int = 1, constrained: bool = False) -> float:
+        """The confidence cut of one request's tree in a batch of ``batch_size`` as the drafters compare
+        it, a path log-probability (-inf: no cut): ``min_draft_prob``, or where it grows with the batch
+        and the request has no grammar, ``min_draft_prob * batch_size / 2`` within [min_draft_prob,
+        BATCH_MIN_DRAFT_PROB_CAP]."""
+        prob = self.min_draft_prob
+        if self.min_draft_prob_grows and not constrained:
+            prob = max(prob, min(prob * batch_size / 2, BATCH_MIN_DRAFT_PROB_CAP))
+        return math.log(prob) if prob > 0 else -math.inf
 
     def runner_mode(self, device) -> tuple[bool, bool]:
         """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on
@@ -208,6 +224,7 @@ class SpecConfig:
         float_cpu = cpu_target and not quantized_cpu_target and algorithm in HYBRID_ALGORITHMS
         max_verify = _given(args.speculative_max_verify_tokens, FLOAT_CPU_MAX_VERIFY_NODES if float_cpu else None)
         common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=max_verify,
+                      min_draft_prob_grows=float_cpu and args.speculative_draft_min_prob is None,
                       draft_model_path=args.speculative_draft_model_path,
                       draft_runner=args.speculative_draft_runner, cuda_graph=not args.disable_cuda_graph)
         if algorithm == "EAGLE":

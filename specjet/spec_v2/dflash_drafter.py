@@ -26,8 +26,8 @@ draft token i, its argmax. Where the block's K/V go:
   tree nodes) and a table row per request built here (visible context slots, then the block's), so
   the window costs nothing: earlier positions are simply not listed.
 
-A node whose path log-probability under the draft (the sum over its positions) is below the cut
-``min_logp`` is not verified: the block's tail is mostly wrong, and every verify row costs a
+A node whose path log-probability under the draft (the sum over its positions) is below the request's
+cut (``DraftRequest.min_logp``) is not verified: the block's tail is mostly wrong, and every verify row costs a
 fraction of a decode step on the CPU.
 
 Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
@@ -62,7 +62,7 @@ class DFlashDrafter:
     """Chains of one block forward from a DFlash draft model (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, block_size: int, window: int | None, allocator,
-                 topk: int = 1, static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
+                 topk: int = 1, static: bool = False, cuda_graph: bool = False,
                  quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None, forced_tail: bool = True,
                  reserved: int = 0):
         self.runner = runner
@@ -76,7 +76,6 @@ class DFlashDrafter:
         self.topk = topk  # candidates per block position: 1 drafts a chain, more a tree (_tree)
         self.grammar_topk = topk if grammar_topk is None else grammar_topk  # the same under a grammar
         self.forced_tail = forced_tail  # under a grammar, the forced text past the block's end (_candidates)
-        self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (_tree)
         self.allocator = allocator
         # Positions past a request's committed length whose slots the scheduler holds when it drafts
         # (the verify writes its tree there): a block that fits runs in place (see the module's docstring).
@@ -153,7 +152,7 @@ class DFlashDrafter:
             for b, block in zip(todo, logits):
                 r = reqs[b]
                 candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1)
-        return [_tree(r.input.root, c, r.budget, self.min_logp) for r, c in zip(reqs, candidates)]
+        return [_tree(r.input.root, c, r.budget, r.min_logp) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
         # The draft KV lives in the request's own slots, which the scheduler frees.

@@ -10,6 +10,7 @@ state, and never writes a request.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +52,9 @@ class DraftRequest:
     budget: int  # nodes its tree may have, root included (>= 1)
     guide: GrammarGuide | None  # grammar-aware drafting: what the grammar allows after any path
     chain: list[int]  # the grammar's forced tokens, to hang under the root as sure nodes ([] if none)
+    # The confidence cut of its tree (learned drafts): nodes whose path log-probability under the
+    # draft is below it are left out (the grammar's sure tokens score 0).
+    min_logp: float = -math.inf
 
 
 # A draft tree: (tokens, parents), root (the last verified token) at node 0 with parent -1, parents

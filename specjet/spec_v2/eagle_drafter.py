@@ -8,7 +8,8 @@ predicts there. One iteration:
    each of ``num_steps - 1`` draft forwards feeds the current frontier (the ``topk`` best nodes by
    path score) with their parents' hidden states and expands each into its top-k children;
 2. rerank: the ``tree_nodes - 1`` best nodes by path score form the tree (kernels/tree.py), less
-   any whose path log-probability is below ``min_logp`` (the confidence cut: a verify row is not free);
+   any whose path log-probability is below the request's cut (``DraftRequest.min_logp``: a verify row is
+   not free);
 3. (the target verifies the tree: spec_v2/tree_verifier.py);
 4. extend: the head runs over the accepted tokens with the target's hidden states at the real
    positions, writing its KV there and producing the next draft state.
@@ -70,7 +71,7 @@ class EagleDrafter:
     """EAGLE-2 trees from a trained head (a ``Drafter``)."""
 
     def __init__(self, runner: ModelRunner, head: EagleDraftModel, params: EagleParams, allocator,
-                 static: bool = False, cuda_graph: bool = False, min_logp: float = -math.inf,
+                 static: bool = False, cuda_graph: bool = False,
                  quantization: str | None = FOLLOW_TARGET):
         if params.topk > head.draft_vocab_size:
             raise ValueError(f"speculative_eagle_topk={params.topk} exceeds the EAGLE head's vocabulary of "
@@ -80,7 +81,6 @@ class EagleDrafter:
         self.feature_capture = self.head.feature_capture
         self.draft_kv_reads_next_token = True  # position t's draft KV comes from token t+1 and feature t
         self.params = params
-        self.min_logp = min_logp  # the confidence cut: nodes whose path log-probability is below it go (draft_trees)
         self.allocator = allocator
         cfg = runner.config
         self.kv_cache = KVCache(1, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim, runner.dtype,
@@ -109,7 +109,8 @@ class EagleDrafter:
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
         guided = any(r.guide is not None for r in reqs)
         trees = self.draft_trees([_view(r.input) for r in reqs], [r.input.root for r in reqs], req_to_token,
-                                 guides=[r.guide for r in reqs] if guided else None, chains=[r.chain for r in reqs])
+                                 guides=[r.guide for r in reqs] if guided else None, chains=[r.chain for r in reqs],
+                                 min_logps=[r.min_logp for r in reqs])
         return [(tokens[:r.budget], parents[:r.budget]) for (tokens, parents), r in zip(trees, reqs)]
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
@@ -156,8 +157,8 @@ class EagleDrafter:
 
     # ---------------------------------------------------------------- drafting
     def draft_trees(self, views: list[DraftView], root_tokens: list[int], req_to_token: torch.Tensor,
-                guides: list[GrammarGuide | None] | None = None, chains: list[list[int]] | None = None
-                ) -> list[tuple[list[int], list[int]]]:
+                guides: list[GrammarGuide | None] | None = None, chains: list[list[int]] | None = None,
+                min_logps: list[float] | None = None) -> list[tuple[list[int], list[int]]]:
         """EAGLE-2 trees for a batch: per request (tokens, parents), root at node 0, nodes in rank
         order (any prefix of the node list is itself a tree), at most ``tree_nodes`` nodes.
 
@@ -165,7 +166,8 @@ class EagleDrafter:
         included, range over the tokens its grammar allows after that node, so no tree slot goes
         to a token verification must reject; ``chains[b]`` (the grammar's forced tokens, or [])
         becomes nodes 1..c, a chain under the root ranked above every drafted node (probability
-        1), and the learned tree grows from the chain's end."""
+        1), and the learned tree grows from the chain's end. ``min_logps[b]``: request b's confidence
+        cut (None: no cut)."""
         p = self.params
         device = req_to_token.device
         batch, k = len(views), p.topk
@@ -237,7 +239,8 @@ class EagleDrafter:
         tokens, parents = select_draft_nodes(roots, cand_tokens, cand_parents, cand_scores, num_nodes)
         # The confidence cut: a path's score never grows along it, so the nodes at or above the cut
         # are a prefix of the ranked list, and a prefix is a tree.
-        keep = (1 + (cand_scores >= self.min_logp).sum(-1).clamp(max=num_nodes - 1)).tolist()
+        cuts = torch.tensor(min_logps if min_logps is not None else [-math.inf] * batch, device=cand_scores.device)
+        keep = (1 + (cand_scores >= cuts[:, None]).sum(-1).clamp(max=num_nodes - 1)).tolist()
         trees = []
         for b, (root, chain) in enumerate(zip(root_tokens, chains)):
             n = keep[b]

@@ -59,7 +59,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                 raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
             head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device)
         eagle = EagleDrafter(runner, head, cfg.eagle, allocator, *cfg.runner_mode(runner.device),
-                             min_logp=cfg.min_draft_logp, quantization=cfg.draft_quantization)
+                             quantization=cfg.draft_quantization)
         if not cfg.hybrid_path_nodes:
             return eagle
         return HybridDrafter(eagle, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
@@ -75,7 +75,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
                                         "(train one with `python -m specjet.train dflash`)")
             draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
         dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk,
-                               *cfg.runner_mode(runner.device), min_logp=cfg.min_draft_logp,
+                               *cfg.runner_mode(runner.device),
                                quantization=cfg.draft_quantization, grammar_topk=cfg.dflash.grammar_topk,
                                forced_tail=cfg.dflash.forced_tail, reserved=cfg.max_tree_nodes)
         if not cfg.hybrid_path_nodes:
@@ -165,7 +165,8 @@ class Speculator:
         aware = self.cfg.grammar_aware
         guides = [GrammarGuide(r.grammar, self.vocab_size, self._tokenize) if r.grammar is not None else None
                   for r in reqs]
-        drafts = [DraftRequest(r, n, g if aware else None, g.forced_chain(n - 1) if aware and g is not None else [])
+        drafts = [DraftRequest(r, n, g if aware else None, g.forced_chain(n - 1) if aware and g is not None else [],
+                               self.cfg.min_draft_logp(len(reqs), r.grammar is not None))
                   for r, g, n in zip(reqs, guides, budgets)]
         clock.lap("grammar")
         trees = self.drafter.propose(drafts, share, req_to_token)
