@@ -81,11 +81,10 @@ DFLASH_MIN_DRAFT_PROB = 0.1
 EAGLE_MIN_DRAFT_PROB = 0.1
 # With those defaults on a float CPU target, the cut of a request without a grammar grows with the batch:
 # the default times batch / 2, at most this. A node pays for its verify row when its chance of being
-# accepted exceeds the row's cost times the tokens a millisecond the engine already makes, which grows
-# with the batch. bf16 on GSM8K (bench/RESULTS.md, session 24): at batch 4 a cut of 0.2 made DFLASH 9-12%
-# and EAGLE 6-7% faster than 0.1, at batch 8 0.4 DFLASH 12% and EAGLE 6%; at batch 2 0.1 stayed DFLASH's
-# best. Under a grammar the cut stays (a chain node there also carries the forced text after it: at
-# batch 4 on JSON schemas 0.4 made DFLASH 7% slower).
+# accepted exceeds the row's cost times the tokens per millisecond the engine already makes, and that
+# grows with the batch (the sweeps on GSM8K at batch 2, 4 and 8: bench/RESULTS.md, session 24). Under a
+# grammar the cut stays: a chain node there also carries the grammar's forced text after it, which a
+# higher cut throws away with it (slower on JSON schemas at batch 4).
 BATCH_MIN_DRAFT_PROB_CAP = 0.4
 # Verify nodes of one forward, all requests together (speculative_max_verify_tokens; each tree gets an
 # even share), when not given and EAGLE or DFLASH runs on a CPU target with float weights: a verify row
