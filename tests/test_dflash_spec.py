@@ -302,6 +302,47 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
     assert all(cut == round(base * max(1, n / 2) if not constrained else base, 6) for n, constrained, cut in seen)
 
 
+def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(tiny_model_dir, copy_draft,
+                                                                               monkeypatch):
+    """int8 weights on the CPU (QUANTIZED_FREE_TEXT_DRAFT_BATCH): in a batch, a request without a grammar
+    gets a root-only tree and no block forward, a constrained one still drafts; alone, free text drafts
+    again. The ids are plain decoding's (same weights) in both."""
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    trees = []  # (batch, constrained?, nodes, block rows of free text) of every tree
+    real_propose, real_blocks = DFlashDrafter.propose, DFlashDrafter.draft_blocks
+    block_rows = []
+
+    def spy(self, reqs, share, req_to_token):
+        block_rows.clear()
+        out = real_propose(self, reqs, share, req_to_token)
+        free_rows = sum(block_rows)
+        trees.extend((len(reqs), r.guide is not None, len(tokens), free_rows) for r, (tokens, _) in zip(reqs, out))
+        return out
+
+    def spy_blocks(self, reqs, req_to_token):
+        block_rows.append(sum(r.grammar is None for r in reqs))
+        return real_blocks(self, reqs, req_to_token)
+
+    monkeypatch.setattr(DFlashDrafter, "propose", spy)
+    monkeypatch.setattr(DFlashDrafter, "draft_blocks", spy_blocks)
+    kw = dict(quantization="int8", speculative_num_draft_tokens=4)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8") as plain_q:
+        ref = [o["output_ids"] for o in plain_q.generate(PROMPTS[:4], MIXED)]
+        ref_alone = plain_q.generate(PROMPTS[2], MIXED[2])["output_ids"]
+    with dflash_engine(tiny_model_dir, copy_draft, **kw) as eng:
+        assert eng.worker.speculator.cfg.free_text_draft_batch == 1
+        outs = [o["output_ids"] for o in eng.generate(PROMPTS[:4], MIXED)]
+        batched = list(trees)
+        alone = eng.generate(PROMPTS[2], MIXED[2])["output_ids"]
+        eng.check_kv_invariant()
+    assert outs == ref and alone == ref_alone
+    assert all(n == 1 for size, constrained, n, _ in batched if size > 1 and not constrained)
+    assert any(n > 1 for size, constrained, n, _ in batched if size > 1 and constrained)
+    assert all(free == 0 for size, _, _, free in batched if size > 1)  # no block row for free text in a batch
+    assert any(n > 1 for size, _, n, _ in trees[len(batched):] if size == 1)
+
+
 def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_dir, copy_draft, plain, monkeypatch):
     """The regex's forced text ('hello world, ' twice) is longer than a block of 4 holds, and the
     n-gram path's budget lets the chain run past it: those iterations verify the chain without a

@@ -64,6 +64,20 @@ def test_the_default_cut_grows_with_the_batch_for_free_text_on_a_float_cpu_targe
     assert cfg(speculative_algorithm="NGRAM").min_draft_logp(8) == -math.inf
 
 
+def test_free_text_drafts_only_alone_on_a_quantized_cpu_target():
+    from specjet.spec_v2.config import QUANTIZED_FREE_TEXT_DRAFT_BATCH
+
+    def cfg(quantized=False, cpu=True, **kwargs):
+        return SpecConfig.from_args(EngineArgs(**kwargs), quantized_cpu_target=quantized, cpu_target=cpu)
+
+    assert QUANTIZED_FREE_TEXT_DRAFT_BATCH == 1
+    for algorithm in ("EAGLE", "DFLASH"):
+        assert cfg(quantized=True, speculative_algorithm=algorithm).free_text_draft_batch == 1
+        assert cfg(speculative_algorithm=algorithm).free_text_draft_batch is None  # float weights
+        assert cfg(cpu=False, speculative_algorithm=algorithm).free_text_draft_batch is None
+    assert cfg(quantized=True, speculative_algorithm="NGRAM").free_text_draft_batch is None
+
+
 def test_no_algorithm_no_config():
     assert config() is None
 

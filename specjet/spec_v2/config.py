@@ -86,6 +86,12 @@ EAGLE_MIN_DRAFT_PROB = 0.1
 # grammar the cut stays: a chain node there also carries the grammar's forced text after it, which a
 # higher cut throws away with it (slower on JSON schemas at batch 4).
 BATCH_MIN_DRAFT_PROB_CAP = 0.4
+# On a CPU target with quantized weights, a request without a grammar drafts only in a batch of at most
+# this many (beside others its tree is its root alone: a plain decoding step through the verify). There a
+# one-token step streams 4-bit weights and a batch of 2 costs little more than one, so every verify row is
+# dear: on GSM8K EAGLE and DFLASH were 1.13-1.16x plain at batch 1 but 0.68-0.81x at batch 2 and 0.65-0.75x
+# at batch 4 (bench/RESULTS.md, session 24). Constrained requests keep drafting (forced text is sure).
+QUANTIZED_FREE_TEXT_DRAFT_BATCH = 1
 # Verify nodes of one forward, all requests together (speculative_max_verify_tokens; each tree gets an
 # even share), when not given and EAGLE or DFLASH runs on a CPU target with float weights: a verify row
 # costs a fraction of a decode step there, so at batch 4 the full trees made speculation 0.79-0.82x plain
@@ -129,6 +135,9 @@ class SpecConfig:
     # Whether that cut grows with the batch for requests without a grammar (``min_draft_logp``): the
     # default on a float CPU target, where every verify row costs a fraction of a decode step.
     min_draft_prob_grows: bool = False
+    # A request without a grammar gets a tree beyond its root only in a batch of at most this many
+    # requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target.
+    free_text_draft_batch: int | None = None
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
     max_verify_nodes: int | None = None
@@ -224,6 +233,8 @@ class SpecConfig:
         max_verify = _given(args.speculative_max_verify_tokens, FLOAT_CPU_MAX_VERIFY_NODES if float_cpu else None)
         common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=max_verify,
                       min_draft_prob_grows=float_cpu and args.speculative_draft_min_prob is None,
+                      free_text_draft_batch=(QUANTIZED_FREE_TEXT_DRAFT_BATCH
+                                             if quantized_cpu_target and algorithm in HYBRID_ALGORITHMS else None),
                       draft_model_path=args.speculative_draft_model_path,
                       draft_runner=args.speculative_draft_runner, cuda_graph=not args.disable_cuda_graph)
         if algorithm == "EAGLE":

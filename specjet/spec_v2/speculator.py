@@ -149,6 +149,9 @@ class Speculator:
         ``sampling``: the batch's sampling parameters, one row per request."""
         share = self.tree_share(len(reqs))
         budgets = [self.tree_budget(r, share) for r in reqs]
+        limit = self.cfg.free_text_draft_batch
+        if limit is not None and len(reqs) > limit:  # free text verifies its root alone (a plain step)
+            budgets = [min(n, 1) if r.grammar is None else n for r, n in zip(reqs, budgets)]
         live = [i for i, n in enumerate(budgets) if n > 0]
         out: list[list[int]] = [[] for _ in reqs]
         if live:
