@@ -94,3 +94,4 @@ def plain(tiny_model_dir):
 
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
         yield eng
+        eng.check_kv_invariant()  # after every reference workload of the module

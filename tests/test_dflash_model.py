@@ -191,6 +191,7 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
         for drafter in (scratch, in_place):
             drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
         reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    free = allocator.num_free_slots
     results = []
     for batch in (reqs[1:], reqs):
         borrowed.clear()
@@ -213,6 +214,7 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
     short.after_prefill([SpecInput("r1", 1, 0, ids, 0)], feats, [11], table)
     borrowed.clear()
     assert torch.equal(short.draft_blocks(reqs[1:], table), results[0]) and borrowed == [BLOCK]
+    assert allocator.num_free_slots == free  # every borrowed scratch slot went back
 
 
 def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tmp_path):

@@ -330,6 +330,7 @@ def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(t
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8") as plain_q:
         ref = [o["output_ids"] for o in plain_q.generate(PROMPTS[:4], MIXED)]
         ref_alone = plain_q.generate(PROMPTS[2], MIXED[2])["output_ids"]
+        plain_q.check_kv_invariant()
     with dflash_engine(tiny_model_dir, copy_draft, **kw) as eng:
         assert eng.worker.speculator.cfg.free_text_draft_batch == 1
         outs = [o["output_ids"] for o in eng.generate(PROMPTS[:4], MIXED)]

@@ -41,6 +41,7 @@ def spec_kwargs(algorithm, head, copy_draft=None):
 def test_context_limit(cyclic_model_dir, head, copy_draft, algorithm, context_length):
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length) as plain:
         expected = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
+        plain.check_kv_invariant()
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length,
                         **spec_kwargs(algorithm, head, copy_draft)) as eng:
         outs = bounded(eng.generate, PROMPTS, GREEDY)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +57,14 @@ from specjet.models.graph_runner import GraphRunner, capture_sizes
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.tree_verifier import VerifyResult
+
+
+class _BlockConstants(NamedTuple):
+    mask: torch.Tensor  # [B, S, S] all true: a block sees all of itself
+    logits_rows: torch.Tensor  # [B * (S - 1)] flat rows of block positions 1.. (the drafts)
+    q_lens: torch.Tensor  # [B] S each
+    q_starts: torch.Tensor  # [B] each block's first flat row
+    offsets: torch.Tensor  # [S] 0 .. S - 1: a block's positions past its root's
 
 
 class DFlashDrafter:
@@ -80,7 +89,7 @@ class DFlashDrafter:
         # Positions past a request's committed length whose slots the scheduler holds when it drafts
         # (the verify writes its tree there): a block that fits runs in place (see the module's docstring).
         self.reserved = reserved
-        self._block_constants: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> _constants
+        self._block_constants: dict[int, _BlockConstants] = {}  # batch size -> _constants
         cfg = runner.config
         self.kv_cache = KVCache(draft.shape.num_layers, runner.kv_cache.num_slots, cfg.num_kv_heads, cfg.head_dim,
                                 runner.dtype, runner.device)
@@ -180,10 +189,9 @@ class DFlashDrafter:
             for b, (r, n) in enumerate(zip(reqs, visible)):
                 table[b, :n] = req_to_token[r.row, r.committed_len - n:r.committed_len]
                 table[b, n:n + size] = scratch[b]
-            ids = torch.full((batch, size), self.draft.shape.mask_token_id, dtype=torch.int64, device=device)
-            ids[:, 0] = torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device)
+            ids = self._block_ids(torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device))
             committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
-            inputs = {"ids": ids, "positions": committed[:, None] + torch.arange(size, device=device),
+            inputs = {"ids": ids, "positions": committed[:, None] + self._constants(1, device).offsets,
                       "slots": scratch, "table": table,
                       "kv_lens": torch.tensor(visible, dtype=torch.int64, device=device) + size,
                       "root_ctx": self._root_ctx(reqs, device)}
@@ -208,21 +216,20 @@ class DFlashDrafter:
             if batch == 1:
                 start = reqs[0].committed_len
                 table = req_to_token[reqs[0].row:reqs[0].row + 1, :width]
-                positions, slots = self._offsets(device) + start, table[0, start:]
+                positions, slots = self._constants(1, device).offsets + start, table[0, start:]
             else:
                 table = req_to_token[rows, :width]
-                positions = (committed[:, None] + self._offsets(device)).reshape(-1)
+                positions = (committed[:, None] + self._constants(1, device).offsets).reshape(-1)
                 slots = table.gather(1, positions.view(batch, size)).reshape(-1)
-            mask, _, q_lens, q_starts, _ = self._constants(batch, device)
+            c = self._constants(batch, device)
             logits = self.draft.native_block_logits(roots, root_ctx, positions, slots,
-                                                    (table, committed + size, q_lens, q_starts, mask), self.kv_cache)
+                                                    (table, committed + size, c.q_lens, c.q_starts, c.mask),
+                                                    self.kv_cache)
             if logits is not None:
                 return logits
-        positions = committed[:, None] + self._offsets(device)
+        positions = committed[:, None] + self._constants(1, device).offsets
         slots = req_to_token[rows[:, None], positions]
-        ids = torch.full((batch, size), self.draft.shape.mask_token_id, dtype=torch.int64, device=device)
-        ids[:, 0] = roots
-        inputs = {"ids": ids, "positions": positions, "slots": slots, "table": req_to_token, "rows": rows,
+        inputs = {"ids": self._block_ids(roots), "positions": positions, "slots": slots, "table": req_to_token, "rows": rows,
                   "kv_lens": committed + size, "root_ctx": root_ctx}
         return self._block_forward(inputs)[0]
 
@@ -235,7 +242,7 @@ class DFlashDrafter:
         ids = inputs["ids"]
         batch, size = ids.shape
         device = ids.device
-        mask, logits_rows = self._constants(batch, device)[:2]
+        constants = self._constants(batch, device)
         fb = ForwardBatch.build(
             ForwardMode.VERIFY,  # several new tokens under a caller-given mask
             input_ids=ids.reshape(-1),
@@ -245,29 +252,32 @@ class DFlashDrafter:
             req_pool_indices=inputs["rows"] if "rows" in inputs else torch.arange(batch, device=device),
             kv_lens=inputs["kv_lens"],
             q_lens=torch.full((batch,), size, dtype=torch.int64, device=device),
-            custom_mask=mask,  # the non-causal block
-            logits=logits_rows,  # position 0 (the root) drafts nothing
+            custom_mask=constants.mask,  # the non-causal block
+            logits=constants.logits_rows,  # position 0 (the root) drafts nothing
             static_sizes=capture_sizes(self.graph, size, inputs["table"]),
         )
         root_ctx = inputs["root_ctx"] if self.draft.root_proj is not None else None
         return (self.draft(fb, self.kv_cache, root_ctx).view(batch, size - 1, -1),)
 
-    def _offsets(self, device) -> torch.Tensor:
-        """[S]: 0 .. S - 1, a block's positions past its root's."""
-        return self._constants(1, device)[4]
+    def _block_ids(self, roots: torch.Tensor) -> torch.Tensor:
+        """[B, S] block ids: each root, then mask ids."""
+        ids = torch.full((roots.shape[0], self.block_size), self.draft.shape.mask_token_id, dtype=torch.int64,
+                         device=roots.device)
+        ids[:, 0] = roots
+        return ids
 
-    def _constants(self, batch: int, device) -> tuple[torch.Tensor, ...]:
-        """A batch of blocks' all-true mask [B, S, S], the flat rows of positions 1.. [B * (S - 1)], the
-        query lengths [B], the blocks' first flat rows [B] and 0 .. S - 1, made once per batch size
-        (read-only; kept alive for a captured graph that reads them)."""
+    def _constants(self, batch: int, device) -> "_BlockConstants":
+        """A batch of blocks' index tensors, made once per batch size (read-only; kept alive for a
+        captured graph that reads them)."""
         if batch not in self._block_constants:
             size = self.block_size
             starts = torch.arange(batch, device=device) * size
             offsets = torch.arange(size, device=device)
-            self._block_constants[batch] = (
-                torch.ones((batch, size, size), dtype=torch.bool, device=device),
-                (starts[:, None] + offsets[1:]).reshape(-1),
-                torch.full((batch,), size, dtype=torch.int64, device=device), starts, offsets)
+            self._block_constants[batch] = _BlockConstants(
+                mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),
+                logits_rows=(starts[:, None] + offsets[1:]).reshape(-1),
+                q_lens=torch.full((batch,), size, dtype=torch.int64, device=device), q_starts=starts,
+                offsets=offsets)
         return self._block_constants[batch]
 
     def _root_ctx(self, reqs: list[SpecInput], device) -> torch.Tensor:
