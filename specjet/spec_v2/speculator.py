@@ -25,6 +25,7 @@ from specjet.models.dflash import default_dflash_path, load_dflash
 from specjet.models.eagle import default_eagle_path, load_eagle
 from specjet.models.forward_batch import CaptureHidden
 from specjet.models.runner import ModelRunner
+from specjet.spec_v2.catch_up import CatchUp, PendingPositions, subset
 from specjet.spec_v2.config import SpecConfig
 from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import DraftRequest, Drafter, SpecInput
@@ -105,6 +106,8 @@ class Speculator:
         self.draft_model_dir = draft_model_dir(cfg)  # None: a head handed in, or no draft model
         self.drafter = make_drafter(cfg, runner, allocator)
         self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture, static_nodes=cfg.max_tree_nodes)
+        # A learned drafter sees the positions of root-only trees later, in one call (catch_up.py).
+        self.pending = PendingPositions() if self.drafter.feature_capture is not None else None
         self.timings = PhaseTimings()
 
     # ---------------------------------------------------------------- geometry (pure: config only)
@@ -142,6 +145,9 @@ class Speculator:
     # ---------------------------------------------------------------- the iteration
     def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
                       req_to_token: torch.Tensor) -> None:
+        if self.pending is not None:
+            for r in reqs:  # a request prefilled anew (after a retraction) starts its draft state over
+                self.pending.drop(r.rid)
         self.drafter.after_prefill(reqs, hidden, first_tokens, req_to_token)
 
     def run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor) -> list[list[int]]:
@@ -172,6 +178,9 @@ class Speculator:
                                self.cfg.min_draft_logp(len(reqs), r.grammar is not None))
                   for r, g, n in zip(reqs, guides, budgets)]
         clock.lap("grammar")
+        if self.pending is not None:
+            self._catch_up(self.pending.before_drafting([r for r, n in zip(reqs, budgets) if n > 1]), req_to_token)
+            clock.lap("draft_extend")
         trees = self.drafter.propose(drafts, share, req_to_token)
         clock.lap("draft")
         verify_inputs = []
@@ -185,12 +194,30 @@ class Speculator:
         clock.lap("grammar")
         result = self.verifier.verify(verify_inputs, req_to_token, sampling)
         clock.lap("verify")
-        self.drafter.after_verify(reqs, result, req_to_token)
+        self._after_verify(reqs, budgets, result, req_to_token)
         clock.lap("draft_extend")
         self.timings.finish()
         return result.accepted_tokens
 
+    def _after_verify(self, reqs: list[SpecInput], budgets: list[int], result, req_to_token: torch.Tensor) -> None:
+        """The drafter extends over what the drafting requests accepted; a root-only tree's position
+        waits for a catch-up (catch_up.py)."""
+        if self.pending is None or all(n > 1 for n in budgets):
+            self.drafter.after_verify(reqs, result, req_to_token)
+            return
+        drafted = [i for i, n in enumerate(budgets) if n > 1]
+        if drafted:
+            self.drafter.after_verify([reqs[i] for i in drafted], subset(result, drafted), req_to_token)
+        alone = [i for i, n in enumerate(budgets) if n <= 1]
+        self._catch_up(self.pending.after_root_only([reqs[i] for i in alone], subset(result, alone)), req_to_token)
+
+    def _catch_up(self, work: CatchUp | None, req_to_token: torch.Tensor) -> None:
+        if work is not None:
+            self.drafter.after_prefill(work.inputs, work.features, work.next_tokens, req_to_token)
+
     def release(self, rid: str) -> None:
+        if self.pending is not None:
+            self.pending.drop(rid)
         self.drafter.release(rid)
 
 
