@@ -71,7 +71,8 @@ def random_drafts(tmp_path_factory, tiny_model_dir):
 def test_caught_up_drafts_equal_extended_ones(tiny_model_dir, random_drafts, algorithm, monkeypatch):
     """int8 weights on the CPU: in a batch of two, free text verifies its root alone; the long request
     then drafts alone. With the catch-up (one at the cap of 16 positions, one before drafting again)
-    every tree is the one the per-iteration extends give, and the ids are plain decoding's."""
+    every tree is the one the drafter's extend after every verify gives, and the ids are plain
+    decoding's."""
     from specjet.spec_v2.speculator import Speculator
 
     prompts = ["The cat sat on the mat. The cat", "1 2 3 4 1 2"]
@@ -88,7 +89,7 @@ def test_caught_up_drafts_equal_extended_ones(tiny_model_dir, random_drafts, alg
 
         def propose(drafts, share, req_to_token):
             out = real_propose(drafts, share, req_to_token)
-            trees[self.pending is not None].append([(d.input.committed_len, t) for d, t in zip(drafts, out)])
+            trees[lazy].append([(d.input.committed_len, t) for d, t in zip(drafts, out)])
             return out
 
         self.drafter.propose = propose
@@ -111,8 +112,9 @@ def test_caught_up_drafts_equal_extended_ones(tiny_model_dir, random_drafts, alg
                             speculative_algorithm=algorithm, speculative_draft_model_path=str(random_drafts[algorithm]),
                             speculative_hybrid_ngram_tokens=0, speculative_num_draft_tokens=4,
                             speculative_draft_min_prob=0.0, disable_overlap_schedule=True) as eng:
-            if not lazy:
-                eng.worker.speculator.pending = None  # the extend after every verify
+            spec = eng.worker.speculator
+            if not lazy:  # the drafter's own after_verify after every verify, root-only trees included
+                spec._after_verify = lambda reqs, budgets, result, table: spec.drafter.after_verify(reqs, result, table)
             outs[lazy] = [o["output_ids"] for o in eng.generate(prompts, params)]
             eng.check_kv_invariant()
     assert outs[True] == expected and outs[False] == expected

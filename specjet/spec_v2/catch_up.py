@@ -77,16 +77,17 @@ class PendingPositions:
     def after_root_only(self, reqs: list[SpecInput], result: VerifyResult) -> CatchUp | None:
         """``reqs`` verified their roots alone (``result`` holds exactly their verify): keep each new
         position's features; the runs that reach ``max_pending`` come back to be caught up now."""
-        hidden = result.output.hidden
+        rows = [offset + n for nodes, offset in zip(result.accepted_nodes, result.node_offsets) for n in nodes]
+        # One gather for the batch (a copy: a static verify's output buffer is reused), split per request.
+        kept = result.output.hidden[rows].split([len(nodes) for nodes in result.accepted_nodes])
         parts = []
-        for r, tokens, nodes, offset in zip(reqs, result.accepted_tokens, result.accepted_nodes, result.node_offsets):
+        for r, tokens, features in zip(reqs, result.accepted_tokens, kept):
             run = self._runs.get(r.rid)
             if run is None:
                 run = self._runs[r.rid] = _Run(r.committed_len)
             self._check(r, run)
-            rows = [offset + n for n in nodes]
-            run.features.append(hidden[rows])  # a copy: a static verify's output buffer is reused
-            run.rows += len(rows)
+            run.features.append(features)
+            run.rows += features.shape[0]
             if run.rows >= self.max_pending:
                 del self._runs[r.rid]
                 # Positions start .. committed_len + len(tokens) - 1; the tokens after them: the

@@ -178,10 +178,12 @@ class Speculator:
                                self.cfg.min_draft_logp(len(reqs), r.grammar is not None))
                   for r, g, n in zip(reqs, guides, budgets)]
         clock.lap("grammar")
-        if self.pending is not None:
-            self._catch_up(self.pending.before_drafting([r for r, n in zip(reqs, budgets) if n > 1]), req_to_token)
+        drafting = [d for d in drafts if d.budget > 1]  # a budget of 1 is the root alone: nothing to draft
+        if self.pending is not None and drafting:
+            self._catch_up(self.pending.before_drafting([d.input for d in drafting]), req_to_token)
             clock.lap("draft_extend")
-        trees = self.drafter.propose(drafts, share, req_to_token)
+        drafted = iter(self.drafter.propose(drafting, share, req_to_token) if drafting else [])
+        trees = [next(drafted) if d.budget > 1 else ([d.input.root], [-1]) for d in drafts]
         clock.lap("draft")
         verify_inputs = []
         for req, guide, (tokens, parents) in zip(reqs, guides, trees):
@@ -201,15 +203,17 @@ class Speculator:
 
     def _after_verify(self, reqs: list[SpecInput], budgets: list[int], result, req_to_token: torch.Tensor) -> None:
         """The drafter extends over what the drafting requests accepted; a root-only tree's position
-        waits for a catch-up (catch_up.py)."""
-        if self.pending is None or all(n > 1 for n in budgets):
+        (the drafter never saw that request this iteration) waits for a catch-up (catch_up.py)."""
+        drafted = [i for i, n in enumerate(budgets) if n > 1]
+        if len(drafted) == len(reqs):
             self.drafter.after_verify(reqs, result, req_to_token)
             return
-        drafted = [i for i, n in enumerate(budgets) if n > 1]
         if drafted:
             self.drafter.after_verify([reqs[i] for i in drafted], subset(result, drafted), req_to_token)
-        alone = [i for i, n in enumerate(budgets) if n <= 1]
-        self._catch_up(self.pending.after_root_only([reqs[i] for i in alone], subset(result, alone)), req_to_token)
+        if self.pending is not None:
+            alone = [i for i, n in enumerate(budgets) if n <= 1]
+            self._catch_up(self.pending.after_root_only([reqs[i] for i in alone], subset(result, alone)),
+                           req_to_token)
 
     def _catch_up(self, work: CatchUp | None, req_to_token: torch.Tensor) -> None:
         if work is not None:

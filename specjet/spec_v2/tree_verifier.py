@@ -64,7 +64,9 @@ class TreeVerifier:
         graphs = self.runner.graphs
         static = graphs is not None and self.static_nodes is not None and max_n <= self.static_nodes
         # Through the graphs the mask is built at their width (no second, padded copy on the device).
-        mask = _tree_masks(ancestors, self.static_nodes if static else max_n).to(device, non_blocking=True)
+        # Roots alone need none: the forward is a plain decode step's.
+        mask = (None if max_n == 1 and not static else
+                _tree_masks(ancestors, self.static_nodes if static else max_n).to(device, non_blocking=True))
         host = torch.tensor([[t for r in reqs for t in r.tokens],
                              [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes],
                              [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
@@ -80,7 +82,7 @@ class TreeVerifier:
                                 self.capture_hidden)
         else:
             out = self.runner.forward(ForwardBatch.build(
-                ForwardMode.VERIFY,
+                ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE,
                 input_ids=ids,
                 positions=positions,
                 out_cache_loc=slots,
