@@ -169,25 +169,26 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
   return load_lanes(tmp);
 }
 
-// acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = 0, 1, ... of w[r][p] * v_p.
+// acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_lo, p_lo + 1, .. p_end - 1 of
+// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]).
 template <int R, class T, class Visible>
-SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* slots, int64_t kvh, int64_t kv_end,
-                         int64_t prefix, int64_t r0, int64_t c0, const float* scores, int64_t ld_scores,
-                         const Visible& visible, float* acc) {
+SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* slots, int64_t kvh, int64_t p_lo,
+                         int64_t p_end, int64_t prefix, int64_t r0, int64_t c0, const float* scores,
+                         int64_t ld_scores, const Visible& visible, float* acc) {
   const int64_t D = bt.head_dim, KV = bt.num_kv_heads;
   lanes_d sum[R][kPvVecs];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
   constexpr int64_t kAhead = 8;
-  for (int64_t p = 0; p < kv_end; ++p) {
-    if (p + kAhead < kv_end) prefetch_row(v_cache + (slots[p + kAhead] * KV + kvh) * D + c0, kPvDims);
+  for (int64_t p = p_lo; p < p_end; ++p) {
+    if (p + kAhead < p_end) prefetch_row(v_cache + (slots[p + kAhead] * KV + kvh) * D + c0, kPvDims);
     const T* v = v_cache + (slots[p] * KV + kvh) * D + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
     const bool all = p < prefix;
     for (int r = 0; r < R; ++r) {
       if (!all && !visible(r0 + r, p)) continue;
-      const float w = scores[(r0 + r) * ld_scores + p];
+      const float w = scores[(r0 + r) * ld_scores + p - p_lo];
       for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
     }
   }
@@ -210,18 +211,20 @@ SJ_INLINE float max_of(const float* s, int64_t n, float m) {
 }
 
 constexpr int kSumRows = 8;
-// row_sum[r] for rows r0 .. r0 + R: the weights of the row's visible keys added in position order.
+// row_sum[r] for rows r0 .. r0 + R: the weights of the row's visible keys in [p_lo, p_end) added in
+// position order.
 template <int R, class Visible>
-SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, int64_t prefix, int64_t kv_end,
-                           const Visible& visible, float* row_sum) {
+SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, int64_t p_lo, int64_t prefix,
+                           int64_t p_end, const Visible& visible, float* row_sum) {
   float sum[R];
   for (int r = 0; r < R; ++r) sum[r] = 0.0f;
   const float* s = scores + r0 * ld_scores;
-  for (int64_t p = 0; p < prefix; ++p)  // seen by every row
-    for (int r = 0; r < R; ++r) sum[r] += s[r * ld_scores + p];
-  for (int64_t p = prefix; p < kv_end; ++p)
+  const int64_t shared_end = std::min(prefix, p_end);
+  for (int64_t p = p_lo; p < shared_end; ++p)  // seen by every row
+    for (int r = 0; r < R; ++r) sum[r] += s[r * ld_scores + p - p_lo];
+  for (int64_t p = std::max(prefix, p_lo); p < p_end; ++p)
     for (int r = 0; r < R; ++r)
-      if (visible(r0 + r, p)) sum[r] += s[r * ld_scores + p];
+      if (visible(r0 + r, p)) sum[r] += s[r * ld_scores + p - p_lo];
   for (int r = 0; r < R; ++r) row_sum[r0 + r] = sum[r];
 }
 
@@ -233,17 +236,29 @@ struct Workspace {
   std::vector<const bool*> row_mask;
 };
 
-// One (request, KV head, tile of the request's new tokens, query heads h0 .. h1 of the KV head's group):
-// rows r = token j0 + r / heads, query head kvh * group + h0 + r % heads. A row's arithmetic is its own,
-// so how rows are grouped into tiles never changes a bit.
+// Keys are taken in chunks of kKeyChunk positions (0 .. kKeyChunk - 1, then the next ..), the same chunks for
+// every row whatever the batch, so a long context's chunks can go to different threads without changing a
+// bit: a chunk's softmax is taken against its own maximum, and the chunks are merged in position order
+// (merge_chunks). A row that sees kKeyChunk keys or fewer has one chunk, and the arithmetic of a single pass.
+constexpr int64_t kKeyChunk = 512;
+// What a chunk leaves for the merge, per row: its maximum, its weights' sum, its weights x V ([D]).
+inline int64_t partial_width(int64_t D) { return D + 2; }
+
+// One (request, KV head, tile of the request's new tokens, query heads h0 .. h1 of the KV head's group,
+// keys c_lo .. c_hi - 1): rows r = token j0 + r / heads, query head kvh * group + h0 + r % heads. A row's
+// arithmetic is its own, so how rows are grouped into tiles never changes a bit. With `partial` null the
+// keys are all the rows see and the output is written; else the chunk's part goes to `partial` (rows x
+// partial_width).
 template <class T>
 void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t b, int64_t kvh,
-                 int64_t j0, int64_t j1, int64_t h0, int64_t h1, Workspace& ws) {
+                 int64_t j0, int64_t j1, int64_t h0, int64_t h1, int64_t c_lo, int64_t c_hi, float* partial,
+                 Workspace& ws) {
   const int64_t D = bt.head_dim, H = bt.num_heads, KV = bt.num_kv_heads, group = H / KV, heads = h1 - h0;
   const int64_t kv_len = bt.kv_lens[b], q_len = bt.q_lens[b], prefix = kv_len - q_len;
   const int64_t rows = (j1 - j0) * heads;
   // Causal rows see nothing past their own token; a custom mask may allow any new token.
   const int64_t kv_end = bt.mask ? kv_len : prefix + j1;
+  const int64_t c_end = std::min(kv_end, c_hi);  // this unit's keys: c_lo .. c_end - 1
   const int64_t* slots = bt.kv_indices + b * bt.max_kv;
   const bool* mask = bt.mask ? bt.mask + b * bt.max_q * bt.max_q : nullptr;
   // Keys before `prefix` are seen by every row; a new token's key by the rows its mask (or causality) allows:
@@ -254,14 +269,14 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   const bool** row_mask = ws.row_mask.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t j = j0 + r / heads;
-    row_end[r] = mask ? kv_end : prefix + j + 1;
+    row_end[r] = std::min(mask ? kv_end : prefix + j + 1, c_end);
     row_mask[r] = mask ? mask + j * bt.max_q - prefix : nullptr;  // indexed by key position p >= prefix
   }
   auto visible = [&](int64_t r, int64_t p) {
     return p < row_end[r] && (p < prefix || row_mask[r] == nullptr || row_mask[r][p]);
   };
 
-  const int64_t ld_scores = kv_end;  // a row's scores, one per key position
+  const int64_t ld_scores = c_end - c_lo;  // a row's scores, one per key position of the chunk
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   ws.qd.assign(rows * Dp, 0.0);
   ws.scores.resize(rows * ld_scores);
@@ -277,21 +292,21 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= static_cast<float>(bt.scale);
   }
   constexpr int64_t kAhead = 8;
-  for (int64_t p = 0; p < std::min(kv_end, kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
-  int64_t p0 = 0;
+  for (int64_t p = c_lo; p < std::min(c_end, c_lo + kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
+  int64_t p0 = c_lo;
 #if SJ_VEC_BYTES >= 32
-  for (; p0 + kKeyBlock <= kv_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
-    for (int64_t p = p0 + kKeyBlock; p < std::min(kv_end, p0 + 2 * kKeyBlock); ++p)
+  for (; p0 + kKeyBlock <= c_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
+    for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
       prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
     for (int64_t j = 0; j < kKeyBlock; ++j) widen(k_cache + (slots[p0 + j] * KV + kvh) * D, kd + j * Dp, D);
-    for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kd, scores + r * ld_scores + p0);
+    for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kd, scores + r * ld_scores + p0 - c_lo);
   }
 #endif
-  for (int64_t p = p0; p < kv_end; ++p) {
-    if (p + kAhead < kv_end) prefetch_row(k_cache + (slots[p + kAhead] * KV + kvh) * D, D);
+  for (int64_t p = p0; p < c_end; ++p) {
+    if (p + kAhead < c_end) prefetch_row(k_cache + (slots[p + kAhead] * KV + kvh) * D, D);
     widen(k_cache + (slots[p] * KV + kvh) * D, kd, D);  // kd[D .. Dp) stay zero
     int64_t r = 0;
-    float* sp = scores + p;
+    float* sp = scores + p - c_lo;
     for (; r + kRowBlock <= rows; r += kRowBlock)
       score_key<kRowBlock>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores);
     switch (rows - r) {
@@ -302,46 +317,80 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* s = scores + r * ld_scores;
+    const float* s = scores + r * ld_scores;  // position p at s[p - c_lo]
     // A maximum is exact in any order, so the shared keys' part goes a vector at a time.
-    float m = max_of(s, std::min(prefix, row_end[r]), row_max[r]);
-    for (int64_t p = prefix; p < row_end[r]; ++p)
-      if (visible(r, p) && s[p] > m) m = s[p];
+    const int64_t shared_end = std::max(c_lo, std::min(prefix, row_end[r]));
+    float m = max_of(s, shared_end - c_lo, row_max[r]);
+    for (int64_t p = shared_end; p < row_end[r]; ++p)
+      if (visible(r, p) && s[p - c_lo] > m) m = s[p - c_lo];
     row_max[r] = m;
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld_scores;
     const float m = row_max[r];
+    if (m == -std::numeric_limits<float>::infinity()) continue;  // no key of this chunk is visible to the row
     // Every score of the row is replaced by its weight; masked positions hold garbage and are skipped below.
-    for (int64_t p = 0; p < row_end[r]; ++p) s[p] = exp_nonpositive(s[p] - m);
+    for (int64_t p = c_lo; p < row_end[r]; ++p) s[p - c_lo] = exp_nonpositive(s[p - c_lo] - m);
   }
   // Weights x V: acc[r][d] adds w_p * v_p[d] over the row's visible keys in position order (the same
-  // for every d, whether the sum sits in a register or in memory), kPvRows rows and kPvDims dims at a
-  // time in registers; a head_dim tail that does not fill kPvDims goes through memory.
+  // for every d, whether the sum sits in a register or in memory), up to kPvRows rows and kPvDims dims at a
+  // time in registers (each value loaded once for them); a head_dim tail that does not fill kPvDims goes
+  // through memory.
   int64_t c0 = 0;
   for (; c0 + kPvDims <= D; c0 += kPvDims) {
     int64_t r = 0;
-    for (; r + kPvRows <= rows; r += kPvRows) weigh_values<kPvRows>(bt, v_cache, slots, kvh, kv_end, prefix, r, c0, scores, ld_scores, visible, acc);
-    for (; r < rows; ++r) weigh_values<1>(bt, v_cache, slots, kvh, kv_end, prefix, r, c0, scores, ld_scores, visible, acc);
+    for (; r + kPvRows <= rows; r += kPvRows)
+      weigh_values<kPvRows>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
+    if constexpr (kPvRows >= 4) {
+      if (rows - r == 3) {
+        weigh_values<3>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
+        r += 3;
+      } else if (rows - r == 2) {
+        weigh_values<2>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
+        r += 2;
+      }
+    }
+    for (; r < rows; ++r)
+      weigh_values<1>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
   }
   if (c0 < D) {
-    for (int64_t p = 0; p < kv_end; ++p) {
+    for (int64_t p = c_lo; p < c_end; ++p) {
       widen(v_cache + (slots[p] * KV + kvh) * D, kd, D);
       const bool all = p < prefix;
       for (int64_t r = 0; r < rows; ++r) {
         if (!all && !visible(r, p)) continue;
-        const float w = scores[r * ld_scores + p];
+        const float w = scores[r * ld_scores + p - c_lo];
         float* o = acc + r * D;
         for (int64_t d = c0; d < D; ++d) o[d] += w * kd[d];
       }
     }
   }
-  // The softmax denominators, each a sum in position order; kSumRows rows' sums advance together in
+  // The softmax denominators, each a sum in position order; up to kSumRows rows' sums advance together in
   // registers (one row's chain of dependent adds alone waits on each add's latency).
   {
     int64_t r = 0;
-    for (; r + kSumRows <= rows; r += kSumRows) sum_weights<kSumRows>(scores, ld_scores, r, prefix, kv_end, visible, row_sum);
-    for (; r < rows; ++r) sum_weights<1>(scores, ld_scores, r, prefix, kv_end, visible, row_sum);
+    for (; r + kSumRows <= rows; r += kSumRows)
+      sum_weights<kSumRows>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum);
+    if (rows - r >= 4) {
+      sum_weights<4>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum);
+      r += 4;
+    }
+    switch (rows - r) {
+      case 3: sum_weights<3>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum); break;
+      case 2: sum_weights<2>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum); break;
+      case 1: sum_weights<1>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum); break;
+      default: break;
+    }
+  }
+  if (partial != nullptr) {
+    const int64_t width = partial_width(D);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* part = partial + r * width;
+      part[0] = row_max[r];
+      part[1] = row_sum[r];
+      std::memcpy(part + 2, acc + r * D, D * sizeof(float));
+    }
+    return;
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / heads, h = kvh * group + h0 + r % heads;
@@ -350,27 +399,62 @@ void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache
   }
 }
 
-// Every (request, KV head, query tile) of the batch, spread over the threads. When those are too few
-// to share out evenly (a decode step of one request: as many items as KV heads), each is split by
-// query head: each key is then read once per head instead of once per group, but no thread idles.
-// Threads take runs of consecutive items of about equal cost (rows x keys seen), not equal counts:
-// a verify of 26 nodes has tiles of 8, 8, 8 and 2 tokens. A KV head's tiles are consecutive, so a
-// thread taking two of them reads that head's keys and values from memory once.
+// The rows of one (request, KV head, tile, query heads h0 .. h1) from its `chunks` parts (chunk c's at
+// partials + c * rows * partial_width): m = the largest chunk maximum; each chunk's sum and weights x V
+// scaled by exp(its maximum - m) and added in chunk order; the output their quotient.
+template <class T>
+void merge_chunks(const Batch& bt, T* out, int64_t b, int64_t kvh, int64_t j0, int64_t j1, int64_t h0, int64_t h1,
+                  int64_t chunks, const float* partials, std::vector<float>& acc) {
+  const int64_t D = bt.head_dim, H = bt.num_heads, group = H / bt.num_kv_heads, heads = h1 - h0;
+  const int64_t rows = (j1 - j0) * heads, width = partial_width(D), stride = rows * width;
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  acc.resize(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNone;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partials[c * stride + r * width]);
+    float sum = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* part = partials + c * stride + r * width;
+      if (part[0] == kNone) continue;  // the row sees no key of this chunk
+      const float f = exp_nonpositive(part[0] - m);
+      sum += f * part[1];
+      for (int64_t d = 0; d < D; ++d) acc[d] += f * part[2 + d];
+    }
+    const int64_t t = bt.q_starts[b] + j0 + r / heads, h = kvh * group + h0 + r % heads;
+    T* dst = out + (t * H + h) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(static_cast<float>(acc[d] / sum));
+  }
+}
+
+// Every (request, KV head, query tile, key chunk) of the batch, spread over the threads. When those are too
+// few to share out evenly (a decode step of one request with a short context: as many items as KV heads),
+// each is split by query head: each key is then read once per head instead of once per group, but no thread
+// idles. Threads take runs of consecutive items of about equal cost (rows x keys seen), not equal counts:
+// a verify of 26 nodes has tiles of 8, 8, 8 and 2 tokens. A KV head's tiles and chunks are consecutive, so a
+// thread taking two of them reads that head's keys and values from memory once. Rows whose keys span
+// several chunks are then merged (merge_chunks), again spread over the threads.
 template <class T>
 void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
-  const int64_t group = bt.num_heads / bt.num_kv_heads;
+  const int64_t group = bt.num_heads / bt.num_kv_heads, D = bt.head_dim;
+  // The keys the rows of request b's tile [j0, j1) see: causal rows up to their own token.
+  auto keys_seen = [&](int64_t b, int64_t j1) { return bt.mask ? bt.kv_lens[b] : bt.kv_lens[b] - bt.q_lens[b] + j1; };
+  auto chunks_of = [&](int64_t keys) { return std::max<int64_t>(1, (keys + kKeyChunk - 1) / kKeyChunk); };
   int64_t items = 0;
-  for (int64_t b = 0; b < batch; ++b) items += bt.num_kv_heads * ((bt.q_lens[b] + kQueryTile - 1) / kQueryTile);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j0 = 0; j0 < bt.q_lens[b]; j0 += kQueryTile)
+      items += bt.num_kv_heads * chunks_of(keys_seen(b, std::min(bt.q_lens[b], j0 + kQueryTile)));
   const int64_t threads = at::get_num_threads();
   const int64_t parts = (threads > 1 && items % threads != 0 && items < 4 * threads) ? std::min(group, threads) : 1;
   struct Unit {
-    int64_t b, kvh, j0, j1, h0, h1;
+    int64_t b, kvh, j0, j1, h0, h1, c_lo, c_hi, partial;  // partial: offset in `partials`, or -1 (write out)
   };
-  std::vector<Unit> units;
-  units.reserve(items * parts);
-  std::vector<double> cost_end;  // cumulative cost of units [0, i]
-  cost_end.reserve(items * parts);
-  double total = 0.0;
+  struct Merge {
+    int64_t b, kvh, j0, j1, h0, h1, chunks, partial;
+  };
+  // Each (request, KV head, tile, query heads) group's chunks; a group of several keeps its parts for a merge.
+  std::vector<Merge> groups, merges;
+  int64_t partial_floats = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t tiles = (bt.q_lens[b] + kQueryTile - 1) / kQueryTile;
     for (int64_t kvh = 0; kvh < bt.num_kv_heads; ++kvh)
@@ -378,11 +462,39 @@ void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int
         for (int64_t part = 0; part < parts; ++part) {
           const int64_t j0 = tile * kQueryTile, j1 = std::min(bt.q_lens[b], j0 + kQueryTile);
           const int64_t h0 = part * group / parts, h1 = (part + 1) * group / parts;
-          units.push_back({b, kvh, j0, j1, h0, h1});
-          total += static_cast<double>((j1 - j0) * (h1 - h0)) * static_cast<double>(bt.kv_lens[b]) + 1.0;
-          cost_end.push_back(total);
+          const int64_t chunks = chunks_of(keys_seen(b, j1));
+          groups.push_back({b, kvh, j0, j1, h0, h1, chunks, chunks > 1 ? partial_floats : -1});
+          if (chunks > 1) {
+            merges.push_back(groups.back());
+            partial_floats += chunks * (j1 - j0) * (h1 - h0) * partial_width(D);
+          }
         }
   }
+  // Units in chunk order within a request, every group's part of a chunk together (a thread's share is a
+  // stretch of the request's slots, whose KV heads lie side by side in the pool).
+  std::vector<Unit> units;
+  units.reserve(items * parts);
+  std::vector<double> cost_end;  // cumulative cost of units [0, i]
+  cost_end.reserve(items * parts);
+  double total = 0.0;
+  for (size_t g0 = 0; g0 < groups.size();) {
+    size_t g1 = g0;
+    int64_t most = 0;
+    for (; g1 < groups.size() && groups[g1].b == groups[g0].b; ++g1) most = std::max(most, groups[g1].chunks);
+    for (int64_t c = 0; c < most; ++c)
+      for (size_t g = g0; g < g1; ++g) {
+        const Merge& m = groups[g];
+        if (c >= m.chunks) continue;
+        const int64_t keys = keys_seen(m.b, m.j1), rows = (m.j1 - m.j0) * (m.h1 - m.h0);
+        const int64_t c_lo = c * kKeyChunk, c_hi = m.chunks > 1 ? std::min(keys, c_lo + kKeyChunk) : keys;
+        units.push_back({m.b, m.kvh, m.j0, m.j1, m.h0, m.h1, c_lo, c_hi,
+                         m.partial < 0 ? -1 : m.partial + c * rows * partial_width(D)});
+        total += static_cast<double>(rows) * static_cast<double>(c_hi - c_lo) + 1.0;
+        cost_end.push_back(total);
+      }
+    g0 = g1;
+  }
+  std::vector<float> partials(partial_floats);
   const int64_t n = static_cast<int64_t>(units.size());
   const int64_t shares = std::max<int64_t>(1, std::min(threads, n));
   // Share s runs the units whose cumulative cost ends in (s / shares, (s + 1) / shares] of the total.
@@ -396,7 +508,16 @@ void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int
     Workspace ws;
     for (int64_t i = share_start(s0); i < share_start(s1); ++i) {
       const Unit& u = units[i];
-      attend_tile(bt, q, k, v, out, u.b, u.kvh, u.j0, u.j1, u.h0, u.h1, ws);
+      attend_tile(bt, q, k, v, out, u.b, u.kvh, u.j0, u.j1, u.h0, u.h1, u.c_lo, u.c_hi,
+                  u.partial < 0 ? nullptr : partials.data() + u.partial, ws);
+    }
+  });
+  if (merges.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t m0, int64_t m1) {
+    std::vector<float> acc;
+    for (int64_t i = m0; i < m1; ++i) {
+      const Merge& m = merges[i];
+      merge_chunks(bt, out, m.b, m.kvh, m.j0, m.j1, m.h0, m.h1, m.chunks, partials.data() + m.partial, acc);
     }
   });
 }

@@ -138,6 +138,44 @@ def test_threads_share_uneven_tiles_by_cost_and_every_row_is_computed_once():
     torch.testing.assert_close(one, reference, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("q_len,tree", [(1, False), (9, False), (6, True)], ids=["decode", "extend", "tree"])
+def test_a_long_context_in_key_chunks_keeps_its_bits_on_any_threads_and_in_any_batch(q_len, tree):
+    """Past 512 keys a row's keys go in fixed chunks, merged in order (attention_body.h kKeyChunk): 1,300 and
+    1,025 keys (3 chunks; one key in the last) must give the same bits on 1 to 4 threads, alone or beside a
+    short request, close to the float64 path; an extend's causal rows end in different chunks."""
+    heads, kv_heads, dim = 9, 3, 64
+    kv_lens = [1300, 1025, 40]
+    gen = torch.Generator().manual_seed(13)
+    k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen)
+    v = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen)
+    table = scattered_table(kv_lens, gen)
+    q_lens = [q_len, q_len, 1]
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    mask = tree_mask(3, q_len, gen) if tree else None
+    ext, threads = cpu_ops.extension(), torch.get_num_threads()
+
+    def run(rows):
+        meta = build_attention_metadata(table[rows], torch.arange(len(rows)), torch.tensor(kv_lens)[rows],
+                                        torch.tensor(q_lens)[rows], None if mask is None else mask[rows])
+        starts = [sum(q_lens[:b]) for b in rows]
+        qs = torch.cat([q[s:s + q_lens[b]] for s, b in zip(starts, rows)])
+        out = ext.paged_attention(qs, k, v, meta.kv_indices.contiguous(), meta.kv_lens, meta.q_lens, meta.q_starts,
+                                  None if mask is None else meta.custom_mask.contiguous(), 0.125, cpu_ops.isa())
+        return out, meta, qs
+    try:
+        torch.set_num_threads(1)
+        one, meta, _ = run([0, 1, 2])
+        alone = [run([b])[0] for b in range(3)]
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            assert torch.equal(run([0, 1, 2])[0], one), f"{n} threads"
+            assert torch.equal(run([1])[0], alone[1]), f"{n} threads, alone"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(alone), one)
+    torch.testing.assert_close(one, A._attention_float64(q, k, v, meta, 0.125).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
     """Node 3 of the tree sees the prefix, nodes 0 and 2 and itself; decoded as a chain of those
     three tokens (keys contiguous, no masked ones between), its last row must have the same bits."""
