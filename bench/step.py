@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="model directory or .gguf (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="default auto: bfloat16 on a CPU with native bf16 instructions, else float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                   help="the KV cache's dtype (bfloat16: beside float32 activations, half the bytes a step reads)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only quantization (gguf: the file's own blocks; needs a .gguf or the default model)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     b, length, n = args.batch_size, args.context, args.nodes
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, "cpu", b * (length + n), 0.0, 1,
-                         quantization=args.quantization,
+                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                          gguf_path=gguf_source(args.model_path) if args.quantization == "gguf" else None)
     table = torch.arange(1, b * (length + n) + 1).view(b, length + n)  # slot 0 is the padding slot
     rows = torch.arange(b)
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     dtype = str(runner.dtype).removeprefix("torch.")
     dtype += f" weights {args.quantization}" if args.quantization else ""
+    dtype += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto" else ""
     print(f"# {dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
     print(f"{'path':<10} {'median ms':>10} {'min':>8} {'max':>8}")
     for name, r in results.items():

@@ -78,8 +78,8 @@ bool isa_supported(int64_t isa) {
   }
 }
 
-template <class T>
-void dispatch(int64_t isa, const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
+template <class T, class C>
+void dispatch(int64_t isa, const Batch& bt, const T* q, const C* k, const C* v, T* out, int64_t batch) {
   if (isa == kAvx512) isa_avx512::attend_all(bt, q, k, v, out, batch);
   else if (isa == kAvx2) isa_avx2::attend_all(bt, q, k, v, out, batch);
   else isa_base::attend_all(bt, q, k, v, out, batch);
@@ -89,7 +89,8 @@ void dispatch(int64_t isa, const Batch& bt, const T* q, const T* k, const T* v, 
 
 namespace specjet_cpu {
 
-// q [T, H, D]; k_cache, v_cache [slots, H_kv, D] of q's dtype (float32 or bfloat16); kv_indices [B, max_kv],
+// q [T, H, D]; k_cache, v_cache [slots, H_kv, D] of q's dtype (float32 or bfloat16), or bfloat16 beside a
+// float32 q (a bf16 KV cache: keys and values widened to float as they are read); kv_indices [B, max_kv],
 // kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
 // tokens). Returns [T, H, D] in q's dtype.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -100,9 +101,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "attention: q must be contiguous [T, H, D] on CPU");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "attention: float32 or bfloat16 only");
+  const auto cache_dtype = k_cache.scalar_type();
   for (const auto* c : {&k_cache, &v_cache}) {
-    TORCH_CHECK(c->scalar_type() == dtype && c->dim() == 3 && c->is_contiguous() && c->size(2) == q.size(2),
-                "attention: the KV caches must be contiguous [slots, H_kv, D] of q's dtype");
+    TORCH_CHECK(c->scalar_type() == cache_dtype && (cache_dtype == dtype || cache_dtype == torch::kBFloat16) &&
+                    c->dim() == 3 && c->is_contiguous() && c->size(2) == q.size(2),
+                "attention: the KV caches must be contiguous [slots, H_kv, D] of q's dtype or bfloat16");
   }
   const int64_t batch = kv_lens.numel();
   for (const auto* t : {&kv_lens, &q_lens, &q_starts}) {
@@ -140,8 +143,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     bt.mask = mask.data_ptr<bool>();
   }
   auto out = torch::empty_like(q);
-  if (dtype == torch::kFloat32) {
+  if (dtype == torch::kFloat32 && cache_dtype == torch::kFloat32) {
     dispatch(isa, bt, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+             out.data_ptr<float>(), batch);
+  } else if (dtype == torch::kFloat32) {
+    dispatch(isa, bt, q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
              out.data_ptr<float>(), batch);
   } else {
     dispatch(isa, bt, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),

@@ -249,8 +249,8 @@ inline int64_t partial_width(int64_t D) { return D + 2; }
 // arithmetic is its own, so how rows are grouped into tiles never changes a bit. With `partial` null the
 // keys are all the rows see and the output is written; else the chunk's part goes to `partial` (rows x
 // partial_width).
-template <class T>
-void attend_tile(const Batch& bt, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t b, int64_t kvh,
+template <class T, class C>
+void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache, T* out, int64_t b, int64_t kvh,
                  int64_t j0, int64_t j1, int64_t h0, int64_t h1, int64_t c_lo, int64_t c_hi, float* partial,
                  Workspace& ws) {
   const int64_t D = bt.head_dim, H = bt.num_heads, KV = bt.num_kv_heads, group = H / KV, heads = h1 - h0;
@@ -434,8 +434,8 @@ void merge_chunks(const Batch& bt, T* out, int64_t b, int64_t kvh, int64_t j0, i
 // a verify of 26 nodes has tiles of 8, 8, 8 and 2 tokens. A KV head's tiles and chunks are consecutive, so a
 // thread taking two of them reads that head's keys and values from memory once. Rows whose keys span
 // several chunks are then merged (merge_chunks), again spread over the threads.
-template <class T>
-void attend_all(const Batch& bt, const T* q, const T* k, const T* v, T* out, int64_t batch) {
+template <class T, class C>
+void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int64_t batch) {
   const int64_t group = bt.num_heads / bt.num_kv_heads, D = bt.head_dim;
   // The keys the rows of request b's tile [j0, j1) see: causal rows up to their own token.
   auto keys_seen = [&](int64_t b, int64_t j1) { return bt.mask ? bt.kv_lens[b] : bt.kv_lens[b] - bt.q_lens[b] + j1; };

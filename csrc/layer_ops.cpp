@@ -206,14 +206,22 @@ void rotate_bf16_head(const uint16_t* __restrict x, const float* __restrict c, c
   }
 }
 
-// qkv [T, (H + 2 KV) D] -> q [T, H, D] rotated; k rotated and v written to the pool at slots[t].
+// A float row stored in a bf16 pool: each value rounded to the nearest bf16 (ties to even), as torch's
+// .to(torch.bfloat16) rounds it.
+SJ_ROW_CLONES
+void store_float_as_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint16_t>(bf16_rounded_bits(x[i]) >> 16);
+}
+
+// qkv [T, (H + 2 KV) D] -> q [T, H, D] rotated; k rotated and v written to the pool at slots[t] (a pool of
+// type C: T's, or bf16 beside float rows, each value rounded once after the rotation).
 // Neox-style RoPE (rotate the two halves of each head); cos, sin [T, D / 2].
-template <class T>
-void rope_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache, const int64_t* slots, T* q_out,
+template <class T, class C>
+void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache, const int64_t* slots, T* q_out,
                int64_t rows, int64_t H, int64_t KV, int64_t D) {
   const int64_t half = D / 2, width = (H + 2 * KV) * D;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
-    std::vector<float> c_buf, s_buf;
+    std::vector<float> c_buf, s_buf, k_buf(D);
     for (int64_t t = r0; t < r1; ++t) {
       const float* c = as_float(cos + t * half, half, c_buf);
       const float* s = as_float(sin + t * half, half, s_buf);
@@ -227,8 +235,17 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache,
       const T* src = qkv + t * width;
       for (int64_t h = 0; h < H; ++h) rotate(src + h * D, q_out + (t * H + h) * D);
       for (int64_t h = 0; h < KV; ++h) {
-        rotate(src + (H + h) * D, k_cache + (slots[t] * KV + h) * D);
-        std::memcpy(v_cache + (slots[t] * KV + h) * D, src + (H + KV + h) * D, D * sizeof(T));
+        C* k_dst = k_cache + (slots[t] * KV + h) * D;
+        C* v_dst = v_cache + (slots[t] * KV + h) * D;
+        if constexpr (std::is_same_v<T, C>) {
+          rotate(src + (H + h) * D, k_dst);
+          std::memcpy(v_dst, src + (H + KV + h) * D, D * sizeof(T));
+        } else {
+          static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::BFloat16>);
+          rotate(src + (H + h) * D, k_buf.data());
+          store_float_as_bf16(k_buf.data(), bf16_bits(k_dst), D);
+          store_float_as_bf16(src + (H + KV + h) * D, bf16_bits(v_dst), D);
+        }
       }
     }
   });
@@ -244,10 +261,12 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   const int64_t rows = qkv.size(0), KV = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * KV) * D, "rope_store: qkv width ", qkv.size(1),
               " is not (", num_heads, " + 2 x ", KV, ") x ", D);
+  const auto cache_dtype = k_cache.scalar_type();
   for (const auto* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->dim() == 3 && t->is_contiguous() && t->size(1) == KV &&
-                    t->size(2) == D,
-                "rope_store: the KV caches must be contiguous [slots, KV, D] of qkv's dtype");
+    TORCH_CHECK(t->scalar_type() == cache_dtype &&
+                    (cache_dtype == qkv.scalar_type() || cache_dtype == torch::kBFloat16) && t->dim() == 3 &&
+                    t->is_contiguous() && t->size(1) == KV && t->size(2) == D,
+                "rope_store: the KV caches must be contiguous [slots, KV, D] of qkv's dtype or bfloat16");
   }
   for (const auto* t : {&cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
@@ -260,10 +279,16 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rope_store: slot ", sp[t], " outside the cache");
   auto q = torch::empty({rows, num_heads, D}, qkv.options());
+  if (qkv.scalar_type() == torch::kFloat32 && cache_dtype == torch::kBFloat16) {
+    rope_rows<float, c10::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                    k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), sp,
+                                    q.data_ptr<float>(), rows, num_heads, KV, D);
+    return q;
+  }
   dispatch(qkv, [&](auto tag) {
     using T = decltype(tag);
-    rope_rows<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), k_cache.data_ptr<T>(),
-                 v_cache.data_ptr<T>(), sp, q.data_ptr<T>(), rows, num_heads, KV, D);
+    rope_rows<T, T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), k_cache.data_ptr<T>(),
+                    v_cache.data_ptr<T>(), sp, q.data_ptr<T>(), rows, num_heads, KV, D);
   });
   return q;
 }

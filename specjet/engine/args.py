@@ -24,6 +24,10 @@ class EngineArgs:
     # kernels take (the embedded default model is one), else None (models/quantize.py:choose_method).
     # With quantization, dtype "auto" means float32 (the kernels compute in float32).
     quantization: str | None = "auto"
+    # The KV cache's dtype (SGLang's name): "auto" (the model's dtype) or "bfloat16" / "bf16" beside float32
+    # activations on the CPU: twice the tokens in the same memory, each key and value rounded to bf16 once
+    # as it is stored (models/runner.py resolve_kv_dtype; no faster a step here: bench/RESULTS.md session 25).
+    kv_cache_dtype: str = "auto"
     page_size: int = 1
     max_running_requests: int = 32
     max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of free memory
@@ -123,6 +127,10 @@ class EngineArgs:
         self._check_types()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        from specjet.models.runner import KV_CACHE_DTYPES  # the dtype pairing is checked once the dtype is known
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
                 and self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or at least page_size ({self.page_size}), "

@@ -45,7 +45,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, device, args.max_total_tokens,
                          args.mem_fraction_static, args.page_size,
                          batch_invariant=args.enable_deterministic_inference, quantization=quantization,
-                         gguf_path=gguf_path if quantization == "gguf" else None)
+                         gguf_path=gguf_path if quantization == "gguf" else None, kv_cache_dtype=args.kv_cache_dtype)
     grammar = GrammarBackend(tokenizer, config.vocab_size, compile_timeout_s=args.grammar_compile_timeout,
                              max_spec_bytes=args.grammar_max_spec_bytes)
     sched_config = SchedulerConfig(

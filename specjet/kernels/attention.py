@@ -42,8 +42,9 @@ def paged_attention_reference(
     qp = q[meta.q_gather].transpose(1, 2)  # [B, H, max_q, D]
     # index_select on the flat index: advanced indexing with a 2-D index is several times slower on CPU.
     flat = meta.kv_indices.reshape(-1)
-    k = k_cache.index_select(0, flat).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    # .to: a bf16 KV cache beside float32 queries (kv_cache_dtype) is widened as it is read.
+    k = k_cache.index_select(0, flat).to(q.dtype).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).to(q.dtype).view(batch, meta.max_kv, num_kv_heads, head_dim).transpose(1, 2)
     # enable_gqa lets SDPA map query heads to their KV head without materialising repeated K/V.
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
                                          enable_gqa=num_kv_heads != num_heads)  # [B, H, max_q, D]

@@ -20,8 +20,8 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))  # a bf16 cache beside float32 rows rounds them
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots ``src`` to ``dst`` (used to compact accepted tree nodes)."""

@@ -43,6 +43,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantiz
     return DTYPES[dtype]
 
 
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's (``auto``), or bf16 under a float32 model on the CPU, where the
+    C++ ops round each stored key and value to bf16 and widen it back as the attention reads it."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+    if kv_dtype != dtype and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs float32 activations on the CPU "
+                         f"(dtype is {str(dtype).removeprefix('torch.')} on {device}); use 'auto'")
+    return kv_dtype
+
+
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype, device,
                 quantization: str | None = None, gguf_path=None) -> LlamaForCausalLM:
     # Build on the meta device so no time goes into random initialisation of weights we overwrite.
@@ -77,6 +92,7 @@ class ModelRunner:
         batch_invariant: bool = True,
         quantization: str | None = None,  # None, or one of models/quantize.py's QUANTIZATION_METHODS
         gguf_path=None,  # the GGUF the weights came from (quantization="gguf" reads its blocks)
+        kv_cache_dtype: str = "auto",  # see resolve_kv_dtype
     ):
         self.device = torch.device(device)
         check_method(quantization)
@@ -90,14 +106,16 @@ class ModelRunner:
         self.config = config
         self.model = build_model(config, state_dict, self.dtype, self.device, quantization, gguf_path)
         self.model.set_batch_invariant(batch_invariant)
-        per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
+        per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.kv_dtype)
         if max_total_tokens is None:
             max_total_tokens = int(total_memory_bytes(self.device) * mem_fraction_static) // per_token
         # One extra page: page 0 is the padding page and never holds a request's token.
         num_pages = -(-max_total_tokens // page_size) + 1
         self.kv_cache = KVCache(config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim,
-                                self.dtype, self.device)
-        logger.info("KV cache: %d tokens (%.1f MiB)", max_total_tokens, num_pages * page_size * per_token / 2**20)
+                                self.kv_dtype, self.device)
+        logger.info("KV cache: %d tokens (%.1f MiB, %s)", max_total_tokens, num_pages * page_size * per_token / 2**20,
+                    str(self.kv_dtype).removeprefix("torch."))
         self.graphs: TargetGraphs | None = None  # decode and verify on static buffers (enable_graphs)
 
     def enable_graphs(self, req_to_token: torch.Tensor, capture: bool | None = None) -> TargetGraphs:
