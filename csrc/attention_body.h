@@ -431,9 +431,10 @@ void merge_chunks(const Batch& bt, T* out, int64_t b, int64_t kvh, int64_t j0, i
 // few to share out evenly (a decode step of one request with a short context: as many items as KV heads),
 // each is split by query head: each key is then read once per head instead of once per group, but no thread
 // idles. Threads take runs of consecutive items of about equal cost (rows x keys seen), not equal counts:
-// a verify of 26 nodes has tiles of 8, 8, 8 and 2 tokens. A KV head's tiles and chunks are consecutive, so a
-// thread taking two of them reads that head's keys and values from memory once. Rows whose keys span
-// several chunks are then merged (merge_chunks), again spread over the threads.
+// a verify of 26 nodes has tiles of 8, 8, 8 and 2 tokens. Within a request the units go chunk by chunk, a
+// KV head's tiles of a chunk back to back, so a thread taking two of them reads those keys and values from
+// memory once. Rows whose keys span several chunks are then merged (merge_chunks), again spread over the
+// threads. C: the KV pool's element type, T's or bf16 beside float rows (kv_cache_dtype).
 template <class T, class C>
 void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int64_t batch) {
   const int64_t group = bt.num_heads / bt.num_kv_heads, D = bt.head_dim;

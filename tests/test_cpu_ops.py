@@ -222,8 +222,10 @@ def test_bad_metadata_is_refused_not_read_out_of_bounds():
     with pytest.raises(RuntimeError, match="outside the cache"):
         native(q, k, v, meta)
     meta = build_attention_metadata(torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([3]), torch.tensor([1]))
-    with pytest.raises(RuntimeError, match="dtype"):
-        native(q, k.bfloat16(), v.bfloat16(), meta)
+    with pytest.raises(RuntimeError, match="dtype"):  # a float32 pool beside bf16 queries (only the reverse is taken)
+        native(q.bfloat16(), k, v, meta)
+    with pytest.raises(RuntimeError, match="dtype"):  # keys and values of different dtypes
+        native(q, k.bfloat16(), v, meta)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
