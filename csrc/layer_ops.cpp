@@ -221,7 +221,7 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache,
                int64_t rows, int64_t H, int64_t KV, int64_t D) {
   const int64_t half = D / 2, width = (H + 2 * KV) * D;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
-    std::vector<float> c_buf, s_buf, k_buf(D);
+    std::vector<float> c_buf, s_buf, k_buf(std::is_same_v<T, C> ? 0 : D);  // a rotated key before its rounding
     for (int64_t t = r0; t < r1; ++t) {
       const float* c = as_float(cos + t * half, half, c_buf);
       const float* s = as_float(sin + t * half, half, s_buf);

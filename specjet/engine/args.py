@@ -127,10 +127,9 @@ class EngineArgs:
         self._check_types()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        from specjet.models.runner import KV_CACHE_DTYPES  # the dtype pairing is checked once the dtype is known
+        from specjet.models.runner import check_kv_cache_dtype  # its pairing with dtype: once the dtype is known
 
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
                 and self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or at least page_size ({self.page_size}), "

@@ -46,11 +46,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantiz
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+
+
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: the model's (``auto``), or bf16 under a float32 model on the CPU, where the
     C++ ops round each stored key and value to bf16 and widen it back as the attention reads it."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    check_kv_cache_dtype(kv_cache_dtype)
     kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
     if kv_dtype != dtype and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs float32 activations on the CPU "

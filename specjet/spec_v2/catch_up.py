@@ -107,9 +107,3 @@ def _catch_up(parts: list[tuple[SpecInput, list[torch.Tensor], int]]) -> CatchUp
     if not parts:
         return None
     return CatchUp([p[0] for p in parts], torch.cat([f for p in parts for f in p[1]]), [p[2] for p in parts])
-
-
-def subset(result: VerifyResult, keep: list[int]) -> VerifyResult:
-    """The verify result of some of its requests (their rows in ``result.output`` unchanged)."""
-    return VerifyResult([result.accepted_tokens[i] for i in keep], [result.accepted_nodes[i] for i in keep],
-                        result.output, [result.node_offsets[i] for i in keep])

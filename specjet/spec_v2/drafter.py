@@ -49,7 +49,7 @@ class DraftRequest:
     """A request as a drafter's ``propose`` sees it."""
 
     input: SpecInput
-    budget: int  # nodes its tree may have, root included (>= 1)
+    budget: int  # nodes its tree may have, root included (>= 2: the speculator verifies a root alone itself)
     guide: GrammarGuide | None  # grammar-aware drafting: what the grammar allows after any path
     chain: list[int]  # the grammar's forced tokens, to hang under the root as sure nodes ([] if none)
     # The confidence cut of its tree (learned drafts): nodes whose path log-probability under the

@@ -107,17 +107,11 @@ class EagleDrafter:
                     req_to_token)
 
     def propose(self, reqs: list[DraftRequest], share: int, req_to_token: torch.Tensor) -> list[DraftTree]:
-        drafting = [r for r in reqs if r.budget > 1]  # a budget of 1 is the root alone: nothing to draft
-        guided = any(r.guide is not None for r in drafting)
-        trees = iter(self.draft_trees([_view(r.input) for r in drafting], [r.input.root for r in drafting],
-                                      req_to_token, guides=[r.guide for r in drafting] if guided else None,
-                                      chains=[r.chain for r in drafting], min_logps=[r.min_logp for r in drafting])
-                     if drafting else [])
-        out = []
-        for r in reqs:
-            tokens, parents = next(trees) if r.budget > 1 else ([r.input.root], [-1])
-            out.append((tokens[:r.budget], parents[:r.budget]))
-        return out
+        guided = any(r.guide is not None for r in reqs)
+        trees = self.draft_trees([_view(r.input) for r in reqs], [r.input.root for r in reqs], req_to_token,
+                                 guides=[r.guide for r in reqs] if guided else None, chains=[r.chain for r in reqs],
+                                 min_logps=[r.min_logp for r in reqs])
+        return [(tokens[:r.budget], parents[:r.budget]) for (tokens, parents), r in zip(trees, reqs)]
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
         """The head runs over the accepted path: at the path's j-th position it reads the token after

@@ -47,9 +47,8 @@ class HybridDrafter:
                 limit = max(1, limit * share // self.max_tree_nodes)
             ngram_reqs.append(replace(r, budget=min(r.budget, 1 + len(r.chain) + limit)))
         ngram_trees = self.ngram.propose(ngram_reqs, share, req_to_token)
-        # The learned tree whole (the merge keeps what fits after the path); none for a root-only budget.
-        learned = self.learned.propose([replace(r, budget=self.max_tree_nodes if r.budget > 1 else 1) for r in reqs],
-                                       share, req_to_token)
+        # The learned tree whole: the merge keeps what fits after the path.
+        learned = self.learned.propose([replace(r, budget=self.max_tree_nodes) for r in reqs], share, req_to_token)
         trees = []
         for r, ngram_tree, tree in zip(reqs, ngram_trees, learned):
             path = first_path(*ngram_tree)

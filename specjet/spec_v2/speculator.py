@@ -25,7 +25,7 @@ from specjet.models.dflash import default_dflash_path, load_dflash
 from specjet.models.eagle import default_eagle_path, load_eagle
 from specjet.models.forward_batch import CaptureHidden
 from specjet.models.runner import ModelRunner
-from specjet.spec_v2.catch_up import CatchUp, PendingPositions, subset
+from specjet.spec_v2.catch_up import CatchUp, PendingPositions
 from specjet.spec_v2.config import SpecConfig
 from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import DraftRequest, Drafter, SpecInput
@@ -33,7 +33,7 @@ from specjet.spec_v2.eagle_drafter import EagleDrafter
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.hybrid import HybridDrafter
 from specjet.spec_v2.ngram import NgramDrafter
-from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput
+from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput, VerifyResult
 
 
 def draft_model_dir(cfg: SpecConfig):
@@ -201,7 +201,8 @@ class Speculator:
         self.timings.finish()
         return result.accepted_tokens
 
-    def _after_verify(self, reqs: list[SpecInput], budgets: list[int], result, req_to_token: torch.Tensor) -> None:
+    def _after_verify(self, reqs: list[SpecInput], budgets: list[int], result: VerifyResult,
+                      req_to_token: torch.Tensor) -> None:
         """The drafter extends over what the drafting requests accepted; a root-only tree's position
         (the drafter never saw that request this iteration) waits for a catch-up (catch_up.py)."""
         drafted = [i for i, n in enumerate(budgets) if n > 1]
@@ -209,10 +210,10 @@ class Speculator:
             self.drafter.after_verify(reqs, result, req_to_token)
             return
         if drafted:
-            self.drafter.after_verify([reqs[i] for i in drafted], subset(result, drafted), req_to_token)
+            self.drafter.after_verify([reqs[i] for i in drafted], result.select(drafted), req_to_token)
         if self.pending is not None:
             alone = [i for i, n in enumerate(budgets) if n <= 1]
-            self._catch_up(self.pending.after_root_only([reqs[i] for i in alone], subset(result, alone)),
+            self._catch_up(self.pending.after_root_only([reqs[i] for i in alone], result.select(alone)),
                            req_to_token)
 
     def _catch_up(self, work: CatchUp | None, req_to_token: torch.Tensor) -> None:

@@ -44,6 +44,11 @@ class VerifyResult:
     output: ModelOutput  # the verify forward's output (hidden states for drafters that need them)
     node_offsets: list[int]  # first row of each request's nodes in the flat forward
 
+    def select(self, keep: list[int]) -> "VerifyResult":
+        """The result of some of its requests (their rows in ``output`` unchanged)."""
+        return VerifyResult([self.accepted_tokens[i] for i in keep], [self.accepted_nodes[i] for i in keep],
+                            self.output, [self.node_offsets[i] for i in keep])
+
 
 class TreeVerifier:
     def __init__(self, runner: ModelRunner, capture_hidden=None, static_nodes: int | None = None):
