@@ -35,6 +35,9 @@ struct Batch {
   const int64_t* q_starts;
   const bool* mask;  // [B, max_q, max_q] or null (causal)
   double scale;
+  // Where (slot, KV head)'s D values start in a pool: slot * slot_stride + head * head_stride elements.
+  // A head-major pool ([H_kv, slots, D] in memory) keeps a head's keys side by side.
+  int64_t slot_stride, head_stride;
 };
 
 }  // namespace
@@ -89,7 +92,8 @@ void dispatch(int64_t isa, const Batch& bt, const T* q, const C* k, const C* v, 
 
 namespace specjet_cpu {
 
-// q [T, H, D]; k_cache, v_cache [slots, H_kv, D] of q's dtype (float32 or bfloat16), or bfloat16 beside a
+// q [T, H, D]; k_cache, v_cache [slots, H_kv, D] (each (slot, head) row of D contiguous, the two pools
+// strided alike: slot-major or a head-major pool's view) of q's dtype (float32 or bfloat16), or bfloat16 beside a
 // float32 q (a bf16 KV cache: keys and values widened to float as they are read); kv_indices [B, max_kv],
 // kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
 // tokens). Returns [T, H, D] in q's dtype.
@@ -104,8 +108,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const auto cache_dtype = k_cache.scalar_type();
   for (const auto* c : {&k_cache, &v_cache}) {
     TORCH_CHECK(c->scalar_type() == cache_dtype && (cache_dtype == dtype || cache_dtype == torch::kBFloat16) &&
-                    c->dim() == 3 && c->is_contiguous() && c->size(2) == q.size(2),
-                "attention: the KV caches must be contiguous [slots, H_kv, D] of q's dtype or bfloat16");
+                    c->dim() == 3 && c->size(2) == q.size(2) && c->sizes() == k_cache.sizes() &&
+                    c->strides() == k_cache.strides() && specjet_cpu::kv_rows_unit_stride(*c),
+                "attention: the KV caches must be [slots, H_kv, D] of q's dtype or bfloat16, rows of D contiguous, "
+                "both strided alike");
   }
   const int64_t batch = kv_lens.numel();
   for (const auto* t : {&kv_lens, &q_lens, &q_starts}) {
@@ -118,7 +124,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t H = q.size(1), KV = k_cache.size(1);
   TORCH_CHECK(KV > 0 && H % KV == 0, "attention: heads ", H, " not a multiple of KV heads ", KV);
   Batch bt{H, KV, q.size(2), kv_indices.size(1), 0, kv_indices.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
-           q_lens.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), nullptr, scale};
+           q_lens.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), nullptr, scale, k_cache.stride(0),
+           k_cache.stride(1)};
   const int64_t slots = k_cache.size(0);
   int64_t tokens = 0;
   for (int64_t b = 0; b < batch; ++b) {

@@ -175,14 +175,14 @@ template <int R, class T, class Visible>
 SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* slots, int64_t kvh, int64_t p_lo,
                          int64_t p_end, int64_t prefix, int64_t r0, int64_t c0, const float* scores,
                          int64_t ld_scores, const Visible& visible, float* acc) {
-  const int64_t D = bt.head_dim, KV = bt.num_kv_heads;
+  const int64_t D = bt.head_dim;
   lanes_d sum[R][kPvVecs];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
   constexpr int64_t kAhead = 8;
   for (int64_t p = p_lo; p < p_end; ++p) {
-    if (p + kAhead < p_end) prefetch_row(v_cache + (slots[p + kAhead] * KV + kvh) * D + c0, kPvDims);
-    const T* v = v_cache + (slots[p] * KV + kvh) * D + c0;
+    if (p + kAhead < p_end) prefetch_row(v_cache + slots[p + kAhead] * bt.slot_stride + kvh * bt.head_stride + c0, kPvDims);
+    const T* v = v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
     const bool all = p < prefix;
@@ -292,19 +292,19 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= static_cast<float>(bt.scale);
   }
   constexpr int64_t kAhead = 8;
-  for (int64_t p = c_lo; p < std::min(c_end, c_lo + kAhead); ++p) prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
+  for (int64_t p = c_lo; p < std::min(c_end, c_lo + kAhead); ++p) prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
   int64_t p0 = c_lo;
 #if SJ_VEC_BYTES >= 32
   for (; p0 + kKeyBlock <= c_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
     for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
-      prefetch_row(k_cache + (slots[p] * KV + kvh) * D, D);
-    for (int64_t j = 0; j < kKeyBlock; ++j) widen(k_cache + (slots[p0 + j] * KV + kvh) * D, kd + j * Dp, D);
+      prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
+    for (int64_t j = 0; j < kKeyBlock; ++j) widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, kd + j * Dp, D);
     for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kd, scores + r * ld_scores + p0 - c_lo);
   }
 #endif
   for (int64_t p = p0; p < c_end; ++p) {
-    if (p + kAhead < c_end) prefetch_row(k_cache + (slots[p + kAhead] * KV + kvh) * D, D);
-    widen(k_cache + (slots[p] * KV + kvh) * D, kd, D);  // kd[D .. Dp) stay zero
+    if (p + kAhead < c_end) prefetch_row(k_cache + slots[p + kAhead] * bt.slot_stride + kvh * bt.head_stride, D);
+    widen(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, kd, D);  // kd[D .. Dp) stay zero
     int64_t r = 0;
     float* sp = scores + p - c_lo;
     for (; r + kRowBlock <= rows; r += kRowBlock)
@@ -355,7 +355,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   }
   if (c0 < D) {
     for (int64_t p = c_lo; p < c_end; ++p) {
-      widen(v_cache + (slots[p] * KV + kvh) * D, kd, D);
+      widen(v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, kd, D);
       const bool all = p < prefix;
       for (int64_t r = 0; r < rows; ++r) {
         if (!all && !visible(r, p)) continue;

@@ -8,6 +8,16 @@
 
 namespace specjet_cpu {
 
+// A KV pool [slots, H_kv, D] laid out slot-major (contiguous) or head-major (the [slots, H_kv, D] view of a
+// contiguous [H_kv, slots, D] tensor: a head's keys side by side); either way each row of D is contiguous.
+inline bool kv_rows_unit_stride(const torch::Tensor& c) {
+  if (c.dim() != 3) return false;
+  const int64_t S = c.size(0), KV = c.size(1), D = c.size(2);
+  const bool slot_major = c.stride(2) == 1 && c.stride(1) == D && c.stride(0) == KV * D;
+  const bool head_major = c.stride(2) == 1 && c.stride(0) == D && c.stride(1) == S * D;
+  return slot_major || head_major;
+}
+
 // attention.cpp
 bool attention_isa_supported(int64_t isa);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

@@ -217,8 +217,8 @@ void store_float_as_bf16(const float* __restrict x, uint16_t* __restrict y, int6
 // type C: T's, or bf16 beside float rows, each value rounded once after the rotation).
 // Neox-style RoPE (rotate the two halves of each head); cos, sin [T, D / 2].
 template <class T, class C>
-void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache, const int64_t* slots, T* q_out,
-               int64_t rows, int64_t H, int64_t KV, int64_t D) {
+void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache, int64_t slot_stride,
+               int64_t head_stride, const int64_t* slots, T* q_out, int64_t rows, int64_t H, int64_t KV, int64_t D) {
   const int64_t half = D / 2, width = (H + 2 * KV) * D;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
     std::vector<float> c_buf, s_buf, k_buf(std::is_same_v<T, C> ? 0 : D);  // a rotated key before its rounding
@@ -235,8 +235,8 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache,
       const T* src = qkv + t * width;
       for (int64_t h = 0; h < H; ++h) rotate(src + h * D, q_out + (t * H + h) * D);
       for (int64_t h = 0; h < KV; ++h) {
-        C* k_dst = k_cache + (slots[t] * KV + h) * D;
-        C* v_dst = v_cache + (slots[t] * KV + h) * D;
+        C* k_dst = k_cache + slots[t] * slot_stride + h * head_stride;
+        C* v_dst = v_cache + slots[t] * slot_stride + h * head_stride;
         if constexpr (std::is_same_v<T, C>) {
           rotate(src + (H + h) * D, k_dst);
           std::memcpy(v_dst, src + (H + KV + h) * D, D * sizeof(T));
@@ -265,8 +265,9 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   for (const auto* t : {&k_cache, &v_cache}) {
     TORCH_CHECK(t->scalar_type() == cache_dtype &&
                     (cache_dtype == qkv.scalar_type() || cache_dtype == torch::kBFloat16) && t->dim() == 3 &&
-                    t->is_contiguous() && t->size(1) == KV && t->size(2) == D,
-                "rope_store: the KV caches must be contiguous [slots, KV, D] of qkv's dtype or bfloat16");
+                    t->sizes() == k_cache.sizes() && t->strides() == k_cache.strides() && kv_rows_unit_stride(*t),
+                "rope_store: the KV caches must be [slots, KV, D] of qkv's dtype or bfloat16, rows of D contiguous, "
+                "both strided alike");
   }
   for (const auto* t : {&cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
@@ -281,14 +282,16 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   auto q = torch::empty({rows, num_heads, D}, qkv.options());
   if (qkv.scalar_type() == torch::kFloat32 && cache_dtype == torch::kBFloat16) {
     rope_rows<float, c10::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), sp,
+                                    k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+                                    k_cache.stride(0), k_cache.stride(1), sp,
                                     q.data_ptr<float>(), rows, num_heads, KV, D);
     return q;
   }
   dispatch(qkv, [&](auto tag) {
     using T = decltype(tag);
     rope_rows<T, T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), k_cache.data_ptr<T>(),
-                    v_cache.data_ptr<T>(), sp, q.data_ptr<T>(), rows, num_heads, KV, D);
+                    v_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), sp, q.data_ptr<T>(), rows, num_heads,
+                    KV, D);
   });
   return q;
 }

@@ -215,6 +215,54 @@ def test_every_instruction_set_build_gives_the_same_bits(dtype, dim):
         assert torch.equal(outs[0], out), f"{isa} differs from {isas[0]}"
 
 
+def head_major(t: torch.Tensor) -> torch.Tensor:
+    """The same [slots, H_kv, D] values in head-major memory (models/kv_cache.py's CPU layout)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_major_pool_gives_the_bits_of_a_slot_major_one(dtype):
+    """The pool's layout is memory addresses only: attention over the same keys and values (decode,
+    extend and tree rows, a context past one key chunk) and the RoPE + K/V write give the same bits."""
+    kv_lens, q_lens = [700, 45, 9], [1, 6, 4]
+    k, v, gen = pool(sum(kv_lens) + 1, dtype, seed=7)
+    table = scattered_table(kv_lens, gen)
+    q = torch.randn(sum(q_lens), HEADS, DIM, generator=gen).to(dtype)
+    for mask in (None, tree_mask(3, max(q_lens), gen)):
+        meta = build_attention_metadata(table, torch.arange(3), torch.tensor(kv_lens), torch.tensor(q_lens),
+                                        custom_mask=mask)
+        hk, hv = head_major(k), head_major(v)
+        assert hk.stride(0) == DIM and torch.equal(hk, k)
+        assert torch.equal(native(q, hk, hv, meta), native(q, k, v, meta))
+
+    rows = 5
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM, generator=gen).to(dtype)
+    angles = torch.rand(rows, DIM // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(rows, generator=gen) + 1
+    caches = {}
+    for name, make in (("slot", lambda t: t.clone()), ("head", head_major)):
+        kc, vc = make(torch.zeros(rows + 2, KV_HEADS, DIM, dtype=dtype)), make(torch.zeros(rows + 2, KV_HEADS, DIM, dtype=dtype))
+        caches[name] = (cpu_ops.rope_store(qkv, cos, sin, kc, vc, slots, HEADS), kc, vc)
+    for a, b in zip(caches["slot"], caches["head"]):
+        assert torch.equal(a, b)
+    assert caches["head"][1].stride(0) == DIM, "the write kept the head-major layout"
+
+
+def test_a_pool_of_another_layout_is_refused():
+    """Rows of D must be contiguous and K, V strided alike: anything else would be read at wrong addresses."""
+    k, v, gen = pool(20, torch.float32, seed=8)
+    q = torch.randn(1, HEADS, DIM)
+    meta = build_attention_metadata(torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([3]), torch.tensor([1]))
+    strided = torch.randn(20, KV_HEADS, 2 * DIM)[:, :, ::2]
+    for bad_k, bad_v in ((strided, strided.clone()), (head_major(k), v)):
+        with pytest.raises(RuntimeError, match="strided alike|rows of D contiguous"):
+            native(q, bad_k, bad_v, meta)
+        qkv, cs = torch.randn(1, (HEADS + 2 * KV_HEADS) * DIM), torch.ones(1, DIM // 2)
+        with pytest.raises(RuntimeError, match="strided alike|rows of D contiguous"):
+            cpu_ops.rope_store(qkv, cs, cs, bad_k, bad_v, torch.tensor([1]), HEADS)
+
+
 def test_bad_metadata_is_refused_not_read_out_of_bounds():
     k, v, gen = pool(20, torch.float32, seed=3)
     q = torch.randn(1, HEADS, DIM)

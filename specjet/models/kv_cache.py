@@ -2,6 +2,12 @@
 
 Slot 0 (the first page) is never handed out: padded positions of a batch point at it, so a write
 or read through padding touches memory no request owns.
+
+Every user sees ``k`` and ``v`` as [layers, slots, H_kv, D]. On the CPU that is a view of head-major
+memory ([layers, H_kv, slots, D]): a KV head's keys lie side by side in slot order, so the attention
+reads a request's (mostly consecutive) slots as one stream instead of one row every H_kv rows; the C++
+kernels take either layout by its strides (kernels never index the memory any other way). On CUDA the
+pool stays slot-major, the layout its Triton kernels were written and measured for.
 """
 from __future__ import annotations
 
@@ -10,9 +16,15 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.head_major = torch.device(device).type == "cpu"
+        if self.head_major:
+            shape = (num_layers, num_kv_heads, num_slots, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+            self.v = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+        else:
+            shape = (num_layers, num_slots, num_kv_heads, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
 
     @staticmethod

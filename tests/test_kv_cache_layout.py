@@ -1,0 +1,33 @@
+"""The KV pool's memory layout (models/kv_cache.py): head-major on the CPU, seen as [layers, slots, H_kv, D].
+
+The kernels' bits do not depend on the layout (tests/test_cpu_ops.py); this checks the pool itself: a KV
+head's keys lie side by side in slot order, and the torch-side writes and moves land where the
+[slots, H_kv, D] view says.
+"""
+from __future__ import annotations
+
+import torch
+
+from specjet.models.kv_cache import KVCache
+
+
+def test_a_cpu_pool_keeps_a_heads_keys_side_by_side_and_writes_through_its_view():
+    layers, slots, kv_heads, dim = 2, 10, 3, 8
+    cache = KVCache(layers, slots, kv_heads, dim, torch.float32, "cpu")
+    assert cache.k.shape == cache.v.shape == (layers, slots, kv_heads, dim)
+    assert cache.k[1].stride() == (dim, slots * dim, 1), "slot s + 1 of a head follows slot s in memory"
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, kv_heads, dim, generator=gen), torch.randn(3, kv_heads, dim, generator=gen)
+    where = torch.tensor([7, 2, 5])
+    cache.write(1, where, k, v)
+    assert torch.equal(cache.k[1, where], k) and torch.equal(cache.v[1, where], v)
+    # The memory itself: head h of slot s starts h * slots * dim + s * dim elements into the layer.
+    assert cache.k[1, 7, 2].data_ptr() - cache.k[1].data_ptr() == (2 * slots + 7) * dim * 4
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[where] = False
+    assert not cache.k[:, untouched].any() and not cache.k[0].any()
+
+    cache.move_slots(torch.tensor([7, 5]), torch.tensor([1, 3]))
+    assert torch.equal(cache.k[1, torch.tensor([1, 3])], k[torch.tensor([0, 2])])
+    assert torch.equal(cache.v[1, torch.tensor([1, 3])], v[torch.tensor([0, 2])])
+    assert KVCache.bytes_per_token(layers, kv_heads, dim, torch.float32) == 2 * layers * kv_heads * dim * 4
