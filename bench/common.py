@@ -165,11 +165,23 @@ def jsonschema_prompts(n: int | None = None, folder: str | os.PathLike = JSONSCH
              "schema": (folder / e["file"]).read_text(encoding="utf-8")} for e in entries]
 
 
-def chat_prompt(tokenizer, text: str) -> str:
+def chat_prompt(tokenizer, text: str, history: list[dict] | None = None) -> str:
     """``text`` as one user turn in the model's chat template, ready for the assistant's reply
-    (what ``Engine.apply_chat_template(text)`` gives)."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+    (what ``Engine.apply_chat_template(text)`` gives), after the turns of ``history`` if any."""
+    return tokenizer.apply_chat_template([*(history or []), {"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
+
+
+def chat_history(tokenizer, tokens: int, data_path: str | os.PathLike = GSM8K_TEST) -> list[dict]:
+    """Earlier turns for a long-context workload (an agent's conversation so far): GSM8K questions and
+    their reference solutions as user / assistant turns, taken from the end of the file backwards (the
+    workloads' prompts come from its start) until the chat template makes at least ``tokens`` tokens."""
+    turns: list[dict] = []
+    for item in reversed(gsm8k_questions(None, data_path)):
+        turns += [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": item["answer"]}]
+        if len(tokenizer(tokenizer.apply_chat_template(turns, tokenize=False))["input_ids"]) >= tokens:
+            return turns
+    raise ValueError(f"{data_path} is too short for a history of {tokens} tokens")
 
 
 def generate_all(engine, prompts: list, params: dict | list[dict], parallel: int, bar=None) -> list[dict]:

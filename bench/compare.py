@@ -2,7 +2,8 @@
 tokens/s, accept length, and whether greedy outputs equal the first configuration's.
 
     python -m bench.compare [--configs none NGRAM:speculative_algorithm=NGRAM EAGLE:speculative_algorithm=EAGLE]
-                            [--workload gsm8k|json [--json-constrained]] [--num-prompts 8] [--batch-sizes 1 8]
+                            [--workload gsm8k|json [--json-constrained]] [--num-prompts 8] [--history-tokens 0]
+                            [--batch-sizes 1 8]
                             [--max-new-tokens 64] [--repeats 3] [--chart bench/out/compare.png]
                             [--result-file bench/out/compare.jsonl] [engine flags: the base of every configuration]
 
@@ -17,7 +18,9 @@ reference of the speed-up and identity columns.
 Requests: ``--num-prompts`` chat-formatted prompts, tokenized once and sent as the same token ids to
 every engine: GSM8K test questions (``--workload gsm8k``) or the prompts of
 ``../shared/data/jsonschema`` (``--workload json``; decoded without their schemas unless
-``--json-constrained``). Every request generates exactly N = ``--max-new-tokens`` tokens greedily, EOS
+``--json-constrained``); with ``--history-tokens N`` each after the same N-odd tokens of earlier chat
+turns (a long context, as an agent's conversation has; the prefix cache holds it after the first
+request, so the decode rate measures decoding over it). Every request generates exactly N = ``--max-new-tokens`` tokens greedily, EOS
 ignored (under a schema a request ends where its object does, so decode tokens are counted).
 
 Decode tokens/s is measured as bench.latency measures it: the prompts are cycled up to a multiple of
@@ -53,9 +56,9 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_prompt, command_line,
-                          compare_outputs, engine_kwargs, fmt_num, gsm8k_questions, identity_record, jsonschema_prompts,
-                          machine_info, now, report_header_lines)
+from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_history, chat_prompt,
+                          command_line, compare_outputs, engine_kwargs, fmt_num, gsm8k_questions, identity_record,
+                          jsonschema_prompts, machine_info, now, report_header_lines)
 from bench.decode_rate import Measurement, Prompt, SpecjetSystem, make_batches, timed_run
 from bench.engine_info import describe_engine, spec_str
 
@@ -116,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json-constrained", action="store_true",
                         help="json workload: decode under each entry's schema (json_schema)")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts; a pass generates for all of them")
+    parser.add_argument("--history-tokens", type=int, default=0, metavar="N",
+                        help="put at least N tokens of earlier chat turns (GSM8K questions and solutions) before "
+                             "every prompt: decoding over a long context, as in an agent's conversation")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64, help="N, tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration and batch size")
@@ -129,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-new-tokens must be at least 2 (decode starts after the first token)")
     if args.repeats < 1 or args.num_prompts < 1 or min(args.batch_sizes) < 1:
         parser.error("--repeats, --num-prompts and --batch-sizes must be positive")
+    if args.history_tokens < 0:
+        parser.error("--history-tokens must not be negative")
     if args.json_constrained and args.workload != "json":
         parser.error("--json-constrained needs --workload json")
     args.batch_sizes = sorted(set(args.batch_sizes))
@@ -147,16 +155,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- requests
 def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list[Prompt], str]:
     """The workload's prompts, chat-formatted and tokenized once, and a description of them."""
+    history = chat_history(tokenizer, args.history_tokens, args.data_path) if args.history_tokens else None
+    after = f" after {len(history) // 2} earlier Q&A turns" if history else ""
+
     def ids(text: str) -> list[int]:
-        return tokenizer(chat_prompt(tokenizer, text))["input_ids"]
+        return tokenizer(chat_prompt(tokenizer, text, history))["input_ids"]
 
     if args.workload == "gsm8k":
         return ([Prompt(ids(q["question"])) for q in gsm8k_questions(args.num_prompts, args.data_path)],
-                "chat-formatted GSM8K test questions")
+                f"chat-formatted GSM8K test questions{after}")
     entries = jsonschema_prompts(args.num_prompts, args.json_path)
     how = "decoded under their schemas" if args.json_constrained else "decoded without the grammar"
     return ([Prompt(ids(e["prompt"]), e["schema"] if args.json_constrained else None) for e in entries],
-            f"chat-formatted JSON-schema prompts, {how}")
+            f"chat-formatted JSON-schema prompts{after}, {how}")
 
 
 # ---------------------------------------------------------------- measuring

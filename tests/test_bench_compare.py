@@ -152,3 +152,27 @@ def test_compare_default_model(tmp_path):
     assert "outputs identical: yes" in proc.stdout
     record = json.loads(result_file.read_text())
     assert record["workload"] == "json" and record["prompt_tokens"]["count"] == 2
+
+
+def test_history_tokens_put_the_same_long_context_before_every_prompt(tiny_model_dir):
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from bench.common import GSM8K_TEST, JSONSCHEMA_DIR, gsm8k_questions
+    from bench.compare import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = dict(workload="gsm8k", num_prompts=2, data_path=str(GSM8K_TEST), json_path=str(JSONSCHEMA_DIR),
+                json_constrained=False)
+    short, _ = load_prompts(argparse.Namespace(history_tokens=0, **base), tokenizer)
+    long, description = load_prompts(argparse.Namespace(history_tokens=600, **base), tokenizer)
+    assert "earlier Q&A turns" in description
+    for s, l, q in zip(short, long, gsm8k_questions(2, GSM8K_TEST)):
+        assert len(l.ids) >= 600 + len(s.ids) - 20  # the history, then the same question
+        alone = tokenizer.decode(s.ids)
+        assert tokenizer.decode(l.ids).endswith(alone[alone.index(q["question"]):])
+    shared = min(len(long[0].ids), len(long[1].ids)) - max(len(s.ids) for s in short)
+    assert long[0].ids[:shared] == long[1].ids[:shared], "one shared context (the prefix cache holds it)"
+    last = gsm8k_questions(None, GSM8K_TEST)[-1]["question"]
+    assert last in tokenizer.decode(long[0].ids) and last not in tokenizer.decode(short[0].ids)
