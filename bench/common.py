@@ -43,6 +43,7 @@ _ENGINE_FLAGS = {
     "speculative_draft_model_quantization": "speculative_draft_model_quantization",
     "speculative_ngram_max_bfs_breadth": "speculative_ngram_max_bfs_breadth",
     "speculative_grammar_aware": "speculative_grammar_aware",
+    "speculative_measured_payoff": "speculative_measured_payoff",
     "speculative_hybrid_ngram_tokens": "speculative_hybrid_ngram_tokens",
     "speculative_max_verify_tokens": "speculative_max_verify_tokens",
     "speculative_draft_runner": "speculative_draft_runner",
@@ -98,6 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="NGRAM distinct continuations per draft (default 4)")
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",
                       help="grammar-aware drafting for constrained requests (default true)")
+    spec.add_argument("--speculative-measured-payoff", default=None, type=_parse_bool, metavar="{true,false}",
+                      help="EAGLE, DFLASH on a CPU: free text decoding alone drafts only while drafting measures "
+                           "faster than plain steps (default false)")
     spec.add_argument("--speculative-hybrid-ngram-tokens", type=int, default=None,
                       help="EAGLE trees also take the best n-gram continuation, up to this many nodes "
                            "(default 14, half of it as a rule, more while the request's paths are taken whole; "

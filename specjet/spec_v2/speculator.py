@@ -33,6 +33,7 @@ from specjet.spec_v2.eagle_drafter import EagleDrafter
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.hybrid import HybridDrafter
 from specjet.spec_v2.ngram import NgramDrafter
+from specjet.spec_v2.payoff import DraftPayoff
 from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput, VerifyResult
 
 
@@ -108,6 +109,7 @@ class Speculator:
         self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture, static_nodes=cfg.max_tree_nodes)
         # A learned drafter sees the positions of root-only trees later, in one call (catch_up.py).
         self.pending = PendingPositions() if self.drafter.feature_capture is not None else None
+        self.payoff = DraftPayoff() if cfg.measured_payoff else None
         self.timings = PhaseTimings()
 
     # ---------------------------------------------------------------- geometry (pure: config only)
@@ -158,6 +160,11 @@ class Speculator:
         limit = self.cfg.free_text_draft_batch
         if limit is not None and len(reqs) > limit:  # free text verifies its root alone (a plain step)
             budgets = [min(n, 1) if r.grammar is None else n for r, n in zip(reqs, budgets)]
+        # Alone and without a grammar, a request drafts while drafting measures faster than plain steps.
+        judged = reqs[0] if self.payoff is not None and len(reqs) == 1 and reqs[0].grammar is None else None
+        if judged is not None and budgets[0] > 1 and not self.payoff.wants_draft(judged.rid, judged.committed_len):
+            budgets = [1]
+        start = time.perf_counter()
         live = [i for i, n in enumerate(budgets) if n > 0]
         out: list[list[int]] = [[] for _ in reqs]
         if live:
@@ -166,6 +173,9 @@ class Speculator:
             accepted = self._run([reqs[i] for i in live], sampling, req_to_token, share, [budgets[i] for i in live])
             for i, tokens in zip(live, accepted):
                 out[i] = tokens
+            if judged is not None:
+                self.payoff.record(judged.rid, judged.committed_len, budgets[0] > 1, len(out[0]),
+                                   time.perf_counter() - start)
         return out
 
     def _run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor, share: int,
@@ -223,6 +233,8 @@ class Speculator:
     def release(self, rid: str) -> None:
         if self.pending is not None:
             self.pending.drop(rid)
+        if self.payoff is not None:
+            self.payoff.drop(rid)
         self.drafter.release(rid)
 
 
