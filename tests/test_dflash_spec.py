@@ -90,6 +90,9 @@ def dflash_engine(model_dir, draft, **kw):
     # The draft's own blocks, whole, unless a test merges n-grams in or cuts unlikely nodes.
     kw.setdefault("speculative_hybrid_ngram_tokens", 0)
     kw.setdefault("speculative_draft_min_prob", 0.0)
+    # Every iteration drafts (tests/test_draft_payoff.py covers drafting only while it pays, which
+    # depends on timings): drafts and acceptance compare across engines.
+    kw.setdefault("speculative_measured_payoff", False)
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm="DFLASH",
                           speculative_draft_model_path=str(draft), **kw)
 

@@ -111,7 +111,8 @@ def test_caught_up_drafts_equal_extended_ones(tiny_model_dir, random_drafts, alg
         with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8",
                             speculative_algorithm=algorithm, speculative_draft_model_path=str(random_drafts[algorithm]),
                             speculative_hybrid_ngram_tokens=0, speculative_num_draft_tokens=4,
-                            speculative_draft_min_prob=0.0, disable_overlap_schedule=True) as eng:
+                            speculative_draft_min_prob=0.0, disable_overlap_schedule=True,
+                            speculative_measured_payoff=False) as eng:  # trees must not depend on timings
             spec = eng.worker.speculator
             if not lazy:  # the drafter's own after_verify after every verify, root-only trees included
                 spec._after_verify = lambda reqs, budgets, result, table: spec.drafter.after_verify(reqs, result, table)

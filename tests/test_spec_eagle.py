@@ -90,6 +90,9 @@ def eagle_engine(model_dir, head, **kw):
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("speculative_hybrid_ngram_tokens", 0)  # the head's own trees, unless a test merges n-grams in
     kw.setdefault("speculative_draft_min_prob", 0.0)  # and whole, unless a test cuts unlikely nodes
+    # Every iteration drafts (tests/test_draft_payoff.py covers drafting only while it pays, which
+    # depends on timings): drafts and acceptance compare across engines.
+    kw.setdefault("speculative_measured_payoff", False)
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm="EAGLE",
                           speculative_draft_model_path=str(head), **kw)
 

@@ -2,26 +2,34 @@
 
 A verify row costs more as the context grows (its attention reads every cached key) and drafts are
 accepted less on text unlike the draft's training data, so over a long conversation speculation can be
-slower than plain decoding. For a request decoding alone, the speculator keeps drafting while what it
-measured says it pays: the request's accepted tokens per verify (``accept``, a running mean over its
-drafting iterations) against the ratio of a drafting iteration's time to a root-only one's (a plain step
-through the verify), both running means kept per context length bucket (the costs move with it). A
-request whose ``accept * t_root < t_tree`` verifies its root alone for ``PAUSE`` iterations, then drafts
-again to measure anew. Until a bucket has a root-only time, a request that has drafted ``MIN_SAMPLES``
-times spends ``PROBE`` iterations root-only to measure it. Trees only shrink to their root, so the output
-never depends on any of this.
+slower than plain decoding. For a request decoding alone, the speculator drafts while what it measured
+says drafting pays at the request's context length: per context bucket, running means of the tokens a
+drafting verify commits (``accept``), of a drafting iteration's seconds (``tree``) and of a root-only
+one's (``root``: a plain step through the verify). Drafting is ``accept * root / tree`` times as fast
+as plain steps. Where even the accept mean one standard error higher leaves that below ``MARGIN``, a
+request verifies its root alone for ``PAUSE`` iterations, then drafts ``EXPLORE`` times so the means keep
+up with the text. A bucket's first ``root`` is measured by a
+``PROBE`` of root-only iterations once it holds ``EXPLORE`` drafting samples.
+
+The means pool every request of a bucket: one request's handful of verifies (1 to 10 tokens each) is
+too noisy to judge, and pausing a request that would have paid costs as much as drafting one that does
+not. Trees only shrink to their root, so the output never depends on any of this.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-# Drafting iterations of a request before it is judged (its running mean settles).
-MIN_SAMPLES = 4
-# Root-only iterations that measure a bucket's plain step, and those of a pause once drafting lost.
+# Drafting iterations a request runs before it may pause, and after each pause (the means' fresh samples).
+EXPLORE = 4
+# Root-only iterations that measure a bucket's plain step, and those of a pause.
 PROBE = 4
 PAUSE = 32
-# Weight of a new sample in the running means.
-WEIGHT = 0.25
+# Pause only where drafting measures this much slower than plain steps or worse: a bucket whose drafts
+# pay about what they cost keeps drafting (its means' noise would otherwise pause it half the time).
+MARGIN = 0.95
+# The running means: the plain mean of the first 1 / LEAST_WEIGHT samples, then this weight for a new one.
+LEAST_WEIGHT = 0.05
 # Context lengths below this share the first bucket; above it a bucket spans a factor of 2.
 FIRST_BUCKET = 512
 
@@ -34,14 +42,42 @@ def bucket(context_len: int) -> int:
     return b
 
 
-def _mean(old: float | None, new: float) -> float:
-    return new if old is None else old + WEIGHT * (new - old)
+@dataclass
+class _Mean:
+    value: float = 0.0
+    square: float = 0.0  # the same running mean of the samples' squares
+    count: int = 0
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        weight = max(1.0 / self.count, LEAST_WEIGHT)
+        self.value += weight * (sample - self.value)
+        self.square += weight * (sample * sample - self.square)
+
+    def stderr(self) -> float:
+        """The mean's standard error, over the samples it effectively averages (at most ~2 / LEAST_WEIGHT)."""
+        n = min(self.count, 2.0 / LEAST_WEIGHT - 1.0)
+        return math.sqrt(max(self.square - self.value * self.value, 0.0) / n) if n > 1 else math.inf
+
+
+@dataclass
+class _Bucket:
+    accept: _Mean = field(default_factory=_Mean)
+    tree: _Mean = field(default_factory=_Mean)
+    root: _Mean = field(default_factory=_Mean)
+
+    def speedup(self, optimistic: bool = False) -> float | None:
+        """Drafting's measured rate against plain steps (``optimistic``: with the accept mean one standard
+        error higher); None until both kinds of iteration were timed."""
+        if not self.tree.count or not self.root.count or self.tree.value <= 0:
+            return None
+        accept = self.accept.value + (self.accept.stderr() if optimistic else 0.0)
+        return accept * self.root.value / self.tree.value
 
 
 @dataclass
 class _Request:
-    accept: float | None = None  # running mean of tokens accepted per drafting verify
-    samples: int = 0  # drafting iterations since it was last judged
+    explored: int = 0  # drafting iterations since it last paused (or started)
     root_only_left: int = 0  # iterations it still verifies its root alone
 
 
@@ -50,42 +86,41 @@ class DraftPayoff:
 
     def __init__(self):
         self._requests: dict[str, _Request] = {}
-        self._tree_s: dict[int, float] = {}  # bucket -> running mean of a drafting iteration's seconds
-        self._root_s: dict[int, float] = {}  # bucket -> running mean of a root-only iteration's seconds
+        self._buckets: dict[int, _Bucket] = {}
 
     def wants_draft(self, rid: str, context_len: int) -> bool:
         """Whether the request should draft this iteration (it decodes alone, without a grammar)."""
         r = self._requests.setdefault(rid, _Request())
         if r.root_only_left > 0:
             return False
-        if r.samples < MIN_SAMPLES or r.accept is None:
+        stats = self._buckets.setdefault(bucket(context_len), _Bucket())
+        if r.explored < EXPLORE or stats.tree.count < EXPLORE:
             return True
-        b = bucket(context_len)
-        r.samples = 0  # judged now; judged again after MIN_SAMPLES more drafting iterations
-        if b not in self._root_s:
+        if not stats.root.count:
             r.root_only_left = PROBE
             return False
-        if b in self._tree_s and r.accept * self._root_s[b] < self._tree_s[b]:
-            r.root_only_left = PAUSE
+        if stats.speedup(optimistic=True) < MARGIN:
+            r.root_only_left, r.explored = PAUSE, 0
             return False
         return True
 
     def record(self, rid: str, context_len: int, drafted: bool, accepted: int, seconds: float) -> None:
         """One iteration of the request alone: whether it drafted, the tokens it committed, its seconds."""
         r = self._requests.setdefault(rid, _Request())
-        b = bucket(context_len)
+        stats = self._buckets.setdefault(bucket(context_len), _Bucket())
         if drafted:
-            r.accept = _mean(r.accept, float(accepted))
-            r.samples += 1
-            self._tree_s[b] = _mean(self._tree_s.get(b), seconds)
+            r.explored += 1
+            stats.accept.add(float(accepted))
+            stats.tree.add(seconds)
         else:
             r.root_only_left = max(0, r.root_only_left - 1)
-            self._root_s[b] = _mean(self._root_s.get(b), seconds)
+            stats.root.add(seconds)
 
     def drop(self, rid: str) -> None:
         self._requests.pop(rid, None)
 
     def summary(self) -> dict:
-        """The running means by bucket (ms), for get_server_info."""
-        return {"tree_ms": {b: 1000 * s for b, s in sorted(self._tree_s.items())},
-                "root_ms": {b: 1000 * s for b, s in sorted(self._root_s.items())}}
+        """Per bucket: the running means (ms, tokens) and drafting's measured speed-up over plain steps."""
+        return {b: {"accept": s.accept.value, "tree_ms": 1000 * s.tree.value, "root_ms": 1000 * s.root.value,
+                    "speedup": s.speedup()}
+                for b, s in sorted(self._buckets.items()) if s.tree.count or s.root.count}
