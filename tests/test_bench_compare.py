@@ -174,5 +174,7 @@ def test_history_tokens_put_the_same_long_context_before_every_prompt(tiny_model
         assert tokenizer.decode(l.ids).endswith(alone[alone.index(q["question"]):])
     shared = min(len(long[0].ids), len(long[1].ids)) - max(len(s.ids) for s in short)
     assert long[0].ids[:shared] == long[1].ids[:shared], "one shared context (the prefix cache holds it)"
+    with pytest.raises(SystemExit):
+        main(["--history-tokens", "-1"])  # refused by the parser, before any engine
     last = gsm8k_questions(None, GSM8K_TEST)[-1]["question"]
     assert last in tokenizer.decode(long[0].ids) and last not in tokenizer.decode(short[0].ids)

@@ -99,3 +99,18 @@ def test_noisy_accepts_are_judged_by_their_upper_bound():
     assert pattern.count(False) == PROBE and payoff.summary()[0]["speedup"] < MARGIN
     steady = DraftPayoff()
     assert _drive(steady, "a", 300, accepted=2, tree_s=0.022, root_s=0.01, iterations=EXPLORE + PROBE + 1)[-1] is False
+
+
+def test_the_engine_argument_is_typed_and_on_for_learned_drafts_on_a_cpu():
+    from specjet.engine.args import EngineArgs
+    from specjet.spec_v2.config import SpecConfig
+
+    with pytest.raises(TypeError, match="speculative_measured_payoff must be bool"):
+        EngineArgs(speculative_algorithm="EAGLE", speculative_measured_payoff="yes").validate()
+
+    def measured(algorithm, cpu=True, **kw):
+        return SpecConfig.from_args(EngineArgs(speculative_algorithm=algorithm, **kw), cpu_target=cpu).measured_payoff
+
+    assert measured("EAGLE") and measured("DFLASH")
+    assert not measured("NGRAM") and not measured("EAGLE", cpu=False)
+    assert not measured("EAGLE", speculative_measured_payoff=False)

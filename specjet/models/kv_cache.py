@@ -16,8 +16,7 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
-        self.head_major = torch.device(device).type == "cpu"
-        if self.head_major:
+        if torch.device(device).type == "cpu":
             shape = (num_layers, num_kv_heads, num_slots, head_dim)
             self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
             self.v = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)

@@ -99,7 +99,8 @@ class DraftPayoff:
         if not stats.root.count:
             r.root_only_left = PROBE
             return False
-        if stats.speedup(optimistic=True) < MARGIN:
+        speedup = stats.speedup(optimistic=True)
+        if speedup is not None and speedup < MARGIN:
             r.root_only_left, r.explored = PAUSE, 0
             return False
         return True
