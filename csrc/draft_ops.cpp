@@ -172,22 +172,38 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
     auto value = [&](int64_t c) {
       return (!use_mask || c >= covered || ((words[c >> 5] >> (c & 31)) & 1u)) ? row[c] : minus_inf;
     };
-    // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins).
+    // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins). A column the
+    // mask forbids is -inf, which neither beats a value nor is a NaN: a masked row visits only the allowed
+    // columns (a grammar often allows a handful of the vocabulary), in increasing order.
     int64_t best = 0;
     float best_value = value(0);
-    if (!std::isnan(best_value)) {
-      for (int64_t c = 1; c < cols; ++c) {
-        const float v = value(c);
-        if (std::isnan(v)) {
-          best = c;
-          break;
-        }
-        if (v > best_value) {
-          best_value = v;
-          best = c;
+    auto visit = [&](int64_t c) {  // false: a NaN ends the search
+      const float v = row[c];
+      if (std::isnan(v)) {
+        best = c;
+        return false;
+      }
+      if (v > best_value) {
+        best_value = v;
+        best = c;
+      }
+      return true;
+    };
+    bool going = !std::isnan(best_value);
+    int64_t rest = 1;  // the first column visited one by one
+    if (going && use_mask) {
+      for (int64_t w = 0; going && w * 32 < covered; ++w) {
+        uint32_t bits = words[w] & (w == 0 ? ~1u : ~0u);  // column 0 is taken
+        while (bits != 0) {
+          const int64_t c = w * 32 + __builtin_ctz(bits);
+          bits &= bits - 1;
+          if (c >= covered) break;
+          if (!(going = visit(c))) break;
         }
       }
+      rest = std::max<int64_t>(covered, 1);
     }
+    for (int64_t c = rest; going && c < cols; ++c) going = visit(c);
     out.data_ptr<int64_t>()[r] = best;
   }
   return out;

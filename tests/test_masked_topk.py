@@ -143,3 +143,34 @@ def test_masked_argmax_is_xgrammars_mask_then_torch_argmax(seed):
         pytest.skip("the C++ extension is not built")
     assert torch.equal(masked_argmax(logits, bitmask, masked), expected)
 
+
+
+def test_masked_argmax_on_sparse_masks():
+    """Masks that allow a handful of tokens (the C++ pass then visits only their columns): NaNs and
+    maxima under forbidden columns are ignored, column 0 forbidden or allowed, a row allowing nothing,
+    only the last covered column, and a larger value past the mask's width."""
+    from specjet.kernels.masked_topk import masked_argmax, masked_argmax_reference
+
+    if cpu_ops.extension() is None:
+        pytest.skip("the C++ extension is not built")
+    vocab, width = 200, 160  # columns 160 .. 199 lie past the mask (5 words)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, vocab, generator=gen)
+    allowed = [[5, 40, 77], [0, 31, 32], [], [159], [1, 2, 3], [64, 70], [12], [33, 140]]
+    bitmask = torch.zeros(8, width // 32, dtype=torch.int32)
+    for r, cols in enumerate(allowed):
+        for c in cols:
+            bitmask[r, c // 32] |= torch.tensor(1 << (c % 32)).to(torch.int32)
+    logits[:, 160:] = -50.0
+    logits[0, 6] = float("nan")  # forbidden: ignored
+    logits[0, 41] = 1e9  # forbidden maximum: ignored
+    logits[1, 0] = 100.0  # allowed column 0 is the maximum
+    logits[4, 0] = 1e9  # forbidden column 0
+    logits[5, 70] = float("nan")  # an allowed NaN after a value: the NaN wins
+    logits[6, 199] = 1e3  # past the mask: unmasked, the maximum
+    logits[7, 33] = logits[7, 140] = 4.0  # a tie: the first wins
+    masked = torch.ones(8, dtype=torch.bool)
+    expected = masked_argmax_reference(logits, bitmask, masked)
+    assert expected.tolist()[:2] == [max(allowed[0], key=lambda c: logits[0, c]), 0]
+    assert expected[5] == 70 and expected[6] == 199 and expected[7] == 33
+    assert torch.equal(masked_argmax(logits, bitmask, masked), expected)

@@ -3,7 +3,7 @@
 from specjet.grammar.backend import (GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError,
                                     GrammarTimeoutError)
 from specjet.grammar.matcher import (RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, bitmask_allows,
-                                    bitmask_popcount, fill_token_bitmasks)
+                                    bitmask_popcount, empty_token_bitmask, fill_token_bitmasks)
 from specjet.grammar.output_check import OutputCheck, check_json_output
 from specjet.grammar.schema_rewrite import reachable_required
 from specjet.grammar.tree_mask import TreeMasks, mask_draft_tree
@@ -21,6 +21,7 @@ __all__ = [
     "bitmask_allows",
     "bitmask_popcount",
     "check_json_output",
+    "empty_token_bitmask",
     "fill_token_bitmasks",
     "mask_draft_tree",
     "reachable_required",

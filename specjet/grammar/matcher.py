@@ -103,6 +103,12 @@ def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(batch_size, vocab_size)
 
 
+def empty_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """``allocate_token_bitmask``'s shape, not filled: for callers that fill every row they read (a decode
+    step's rows of constrained requests; the other rows are never looked at), without the fill's cost."""
+    return torch.empty(batch_size, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
 def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Whether each row of `bitmask` allows each token: [R, W] int32 x [M] int64 -> [R, M] bool.
 

@@ -9,7 +9,7 @@ from enum import Enum
 
 import torch
 
-from specjet.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
+from specjet.kernels.attention_metadata import AttentionMetadata, build_attention_metadata, decode_attention_metadata
 
 
 class ForwardMode(Enum):
@@ -79,6 +79,17 @@ class ForwardBatch:
             raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
         return cls(mode, input_ids, positions, out_cache_loc, attn, logits_indices, capture_hidden)
 
+
+    @classmethod
+    def decode(cls, input_ids: torch.Tensor, positions: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, context_lens: list[int]) -> "ForwardBatch":
+        """A decode step: token ``input_ids[i]`` at ``positions[i]`` of request row ``req_pool_indices[i]``,
+        whose context is then ``context_lens[i]`` (= position + 1) tokens; logits for every row. The
+        same batch as ``build(DECODE, ...)`` (tested), built from the host's lengths with fewer ops."""
+        longest = max(context_lens)
+        attn = decode_attention_metadata(req_to_token, req_pool_indices, positions + 1, longest,
+                                         all(n == longest for n in context_lens))
+        return cls(ForwardMode.DECODE, input_ids, positions, req_to_token[req_pool_indices, positions], attn, None)
 
 @dataclass
 class ModelOutput:

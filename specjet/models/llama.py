@@ -72,14 +72,44 @@ class Rotary:
 
     Not a module on purpose: the frequencies stay fp32 when the model is cast to bf16."""
 
+    # On the CPU, positions' cos and sin are rows of a table grown a block of this many positions at a
+    # time: a decode step then indexes two rows instead of running six small ops. Each block is computed
+    # alone (one single-threaded pass of each op), so a position's row never depends on when the table
+    # grew, and every forward reads the same numbers.
+    TABLE_BLOCK = 1024
+
     def __init__(self, config: ModelConfig, device=None):
         inv_freq, self.scaling = config.rope_inv_freq()
         self.inv_freq = inv_freq.to(device)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, D/2] cos and sin, computed once per forward and shared by every layer."""
+        if positions.device.type != "cpu" or self.inv_freq.device.type != "cpu":
+            return self._compute(positions, dtype)
+        table = self._tables.get(dtype)
+        if table is not None:
+            try:
+                return table[0][positions], table[1][positions]
+            except IndexError:  # a position past the table: grow it
+                pass
+        cos, sin = self._grow(dtype, int(positions.max()) + 1 if positions.numel() else 1)
+        return cos[positions], sin[positions]
+
+    def _compute(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+
+    @torch.inference_mode(False)  # plain tensors, whichever mode grows the table
+    @torch.no_grad()
+    def _grow(self, dtype, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        empty = self.inv_freq.new_empty(0, self.inv_freq.numel(), dtype=dtype)
+        cos, sin = self._tables.get(dtype, (empty, empty))
+        blocks = [(cos, sin)]
+        for start in range(cos.shape[0], positions, self.TABLE_BLOCK):
+            blocks.append(self._compute(torch.arange(start, start + self.TABLE_BLOCK), dtype))
+        table = self._tables[dtype] = (torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks]))
+        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -227,6 +257,7 @@ class LlamaForCausalLM(nn.Module):
         # The layers as one C++ call (kernels/layer_stack.py), built by use_native_ops: the same kernels
         # as the native Python loop without the Python between them. None: the loop runs.
         self.layer_stack = None
+        self._native_norm: tuple | None = None  # the final norm's C++ op arguments, set by use_native_ops
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ModelOutput:
@@ -272,7 +303,8 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm.normalize(x, self.layers[0].native_ops)
+        native = self._native_norm  # looked up once (use_native_ops): submodule lookups cost a decode step
+        return cpu_ops.rms_norm(x.contiguous(), *native) if native is not None else self.norm(x)
 
     def use_native_ops(self, flag: bool = True) -> bool:
         """Inference through specjet's C++ CPU ops (kernels/cpu_ops.py: float32 attention, RMSNorm, RoPE with
@@ -282,6 +314,7 @@ class LlamaForCausalLM(nn.Module):
         (kernels/layer_stack.py), which holds the projections' operands: call this again after replacing
         one. Returns whether the ops are on."""
         on = set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
+        self._native_norm = (self.norm.weight, self.norm.eps) if on else None
         self.layer_stack = native_layer_stack(self.layers) if on else None
         return on
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.grammar import RequestGrammar, allocate_token_bitmask, check_json_output, fill_token_bitmasks
+from specjet.grammar import RequestGrammar, check_json_output, empty_token_bitmask, fill_token_bitmasks
 from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.detokenizer import update_text
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
@@ -548,7 +548,7 @@ class Scheduler:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
         if not rows:
             return None
-        bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
+        bitmask = empty_token_bitmask(len(reqs), self.vocab_size)  # only the rows filled below are read
         try:
             fill_token_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)
         except Exception:  # find the request whose grammar failed, one by one; the others go on

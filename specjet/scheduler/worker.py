@@ -216,19 +216,9 @@ class ModelWorker:
                             dtype=torch.int64)
         if self.runner.graphs is not None:
             return self.runner.graphs.decode(host)
-        table = self.req_to_token
         ids, positions, rows = host.to(self.device, non_blocking=True).unbind(1)
-        return self.runner.forward(ForwardBatch.build(
-            ForwardMode.DECODE,
-            input_ids=ids,
-            positions=positions,
-            out_cache_loc=table[rows, positions],
-            req_to_token=table,
-            req_pool_indices=rows,
-            kv_lens=positions + 1,
-            q_lens=torch.ones_like(positions),
-            logits="all",
-        ))
+        return self.runner.forward(ForwardBatch.decode(ids, positions, self.req_to_token, rows,
+                                                       [s.committed_len + 1 for s in states]))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:
