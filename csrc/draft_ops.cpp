@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace {
@@ -63,6 +64,39 @@ void block_maxima(const float* __restrict v, int64_t n, float* __restrict out) {
     for (int64_t i = b * kBlock; i < n; ++i) m = v[i] > m ? v[i] : m;
     out[b] = m;
   }
+}
+
+// block_maxima's out[b] for v[0 .. n), and whether any value may be a NaN (true also for an infinity: the
+// caller then takes its exact path): one pass in explicit 16-lane vectors.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+bool block_maxima_or_nan(const float* __restrict v, int64_t n, float* __restrict out) {
+  typedef float v16f __attribute__((vector_size(64)));
+  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
+  v16f odd = {};
+  int64_t b = 0;
+  for (; (b + 1) * kBlock <= n; ++b) {
+    v16f m = v16f{} + minus_inf;
+    for (int64_t j = 0; j < kBlock / kLanes; ++j) {
+      v16f x;
+      std::memcpy(&x, v + b * kBlock + j * kLanes, sizeof x);
+      odd += x - x;  // 0, or NaN for a NaN or an infinity (a compare x != x is not vectorised here)
+      m = x > m ? x : m;
+    }
+    float top = minus_inf;
+    for (int64_t l = 0; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
+    out[b] = top;
+  }
+  bool any = false;
+  for (int64_t l = 0; l < kLanes; ++l) any |= odd[l] != odd[l];
+  if (b * kBlock < n) {
+    float top = minus_inf;
+    for (int64_t i = b * kBlock; i < n; ++i) {
+      any |= v[i] != v[i];
+      top = v[i] > top ? v[i] : top;
+    }
+    out[b] = top;
+  }
+  return any;
 }
 
 }  // namespace
@@ -165,6 +199,9 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
   const torch::Tensor x = logits.contiguous(), mask = bitmask.contiguous(), flags = masked.contiguous();
   torch::Tensor out = torch::zeros({rows}, torch::kInt64);
   constexpr float minus_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> maxima((cols + kBlock - 1) / kBlock);
+  // Masks allowing at most this many columns are walked bit by bit; denser rows go by blocks.
+  constexpr int64_t kSparse = 1024;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x.data_ptr<float>() + r * cols;
     const uint32_t* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + r * words_per_row;
@@ -173,12 +210,11 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
       return (!use_mask || c >= covered || ((words[c >> 5] >> (c & 31)) & 1u)) ? row[c] : minus_inf;
     };
     // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins). A column the
-    // mask forbids is -inf, which neither beats a value nor is a NaN: a masked row visits only the allowed
-    // columns (a grammar often allows a handful of the vocabulary), in increasing order.
+    // mask forbids is -inf, which neither beats a value nor is a NaN.
     int64_t best = 0;
     float best_value = value(0);
     auto visit = [&](int64_t c) {  // false: a NaN ends the search
-      const float v = row[c];
+      const float v = value(c);
       if (std::isnan(v)) {
         best = c;
         return false;
@@ -189,21 +225,38 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
       }
       return true;
     };
-    bool going = !std::isnan(best_value);
-    int64_t rest = 1;  // the first column visited one by one
-    if (going && use_mask) {
+    bool sparse = false;  // a mask allowing at most kSparse columns
+    if (use_mask) {
+      int64_t allowed = 0;
+      for (int64_t w = 0; w < words_per_row; ++w) allowed += __builtin_popcount(words[w]);
+      sparse = allowed <= kSparse;
+    }
+    if (std::isnan(best_value)) {
+    } else if (sparse) {
+      // A grammar often allows a handful of the vocabulary: visit its columns alone (in increasing order; a
+      // forbidden NaN is -inf), then those past the mask's width.
+      bool going = true;
       for (int64_t w = 0; going && w * 32 < covered; ++w) {
         uint32_t bits = words[w] & (w == 0 ? ~1u : ~0u);  // column 0 is taken
         while (bits != 0) {
           const int64_t c = w * 32 + __builtin_ctz(bits);
           bits &= bits - 1;
-          if (c >= covered) break;
-          if (!(going = visit(c))) break;
+          if (c >= covered || !(going = visit(c))) break;
         }
       }
-      rest = std::max<int64_t>(covered, 1);
+      for (int64_t c = std::max<int64_t>(covered, 1); going && c < cols; ++c) going = visit(c);
+    } else {
+      if (!block_maxima_or_nan(row, cols, maxima.data())) {
+        // No NaN: a block of 64 columns can hold the answer only if its largest value (mask aside) beats the
+        // best so far, so the vectorised block maxima leave a handful of blocks to visit column by column.
+        for (int64_t b = 0; b * kBlock < cols; ++b)
+          if (maxima[b] > best_value)
+            for (int64_t c = std::max<int64_t>(b * kBlock, 1); c < std::min(cols, (b + 1) * kBlock); ++c) visit(c);
+      } else {
+        for (int64_t c = 1; c < cols && visit(c); ++c) {
+        }
+      }
     }
-    for (int64_t c = rest; going && c < cols; ++c) going = visit(c);
     out.data_ptr<int64_t>()[r] = best;
   }
   return out;

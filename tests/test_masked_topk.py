@@ -174,3 +174,44 @@ def test_masked_argmax_on_sparse_masks():
     assert expected.tolist()[:2] == [max(allowed[0], key=lambda c: logits[0, c]), 0]
     assert expected[5] == 70 and expected[6] == 199 and expected[7] == 33
     assert torch.equal(masked_argmax(logits, bitmask, masked), expected)
+
+
+@pytest.mark.parametrize("density", [0.5, 0.97])
+def test_masked_argmax_on_dense_masks(density):
+    """Masks allowing thousands of columns (the C++ pass then skips 64-column blocks whose largest value
+    cannot win): ties across blocks, a forbidden maximum, NaNs and infinities allowed or forbidden."""
+    from specjet.kernels.masked_topk import masked_argmax, masked_argmax_reference
+
+    if cpu_ops.extension() is None:
+        pytest.skip("the C++ extension is not built")
+    rows, vocab = 9, 5000
+    gen = torch.Generator().manual_seed(int(density * 100))
+    logits = (torch.randn(rows, vocab + 7, generator=gen) * 3).round()  # many ties; 7 columns past the mask
+    allowed = torch.rand(rows, vocab, generator=gen) < density
+    allowed[:, 100] = False
+    logits[0, 100] = 1e9  # a forbidden maximum
+    logits[1, 4000] = float("nan")  # a forbidden NaN (row 1 has no allowed NaN)
+    allowed[1, 4000] = False
+    allowed[2, 3000] = True
+    logits[2, 3000] = float("nan")  # an allowed NaN
+    logits[3, 2500] = float("inf")
+    allowed[3, 2500] = True  # an allowed infinity
+    logits[4] = float("-inf")
+    logits[4, 100:110] = 2.0  # forbidden at 100; allowed ones in 101 .. 109 tie
+    allowed[4, 101:110] = True
+    logits[5] = 1.0  # all equal: the first allowed column
+    logits[6, 1200] = logits[6, 2600] = 50.0  # a tie of the maxima in far blocks
+    allowed[6, [1200, 2600]] = True
+    logits[7, 0] = 99.0  # column 0 the maximum, forbidden
+    allowed[7, 0] = False
+    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    weights = (1 << torch.arange(32, dtype=torch.int64))
+    bitmask = (padded.view(rows, -1, 32).to(torch.int64) * weights).sum(-1)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    masked = torch.ones(rows, dtype=torch.bool)
+    masked[8] = False  # an unmasked row: the block pass over everything
+    expected = masked_argmax_reference(logits, bitmask, masked)
+    assert expected[0] != 100 and expected[2] == 3000 and expected[3] == 2500 and expected[4] == 101
+    assert expected[6] == 1200 and expected[7] != 0
+    assert torch.equal(masked_argmax(logits, bitmask, masked), expected)

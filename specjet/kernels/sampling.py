@@ -22,18 +22,15 @@ class SamplingTensors:
 
     @classmethod
     def from_lists(cls, temperatures, top_ks, top_ps, min_ps, device="cpu") -> "SamplingTensors":
-        t = torch.tensor(temperatures, dtype=torch.float32, device=device)
-        k = torch.tensor(top_ks, dtype=torch.int64, device=device)
-        p = torch.tensor(top_ps, dtype=torch.float32, device=device)
-        m = torch.tensor(min_ps, dtype=torch.float32, device=device)
-        sampled = t > 0
+        # The flags from the lists (a decode step builds these every iteration: no tensor ops for them).
+        sampled = [t > 0 for t in temperatures]
         return cls(
-            temperatures=t,
-            top_ks=k,
-            top_ps=p,
-            min_ps=m,
-            all_greedy=not bool(sampled.any()),
-            need_sort=bool(((k > 0) & sampled).any() or ((p < 1.0) & sampled).any()),
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            all_greedy=not any(sampled),
+            need_sort=any(s and (k > 0 or p < 1.0) for s, k, p in zip(sampled, top_ks, top_ps)),
         )
 
 

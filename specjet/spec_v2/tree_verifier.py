@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.grammar import allocate_token_bitmask, apply_token_bitmask_
+from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
+from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs
 from specjet.kernels.tree import build_tree
@@ -104,11 +105,16 @@ class TreeVerifier:
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + n)
         self._apply_penalties(reqs, logits, offsets)
-        self._apply_grammar_masks(reqs, logits, offsets)
+        grammar = self._grammar_masks(reqs, logits.shape[0], logits.shape[1], offsets)
         if sampling.all_greedy:
-            argmax = logits.argmax(-1).tolist()  # the one read-back of a greedy verify
+            # The one read-back of a greedy verify; under a grammar the masked argmax reads only the columns
+            # each node's mask allows (the logits stay unmasked: nothing reads them after the walk).
+            argmax = (logits.argmax(-1) if grammar is None else masked_argmax(logits, *grammar)).tolist()
             paths = [_greedy_path(r.tokens, r.parents, argmax[off:off + len(r.tokens)]) for r, off in zip(reqs, offsets)]
         else:
+            if grammar is not None:
+                bitmask, masked = grammar
+                apply_token_bitmask_(logits, bitmask, indices=masked.nonzero()[:, 0].tolist())
             paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device)
         accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
         accepted_nodes = [nodes for nodes, _ in paths]
@@ -167,17 +173,21 @@ class TreeVerifier:
                 apply_penalties_(logits[off:off + n], counts, seen, [penalties] * n)
 
     @staticmethod
-    def _apply_grammar_masks(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:
-        """Mask each constrained node's logits with the grammar state of its own path, in place: the
-        greedy walk and the rejection sampling then see, at every node, exactly what plain
-        constrained decoding would sample from after that path."""
-        rows = [torch.arange(off, off + len(r.tokens)) for r, off in zip(reqs, offsets) if r.bitmask is not None]
-        if not rows:
-            return
-        bitmask = torch.cat([r.bitmask for r in reqs if r.bitmask is not None])
-        full = allocate_token_bitmask(logits.shape[0], logits.shape[1])
-        full[torch.cat(rows)] = bitmask
-        apply_token_bitmask_(logits, full, indices=torch.cat(rows).tolist())
+    def _grammar_masks(reqs: list[VerifyInput], rows: int, vocab_size: int,
+                       offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The bitmask of every logits row ([rows, W] int32) and which rows it constrains ([rows] bool), or
+        None: each constrained node's mask is the grammar state of its own path, so the greedy walk and the
+        rejection sampling see, at every node, exactly what plain constrained decoding would sample from
+        after that path. Rows of unconstrained requests are left unfilled (never read)."""
+        constrained = [(r, off) for r, off in zip(reqs, offsets) if r.bitmask is not None]
+        if not constrained:
+            return None
+        bitmask = empty_token_bitmask(rows, vocab_size)
+        masked = torch.zeros(rows, dtype=torch.bool)
+        for r, off in constrained:
+            bitmask[off:off + len(r.tokens)] = r.bitmask
+            masked[off:off + len(r.tokens)] = True
+        return bitmask, masked
 
     def _commit_kv(self, reqs: list[VerifyInput], paths: list[list[int]], req_to_token: torch.Tensor) -> None:
         """Node i's KV sits at position committed+i; the j-th node of the path must sit at committed+j.
