@@ -1,5 +1,6 @@
-"""A decode step's fast paths give what the general ones give: its attention metadata
-(``ForwardBatch.decode`` against ``ForwardBatch.build``) and the RoPE table (``Rotary.cos_sin``)."""
+"""A decode step's and a verify's fast paths give what the general ones give: the attention metadata
+from host lengths (``ForwardBatch.from_host`` against ``ForwardBatch.build``) and the RoPE table
+(``Rotary.cos_sin``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,32 +19,67 @@ def _table(rows: int = 6, width: int = 64) -> torch.Tensor:
     return torch.randperm(rows * width, generator=gen).view(rows, width) + 10
 
 
+def _assert_same_metadata(fast, ref):
+    for field in dataclasses.fields(ref):
+        if field.name in ("mask_inputs", "mask_tensor"):
+            continue  # compared through the mask they build
+        a, b = getattr(fast, field.name), getattr(ref, field.name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), field.name
+        else:
+            assert a == b, field.name
+    # The torch paths' mask and the C++ kernel's arguments.
+    assert (fast.mask is None) == (ref.mask is None)
+    if ref.mask is not None:
+        assert torch.equal(fast.mask, ref.mask)
+    for a, b in zip(native_attention_args(fast), native_attention_args(ref)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("lengths", [[7], [5, 5, 5], [9, 3, 12], [1, 30]])
-def test_decode_batch_equals_the_general_build(lengths):
+def test_decode_batch_from_host_lengths_equals_the_general_build(lengths):
     table = _table()
     rows = torch.tensor([4, 1, 5, 0][:len(lengths)])
     positions = torch.tensor(lengths) - 1
     ids = torch.arange(len(lengths)) + 100
-    fast = ForwardBatch.decode(ids, positions, table, rows, list(lengths))
-    ref = ForwardBatch.build(ForwardMode.DECODE, input_ids=ids, positions=positions, out_cache_loc=table[rows, positions],
+    slots = table[rows, positions]
+    fast = ForwardBatch.from_host(ForwardMode.DECODE, ids, positions, slots, table, rows, [1] * len(lengths),
+                                  list(lengths))
+    ref = ForwardBatch.build(ForwardMode.DECODE, input_ids=ids, positions=positions, out_cache_loc=slots,
                              req_to_token=table, req_pool_indices=rows, kv_lens=positions + 1,
                              q_lens=torch.ones_like(positions), logits="all")
     assert fast.mode is ref.mode and fast.logits_indices is None and ref.logits_indices is None
-    assert torch.equal(fast.out_cache_loc, ref.out_cache_loc)
-    for field in dataclasses.fields(ref.attn):
-        a, b = getattr(fast.attn, field.name), getattr(ref.attn, field.name)
-        if field.name == "mask_inputs":
-            continue  # compared through the mask they build
-        if isinstance(b, torch.Tensor):
-            assert a.dtype == b.dtype and torch.equal(a, b), field.name
-        else:
-            assert a == b, field.name
-    # The padded rows' mask (the torch paths) and the C++ kernel's arguments.
-    assert (fast.attn.mask is None) == (ref.attn.mask is None)
-    if ref.attn.mask is not None:
-        assert torch.equal(fast.attn.mask, ref.attn.mask)
-    for a, b in zip(native_attention_args(fast.attn), native_attention_args(ref.attn)):
-        assert (a is None and b is None) or torch.equal(a, b)
+    _assert_same_metadata(fast.attn, ref.attn)
+
+
+@pytest.mark.parametrize("q_lens, kv_lens", [([4], [20]), ([3, 1, 5], [10, 7, 40]), ([2, 2], [9, 9]),
+                                             ([1, 6], [30, 30])])
+def test_verify_batch_from_host_lengths_equals_the_general_build(q_lens, kv_lens):
+    """Trees of several nodes under a custom mask (and one without), rows of different lengths, and
+    the pieces ``select`` cuts out of the metadata (the torch paths' length groups)."""
+    table = _table()
+    gen = torch.Generator().manual_seed(len(q_lens))
+    rows = torch.tensor([2, 5, 0][:len(q_lens)])
+    max_q, total = max(q_lens), sum(q_lens)
+    mask = torch.rand(len(q_lens), max_q, max_q, generator=gen) < 0.5
+    mask |= torch.eye(max_q, dtype=torch.bool)
+    ids, positions = torch.arange(total) + 7, torch.arange(total)
+    slots = torch.arange(total) + 300
+    for custom in (mask, None):
+        fast = ForwardBatch.from_host(ForwardMode.VERIFY, ids, positions, slots, table, rows, q_lens, kv_lens, custom)
+        ref = ForwardBatch.build(ForwardMode.VERIFY, input_ids=ids, positions=positions, out_cache_loc=slots,
+                                 req_to_token=table, req_pool_indices=rows, kv_lens=torch.tensor(kv_lens),
+                                 q_lens=torch.tensor(q_lens), custom_mask=custom, logits="all")
+        _assert_same_metadata(fast.attn, ref.attn)
+        for pick in ([0], list(range(len(q_lens)))[::-1]):
+            picked = torch.tensor(pick)
+            fresh_fast = ForwardBatch.from_host(ForwardMode.VERIFY, ids, positions, slots, table, rows, q_lens,
+                                                kv_lens, custom).attn.select(picked)
+            fresh_ref = ForwardBatch.build(ForwardMode.VERIFY, input_ids=ids, positions=positions, out_cache_loc=slots,
+                                           req_to_token=table, req_pool_indices=rows, kv_lens=torch.tensor(kv_lens),
+                                           q_lens=torch.tensor(q_lens), custom_mask=custom,
+                                           logits="all").attn.select(picked)
+            _assert_same_metadata(fresh_fast, fresh_ref)
 
 
 def _rotary() -> Rotary:

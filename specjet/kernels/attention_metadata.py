@@ -45,7 +45,9 @@ class AttentionMetadata:
     def mask(self) -> torch.Tensor | None:
         """[B, 1, max_q, max_kv] bool for the torch paths, True = may attend; None = no masking needed."""
         if self.mask_inputs is not None:
-            self.mask_tensor, self.mask_inputs = _full_mask(*self.mask_inputs), None
+            kv_valid, pos_kv = _kv_layout(self.mask_inputs, self.max_kv)
+            inputs = self.mask_inputs
+            self.mask_tensor, self.mask_inputs = _full_mask(*inputs[:3], kv_valid, pos_kv, *inputs[5:]), None
         return self.mask_tensor
 
     def select(self, rows: torch.Tensor) -> "AttentionMetadata":
@@ -58,7 +60,8 @@ class AttentionMetadata:
         if self.mask_inputs is not None:
             # Not built yet: the piece builds its own from its rows' inputs if a torch path reads it
             # (the same values as the full mask's rows; the C++ kernel never asks).
-            kv_valid, pos_kv = self.mask_inputs[3][rows, :max_kv], self.mask_inputs[4][:max_kv]
+            kv_valid, pos_kv = _kv_layout(self.mask_inputs, self.max_kv)
+            kv_valid, pos_kv = kv_valid[rows, :max_kv], pos_kv[:max_kv]
             mask = {"mask_inputs": (kv_lens, q_lens, q_valid, kv_valid, pos_kv, custom_mask, max_q)}
         else:
             mask = {"mask_tensor": None if self.mask_tensor is None else self.mask_tensor[rows, :, :max_q, :max_kv]}
@@ -133,36 +136,58 @@ def build_attention_metadata(
     )
 
 
-def decode_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
-                              max_kv: int, uniform: bool) -> AttentionMetadata:
-    """``build_attention_metadata`` of a decode step (one new token per request, causal) whose longest
-    context ``max_kv`` and whether every context is that long (``uniform``) the caller knows from its
-    own numbers: the same metadata from a third of the small torch ops, and no read of the device (a
-    decode step pays each op's fixed cost, more than the op's work)."""
+def host_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, q_lens: list[int],
+                            kv_lens: list[int], custom_mask: torch.Tensor | None = None) -> AttentionMetadata:
+    """``build_attention_metadata`` from lengths the caller holds as host lists (a decode step's or a
+    verify's): the same metadata (tested) from a third of the small torch ops and no read of the device,
+    since the padding and layout come from the lists. A decode step or a verify pays each op's fixed cost,
+    more than the op's work."""
     device = req_to_token.device
-    batch = kv_lens.shape[0]
-    q_lens = torch.ones(batch, dtype=torch.int64, device=device)
-    q_starts = torch.arange(batch, device=device)
-    q_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    batch, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
+    lens = torch.tensor([q_lens, kv_lens], dtype=torch.int64).to(device, non_blocking=True)
+    q_lens_t, kv_lens_t = lens[0], lens[1]
+    if max_q == 1 or batch == 1:  # no padded query: the layout is a range
+        flat = torch.arange(batch * max_q, device=device)
+        q_starts = flat[::max_q]
+        q_gather = flat.view(batch, max_q)
+        q_valid = torch.ones(batch, max_q, dtype=torch.bool, device=device)
+    else:
+        starts = [0]
+        for n in q_lens[:-1]:
+            starts.append(starts[-1] + n)
+        layout = torch.tensor([[s + j if j < n else 0 for j in range(max_q)] + [int(j < n) for j in range(max_q)]
+                               for s, n in zip(starts, q_lens)], dtype=torch.int64).to(device, non_blocking=True)
+        q_gather, q_valid = layout[:, :max_q], layout[:, max_q:].bool()
+        q_starts = q_gather[:, 0].clone()
     kv_indices = req_to_token[req_pool_indices, :max_kv].to(torch.int64)
-    mask_inputs = None
-    if not uniform:  # shorter rows: padding -> slot 0, and the torch paths need the mask
+    kv_valid = pos_kv = None  # all of every row: built for the torch paths' mask only if asked
+    uniform = all(n == max_kv for n in kv_lens)
+    if not uniform:  # shorter rows: padding -> slot 0
         pos_kv = torch.arange(max_kv, device=device)
-        kv_valid = pos_kv[None, :] < kv_lens[:, None]
+        kv_valid = pos_kv[None, :] < kv_lens_t[:, None]
         kv_indices = kv_indices.masked_fill_(~kv_valid, 0)
-        mask_inputs = (kv_lens, q_lens, q_valid, kv_valid, pos_kv, None, 1)
+    need_mask = custom_mask is not None or max_q > 1 or not uniform
     return AttentionMetadata(
-        q_lens=q_lens,
-        kv_lens=kv_lens,
+        q_lens=q_lens_t,
+        kv_lens=kv_lens_t,
         q_starts=q_starts,
         kv_indices=kv_indices,
-        q_gather=q_starts[:, None],
+        q_gather=q_gather,
         q_valid=q_valid,
-        custom_mask=None,
-        max_q=1,
+        custom_mask=custom_mask,
+        max_q=max_q,
         max_kv=max_kv,
-        mask_inputs=mask_inputs,
+        mask_inputs=(kv_lens_t, q_lens_t, q_valid, kv_valid, pos_kv, custom_mask, max_q) if need_mask else None,
     )
+
+
+def _kv_layout(mask_inputs: tuple, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_valid [B, max_kv], pos_kv [max_kv]) of ``mask_inputs``, built where they were left out."""
+    kv_lens, kv_valid, pos_kv = mask_inputs[0], mask_inputs[3], mask_inputs[4]
+    if kv_valid is None:
+        pos_kv = torch.arange(max_kv, device=kv_lens.device)
+        kv_valid = pos_kv[None, :] < kv_lens[:, None]
+    return kv_valid, pos_kv
 
 
 def _full_mask(kv_lens: torch.Tensor, q_lens: torch.Tensor, q_valid: torch.Tensor, kv_valid: torch.Tensor,

@@ -9,7 +9,7 @@ from enum import Enum
 
 import torch
 
-from specjet.kernels.attention_metadata import AttentionMetadata, build_attention_metadata, decode_attention_metadata
+from specjet.kernels.attention_metadata import AttentionMetadata, build_attention_metadata, host_attention_metadata
 
 
 class ForwardMode(Enum):
@@ -81,15 +81,14 @@ class ForwardBatch:
 
 
     @classmethod
-    def decode(cls, input_ids: torch.Tensor, positions: torch.Tensor, req_to_token: torch.Tensor,
-               req_pool_indices: torch.Tensor, context_lens: list[int]) -> "ForwardBatch":
-        """A decode step: token ``input_ids[i]`` at ``positions[i]`` of request row ``req_pool_indices[i]``,
-        whose context is then ``context_lens[i]`` (= position + 1) tokens; logits for every row. The
-        same batch as ``build(DECODE, ...)`` (tested), built from the host's lengths with fewer ops."""
-        longest = max(context_lens)
-        attn = decode_attention_metadata(req_to_token, req_pool_indices, positions + 1, longest,
-                                         all(n == longest for n in context_lens))
-        return cls(ForwardMode.DECODE, input_ids, positions, req_to_token[req_pool_indices, positions], attn, None)
+    def from_host(cls, mode: ForwardMode, input_ids: torch.Tensor, positions: torch.Tensor,
+                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                  q_lens: list[int], kv_lens: list[int], custom_mask: torch.Tensor | None = None,
+                  capture_hidden: CaptureHidden = None) -> "ForwardBatch":
+        """``build(..., logits="all")`` from the per-request lengths as host lists (a decode step's, a
+        verify's): the same batch (tested) with fewer small ops."""
+        attn = host_attention_metadata(req_to_token, req_pool_indices, q_lens, kv_lens, custom_mask)
+        return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden)
 
 @dataclass
 class ModelOutput:

@@ -217,8 +217,9 @@ class ModelWorker:
         if self.runner.graphs is not None:
             return self.runner.graphs.decode(host)
         ids, positions, rows = host.to(self.device, non_blocking=True).unbind(1)
-        return self.runner.forward(ForwardBatch.decode(ids, positions, self.req_to_token, rows,
-                                                       [s.committed_len + 1 for s in states]))
+        return self.runner.forward(ForwardBatch.from_host(
+            ForwardMode.DECODE, ids, positions, self.req_to_token[rows, positions], self.req_to_token, rows,
+            [1] * len(states), [s.committed_len + 1 for s in states]))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:

@@ -87,19 +87,9 @@ class TreeVerifier:
             out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
                                 self.capture_hidden)
         else:
-            out = self.runner.forward(ForwardBatch.build(
-                ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE,
-                input_ids=ids,
-                positions=positions,
-                out_cache_loc=slots,
-                req_to_token=req_to_token,
-                req_pool_indices=rows,
-                kv_lens=committed + q_lens,
-                q_lens=q_lens,
-                custom_mask=mask,
-                logits="all",
-                capture_hidden=self.capture_hidden,
-            ))
+            out = self.runner.forward(ForwardBatch.from_host(
+                ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots, req_to_token,
+                rows, sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask, self.capture_hidden))
         logits = out.logits
         offsets = [0]
         for n in sizes[:-1]:
