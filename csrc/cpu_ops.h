@@ -39,6 +39,10 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                               const torch::Tensor& wsum, int64_t group, int64_t N,
+                               const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,
+                               const torch::Tensor& masked, int64_t max_allowed);
 
 // draft_ops.cpp
 std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "whether this CPU runs the quantized GEMM's instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
   module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
   module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
+  module.def("int8_gemm_masked", &int8_gemm_masked,
+             "int8_gemm's y where a row's grammar bitmask allows few columns: those alone, -inf elsewhere");
   module.def("masked_topk_logp", &masked_topk_logp,
              "per row: the k best columns the row's token bitmask allows (all without one), log-probs over them");
   module.def("masked_argmax", &masked_argmax,

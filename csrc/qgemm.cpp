@@ -13,7 +13,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -166,24 +168,27 @@ static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, c
   }
 }
 
+// y[r, n] of an int8 weight.
+static float int8_element(const QuantizedRows& x, const int8_t* q, const uint16_t* s, int64_t group, const float* bias,
+                          int64_t r, int64_t n) {
+  const int64_t g = n / kGroup, j = n % kGroup;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const int8_t* steps = q + ((g * x.nb + b) * 8) * 64 + j * 4;
+    const int8_t* xb = x.xq + r * x.K + b * kBlock;
+    int32_t isum = 0;
+    for (int st = 0; st < 8; ++st)
+      for (int t = 0; t < 4; ++t) isum += steps[st * 64 + t] * xb[4 * st + t];
+    const float scale = half_to_float(s[(g * (x.K / group) + b * kBlock / group) * kGroup + j]);
+    acc = std::fma(static_cast<float>(isum), scale * x.dx[r * x.nb + b], acc);
+  }
+  return acc + (bias ? bias[n] : 0.0f);
+}
+
 static void int8(const QuantizedRows& x, const int8_t* q, const uint16_t* s, const int32_t*, int64_t group,
                  const float* bias, float* y, int64_t N, int64_t g0, int64_t g1) {
-  for (int64_t n = g0 * kGroup; n < std::min(N, g1 * kGroup); ++n) {
-    const int64_t g = n / kGroup, j = n % kGroup;
-    for (int64_t r = 0; r < x.rows; ++r) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < x.nb; ++b) {
-        const int8_t* steps = q + ((g * x.nb + b) * 8) * 64 + j * 4;
-        const int8_t* xb = x.xq + r * x.K + b * kBlock;
-        int32_t isum = 0;
-        for (int st = 0; st < 8; ++st)
-          for (int t = 0; t < 4; ++t) isum += steps[st * 64 + t] * xb[4 * st + t];
-        const float scale = half_to_float(s[(g * (x.K / group) + b * kBlock / group) * kGroup + j]);
-        acc = std::fma(static_cast<float>(isum), scale * x.dx[r * x.nb + b], acc);
-      }
-      y[r * N + n] = acc + (bias ? bias[n] : 0.0f);
-    }
-  }
+  for (int64_t n = g0 * kGroup; n < std::min(N, g1 * kGroup); ++n)
+    for (int64_t r = 0; r < x.rows; ++r) y[r * N + n] = int8_element(x, q, s, group, bias, r, n);
 }
 
 }  // namespace qgemm_scalar
@@ -288,6 +293,87 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
     else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
     else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
   });
+  return y;
+}
+
+torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                               const torch::Tensor& wsum, int64_t group, int64_t N,
+                               const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,
+                               const torch::Tensor& masked, int64_t max_allowed) {
+  const int64_t K = q.dim() == 4 ? q.size(1) * kBlock : -1, rows = x.size(0);
+  const int64_t groups = check_common(x, N, K, bias, isa);
+  TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0,
+              "qgemm int8: group must be a multiple of 32 that divides K, got ", group);
+  check_packed(q, torch::kInt8, {groups, K / kBlock, 8, 64}, "q");
+  check_packed(s, torch::kFloat16, {groups, K / group, kGroup}, "s");
+  check_packed(wsum, torch::kInt32, {groups, K / kBlock, kGroup}, "wsum");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
+                  bitmask.device().is_cpu() && bitmask.size(0) == rows,
+              "int8_gemm_masked: bitmask must be a contiguous CPU int32 [rows, W] tensor");
+  TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
+                  masked.size(0) == rows, "int8_gemm_masked: masked must be a contiguous bool [rows] tensor");
+  const int64_t words = bitmask.size(1), covered = std::min(N, 32 * words);
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const bool* flags = masked.data_ptr<bool>();
+  // A masked row allowing few columns gets those alone (and the columns past the mask's width, which a
+  // mask leaves as they are); every other column of it is -inf, as the mask would make it.
+  std::vector<int64_t> dense, at_row, at_col;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t allowed = 0;
+    if (flags[r])
+      for (int64_t w = 0; w < words; ++w) allowed += __builtin_popcount(bits[r * words + w]);
+    if (!flags[r] || allowed > max_allowed) {
+      dense.push_back(r);
+      continue;
+    }
+    for (int64_t w = 0; w * 32 < covered; ++w)
+      for (uint32_t b = bits[r * words + w]; b != 0; b &= b - 1) {
+        const int64_t c = w * 32 + __builtin_ctz(b);
+        if (c >= covered) break;
+        at_row.push_back(r);
+        at_col.push_back(c);
+      }
+    for (int64_t c = covered; c < N; ++c) {
+      at_row.push_back(r);
+      at_col.push_back(c);
+    }
+  }
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  const int32_t* wp = wsum.data_ptr<int32_t>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  if (!dense.empty()) {
+    // The other rows through int8_gemm's kernels: a row's result does not depend on which rows share a call.
+    const int64_t n = static_cast<int64_t>(dense.size());
+    std::vector<float> xs(n * K), ys(n * N);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + dense[i] * K, K * sizeof(float));
+    RowBuffers buf;
+    quantize(xs.data(), n, K, buf, isa);
+    float* out = ys.data();
+    parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
+      if (isa == kAvx512) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bp, out, N, g0, g1);
+      else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bp, out, N, g0, g1);
+      else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bp, out, N, g0, g1);
+    });
+    for (int64_t i = 0; i < n; ++i) std::memcpy(yp + dense[i] * N, ys.data() + i * N, N * sizeof(float));
+  }
+  if (!at_row.empty()) {
+    // Each allowed element as the scalar kernel computes it (the bits of every build's kernels).
+    RowBuffers buf;
+    quantize(xp, rows, K, buf, isa);
+    for (int64_t r = 0; r < rows; ++r)
+      if (flags[r] && (dense.empty() || !std::binary_search(dense.begin(), dense.end(), r)))
+        std::fill(yp + r * N, yp + (r + 1) * N, -std::numeric_limits<float>::infinity());
+    const int64_t elements = static_cast<int64_t>(at_row.size());
+    at::parallel_for(0, elements, 256, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e)
+        yp[at_row[e] * N + at_col[e]] = qgemm_scalar::int8_element(buf.view, qp, sp, group, bp, at_row[e], at_col[e]);
+    });
+  }
   return y;
 }
 

@@ -73,3 +73,36 @@ def test_json_schema_with_eagle_is_valid_and_exact():
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     jsonschema.validate(json.loads(outs[0]["text"]), schema)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "DFLASH"])
+def test_grammar_masked_head_keeps_speculation_exact(algorithm, monkeypatch):
+    """Under a JSON schema a verify's quantized LM head computes only the columns each node's mask allows
+    where it allows few (QuantizedLinear.masked): the outputs stay those of plain constrained decoding,
+    alone and beside a free-text request, and the sparse rows were taken."""
+    from specjet.kernels import qgemm
+
+    sparse_rows = []
+    real = qgemm.QuantizedLinear.masked
+
+    def counting(self, x, bitmask, masked, *args):
+        out = real(self, x, bitmask, masked, *args)
+        if out is not None:
+            sparse_rows.append(int((out == float("-inf")).any(dim=1).sum()))
+        return out
+
+    monkeypatch.setattr(qgemm.QuantizedLinear, "masked", counting)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                               "landmarks": {"type": "array", "items": {"type": "string"}}},
+              "required": ["city", "population", "landmarks"]}
+    params = {"temperature": 0, "max_new_tokens": 80, "json_schema": schema}
+    with specjet.Engine(max_total_tokens=8192) as eng:
+        prompt = eng.apply_chat_template("Describe Paris as JSON with three landmarks.")
+        expected = [o["output_ids"] for o in eng.generate([prompt, prompt], [params, PARAMS])]
+        alone = eng.generate(prompt, params)["output_ids"]
+    with specjet.Engine(max_total_tokens=8192, speculative_algorithm=algorithm) as eng:
+        outs = [o["output_ids"] for o in eng.generate([prompt, prompt], [params, PARAMS])]
+        spec_alone = eng.generate(prompt, params)["output_ids"]
+        eng.check_kv_invariant()
+    assert outs == expected and spec_alone == alone == expected[0]
+    assert sum(sparse_rows) > 0

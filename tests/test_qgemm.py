@@ -157,3 +157,57 @@ def test_bad_inputs_are_refused():
         EngineArgs.from_kwargs(quantization="int3")
     with pytest.raises(TypeError, match="quantization"):
         EngineArgs.from_kwargs(quantization=4)
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] with bit t % 32 of word t // 32 set where allowed[r, t]."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    words = (padded.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("group", [32, None])
+def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, monkeypatch):
+    """``QuantizedLinear.masked`` (int8_gemm_masked), per instruction set: a masked row allowing few columns
+    has exactly the full GEMM's values there and -inf elsewhere; masked rows allowing many, and unmasked
+    rows, are the full GEMM's rows; columns past the mask's width are computed; every row sparse (the
+    weight never read) and none sparse."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 1000, 96  # the mask covers 992 columns (31 words): the last 8 lie past it
+    weight = 0.05 * torch.randn(n, k, generator=gen)
+    qw = quantize_int8(weight, group) if group else quantize_int8(weight)
+    layer = qgemm.QuantizedLinear.build(qw, torch.randn(n, generator=gen))
+    x = torch.randn(6, k, generator=gen)
+    allowed = torch.zeros(6, 992, dtype=torch.bool)
+    allowed[0, [0, 31, 32, 500, 991]] = True  # sparse
+    allowed[1] = torch.rand(992, generator=gen) < 0.5  # dense: > max_allowed
+    allowed[2, 7] = True  # one column
+    allowed[4, :300] = True  # 300 columns: sparse under a larger limit only
+    masked = torch.tensor([True, True, True, False, True, True])  # row 3 unmasked; row 5 allows nothing
+    bitmask = _bitmask(allowed)
+    for isa in qgemm.supported_isas():
+        full = qgemm.gemm(x, layer.weight, layer.bias, isa)
+        monkeypatch.setenv(qgemm.ISA_ENV, isa)
+        qgemm.default_isa.cache_clear()
+        for limit in (256, 400):
+            got = layer.masked(x, bitmask, masked, limit)
+            dense = {1, 3} | ({4} if limit < 300 else set())
+            for r in range(6):
+                if r in dense:
+                    assert torch.equal(got[r], full[r]), (isa, limit, r)
+                    continue
+                keep = torch.cat([allowed[r], torch.ones(8, dtype=torch.bool)])  # past the mask: computed
+                assert torch.equal(got[r][keep], full[r][keep]), (isa, limit, r)
+                assert bool((got[r][~keep] == float("-inf")).all()), (isa, limit, r)
+    monkeypatch.delenv(qgemm.ISA_ENV)
+    qgemm.default_isa.cache_clear()
+    # Every row sparse, and the batch-invariance of the rest: one row alone gives its bits.
+    sparse_only = layer.masked(x[[0, 2, 5]].contiguous(), bitmask[[0, 2, 5]].contiguous(), masked[[0, 2, 5]].contiguous())
+    assert torch.equal(sparse_only, layer.masked(x, bitmask, masked)[[0, 2, 5]])
+    assert torch.equal(layer.masked(x[1:2].contiguous(), bitmask[1:2].contiguous(), masked[1:2].contiguous()),
+                       qgemm.gemm(x[1:2].contiguous(), layer.weight, layer.bias))
+    with pytest.raises(RuntimeError, match="bitmask"):
+        layer.masked(x, bitmask[:2].contiguous(), masked)
+    assert qgemm.QuantizedLinear.build(quantize_q4_1(weight)).masked(x, bitmask, masked) is None  # no Q4_1 kernel

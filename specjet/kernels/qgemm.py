@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.kernels.dot_layout import DotQ41, DotWeight, pack, unpack
+from specjet.kernels.dot_layout import DotInt8, DotQ41, DotWeight, pack, unpack
 from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.kernels.quant_formats import Int8Weight, Q41Weight, QuantWeight
 
@@ -82,6 +82,11 @@ def gemm(x: torch.Tensor, weight: DotWeight | QuantWeight, bias: torch.Tensor | 
     return ext.int8_gemm(x, weight.q, weight.s, weight.wsum, weight.group, weight.n, bias, code)
 
 
+# A grammar-masked row allowing at most this many columns has them computed alone (QuantizedLinear.masked):
+# each costs about a microsecond, while any full row streams the whole weight (tens of MB for an LM head).
+MASKED_MAX_ALLOWED = 256
+
+
 @dataclass
 class QuantizedLinear:
     weight: DotWeight  # [N, K] blocks, packed for the kernels
@@ -107,6 +112,23 @@ class QuantizedLinear:
     def select_outputs(self, rows: torch.Tensor) -> "QuantizedLinear":
         """The same layer restricted to some outputs (an EAGLE head's hot-token columns)."""
         return QuantizedLinear.build(self.blocks().select_rows(rows), None if self.bias is None else self.bias[rows])
+
+    def masked(self, x: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor,
+               max_allowed: int = MASKED_MAX_ALLOWED) -> torch.Tensor | None:
+        """``self(x)`` for rows x [R, K] whose outputs a grammar restricts (an LM head's): a row with
+        ``masked`` set whose ``bitmask`` row (int32 [R, W], token t = bit t % 32 of word t // 32) allows at
+        most ``max_allowed`` columns gets those columns, with the bits ``self(x)`` gives them, and -inf
+        elsewhere (where the mask puts -inf anyway); the other rows are ``self(x)``'s. Where every row is
+        such a row, the weight is never read. None: no such kernel for this weight (the float fallback,
+        a Q4_1 weight)."""
+        ext = extension()
+        if ext is None or self.fallback is not None or not isinstance(self.weight, DotInt8):
+            return None
+        if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.reshape(-1, x.shape[-1]).float().contiguous()
+        w = self.weight
+        return ext.int8_gemm_masked(x, w.q, w.s, w.wsum, w.group, w.n, self.bias, ISAS[default_isa()],
+                                    bitmask.contiguous(), masked.contiguous(), max_allowed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():

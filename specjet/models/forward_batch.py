@@ -41,6 +41,10 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor | None  # [N] rows of T that need logits; None = all rows
     capture_hidden: CaptureHidden = None
+    # (bitmask [T, W] int32, masked [T] bool): rows whose logits a grammar restricts, where only the columns a
+    # row's mask allows matter (a verify under a grammar); a quantized LM head may then compute only those
+    # and leave -inf elsewhere (QuantizedLinear.masked). Needs logits for every row.
+    logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -84,11 +88,12 @@ class ForwardBatch:
     def from_host(cls, mode: ForwardMode, input_ids: torch.Tensor, positions: torch.Tensor,
                   out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                   q_lens: list[int], kv_lens: list[int], custom_mask: torch.Tensor | None = None,
-                  capture_hidden: CaptureHidden = None) -> "ForwardBatch":
+                  capture_hidden: CaptureHidden = None,
+                  logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> "ForwardBatch":
         """``build(..., logits="all")`` from the per-request lengths as host lists (a decode step's, a
         verify's): the same batch (tested) with fewer small ops."""
         attn = host_attention_metadata(req_to_token, req_pool_indices, q_lens, kv_lens, custom_mask)
-        return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden)
+        return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden, logits_mask)
 
 @dataclass
 class ModelOutput:

@@ -297,7 +297,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = norm(x)
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
-        logits = self.lm_head(logits_in).float()
+        logits = None
+        masked_head = getattr(self.lm_head.packed, "masked", None)
+        if batch.logits_mask is not None and batch.logits_indices is None and masked_head is not None:
+            logits = masked_head(logits_in, *batch.logits_mask)  # the allowed columns of sparse rows alone
+        if logits is None:
+            logits = self.lm_head(logits_in).float()
         if feature_layers:
             hidden = torch.cat([*residuals, hidden], dim=-1)
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)

@@ -83,19 +83,18 @@ class TreeVerifier:
         per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
                                    dtype=torch.int64).to(device, non_blocking=True)
         rows, committed, q_lens = per_request[0], per_request[1], per_request[2]
+        grammar = self._grammar_masks(reqs, len(ids), self.runner.config.vocab_size, offsets_of(sizes))
         if static:
             out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
                                 self.capture_hidden)
         else:
             out = self.runner.forward(ForwardBatch.from_host(
                 ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots, req_to_token,
-                rows, sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask, self.capture_hidden))
+                rows, sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask, self.capture_hidden,
+                logits_mask=grammar))
         logits = out.logits
-        offsets = [0]
-        for n in sizes[:-1]:
-            offsets.append(offsets[-1] + n)
+        offsets = offsets_of(sizes)
         self._apply_penalties(reqs, logits, offsets)
-        grammar = self._grammar_masks(reqs, logits.shape[0], logits.shape[1], offsets)
         if sampling.all_greedy:
             # The one read-back of a greedy verify; under a grammar the masked argmax reads only the columns
             # each node's mask allows (the logits stay unmasked: nothing reads them after the walk).
@@ -196,6 +195,14 @@ class TreeVerifier:
         index = torch.tensor([rows, src, dst], dtype=torch.int64).to(req_to_token.device, non_blocking=True)
         self.runner.kv_cache.move_slots(req_to_token[index[0], index[1]].to(torch.int64),
                                         req_to_token[index[0], index[2]].to(torch.int64))
+
+
+def offsets_of(sizes: list[int]) -> list[int]:
+    """Where each request's nodes start among the verify's rows."""
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+    return offsets
 
 
 def _tree_masks(trees: list[list[list[int]]], width: int) -> torch.Tensor:
