@@ -113,6 +113,11 @@ class QuantizedLinear:
         """The same layer restricted to some outputs (an EAGLE head's hot-token columns)."""
         return QuantizedLinear.build(self.blocks().select_rows(rows), None if self.bias is None else self.bias[rows])
 
+    @property
+    def has_masked_kernel(self) -> bool:
+        """Whether ``masked`` computes rows' allowed columns alone (an int8 weight on the extension)."""
+        return extension() is not None and self.fallback is None and isinstance(self.weight, DotInt8)
+
     def masked(self, x: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor,
                max_allowed: int = MASKED_MAX_ALLOWED) -> torch.Tensor | None:
         """``self(x)`` for rows x [R, K] whose outputs a grammar restricts (an LM head's): a row with
@@ -121,9 +126,9 @@ class QuantizedLinear:
         elsewhere (where the mask puts -inf anyway); the other rows are ``self(x)``'s. Where every row is
         such a row, the weight is never read. None: no such kernel for this weight (the float fallback,
         a Q4_1 weight)."""
-        ext = extension()
-        if ext is None or self.fallback is not None or not isinstance(self.weight, DotInt8):
+        if not self.has_masked_kernel:
             return None
+        ext = extension()
         if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
             x = x.reshape(-1, x.shape[-1]).float().contiguous()
         w = self.weight

@@ -45,6 +45,9 @@ class ForwardBatch:
     # row's mask allows matter (a verify under a grammar); a quantized LM head may then compute only those
     # and leave -inf elsewhere (QuantizedLinear.masked). Needs logits for every row.
     logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The LM head left to the caller (``ModelRunner.head``): the output's ``hidden`` holds the normed rows that
+    # need logits and ``logits`` is None. A plain decode under a grammar, whose masks come after the forward.
+    defer_logits: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -89,14 +92,16 @@ class ForwardBatch:
                   out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                   q_lens: list[int], kv_lens: list[int], custom_mask: torch.Tensor | None = None,
                   capture_hidden: CaptureHidden = None,
-                  logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> "ForwardBatch":
+                  logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  defer_logits: bool = False) -> "ForwardBatch":
         """``build(..., logits="all")`` from the per-request lengths as host lists (a decode step's, a
         verify's): the same batch (tested) with fewer small ops."""
         attn = host_attention_metadata(req_to_token, req_pool_indices, q_lens, kv_lens, custom_mask)
-        return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden, logits_mask)
+        return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden, logits_mask, defer_logits)
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [N, vocab] float32
+    logits: torch.Tensor | None  # [N, vocab] float32; None: deferred (ForwardBatch.defer_logits)
     hidden: torch.Tensor | None = None  # [T, hidden] for capture "last", [T, (n + 1) hidden] for FeatureLayers
     layer_hidden: dict[int, torch.Tensor] | None = None  # layer id -> [T, hidden]
+    head_seconds: float = 0.0  # a deferred head's time, set by whoever ran it (the forward's share of it)

@@ -297,15 +297,22 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = norm(x)
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
-        logits = None
-        masked_head = getattr(self.lm_head.packed, "masked", None)
-        if batch.logits_mask is not None and batch.logits_indices is None and masked_head is not None:
-            logits = masked_head(logits_in, *batch.logits_mask)  # the allowed columns of sparse rows alone
-        if logits is None:
-            logits = self.lm_head(logits_in).float()
+        if batch.defer_logits and not every_row and layer_hidden is None:
+            return ModelOutput(logits=None, hidden=logits_in)  # the caller runs the head (head_logits)
+        logits = self.head_logits(logits_in, batch.logits_mask if batch.logits_indices is None else None)
         if feature_layers:
             hidden = torch.cat([*residuals, hidden], dim=-1)
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
+
+    @torch.inference_mode()
+    def head_logits(self, x: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The LM head over normed rows x: float32 logits. ``mask`` (bitmask [N, W], masked [N]): rows whose
+        grammar allows few tokens may get only those columns (-inf elsewhere; QuantizedLinear.masked)."""
+        logits = None
+        masked_head = getattr(self.lm_head.packed, "masked", None)
+        if mask is not None and masked_head is not None:
+            logits = masked_head(x, *mask)  # the allowed columns of sparse rows alone
+        return logits if logits is not None else self.lm_head(x).float()
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         native = self._native_norm  # looked up once (use_native_ops): submodule lookups cost a decode step

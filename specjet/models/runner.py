@@ -130,3 +130,14 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, self.kv_cache)
+
+    @property
+    def head_takes_masks(self) -> bool:
+        """Whether the LM head computes only the columns a grammar mask allows, for rows that allow few
+        (``head``): a quantized head on the CPU's kernels."""
+        return bool(getattr(self.model.lm_head.packed, "has_masked_kernel", False))
+
+    def head(self, hidden: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits of a forward whose head was deferred (``ForwardBatch.defer_logits``): its normed rows,
+        under their grammar masks (bitmask [N, W], masked [N]) where the head takes them."""
+        return self.model.head_logits(hidden, mask)

@@ -216,7 +216,11 @@ class EventLoop:
         self._last_compute_end = prev_end
         # A plain batch's first item is its model forward (then the sampling); a speculative batch
         # is one item, its phases timed by the speculator.
-        forward = items[0].ended - items[0].started if launched.forward is not None else None
+        forward = None
+        if launched.forward is not None:  # the forward item, and its head where the sampling ran it
+            forward = items[0].ended - items[0].started
+            if launched.forward.done() and launched.forward.exception() is None:
+                forward += launched.forward.result().head_seconds
         if len(self._iteration_records) < _MAX_ITERATION_RECORDS:
             self._iteration_records.append({"kind": launched.batch.kind.value, "batch_size": len(launched.batch.reqs),
                                             "compute_s": compute, "wait_s": wait, "forward_s": forward})

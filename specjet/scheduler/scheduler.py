@@ -528,7 +528,8 @@ class Scheduler:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
                                        grammar=req.grammar.fork(), grammar_len=len(req.output_ids)))
             else:
-                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator))
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
+                                       constrained=req.grammar is not None))
             req.inflight += 1
         if batch.kind is BatchKind.PREFILL:
             for req in batch.reqs:

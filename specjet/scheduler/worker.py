@@ -14,6 +14,7 @@ seen yet.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class ReqInput:
     # request's first ``grammar_len`` output tokens (the host's state at launch), or None.
     grammar: RequestGrammar | None = None
     grammar_len: int = 0
+    # A plain decode: the request decodes under a grammar (the host sends its mask with the sampling).
+    constrained: bool = False
 
 
 @dataclass
@@ -91,6 +94,9 @@ class ModelWorker:
         self.speculator = speculator
         self.device = runner.device
         self._states: dict[str, ComputeState] = {}
+        # A plain decode batch under a grammar leaves the LM head to its sampling, which has the masks: a
+        # row whose grammar allows few tokens then costs those columns, not the whole head (runner.head).
+        self._defer_head = runner.device.type == "cpu" and runner.head_takes_masks
 
     @property
     def speculative(self) -> bool:
@@ -113,7 +119,15 @@ class ModelWorker:
         bitmask ``(bitmask, rows)`` (or None); advances the compute states. A prefill chunk before
         the prompt's last gets no token ([]), and draws none of its request's coins."""
         out: ModelOutput = forward.result()
+        masked = None
+        if grammar_mask is not None:
+            masked = torch.zeros(len(batch.inputs), dtype=torch.bool)
+            masked[grammar_mask[1]] = True
         logits = out.logits
+        if logits is None:  # the head was left to this step (ModelWorker._defer_head)
+            start = time.perf_counter()
+            logits = self.runner.head(out.hidden, None if grammar_mask is None else (grammar_mask[0], masked))
+            out.head_seconds = time.perf_counter() - start
         states = [self._state(inp) for inp in batch.inputs]
         penalised = [i for i, inp in enumerate(batch.inputs) if inp.sampling.penalties is not None]
         sampled = [i for i, inp in enumerate(batch.inputs) if _samples(batch.kind, inp)]
@@ -121,10 +135,7 @@ class ModelWorker:
         if (grammar_mask is not None and not penalised and logits.device.type == "cpu"
                 and all(inp.sampling.is_greedy for inp in batch.inputs)):
             # Greedy under a grammar: the masked argmax in one pass, the mask never written into the logits.
-            bitmask, rows = grammar_mask
-            masked = torch.zeros(len(batch.inputs), dtype=torch.bool)
-            masked[rows] = True
-            best = masked_argmax(logits, bitmask, masked).tolist()
+            best = masked_argmax(logits, grammar_mask[0], masked).tolist()
             for i in sampled:
                 tokens[i] = best[i]
         else:
@@ -219,7 +230,8 @@ class ModelWorker:
         ids, positions, rows = host.to(self.device, non_blocking=True).unbind(1)
         return self.runner.forward(ForwardBatch.from_host(
             ForwardMode.DECODE, ids, positions, self.req_to_token[rows, positions], self.req_to_token, rows,
-            [1] * len(states), [s.committed_len + 1 for s in states]))
+            [1] * len(states), [s.committed_len + 1 for s in states],
+            defer_logits=self._defer_head and any(inp.constrained for inp in inputs)))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:
