@@ -241,6 +241,35 @@ void parallel_groups(int64_t groups, int64_t K, const Fn& fn) {
   at::parallel_for(0, groups, grain, fn);
 }
 
+// int8_gemm's argument checks; returns the weight's column groups.
+int64_t check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& wsum,
+                   int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  const int64_t K = q.dim() == 4 ? q.size(1) * kBlock : -1;
+  const int64_t groups = check_common(x, N, K, bias, isa);
+  TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0,
+              "qgemm int8: group must be a multiple of 32 that divides K, got ", group);
+  check_packed(q, torch::kInt8, {groups, K / kBlock, 8, 64}, "q");
+  check_packed(s, torch::kFloat16, {groups, K / group, kGroup}, "s");
+  check_packed(wsum, torch::kInt32, {groups, K / kBlock, kGroup}, "wsum");
+  return groups;
+}
+
+// y[rows, N] = x[rows, K] @ W^T (+ bias) for a checked int8 weight, on the instruction set's kernels.
+void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, const torch::Tensor& s,
+               const torch::Tensor& wsum, int64_t group, const float* bias, float* y, int64_t N, int64_t groups,
+               int64_t isa) {
+  RowBuffers buf;
+  quantize(x, rows, K, buf, isa);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  const int32_t* wp = wsum.data_ptr<int32_t>();
+  parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
+    if (isa == kAvx512) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
+    else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
+    else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
+  });
+}
+
 }  // namespace
 
 namespace specjet_cpu {
@@ -272,27 +301,11 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
                         int64_t isa) {
-  const int64_t K = q.dim() == 4 ? q.size(1) * kBlock : -1, rows = x.size(0);
-  const int64_t groups = check_common(x, N, K, bias, isa);
-  TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0,
-              "qgemm int8: group must be a multiple of 32 that divides K, got ", group);
-  check_packed(q, torch::kInt8, {groups, K / kBlock, 8, 64}, "q");
-  check_packed(s, torch::kFloat16, {groups, K / group, kGroup}, "s");
-  check_packed(wsum, torch::kInt32, {groups, K / kBlock, kGroup}, "wsum");
+  const int64_t groups = check_int8(x, q, s, wsum, group, N, bias, isa), rows = x.size(0);
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
-  RowBuffers buf;
-  quantize(x.data_ptr<float>(), rows, K, buf, isa);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
-  const int32_t* wp = wsum.data_ptr<int32_t>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
-    if (isa == kAvx512) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
-    else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
-    else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bp, yp, N, g0, g1);
-  });
+  int8_rows(x.data_ptr<float>(), rows, x.size(1), q, s, wsum, group, bias ? bias->data_ptr<float>() : nullptr,
+            y.data_ptr<float>(), N, groups, isa);
   return y;
 }
 
@@ -300,13 +313,7 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
                                const torch::Tensor& wsum, int64_t group, int64_t N,
                                const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,
                                const torch::Tensor& masked, int64_t max_allowed) {
-  const int64_t K = q.dim() == 4 ? q.size(1) * kBlock : -1, rows = x.size(0);
-  const int64_t groups = check_common(x, N, K, bias, isa);
-  TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0,
-              "qgemm int8: group must be a multiple of 32 that divides K, got ", group);
-  check_packed(q, torch::kInt8, {groups, K / kBlock, 8, 64}, "q");
-  check_packed(s, torch::kFloat16, {groups, K / group, kGroup}, "s");
-  check_packed(wsum, torch::kInt32, {groups, K / kBlock, kGroup}, "wsum");
+  const int64_t groups = check_int8(x, q, s, wsum, group, N, bias, isa), rows = x.size(0), K = x.size(1);
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
                   bitmask.device().is_cpu() && bitmask.size(0) == rows,
               "int8_gemm_masked: bitmask must be a contiguous CPU int32 [rows, W] tensor");
@@ -342,7 +349,6 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
   if (rows == 0) return y;
   const int8_t* qp = q.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
-  const int32_t* wp = wsum.data_ptr<int32_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -351,14 +357,7 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
     const int64_t n = static_cast<int64_t>(dense.size());
     std::vector<float> xs(n * K), ys(n * N);
     for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + dense[i] * K, K * sizeof(float));
-    RowBuffers buf;
-    quantize(xs.data(), n, K, buf, isa);
-    float* out = ys.data();
-    parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
-      if (isa == kAvx512) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bp, out, N, g0, g1);
-      else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bp, out, N, g0, g1);
-      else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bp, out, N, g0, g1);
-    });
+    int8_rows(xs.data(), n, K, q, s, wsum, group, bp, ys.data(), N, groups, isa);
     for (int64_t i = 0; i < n; ++i) std::memcpy(yp + dense[i] * N, ys.data() + i * N, N * sizeof(float));
   }
   if (!at_row.empty()) {

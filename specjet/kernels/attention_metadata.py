@@ -122,18 +122,8 @@ def build_attention_metadata(
     kv_indices = req_to_token[req_pool_indices, :max_kv].to(torch.int64)
     kv_indices = torch.where(kv_valid, kv_indices, torch.zeros_like(kv_indices))
     need_mask = static_sizes is not None or custom_mask is not None or max_q > 1 or bool((kv_lens != max_kv).any())
-    return AttentionMetadata(
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        q_starts=q_starts,
-        kv_indices=kv_indices,
-        q_gather=q_gather,
-        q_valid=q_valid,
-        custom_mask=custom_mask,
-        max_q=max_q,
-        max_kv=max_kv,
-        mask_inputs=(kv_lens, q_lens, q_valid, kv_valid, pos_kv, custom_mask, max_q) if need_mask else None,
-    )
+    return _metadata(q_lens, kv_lens, q_starts, kv_indices, q_gather, q_valid, custom_mask, max_q, max_kv,
+                     (kv_valid, pos_kv) if need_mask else None)
 
 
 def host_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, q_lens: list[int],
@@ -167,18 +157,20 @@ def host_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.
         kv_valid = pos_kv[None, :] < kv_lens_t[:, None]
         kv_indices = kv_indices.masked_fill_(~kv_valid, 0)
     need_mask = custom_mask is not None or max_q > 1 or not uniform
-    return AttentionMetadata(
-        q_lens=q_lens_t,
-        kv_lens=kv_lens_t,
-        q_starts=q_starts,
-        kv_indices=kv_indices,
-        q_gather=q_gather,
-        q_valid=q_valid,
-        custom_mask=custom_mask,
-        max_q=max_q,
-        max_kv=max_kv,
-        mask_inputs=(kv_lens_t, q_lens_t, q_valid, kv_valid, pos_kv, custom_mask, max_q) if need_mask else None,
-    )
+    return _metadata(q_lens_t, kv_lens_t, q_starts, kv_indices, q_gather, q_valid, custom_mask, max_q, max_kv,
+                     (kv_valid, pos_kv) if need_mask else None)
+
+
+def _metadata(q_lens, kv_lens, q_starts, kv_indices, q_gather, q_valid, custom_mask, max_q: int, max_kv: int,
+              kv_layout: tuple | None) -> AttentionMetadata:
+    """The metadata of those tensors; ``kv_layout`` (kv_valid, pos_kv; either may be None: built if asked) where
+    the torch paths need a mask, None where they need none."""
+    mask_inputs = None
+    if kv_layout is not None:
+        mask_inputs = (kv_lens, q_lens, q_valid, kv_layout[0], kv_layout[1], custom_mask, max_q)
+    return AttentionMetadata(q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
+                             q_gather=q_gather, q_valid=q_valid, custom_mask=custom_mask, max_q=max_q, max_kv=max_kv,
+                             mask_inputs=mask_inputs)
 
 
 def _kv_layout(mask_inputs: tuple, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
