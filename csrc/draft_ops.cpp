@@ -42,32 +42,9 @@ double sum_exp(const float* __restrict v, int64_t n, float shift) {
 
 constexpr int64_t kBlock = 64;  // values per block of the top-k scan
 
-// out[b]: the largest of v[b * 64 .. b * 64 + 63] (NaN ignored; -inf for a block of none), in 16 lanes
-// GCC vectorises, so the top-k scan reads only the blocks that may hold a candidate.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void block_maxima(const float* __restrict v, int64_t n, float* __restrict out) {
-  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
-  int64_t b = 0;
-  for (; (b + 1) * kBlock <= n; ++b) {
-    float lane[kLanes];
-    for (int64_t l = 0; l < kLanes; ++l) lane[l] = minus_inf;
-    for (int64_t j = 0; j < kBlock / kLanes; ++j) {
-      const float* x = v + b * kBlock + j * kLanes;
-      for (int64_t l = 0; l < kLanes; ++l) lane[l] = x[l] > lane[l] ? x[l] : lane[l];
-    }
-    float m = minus_inf;
-    for (int64_t l = 0; l < kLanes; ++l) m = lane[l] > m ? lane[l] : m;
-    out[b] = m;
-  }
-  if (b * kBlock < n) {
-    float m = minus_inf;
-    for (int64_t i = b * kBlock; i < n; ++i) m = v[i] > m ? v[i] : m;
-    out[b] = m;
-  }
-}
-
-// block_maxima's out[b] for v[0 .. n), and whether any value may be a NaN (true also for an infinity: the
-// caller then takes its exact path): one pass in explicit 16-lane vectors.
+// out[b]: the largest of v[b * 64 .. b * 64 + 63] (NaN ignored; -inf for a block of none), so a scan reads only
+// the blocks that may hold a candidate; returns whether any value may be a NaN (true also for an infinity: the
+// masked argmax then takes its exact path). One pass in explicit 16-lane vectors (GCC leaves the loop form scalar).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 bool block_maxima_or_nan(const float* __restrict v, int64_t n, float* __restrict out) {
   typedef float v16f __attribute__((vector_size(64)));
@@ -155,7 +132,7 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c
     // Pass 1: the largest value and the k best finite ones (on a tie the earlier), a block at a time: a
     // block whose maximum cannot enter the k best is not scanned.
     block_max.resize((n + kBlock - 1) / kBlock);
-    block_maxima(values, n, block_max.data());
+    block_maxima_or_nan(values, n, block_max.data());  // NaNs are skipped by the scan itself
     float max_value = -std::numeric_limits<float>::infinity();
     int64_t found = 0;
     for (int64_t b = 0; b < static_cast<int64_t>(block_max.size()); ++b) {

@@ -169,7 +169,7 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("group", [32, None])
-def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, monkeypatch):
+def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, monkeypatch, request):
     """``QuantizedLinear.masked`` (int8_gemm_masked), per instruction set: a masked row allowing few columns
     has exactly the full GEMM's values there and -inf elsewhere; masked rows allowing many, and unmasked
     rows, are the full GEMM's rows; columns past the mask's width are computed; every row sparse (the
@@ -187,6 +187,7 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
     allowed[4, :300] = True  # 300 columns: sparse under a larger limit only
     masked = torch.tensor([True, True, True, False, True, True])  # row 3 unmasked; row 5 allows nothing
     bitmask = _bitmask(allowed)
+    request.addfinalizer(qgemm.default_isa.cache_clear)  # no forced instruction set outlives the test
     for isa in qgemm.supported_isas():
         full = qgemm.gemm(x, layer.weight, layer.bias, isa)
         monkeypatch.setenv(qgemm.ISA_ENV, isa)
@@ -210,4 +211,6 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
                        qgemm.gemm(x[1:2].contiguous(), layer.weight, layer.bias))
     with pytest.raises(RuntimeError, match="bitmask"):
         layer.masked(x, bitmask[:2].contiguous(), masked)
+    with pytest.raises(RuntimeError, match="masked must be"):
+        layer.masked(x, bitmask, masked[:3].contiguous())
     assert qgemm.QuantizedLinear.build(quantize_q4_1(weight)).masked(x, bitmask, masked) is None  # no Q4_1 kernel

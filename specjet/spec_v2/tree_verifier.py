@@ -80,14 +80,15 @@ class TreeVerifier:
         host = host.to(device, non_blocking=True)
         ids, positions = host[0], host[1]
         slots = req_to_token[host[2], host[3]].to(torch.int64)
-        per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
-                                   dtype=torch.int64).to(device, non_blocking=True)
-        rows, committed, q_lens = per_request[0], per_request[1], per_request[2]
         grammar = self._grammar_masks(reqs, len(ids), self.runner.config.vocab_size, offsets_of(sizes))
         if static:
+            per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
+                                       dtype=torch.int64).to(device, non_blocking=True)
+            rows, committed, q_lens = per_request[0], per_request[1], per_request[2]
             out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
                                 self.capture_hidden)
         else:
+            rows = torch.tensor([r.row for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
             out = self.runner.forward(ForwardBatch.from_host(
                 ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots, req_to_token,
                 rows, sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask, self.capture_hidden,
