@@ -10,7 +10,7 @@ import torch
 
 from specjet.kernels.cpu_ops import native_attention_args
 from specjet.models.config import ModelConfig
-from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, host_token_tensors
 from specjet.models.llama import Rotary
 
 
@@ -43,7 +43,7 @@ def test_decode_batch_from_host_lengths_equals_the_general_build(lengths):
     positions = torch.tensor(lengths) - 1
     ids = torch.arange(len(lengths)) + 100
     slots = table[rows, positions]
-    fast = ForwardBatch.from_host(ForwardMode.DECODE, ids, positions, slots, table, rows, [1] * len(lengths),
+    fast = ForwardBatch.from_host(ForwardMode.DECODE, ids, positions, slots, table, rows.tolist(), [1] * len(lengths),
                                   list(lengths))
     ref = ForwardBatch.build(ForwardMode.DECODE, input_ids=ids, positions=positions, out_cache_loc=slots,
                              req_to_token=table, req_pool_indices=rows, kv_lens=positions + 1,
@@ -66,20 +66,41 @@ def test_verify_batch_from_host_lengths_equals_the_general_build(q_lens, kv_lens
     ids, positions = torch.arange(total) + 7, torch.arange(total)
     slots = torch.arange(total) + 300
     for custom in (mask, None):
-        fast = ForwardBatch.from_host(ForwardMode.VERIFY, ids, positions, slots, table, rows, q_lens, kv_lens, custom)
+        fast = ForwardBatch.from_host(ForwardMode.VERIFY, ids, positions, slots, table, rows.tolist(), q_lens, kv_lens,
+                                      custom)
         ref = ForwardBatch.build(ForwardMode.VERIFY, input_ids=ids, positions=positions, out_cache_loc=slots,
                                  req_to_token=table, req_pool_indices=rows, kv_lens=torch.tensor(kv_lens),
                                  q_lens=torch.tensor(q_lens), custom_mask=custom, logits="all")
         _assert_same_metadata(fast.attn, ref.attn)
         for pick in ([0], list(range(len(q_lens)))[::-1]):
             picked = torch.tensor(pick)
-            fresh_fast = ForwardBatch.from_host(ForwardMode.VERIFY, ids, positions, slots, table, rows, q_lens,
+            fresh_fast = ForwardBatch.from_host(ForwardMode.VERIFY, ids, positions, slots, table, rows.tolist(), q_lens,
                                                 kv_lens, custom).attn.select(picked)
             fresh_ref = ForwardBatch.build(ForwardMode.VERIFY, input_ids=ids, positions=positions, out_cache_loc=slots,
                                            req_to_token=table, req_pool_indices=rows, kv_lens=torch.tensor(kv_lens),
                                            q_lens=torch.tensor(q_lens), custom_mask=custom,
                                            logits="all").attn.select(picked)
             _assert_same_metadata(fresh_fast, fresh_ref)
+
+
+def test_host_token_tensors_read_the_table_and_leave_it_alone():
+    """The decode step's ids / positions / slots from host lists == the torch gather they replace; the
+    metadata's KV rows are a copy (the padding written into them never reaches the table) and its cached
+    range layout is shared read-only, outside inference mode too."""
+    table = _table()
+    before = table.clone()
+    rows, cols = [4, 1, 4], [3, 0, 9]
+    ids, positions, slots = host_token_tensors(table, [11, 12, 13], [7, 8, 9], rows, cols)
+    assert ids.tolist() == [11, 12, 13] and positions.tolist() == [7, 8, 9]
+    assert slots.dtype == torch.int64 and torch.equal(slots, table[torch.tensor(rows), torch.tensor(cols)])
+    with torch.inference_mode():
+        meta = ForwardBatch.from_host(ForwardMode.DECODE, ids, positions, slots, table, [4, 1], [1, 1], [5, 9]).attn
+    assert meta.kv_indices[0, 5:].eq(0).all()  # the shorter row's padding...
+    assert torch.equal(table, before)  # ...written into a copy
+    single = ForwardBatch.from_host(ForwardMode.DECODE, ids[:1], positions[:1], slots[:1], table, [4], [1], [5]).attn
+    assert not single.q_gather.is_inference() and single.q_gather.tolist() == [[0]]
+    single.kv_indices.fill_(-1)
+    assert torch.equal(table, before)
 
 
 def _rotary() -> Rotary:

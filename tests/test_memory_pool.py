@@ -42,6 +42,29 @@ def test_extend_fills_pages_then_frees_everything(page_size):
     assert alloc.num_free_slots == alloc.size
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_extend_list_gives_the_slots_extend_gives(page_size):
+    """The host's list path (a decode step's growth) and the torch path hand out the same slots from the
+    same free list, whatever the growth and wherever in a page it starts; the pool's numpy view writes the
+    table itself."""
+    steps = [0, 1, 2, 3, 7, 8, 9, 16, 17, 31, 33, 40]
+    by_tensor = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
+    by_list = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
+    table = torch.zeros(1, 64, dtype=torch.int64)
+    pool = ReqToTokenPool(1, 64, "cpu")
+    row = pool.alloc()
+    for old, new in zip(steps, steps[1:]):
+        expected = grow(by_tensor, table, 0, old, new)
+        host_row = pool.host[row]
+        host_row[old:new] = by_list.extend_list(int(host_row[old - 1]) if old else 0, old, new)
+        assert pool.table[row, old:new].tolist() == expected.tolist()
+    assert by_list.free_page_ids() == by_tensor.free_page_ids()
+    check_kv_invariant(by_list, {"r": pool.table[row, :steps[-1]]})
+    with pytest.raises(OutOfKVMemory):  # more than the pool: nothing taken
+        by_list.extend_list(int(pool.host[row, steps[-1] - 1]), steps[-1], 64 * 64 * page_size)
+    assert by_list.free_page_ids() == by_tensor.free_page_ids()
+
+
 def test_slots_needed_counts_only_new_pages():
     alloc = TokenToKVPoolAllocator(16 * 8, 8, "cpu")
     assert alloc.slots_needed(0, 1) == 8

@@ -9,6 +9,8 @@ K/V have already been written into their slots; they sit at the last ``q_len`` o
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -126,21 +128,21 @@ def build_attention_metadata(
                      (kv_valid, pos_kv) if need_mask else None)
 
 
-def host_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, q_lens: list[int],
+def host_attention_metadata(req_to_token: torch.Tensor, rows: Sequence[int], q_lens: list[int],
                             kv_lens: list[int], custom_mask: torch.Tensor | None = None) -> AttentionMetadata:
-    """``build_attention_metadata`` from lengths the caller holds as host lists (a decode step's or a
-    verify's): the same metadata (tested) from a third of the small torch ops and no read of the device,
-    since the padding and layout come from the lists. A decode step or a verify pays each op's fixed cost,
-    more than the op's work."""
+    """``build_attention_metadata`` from what the caller holds as host lists (a decode step's or a verify's:
+    the requests' table ``rows`` and their lengths): the same metadata (tested) from a few small torch ops
+    and no read of the device, since the padding and layout come from the lists. A decode step or a verify
+    pays each op's fixed cost, more than the op's work, and pays it after the forward has streamed the
+    weights through the caches."""
     device = req_to_token.device
     batch, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
-    lens = torch.tensor([q_lens, kv_lens], dtype=torch.int64).to(device, non_blocking=True)
-    q_lens_t, kv_lens_t = lens[0], lens[1]
+    lens = torch.tensor([q_lens, kv_lens], dtype=torch.int64)
+    if device.type != "cpu":
+        lens = lens.to(device, non_blocking=True)
+    q_lens_t, kv_lens_t = lens.unbind()
     if max_q == 1 or batch == 1:  # no padded query: the layout is a range
-        flat = torch.arange(batch * max_q, device=device)
-        q_starts = flat[::max_q]
-        q_gather = flat.view(batch, max_q)
-        q_valid = torch.ones(batch, max_q, dtype=torch.bool, device=device)
+        q_starts, q_gather, q_valid = _range_layout(device, batch, max_q)
     else:
         starts = [0]
         for n in q_lens[:-1]:
@@ -149,7 +151,7 @@ def host_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.
                                for s, n in zip(starts, q_lens)], dtype=torch.int64).to(device, non_blocking=True)
         q_gather, q_valid = layout[:, :max_q], layout[:, max_q:].bool()
         q_starts = q_gather[:, 0].clone()
-    kv_indices = req_to_token[req_pool_indices, :max_kv].to(torch.int64)
+    kv_indices = _table_rows(req_to_token, rows, max_kv)
     kv_valid = pos_kv = None  # all of every row: built for the torch paths' mask only if asked
     uniform = all(n == max_kv for n in kv_lens)
     if not uniform:  # shorter rows: padding -> slot 0
@@ -159,6 +161,25 @@ def host_attention_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.
     need_mask = custom_mask is not None or max_q > 1 or not uniform
     return _metadata(q_lens_t, kv_lens_t, q_starts, kv_indices, q_gather, q_valid, custom_mask, max_q, max_kv,
                      (kv_valid, pos_kv) if need_mask else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _range_layout(device: torch.device, batch: int, max_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_starts, q_gather, q_valid) of a batch whose queries need no padding (every request max_q new tokens,
+    or one request): the same for every such batch, so built once (read-only: no consumer writes them) as
+    plain tensors, usable inside and outside inference mode."""
+    with torch.inference_mode(False):
+        flat = torch.arange(batch * max_q, device=device)
+        return flat[::max_q], flat.view(batch, max_q), torch.ones(batch, max_q, dtype=torch.bool, device=device)
+
+
+def _table_rows(req_to_token: torch.Tensor, rows: Sequence[int], width: int) -> torch.Tensor:
+    """[len(rows), width] int64: the first ``width`` slots of each table row, a copy (callers may overwrite
+    its padding). A CPU table is read through numpy, whose indexing costs a fraction of torch's."""
+    if req_to_token.device.type == "cpu":
+        return torch.from_numpy(req_to_token.numpy()[list(rows), :width]).to(torch.int64)
+    index = torch.tensor(list(rows), dtype=torch.int64).to(req_to_token.device, non_blocking=True)
+    return req_to_token[index, :width].to(torch.int64)
 
 
 def _metadata(q_lens, kv_lens, q_starts, kv_indices, q_gather, q_valid, custom_mask, max_q: int, max_kv: int,

@@ -4,6 +4,7 @@ Built by the scheduler (or a speculative worker) from its requests; the model on
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -89,15 +90,28 @@ class ForwardBatch:
 
     @classmethod
     def from_host(cls, mode: ForwardMode, input_ids: torch.Tensor, positions: torch.Tensor,
-                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, rows: Sequence[int],
                   q_lens: list[int], kv_lens: list[int], custom_mask: torch.Tensor | None = None,
                   capture_hidden: CaptureHidden = None,
                   logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
                   defer_logits: bool = False) -> "ForwardBatch":
-        """``build(..., logits="all")`` from the per-request lengths as host lists (a decode step's, a
-        verify's): the same batch (tested) with fewer small ops."""
-        attn = host_attention_metadata(req_to_token, req_pool_indices, q_lens, kv_lens, custom_mask)
+        """``build(..., logits="all")`` from the requests' table rows and lengths as host lists (a decode
+        step's, a verify's): the same batch (tested) with fewer small ops."""
+        attn = host_attention_metadata(req_to_token, rows, q_lens, kv_lens, custom_mask)
         return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden, logits_mask, defer_logits)
+
+def host_token_tensors(req_to_token: torch.Tensor, ids: list[int], positions: list[int], slot_rows: list[int],
+                       slot_cols: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's or a verify's (input_ids, positions, out_cache_loc), int64 on the table's device, from
+    host lists: token i writes the slot ``req_to_token[slot_rows[i], slot_cols[i]]``. A CPU table is read
+    through numpy and the three come from one tensor (a step pays each small op's fixed cost)."""
+    if req_to_token.device.type == "cpu":
+        slots = req_to_token.numpy()[slot_rows, slot_cols].tolist()
+        return torch.tensor([ids, positions, slots], dtype=torch.int64).unbind()
+    host = torch.tensor([ids, positions, slot_rows, slot_cols], dtype=torch.int64)
+    host = host.to(req_to_token.device, non_blocking=True)
+    return host[0], host[1], req_to_token[host[2], host[3]].to(torch.int64)
+
 
 @dataclass
 class ModelOutput:

@@ -17,6 +17,9 @@ import torch
 class ReqToTokenPool:
     def __init__(self, num_rows: int, max_context_len: int, device):
         self.table = torch.zeros((num_rows, max_context_len), dtype=torch.int64, device=device)
+        # The host's view of a CPU table (the same memory): a few entries written or read through numpy
+        # cost a fraction of a torch op. None on other devices.
+        self.host = self.table.numpy() if self.table.device.type == "cpu" else None
         self.max_context_len = max_context_len
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.num_rows = num_rows
@@ -85,12 +88,7 @@ class TokenToKVPoolAllocator:
 
     def _extend(self, row_slots: torch.Tensor, allocated_len: int, new_len: int) -> torch.Tensor:
         p = self.page_size
-        num_new_pages = -(-new_len // p) - -(-allocated_len // p)
-        if num_new_pages > len(self._free_pages):
-            raise OutOfKVMemory(f"need {num_new_pages} pages, {len(self._free_pages)} free")
-        pages = [self._free_pages.pop() for _ in range(num_new_pages)]
-        if self._open_snapshots:
-            self._taken_log.extend(pages)
+        pages = self._take_pages(-(-new_len // p) - -(-allocated_len // p))
         if p == 1:
             return torch.tensor(pages, dtype=torch.int64, device=self.device)
         positions = torch.arange(allocated_len, new_len)
@@ -103,6 +101,27 @@ class TokenToKVPoolAllocator:
             page_ids[~is_new] = last_page
         page_ids[is_new] = torch.tensor(pages, dtype=torch.int64)[page_of[is_new] - first_new_page]
         return (page_ids * p + positions % p).to(self.device)
+
+    def extend_list(self, last_slot: int, allocated_len: int, new_len: int) -> list[int]:
+        """``extend``'s slots as a list, for a few positions (a decode step's growth), in plain Python: the
+        torch path's fixed cost is more than the work. ``last_slot``: the slot of position
+        ``allocated_len - 1`` (any value when ``allocated_len`` is 0)."""
+        p = self.page_size
+        first_new_page = -(-allocated_len // p)
+        with self._lock:
+            pages = self._take_pages(-(-new_len // p) - first_new_page)
+        last_page = last_slot // p
+        return [(last_page if pos // p < first_new_page else pages[pos // p - first_new_page]) * p + pos % p
+                for pos in range(allocated_len, new_len)]
+
+    def _take_pages(self, count: int) -> list[int]:
+        """``count`` pages off the free list (the lock held), or OutOfKVMemory taking none."""
+        if count > len(self._free_pages):
+            raise OutOfKVMemory(f"need {count} pages, {len(self._free_pages)} free")
+        pages = [self._free_pages.pop() for _ in range(count)]
+        if self._open_snapshots:
+            self._taken_log.extend(pages)
+        return pages
 
     def free_request(self, row_slots: torch.Tensor, allocated_len: int, start: int = 0) -> None:
         """Release every page that positions [start, allocated_len) of a request occupy (``start``

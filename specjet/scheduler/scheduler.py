@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # A waiting request whose next this many uncached prompt tokens are also being prefilled by another
 # request of the batch waits for that prefill and then shares its cached KV (``_shares_uncached_prefix``).
 IN_BATCH_PREFIX_TOKENS = 32
+# A reservation of at most this many positions (a decode step's, a speculative tree's) is written through
+# the table's numpy view from a Python list (TokenToKVPoolAllocator.extend_list); longer ones by torch ops.
+_LIST_RESERVE = 64
 
 
 @dataclass
@@ -417,11 +420,16 @@ class Scheduler:
 
     def _reserve(self, req: Req, new_len: int) -> None:
         """Make sure positions [0, new_len) of ``req`` have KV slots (the allocator raises if it cannot)."""
-        if new_len <= req.kv_allocated_len:
+        start = req.kv_allocated_len
+        if new_len <= start:
             return
-        row = self.req_to_token_pool.table[req.req_pool_idx]
-        slots = self.allocator.extend(row, req.kv_allocated_len, new_len)
-        row[req.kv_allocated_len:new_len] = slots
+        host = self.req_to_token_pool.host
+        if host is not None and new_len - start <= _LIST_RESERVE:  # a decode step's growth: no torch op
+            row = host[req.req_pool_idx]
+            row[start:new_len] = self.allocator.extend_list(int(row[start - 1]) if start else 0, start, new_len)
+        else:
+            row = self.req_to_token_pool.table[req.req_pool_idx]
+            row[start:new_len] = self.allocator.extend(row, start, new_len)
         req.kv_allocated_len = new_len
 
     def _prepare_decode(self, exact: bool):

@@ -24,7 +24,7 @@ from specjet.grammar import RequestGrammar, apply_token_bitmask_
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, sample
-from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind
 from specjet.scheduler.sampling_params import SamplingParams
@@ -121,8 +121,8 @@ class ModelWorker:
         out: ModelOutput = forward.result()
         masked = None
         if grammar_mask is not None:
-            masked = torch.zeros(len(batch.inputs), dtype=torch.bool)
-            masked[grammar_mask[1]] = True
+            rows = set(grammar_mask[1])
+            masked = torch.tensor([i in rows for i in range(len(batch.inputs))], dtype=torch.bool)
         logits = out.logits
         if logits is None:  # the head was left to this step (ModelWorker._defer_head)
             start = time.perf_counter()
@@ -222,16 +222,16 @@ class ModelWorker:
 
     def _decode_forward(self, states: list[ComputeState], inputs: list[ReqInput]) -> ModelOutput:
         """Feed each request's last token at position committed_len (through the target's graphs
-        where the runner has them). The batch's numbers go to the device as one tensor."""
-        host = torch.tensor([[s.tokens[-1], s.committed_len, inp.row] for s, inp in zip(states, inputs)],
-                            dtype=torch.int64)
-        if self.runner.graphs is not None:
-            return self.runner.graphs.decode(host)
-        ids, positions, rows = host.to(self.device, non_blocking=True).unbind(1)
+        where the runner has them)."""
+        if self.runner.graphs is not None:  # the batch's numbers go to the device as one tensor
+            return self.runner.graphs.decode(torch.tensor(
+                [[s.tokens[-1], s.committed_len, inp.row] for s, inp in zip(states, inputs)], dtype=torch.int64))
+        rows, committed = [inp.row for inp in inputs], [s.committed_len for s in states]
+        ids, positions, slots = host_token_tensors(self.req_to_token, [s.tokens[-1] for s in states], committed,
+                                                   rows, committed)
         return self.runner.forward(ForwardBatch.from_host(
-            ForwardMode.DECODE, ids, positions, self.req_to_token[rows, positions], self.req_to_token, rows,
-            [1] * len(states), [s.committed_len + 1 for s in states],
-            defer_logits=self._defer_head and any(inp.constrained for inp in inputs)))
+            ForwardMode.DECODE, ids, positions, slots, self.req_to_token, rows, [1] * len(states),
+            [n + 1 for n in committed], defer_logits=self._defer_head and any(inp.constrained for inp in inputs)))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:

@@ -17,7 +17,7 @@ from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
-from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.runner import ModelRunner
 
 
@@ -73,13 +73,11 @@ class TreeVerifier:
         # Roots alone need none: the forward is a plain decode step's.
         mask = (None if max_n == 1 and not static else
                 _tree_masks(ancestors, self.static_nodes if static else max_n).to(device, non_blocking=True))
-        host = torch.tensor([[t for r in reqs for t in r.tokens],
-                             [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes],
-                             [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
-                             [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]], dtype=torch.int64)
-        host = host.to(device, non_blocking=True)
-        ids, positions = host[0], host[1]
-        slots = req_to_token[host[2], host[3]].to(torch.int64)
+        ids, positions, slots = host_token_tensors(
+            req_to_token, [t for r in reqs for t in r.tokens],
+            [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes],
+            [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
+            [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)])
         grammar = self._grammar_masks(reqs, len(ids), self.runner.config.vocab_size, offsets_of(sizes))
         if static:
             per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
@@ -88,11 +86,10 @@ class TreeVerifier:
             out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
                                 self.capture_hidden)
         else:
-            rows = torch.tensor([r.row for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
             out = self.runner.forward(ForwardBatch.from_host(
                 ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots, req_to_token,
-                rows, sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask, self.capture_hidden,
-                logits_mask=grammar))
+                [r.row for r in reqs], sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask,
+                self.capture_hidden, logits_mask=grammar))
         logits = out.logits
         offsets = offsets_of(sizes)
         self._apply_penalties(reqs, logits, offsets)
