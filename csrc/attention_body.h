@@ -1,8 +1,6 @@
 // The kernels of attention.cpp, compiled once per instruction set: attention.cpp includes this file
-// inside a namespace under `#pragma GCC target(...)`. Lanes stay independent, and a product meets its
-// sum only in an explicit fused multiply-add (one rounding, the same value wherever it runs: the FMA
-// instruction, or std::fma in the build without one; nothing else is fused, -ffp-contract=off), so
-// every build gives the same bits; only the speed differs.
+// inside a namespace under `#pragma GCC target(...)`. Lanes stay independent and no product is fused
+// with its sum (-ffp-contract=off), so every build gives the same bits; only the speed differs.
 
 // Query tokens of one request handled together, with all the query heads of one KV head: each key is
 // loaded and widened once for all of them.
@@ -39,26 +37,12 @@ SJ_INLINE lanes_d load_lanes(const float* p) {
 SJ_INLINE void store_lanes(float* p, const lanes_d& a) {
   for (int i = 0; i < kParts; ++i) std::memcpy(p + i * kVecLanes, &a.part[i], sizeof(vec_d));
 }
-// x * y + acc per lane, rounded once. One instruction where a product and a sum took two: the scores'
-// and the weights x V sums are the kernel's arithmetic, and on a verify's many rows its time.
-SJ_INLINE vec_d fused(vec_d x, vec_d y, vec_d acc) {
-#if SJ_VEC_BYTES == 64
-  return (vec_d)_mm512_fmadd_ps((__m512)x, (__m512)y, (__m512)acc);
-#elif SJ_VEC_BYTES == 32
-  return (vec_d)_mm256_fmadd_ps((__m256)x, (__m256)y, (__m256)acc);
-#else
-  vec_d r;
-  for (int i = 0; i < kVecLanes; ++i) r[i] = std::fma(x[i], y[i], acc[i]);
-  return r;
-#endif
-}
-// acc += x * y, lane by lane, fused.
+// acc += x * y, lane by lane (a product, then a sum: never fused).
 SJ_INLINE void mul_add(lanes_d& acc, const lanes_d& x, const lanes_d& y) {
-  for (int i = 0; i < kParts; ++i) acc.part[i] = fused(x.part[i], y.part[i], acc.part[i]);
+  for (int i = 0; i < kParts; ++i) acc.part[i] += x.part[i] * y.part[i];
 }
 SJ_INLINE void scale_add(lanes_d& acc, float w, const lanes_d& x) {
-  const vec_d wv = vec_d{} + w;
-  for (int i = 0; i < kParts; ++i) acc.part[i] = fused(wv, x.part[i], acc.part[i]);
+  for (int i = 0; i < kParts; ++i) acc.part[i] += w * x.part[i];
 }
 SJ_INLINE float lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
 // Lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3): a halving tree, so each step is one
@@ -377,7 +361,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
         if (!all && !visible(r, p)) continue;
         const float w = scores[r * ld_scores + p - c_lo];
         float* o = acc + r * D;
-        for (int64_t d = c0; d < D; ++d) o[d] = std::fma(w, kd[d], o[d]);  // as the registers' sums
+        for (int64_t d = c0; d < D; ++d) o[d] += w * kd[d];
       }
     }
   }
