@@ -71,3 +71,34 @@ def test_masked_tokens_are_never_sampled():
     logits[:, :5] = float("-inf")
     ids = sample(logits, st(1000), torch.rand(1000))
     assert (ids >= 5).all()
+
+
+def _sorted_filter(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Top-k and top-p by sorting each whole row (the direct definition), rows without a filter left whole."""
+    out = probs.clone()
+    for r, (k, p) in enumerate(zip(top_ks, top_ps)):
+        if k <= 0 and p >= 1.0:
+            continue
+        values, order = probs[r].sort(descending=True)
+        drop = torch.arange(len(values)) >= (k if k > 0 else len(values))
+        drop |= values.cumsum(0) - values >= p
+        out[r] = torch.zeros_like(values).scatter_(0, order, values.masked_fill(drop, 0.0))
+    return out
+
+
+def test_top_k_top_p_from_candidates_equal_the_whole_sort():
+    """The filter looks at the best few candidates first and widens only where a row's nucleus or top-k
+    reaches past them: the same kept tokens and probabilities as sorting whole rows, for peaked and flat
+    rows, nuclei past the first candidates (the widening), a top-k past them, masked columns, rows without
+    a filter beside filtered ones, and a vocabulary smaller than the candidates."""
+    gen = torch.Generator().manual_seed(3)
+    for vocab, scale in ((49152, 6.0), (49152, 0.3), (5000, 2.0), (40, 1.0), (1, 1.0)):
+        logits = torch.randn(8, vocab, generator=gen) * scale
+        logits[2, : vocab // 2] = float("-inf")  # a grammar-masked row
+        top_ks = [0, 5, 0, 300, 0, 2000, 0, 1][:8]
+        top_ps = [0.9, 1.0, 0.95, 0.99, 1.0, 0.5, 0.999, 1.0]
+        tensors = SamplingTensors.from_lists([0.7] * 8, top_ks, top_ps, [0.0] * 8)
+        probs = torch.softmax(logits / 0.7, dim=-1)
+        expected = _sorted_filter(probs, top_ks, top_ps)
+        expected = expected / expected.sum(-1, keepdim=True)
+        assert torch.equal(filtered_probs(logits, tensors), expected), (vocab, scale)
