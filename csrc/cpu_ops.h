@@ -49,6 +49,10 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c
                                             const c10::optional<torch::Tensor>& token_ids, int64_t k);
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked);
 
+// sampling.cpp
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures, const torch::Tensor& top_ks,
+                          const torch::Tensor& top_ps, const torch::Tensor& min_ps, const torch::Tensor& uniforms);
+
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& module);
 

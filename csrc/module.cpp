@@ -26,5 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "per row: the k best columns the row's token bitmask allows (all without one), log-probs over them");
   module.def("masked_argmax", &masked_argmax,
              "per row: torch.argmax of the row with the columns its token bitmask forbids at -inf (masked rows only)");
+  module.def("sample_rows", &sample_rows,
+             "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
+             "or the argmax where T <= 0");
   register_layer_stack(module);
 }

@@ -1,9 +1,10 @@
 """Batched sampling against independent computations of each filter."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample, sample_reference
 
 
 def st(B, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -102,3 +103,67 @@ def test_top_k_top_p_from_candidates_equal_the_whole_sort():
         expected = _sorted_filter(probs, top_ks, top_ps)
         expected = expected / expected.sum(-1, keepdim=True)
         assert torch.equal(filtered_probs(logits, tensors), expected), (vocab, scale)
+
+
+def _cpu_sampler():
+    from specjet.kernels import cpu_ops
+
+    ext = cpu_ops.extension()
+    if ext is None:
+        pytest.skip("the C++ extension is not built")
+    return ext
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,scale", [
+    (1.0, 0, 1.0, 0.0, 2.0), (0.7, 0, 0.9, 0.0, 2.0), (0.7, 40, 1.0, 0.0, 1.0), (1.3, 0, 1.0, 0.1, 1.0),
+    (0.5, 300, 0.95, 0.02, 0.5), (1.0, 0, 0.999, 0.0, 0.2)])
+def test_cpu_sampler_draws_the_reference_distribution(temperature, top_k, top_p, min_p, scale):
+    """The C++ draw as a function of the uniform, over a fine grid of uniforms: each token's share of the grid
+    is its probability under the reference's filters (to the grid's resolution), nothing outside the
+    reference's kept tokens is drawn, and at almost every uniform it is the reference's own token (its weights
+    come from its own exp, so a uniform at the edge of two shares may fall either side). Forbidden (-inf)
+    columns and a nucleus past the first candidates (the flat rows) included."""
+    _cpu_sampler()
+    gen = torch.Generator().manual_seed(11)
+    vocab, grid = 3000, 4000
+    row = torch.randn(vocab, generator=gen) * scale
+    row[::3] = float("-inf")
+    tensors = SamplingTensors.from_lists([temperature] * grid, [top_k] * grid, [top_p] * grid, [min_p] * grid)
+    uniforms = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    logits = row.expand(grid, vocab).contiguous()
+    ids = sample(logits, tensors, uniforms.float())
+    reference = sample_reference(logits, tensors, uniforms.float())
+    probs = filtered_probs(row[None], SamplingTensors.from_lists([temperature], [top_k], [top_p], [min_p]))[0].double()
+    shares = torch.bincount(ids, minlength=vocab).double() / grid
+    assert set(ids.unique().tolist()) <= set(probs.nonzero().flatten().tolist())
+    assert (shares - probs).abs().max() <= 2.0 / grid
+    assert (ids == reference).double().mean() >= 0.99
+
+
+def test_cpu_sampler_rows_are_independent_and_greedy_rows_take_the_argmax():
+    _cpu_sampler()
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 49152, generator=gen) * 3
+    logits[4, 7] = float("nan")
+    tensors = SamplingTensors.from_lists([0.8, 0.0, 1.0, 0.6, 0.0, 1.2], [0, 0, 20, 0, 0, 0], [0.9, 1.0, 1.0, 1.0, 1.0, 0.5],
+                                         [0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
+    uniforms = torch.rand(6, generator=gen)
+    together = sample(logits, tensors, uniforms)
+    assert together[1] == logits[1].argmax() and together[4] == 7  # torch.argmax's rule: the first NaN
+    for r in range(6):
+        alone = SamplingTensors.from_lists([float(tensors.temperatures[r])], [int(tensors.top_ks[r])],
+                                           [float(tensors.top_ps[r])], [float(tensors.min_ps[r])])
+        assert sample(logits[r:r + 1], alone, uniforms[r:r + 1]).item() == together[r].item()
+
+
+def test_cpu_sampler_refuses_bad_inputs():
+    ext = _cpu_sampler()
+    good = SamplingTensors.from_lists([1.0, 1.0], [0, 0], [1.0, 1.0], [0.0, 0.0])
+    logits, uniforms = torch.randn(2, 10), torch.rand(2)
+    args = [good.temperatures, good.top_ks, good.top_ps, good.min_ps, uniforms]
+    with pytest.raises(RuntimeError, match="logits"):
+        ext.sample_rows(logits.double(), *args)
+    with pytest.raises(RuntimeError, match="uniforms"):
+        ext.sample_rows(logits, *args[:4], torch.rand(3))
+    with pytest.raises(RuntimeError, match="top_ks"):
+        ext.sample_rows(logits, args[0], good.top_ks.int(), *args[2:])

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specjet.kernels import cpu_ops
+
 
 @dataclass
 class SamplingTensors:
@@ -102,5 +104,12 @@ def sample_reference(logits: torch.Tensor, st: SamplingTensors, uniforms: torch.
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, uniforms: torch.Tensor | None) -> torch.Tensor:
-    # The torch reference is fast enough on CPU and on CUDA (a partial selection and a cumsum per step).
-    return sample_reference(logits, st, uniforms)
+    """``sample_reference``'s draw. On the CPU one C++ pass a row (csrc/sampling.cpp: the same filters and the
+    same inverse-CDF rule over the kept tokens in id order, its weights from its own exp, so a token at the edge
+    of two tokens' shares may differ from the reference's; tested against the reference's distribution); on
+    other devices the torch reference (a partial selection and a cumulative sum a step)."""
+    ext = cpu_ops.extension()
+    if (st.all_greedy or uniforms is None or ext is None or logits.device.type != "cpu"
+            or logits.dtype != torch.float32):
+        return sample_reference(logits, st, uniforms)
+    return ext.sample_rows(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))
