@@ -127,10 +127,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration and batch size")
     parser.add_argument("--data-path", default=str(GSM8K_TEST), help="GSM8K-style JSONL (field `question`)")
     parser.add_argument("--json-path", default=str(JSONSCHEMA_DIR), help="folder with the schemas' index.json")
+    sampling = parser.add_argument_group("sampling (default: greedy, whose outputs every configuration must match)")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="> 0: draw the tokens (outputs are then not compared between configurations)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--seed", type=int, default=0, help="request i of a batch draws with seed + i")
     parser.add_argument("--chart", default=None, metavar="PNG", help="save a chart here (needs matplotlib)")
     parser.add_argument("--result-file", default=None, help="append a JSON record to this .jsonl file")
     add_engine_args(parser)
     args = parser.parse_args(argv)
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    args.sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                      "seed": args.seed} if args.temperature > 0 else None)
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (decode starts after the first token)")
     if args.repeats < 1 or args.num_prompts < 1 or min(args.batch_sizes) < 1:
@@ -209,6 +220,8 @@ def identity_check(cells: dict[tuple[str, int], Measurement], reference: str) ->
 def identical_cell(identity: dict, name: str, bs: int) -> str:
     if name == identity["reference"]:
         return "reference"
+    if identity.get("sampled"):
+        return "n/a"
     c = identity["per_cell"][(name, bs)]
     return "yes" if c["differing"] == 0 else f"NO ({c['differing']}/{c['requests']})"
 
@@ -232,10 +245,18 @@ def result_rows(cells: dict[tuple[str, int], Measurement], identity: dict) -> li
     return sorted(rows, key=lambda r: r["batch_size"])  # stable: configurations keep their order
 
 
+def decoding_str(sampling: dict | None) -> str:
+    if not sampling:
+        return "greedy"
+    return "sampled (" + ", ".join(f"{k}={v}" for k, v in sampling.items()) + ")"
+
+
 def identity_line(identity: dict, names: list[str]) -> str:
     others = ", ".join(n for n in names if n != identity["reference"])
     if not others:
         return "outputs identical: n/a (one configuration)"
+    if identity.get("sampled"):
+        return "outputs identical: n/a (sampled tokens are not compared)"
     if identity["identical"]:
         return (f"outputs identical: yes ({others} vs {identity['reference']}, greedy: "
                 f"{identity['requests']} requests compared)")
@@ -255,7 +276,8 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
     t = header["prompt_tokens"]
     lines += [
         f"# {t['count']} {header['workload_description']} ({t['min']}-{t['max']} prompt tokens, mean {t['mean']:.0f}); "
-        f"N={header['max_new_tokens']} new tokens per request, greedy, EOS ignored; median of {header['repeats']} runs",
+        f"N={header['max_new_tokens']} new tokens per request, {decoding_str(header.get('sampling'))}, EOS ignored; "
+        f"median of {header['repeats']} runs",
         "# decode tok/s = decode tokens / (t_N - t_1), wall clock of the same batches with N and 1 new tokens; "
         "accept = accepted tokens / verify forwards; speed-up and identical: against "
         f"{header['configs'][0]['name']} at the same batch size",
@@ -340,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"loading {config.name}: Engine({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) ...",
                   file=sys.stderr)
             try:
-                systems[config.name] = SpecjetSystem(config.name, kwargs)
+                systems[config.name] = SpecjetSystem(config.name, kwargs, args.sampling)
             except (TypeError, ValueError, NotImplementedError, FileNotFoundError) as exc:
                 raise SystemExit(f"bench.compare: configuration {config.name!r} cannot be loaded: {exc}") from None
         first = systems[args.config_list[0].name]
@@ -352,7 +374,9 @@ def main(argv: list[str] | None = None) -> dict:
         for system in systems.values():
             system.close()
 
-    identity = identity_check(cells, args.config_list[0].name)
+    # Drawn tokens depend on how each configuration uses its coins: only greedy outputs must agree.
+    identity = (identity_check(cells, args.config_list[0].name) if args.sampling is None else
+                {"reference": args.config_list[0].name, "identical": True, "sampled": True})
     rows = result_rows(cells, identity)
     lengths = [len(p.ids) for p in prompts]
     header = {"benchmark": "compare", "record_version": 1, "command": command, "date": date,
@@ -360,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
               "configs": configs, "workload": args.workload, "workload_description": description,
               "prompt_tokens": {"count": len(lengths), "min": min(lengths), "max": max(lengths),
                                 "mean": sum(lengths) / len(lengths)},
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_sizes": args.batch_sizes}
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_sizes": args.batch_sizes,
+              "sampling": args.sampling}
     print(format_report(header, rows, identity), flush=True)
     if not identity["identical"]:
         print(identity_line(identity, [c["name"] for c in configs]), file=sys.stderr)
@@ -370,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
         if importlib.util.find_spec("matplotlib") is None:
             print(f"# chart: not written: {NO_MATPLOTLIB}", flush=True)
         else:
-            save_chart(args.chart, rows, f"{description}, N={args.max_new_tokens}, greedy ({date})")
+            save_chart(args.chart, rows, f"{description}, N={args.max_new_tokens}, {decoding_str(args.sampling)} ({date})")
             chart = args.chart
             print(f"# chart: {chart}", flush=True)
     record = dict(header, args={k: v for k, v in vars(args).items() if k != "config_list"}, results=rows,

@@ -34,13 +34,15 @@ def make_batches(prompts: list, batch_size: int) -> list[list]:
 
 
 class SpecjetSystem:
-    """A specjet engine as a timed system: exactly N greedy tokens per request, EOS ignored."""
+    """A specjet engine as a timed system: exactly N tokens per request, EOS ignored; greedy, or drawn with
+    ``sampling`` (temperature, top_p, top_k, min_p, and a seed: request i of a batch gets seed + i)."""
 
-    def __init__(self, name: str, kwargs: dict):
+    def __init__(self, name: str, kwargs: dict, sampling: dict | None = None):
         import specjet
 
         self.name = name
         self.kwargs = kwargs
+        self.sampling = dict(sampling or {})
         self.algorithm = kwargs.get("speculative_algorithm")
         self.engine = specjet.Engine(**kwargs)
 
@@ -48,8 +50,12 @@ class SpecjetSystem:
         return True
 
     def generate(self, batch: list[Prompt], max_new_tokens: int) -> list[dict]:
-        params = [dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-                       **({"json_schema": p.json_schema} if p.json_schema is not None else {})) for p in batch]
+        seed = self.sampling.get("seed")
+        sampling = {k: v for k, v in self.sampling.items() if k != "seed"}
+        params = [dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}, **sampling,
+                       **({"seed": seed + i} if seed is not None else {}),
+                       **({"json_schema": p.json_schema} if p.json_schema is not None else {}))
+                  for i, p in enumerate(batch)]
         outs = self.engine.generate(input_ids=[p.ids for p in batch], sampling_params=params)
         for prompt, out in zip(batch, outs):  # a short or aborted request would make the figure meaningless
             got, reason = out["meta_info"]["completion_tokens"], out["meta_info"]["finish_reason"]

@@ -23,7 +23,7 @@ from specjet.models.runner import auto_dtype
 # A decode rate is "n/a" where t_N did not exceed t_1 (a loaded machine can make a tiny run so).
 NUM = r"(n/a|[\d.]+)"
 ROW = re.compile(rf"^(\S+)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}\s+([\d.]+)\s+([\d.]+)\s+{NUM}\s+"
-                 rf"{NUM}x\s+(reference|yes|NO \(\d+/\d+\))$", re.M)
+                 rf"{NUM}x\s+(reference|yes|n/a|NO \(\d+/\d+\))$", re.M)
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -139,6 +139,41 @@ def test_compare_fails_loudly_when_outputs_differ(tiny_model_dir, tmp_path, caps
     assert "!!! OUTPUTS DIFFER: 2 of 2 greedy requests are not identical to a's" in stdout
     assert table_rows(stdout)[("b", 2)][-1] == "NO (2/2)"
     assert json.loads(result_file.read_text())["outputs_identical"]["identical"] is False
+
+
+def test_compare_samples_when_asked_and_does_not_compare_drawn_tokens(tiny_model_dir, tmp_path, capsys):
+    """--temperature draws the tokens (each request with its own seed: two runs of a configuration give the
+    same tokens); two different models are then not held to the same tokens, and the report says how it drew."""
+    from conftest import make_tiny_model_dir
+
+    other = make_tiny_model_dir(tmp_path / "other", tiny_model_dir, seed=1)
+    result_file = tmp_path / "compare.jsonl"
+    main(["--model-path", str(tiny_model_dir), "--configs", "a", f"b:model_path={other}", "--batch-sizes", "2",
+          "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "2", "--temperature", "0.8", "--top-p", "0.9",
+          "--top-k", "20", "--seed", "7", "--result-file", str(result_file)])
+    stdout = capsys.readouterr().out
+    assert "sampled (temperature=0.8, top_p=0.9, top_k=20, min_p=0.0, seed=7), EOS ignored" in stdout
+    assert "outputs identical: n/a (sampled tokens are not compared)" in stdout
+    assert table_rows(stdout)[("b", 2)][-1] == "n/a"
+    record = json.loads(result_file.read_text())
+    assert record["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "seed": 7}
+    with pytest.raises(SystemExit):
+        main(["--temperature", "-1"])  # refused by the parser, before any engine
+
+
+def test_sampled_system_draws_reproducibly_per_request(tiny_model_dir):
+    from bench.decode_rate import SpecjetSystem
+    from bench.decode_rate import Prompt
+
+    system = SpecjetSystem("s", {"model_path": str(tiny_model_dir)}, {"temperature": 1.0, "seed": 3})
+    try:
+        batch = [Prompt([1, 2, 3, 4]), Prompt([1, 2, 3, 4])]
+        first, again = system.generate(batch, 12), system.generate(batch, 12)
+        ids = [o["output_ids"] for o in first]
+        assert ids == [o["output_ids"] for o in again]  # seed + i for request i, every run
+        assert ids[0] != ids[1]  # same prompt, different seeds: different draws (12 tokens of a random model)
+    finally:
+        system.close()
 
 
 @pytest.mark.e2e
