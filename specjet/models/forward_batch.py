@@ -100,6 +100,7 @@ class ForwardBatch:
         attn = host_attention_metadata(req_to_token, rows, q_lens, kv_lens, custom_mask)
         return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden, logits_mask, defer_logits)
 
+
 def host_token_tensors(req_to_token: torch.Tensor, ids: list[int], positions: list[int], slot_rows: list[int],
                        slot_cols: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode step's or a verify's (input_ids, positions, out_cache_loc), int64 on the table's device, from
