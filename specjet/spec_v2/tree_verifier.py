@@ -14,7 +14,7 @@ import torch
 from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
-from specjet.kernels.sampling import SamplingTensors, filtered_probs
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
@@ -112,7 +112,32 @@ class TreeVerifier:
     def _sampled_paths(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int], sizes: list[int],
                        sampling: SamplingTensors, device) -> list[tuple[list[int], int]]:
         """Each request's accepted path and bonus token by lossless rejection sampling (greedy
-        requests of a mixed batch walk their argmax), where the probabilities are."""
+        requests of a mixed batch walk their argmax), where the probabilities are. A sampled request whose
+        tree is its root alone (no draft this iteration) draws as plain decoding does: an empty tree's bonus
+        is the inverse-CDF draw over the root's filtered distribution by the request's first coin, which is
+        ``sample``'s rule (one C++ pass a row on the CPU, instead of the whole filtered distribution)."""
+        paths: list[tuple[list[int], int] | None] = [None] * len(reqs)
+        roots = [i for i, (r, n) in enumerate(zip(reqs, sizes)) if n == 1 and r.uniforms is not None]
+        if roots:
+            pick = torch.tensor(roots, device=sampling.temperatures.device)
+            alone = SamplingTensors(temperatures=sampling.temperatures[pick], top_ks=sampling.top_ks[pick],
+                                    top_ps=sampling.top_ps[pick], min_ps=sampling.min_ps[pick], all_greedy=False,
+                                    need_sort=sampling.need_sort)
+            coins = torch.stack([reqs[i].uniforms[0] for i in roots]).to(device)
+            drawn = sample(logits[[offsets[i] for i in roots]], alone, coins).tolist()
+            for i, token in zip(roots, drawn):
+                paths[i] = ([0], token)
+        rest = [i for i in range(len(reqs)) if paths[i] is None]
+        if not rest:
+            return paths
+        if len(rest) < len(reqs):  # the other requests' node rows alone, renumbered
+            logits = logits[[offsets[i] + j for i in rest for j in range(sizes[i])]]
+            keep = torch.tensor(rest, device=sampling.temperatures.device)
+            sampling = SamplingTensors(temperatures=sampling.temperatures[keep], top_ks=sampling.top_ks[keep],
+                                       top_ps=sampling.top_ps[keep], min_ps=sampling.min_ps[keep],
+                                       all_greedy=False, need_sort=sampling.need_sort)
+            reqs, sizes = [reqs[i] for i in rest], [sizes[i] for i in rest]
+            offsets = offsets_of(sizes)
         nodes = torch.tensor(sizes, device=sampling.temperatures.device)  # each request's row, once per node
         per_node = SamplingTensors(
             temperatures=sampling.temperatures.repeat_interleave(nodes),
@@ -122,8 +147,7 @@ class TreeVerifier:
             all_greedy=False, need_sort=sampling.need_sort)
         probs = filtered_probs(logits, per_node)
         argmax = logits.argmax(-1)
-        paths = []
-        for r, n, off in zip(reqs, sizes, offsets):
+        for i, r, n, off in zip(rest, reqs, sizes, offsets):
             tokens = torch.tensor([r.tokens], dtype=torch.int64, device=device)
             tree = build_tree(torch.tensor([r.parents], dtype=torch.int64, device=device),
                               torch.tensor([r.committed_len], dtype=torch.int64, device=device))
@@ -133,7 +157,7 @@ class TreeVerifier:
                 # The request's seeded draws are made on the host; the verifier runs where the probs are.
                 path, lens, bonus = verify_tree_sampling(tokens, tree, probs[None, off:off + n],
                                                          r.uniforms[None].to(device))
-            paths.append((path[0, : int(lens[0])].tolist(), int(bonus[0])))
+            paths[i] = (path[0, : int(lens[0])].tolist(), int(bonus[0]))
         return paths
 
     @staticmethod
