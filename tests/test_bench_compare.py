@@ -172,6 +172,7 @@ def test_sampled_system_draws_reproducibly_per_request(tiny_model_dir):
         ids = [o["output_ids"] for o in first]
         assert ids == [o["output_ids"] for o in again]  # seed + i for request i, every run
         assert ids[0] != ids[1]  # same prompt, different seeds: different draws (12 tokens of a random model)
+        system.engine.check_kv_invariant()
     finally:
         system.close()
 

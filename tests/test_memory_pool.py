@@ -43,26 +43,29 @@ def test_extend_fills_pages_then_frees_everything(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_extend_list_gives_the_slots_extend_gives(page_size):
-    """The host's list path (a decode step's growth) and the torch path hand out the same slots from the
-    same free list, whatever the growth and wherever in a page it starts; the pool's numpy view writes the
-    table itself."""
+def test_growth_through_the_tables_numpy_view(page_size):
+    """The scheduler's path (slots as a list, written through the CPU table's numpy view): the table holds
+    them, a page's positions share it in order whatever step a growth starts at, no slot twice, never the
+    padding page; more than the pool takes nothing."""
     steps = [0, 1, 2, 3, 7, 8, 9, 16, 17, 31, 33, 40]
-    by_tensor = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
-    by_list = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
-    table = torch.zeros(1, 64, dtype=torch.int64)
+    alloc = TokenToKVPoolAllocator(64 * page_size, page_size, "cpu")
     pool = ReqToTokenPool(1, 64, "cpu")
     row = pool.alloc()
+    host_row = pool.host[row]
     for old, new in zip(steps, steps[1:]):
-        expected = grow(by_tensor, table, 0, old, new)
-        host_row = pool.host[row]
-        host_row[old:new] = by_list.extend_list(int(host_row[old - 1]) if old else 0, old, new)
-        assert pool.table[row, old:new].tolist() == expected.tolist()
-    assert by_list.free_page_ids() == by_tensor.free_page_ids()
-    check_kv_invariant(by_list, {"r": pool.table[row, :steps[-1]]})
-    with pytest.raises(OutOfKVMemory):  # more than the pool: nothing taken
-        by_list.extend_list(int(pool.host[row, steps[-1] - 1]), steps[-1], 64 * 64 * page_size)
-    assert by_list.free_page_ids() == by_tensor.free_page_ids()
+        host_row[old:new] = alloc.extend_list(int(host_row[old - 1]) if old else 0, old, new)
+    slots = pool.table[row, :steps[-1]]
+    assert slots.tolist() == host_row[:steps[-1]].tolist()
+    assert len(set(slots.tolist())) == len(slots) and (slots >= page_size).all()
+    assert (slots % page_size == torch.arange(len(slots)) % page_size).all()
+    pages = (slots // page_size).view(-1, page_size) if steps[-1] % page_size == 0 else None
+    if pages is not None:
+        assert (pages == pages[:, :1]).all()  # each page's positions on one page
+    check_kv_invariant(alloc, {"r": slots})
+    free_before = alloc.free_page_ids()
+    with pytest.raises(OutOfKVMemory):
+        alloc.extend_list(int(host_row[steps[-1] - 1]), steps[-1], 64 * 64 * page_size)
+    assert alloc.free_page_ids() == free_before
 
 
 def test_slots_needed_counts_only_new_pages():

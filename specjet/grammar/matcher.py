@@ -95,9 +95,6 @@ _BATCH_MATCHER = xgr.BatchGrammarMatcher(max_threads=1)
 
 def fill_token_bitmasks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, indices: Sequence[int]) -> None:
     """Row ``indices[i]`` of ``bitmask`` gets the allowed next tokens of ``grammars[i]``."""
-    if len(grammars) == 1:  # batch 1: the matcher's own call, without the batch call's list handling
-        grammars[0]._matcher.fill_next_token_bitmask(bitmask, indices[0])
-        return
     _BATCH_MATCHER.batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, list(indices))
 
 

@@ -36,6 +36,13 @@ class SamplingTensors:
         )
 
 
+def sampling_rows(st: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
+    """The parameters of rows ``index`` of ``st`` (an int64 index on its device: a subset of the requests, or
+    each request's row repeated once per tree node), for rows that are sampled."""
+    return SamplingTensors(temperatures=st.temperatures[index], top_ks=st.top_ks[index], top_ps=st.top_ps[index],
+                           min_ps=st.min_ps[index], all_greedy=False, need_sort=st.need_sort)
+
+
 def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The distribution each sampled row draws from: softmax(logits / T) restricted by top-k,
     top-p and min-p, renormalised. Rows with temperature 0 get a one-hot at the argmax.

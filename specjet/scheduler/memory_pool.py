@@ -76,36 +76,17 @@ class TokenToKVPoolAllocator:
         return max(0, -(-new_len // p) - -(-allocated_len // p)) * p
 
     def extend(self, row_slots: torch.Tensor, allocated_len: int, new_len: int) -> torch.Tensor:
-        """Slots for positions [allocated_len, new_len) of a request whose row is ``row_slots``.
-
-        Positions first fill the rest of the request's last page, then take whole new pages.
-        Raises OutOfKVMemory (and takes nothing) when the pool cannot cover it.
-        """
-        if new_len <= allocated_len:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        with self._lock:
-            return self._extend(row_slots, allocated_len, new_len)
-
-    def _extend(self, row_slots: torch.Tensor, allocated_len: int, new_len: int) -> torch.Tensor:
-        p = self.page_size
-        pages = self._take_pages(-(-new_len // p) - -(-allocated_len // p))
-        if p == 1:
-            return torch.tensor(pages, dtype=torch.int64, device=self.device)
-        positions = torch.arange(allocated_len, new_len)
-        page_of = positions // p
-        first_new_page = -(-allocated_len // p)
-        page_ids = torch.empty_like(page_of)
-        is_new = page_of >= first_new_page
-        if (~is_new).any():  # positions inside the request's current (partly filled) last page
-            last_page = int(row_slots[allocated_len - 1]) // p
-            page_ids[~is_new] = last_page
-        page_ids[is_new] = torch.tensor(pages, dtype=torch.int64)[page_of[is_new] - first_new_page]
-        return (page_ids * p + positions % p).to(self.device)
+        """Slots for positions [allocated_len, new_len) of a request whose row is ``row_slots``, as a tensor
+        on the pool's device (``extend_list``'s slots)."""
+        last_slot = int(row_slots[allocated_len - 1]) if 0 < allocated_len and allocated_len % self.page_size else 0
+        return torch.tensor(self.extend_list(last_slot, allocated_len, new_len), dtype=torch.int64,
+                            device=self.device)
 
     def extend_list(self, last_slot: int, allocated_len: int, new_len: int) -> list[int]:
-        """``extend``'s slots as a list, for a few positions (a decode step's growth), in plain Python: the
-        torch path's fixed cost is more than the work. ``last_slot``: the slot of position
-        ``allocated_len - 1`` (any value when ``allocated_len`` is 0)."""
+        """Slots for positions [allocated_len, new_len) of a request: positions first fill the rest of the
+        request's last page (the page of ``last_slot``, the slot of position ``allocated_len - 1``; unread
+        when that page is full), then take whole new pages. Raises OutOfKVMemory (and takes nothing) when
+        the pool cannot cover it. Plain Python: a decode step's few positions cost less than torch ops."""
         p = self.page_size
         first_new_page = -(-allocated_len // p)
         with self._lock:

@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 # A waiting request whose next this many uncached prompt tokens are also being prefilled by another
 # request of the batch waits for that prefill and then shares its cached KV (``_shares_uncached_prefix``).
 IN_BATCH_PREFIX_TOKENS = 32
-# A reservation of at most this many positions (a decode step's, a speculative tree's) is written through
-# the table's numpy view from a Python list (TokenToKVPoolAllocator.extend_list); longer ones by torch ops.
-_LIST_RESERVE = 64
 
 
 @dataclass
@@ -424,7 +421,7 @@ class Scheduler:
         if new_len <= start:
             return
         host = self.req_to_token_pool.host
-        if host is not None and new_len - start <= _LIST_RESERVE:  # a decode step's growth: no torch op
+        if host is not None:  # a CPU table through its numpy view: no torch op on a decode step
             row = host[req.req_pool_idx]
             row[start:new_len] = self.allocator.extend_list(int(row[start - 1]) if start else 0, start, new_len)
         else:

@@ -14,7 +14,7 @@ import torch
 from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
-from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample, sampling_rows
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
@@ -117,34 +117,25 @@ class TreeVerifier:
         is the inverse-CDF draw over the root's filtered distribution by the request's first coin, which is
         ``sample``'s rule (one C++ pass a row on the CPU, instead of the whole filtered distribution)."""
         paths: list[tuple[list[int], int] | None] = [None] * len(reqs)
+        on = sampling.temperatures.device
         roots = [i for i, (r, n) in enumerate(zip(reqs, sizes)) if n == 1 and r.uniforms is not None]
         if roots:
-            pick = torch.tensor(roots, device=sampling.temperatures.device)
-            alone = SamplingTensors(temperatures=sampling.temperatures[pick], top_ks=sampling.top_ks[pick],
-                                    top_ps=sampling.top_ps[pick], min_ps=sampling.min_ps[pick], all_greedy=False,
-                                    need_sort=sampling.need_sort)
             coins = torch.stack([reqs[i].uniforms[0] for i in roots]).to(device)
+            alone = sampling_rows(sampling, torch.tensor(roots, device=on))
             drawn = sample(logits[[offsets[i] for i in roots]], alone, coins).tolist()
             for i, token in zip(roots, drawn):
                 paths[i] = ([0], token)
         rest = [i for i in range(len(reqs)) if paths[i] is None]
         if not rest:
             return paths
-        if len(rest) < len(reqs):  # the other requests' node rows alone, renumbered
-            logits = logits[[offsets[i] + j for i in rest for j in range(sizes[i])]]
-            keep = torch.tensor(rest, device=sampling.temperatures.device)
-            sampling = SamplingTensors(temperatures=sampling.temperatures[keep], top_ks=sampling.top_ks[keep],
-                                       top_ps=sampling.top_ps[keep], min_ps=sampling.min_ps[keep],
-                                       all_greedy=False, need_sort=sampling.need_sort)
-            reqs, sizes = [reqs[i] for i in rest], [sizes[i] for i in rest]
-            offsets = offsets_of(sizes)
-        nodes = torch.tensor(sizes, device=sampling.temperatures.device)  # each request's row, once per node
-        per_node = SamplingTensors(
-            temperatures=sampling.temperatures.repeat_interleave(nodes),
-            top_ks=sampling.top_ks.repeat_interleave(nodes),
-            top_ps=sampling.top_ps.repeat_interleave(nodes),
-            min_ps=sampling.min_ps.repeat_interleave(nodes),
-            all_greedy=False, need_sort=sampling.need_sort)
+        # The other requests' node rows, each request's parameters once per node.
+        rows = [offsets[i] + j for i in rest for j in range(sizes[i])]
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        reqs, sizes = [reqs[i] for i in rest], [sizes[i] for i in rest]
+        offsets = offsets_of(sizes)
+        node_rows = torch.tensor([i for i, n in zip(rest, sizes) for _ in range(n)], device=on)
+        per_node = sampling_rows(sampling, node_rows)
         probs = filtered_probs(logits, per_node)
         argmax = logits.argmax(-1)
         for i, r, n, off in zip(rest, reqs, sizes, offsets):
