@@ -272,7 +272,7 @@ def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, cop
     assert free and any(branches(p) for p in free)
 
 
-def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir, copy_draft, plain, monkeypatch):
+def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir, copy_draft, monkeypatch):
     """With the default confidence cut on a float CPU target (the tiny model computes in float32 here)
     the speculator hands each request the cut of its batch size: the base cut alone, or a constrained
     request in any batch; min_prob x batch / 2 for free text beside others. The ids stay plain's."""
@@ -289,9 +289,11 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
         return real(self, reqs, share, req_to_token)
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
-    ref = plain.generate(PROMPTS[:4], MIXED)
-    alone = plain.generate(PROMPTS[2], MIXED[2])
-    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8,
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu") as plain_cpu:
+        ref = plain_cpu.generate(PROMPTS[:4], MIXED)
+        alone = plain_cpu.generate(PROMPTS[2], MIXED[2])
+        plain_cpu.check_kv_invariant()
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
                        speculative_draft_min_prob=None) as eng:
         assert eng.worker.speculator.cfg.min_draft_prob_grows
         outs = eng.generate(PROMPTS[:4], MIXED)
@@ -329,8 +331,8 @@ def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(t
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", spy_blocks)
-    kw = dict(quantization="int8", speculative_num_draft_tokens=4)
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8") as plain_q:
+    kw = dict(device="cpu", quantization="int8", speculative_num_draft_tokens=4)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8") as plain_q:
         ref = [o["output_ids"] for o in plain_q.generate(PROMPTS[:4], MIXED)]
         ref_alone = plain_q.generate(PROMPTS[2], MIXED[2])["output_ids"]
         plain_q.check_kv_invariant()

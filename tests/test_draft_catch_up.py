@@ -77,7 +77,7 @@ def test_caught_up_drafts_equal_extended_ones(tiny_model_dir, random_drafts, alg
 
     prompts = ["The cat sat on the mat. The cat", "1 2 3 4 1 2"]
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (26, 64)]
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8") as plain:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8") as plain:
         expected = [o["output_ids"] for o in plain.generate(prompts, params)]
         plain.check_kv_invariant()
 
@@ -108,7 +108,7 @@ def test_caught_up_drafts_equal_extended_ones(tiny_model_dir, random_drafts, alg
     outs = {}
     for lazy in (True, False):
         trees[lazy] = []
-        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8",
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8",
                             speculative_algorithm=algorithm, speculative_draft_model_path=str(random_drafts[algorithm]),
                             speculative_hybrid_ngram_tokens=0, speculative_num_draft_tokens=4,
                             speculative_draft_min_prob=0.0, disable_overlap_schedule=True,

@@ -61,12 +61,12 @@ def test_a_wrong_draft_verifies_its_root_alone_and_the_ids_stay_plain(tiny_model
     ids are plain decoding's and the KV invariant holds; the engine argument turns the measuring off."""
     prompt = "The cat sat on the mat. The cat"
     params = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8") as plain:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8") as plain:
         expected = plain.generate(prompt, params)["output_ids"]
     head = random_head(tmp_path / "head", tiny_model_dir, feature_layers=(0,))
     for overlap_off in (False, True):
         trees = []
-        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8",
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8",
                             speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
                             speculative_hybrid_ngram_tokens=0, speculative_num_draft_tokens=4,
                             speculative_draft_min_prob=0.0, disable_overlap_schedule=overlap_off,
@@ -81,7 +81,7 @@ def test_a_wrong_draft_verifies_its_root_alone_and_the_ids_stay_plain(tiny_model
         # Drafting, then the probe that measures a plain step (what follows depends on measured times:
         # the pauses are checked by hand above).
         assert trees[:EXPLORE] == [4] * EXPLORE and trees[EXPLORE:EXPLORE + PROBE] == [1] * PROBE
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, quantization="int8",
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8",
                         speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
                         speculative_measured_payoff=False) as eng:
         assert eng.worker.speculator.payoff is None

@@ -114,11 +114,11 @@ def test_every_draft_method_keeps_greedy_output_exact(tiny_model_dir, tmp_path, 
 def test_a_float_draft_beside_a_quantized_target_stays_float(cyclic_model_dir, tmp_path):
     """None is a float draft even when the target computes with quantized weights (its hot head
     is the target head's own quantized rows)."""
-    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization="int8") as eng:
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, device="cpu", quantization="int8") as eng:
         expected = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
         eng.check_kv_invariant()
     path = copy_head(tmp_path, cyclic_model_dir, expected)
-    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, quantization="int8",
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, device="cpu", quantization="int8",
                         speculative_algorithm="EAGLE", speculative_draft_model_path=str(path),
                         speculative_hybrid_ngram_tokens=0, speculative_draft_model_quantization=None) as eng:
         got = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]

@@ -86,8 +86,13 @@ def test_a_failing_prefill_aborts_only_its_request(tiny_model_dir, reference, lo
 def test_a_failing_decode_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
     runner_ids, victim_ids = reference
     with make_engine(tiny_model_dir, loop) as eng:
-        fault = Fault(eng.worker.runner.forward, lambda fb: fb.mode is ForwardMode.DECODE)
-        eng.worker.runner.forward = fault
+        runner = eng.worker.runner
+        if runner.graphs is not None:  # CUDA: a decode step replays the target's graph, not runner.forward
+            fault = Fault(runner.graphs.decode)
+            runner.graphs.decode = fault
+        else:
+            fault = Fault(runner.forward, lambda fb: fb.mode is ForwardMode.DECODE)
+            runner.forward = fault
         fault.armed.set()
         outs = bounded(eng.generate, RUNNERS, LONG)
         assert fault.fired.is_set()
