@@ -52,6 +52,11 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
 // sampling.cpp
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures, const torch::Tensor& top_ks,
                           const torch::Tensor& top_ps, const torch::Tensor& min_ps, const torch::Tensor& uniforms);
+std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const torch::Tensor& offsets,
+                                              const torch::Tensor& sizes, const torch::Tensor& tokens,
+                                              const torch::Tensor& parents, const torch::Tensor& uniforms,
+                                              const torch::Tensor& temperatures, const torch::Tensor& top_ks,
+                                              const torch::Tensor& top_ps, const torch::Tensor& min_ps);
 
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& module);

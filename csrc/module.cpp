@@ -29,5 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("sample_rows", &sample_rows,
              "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
              "or the argmax where T <= 0");
+  module.def("verify_tree_sample", &verify_tree_sample,
+             "per sampled request: its draft tree's accepted path (-1 padded), the path's length and the bonus token, "
+             "by lossless rejection sampling against softmax(logits / T) under top-k, top-p and min-p");
   register_layer_stack(module);
 }

@@ -5,6 +5,9 @@
 // sums, a search), each a dispatch and a pass over tens of thousands of columns; here a row is two passes
 // over its logits and a selection among its best candidates. Rows are independent: a row's token never
 // depends on which rows share the call.
+// verify_tree_sample: a speculative verify's sampled requests, each tree walked by lossless rejection sampling
+// with the same filtered rows, built only for the nodes the path reaches (the torch form filters every node's
+// row first, a dozen ops each).
 #include "cpu_ops.h"
 #include "exp_float.h"
 
@@ -17,6 +20,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -112,54 +116,71 @@ void row_weights(const float* __restrict row, int64_t n, float t, float top, flo
   }
 }
 
-// One sampled row (T > 0): weights w_c = exp(l_c / T - max) (0 for a forbidden -inf column), min-p (w >=
-// min_p times the largest, exp(0) = 1), top-k / top-p (a prefix of the descending order: rank < k and the
-// mass before the token under top_p, the first always kept), then the first kept column in id order whose
-// running weight exceeds u times the kept total.
-int64_t sample_row(const float* row, int64_t n, const RowParams& p, std::vector<float>& w, std::vector<int64_t>& ids,
-                   std::vector<float>& block_max, std::vector<double>& block_sum) {
+// A sampled row's filtered distribution (T > 0), unnormalised: a point mass, or weights w_c = exp(l_c / T - max)
+// (0 for a forbidden -inf column) under min-p (w >= min_p times the largest, exp(0) = 1) and top-k / top-p (a
+// prefix of the descending order: rank < k and the mass before the token under top_p, the first always kept).
+struct RowDist {
+  int64_t point = -1;  // >= 0: every bit of mass on this column (a NaN or +inf row: torch.argmax's answer)
+  bool whole = false;  // no top-k / top-p: every column with a weight is kept (w and the blocks' sums)
+  int64_t kept = 0;    // otherwise the kept columns, ids[0 .. kept) in id order
+  double total = 0.0;  // the kept weights' sum
+};
+
+struct Scratch {
+  std::vector<float> w, block_max, maxima;
+  std::vector<double> block_sum;
+  std::vector<int64_t> ids;
+};
+
+RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratch& s) {
+  RowDist d;
   bool nan = false;
   const float largest = row_max(row, n, &nan);
-  // A NaN or a +inf: no distribution to draw from, torch.argmax's answer.
-  if (nan || largest == std::numeric_limits<float>::infinity()) return argmax_row(row, n);
-  if (largest == -std::numeric_limits<float>::infinity()) return 0;  // nothing allowed (never under a grammar)
+  if (nan || largest == std::numeric_limits<float>::infinity()) {
+    d.point = argmax_row(row, n);
+    return d;
+  }
+  if (largest == -std::numeric_limits<float>::infinity()) {  // nothing allowed (never under a grammar)
+    d.point = 0;
+    return d;
+  }
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  w.resize(n), block_max.resize(blocks), block_sum.resize(blocks);
-  row_weights(row, n, p.temperature, largest / p.temperature, p.min_p > 0.0f ? p.min_p : 0.0f, w.data(),
-              block_max.data(), block_sum.data());
+  s.w.resize(n), s.block_max.resize(blocks), s.block_sum.resize(blocks);
+  float* w = s.w.data();
+  row_weights(row, n, p.temperature, largest / p.temperature, p.min_p > 0.0f ? p.min_p : 0.0f, w,
+              s.block_max.data(), s.block_sum.data());
   double all = 0.0;
-  for (int64_t b = 0; b < blocks; ++b) all += block_sum[b];
-  const bool filtered = (p.top_k > 0 && p.top_k < n) || p.top_p < 1.0f;
-  if (!filtered) {  // every kept column: walk the blocks' sums, then the block the target falls in
-    const double target = static_cast<double>(p.uniform) * all;
-    double run = 0.0;
-    int64_t b = 0;
-    for (; b + 1 < blocks && run + block_sum[b] <= target; ++b) run += block_sum[b];
-    int64_t last = 0;
-    for (int64_t c = b * kBlock; c < n; ++c) {
-      if (w[c] == 0.0f) continue;
-      run += w[c];
-      last = c;
-      if (run > target) return c;
-    }
-    for (int64_t c = n - 1; c >= 0 && last == 0; --c)
-      if (w[c] != 0.0f) last = c;
-    return last;
+  for (int64_t b = 0; b < blocks; ++b) all += s.block_sum[b];
+  if (!((p.top_k > 0 && p.top_k < n) || p.top_p < 1.0f)) {
+    d.whole = true;
+    d.total = all;
+    return d;
   }
   // The best k candidates: every column at least the k-th largest block maximum (k blocks hold a weight that
   // large, so the k largest weights are among them), partially sorted; k grows while the filter reaches past.
+  // Top-p measures the nucleus against the whole softmax, min-p's dropped tokens included (the reference filters
+  // by top-k / top-p first, then by min-p): their weights are summed back where both filters apply.
+  double nucleus_of = all;
+  if (p.min_p > 0.0f && p.top_p < 1.0f) {
+    const float top = largest / p.temperature;
+    for (int64_t c = 0; c < n; ++c) {
+      const float d = row[c] / p.temperature - top;
+      if (w[c] == 0.0f && d >= -87.0f) nucleus_of += exp_float(d);
+    }
+  }
+  const double nucleus = static_cast<double>(p.top_p) * nucleus_of;
   const int64_t limit = p.top_k > 0 ? std::min(p.top_k, n) : n;
   auto heavier = [&](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
-  std::vector<float> maxima;
+  std::vector<int64_t>& ids = s.ids;
   int64_t k = std::min(limit, kCandidates), kept = 0;
   while (true) {
     ids.clear();
     if (k < blocks) {
-      maxima.assign(block_max.begin(), block_max.end());
-      std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<float>());
-      const float threshold = maxima[k - 1];
+      s.maxima.assign(s.block_max.begin(), s.block_max.end());
+      std::nth_element(s.maxima.begin(), s.maxima.begin() + (k - 1), s.maxima.end(), std::greater<float>());
+      const float threshold = s.maxima[k - 1];
       for (int64_t b = 0; b < blocks; ++b) {
-        if (block_max[b] < threshold) continue;
+        if (s.block_max[b] < threshold) continue;
         for (int64_t c = b * kBlock; c < std::min(n, (b + 1) * kBlock); ++c)
           if (w[c] >= threshold) ids.push_back(c);
       }
@@ -172,7 +193,7 @@ int64_t sample_row(const float* row, int64_t n, const RowParams& p, std::vector<
     kept = 0;
     bool decided = false;
     for (int64_t j = 0; j < take; ++j) {
-      if (j >= limit || w[ids[j]] == 0.0f || (j > 0 && before >= static_cast<double>(p.top_p) * all)) {
+      if (j >= limit || w[ids[j]] == 0.0f || (j > 0 && before >= nucleus)) {
         decided = true;
         break;
       }
@@ -182,17 +203,112 @@ int64_t sample_row(const float* row, int64_t n, const RowParams& p, std::vector<
     if (decided || k >= limit || k >= n) break;
     k = std::min(limit, 4 * k);
   }
-  // The kept candidates in id order, drawn from.
   std::sort(ids.begin(), ids.begin() + kept);
-  double total = 0.0;
-  for (int64_t j = 0; j < kept; ++j) total += w[ids[j]];
-  const double target = static_cast<double>(p.uniform) * total;
-  double run = 0.0;
-  for (int64_t j = 0; j < kept; ++j) {
-    run += w[ids[j]];
-    if (run > target) return ids[j];
+  d.kept = kept;
+  for (int64_t j = 0; j < kept; ++j) d.total += w[ids[j]];
+  return d;
+}
+
+// Column c's weight under d (0 where c is not kept).
+double weight_of(const RowDist& d, const Scratch& s, int64_t c) {
+  if (d.point >= 0) return c == d.point ? 1.0 : 0.0;
+  if (d.whole) return s.w[c];
+  return std::binary_search(s.ids.begin(), s.ids.begin() + d.kept, c) ? s.w[c] : 0.0;
+}
+
+bool among(int64_t c, const std::vector<int64_t>& excluded) {
+  return std::find(excluded.begin(), excluded.end(), c) != excluded.end();
+}
+
+// The inverse-CDF draw from d without the ``excluded`` columns (the residual of a tree node whose children were
+// all rejected; none for a plain step): the first kept column in id order whose running weight exceeds u times
+// the remaining total; the row's argmax where no weight remains. Zeroes the excluded weights in s.
+int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u,
+             const std::vector<int64_t>& excluded) {
+  if (d.point >= 0) return d.point;
+  const float* w = s.w.data();
+  if (d.whole) {
+    for (int64_t c : excluded)
+      if (s.w[c] != 0.0f) s.block_sum[c / kBlock] -= s.w[c], s.w[c] = 0.0f;
+    const int64_t blocks = static_cast<int64_t>(s.block_sum.size());
+    double total = d.total;
+    if (!excluded.empty()) {
+      total = 0.0;
+      for (int64_t b = 0; b < blocks; ++b) total += s.block_sum[b];
+    }
+    if (!(total > 0.0)) return argmax_row(row, n);
+    // Walk the blocks' sums, then the block the target falls in.
+    const double target = u * total;
+    double run = 0.0;
+    int64_t b = 0;
+    for (; b + 1 < blocks && run + s.block_sum[b] <= target; ++b) run += s.block_sum[b];
+    int64_t last = -1;
+    for (int64_t c = b * kBlock; c < n; ++c) {
+      if (w[c] == 0.0f) continue;
+      run += w[c];
+      last = c;
+      if (run > target) return c;
+    }
+    for (int64_t c = n - 1; c >= 0 && last < 0; --c)
+      if (w[c] != 0.0f) last = c;
+    return last;
   }
-  return ids[kept - 1];
+  double total = 0.0;
+  for (int64_t j = 0; j < d.kept; ++j)
+    if (!among(s.ids[j], excluded)) total += w[s.ids[j]];
+  if (!(total > 0.0)) return argmax_row(row, n);
+  const double target = u * total;
+  double run = 0.0;
+  int64_t last = -1;
+  for (int64_t j = 0; j < d.kept; ++j) {
+    if (among(s.ids[j], excluded)) continue;
+    last = s.ids[j];
+    run += w[last];
+    if (run > target) return last;
+  }
+  return last;
+}
+
+// One request's tree by lossless rejection sampling for deterministic drafts (kernels/tree_verify.py's
+// reference, walked lazily: only the rows of the nodes the path reaches are filtered). At the current node the
+// children are tried in draft order (a sibling repeating an earlier sibling's token is never accepted), child
+// x_j accepted when u_j < r(x_j) / (the mass no child claims + the children from x_j on); an accepted child
+// becomes the current node. The bonus is drawn by u_0 from the last node's residual (its children's tokens
+// removed). Writes the path's nodes (root first) to ``path`` and returns (path length, bonus).
+std::pair<int64_t, int64_t> walk_tree(const float* logits, int64_t vocab, const int64_t* tokens,
+                                      const int64_t* parents, const float* uniforms, int64_t nodes,
+                                      const RowParams& p, Scratch& s, int64_t* path) {
+  std::vector<int64_t> children, child_tokens;
+  int64_t cur = 0, len = 0;
+  path[len++] = 0;
+  while (true) {
+    const float* row = logits + cur * vocab;
+    const RowDist d = row_distribution(row, vocab, p, s);
+    children.clear(), child_tokens.clear();
+    for (int64_t j = cur + 1; j < nodes; ++j)
+      if (parents[j] == cur) children.push_back(j);
+    std::vector<double> mass(children.size(), 0.0);
+    double claimed = 0.0;
+    for (size_t i = 0; i < children.size(); ++i) {
+      const int64_t token = tokens[children[i]];
+      if (among(token, child_tokens)) continue;  // a repeat: never tried, its token counted once
+      child_tokens.push_back(token);
+      mass[i] = weight_of(d, s, token);
+      claimed += mass[i];
+    }
+    const double unclaimed = std::max(0.0, d.total - claimed);
+    double from_here = claimed;
+    int64_t next = -1;
+    for (size_t i = 0; i < children.size() && next < 0; ++i) {
+      const double remaining = unclaimed + from_here;
+      if (mass[i] > 0.0 && remaining > 0.0 && static_cast<double>(uniforms[children[i]]) < mass[i] / remaining)
+        next = children[i];
+      from_here -= mass[i];
+    }
+    if (next < 0) return {len, draw(d, s, row, vocab, uniforms[0], child_tokens)};
+    cur = next;
+    path[len++] = cur;
+  }
 }
 
 }  // namespace
@@ -220,17 +336,83 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temp
   int64_t* ids = out.data_ptr<int64_t>();
   // One row per task: its token is the same whichever thread draws it.
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w, block_max;
-    std::vector<double> block_sum;
-    std::vector<int64_t> order;
+    Scratch scratch;
+    const std::vector<int64_t> none;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x.data_ptr<float>() + r * cols;
       const RowParams p{t.data_ptr<float>()[r], tp.data_ptr<float>()[r], mp.data_ptr<float>()[r],
                         u.data_ptr<float>()[r], k.data_ptr<int64_t>()[r]};
-      ids[r] = p.temperature > 0.0f ? sample_row(row, cols, p, w, order, block_max, block_sum) : argmax_row(row, cols);
+      ids[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
+                                    : argmax_row(row, cols);
     }
   });
   return out;
+}
+
+std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const torch::Tensor& offsets,
+                                              const torch::Tensor& sizes, const torch::Tensor& tokens,
+                                              const torch::Tensor& parents, const torch::Tensor& uniforms,
+                                              const torch::Tensor& temperatures, const torch::Tensor& top_ks,
+                                              const torch::Tensor& top_ps, const torch::Tensor& min_ps) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
+              "verify_tree_sample: logits must be a CPU float32 [R, V] tensor");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), batch = offsets.numel();
+  TORCH_CHECK(vocab > 0, "verify_tree_sample: logits need at least one column");
+  auto check = [](const torch::Tensor& t, int64_t n, torch::ScalarType type, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == type && t.device().is_cpu(),
+                "verify_tree_sample: ", name, " must be a CPU [", n, "] tensor of ", c10::toString(type));
+  };
+  check(offsets, batch, torch::kInt64, "offsets");
+  check(sizes, batch, torch::kInt64, "sizes");
+  // The requests' nodes one after another: request b's from the sum of the sizes before it.
+  const torch::Tensor n = sizes.contiguous();
+  std::vector<int64_t> starts(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t size = n.data_ptr<int64_t>()[b];
+    TORCH_CHECK(size >= 1, "verify_tree_sample: every tree has its root");
+    starts[b + 1] = starts[b] + size;
+  }
+  check(tokens, starts[batch], torch::kInt64, "tokens");
+  check(parents, starts[batch], torch::kInt64, "parents");
+  check(uniforms, starts[batch], torch::kFloat32, "uniforms");
+  check(temperatures, batch, torch::kFloat32, "temperatures");
+  check(top_ks, batch, torch::kInt64, "top_ks");
+  check(top_ps, batch, torch::kFloat32, "top_ps");
+  check(min_ps, batch, torch::kFloat32, "min_ps");
+  const torch::Tensor x = logits.contiguous(), off = offsets.contiguous(), tok = tokens.contiguous(),
+                      par = parents.contiguous(), u = uniforms.contiguous(),
+                      t = temperatures.contiguous(), k = top_ks.contiguous(), tp = top_ps.contiguous(),
+                      mp = min_ps.contiguous();
+  const int64_t *o = off.data_ptr<int64_t>(), *ns = n.data_ptr<int64_t>(), *tk = tok.data_ptr<int64_t>(),
+                *pa = par.data_ptr<int64_t>();
+  int64_t widest = 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(o[b] >= 0 && o[b] + ns[b] <= rows, "verify_tree_sample: request ", b, "'s rows fall outside the logits");
+    TORCH_CHECK(t.data_ptr<float>()[b] > 0.0f, "verify_tree_sample: request ", b, " is not sampled (temperature <= 0)");
+    for (int64_t j = 0; j < ns[b]; ++j) {
+      const int64_t node = starts[b] + j;
+      TORCH_CHECK(tk[node] >= 0 && tk[node] < vocab, "verify_tree_sample: a token outside the vocabulary");
+      TORCH_CHECK(j == 0 ? pa[node] == -1 : (pa[node] >= 0 && pa[node] < j),
+                  "verify_tree_sample: parents must be -1 for the root and an earlier node otherwise");
+    }
+    widest = std::max(widest, ns[b]);
+  }
+  torch::Tensor path = torch::full({batch, widest}, -1, torch::kInt64), lens = torch::empty({batch}, torch::kInt64),
+                bonus = torch::empty({batch}, torch::kInt64);
+  int64_t *path_out = path.data_ptr<int64_t>(), *len_out = lens.data_ptr<int64_t>(),
+          *bonus_out = bonus.data_ptr<int64_t>();
+  // One request per task: its path is the same whichever thread walks it.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t b = begin; b < end; ++b) {
+      const RowParams p{t.data_ptr<float>()[b], tp.data_ptr<float>()[b], mp.data_ptr<float>()[b], 0.0f,
+                        k.data_ptr<int64_t>()[b]};
+      const auto [len, token] = walk_tree(x.data_ptr<float>() + o[b] * vocab, vocab, tk + starts[b], pa + starts[b],
+                                          u.data_ptr<float>() + starts[b], ns[b], p, scratch, path_out + b * widest);
+      len_out[b] = len, bonus_out[b] = token;
+    }
+  });
+  return {path, lens, bonus};
 }
 
 }  // namespace specjet_cpu

@@ -116,7 +116,7 @@ def _cpu_sampler():
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p,scale", [
     (1.0, 0, 1.0, 0.0, 2.0), (0.7, 0, 0.9, 0.0, 2.0), (0.7, 40, 1.0, 0.0, 1.0), (1.3, 0, 1.0, 0.1, 1.0),
-    (0.5, 300, 0.95, 0.02, 0.5), (1.0, 0, 0.999, 0.0, 0.2)])
+    (0.5, 300, 0.95, 0.02, 0.5), (1.0, 0, 0.999, 0.0, 0.2), (1.0, 0, 0.6, 0.05, 2.0), (0.8, 8, 0.7, 0.1, 1.5)])
 def test_cpu_sampler_draws_the_reference_distribution(temperature, top_k, top_p, min_p, scale):
     """The C++ draw as a function of the uniform, over a fine grid of uniforms: each token's share of the grid
     is its probability under the reference's filters (to the grid's resolution), nothing outside the

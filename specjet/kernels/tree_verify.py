@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from specjet.kernels import cpu_ops
+from specjet.kernels.sampling import SamplingTensors
 from specjet.kernels.tree_info import TreeInfo
 
 
@@ -163,3 +165,27 @@ def verify_tree_sampling(tokens: torch.Tensor, tree: TreeInfo, target_probs: tor
 
         return verify_tree_sampling_triton(tokens, tree, target_probs, uniforms)
     return verify_tree_sampling_reference(tokens, tree, target_probs, uniforms)
+
+
+def verify_trees_sampling_cpu(logits: torch.Tensor, offsets: list[int], tokens: list[list[int]],
+                              parents: list[list[int]], uniforms: list[torch.Tensor],
+                              st: SamplingTensors) -> list[tuple[list[int], int]] | None:
+    """``verify_tree_sampling`` of sampled requests (temperature > 0) straight from their logits, one C++ walk a
+    request (csrc/sampling.cpp ``verify_tree_sample``): a node's row is filtered (temperature, top-k, top-p,
+    min-p: ``sample``'s rule) only when the path reaches it, where the reference builds every node's whole
+    filtered distribution first. Request b's node rows are ``logits[offsets[b]:offsets[b] + len(tokens[b])]``;
+    ``st`` holds one row of parameters per request. The same acceptance rule and residual draw as the reference,
+    with each node's weights from the C++ exp (so a coin at the edge of two outcomes may fall the other way;
+    tested against the reference's outcomes). Returns (path, bonus) per request, or None where the C++ ops do not
+    serve these logits (not built, not a CPU float32 tensor)."""
+    ext = cpu_ops.extension()
+    if ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    sizes = [len(t) for t in tokens]
+    path, lens, bonus = ext.verify_tree_sample(
+        logits, torch.tensor(offsets, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64),
+        torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64),
+        torch.tensor([p for ps in parents for p in ps], dtype=torch.int64),
+        torch.cat(uniforms).to(torch.float32), st.temperatures, st.top_ks, st.top_ps, st.min_ps)
+    return [(nodes[:n], b) for nodes, n, b in zip(path.tolist(), lens.tolist(), bonus.tolist())]
+

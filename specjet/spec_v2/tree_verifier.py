@@ -16,7 +16,7 @@ from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample, sampling_rows
 from specjet.kernels.tree import build_tree
-from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
+from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling, verify_trees_sampling_cpu
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.runner import ModelRunner
 
@@ -112,13 +112,20 @@ class TreeVerifier:
     def _sampled_paths(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int], sizes: list[int],
                        sampling: SamplingTensors, device) -> list[tuple[list[int], int]]:
         """Each request's accepted path and bonus token by lossless rejection sampling (greedy
-        requests of a mixed batch walk their argmax), where the probabilities are. A sampled request whose
-        tree is its root alone (no draft this iteration) draws as plain decoding does: an empty tree's bonus
-        is the inverse-CDF draw over the root's filtered distribution by the request's first coin, which is
-        ``sample``'s rule (one C++ pass a row on the CPU, instead of the whole filtered distribution)."""
+        requests of a mixed batch walk their argmax), where the probabilities are. On the CPU the sampled
+        requests' trees are walked in C++, a node's row filtered only when the path reaches it. Elsewhere a
+        sampled request whose tree is its root alone (no draft this iteration) draws as plain decoding does:
+        an empty tree's bonus is the inverse-CDF draw over the root's filtered distribution by the request's
+        first coin, which is ``sample``'s rule; the other trees get every node's filtered distribution."""
         paths: list[tuple[list[int], int] | None] = [None] * len(reqs)
         on = sampling.temperatures.device
-        roots = [i for i, (r, n) in enumerate(zip(reqs, sizes)) if n == 1 and r.uniforms is not None]
+        sampled = [i for i, r in enumerate(reqs) if r.uniforms is not None]
+        walked = sampled and verify_trees_sampling_cpu(
+            logits, [offsets[i] for i in sampled], [reqs[i].tokens for i in sampled], [reqs[i].parents for i in sampled],
+            [reqs[i].uniforms for i in sampled], sampling_rows(sampling, torch.tensor(sampled, device=on)))
+        for i, path in zip(sampled, walked or []):
+            paths[i] = path
+        roots = [i for i, (r, n) in enumerate(zip(reqs, sizes)) if n == 1 and r.uniforms is not None and not walked]
         if roots:
             coins = torch.stack([reqs[i].uniforms[0] for i in roots]).to(device)
             alone = sampling_rows(sampling, torch.tensor(roots, device=on))

@@ -1,0 +1,140 @@
+"""The C++ sampled tree walk (csrc/sampling.cpp ``verify_tree_sample``, kernels/tree_verify.py
+``verify_trees_sampling_cpu``): a node's row filtered only when the path reaches it, against the torch reference
+(``verify_tree_sampling_reference`` over ``filtered_probs`` of every node) on the same coins, and against the
+target distribution itself."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specjet.kernels import cpu_ops
+from specjet.kernels.sampling import SamplingTensors, filtered_probs
+from specjet.kernels.tree import build_tree
+from specjet.kernels.tree_verify import verify_tree_sampling_reference, verify_trees_sampling_cpu
+from test_tree_kernels import (DIST_PARENTS, DIST_PROBS, DIST_TOKENS, TV_BOUND, committed_tokens,
+                               distribution_coins, random_parents, tv_distance_report)
+
+pytestmark = pytest.mark.skipif(cpu_ops.extension() is None, reason="specjet's C++ CPU ops are not built")
+
+
+def _params(rows: list[tuple[float, int, float, float]]) -> SamplingTensors:
+    return SamplingTensors.from_lists(*(list(column) for column in zip(*rows)))
+
+
+def _walk(logits, tokens, parents, coins, rows):
+    """The C++ walk of B trees of N nodes each: logits [B * N, V], tokens / parents / coins [B, N]."""
+    batch, nodes = tokens.shape
+    return verify_trees_sampling_cpu(logits, [b * nodes for b in range(batch)], tokens.tolist(), parents.tolist(),
+                                     list(coins), _params(rows))
+
+
+def _reference(logits, tokens, parents, coins, rows):
+    batch, nodes = tokens.shape
+    per_node = _params([row for row in rows for _ in range(nodes)])
+    probs = filtered_probs(logits, per_node).view(batch, nodes, -1)
+    path, lens, bonus = verify_tree_sampling_reference(tokens, build_tree(parents, torch.zeros(batch, dtype=torch.int64)),
+                                                       probs, coins)
+    return [(p[:n], b) for p, n, b in zip(path.tolist(), lens.tolist(), bonus.tolist())]
+
+
+def test_the_walk_follows_the_target_distribution():
+    """The hand-made two-level tree of test_tree_kernels: the committed tokens' distribution (first token, second
+    after each child) within the TV bound that a biased verifier fails; the same outcome as the reference's on
+    nearly every coin."""
+    coins = distribution_coins(0)
+    draws = coins.shape[0]
+    logits = torch.tensor(DIST_PROBS).log().repeat(draws, 1)
+    tokens = torch.tensor([DIST_TOKENS]).expand(draws, -1)
+    parents = torch.tensor([DIST_PARENTS]).expand(draws, -1)
+    rows = [(1.0, -1, 1.0, 0.0)] * draws
+    walked = _walk(logits, tokens, parents, coins, rows)
+    report = tv_distance_report([committed_tokens(path, bonus) for path, bonus in walked])
+    assert all(v < TV_BOUND for v in report.values()), report
+    reference = _reference(logits, tokens, parents, coins, rows)
+    assert sum(a == b for a, b in zip(walked, reference)) >= 0.999 * draws
+    assert 0.3 < sum(len(path) >= 2 for path, _ in walked) / draws < 0.9
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, -1, 1.0, 0.0), (0.7, -1, 0.9, 0.0), (1.3, 20, 1.0, 0.0), (0.8, -1, 1.0, 0.1), (1.0, 5, 0.8, 0.05),
+    (0.6, 300, 0.99, 0.0),
+])
+def test_the_walk_makes_the_references_decisions(temperature, top_k, top_p, min_p):
+    """Random trees (some deep, siblings sharing tokens) over a real-sized vocabulary, children's tokens made
+    likely so paths run deep: the same path and bonus as the torch reference on the same coins for >= 99% of the
+    trees (the two compute a node's weights with different exps, so a coin at the edge of two outcomes may fall
+    either way), with every filter exercised."""
+    gen = torch.Generator().manual_seed(int(temperature * 10) + top_k)
+    batch, nodes, vocab = 160, 10, 10_000
+    parents = random_parents(batch, nodes, gen)
+    tokens = torch.randint(0, 40, (batch, nodes), generator=gen)  # few distinct tokens: repeats among siblings
+    logits = torch.randn(batch, nodes, vocab, generator=gen) * 2.5
+    for b in range(batch):
+        for child in range(1, nodes):
+            logits[b, parents[b, child], tokens[b, child]] += 7.0 + 5.0 * float(torch.rand((), generator=gen))
+    logits = logits.view(batch * nodes, vocab)
+    coins = torch.rand(batch, nodes, generator=gen)
+    rows = [(temperature, top_k, top_p, min_p)] * batch
+    walked = _walk(logits, tokens, parents, coins, rows)
+    reference = _reference(logits, tokens, parents, coins, rows)
+    assert sum(a == b for a, b in zip(walked, reference)) >= 0.99 * batch
+    assert max(len(path) for path, _ in walked) >= 4
+    # A request's outcome does not depend on the others in the call.
+    for b in (0, 57, 159):
+        alone = verify_trees_sampling_cpu(logits[b * nodes:(b + 1) * nodes], [0], [tokens[b].tolist()],
+                                          [parents[b].tolist()], [coins[b]], _params(rows[:1]))
+        assert alone[0] == walked[b]
+
+
+def test_forbidden_tokens_are_never_committed_and_nan_rows_take_the_argmax():
+    """A grammar-masked root (-inf outside a few tokens): neither an accepted child nor the bonus is ever a
+    forbidden token; a row with a NaN has torch.argmax's answer as its whole distribution."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, draws = 2_000, 400
+    allowed = [5, 17, 900, 1999]
+    root = torch.full((vocab,), -math.inf)
+    root[allowed] = torch.tensor([1.0, 0.5, 2.0, -1.0])
+    child_row = torch.randn(vocab, generator=gen)
+    tokens = torch.tensor([[0, 900, 3]]).expand(draws, -1)  # the second child (token 3) is forbidden at the root
+    parents = torch.tensor([[-1, 0, 0]]).expand(draws, -1)
+    logits = torch.stack([root, child_row, child_row]).repeat(draws, 1)
+    walked = _walk(logits, tokens, parents, torch.rand(draws, 3, generator=gen), [(0.9, -1, 0.95, 0.0)] * draws)
+    assert all(path in ([0], [0, 1]) for path, _ in walked)
+    assert all(bonus in allowed for path, bonus in walked if path == [0])
+    assert {len(path) for path, _ in walked} == {1, 2}
+
+    nan_row = torch.randn(1, vocab, generator=gen)
+    nan_row[0, 321] = math.nan
+    out = verify_trees_sampling_cpu(nan_row, [0], [[7]], [[-1]], [torch.tensor([0.5])], _params([(1.0, -1, 1.0, 0.0)]))
+    assert out == [([0], 321)]
+
+
+def test_bad_inputs_are_refused():
+    ext = cpu_ops.extension()
+    logits = torch.randn(3, 50)
+    params = (torch.ones(1), torch.full((1,), -1, dtype=torch.int64), torch.ones(1), torch.zeros(1))
+    good = dict(offsets=torch.tensor([0]), sizes=torch.tensor([3]), tokens=torch.tensor([1, 2, 3]),
+                parents=torch.tensor([-1, 0, 1]), uniforms=torch.rand(3))
+
+    def call(**changes):
+        args = dict(good, **changes)
+        return ext.verify_tree_sample(logits, args["offsets"], args["sizes"], args["tokens"], args["parents"],
+                                      args["uniforms"], *params)
+
+    call()
+    for changes, message in [
+        (dict(tokens=torch.tensor([1, 2, 50])), "outside the vocabulary"),
+        (dict(parents=torch.tensor([-1, 0, 2])), "earlier node"),
+        (dict(parents=torch.tensor([0, 0, 1])), "earlier node"),
+        (dict(offsets=torch.tensor([1])), "outside the logits"),
+        (dict(sizes=torch.tensor([0]), tokens=torch.tensor([], dtype=torch.int64),
+              parents=torch.tensor([], dtype=torch.int64), uniforms=torch.rand(0)), "root"),
+        (dict(uniforms=torch.rand(3, dtype=torch.float64)), "uniforms"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            call(**changes)
+    with pytest.raises(RuntimeError, match="not sampled"):
+        ext.verify_tree_sample(logits, good["offsets"], good["sizes"], good["tokens"], good["parents"],
+                               good["uniforms"], torch.zeros(1), *params[1:])
