@@ -3,6 +3,8 @@
 #   tests: the Triton kernels compiled for real, the graph runners' CUDA graphs (replay == eager),
 #          and the engine test files on CUDA (tiny random models: spec == plain ids, overlap with the
 #          compute stream, grammars, failures), in one pytest run (TEST_FILES: other test files);
+#   split: a plain decode iteration against its CUDA graph's GPU time (scripts/gpu_split.py, random weights
+#          of the default model's shape: only .gpu/tok needed);
 #   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH, CUDA graphs on and
 #          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations).
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
@@ -11,7 +13,7 @@
 # .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/, all made here by
 # scripts/gpu_prepare.sh (whose header gives the two calls). Results go to $OUT.
 set -u -o pipefail
-phase=${1:?usage: scripts/gpu_check.sh stage|tests|bench}
+phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -42,6 +44,12 @@ if [ "$phase" = tests ]; then
 print('linear plans (in, out, dtype, bias, threads, blocked) -> (hint, min_rows, max_rows):', _PLANS)" 2>&1 | tee "$OUT/plans.log"
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --dist loadfile -m "not e2e" \
     --timeout 200 -rfE --durations=12 $paths 2>&1 | tee "$OUT/tests.log" | tail -80
+  exit 0
+fi
+
+if [ "$phase" = split ]; then
+  # Where a plain decode iteration goes on the GPU: the engine's iteration against its graph's GPU time.
+  timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/gpu_split.py .gpu/tok /tmp/split-model 2>&1 | tee "$OUT/split.log" | tail -3
   exit 0
 fi
 
