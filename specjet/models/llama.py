@@ -45,6 +45,12 @@ class Linear(nn.Module):
         return packed(x) if packed is not None else linear(x, self.weight_t, self.bias, None)
 
 
+def _cuda_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an op on ``x`` takes its Triton kernel: inference on CUDA in the weight's dtype (training keeps
+    torch's ops, which have autograd)."""
+    return x.is_cuda and not torch.is_grad_enabled() and x.dtype == weight.dtype
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -55,8 +61,17 @@ class RMSNorm(nn.Module):
         """The norm through the C++ op (``native``: where the model's layers run on it) or torch's."""
         return cpu_ops.rms_norm(x.contiguous(), self.weight, self.eps) if native else self(x)
 
+    def add_and_normalize(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): one Triton kernel for inference on CUDA, torch's add and the norm elsewhere."""
+        if _cuda_inference(x, self.weight):
+            from specjet.kernels.triton_norm import add_rms_norm_triton
+
+            return add_rms_norm_triton(x, residual, self.weight, self.eps)
+        x = x + residual
+        return x, self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not torch.is_grad_enabled() and x.dtype == self.weight.dtype:
+        if _cuda_inference(x, self.weight):
             # Inference on CUDA: the batch-invariant kernel (training keeps torch's, which has autograd).
             from specjet.kernels.triton_norm import rms_norm_triton
 
@@ -168,7 +183,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and gate_up.dim() == 2 and not torch.is_grad_enabled():  # inference on CUDA
+            from specjet.kernels.triton_silu_mul import silu_mul_triton
+
+            return self.down_proj(silu_mul_triton(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -185,8 +205,21 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         if self.native_ops:
             return self.forward_native(x, cos, sin, batch, kv_cache)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, out = self.forward_deferred(x, None, cos, sin, batch, kv_cache)
+        return x + out
+
+    def forward_deferred(self, x, pending: torch.Tensor | None, cos, sin, batch: ForwardBatch,
+                         kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over ``x + pending`` (``pending``: the previous layer's MLP output not yet added, or None),
+        that add done inside the input norm; returns (x, out) with ``x + out`` the layer's output, its own MLP
+        output left for the next layer's norm. On CUDA each add goes with a norm into one kernel: a small
+        model's step costs its kernels' count. Elsewhere the same torch ops as an add then a norm."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_normalize(x, pending)
+        x, h = self.post_attention_layernorm.add_and_normalize(x, self.self_attn(h, cos, sin, batch, kv_cache))
+        return x, self.mlp(h)
 
     def forward_native(self, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """The same layer in about ten calls (projections, C++ ops) instead of ~130 torch ops. What it
@@ -280,10 +313,16 @@ class LlamaForCausalLM(nn.Module):
             outputs = dict(zip(wanted, taken))
         else:
             outputs = {}
+            pending = None  # the last layer's MLP output, added by the next layer's input norm
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                # forward, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1 (forward
-                # itself takes the native path where it is on).
-                x = layer.forward(x, cos, sin, batch, kv_cache)
+                # Methods, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1.
+                if layer.native_ops:
+                    x = layer.forward_native(x, cos, sin, batch, kv_cache)
+                else:
+                    x, pending = layer.forward_deferred(x, pending, cos, sin, batch, kv_cache)
+                    if i in wanted or i == last:
+                        x, pending = x + pending, None
                 if i in wanted:
                     outputs[i] = x
         if layer_hidden is not None:
