@@ -83,6 +83,22 @@ def test_verify_batch_from_host_lengths_equals_the_general_build(q_lens, kv_lens
             _assert_same_metadata(fresh_fast, fresh_ref)
 
 
+@pytest.mark.parametrize("q_lens, kv_lens", [([3], [12]), ([2, 3, 1], [10, 7, 40]), ([4, 4], [9, 20])])
+def test_extend_batch_from_host_lengths_equals_the_general_build(q_lens, kv_lens):
+    """A draft extend's batch (causal new positions, logits of each request's last one) from host lists."""
+    table = _table()
+    rows = torch.tensor([3, 0, 5][:len(q_lens)])
+    total = sum(q_lens)
+    ids, positions, slots = torch.arange(total) + 9, torch.arange(total), torch.arange(total) + 200
+    fast = ForwardBatch.from_host(ForwardMode.EXTEND, ids, positions, slots, table, rows.tolist(), q_lens, kv_lens,
+                                  last_logits=True)
+    ref = ForwardBatch.build(ForwardMode.EXTEND, input_ids=ids, positions=positions, out_cache_loc=slots,
+                             req_to_token=table, req_pool_indices=rows, kv_lens=torch.tensor(kv_lens),
+                             q_lens=torch.tensor(q_lens), logits="last")
+    assert fast.logits_indices.dtype == ref.logits_indices.dtype and torch.equal(fast.logits_indices, ref.logits_indices)
+    _assert_same_metadata(fast.attn, ref.attn)
+
+
 def test_host_token_tensors_read_the_table_and_leave_it_alone():
     """The decode step's ids / positions / slots from host lists == the torch gather they replace; the
     metadata's KV rows are a copy (the padding written into them never reaches the table) and its cached

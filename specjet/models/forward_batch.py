@@ -94,11 +94,20 @@ class ForwardBatch:
                   q_lens: list[int], kv_lens: list[int], custom_mask: torch.Tensor | None = None,
                   capture_hidden: CaptureHidden = None,
                   logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  defer_logits: bool = False) -> "ForwardBatch":
-        """``build(..., logits="all")`` from the requests' table rows and lengths as host lists (a decode
-        step's, a verify's): the same batch (tested) with fewer small ops."""
+                  defer_logits: bool = False, last_logits: bool = False) -> "ForwardBatch":
+        """``build(..., logits="all")`` (``last_logits``: ``logits="last"``) from the requests' table rows and
+        lengths as host lists (a decode step's, a verify's, a draft extend's): the same batch (tested) with
+        fewer small ops."""
         attn = host_attention_metadata(req_to_token, rows, q_lens, kv_lens, custom_mask)
-        return cls(mode, input_ids, positions, out_cache_loc, attn, None, capture_hidden, logits_mask, defer_logits)
+        logits_indices = None
+        if last_logits:
+            ends, total = [], 0
+            for n in q_lens:
+                total += n
+                ends.append(total - 1)
+            logits_indices = torch.tensor(ends, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+        return cls(mode, input_ids, positions, out_cache_loc, attn, logits_indices, capture_hidden, logits_mask,
+                   defer_logits)
 
 
 def host_token_tensors(req_to_token: torch.Tensor, ids: list[int], positions: list[int], slot_rows: list[int],

@@ -35,7 +35,7 @@ from specjet.grammar import bitmask_allows
 from specjet.kernels.masked_topk import masked_topk_logp
 from specjet.kernels.tree import flatten_expansion_steps, select_draft_nodes
 from specjet.models.eagle import FOLLOW_TARGET, EagleDraftModel
-from specjet.models.forward_batch import ForwardBatch, ForwardMode
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, host_token_tensors
 from specjet.models.kv_cache import KVCache
 from specjet.models.runner import ModelRunner
 from specjet.spec_v2.config import EagleParams
@@ -129,25 +129,16 @@ class EagleDrafter:
         ``features`` holds, in the same flat order, the target's hidden state at that position.
         Prefill: positions 0..n-1 with the prompt shifted by one plus the first sampled token.
         After verify: the accepted path's positions with its tokens and the bonus."""
-        device = req_to_token.device
-        q_lens = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
-        starts = torch.tensor([v.committed_len for v in views], dtype=torch.int64, device=device)
-        positions = torch.cat([torch.arange(v.committed_len, v.committed_len + len(t), device=device)
-                               for v, t in zip(views, token_lists)])
-        rows = torch.tensor([v.row for v in views], dtype=torch.int64, device=device)
-        slots = torch.cat([req_to_token[v.row, v.committed_len:v.committed_len + len(t)]
-                           for v, t in zip(views, token_lists)])
-        batch = ForwardBatch.build(
-            ForwardMode.EXTEND,
-            input_ids=torch.tensor([x for t in token_lists for x in t], dtype=torch.int64, device=device),
-            positions=positions,
-            out_cache_loc=slots,
-            req_to_token=req_to_token,
-            req_pool_indices=rows,
-            kv_lens=starts + q_lens,
-            q_lens=q_lens,
-            logits="last",
-        )
+        # The batch from host lists: ids, positions and slots as one tensor, the attention's layout from the
+        # lengths (a verify's extend covers 2-3 positions a request: each small op's fixed cost is the cost).
+        q_lens = [len(t) for t in token_lists]
+        positions = [v.committed_len + j for v, n in zip(views, q_lens) for j in range(n)]
+        slot_rows = [v.row for v, n in zip(views, q_lens) for _ in range(n)]
+        ids, positions_t, slots = host_token_tensors(req_to_token, [x for t in token_lists for x in t], positions,
+                                                     slot_rows, positions)
+        batch = ForwardBatch.from_host(ForwardMode.EXTEND, ids, positions_t, slots, req_to_token,
+                                       [v.row for v in views], q_lens,
+                                       [v.committed_len + n for v, n in zip(views, q_lens)], last_logits=True)
         hidden, logits = self.head(batch, features.to(self.runner.dtype), self.kv_cache, from_target=True)
         last_hidden = hidden[batch.logits_indices]
         top_logp, top_idx = torch.log_softmax(logits, -1).topk(self.params.topk, dim=-1)
