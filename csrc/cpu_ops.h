@@ -52,6 +52,10 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
 // sampling.cpp
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures, const torch::Tensor& top_ks,
                           const torch::Tensor& top_ps, const torch::Tensor& min_ps, const torch::Tensor& uniforms);
+std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,
+                                       const std::vector<int64_t>& top_ks, const std::vector<double>& top_ps,
+                                       const std::vector<double>& min_ps, const std::vector<double>& uniforms,
+                                       const c10::optional<torch::Tensor>& bitmask, const std::vector<bool>& masked);
 std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const torch::Tensor& offsets,
                                               const torch::Tensor& sizes, const torch::Tensor& tokens,
                                               const torch::Tensor& parents, const torch::Tensor& uniforms,

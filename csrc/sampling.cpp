@@ -311,6 +311,25 @@ std::pair<int64_t, int64_t> walk_tree(const float* logits, int64_t vocab, const 
   }
 }
 
+// ``row`` with the columns its token bitmask forbids at -inf, into ``out``: bit c of the row's words allows
+// column c (xgrammar's layout); columns past the mask's 32 * width stay as they are, as xgrammar leaves them.
+void mask_row(const float* row, int64_t n, const int32_t* words, int64_t width, float* out) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  const int64_t covered = std::min(n, 32 * width);
+  for (int64_t w = 0; w * 32 < covered; ++w) {
+    const uint32_t bits = static_cast<uint32_t>(words[w]);
+    const int64_t start = 32 * w, stop = std::min(covered, start + 32);
+    if (bits == 0u) {
+      std::fill(out + start, out + stop, minus_inf);
+    } else if (bits == ~0u) {
+      std::copy(row + start, row + stop, out + start);
+    } else {
+      for (int64_t c = start; c < stop; ++c) out[c] = (bits >> (c - start)) & 1u ? row[c] : minus_inf;
+    }
+  }
+  std::copy(row + covered, row + n, out + covered);
+}
+
 }  // namespace
 
 namespace specjet_cpu {
@@ -347,6 +366,48 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temp
     }
   });
   return out;
+}
+
+std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,
+                                       const std::vector<int64_t>& top_ks, const std::vector<double>& top_ps,
+                                       const std::vector<double>& min_ps, const std::vector<double>& uniforms,
+                                       const c10::optional<torch::Tensor>& bitmask, const std::vector<bool>& masked) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
+              "sample_rows_lists: logits must be a CPU float32 [R, V] tensor");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  TORCH_CHECK(cols > 0, "sample_rows_lists: logits need at least one column");
+  for (const size_t size : {temperatures.size(), top_ks.size(), top_ps.size(), min_ps.size(), uniforms.size()})
+    TORCH_CHECK(static_cast<int64_t>(size) == rows, "sample_rows_lists: one parameter a row (", rows, " rows)");
+  torch::Tensor words;
+  int64_t width = 0;
+  if (bitmask.has_value()) {
+    words = bitmask->contiguous();
+    TORCH_CHECK(words.dim() == 2 && words.size(0) == rows && words.scalar_type() == torch::kInt32 && words.device().is_cpu(),
+                "sample_rows_lists: the bitmask must be a CPU int32 [R, W] tensor");
+    TORCH_CHECK(static_cast<int64_t>(masked.size()) == rows, "sample_rows_lists: one masked flag a row");
+    width = words.size(1);
+  }
+  const torch::Tensor x = logits.contiguous();
+  std::vector<int64_t> ids(rows);
+  // One row per task: its token is the same whichever thread draws it.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    std::vector<float> copy;
+    const std::vector<int64_t> none;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x.data_ptr<float>() + r * cols;
+      if (width > 0 && masked[r]) {
+        copy.resize(cols);
+        mask_row(row, cols, words.data_ptr<int32_t>() + r * width, width, copy.data());
+        row = copy.data();
+      }
+      const RowParams p{static_cast<float>(temperatures[r]), static_cast<float>(top_ps[r]),
+                        static_cast<float>(min_ps[r]), static_cast<float>(uniforms[r]), top_ks[r]};
+      ids[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
+                                    : argmax_row(row, cols);
+    }
+  });
+  return ids;
 }
 
 std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const torch::Tensor& offsets,

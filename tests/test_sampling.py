@@ -167,3 +167,35 @@ def test_cpu_sampler_refuses_bad_inputs():
         ext.sample_rows(logits, *args[:4], torch.rand(3))
     with pytest.raises(RuntimeError, match="top_ks"):
         ext.sample_rows(logits, args[0], good.top_ks.int(), *args[2:])
+
+
+@pytest.mark.filterwarnings("ignore:The bitmask covers only")  # xgrammar's note on the unmasked tail: on purpose here
+def test_the_lists_sampler_reads_the_grammar_mask_as_xgrammar_writes_it():
+    """``sample_lists`` (parameters as host lists, the mask read as it goes) against xgrammar's mask written into
+    the logits and then ``sample``: the same token on every row, the same uniforms; unflagged rows and columns
+    past the mask's width unmasked; greedy rows take the masked argmax; the logits are left alone."""
+    from specjet.grammar import apply_token_bitmask_
+    from specjet.kernels.sampling import lists_sampler_serves, sample_lists
+
+    if not lists_sampler_serves(torch.zeros(1, 1)):
+        pytest.skip("the C++ extension is not built")
+    gen = torch.Generator().manual_seed(17)
+    rows, vocab, width = 48, 1000, 30  # 30 words cover 960 columns: the last 40 columns stay unmasked
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, width), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[::5] = 0  # rows whose mask allows none of the covered columns
+    bitmask[1::7] = -1  # rows whose mask allows every covered column
+    flags = [i % 4 != 3 for i in range(rows)]
+    params = [(0.0 if i % 6 == 0 else 0.5 + (i % 5) * 0.2, [-1, 5, 40][i % 3], [1.0, 0.9, 0.6][i % 3 - 1],
+               [0.0, 0.05][i % 2]) for i in range(rows)]
+    uniforms = torch.rand(rows, generator=gen)
+    before = logits.clone()
+    drawn = sample_lists(logits, *(list(column) for column in zip(*params)), uniforms.tolist(), (bitmask, flags))
+    assert torch.equal(logits, before)
+    written = logits.clone()
+    apply_token_bitmask_(written, bitmask, indices=[i for i, f in enumerate(flags) if f])
+    expected = sample(written, SamplingTensors.from_lists(*(list(column) for column in zip(*params))), uniforms)
+    assert drawn == expected.tolist()
+    assert all(not f or d >= 32 * width or (int(bitmask[i, d // 32]) >> (d % 32)) & 1
+               for i, (d, f) in enumerate(zip(drawn, flags)))
+    assert any(d >= 32 * width for d, f in zip(drawn, flags) if f)  # the unmasked tail was drawn from

@@ -120,3 +120,23 @@ def sample(logits: torch.Tensor, st: SamplingTensors, uniforms: torch.Tensor | N
             or logits.dtype != torch.float32):
         return sample_reference(logits, st, uniforms)
     return ext.sample_rows(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))
+
+
+def sample_lists(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+                 min_ps: list[float], uniforms: list[float],
+                 grammar: tuple[torch.Tensor, list[bool]] | None = None) -> list[int] | None:
+    """``sample``'s draw with the parameters as host lists (a decode step builds no tensors for them) and,
+    with ``grammar`` (bitmask [R, W] int32, masked flags), the flagged rows read through their token bitmask
+    as if xgrammar had written -inf over the forbidden columns (the logits are left as they are). One C++ pass
+    a row; None where the C++ ops do not serve these logits (not built, not a CPU float32 tensor)."""
+    if not lists_sampler_serves(logits):
+        return None
+    bitmask, masked = grammar if grammar is not None else (None, [])
+    return cpu_ops.extension().sample_rows_lists(logits, temperatures, top_ks, top_ps, min_ps, uniforms, bitmask,
+                                                 masked)
+
+
+def lists_sampler_serves(logits: torch.Tensor) -> bool:
+    """Whether ``sample_lists`` draws from these logits (a caller may draw its coins only then)."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.extension() is not None
+

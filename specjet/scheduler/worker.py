@@ -23,7 +23,7 @@ import torch
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
-from specjet.kernels.sampling import SamplingTensors, sample
+from specjet.kernels.sampling import SamplingTensors, lists_sampler_serves, sample, sample_lists
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind
@@ -119,10 +119,11 @@ class ModelWorker:
         bitmask ``(bitmask, rows)`` (or None); advances the compute states. A prefill chunk before
         the prompt's last gets no token ([]), and draws none of its request's coins."""
         out: ModelOutput = forward.result()
-        masked = None
+        masked = flags = None
         if grammar_mask is not None:
             rows = set(grammar_mask[1])
-            masked = torch.tensor([i in rows for i in range(len(batch.inputs))], dtype=torch.bool)
+            flags = [i in rows for i in range(len(batch.inputs))]
+            masked = torch.tensor(flags, dtype=torch.bool)
         logits = out.logits
         if logits is None:  # the head was left to this step (ModelWorker._defer_head)
             start = time.perf_counter()
@@ -138,6 +139,12 @@ class ModelWorker:
             best = masked_argmax(logits, grammar_mask[0], masked).tolist()
             for i in sampled:
                 tokens[i] = best[i]
+        elif (not penalised and len(sampled) == len(batch.inputs)
+              and not all(inp.sampling.is_greedy for inp in batch.inputs)
+              and (drawn := self._draw_on_host(batch.inputs, logits,
+                                               None if grammar_mask is None else (grammar_mask[0], flags))) is not None):
+            # A decode step's draw in one C++ call, a grammar's mask read as it goes (not written into the logits).
+            tokens = drawn
         else:
             if grammar_mask is not None:
                 bitmask, rows = grammar_mask
@@ -242,6 +249,19 @@ class ModelWorker:
             sub = logits[rows]
             apply_penalties_(sub, counts, seen, [inp.sampling.penalties for inp in inputs])
             logits[rows] = sub
+
+    @staticmethod
+    def _draw_on_host(inputs: list[ReqInput], logits: torch.Tensor, grammar) -> list[int] | None:
+        """``_sample_tokens``' tokens (the same coins drawn from the same generators) through
+        ``sample_lists``, or None (drawing nothing) where it does not serve these logits."""
+        if not lists_sampler_serves(logits):
+            return None
+        params = [inp.sampling for inp in inputs]
+        uniforms = [float(torch.rand((), generator=inp.generator)) if inp.generator is not None else 0.0
+                    for inp in inputs]
+        return sample_lists(logits, [0.0 if sp.is_greedy else sp.temperature for sp in params],
+                            [sp.top_k for sp in params], [sp.top_p for sp in params], [sp.min_p for sp in params],
+                            uniforms, grammar)
 
     def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
         if all(inp.sampling.is_greedy for inp in inputs):  # no sampling tensors to build: one argmax
