@@ -330,6 +330,30 @@ void mask_row(const float* row, int64_t n, const int32_t* words, int64_t width, 
   std::copy(row + covered, row + n, out + covered);
 }
 
+// Each row's token of x [R, V] (contiguous float32): drawn from its filtered distribution where its temperature
+// is positive, else its argmax; a row flagged in ``masked`` read through its ``words`` (width int32 words a row)
+// first. One row per task: a row's token is the same whichever thread draws it.
+void draw_rows(const torch::Tensor& x, const std::function<RowParams(int64_t)>& params, const int32_t* words,
+               int64_t width, const std::vector<bool>& masked, int64_t* out) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    std::vector<float> copy;
+    const std::vector<int64_t> none;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x.data_ptr<float>() + r * cols;
+      if (words != nullptr && masked[r]) {
+        copy.resize(cols);
+        mask_row(row, cols, words + r * width, width, copy.data());
+        row = copy.data();
+      }
+      const RowParams p = params(r);
+      out[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
+                                    : argmax_row(row, cols);
+    }
+  });
+}
+
 }  // namespace
 
 namespace specjet_cpu {
@@ -352,19 +376,10 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temp
   const torch::Tensor x = logits.contiguous(), t = temperatures.contiguous(), k = top_ks.contiguous(),
                       tp = top_ps.contiguous(), mp = min_ps.contiguous(), u = uniforms.contiguous();
   torch::Tensor out = torch::empty({rows}, torch::kInt64);
-  int64_t* ids = out.data_ptr<int64_t>();
-  // One row per task: its token is the same whichever thread draws it.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    const std::vector<int64_t> none;
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = x.data_ptr<float>() + r * cols;
-      const RowParams p{t.data_ptr<float>()[r], tp.data_ptr<float>()[r], mp.data_ptr<float>()[r],
-                        u.data_ptr<float>()[r], k.data_ptr<int64_t>()[r]};
-      ids[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
-                                    : argmax_row(row, cols);
-    }
-  });
+  draw_rows(x, [&](int64_t r) {
+    return RowParams{t.data_ptr<float>()[r], tp.data_ptr<float>()[r], mp.data_ptr<float>()[r], u.data_ptr<float>()[r],
+                     k.data_ptr<int64_t>()[r]};
+  }, nullptr, 0, {}, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -387,26 +402,11 @@ std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::v
     TORCH_CHECK(static_cast<int64_t>(masked.size()) == rows, "sample_rows_lists: one masked flag a row");
     width = words.size(1);
   }
-  const torch::Tensor x = logits.contiguous();
   std::vector<int64_t> ids(rows);
-  // One row per task: its token is the same whichever thread draws it.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    std::vector<float> copy;
-    const std::vector<int64_t> none;
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = x.data_ptr<float>() + r * cols;
-      if (width > 0 && masked[r]) {
-        copy.resize(cols);
-        mask_row(row, cols, words.data_ptr<int32_t>() + r * width, width, copy.data());
-        row = copy.data();
-      }
-      const RowParams p{static_cast<float>(temperatures[r]), static_cast<float>(top_ps[r]),
-                        static_cast<float>(min_ps[r]), static_cast<float>(uniforms[r]), top_ks[r]};
-      ids[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
-                                    : argmax_row(row, cols);
-    }
-  });
+  draw_rows(logits.contiguous(), [&](int64_t r) {
+    return RowParams{static_cast<float>(temperatures[r]), static_cast<float>(top_ps[r]), static_cast<float>(min_ps[r]),
+                     static_cast<float>(uniforms[r]), top_ks[r]};
+  }, width > 0 ? words.data_ptr<int32_t>() : nullptr, width, masked, ids.data());
   return ids;
 }
 

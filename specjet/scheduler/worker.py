@@ -256,34 +256,29 @@ class ModelWorker:
         ``sample_lists``, or None (drawing nothing) where it does not serve these logits."""
         if not lists_sampler_serves(logits):
             return None
-        params = [inp.sampling for inp in inputs]
-        uniforms = [float(torch.rand((), generator=inp.generator)) if inp.generator is not None else 0.0
-                    for inp in inputs]
-        return sample_lists(logits, [0.0 if sp.is_greedy else sp.temperature for sp in params],
-                            [sp.top_k for sp in params], [sp.top_p for sp in params], [sp.min_p for sp in params],
-                            uniforms, grammar)
+        return sample_lists(logits, *sampling_lists([inp.sampling for inp in inputs]), _coins(inputs), grammar)
 
     def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
         if all(inp.sampling.is_greedy for inp in inputs):  # no sampling tensors to build: one argmax
             return logits.argmax(-1).tolist()
         st = sampling_tensors([inp.sampling for inp in inputs], logits.device)
-        uniforms = None
-        if not st.all_greedy:
-            uniforms = torch.tensor(
-                [float(torch.rand((), generator=inp.generator)) if inp.generator is not None else 0.0 for inp in inputs],
-                device=logits.device,
-            )
+        uniforms = None if st.all_greedy else torch.tensor(_coins(inputs), device=logits.device)
         return sample(logits, st, uniforms).tolist()
 
 
+def _coins(inputs: list[ReqInput]) -> list[float]:
+    """Each request's uniform for this step, drawn from its own generator (0.0 without one)."""
+    return [float(torch.rand((), generator=inp.generator)) if inp.generator is not None else 0.0 for inp in inputs]
+
+
+def sampling_lists(params: list[SamplingParams]) -> tuple[list[float], list[int], list[float], list[float]]:
+    """(temperatures, top_ks, top_ps, min_ps) of the requests, a greedy one's temperature 0."""
+    return ([0.0 if sp.is_greedy else sp.temperature for sp in params], [sp.top_k for sp in params],
+            [sp.top_p for sp in params], [sp.min_p for sp in params])
+
+
 def sampling_tensors(params: list[SamplingParams], device) -> SamplingTensors:
-    return SamplingTensors.from_lists(
-        [0.0 if sp.is_greedy else sp.temperature for sp in params],
-        [sp.top_k for sp in params],
-        [sp.top_p for sp in params],
-        [sp.min_p for sp in params],
-        device=device,
-    )
+    return SamplingTensors.from_lists(*sampling_lists(params), device=device)
 
 
 def _catch_up(grammar: RequestGrammar, tokens: list[int]) -> bool:
