@@ -178,14 +178,17 @@ RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratc
     if (k < blocks) {
       s.maxima.assign(s.block_max.begin(), s.block_max.end());
       std::nth_element(s.maxima.begin(), s.maxima.begin() + (k - 1), s.maxima.end(), std::greater<float>());
-      const float threshold = s.maxima[k - 1];
+      // Never a weightless column (the filter stops at the first): under a grammar most blocks hold none, and a
+      // threshold of 0 would otherwise take the whole row.
+      const float threshold = std::max(s.maxima[k - 1], std::numeric_limits<float>::min());
       for (int64_t b = 0; b < blocks; ++b) {
         if (s.block_max[b] < threshold) continue;
         for (int64_t c = b * kBlock; c < std::min(n, (b + 1) * kBlock); ++c)
           if (w[c] >= threshold) ids.push_back(c);
       }
     } else {
-      for (int64_t c = 0; c < n; ++c) ids.push_back(c);
+      for (int64_t c = 0; c < n; ++c)
+        if (w[c] > 0.0f) ids.push_back(c);
     }
     const int64_t take = std::min<int64_t>(k, ids.size());
     std::partial_sort(ids.begin(), ids.begin() + take, ids.end(), heavier);
@@ -200,7 +203,8 @@ RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratc
       before += w[ids[j]];
       ++kept;
     }
-    if (decided || k >= limit || k >= n) break;
+    // Fewer than k candidates: every weighted column is among them (k blocks with a weight would give k).
+    if (decided || take < k || k >= limit || k >= n) break;
     k = std::min(limit, 4 * k);
   }
   std::sort(ids.begin(), ids.begin() + kept);
