@@ -175,9 +175,9 @@ def test_the_lists_sampler_reads_the_grammar_mask_as_xgrammar_writes_it():
     the logits and then ``sample``: the same token on every row, the same uniforms; unflagged rows and columns
     past the mask's width unmasked; greedy rows take the masked argmax; the logits are left alone."""
     from specjet.grammar import apply_token_bitmask_
-    from specjet.kernels.sampling import lists_sampler_serves, sample_lists
+    from specjet.kernels.sampling import cpu_sampler_serves, sample_lists
 
-    if not lists_sampler_serves(torch.zeros(1, 1)):
+    if not cpu_sampler_serves(torch.zeros(1, 1)):
         pytest.skip("the C++ extension is not built")
     gen = torch.Generator().manual_seed(17)
     rows, vocab, width = 48, 1000, 30  # 30 words cover 960 columns: the last 40 columns stay unmasked
@@ -199,3 +199,26 @@ def test_the_lists_sampler_reads_the_grammar_mask_as_xgrammar_writes_it():
     assert all(not f or d >= 32 * width or (int(bitmask[i, d // 32]) >> (d % 32)) & 1
                for i, (d, f) in enumerate(zip(drawn, flags)))
     assert any(d >= 32 * width for d, f in zip(drawn, flags) if f)  # the unmasked tail was drawn from
+
+
+def test_the_lists_sampler_refuses_bad_inputs():
+    ext = _cpu_sampler()
+    logits = torch.randn(2, 40)
+    good = dict(temperatures=[0.7, 1.0], top_ks=[-1, 5], top_ps=[0.9, 1.0], min_ps=[0.0, 0.1], uniforms=[0.2, 0.8])
+
+    def call(bitmask=None, masked=(), **changes):
+        args = dict(good, **changes)
+        return ext.sample_rows_lists(logits, args["temperatures"], args["top_ks"], args["top_ps"], args["min_ps"],
+                                     args["uniforms"], bitmask, list(masked))
+
+    assert len(call()) == 2
+    with pytest.raises(RuntimeError, match="one parameter a row"):
+        call(uniforms=[0.2])
+    with pytest.raises(RuntimeError, match="bitmask must be a CPU int32"):
+        call(torch.zeros(2, 2, dtype=torch.int64), [True, False])
+    with pytest.raises(RuntimeError, match="bitmask must be a CPU int32"):
+        call(torch.zeros(3, 2, dtype=torch.int32), [True, False, True])
+    with pytest.raises(RuntimeError, match="one masked flag a row"):
+        call(torch.zeros(2, 2, dtype=torch.int32), [True])
+    with pytest.raises(RuntimeError, match="logits must be a CPU float32"):
+        ext.sample_rows_lists(logits.double(), *good.values(), None, [])

@@ -115,11 +115,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, uniforms: torch.Tensor | N
     same inverse-CDF rule over the kept tokens in id order, its weights from its own exp, so a token at the edge
     of two tokens' shares may differ from the reference's; tested against the reference's distribution); on
     other devices the torch reference (a partial selection and a cumulative sum a step)."""
-    ext = cpu_ops.extension()
-    if (st.all_greedy or uniforms is None or ext is None or logits.device.type != "cpu"
-            or logits.dtype != torch.float32):
+    if st.all_greedy or uniforms is None or not cpu_sampler_serves(logits):
         return sample_reference(logits, st, uniforms)
-    return ext.sample_rows(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))
+    return cpu_ops.extension().sample_rows(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))
 
 
 def sample_lists(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
@@ -129,14 +127,15 @@ def sample_lists(logits: torch.Tensor, temperatures: list[float], top_ks: list[i
     with ``grammar`` (bitmask [R, W] int32, masked flags), the flagged rows read through their token bitmask
     as if xgrammar had written -inf over the forbidden columns (the logits are left as they are). One C++ pass
     a row; None where the C++ ops do not serve these logits (not built, not a CPU float32 tensor)."""
-    if not lists_sampler_serves(logits):
+    if not cpu_sampler_serves(logits):
         return None
     bitmask, masked = grammar if grammar is not None else (None, [])
     return cpu_ops.extension().sample_rows_lists(logits, temperatures, top_ks, top_ps, min_ps, uniforms, bitmask,
                                                  masked)
 
 
-def lists_sampler_serves(logits: torch.Tensor) -> bool:
-    """Whether ``sample_lists`` draws from these logits (a caller may draw its coins only then)."""
+def cpu_sampler_serves(logits: torch.Tensor) -> bool:
+    """Whether the C++ draws (``sample``'s, ``sample_lists``, the verifier's tree walk) serve these logits: the
+    extension built, CPU float32 logits (a caller may draw its coins only then)."""
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.extension() is not None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.sampling import SamplingTensors
+from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves
 from specjet.kernels.tree_info import TreeInfo
 
 
@@ -178,11 +178,10 @@ def verify_trees_sampling_cpu(logits: torch.Tensor, offsets: list[int], tokens: 
     with each node's weights from the C++ exp (so a coin at the edge of two outcomes may fall the other way;
     tested against the reference's outcomes). Returns (path, bonus) per request, or None where the C++ ops do not
     serve these logits (not built, not a CPU float32 tensor)."""
-    ext = cpu_ops.extension()
-    if ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+    if not cpu_sampler_serves(logits):
         return None
     sizes = [len(t) for t in tokens]
-    path, lens, bonus = ext.verify_tree_sample(
+    path, lens, bonus = cpu_ops.extension().verify_tree_sample(
         logits, torch.tensor(offsets, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64),
         torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64),
         torch.tensor([p for ps in parents for p in ps], dtype=torch.int64),

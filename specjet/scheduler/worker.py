@@ -23,7 +23,7 @@ import torch
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
-from specjet.kernels.sampling import SamplingTensors, lists_sampler_serves, sample, sample_lists
+from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample, sample_lists
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind
@@ -254,7 +254,7 @@ class ModelWorker:
     def _draw_on_host(inputs: list[ReqInput], logits: torch.Tensor, grammar) -> list[int] | None:
         """``_sample_tokens``' tokens (the same coins drawn from the same generators) through
         ``sample_lists``, or None (drawing nothing) where it does not serve these logits."""
-        if not lists_sampler_serves(logits):
+        if not cpu_sampler_serves(logits):
             return None
         return sample_lists(logits, *sampling_lists([inp.sampling for inp in inputs]), _coins(inputs), grammar)
 

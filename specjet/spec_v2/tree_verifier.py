@@ -14,7 +14,7 @@ import torch
 from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
-from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample, sampling_rows
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sampling_rows
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling, verify_trees_sampling_cpu
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
@@ -113,10 +113,8 @@ class TreeVerifier:
                        sampling: SamplingTensors, device) -> list[tuple[list[int], int]]:
         """Each request's accepted path and bonus token by lossless rejection sampling (greedy
         requests of a mixed batch walk their argmax), where the probabilities are. On the CPU the sampled
-        requests' trees are walked in C++, a node's row filtered only when the path reaches it. Elsewhere a
-        sampled request whose tree is its root alone (no draft this iteration) draws as plain decoding does:
-        an empty tree's bonus is the inverse-CDF draw over the root's filtered distribution by the request's
-        first coin, which is ``sample``'s rule; the other trees get every node's filtered distribution."""
+        requests' trees are walked in C++, a node's row filtered only when the path reaches it (a root-only
+        tree's bonus is then plain sampling's draw); elsewhere every node's filtered distribution is built."""
         paths: list[tuple[list[int], int] | None] = [None] * len(reqs)
         on = sampling.temperatures.device
         sampled = [i for i, r in enumerate(reqs) if r.uniforms is not None]
@@ -125,13 +123,6 @@ class TreeVerifier:
             [reqs[i].uniforms for i in sampled], sampling_rows(sampling, torch.tensor(sampled, device=on)))
         for i, path in zip(sampled, walked or []):
             paths[i] = path
-        roots = [i for i, (r, n) in enumerate(zip(reqs, sizes)) if n == 1 and r.uniforms is not None and not walked]
-        if roots:
-            coins = torch.stack([reqs[i].uniforms[0] for i in roots]).to(device)
-            alone = sampling_rows(sampling, torch.tensor(roots, device=on))
-            drawn = sample(logits[[offsets[i] for i in roots]], alone, coins).tolist()
-            for i, token in zip(roots, drawn):
-                paths[i] = ([0], token)
         rest = [i for i in range(len(reqs)) if paths[i] is None]
         if not rest:
             return paths
