@@ -55,7 +55,7 @@ from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.quantize import quantize_linears
 from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
-                                  native_layer_stack, run_layers, set_native_ops)
+                                  native_layer_stack, run_layers_deferred, set_native_ops)
 
 FORMAT = "specjet-dflash"
 FORMAT_VERSION = 1
@@ -318,9 +318,12 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         # As the target's forward: the layers as one C++ call where they run native (else forward, not
         # __call__: nn.Module's call machinery shows on a few small ops), and the C++ norm.
-        x = run_layers(self.layers, self.layer_stack, x, cos, sin, batch, kv_cache)
+        x, pending = run_layers_deferred(self.layers, self.layer_stack, x, cos, sin, batch, kv_cache)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
+            pending = None if pending is None else pending[batch.logits_indices]
+        if pending is not None:  # the last layer's add inside the norm (one kernel on CUDA)
+            return self.logits(self.norm.add_and_normalize(x, pending)[1])
         return self.logits(self.norm.normalize(x, self.layers[0].native_ops))
 
     # ---------------------------------------------------------------- training (whole sequences)

@@ -266,13 +266,27 @@ def native_layer_stack(layers):
 def run_layers(layers, stack, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
     """x through ``layers``: as one C++ call where ``stack`` (``native_layer_stack``) runs this batch,
     else layer by layer (same kernels, same bits)."""
+    x, pending = run_layers_deferred(layers, stack, x, cos, sin, batch, kv_cache)
+    return x if pending is None else x + pending
+
+
+def run_layers_deferred(layers, stack, x, cos, sin, batch: ForwardBatch,
+                        kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``run_layers`` with the last layer's MLP output not yet added: (x, pending), the output ``x +
+    pending`` (pending None where the layers ran native), so a final norm can take the add
+    (``RMSNorm.add_and_normalize``: one kernel on CUDA)."""
     if stack is not None and layers[0].self_attn.batch_invariant:
         stacked = run_layer_stack(stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k, kv_cache.v, [])
         if stacked is not None:
-            return stacked[0]
+            return stacked[0], None
+    pending = None
     for layer in layers:
-        x = layer.forward(x, cos, sin, batch, kv_cache)
-    return x
+        if layer.native_ops:
+            x = layer.forward_native(x if pending is None else x + pending, cos, sin, batch, kv_cache)
+            pending = None
+        else:
+            x, pending = layer.forward_deferred(x, pending, cos, sin, batch, kv_cache)
+    return x, pending
 
 
 class LlamaForCausalLM(nn.Module):
@@ -304,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
         features = sorted(i for i in set(feature_layers) if 0 <= i < len(self.layers))
         captured = sorted(i for i in set(capture) if 0 <= i < len(self.layers)) if layer_hidden is not None else []
         wanted = sorted({*features, *captured})
-        stacked = None
+        stacked, pending = None, None  # pending: the last layer's MLP output, added by the next norm
         if self.layer_stack is not None and self.layers[0].self_attn.batch_invariant:
             stacked = run_layer_stack(self.layer_stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k,
                                       kv_cache.v, wanted)
@@ -313,15 +327,13 @@ class LlamaForCausalLM(nn.Module):
             outputs = dict(zip(wanted, taken))
         else:
             outputs = {}
-            pending = None  # the last layer's MLP output, added by the next layer's input norm
-            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 # Methods, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1.
                 if layer.native_ops:
                     x = layer.forward_native(x, cos, sin, batch, kv_cache)
                 else:
                     x, pending = layer.forward_deferred(x, pending, cos, sin, batch, kv_cache)
-                    if i in wanted or i == last:
+                    if i in wanted:
                         x, pending = x + pending, None
                 if i in wanted:
                     outputs[i] = x
@@ -331,10 +343,11 @@ class LlamaForCausalLM(nn.Module):
         norm = self._final_norm
         if batch.logits_indices is not None and not every_row:
             x = x[batch.logits_indices]  # only the rows that need logits go through the head
-            hidden = norm(x)
+            pending = None if pending is None else pending[batch.logits_indices]
+            hidden = norm(x, pending)
             logits_in = hidden
         else:
-            hidden = norm(x)
+            hidden = norm(x, pending)
             logits_in = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         if batch.defer_logits and not every_row and layer_hidden is None:
             return ModelOutput(logits=None, hidden=logits_in)  # the caller runs the head (head_logits)
@@ -353,7 +366,10 @@ class LlamaForCausalLM(nn.Module):
             logits = masked_head(x, *mask)  # the allowed columns of sparse rows alone
         return logits if logits is not None else self.lm_head(x).float()
 
-    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+    def _final_norm(self, x: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm of ``x + pending`` (``pending``: the last layer's MLP output, not yet added)."""
+        if pending is not None:
+            return self.norm.add_and_normalize(x, pending)[1]
         native = self._native_norm  # looked up once (use_native_ops): submodule lookups cost a decode step
         return cpu_ops.rms_norm(x.contiguous(), *native) if native is not None else self.norm(x)
 
