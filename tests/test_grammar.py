@@ -240,6 +240,24 @@ def test_accept_tokens_counts_until_first_rejection(backend, tokenizer):
     assert grammar.find_jump_forward_string() == ""
 
 
+def test_no_token_is_offered_after_the_grammars_end(backend, tokenizer, capfd):
+    """Drafts and masks of paths through the stop token offer tokens past the grammar's end: refused
+    here, without reaching xgrammar (which logs a warning for each), and the state stays as it was."""
+    grammar = RequestGrammar(backend.compile("regex", r"(yes|no)").result())
+    stop = grammar.compiled.tokenizer_info.stop_token_ids[0]
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    ids = tokenizer.encode("yes", add_special_tokens=False)
+    capfd.readouterr()
+    assert grammar.accept_tokens(ids + [stop, newline, stop]) == len(ids) + 1
+    assert grammar.is_terminated()
+    assert not grammar.accept_token(newline) and not grammar.accept_token(stop)
+    assert grammar.accept_tokens([newline]) == 0
+    assert "trying to accept new token" not in capfd.readouterr().err
+    grammar.rollback(1)  # the stop token: open again, and its end still reachable
+    assert not grammar.is_terminated()
+    assert grammar.accept_token(stop) and grammar.is_terminated()
+
+
 def test_rollback_restores_the_state(backend, closing_bias, dev_schemas):
     schema = next(e["schema"] for e in dev_schemas if e["file"] == "agent_05.json")
     compiled = backend.compile("json_schema", schema).result()

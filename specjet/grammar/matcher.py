@@ -34,14 +34,17 @@ class RequestGrammar:
         return self._matcher.fill_next_token_bitmask(bitmask, index)
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one token; False (state unchanged) if the grammar forbids it."""
-        return self._matcher.accept_token(token_id)
+        """Advance by one token; False (state unchanged) if the grammar forbids it, or has ended (xgrammar
+        would log a warning for every token offered after the stop token: drafts run past it routinely)."""
+        matcher = self._matcher
+        return not matcher.is_terminated() and matcher.accept_token(token_id)
 
     def accept_tokens(self, token_ids: Iterable[int]) -> int:
-        """Advance token by token; return how many were accepted before the first rejection."""
-        accepted = 0
+        """Advance token by token; return how many were accepted before the first rejection (a token after
+        the grammar's end is one)."""
+        matcher, accepted = self._matcher, 0
         for token_id in token_ids:
-            if not self._matcher.accept_token(int(token_id)):
+            if matcher.is_terminated() or not matcher.accept_token(int(token_id)):
                 break
             accepted += 1
         return accepted
