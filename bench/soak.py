@@ -1,9 +1,9 @@
 """A soak test: one Engine, many callers, valid and invalid requests, aborts and cancellations.
 
     python -m bench.soak --minutes N [--threads 12] [--async-tasks 12] [--seed 0] [--call-timeout 120]
-                         [--speculative-algorithm {none,NGRAM,EAGLE} ...] [engine flags] [--result-file F]
+                         [--speculative-algorithm {none,NGRAM,EAGLE,DFLASH} ...] [engine flags] [--result-file F]
 
-For N minutes (per configuration: ``--speculative-algorithm none NGRAM EAGLE`` runs three soaks, one
+For N minutes (per configuration: ``--speculative-algorithm none NGRAM EAGLE DFLASH`` runs four soaks, one
 engine each), ``--threads`` threads and ``--async-tasks`` anyio tasks (one event loop on a thread of
 its own) each send one random call after another to the same Engine:
 
@@ -742,7 +742,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_engine_args(parser)
     for action in parser._actions:  # one soak per algorithm named; "none" is the plain engine
         if action.dest == "speculative_algorithm":
-            action.choices, action.nargs, action.default = ["none", "NGRAM", "EAGLE"], "+", ["none"]
+            action.choices, action.nargs, action.default = ["none", "NGRAM", "EAGLE", "DFLASH"], "+", ["none"]
             action.help = "one soak per value, each --minutes long (default: none)"
     args = parser.parse_args(argv)
     if not args.minutes > 0:
