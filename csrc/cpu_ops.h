@@ -50,8 +50,6 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked);
 
 // sampling.cpp
-torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures, const torch::Tensor& top_ks,
-                          const torch::Tensor& top_ps, const torch::Tensor& min_ps, const torch::Tensor& uniforms);
 std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,
                                        const std::vector<int64_t>& top_ks, const std::vector<double>& top_ps,
                                        const std::vector<double>& min_ps, const std::vector<double>& uniforms,

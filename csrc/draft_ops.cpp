@@ -9,6 +9,7 @@
 // pass, instead of writing -inf over the forbidden logits and reading the whole row again.
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "token_bitmask.h"
 
 #include <algorithm>
 #include <cmath>
@@ -114,12 +115,12 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c
     const int64_t* column = nullptr;  // their columns (nullptr: value i is column i)
     int64_t n = cols;
     if (masked) {
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + r * words_per_row;
+      const uint32_t* words = bitmask_row(mask.data_ptr<int32_t>(), r, words_per_row);
       kept.clear();
       kept_col.clear();
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t t = token ? token[c] : c;
-        if (t >= 0 && t < vocab && ((words[t >> 5] >> (t & 31)) & 1u)) {
+        if (t >= 0 && t < vocab && token_allowed(words, t)) {
           kept.push_back(row[c]);
           kept_col.push_back(c);
         }
@@ -181,10 +182,10 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
   constexpr int64_t kSparse = 1024;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x.data_ptr<float>() + r * cols;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + r * words_per_row;
+    const uint32_t* words = bitmask_row(mask.data_ptr<int32_t>(), r, words_per_row);
     const bool use_mask = flags.data_ptr<bool>()[r];
     auto value = [&](int64_t c) {
-      return (!use_mask || c >= covered || ((words[c >> 5] >> (c & 31)) & 1u)) ? row[c] : minus_inf;
+      return (!use_mask || c >= covered || token_allowed(words, c)) ? row[c] : minus_inf;
     };
     // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins). A column the
     // mask forbids is -inf, which neither beats a value nor is a NaN.

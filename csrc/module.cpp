@@ -26,12 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "per row: the k best columns the row's token bitmask allows (all without one), log-probs over them");
   module.def("masked_argmax", &masked_argmax,
              "per row: torch.argmax of the row with the columns its token bitmask forbids at -inf (masked rows only)");
-  module.def("sample_rows", &sample_rows,
-             "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
-             "or the argmax where T <= 0");
   module.def("sample_rows_lists", &sample_rows_lists,
-             "sample_rows with its parameters as host lists (no tensors to build a step), and the rows flagged in "
-             "masked read through their token bitmask (forbidden columns at -inf)");
+             "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
+             "or the argmax where T <= 0; the parameters as host lists (no tensors to build a step), the rows "
+             "flagged in masked read through their token bitmask (forbidden columns at -inf)");
   module.def("verify_tree_sample", &verify_tree_sample,
              "per sampled request: its draft tree's accepted path (-1 padded), the path's length and the bonus token, "
              "by lossless rejection sampling against softmax(logits / T) under top-k, top-p and min-p");

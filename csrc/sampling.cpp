@@ -1,4 +1,4 @@
-// sample_rows: the next token of each row of a plain decode step's logits, drawn from softmax(logits / T)
+// sample_rows_lists: the next token of each row of a plain decode step's logits, drawn from softmax(logits / T)
 // under top-k, top-p and min-p by the row's own uniform number (the inverse-CDF draw over the kept tokens in
 // token-id order that kernels/sampling.py's reference makes), or the argmax where T <= 0. The torch form
 // runs a dozen ops over the whole vocabulary a step (softmax, a partial selection, scatters, two cumulative
@@ -10,6 +10,7 @@
 // row first, a dozen ops each).
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "token_bitmask.h"
 
 #include <ATen/Parallel.h>
 
@@ -315,20 +316,20 @@ std::pair<int64_t, int64_t> walk_tree(const float* logits, int64_t vocab, const 
   }
 }
 
-// ``row`` with the columns its token bitmask forbids at -inf, into ``out``: bit c of the row's words allows
-// column c (xgrammar's layout); columns past the mask's 32 * width stay as they are, as xgrammar leaves them.
-void mask_row(const float* row, int64_t n, const int32_t* words, int64_t width, float* out) {
+// ``row`` with the columns its token bitmask ``words`` (token_bitmask.h) forbids at -inf, into ``out``; columns
+// past the mask's 32 * width stay as they are, as xgrammar leaves them. A word at a time: all-forbidden and
+// all-allowed words (most of a grammar's row) as fills and copies.
+void mask_row(const float* row, int64_t n, const uint32_t* words, int64_t width, float* out) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
   const int64_t covered = std::min(n, 32 * width);
   for (int64_t w = 0; w * 32 < covered; ++w) {
-    const uint32_t bits = static_cast<uint32_t>(words[w]);
     const int64_t start = 32 * w, stop = std::min(covered, start + 32);
-    if (bits == 0u) {
+    if (words[w] == 0u) {
       std::fill(out + start, out + stop, minus_inf);
-    } else if (bits == ~0u) {
+    } else if (words[w] == ~0u) {
       std::copy(row + start, row + stop, out + start);
     } else {
-      for (int64_t c = start; c < stop; ++c) out[c] = (bits >> (c - start)) & 1u ? row[c] : minus_inf;
+      for (int64_t c = start; c < stop; ++c) out[c] = token_allowed(words, c) ? row[c] : minus_inf;
     }
   }
   std::copy(row + covered, row + n, out + covered);
@@ -348,7 +349,7 @@ void draw_rows(const torch::Tensor& x, const std::function<RowParams(int64_t)>& 
       const float* row = x.data_ptr<float>() + r * cols;
       if (words != nullptr && masked[r]) {
         copy.resize(cols);
-        mask_row(row, cols, words + r * width, width, copy.data());
+        mask_row(row, cols, bitmask_row(words, r, width), width, copy.data());
         row = copy.data();
       }
       const RowParams p = params(r);
@@ -361,31 +362,6 @@ void draw_rows(const torch::Tensor& x, const std::function<RowParams(int64_t)>& 
 }  // namespace
 
 namespace specjet_cpu {
-
-torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures, const torch::Tensor& top_ks,
-                          const torch::Tensor& top_ps, const torch::Tensor& min_ps, const torch::Tensor& uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
-              "sample_rows: logits must be a CPU float32 [R, V] tensor");
-  const int64_t rows = logits.size(0), cols = logits.size(1);
-  TORCH_CHECK(cols > 0, "sample_rows: logits need at least one column");
-  auto check = [&](const torch::Tensor& t, torch::ScalarType type, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type && t.device().is_cpu(),
-                "sample_rows: ", name, " must be a CPU [R] tensor of ", c10::toString(type));
-  };
-  check(temperatures, torch::kFloat32, "temperatures");
-  check(top_ks, torch::kInt64, "top_ks");
-  check(top_ps, torch::kFloat32, "top_ps");
-  check(min_ps, torch::kFloat32, "min_ps");
-  check(uniforms, torch::kFloat32, "uniforms");
-  const torch::Tensor x = logits.contiguous(), t = temperatures.contiguous(), k = top_ks.contiguous(),
-                      tp = top_ps.contiguous(), mp = min_ps.contiguous(), u = uniforms.contiguous();
-  torch::Tensor out = torch::empty({rows}, torch::kInt64);
-  draw_rows(x, [&](int64_t r) {
-    return RowParams{t.data_ptr<float>()[r], tp.data_ptr<float>()[r], mp.data_ptr<float>()[r], u.data_ptr<float>()[r],
-                     k.data_ptr<int64_t>()[r]};
-  }, nullptr, 0, {}, out.data_ptr<int64_t>());
-  return out;
-}
 
 std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,
                                        const std::vector<int64_t>& top_ks, const std::vector<double>& top_ps,

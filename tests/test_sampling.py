@@ -156,19 +156,6 @@ def test_cpu_sampler_rows_are_independent_and_greedy_rows_take_the_argmax():
         assert sample(logits[r:r + 1], alone, uniforms[r:r + 1]).item() == together[r].item()
 
 
-def test_cpu_sampler_refuses_bad_inputs():
-    ext = _cpu_sampler()
-    good = SamplingTensors.from_lists([1.0, 1.0], [0, 0], [1.0, 1.0], [0.0, 0.0])
-    logits, uniforms = torch.randn(2, 10), torch.rand(2)
-    args = [good.temperatures, good.top_ks, good.top_ps, good.min_ps, uniforms]
-    with pytest.raises(RuntimeError, match="logits"):
-        ext.sample_rows(logits.double(), *args)
-    with pytest.raises(RuntimeError, match="uniforms"):
-        ext.sample_rows(logits, *args[:4], torch.rand(3))
-    with pytest.raises(RuntimeError, match="top_ks"):
-        ext.sample_rows(logits, args[0], good.top_ks.int(), *args[2:])
-
-
 @pytest.mark.filterwarnings("ignore:The bitmask covers only")  # xgrammar's note on the unmasked tail: on purpose here
 def test_the_lists_sampler_reads_the_grammar_mask_as_xgrammar_writes_it():
     """``sample_lists`` (parameters as host lists, the mask read as it goes) against xgrammar's mask written into

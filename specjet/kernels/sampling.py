@@ -117,7 +117,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, uniforms: torch.Tensor | N
     other devices the torch reference (a partial selection and a cumulative sum a step)."""
     if st.all_greedy or uniforms is None or not cpu_sampler_serves(logits):
         return sample_reference(logits, st, uniforms)
-    return cpu_ops.extension().sample_rows(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))
+    lists = [t.tolist() for t in (st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))]
+    return torch.tensor(sample_lists(logits, *lists), dtype=torch.int64)
 
 
 def sample_lists(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
