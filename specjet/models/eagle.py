@@ -185,10 +185,10 @@ class EagleDraftModel(nn.Module):
         if not self.feature_layers:
             return features
         h = self.config.hidden_size
-        chunks = features.split(h, dim=-1)
-        parts = [norm(c) for norm, c in zip(self.feature_norms, chunks)] + [chunks[-1]]
-        fused = torch.cat(parts, dim=-1)
-        return self.fuse.project(fused.reshape(-1, fused.shape[-1])).reshape(*features.shape[:-1], h)
+        chunks = features.reshape(-1, features.shape[-1]).split(h, dim=-1)
+        native = self.layer.native_ops  # the C++ norm where the head's layer runs on the C++ ops (decode)
+        parts = [norm.normalize(c, native) for norm, c in zip(self.feature_norms, chunks)] + [chunks[-1]]
+        return self.fuse.project(torch.cat(parts, dim=-1)).reshape(*features.shape[:-1], h)
 
     @property
     def draft_vocab_size(self) -> int:
