@@ -54,6 +54,7 @@ std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::v
                                        const std::vector<int64_t>& top_ks, const std::vector<double>& top_ps,
                                        const std::vector<double>& min_ps, const std::vector<double>& uniforms,
                                        const c10::optional<torch::Tensor>& bitmask, const std::vector<bool>& masked);
+void apply_token_bitmask_rows(torch::Tensor& logits, const torch::Tensor& bitmask, const std::vector<int64_t>& rows);
 std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const torch::Tensor& offsets,
                                               const torch::Tensor& sizes, const torch::Tensor& tokens,
                                               const torch::Tensor& parents, const torch::Tensor& uniforms,

@@ -30,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
              "or the argmax where T <= 0; the parameters as host lists (no tensors to build a step), the rows "
              "flagged in masked read through their token bitmask (forbidden columns at -inf)");
+  module.def("apply_token_bitmask_rows", &apply_token_bitmask_rows,
+             "xgrammar's apply_token_bitmask_inplace for CPU float32 logits and the given rows: the columns a row's "
+             "bitmask forbids at -inf, in place (a word of the mask at a time)");
   module.def("verify_tree_sample", &verify_tree_sample,
              "per sampled request: its draft tree's accepted path (-1 padded), the path's length and the bonus token, "
              "by lossless rejection sampling against softmax(logits / T) under top-k, top-p and min-p");

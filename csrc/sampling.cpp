@@ -316,9 +316,9 @@ std::pair<int64_t, int64_t> walk_tree(const float* logits, int64_t vocab, const 
   }
 }
 
-// ``row`` with the columns its token bitmask ``words`` (token_bitmask.h) forbids at -inf, into ``out``; columns
-// past the mask's 32 * width stay as they are, as xgrammar leaves them. A word at a time: all-forbidden and
-// all-allowed words (most of a grammar's row) as fills and copies.
+// ``row`` with the columns its token bitmask ``words`` (token_bitmask.h) forbids at -inf, into ``out`` (which may
+// be ``row`` itself); columns past the mask's 32 * width stay as they are, as xgrammar leaves them. A word at a
+// time: all-forbidden and all-allowed words (most of a grammar's row) as fills and copies.
 void mask_row(const float* row, int64_t n, const uint32_t* words, int64_t width, float* out) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
   const int64_t covered = std::min(n, 32 * width);
@@ -327,12 +327,12 @@ void mask_row(const float* row, int64_t n, const uint32_t* words, int64_t width,
     if (words[w] == 0u) {
       std::fill(out + start, out + stop, minus_inf);
     } else if (words[w] == ~0u) {
-      std::copy(row + start, row + stop, out + start);
+      if (out != row) std::copy(row + start, row + stop, out + start);
     } else {
       for (int64_t c = start; c < stop; ++c) out[c] = token_allowed(words, c) ? row[c] : minus_inf;
     }
   }
-  std::copy(row + covered, row + n, out + covered);
+  if (out != row) std::copy(row + covered, row + n, out + covered);
 }
 
 // Each row's token of x [R, V] (contiguous float32): drawn from its filtered distribution where its temperature
@@ -388,6 +388,26 @@ std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::v
                      static_cast<float>(uniforms[r]), top_ks[r]};
   }, width > 0 ? words.data_ptr<int32_t>() : nullptr, width, masked, ids.data());
   return ids;
+}
+
+void apply_token_bitmask_rows(torch::Tensor& logits, const torch::Tensor& bitmask, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu() &&
+                  logits.is_contiguous(),
+              "apply_token_bitmask_rows: logits must be a contiguous CPU float32 [B, V] tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.device().is_cpu(),
+              "apply_token_bitmask_rows: the bitmask must be a CPU int32 [B, W] tensor");
+  for (const int64_t r : rows)
+    TORCH_CHECK(r >= 0 && r < logits.size(0) && r < bitmask.size(0), "apply_token_bitmask_rows: row ", r,
+                " is out of range");
+  const torch::Tensor words = bitmask.contiguous();
+  const int64_t cols = logits.size(1), width = words.size(1);
+  float* x = logits.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = x + rows[i] * cols;
+      mask_row(row, cols, bitmask_row(words.data_ptr<int32_t>(), rows[i], width), width, row);
+    }
+  });
 }
 
 std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const torch::Tensor& offsets,

@@ -13,6 +13,7 @@ import threading
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 
 from specjet.grammar import (
     GrammarBackend,
@@ -340,6 +341,40 @@ def test_apply_bitmask_leaves_unconstrained_rows_untouched(backend, tokenizer):
     logits = original.clone()
     apply_token_bitmask_(logits, bitmask, indices=[])
     assert torch.equal(logits, original)
+
+
+@pytest.mark.filterwarnings("ignore:The bitmask covers only")  # xgrammar's note on the unmasked tail: on purpose here
+def test_the_cpu_mask_writes_what_xgrammars_kernel_writes(monkeypatch):
+    """``apply_token_bitmask_`` through the C++ op (a word of the mask at a time) against xgrammar's own CPU kernel
+    on the same logits: every kind of word (all forbidden, all allowed, mixed), chosen rows, repeated indices,
+    masks narrower than the logits (the tail left alone), NaN and inf logits; bad inputs refused."""
+    from specjet.kernels import cpu_ops
+
+    ext = cpu_ops.extension()
+    if ext is None:
+        pytest.skip("the C++ extension is not built")
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 12, 1000
+    for width in (32, 30):  # 30 words cover 960 columns: the last 40 stay as they are
+        logits = torch.randn(rows, vocab, generator=gen)
+        logits[3, 7], logits[4, 100], logits[5, 2] = float("nan"), float("inf"), float("-inf")
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, width), generator=gen, dtype=torch.int64).to(torch.int32)
+        bitmask[0] = 0
+        bitmask[1] = -1
+        bitmask[2, ::2] = 0
+        bitmask[2, 1::2] = -1
+        for indices in (None, [1, 2, 6, 11], [4, 4, 0], []):
+            ours, theirs = logits.clone(), logits.clone()
+            apply_token_bitmask_(ours, bitmask, indices=indices)
+            xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=indices, backend="cpu")
+            assert torch.equal(ours.isnan(), theirs.isnan())
+            assert torch.equal(ours.nan_to_num(0.0), theirs.nan_to_num(0.0)), (width, indices)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.apply_token_bitmask_rows(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32), [2])
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.apply_token_bitmask_rows(torch.zeros(2, 64, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int32), [0])
+    with pytest.raises(RuntimeError, match="int32"):
+        ext.apply_token_bitmask_rows(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int64), [0])
 
 
 def test_cache_evicts_least_recently_used_beyond_its_limit(tokenizer):

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from specjet.kernels import cpu_ops
+
 
 class RequestGrammar:
     """One request's position in its grammar: which tokens may come next, and the tokens taken.
@@ -152,4 +154,12 @@ def apply_token_bitmask_(
         indices = list(indices)
         if not indices:
             return
+    ext = cpu_ops.extension()
+    if (ext is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and bitmask.device.type == "cpu"):
+        # xgrammar's CPU kernel's result (the columns past 32 W left alone) a word of the mask at a time: that
+        # kernel tests every bit, which a sampled constrained verify paid on every node's row.
+        rows = range(logits.shape[0]) if indices is None else sorted(set(indices))
+        ext.apply_token_bitmask_rows(logits, bitmask, [int(r) for r in rows])
+        return
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=indices)
