@@ -7,7 +7,7 @@ For N minutes (per configuration: ``--speculative-algorithm none NGRAM EAGLE DFL
 engine each), ``--threads`` threads and ``--async-tasks`` anyio tasks (one event loop on a thread of
 its own) each send one random call after another to the same Engine:
 
-- valid requests: greedy and seeded sampled text, ``json_schema`` (the JSON-schema dev set, as a dict
+- valid requests: greedy and seeded sampled text (some with penalties), ``json_schema`` (the JSON-schema dev set, as a dict
   or as text), ``regex``, ``ebnf``, stop strings, ``stop_token_ids``, ``input_ids``, lists of prompts,
   a long prompt, ``max_new_tokens`` 0 to 96 (mostly under 25), streamed (sync and async iterators) or not;
   with a context of at most 2048 (``--context-length``), prompts that end a few tokens short of it;
@@ -163,6 +163,9 @@ class Workload:
                   "top_k": rng.choice([-1, 20, 50]), "min_p": rng.choice([0.0, 0.05])}
         if rng.random() < 0.8:
             params["seed"] = rng.randrange(2**32)
+        if rng.random() < 0.25:  # penalised rows take the worker's and the verifier's penalty paths
+            params.update(frequency_penalty=rng.choice([0.0, 0.5, -0.3]), presence_penalty=rng.choice([0.0, 0.4]),
+                          repetition_penalty=rng.choice([1.0, 1.2, 0.9]))
         return params
 
     def valid_params(self, rng, kind: str | None = None) -> tuple[str, dict, str | None]:

@@ -294,10 +294,14 @@ def test_default_head_loads_for_the_default_model(default_model_dir):
     from specjet.models.config import ModelConfig
     from specjet.models.weights import default_gguf_path
 
+    try:
+        gguf_name = default_gguf_path().name
+    except FileNotFoundError as err:  # a tokenizer-only model directory (the GPU check's machine has no GGUF)
+        pytest.skip(str(err))
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(default_model_dir))
     head = load_eagle(path, config)
     meta = read_eagle_config(path)
-    assert meta["target"]["gguf"] == default_gguf_path().name
+    assert meta["target"]["gguf"] == gguf_name
     assert head.draft_vocab_size == (meta["hot_vocab_size"] or config.vocab_size)
     assert sum((path / name).stat().st_size for name in ("model.safetensors", "config.json")) < 16 * 2**20
 
