@@ -255,6 +255,8 @@ class Workload:
             ("temperature=1e39", sp(temperature=1e39)),
             ("top_p=0", sp(top_p=0.0, temperature=0.8)), ("top_p=1.5", sp(top_p=1.5)), ("top_p=nan", sp(top_p=float("nan"))),
             ("min_p=-0.1", sp(min_p=-0.1)), ("min_p=2", sp(min_p=2.0)), ("min_p=None", sp(min_p=None)),
+            ("frequency_penalty=3", sp(frequency_penalty=3.0)), ("presence_penalty=nan", sp(presence_penalty=float("nan"))),
+            ("repetition_penalty=0", sp(repetition_penalty=0.0)), ('repetition_penalty="1.2"', sp(repetition_penalty="1.2")),
             ("max_new_tokens=-1", sp(max_new_tokens=-1)), ('max_new_tokens="8"', sp(max_new_tokens="8")),
             ("max_new_tokens=8.0", sp(max_new_tokens=8.0)), ("max_new_tokens=None", sp(max_new_tokens=None)),
             ("stop_token_ids=5", sp(stop_token_ids=5)), ("stop_token_ids=[-1]", sp(stop_token_ids=[-1])),
