@@ -13,9 +13,10 @@ import re
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 
 import specjet
-from specjet.grammar import GrammarBackend, RequestGrammar, allocate_token_bitmask, apply_token_bitmask_
+from specjet.grammar import GrammarBackend, RequestGrammar, allocate_token_bitmask
 from specjet.spec_v2.grammar_guide import ChainWalk, GrammarGuide
 from test_spec_eagle import random_head
 
@@ -288,14 +289,14 @@ def test_page_size_and_tight_budgets(tiny_model_dir, head, plain):
 
 def masked_topk_probs(model, grammar, prompt_ids, prefix, top_k):
     """The target's top-k distribution after prompt + prefix, restricted to what the grammar allows
-    after prefix (HF transformers for the logits, a forked xgrammar matcher for the mask)."""
+    after prefix (HF transformers for the logits, a forked xgrammar matcher and xgrammar's kernel for the mask)."""
     fork = grammar.fork()
     assert fork.accept_tokens(prefix) == len(prefix)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + prefix])).logits[0, -1:].float()
     bitmask = allocate_token_bitmask(1, logits.shape[-1])
     fork.fill_next_token_bitmask(bitmask, 0)
-    apply_token_bitmask_(logits, bitmask)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, backend="cpu")  # xgrammar's own: not the code under test
     vals, idx = logits[0].topk(top_k)
     return dict(zip(idx.tolist(), torch.softmax(vals, -1).tolist()))
 

@@ -318,7 +318,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         # As the target's forward: the layers as one C++ call where they run native (else forward, not
         # __call__: nn.Module's call machinery shows on a few small ops), and the C++ norm.
-        x, pending = run_layers_deferred(self.layers, self.layer_stack, x, cos, sin, batch, kv_cache)
+        x, pending, _ = run_layers_deferred(self.layers, self.layer_stack, x, cos, sin, batch, kv_cache)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
             pending = None if pending is None else pending[batch.logits_indices]

@@ -4,6 +4,8 @@ Built by the scheduler (or a speculative worker) from its requests; the model on
 """
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -100,11 +102,8 @@ class ForwardBatch:
         fewer small ops."""
         attn = host_attention_metadata(req_to_token, rows, q_lens, kv_lens, custom_mask)
         logits_indices = None
-        if last_logits:
-            ends, total = [], 0
-            for n in q_lens:
-                total += n
-                ends.append(total - 1)
+        if last_logits:  # each request's last row
+            ends = [end - 1 for end in itertools.accumulate(q_lens)]
             logits_indices = torch.tensor(ends, dtype=torch.int64).to(input_ids.device, non_blocking=True)
         return cls(mode, input_ids, positions, out_cache_loc, attn, logits_indices, capture_hidden, logits_mask,
                    defer_logits)

@@ -266,27 +266,33 @@ def native_layer_stack(layers):
 def run_layers(layers, stack, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
     """x through ``layers``: as one C++ call where ``stack`` (``native_layer_stack``) runs this batch,
     else layer by layer (same kernels, same bits)."""
-    x, pending = run_layers_deferred(layers, stack, x, cos, sin, batch, kv_cache)
+    x, pending, _ = run_layers_deferred(layers, stack, x, cos, sin, batch, kv_cache)
     return x if pending is None else x + pending
 
 
-def run_layers_deferred(layers, stack, x, cos, sin, batch: ForwardBatch,
-                        kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``run_layers`` with the last layer's MLP output not yet added: (x, pending), the output ``x +
-    pending`` (pending None where the layers ran native), so a final norm can take the add
-    (``RMSNorm.add_and_normalize``: one kernel on CUDA)."""
+def run_layers_deferred(layers, stack, x, cos, sin, batch: ForwardBatch, kv_cache: KVCache,
+                        wanted: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+    """``run_layers`` with the last layer's MLP output not yet added: (x, pending, outputs), the layers' output
+    ``x + pending`` (pending None where the layers ran native), so a final norm can take the add
+    (``RMSNorm.add_and_normalize``: one kernel on CUDA), and ``outputs`` the output of each layer in ``wanted``
+    (increasing indices). On the Python loop each MLP output is added by the next layer's input norm."""
     if stack is not None and layers[0].self_attn.batch_invariant:
-        stacked = run_layer_stack(stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k, kv_cache.v, [])
+        stacked = run_layer_stack(stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k, kv_cache.v,
+                                  list(wanted))
         if stacked is not None:
-            return stacked[0], None
-    pending = None
-    for layer in layers:
-        if layer.native_ops:
-            x = layer.forward_native(x if pending is None else x + pending, cos, sin, batch, kv_cache)
-            pending = None
+            return stacked[0], None, dict(zip(wanted, stacked[1]))
+    pending, outputs = None, {}
+    for i, layer in enumerate(layers):
+        # Methods, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1.
+        if layer.native_ops:  # every layer of a model, or none (set_native_ops): nothing pending here
+            x = layer.forward_native(x, cos, sin, batch, kv_cache)
         else:
             x, pending = layer.forward_deferred(x, pending, cos, sin, batch, kv_cache)
-    return x, pending
+            if i in wanted:
+                x, pending = x + pending, None
+        if i in wanted:
+            outputs[i] = x
+    return x, pending, outputs
 
 
 class LlamaForCausalLM(nn.Module):
@@ -318,25 +324,7 @@ class LlamaForCausalLM(nn.Module):
         features = sorted(i for i in set(feature_layers) if 0 <= i < len(self.layers))
         captured = sorted(i for i in set(capture) if 0 <= i < len(self.layers)) if layer_hidden is not None else []
         wanted = sorted({*features, *captured})
-        stacked, pending = None, None  # pending: the last layer's MLP output, added by the next norm
-        if self.layer_stack is not None and self.layers[0].self_attn.batch_invariant:
-            stacked = run_layer_stack(self.layer_stack, x, cos, sin, batch.attn, batch.out_cache_loc, kv_cache.k,
-                                      kv_cache.v, wanted)
-        if stacked is not None:
-            x, taken = stacked
-            outputs = dict(zip(wanted, taken))
-        else:
-            outputs = {}
-            for i, layer in enumerate(self.layers):
-                # Methods, not __call__: nn.Module's call machinery costs ~10 us a layer at batch 1.
-                if layer.native_ops:
-                    x = layer.forward_native(x, cos, sin, batch, kv_cache)
-                else:
-                    x, pending = layer.forward_deferred(x, pending, cos, sin, batch, kv_cache)
-                    if i in wanted:
-                        x, pending = x + pending, None
-                if i in wanted:
-                    outputs[i] = x
+        x, pending, outputs = run_layers_deferred(self.layers, self.layer_stack, x, cos, sin, batch, kv_cache, wanted)
         if layer_hidden is not None:
             layer_hidden.update((i, outputs[i]) for i in captured)
         residuals = [outputs[i] for i in features]

@@ -261,6 +261,9 @@ class ModelWorker:
     def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
         if all(inp.sampling.is_greedy for inp in inputs):  # no sampling tensors to build: one argmax
             return logits.argmax(-1).tolist()
+        drawn = self._draw_on_host(inputs, logits, None)  # on the CPU: no tensors, straight from the lists
+        if drawn is not None:
+            return drawn
         st = sampling_tensors([inp.sampling for inp in inputs], logits.device)
         uniforms = None if st.all_greedy else torch.tensor(_coins(inputs), device=logits.device)
         return sample(logits, st, uniforms).tolist()
