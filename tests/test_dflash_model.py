@@ -66,21 +66,22 @@ def rope(x, positions, theta):
     return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
 
 
-def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, root, root_pos) -> torch.Tensor:
-    """The block [root, mask, ...] at root_pos.. attending to every given context position and to
-    all of itself, written out with plain tensor ops: logits [S - 1, vocab] of positions 1..S-1.
-    A root-context draft adds root_proj of the last given position's context (root_pos - 1) to
-    every block row's input."""
+def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, root, root_pos, known=(), size=None
+                       ) -> torch.Tensor:
+    """The block [root, known..., mask, ...] at root_pos.. attending to every given context position
+    and to all of itself, written out with plain tensor ops: logits [S - 1, vocab] of positions
+    1..S-1. A root-context draft adds root_proj of the last given position's context (root_pos - 1)
+    to every block row's input."""
     cfg = runner.config
     hf = cfg.hf_config
     eps = cfg.rms_norm_eps
     theta = getattr(hf, "rope_theta", None) or (getattr(hf, "rope_parameters", None) or {})["rope_theta"]
     H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     P = {n: p.detach().float() for n, p in draft.named_parameters()}
-    size = draft.shape.block_size
+    size = size or draft.shape.block_size
     c = rms(feats @ P["fc.weight_t"], P["hidden_norm.weight"], eps)
     embed = runner.model.embed_tokens.weight.detach().float()
-    x = torch.stack([embed[root]] + [P["mask_embedding"]] * (size - 1))
+    x = torch.stack([embed[root]] + [embed[t] for t in known] + [P["mask_embedding"]] * (size - 1 - len(known)))
     if draft.shape.root_context:
         assert ctx_positions[-1] == root_pos - 1
         x = x + c[-1] @ P["root_proj.weight_t"]
@@ -215,6 +216,48 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
     borrowed.clear()
     assert torch.equal(short.draft_blocks(reqs[1:], table), results[0]) and borrowed == [BLOCK]
     assert allocator.num_free_slots == free  # every borrowed scratch slot went back
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, packed):
+    """A block holding known tokens after its root (a grammar's forced text, for a draft trained with
+    known prefixes) reads their embeddings where it would read the mask's: in place and in scratch
+    slots, native and torch, alone and beside a block without any, the oracle's logits; the training
+    forward with the same block ids too."""
+    if packed and cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    ids, feats = features
+    draft = random_draft(runner.config, root_context=True)
+    if packed:
+        draft.pack_for_decode()
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    scratch = DFlashDrafter(runner, draft, BLOCK, None, allocator)
+    in_place = DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK)
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    reqs = []
+    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
+        table[row, :n + BLOCK] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
+        for drafter in (scratch, in_place):
+            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
+        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    known = [[], [3, 9]]
+    for drafter in (in_place, scratch):
+        got = drafter.draft_blocks(reqs, table, known)
+        for logits, r, k in zip(got, reqs, known):
+            n = r.committed_len
+            expected = dense_block_logits(draft, runner, feats[:n], torch.arange(n), r.root, n, known=k)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        without = drafter.draft_blocks(reqs, table)
+        assert torch.equal(got[0], without[0]) and not torch.allclose(got[1], without[1])
+    assert torch.equal(in_place.draft_blocks(reqs, table, known), scratch.draft_blocks(reqs, table, known))
+    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True).bind_target(runner.model)
+    anchors = torch.tensor([[4, 17]])
+    block_ids = torch.tensor([[[ids[4], MASK_ID, MASK_ID, MASK_ID, MASK_ID], [ids[17], 3, 9, MASK_ID, MASK_ID]]])
+    with torch.no_grad():
+        logits = trainable.forward_train(torch.tensor([ids]), feats[None], anchors, block_ids=block_ids)
+    for j, (a, k) in enumerate([(4, []), (17, [3, 9])]):
+        expected = dense_block_logits(trainable, runner, feats[:a], torch.arange(a), ids[a], a, known=k)
+        torch.testing.assert_close(logits[0, j], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tmp_path):

@@ -325,9 +325,9 @@ def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(t
         trees.extend((len(reqs), r.guide is not None, len(tokens), free_rows) for r, (tokens, _) in zip(reqs, out))
         return out
 
-    def spy_blocks(self, reqs, req_to_token):
+    def spy_blocks(self, reqs, req_to_token, known=None):
         block_rows.append(sum(r.grammar is None for r in reqs))
-        return real_blocks(self, reqs, req_to_token)
+        return real_blocks(self, reqs, req_to_token, known)
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", spy_blocks)
@@ -362,9 +362,9 @@ def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_d
         chains.append([len(r.chain) for r in reqs])
         return real_propose(self, reqs, share, req_to_token)
 
-    def draft_blocks(self, reqs, req_to_token):
+    def draft_blocks(self, reqs, req_to_token, known=None):
         drafted.append(len(reqs))
-        return real_blocks(self, reqs, req_to_token)
+        return real_blocks(self, reqs, req_to_token, known)
 
     monkeypatch.setattr(DFlashDrafter, "propose", propose)
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
@@ -379,6 +379,45 @@ def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_d
     check_valid(outs, params)
     assert any(n >= 3 for c in chains for n in c)  # the chain filled the block's 3 positions at least once
     assert sum(drafted) == sum(1 for c in chains for n in c if n < 3)
+
+
+def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_dir, plain, tmp_path, monkeypatch):
+    """A draft whose config says it was trained with known prefixes gets each request's forced chain
+    in its block, one without gets masks only; either way the ids stay plain constrained decoding's
+    and every output is valid."""
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    seen = []  # (known tokens handed to the block, the request's forced chain), per drafted block
+    chains = {}
+    real_propose, real_blocks = DFlashDrafter.propose, DFlashDrafter.draft_blocks
+
+    def propose(self, reqs, share, req_to_token):
+        chains.update({r.input.rid: r.chain for r in reqs})
+        return real_propose(self, reqs, share, req_to_token)
+
+    def draft_blocks(self, reqs, req_to_token, known=None):
+        seen.extend(zip(known or [[] for _ in reqs], [chains[r.rid] for r in reqs]))
+        return real_blocks(self, reqs, req_to_token, known)
+
+    monkeypatch.setattr(DFlashDrafter, "propose", propose)
+    monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
+    ref = plain.generate(PROMPTS[:4], MIXED)
+    for known_prefix in (True, False):
+        torch.manual_seed(1)
+        draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 8, 0, True, known_prefix=known_prefix))
+        draft.reset_parameters(std=0.3)
+        path = save_dflash(draft, tmp_path / str(known_prefix), dtype=torch.float32)
+        seen.clear()
+        with dflash_engine(tiny_model_dir, path, speculative_num_draft_tokens=8, page_size=16) as eng:
+            outs = eng.generate(PROMPTS[:4], MIXED)
+            eng.check_kv_invariant()
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+        check_valid(outs, MIXED)
+        assert any(chain for _, chain in seen)  # some drafted blocks follow forced text
+        if known_prefix:
+            assert all(known == chain for known, chain in seen)
+        else:
+            assert not any(known for known, _ in seen)
 
 
 def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path):

@@ -57,6 +57,45 @@ def test_anchors_and_labels():
     assert labels[1, 0].tolist() == [1, 2, 3] and valid[1, 1].tolist() == [True, False, False]
 
 
+def test_known_prefixes_are_drawn_within_the_block_and_not_scored(runner, sequences):
+    """``sample_known`` gives a fraction of the real blocks 1 .. S - 2 known tokens, leaving a scored
+    position inside the sequence; their blocks hold the text's tokens there; the loss ignores a known
+    position's label but not the first mask's; without a rate nothing is drawn."""
+    gen = torch.Generator().manual_seed(0)
+    anchors = torch.tensor([[0, 3, 5, -1]] * 200)
+    lengths = torch.full((200,), 8)
+    assert T.sample_known(anchors, lengths, 0.0, BLOCK, gen) is None
+    state = gen.get_state()
+    known = T.sample_known(anchors, lengths, 0.5, BLOCK, gen)
+    assert not torch.equal(gen.get_state(), state)
+    assert known.shape == anchors.shape and (known[:, 3] == 0).all()  # a padded anchor knows nothing
+    assert 0.35 < float((known[:, :3] > 0).float().mean()) < 0.65  # about half of the real blocks
+    assert known.max() == BLOCK - 2 and (known[:, 2] <= 1).all()  # anchor 5 of 8 tokens: 1 known leaves position 7
+    ids = torch.arange(100, 108)[None]
+    blocks = T.known_block_ids(ids, torch.tensor([[1, 4]]), torch.tensor([[0, 2]]), BLOCK, 99)
+    assert blocks.tolist() == [[[101, 99, 99, 99], [104, 105, 106, 99]]]
+
+    draft = new_draft(runner, seed=4)
+    seq = sequences[0]
+    ids, feats, lengths = T.collate([seq])
+    anchors = torch.tensor([[seq.prompt_len, seq.prompt_len + 5]])
+    known = torch.tensor([[0, 2]])
+    cfg = T.DFlashTrainConfig()
+    source = ids.clone()
+
+    def loss(src):
+        with torch.no_grad():
+            return float(T.batch_loss(draft, ids, feats, lengths, anchors, cfg, src, known)["loss"])
+
+    base = loss(source)
+    known_pos, first_mask = seq.prompt_len + 5 + 2, seq.prompt_len + 5 + 3
+    changed = source.clone()
+    changed[0, known_pos] = (changed[0, known_pos] + 1) % runner.config.vocab_size
+    assert loss(changed) == base  # the block holds that token: not scored
+    changed[0, first_mask] = (changed[0, first_mask] + 1) % runner.config.vocab_size
+    assert loss(changed) != base
+
+
 def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     """labels="target": position t learns what the target's own forward (run here over the
     sequence) ranks first after ids[:t]; on this reference text that often differs from the text."""
@@ -142,6 +181,22 @@ def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
         while n < len(truth) and expected[n] == truth[n]:
             n += 1
         assert int(accepted[a - first]) == n
+    # After a known token: the drafts of the positions after it, the oracle's with that token in the block.
+    drafts, accepted = T.draft_every_position(draft, seq, chunk=5, known=1)
+    assert len(accepted) == len(seq.ids) - 2 - first
+    for a in (first, len(seq.ids) - 3):
+        with torch.no_grad():
+            expected = dense_block_logits(draft, runner, feats[:a], torch.arange(a), int(seq.ids[a]), a,
+                                          known=[int(seq.ids[a + 1])]).argmax(-1)[1:]
+        assert drafts[a - first].tolist() == expected.tolist()
+        truth = seq.ids[a + 2:a + BLOCK].tolist()
+        n = 0
+        while n < len(truth) and expected[n] == truth[n]:
+            n += 1
+        assert int(accepted[a - first]) == n
+    assert set(T.evaluate(draft, sequences[:2], known=2)["all"]["accept_length"]) == {1}
+    with pytest.raises(ValueError, match="no drafted position"):
+        T.evaluate(draft, sequences[:2], known=3)
     report = T.evaluate(draft, sequences[:2])
     assert set(report) == {"gsm8k_human", "all"} and report["all"]["positions"] > 0
     lengths = list(report["all"]["accept_length"].values())
@@ -161,11 +216,13 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
             "--num-target-replies", "2", "--num-human-replies", "4", "--num-eval", "2", "--num-few-shot-replies", "0",
             "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
             "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
-            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300"]
+            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5"]
     main(argv)
     meta = read_dflash_config(out)
     assert (meta["block_size"], meta["num_layers"], meta["target_layers"], meta["hot_vocab_size"]) == (4, 1, [0], 300)
+    assert meta["known_prefix"] is True
     training = meta["training"]
+    assert training["eval_after_known"]["known"] == 2 and set(training["eval_after_known"]["all"]["accept_length"]) == {"1"}
     assert training["steps"] == 4 and training["data"]["train"]["gsm8k_human"]["sequences"] == 4
     assert training["data"]["train"]["gsm8k_target"]["sequences"] == 2
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}

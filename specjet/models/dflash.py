@@ -23,6 +23,12 @@ context K/V, which a small draft trained for an hour on CPU learns slowly. With 
 row's input is its embedding plus ``root_proj(c_{p-1})`` (the context of the last verified
 position, which every window shows), so the state is in each row from the first layer on.
 
+Known prefix (``shape.known_prefix``, specjet's addition). Under a grammar the text right after the
+root is often forced (a JSON key, punctuation): the drafter knows those tokens before it drafts.
+A draft trained with some blocks' first positions filled with their true tokens (the rest masks,
+scored on the masks only) reads them like the root, so its later positions draft the value after
+the key instead of guessing past positions it cannot see.
+
 Because c_t depends on the target alone, each layer's context K/V at t is fixed once t is verified:
 ``write_context`` computes it once (after prefill, after each verify) into the draft's own paged KV
 cache at the target's slot of t, and a drafting forward then only writes the block's K/V (scratch
@@ -75,6 +81,10 @@ class DFlashShape:
     # specjet's addition: every block row's input also gets root_proj(c_{p-1}), the context of the
     # last verified position (see the module's docstring). False: DFlash as published.
     root_context: bool = False
+    # specjet's addition: trained with blocks whose first positions after the root hold known tokens
+    # instead of mask tokens (``forward_train``'s ``block_ids``), so a drafter may put there what it
+    # knows before drafting (a grammar's forced text) and the later positions draft after it.
+    known_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -282,24 +292,34 @@ class DFlashDraftModel(nn.Module):
 
     @torch.inference_mode()
     def native_block_logits(self, roots: torch.Tensor, root_ctx: torch.Tensor | None, positions: torch.Tensor,
-                            slots: torch.Tensor, attention_args: tuple, kv_cache: KVCache) -> torch.Tensor | None:
+                            slots: torch.Tensor, attention_args: tuple, kv_cache: KVCache,
+                            ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """``forward`` over B blocks [root, mask, ...] as the C++ layer stack runs it, given the C++
         attention kernel's metadata (``kernels/cpu_ops.native_attention_args``'s tuple) instead of a
         ``ForwardBatch``: the same kernels and bits with none of the metadata a torch attention path
-        would need. ``roots`` [B], ``positions`` and ``slots`` [B * S]. Logits of block positions 1..
-        [B, S - 1, K or vocab]; None where the layers do not run as one C++ call."""
+        would need. ``roots`` [B], ``positions`` and ``slots`` [B * S]; ``ids`` [B, S]: the blocks'
+        ids where some hold known tokens after the root (None: masks only). Logits of block
+        positions 1.. [B, S - 1, K or vocab]; None where the layers do not run as one C++ call."""
         if self.layer_stack is None or not self.layers[0].self_attn.batch_invariant:
             return None
         batch = roots.shape[0]
         size = positions.shape[0] // batch  # the drafter's block, which need not be the one trained for
         # block_input's values in fewer operations: [0 ; mask x (S - 1)] (+ root_proj(c)), then the
-        # root's embedding added to row 0 (0 + r + e == e + r exactly).
+        # root's embedding added to row 0 (0 + r + e == e + r exactly); a known token's row as the root's.
         x = self._mask_rows(size)
+        known = None
+        if ids is not None:
+            known = ids != self.shape.mask_token_id
+            known[:, 0] = True
+            x = x.masked_fill(known[..., None], 0.0)
         if self.root_proj is not None:
             x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
         else:
             x = x.expand(batch, size, -1).clone()
-        x[:, 0] += F.embedding(roots, self._shared().embed.weight).to(x.dtype)
+        if known is None:
+            x[:, 0] += F.embedding(roots, self._shared().embed.weight).to(x.dtype)
+        else:
+            x[known] += F.embedding(ids[known], self._shared().embed.weight).to(x.dtype)
         x = x.view(batch * size, -1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]
@@ -328,14 +348,15 @@ class DFlashDraftModel(nn.Module):
 
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Many blocks per sequence in one forward, each isolated from the others.
 
         ids [B, L], features [B, L, (K + 1) h], anchors [B, A] (the root's position of each block;
-        -1: no block). Block (b, j) is [ids[b, a], mask, ...] at positions a .. a + S - 1 and sees
-        the context at positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its
-        own block, exactly what a drafting forward with the root at a sees. Returns the logits of
-        block positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..])."""
+        -1: no block). Block (b, j) is [ids[b, a], mask, ...] at positions a .. a + S - 1 (or
+        ``block_ids[b, j]``, [B, A, S]: known tokens in some positions) and sees the context at
+        positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its own block,
+        exactly what a drafting forward with the root at a sees. Returns the logits of block
+        positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..])."""
         batch, seq_len, _ = features.shape
         size = self.shape.block_size
         num = anchors.shape[1]
@@ -344,8 +365,9 @@ class DFlashDraftModel(nn.Module):
         roots = anchors.clamp(min=0)
         offsets = torch.arange(size, device=device)
         block_pos = (roots[:, :, None] + offsets).reshape(batch, num * size)  # [B, A*S]
-        block_ids = torch.full((batch, num, size), self.shape.mask_token_id, dtype=torch.int64, device=device)
-        block_ids[:, :, 0] = ids.gather(1, roots)
+        if block_ids is None:
+            block_ids = torch.full((batch, num, size), self.shape.mask_token_id, dtype=torch.int64, device=device)
+            block_ids[:, :, 0] = ids.gather(1, roots)
         ctx = self.context(features.to(self.mask_embedding.dtype))  # [B, L, h]
         root_ctx = None
         if self.root_proj is not None:  # c_{a-1} of each block (zero before the first position)
@@ -453,7 +475,8 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
                              f"this target has {getattr(target_config, name)}")
     shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
                         block_size=config["block_size"], mask_token_id=config["mask_token_id"],
-                        root_context=config.get("root_context", False))
+                        root_context=config.get("root_context", False),
+                        known_prefix=config.get("known_prefix", False))
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
     missing, unexpected = model.load_state_dict(

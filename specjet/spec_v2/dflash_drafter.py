@@ -31,7 +31,8 @@ cut (``DraftRequest.min_logp``) is not verified: the block's tail is mostly wron
 fraction of a decode step on the CPU.
 
 Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
-tokens first (sure tokens), then at each block position the best token the grammar allows after
+tokens first (sure tokens; a draft trained with known prefixes reads them in its block, so the
+positions after them draft what follows them), then at each block position the best token the grammar allows after
 the chain so far; the block's logits at a position do not depend on the tokens chosen before it
 (they are mask tokens in the forward), so one forward still serves the whole walk; a position's
 other candidates are its next best tokens legal after that chain. In a lattice tree a path through
@@ -157,7 +158,9 @@ class DFlashDrafter:
         # A block adds drafts after the forced chain only where the chain leaves it positions.
         todo = [b for b, r in enumerate(reqs) if min(r.budget - 1, self.block_size - 1) > len(candidates[b])]
         if todo:
-            logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token)  # [n, S - 1, V]
+            # A draft trained with known prefixes reads the forced chain in its block (models/dflash.py).
+            known = [[c[0][0] for c in candidates[b]] for b in todo] if self.draft.shape.known_prefix else None
+            logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token, known)  # [n, S - 1, V]
             for b, block in zip(todo, logits):
                 r = reqs[b]
                 candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1)
@@ -168,14 +171,19 @@ class DFlashDrafter:
         self.root_ctx.pop(rid, None)
 
     # ---------------------------------------------------------------- drafting
-    def draft_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
+    def draft_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor,
+                     known: list[list[int]] | None = None) -> torch.Tensor:
         """One forward over every request's block; float32 logits [B, S - 1, K or vocab] of positions
-        1.. (K: the draft's hot vocabulary, ``draft.hot_to_full`` maps a column to a target id)."""
+        1.. (K: the draft's hot vocabulary, ``draft.hot_to_full`` maps a column to a target id).
+        ``known[b]``: tokens that follow request b's root for sure, put in its block in place of
+        mask tokens (a draft trained with known prefixes)."""
         device = req_to_token.device
         size, batch = self.block_size, len(reqs)
+        if known is not None and not any(known):
+            known = None
         if self.graph is None and self.window is None and size <= self.reserved and all(
                 r.committed_len + size <= req_to_token.shape[1] for r in reqs):
-            return self._in_place_blocks(reqs, req_to_token)
+            return self._in_place_blocks(reqs, req_to_token, known)
         visible = [r.committed_len if self.window is None else min(r.committed_len, self.window) for r in reqs]
         # With CUDA graphs every call passes the widest table the pool can need, so each batch
         # bucket captures one graph; elsewhere the table is as wide as this batch needs.
@@ -189,7 +197,7 @@ class DFlashDrafter:
             for b, (r, n) in enumerate(zip(reqs, visible)):
                 table[b, :n] = req_to_token[r.row, r.committed_len - n:r.committed_len]
                 table[b, n:n + size] = scratch[b]
-            ids = self._block_ids(torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device))
+            ids = self._block_ids(torch.tensor([r.root for r in reqs], dtype=torch.int64, device=device), known)
             committed = torch.tensor([r.committed_len for r in reqs], dtype=torch.int64, device=device)
             inputs = {"ids": ids, "positions": committed[:, None] + self._constants(1, device).offsets,
                       "slots": scratch, "table": table,
@@ -200,7 +208,8 @@ class DFlashDrafter:
             self.allocator.restore(snapshot)
         return logits
 
-    def _in_place_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor) -> torch.Tensor:
+    def _in_place_blocks(self, reqs: list[SpecInput], req_to_token: torch.Tensor,
+                         known: list[list[int]] | None = None) -> torch.Tensor:
         """``draft_blocks`` with each block in its request's own reserved slots, read through its own
         table row (every committed position visible)."""
         device = req_to_token.device
@@ -208,6 +217,7 @@ class DFlashDrafter:
         host = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], [r.root for r in reqs]],
                             dtype=torch.int64).to(device, non_blocking=True)
         rows, committed, roots = host[0], host[1], host[2]
+        ids = None if known is None else self._block_ids(roots, known)
         root_ctx = self._root_ctx(reqs, device)
         if device.type == "cpu" and native_attention_available():
             # The C++ kernel's metadata straight from the table: each row's slots up to its block's end
@@ -224,12 +234,12 @@ class DFlashDrafter:
             c = self._constants(batch, device)
             logits = self.draft.native_block_logits(roots, root_ctx, positions, slots,
                                                     (table, committed + size, c.q_lens, c.q_starts, c.mask),
-                                                    self.kv_cache)
+                                                    self.kv_cache, ids)
             if logits is not None:
                 return logits
         positions = committed[:, None] + self._constants(1, device).offsets
         slots = req_to_token[rows[:, None], positions]
-        inputs = {"ids": self._block_ids(roots), "positions": positions, "slots": slots, "table": req_to_token, "rows": rows,
+        inputs = {"ids": self._block_ids(roots) if ids is None else ids, "positions": positions, "slots": slots, "table": req_to_token, "rows": rows,
                   "kv_lens": committed + size, "root_ctx": root_ctx}
         return self._block_forward(inputs)[0]
 
@@ -259,11 +269,15 @@ class DFlashDrafter:
         root_ctx = inputs["root_ctx"] if self.draft.root_proj is not None else None
         return (self.draft(fb, self.kv_cache, root_ctx).view(batch, size - 1, -1),)
 
-    def _block_ids(self, roots: torch.Tensor) -> torch.Tensor:
-        """[B, S] block ids: each root, then mask ids."""
+    def _block_ids(self, roots: torch.Tensor, known: list[list[int]] | None = None) -> torch.Tensor:
+        """[B, S] block ids: each root, its known tokens (at most S - 1), then mask ids."""
         ids = torch.full((roots.shape[0], self.block_size), self.draft.shape.mask_token_id, dtype=torch.int64,
                          device=roots.device)
         ids[:, 0] = roots
+        for b, tokens in enumerate(known or ()):
+            tokens = tokens[:self.block_size - 1]
+            if tokens:
+                ids[b, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=roots.device)
         return ids
 
     def _constants(self, batch: int, device) -> "_BlockConstants":

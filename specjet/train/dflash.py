@@ -29,6 +29,9 @@ from specjet.train.eagle import (_gguf_name, add_data_arguments, collect_samples
                                  feature_target, fingerprint)
 
 
+EVAL_KNOWN = 2  # known tokens of the held-out report's second table
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specjet.train dflash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--root-context", action=argparse.BooleanOptionalAction, default=True,
                        help="every block row also reads the last verified position's context (specjet's "
                             "addition, models/dflash.py); --no-root-context: DFlash as published")
+    model.add_argument("--known-prefix-rate", type=float, default=0.0,
+                       help="fraction of training blocks holding their next 1 .. S-2 tokens after the root in place "
+                            "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
+                            "0: DFlash's blocks as published")
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="dtype of the target whose features the draft learns from")
     model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
@@ -109,7 +116,10 @@ def run(args: argparse.Namespace) -> dict:
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)
     mask_id = config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
-    shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context)
+    if not 0.0 <= args.known_prefix_rate <= 1.0:
+        raise SystemExit(f"--known-prefix-rate must lie in [0, 1], got {args.known_prefix_rate}")
+    shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context,
+                        known_prefix=args.known_prefix_rate > 0)
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -147,7 +157,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt,
                             blocks_per_seq=args.blocks_per_seq, decay=args.decay, window=args.window,
                             labels=args.labels, lr=args.lr, autocast_bf16=_autocast(args.autocast),
-                            warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every)
+                            warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                            known_prefix_rate=args.known_prefix_rate)
     run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape),
                                          args.hot_vocab]).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
@@ -159,9 +170,15 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         report = evaluate(draft, eval_seqs, args.window)
+        # The same chains drafted after two known tokens (a grammar's forced text in the block).
+        known = min(EVAL_KNOWN, shape.block_size - 2)
+        report_known = evaluate(draft, eval_seqs, args.window, known=known) if known > 0 else {}
     timings["evaluate"] = round(time.perf_counter() - t0, 1)
     if report:
         print(format_report(report))
+    if report_known:
+        print(f"after {known} known tokens in the block:")
+        print(format_report(report_known))
 
     # ---- 5. save
     timings["total"] = round(time.perf_counter() - started, 1)
@@ -174,6 +191,7 @@ def run(args: argparse.Namespace) -> dict:
         "first": result["first"],
         "train_config": result["config"],
         "eval": report,
+        "eval_after_known": {"known": known, **report_known} if report_known else {},
         "timings_s": timings,
         "torch_threads": torch.get_num_threads(),
     }
@@ -196,7 +214,7 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
     for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
                 "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
-                "warmup_steps",
+                "warmup_steps", "known_prefix_rate",
                 "generate_dtype", "feature_dtype", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--root-context" if args.root_context else "--no-root-context", "--mask-token-id", str(mask_id),

@@ -17,6 +17,10 @@ the features end with: on the target's replies that is the sequence's token, on 
 (written by people, not the target) it is what greedy verification will accept there.
 ``labels="sequence"`` trains on the sequence's tokens as they are.
 
+Known prefixes (``known_prefix_rate``): some blocks hold the text's next tokens after the root in
+place of mask tokens, as a drafter fills in a grammar's forced text; only their mask positions are
+scored.
+
 Seeded and resumable as the EAGLE trainer (whose batching, schedule and checkpoints this reuses):
 batches and anchors are fixed by the seed, a checkpoint holds the anchor generator's state.
 """
@@ -54,6 +58,9 @@ class DFlashTrainConfig:
     # Matmuls in bf16 (torch.autocast; weights, optimizer and loss stay fp32): about twice the
     # steps per hour where the CPU has native bf16, much slower where bf16 is emulated.
     autocast_bf16: bool = False
+    # Blocks whose first positions after the root hold their known tokens (``sample_known``): this
+    # fraction of them, scored on their mask positions only; 0 trains DFlash's blocks as published.
+    known_prefix_rate: float = 0.0
 
 
 def sample_anchors(seqs: list[Sequence], count: int, generator: torch.Generator) -> torch.Tensor:
@@ -67,6 +74,29 @@ def sample_anchors(seqs: list[Sequence], count: int, generator: torch.Generator)
         choices = torch.randperm(last - first + 1, generator=generator)[:count] + first
         out[i, :len(choices)] = choices.sort().values
     return out
+
+
+def sample_known(anchors: torch.Tensor, lengths: torch.Tensor, rate: float, block_size: int,
+                 generator: torch.Generator) -> torch.Tensor | None:
+    """[B, A] how many tokens after each block's root are known (in the block in place of mask
+    tokens): 0, or for a fraction ``rate`` of the blocks a count drawn uniformly from 1 .. S - 2,
+    cut so that a scored position inside the sequence remains. None when ``rate`` is 0 (nothing is
+    drawn, so a run without known prefixes sees the same anchors as before)."""
+    if rate <= 0 or block_size < 3:
+        return None
+    chosen = torch.rand(anchors.shape, generator=generator) < rate
+    counts = torch.randint(1, block_size - 1, anchors.shape, generator=generator)
+    room = (lengths[:, None] - 2 - anchors).clamp(min=0)  # position a + k + 1 must lie in the sequence
+    return torch.where(chosen & (anchors >= 0), torch.minimum(counts, room), 0)
+
+
+def known_block_ids(ids: torch.Tensor, anchors: torch.Tensor, known: torch.Tensor, block_size: int, mask_id: int
+                    ) -> torch.Tensor:
+    """[B, A, S] blocks: the root ids[a], the next ``known`` tokens of the text, then mask ids."""
+    pos = anchors.clamp(min=0)[:, :, None] + torch.arange(block_size)
+    tokens = ids.gather(1, pos.clamp(max=ids.shape[1] - 1).reshape(ids.shape[0], -1)).view_as(pos)
+    keep = torch.arange(block_size)[None, None, :] <= known[:, :, None]
+    return torch.where(keep, tokens, torch.full_like(tokens, mask_id))
 
 
 def collate(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,21 +171,27 @@ def collate_labels(labels: list[torch.Tensor], max_len: int) -> torch.Tensor:
 
 
 def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlashTrainConfig,
-               source: torch.Tensor) -> dict:
+               source: torch.Tensor, known: torch.Tensor | None = None) -> dict:
     """Weighted block cross-entropy (the total, differentiable), the top-1 agreement of block
-    position 1 and the mean accepted chain length of the batch's blocks (greedy, +1 bonus).
-    ``source`` [B, L]: each position's label (``target_labels``, or the ids themselves)."""
+    position 1 and the mean accepted chain length of the batch's blocks (greedy, +1 bonus; both
+    over blocks without known tokens). ``source`` [B, L]: each position's label (``target_labels``,
+    or the ids themselves); ``known`` [B, A]: tokens known after each root (``sample_known``), not
+    scored."""
     size = model.shape.block_size
-    logits = model.forward_train(ids, feats, anchors, cfg.window)  # [B, A, S - 1, V]
+    block_ids = None if known is None else known_block_ids(ids, anchors, known, size, model.shape.mask_token_id)
+    logits = model.forward_train(ids, feats, anchors, cfg.window, block_ids)  # [B, A, S - 1, V]
     labels, valid = block_labels(source, lengths, anchors, size)
     labels, valid = to_columns(model, labels, valid)
+    real = anchors >= 0
+    if known is not None:
+        valid = valid & (torch.arange(1, size)[None, None, :] > known[:, :, None])
+        real = real & (known == 0)
     weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay)[None, None, :] * valid
     logits = logits.float()  # the loss in fp32 under autocast too
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
     with torch.no_grad():
         hits = (logits.argmax(-1) == labels) & valid
-        real = anchors >= 0
         top1 = hits[:, :, 0][real].float().mean()
         accept = 1 + hits.long().cumprod(-1).sum(-1)[real].float().mean()
     return {"loss": loss, "top1": top1, "accept_length": accept}
@@ -190,9 +226,10 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
             group["lr"] = lr_at(step, cfg)
         anchors = sample_anchors(batch, cfg.blocks_per_seq, anchor_gen)
         ids, feats, lengths = collate(batch)
+        known = sample_known(anchors, lengths, cfg.known_prefix_rate, model.shape.block_size, anchor_gen)
         source = collate_labels([labels[i] for i in members], ids.shape[1])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            losses = batch_loss(model, ids, feats, lengths, anchors, cfg, source)
+            losses = batch_loss(model, ids, feats, lengths, anchors, cfg, source, known)
         optimizer.zero_grad(set_to_none=True)
         losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -217,34 +254,44 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
 
 
 @torch.no_grad()
-def draft_every_position(model: DFlashDraftModel, seq: Sequence, window: int | None = None, chunk: int = 32
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_every_position(model: DFlashDraftModel, seq: Sequence, window: int | None = None, chunk: int = 32,
+                         known: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy block drafts at every reply anchor of ``seq`` (the whole prompt as context): (drafts
-    [N, S - 1], accepted [N]: how many leading drafts equal the sequence's next tokens)."""
+    [N, S - 1 - known], accepted [N]: how many leading drafts equal the sequence's next tokens).
+    ``known``: the block holds that many of the text's tokens after the root; the drafts are those
+    of the positions after them (anchors leaving none in the sequence are skipped)."""
+    size = model.shape.block_size
     ids, feats = seq.ids[None], seq.features.float()[None]
     lengths = torch.tensor([len(seq.ids)])
-    first, last = max(seq.prompt_len, 0), len(seq.ids) - 2
+    first, last = max(seq.prompt_len, 0), len(seq.ids) - 2 - known
     all_drafts, all_accepted = [], []
     for lo in range(first, last + 1, chunk):
         anchors = torch.arange(lo, min(lo + chunk, last + 1))[None]
-        drafts = model.hot_to_full(model.forward_train(ids, feats, anchors, window).argmax(-1))  # [1, A, S - 1]
-        labels, valid = block_labels(ids, lengths, anchors, model.shape.block_size)
+        block_ids = None if not known else known_block_ids(ids, anchors, torch.full_like(anchors, known), size,
+                                                           model.shape.mask_token_id)
+        logits = model.forward_train(ids, feats, anchors, window, block_ids)
+        drafts = model.hot_to_full(logits.argmax(-1))[:, :, known:]  # [1, A, S - 1 - known]
+        labels, valid = block_labels(ids, lengths, anchors, size)
+        hits = ((drafts == labels[:, :, known:]) & valid[:, :, known:])
         all_drafts.append(drafts[0])
-        all_accepted.append(((drafts == labels) & valid).long().cumprod(-1).sum(-1)[0])
+        all_accepted.append(hits.long().cumprod(-1).sum(-1)[0])
     if not all_drafts:
-        return torch.zeros(0, model.shape.block_size - 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, size - 1 - known, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
     return torch.cat(all_drafts), torch.cat(all_accepted)
 
 
-def evaluate(model: DFlashDraftModel, seqs: list[Sequence], window: int | None = None) -> dict:
+def evaluate(model: DFlashDraftModel, seqs: list[Sequence], window: int | None = None, known: int = 0) -> dict:
     """Held-out acceptance of greedy chain drafting, per source and overall: the mean accept length
     (accepted drafts + the bonus) for chains cut at k tokens, k = 1, 2, 4, 8, .. S - 1, and the top-1
-    agreement of block position 1."""
-    size = model.shape.block_size
+    agreement of block position 1. ``known``: every block holds the text's next ``known`` tokens
+    after its root (a grammar's forced text), and the chain is drafted after them."""
+    size = model.shape.block_size - known
+    if size < 2:
+        raise ValueError(f"known={known} leaves no drafted position in a block of {model.shape.block_size}")
     cuts = sorted({k for k in (1, 2, 4, 8, 16, 32) if k < size} | {size - 1})
     per_source: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for seq in seqs:
-        per_source.setdefault(seq.source, []).append(draft_every_position(model, seq, window))
+        per_source.setdefault(seq.source, []).append(draft_every_position(model, seq, window, known=known))
     per_source["all"] = [r for rs in per_source.values() for r in rs]
     report = {}
     for source, results in per_source.items():
