@@ -114,18 +114,32 @@ def scattered_table(num_positions, seed=0):
     return slots[None, :].clone()
 
 
+def draft_and_allocator(runner, packed: bool, root_context: bool = True):
+    """A random draft (packed: its inference operands and the C++ ops, as a loaded draft runs) and an
+    allocator over the runner's pool."""
+    if packed and cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    draft = random_draft(runner.config, root_context=root_context)
+    if packed:
+        draft.pack_for_decode()
+    return draft, TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+
+
+def scratch_and_in_place_drafters(runner, packed: bool):
+    """A root-context random draft, an allocator, and two drafters of the draft: one borrowing scratch
+    slots for its blocks, one drafting in place."""
+    draft, allocator = draft_and_allocator(runner, packed)
+    return (draft, allocator, DFlashDrafter(runner, draft, BLOCK, None, allocator),
+            DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK))
+
+
 @pytest.mark.parametrize("window,root_context,packed", [(None, False, False), (6, False, False), (None, True, False),
                                                          (6, True, False), (None, True, True), (6, False, True)])
 def test_paged_block_forward_equals_the_dense_oracle(runner, features, window, root_context, packed):
     """packed: the inference operands and the C++ ops (the context's k|v through their own packed
     operand, RoPE and the write in one call), as a loaded draft runs."""
     ids, feats = features
-    if packed and cpu_ops.extension() is None:
-        pytest.skip("the C++ CPU ops are not built")
-    draft = random_draft(runner.config, root_context=root_context)
-    if packed:
-        draft.pack_for_decode()
-    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    draft, allocator = draft_and_allocator(runner, packed, root_context)
     drafter = DFlashDrafter(runner, draft, BLOCK, window, allocator)
     assert all(op is not None for op in draft.context_kv) == packed and len(draft.context_kv) == 2
     n = len(ids)
@@ -163,15 +177,8 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
     context lengths; nothing is borrowed from the allocator, and the context before the block is left
     as it was (a second block gives the same logits). Where a block would pass the table's end
     (the context's), or the drafter holds fewer reserved positions than a block, it borrows scratch."""
-    if packed and cpu_ops.extension() is None:
-        pytest.skip("the C++ CPU ops are not built")
     ids, feats = features
-    draft = random_draft(runner.config, root_context=True)
-    if packed:
-        draft.pack_for_decode()
-    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
-    scratch = DFlashDrafter(runner, draft, BLOCK, None, allocator)
-    in_place = DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK)
+    draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed)
     borrowed = []
     real_extend = allocator.extend
     monkeypatch.setattr(allocator, "extend", lambda *a: borrowed.append(a[2]) or real_extend(*a))
@@ -224,15 +231,8 @@ def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, p
     known prefixes) reads their embeddings where it would read the mask's: in place and in scratch
     slots, native and torch, alone and beside a block without any, the oracle's logits; the training
     forward with the same block ids too."""
-    if packed and cpu_ops.extension() is None:
-        pytest.skip("the C++ CPU ops are not built")
     ids, feats = features
-    draft = random_draft(runner.config, root_context=True)
-    if packed:
-        draft.pack_for_decode()
-    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
-    scratch = DFlashDrafter(runner, draft, BLOCK, None, allocator)
-    in_place = DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK)
+    draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed)
     table = torch.zeros(2, 64, dtype=torch.int64)
     reqs = []
     for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):

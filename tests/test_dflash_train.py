@@ -163,6 +163,13 @@ def test_bf16_autocast_and_root_context_train(runner, sequences, autocast, root_
     assert all(p.dtype == torch.float32 for p in draft.parameters())
 
 
+def leading_matches(drafts: list[int], truth: list[int]) -> int:
+    n = 0
+    while n < min(len(drafts), len(truth)) and drafts[n] == truth[n]:
+        n += 1
+    return n
+
+
 def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
     draft = new_draft(runner, seed=1)
     with torch.no_grad():
@@ -176,11 +183,7 @@ def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
         with torch.no_grad():
             expected = dense_block_logits(draft, runner, feats[:a], torch.arange(a), int(seq.ids[a]), a).argmax(-1)
         assert drafts[a - first].tolist() == expected.tolist()
-        truth = seq.ids[a + 1:a + BLOCK].tolist()
-        n = 0
-        while n < len(truth) and expected[n] == truth[n]:
-            n += 1
-        assert int(accepted[a - first]) == n
+        assert int(accepted[a - first]) == leading_matches(expected.tolist(), seq.ids[a + 1:a + BLOCK].tolist())
     # After a known token: the drafts of the positions after it, the oracle's with that token in the block.
     drafts, accepted = T.draft_every_position(draft, seq, chunk=5, known=1)
     assert len(accepted) == len(seq.ids) - 2 - first
@@ -189,11 +192,7 @@ def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
             expected = dense_block_logits(draft, runner, feats[:a], torch.arange(a), int(seq.ids[a]), a,
                                           known=[int(seq.ids[a + 1])]).argmax(-1)[1:]
         assert drafts[a - first].tolist() == expected.tolist()
-        truth = seq.ids[a + 2:a + BLOCK].tolist()
-        n = 0
-        while n < len(truth) and expected[n] == truth[n]:
-            n += 1
-        assert int(accepted[a - first]) == n
+        assert int(accepted[a - first]) == leading_matches(expected.tolist(), seq.ids[a + 2:a + BLOCK].tolist())
     assert set(T.evaluate(draft, sequences[:2], known=2)["all"]["accept_length"]) == {1}
     with pytest.raises(ValueError, match="no drafted position"):
         T.evaluate(draft, sequences[:2], known=3)
