@@ -28,9 +28,11 @@ def runner(tiny_model_dir):
     return load_runner(tiny_model_dir, tokens=512)
 
 
-def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None, root_context=False) -> DFlashDraftModel:
+def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None, root_context=False, prev=False
+                 ) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID, root_context), hot_token_ids=hot)
+    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID, root_context,
+                                                 prev_token_input=prev), hot_token_ids=hot)
     draft.reset_parameters(std=0.2)
     with torch.no_grad():  # norms away from 1, so a missing or misplaced norm shows
         for name, p in draft.named_parameters():
@@ -71,7 +73,8 @@ def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, ro
     """The block [root, known..., mask, ...] at root_pos.. attending to every given context position
     and to all of itself, written out with plain tensor ops: logits [S - 1, vocab] of positions
     1..S-1. A root-context draft adds root_proj of the last given position's context (root_pos - 1)
-    to every block row's input."""
+    to every block row's input; a previous-token draft adds prev_proj of the token before a row (the
+    root, or a known token) to rows 1..."""
     cfg = runner.config
     hf = cfg.hf_config
     eps = cfg.rms_norm_eps
@@ -85,6 +88,10 @@ def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, ro
     if draft.shape.root_context:
         assert ctx_positions[-1] == root_pos - 1
         x = x + c[-1] @ P["root_proj.weight_t"]
+    if draft.shape.prev_token_input:
+        before = [root, *known][:size - 1]
+        x = x + torch.stack([torch.zeros_like(x[0])] + [embed[t] @ P["prev_proj.weight_t"] for t in before]
+                            + [torch.zeros_like(x[0])] * (size - 1 - len(before)))
     blk_pos = torch.arange(root_pos, root_pos + size)
     for i in range(draft.shape.num_layers):
         pre = f"layers.{i}."
@@ -114,21 +121,21 @@ def scattered_table(num_positions, seed=0):
     return slots[None, :].clone()
 
 
-def draft_and_allocator(runner, packed: bool, root_context: bool = True):
+def draft_and_allocator(runner, packed: bool, root_context: bool = True, prev: bool = False):
     """A random draft (packed: its inference operands and the C++ ops, as a loaded draft runs) and an
     allocator over the runner's pool."""
     if packed and cpu_ops.extension() is None:
         pytest.skip("the C++ CPU ops are not built")
-    draft = random_draft(runner.config, root_context=root_context)
+    draft = random_draft(runner.config, root_context=root_context, prev=prev)
     if packed:
         draft.pack_for_decode()
     return draft, TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
 
 
-def scratch_and_in_place_drafters(runner, packed: bool):
+def scratch_and_in_place_drafters(runner, packed: bool, prev: bool = False):
     """A root-context random draft, an allocator, and two drafters of the draft: one borrowing scratch
     slots for its blocks, one drafting in place."""
-    draft, allocator = draft_and_allocator(runner, packed)
+    draft, allocator = draft_and_allocator(runner, packed, prev=prev)
     return (draft, allocator, DFlashDrafter(runner, draft, BLOCK, None, allocator),
             DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK))
 
@@ -225,14 +232,15 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
     assert allocator.num_free_slots == free  # every borrowed scratch slot went back
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, packed):
+@pytest.mark.parametrize("packed,prev", [(False, False), (True, False), (False, True), (True, True)])
+def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, packed, prev):
     """A block holding known tokens after its root (a grammar's forced text, for a draft trained with
-    known prefixes) reads their embeddings where it would read the mask's: in place and in scratch
-    slots, native and torch, alone and beside a block without any, the oracle's logits; the training
-    forward with the same block ids too."""
+    known prefixes) reads their embeddings where it would read the mask's (prev: and each row after a
+    known token or the root also reads that token through prev_proj): in place and in scratch slots,
+    native and torch, alone and beside a block without any, the oracle's logits; the training forward
+    with the same block ids too."""
     ids, feats = features
-    draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed)
+    draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed, prev)
     table = torch.zeros(2, 64, dtype=torch.int64)
     reqs = []
     for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
@@ -250,7 +258,7 @@ def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, p
         without = drafter.draft_blocks(reqs, table)
         assert torch.equal(got[0], without[0]) and not torch.allclose(got[1], without[1])
     assert torch.equal(in_place.draft_blocks(reqs, table, known), scratch.draft_blocks(reqs, table, known))
-    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True).bind_target(runner.model)
+    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True, prev=prev).bind_target(runner.model)
     anchors = torch.tensor([[4, 17]])
     block_ids = torch.tensor([[[ids[4], MASK_ID, MASK_ID, MASK_ID, MASK_ID], [ids[17], 3, 9, MASK_ID, MASK_ID]]])
     with torch.no_grad():
@@ -365,11 +373,13 @@ def test_static_buffers_give_the_eager_logits(runner, features):
     assert not static.graph.capture  # no CUDA graphs on the CPU
 
 
-def test_checkpoint_round_trip(runner, tmp_path):
-    draft = random_draft(runner.config)
+@pytest.mark.parametrize("prev", [False, True])
+def test_checkpoint_round_trip(runner, tmp_path, prev):
+    draft = random_draft(runner.config, prev=prev)
     save_dflash(draft, tmp_path / "d", training={"steps": 3}, dtype=torch.float32)
     meta = read_dflash_config(tmp_path / "d")
     assert (meta["num_layers"], meta["target_layers"], meta["block_size"], meta["mask_token_id"]) == (2, [0], BLOCK, MASK_ID)
+    assert meta["prev_token_input"] == prev and (draft.prev_proj is not None) == prev
     assert meta["training"] == {"steps": 3} and meta["target"]["num_layers"] == runner.config.num_layers
     loaded = load_dflash(tmp_path / "d", runner.config)
     for (name, p), q in zip(draft.named_parameters(), loaded.parameters()):

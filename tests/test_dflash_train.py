@@ -215,11 +215,11 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
             "--num-target-replies", "2", "--num-human-replies", "4", "--num-eval", "2", "--num-few-shot-replies", "0",
             "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
             "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
-            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5"]
+            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5", "--prev-token-input"]
     main(argv)
     meta = read_dflash_config(out)
     assert (meta["block_size"], meta["num_layers"], meta["target_layers"], meta["hot_vocab_size"]) == (4, 1, [0], 300)
-    assert meta["known_prefix"] is True
+    assert meta["known_prefix"] is True and meta["prev_token_input"] is True
     training = meta["training"]
     assert training["eval_after_known"]["known"] == 2 and set(training["eval_after_known"]["all"]["accept_length"]) == {"1"}
     assert training["steps"] == 4 and training["data"]["train"]["gsm8k_human"]["sequences"] == 4
@@ -258,8 +258,8 @@ def test_parser_defaults_are_the_shipped_drafts_recipe():
         while i < len(flags) and not flags[i].startswith("--"):
             values.append(flags[i])
             i += 1
-        if name in ("root_context", "no_root_context"):
-            assert defaults["root_context"] == (name == "root_context")
+        if name.removeprefix("no_") in ("root_context", "prev_token_input"):
+            assert defaults[name.removeprefix("no_")] == (not name.startswith("no_"))
             continue
         expected = derived[name] if defaults[name] is None and name in derived else str(defaults[name])
         assert " ".join(values) == expected, name

@@ -29,6 +29,12 @@ A draft trained with some blocks' first positions filled with their true tokens 
 scored on the masks only) reads them like the root, so its later positions draft the value after
 the key instead of guessing past positions it cannot see.
 
+Previous token (``shape.prev_token_input``, specjet's addition). Block row i >= 1 also gets
+``prev_proj`` of the embedding of the token before it where that token is known (the root for row 1, a
+known token after it), as EAGLE's input row holds its token. A 1-layer draft without it reads neither
+the root's token nor known tokens through its attention (it learns to attend to the context only);
+with it, both reach the rows after them (bench/RESULTS.md, session 31).
+
 Because c_t depends on the target alone, each layer's context K/V at t is fixed once t is verified:
 ``write_context`` computes it once (after prefill, after each verify) into the draft's own paged KV
 cache at the target's slot of t, and a drafting forward then only writes the block's K/V (scratch
@@ -85,6 +91,10 @@ class DFlashShape:
     # instead of mask tokens (``forward_train``'s ``block_ids``), so a drafter may put there what it
     # knows before drafting (a grammar's forced text) and the later positions draft after it.
     known_prefix: bool = False
+    # specjet's addition: block row i >= 1 also gets prev_proj(embedding of token i - 1) where that token
+    # is known (the root for row 1), as EAGLE's input row holds its token: without it a 1-layer draft
+    # reads neither the root's token nor known tokens through its attention (bench/RESULTS.md, session 31).
+    prev_token_input: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -122,6 +132,7 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.empty(h))
         self.root_proj = Linear(h, h, bias=False) if shape.root_context else None
+        self.prev_proj = Linear(h, h, bias=False) if shape.prev_token_input else None
         self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
         self.rotary = Rotary(config)
         self.target: SharedTarget | None = None  # set by bind_target()
@@ -279,7 +290,23 @@ class DFlashDraftModel(nn.Module):
             if root_ctx is None:
                 raise ValueError("this DFlash draft reads the last verified position's context: pass root_ctx")
             x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
+        x = self._add_previous_tokens(x, ids)
         return x.reshape(-1, x.shape[-1])
+
+    def _add_previous_tokens(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [B, S, h] plus, with ``prev_token_input``, prev_proj(embedding of token i - 1) at each row
+        i >= 1 whose previous token is known (not a mask id); the rest plus zero."""
+        if self.prev_proj is None:
+            return x
+        prev = ids[:, :-1]
+        known = prev != self.shape.mask_token_id
+        known[:, 0] = True  # the root
+        # Every row projected, masks included (then zeroed): a row's bits do not depend on which others
+        # hold known tokens.
+        embedded = F.embedding(prev, self._shared().embed.weight).to(x.dtype)
+        add = self.prev_proj.project(embedded.reshape(-1, embedded.shape[-1])).to(x.dtype).view_as(embedded)
+        add = torch.where(known[..., None], add, torch.zeros_like(add))
+        return torch.cat([x[:, :1], x[:, 1:] + add], dim=1)
 
     def _mask_rows(self, size: int) -> torch.Tensor:
         """[1, size, h]: zeros at the root's row, the mask embedding at the others (made once a size)."""
@@ -320,6 +347,11 @@ class DFlashDraftModel(nn.Module):
             x[:, 0] += F.embedding(roots, self._shared().embed.weight).to(x.dtype)
         else:
             x[known] += F.embedding(ids[known], self._shared().embed.weight).to(x.dtype)
+        if self.prev_proj is not None:
+            if ids is None:
+                ids = torch.full((batch, size), self.shape.mask_token_id, dtype=torch.int64, device=roots.device)
+                ids[:, 0] = roots
+            x = self._add_previous_tokens(x, ids)
         x = x.view(batch * size, -1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]
@@ -476,7 +508,8 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
     shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
                         block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                         root_context=config.get("root_context", False),
-                        known_prefix=config.get("known_prefix", False))
+                        known_prefix=config.get("known_prefix", False),
+                        prev_token_input=config.get("prev_token_input", False))
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
     missing, unexpected = model.load_state_dict(

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--root-context", action=argparse.BooleanOptionalAction, default=True,
                        help="every block row also reads the last verified position's context (specjet's "
                             "addition, models/dflash.py); --no-root-context: DFlash as published")
+    model.add_argument("--prev-token-input", action=argparse.BooleanOptionalAction, default=False,
+                       help="every block row also reads the token before it (the root, or a known token) through "
+                            "its own projection (specjet's addition, models/dflash.py)")
     model.add_argument("--known-prefix-rate", type=float, default=0.0,
                        help="fraction of training blocks holding their next 1 .. S-2 tokens after the root in place "
                             "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
     if not 0.0 <= args.known_prefix_rate <= 1.0:
         raise SystemExit(f"--known-prefix-rate must lie in [0, 1], got {args.known_prefix_rate}")
     shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context,
-                        known_prefix=args.known_prefix_rate > 0)
+                        known_prefix=args.known_prefix_rate > 0, prev_token_input=args.prev_token_input)
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -217,5 +220,7 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
                 "warmup_steps", "known_prefix_rate",
                 "generate_dtype", "feature_dtype", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return flags + ["--root-context" if args.root_context else "--no-root-context", "--mask-token-id", str(mask_id),
+    return flags + ["--root-context" if args.root_context else "--no-root-context",
+                    "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",
+                    "--mask-token-id", str(mask_id),
                     "--target-layers", *map(str, target_layers)]
