@@ -383,8 +383,8 @@ def test_a_forced_chain_that_fills_the_block_needs_no_draft_forward(tiny_model_d
 
 def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_dir, plain, tmp_path, monkeypatch):
     """A draft whose config says it was trained with known prefixes gets each request's forced chain
-    in its block, one without gets masks only; either way the ids stay plain constrained decoding's
-    and every output is valid."""
+    in its block (this one also reads each row's previous token), one without gets masks only; either
+    way the ids stay plain constrained decoding's and every output is valid."""
     from specjet.spec_v2.dflash_drafter import DFlashDrafter
 
     seen = []  # (known tokens handed to the block, the request's forced chain), per drafted block
@@ -404,7 +404,8 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
     ref = plain.generate(PROMPTS[:4], MIXED)
     for known_prefix in (True, False):
         torch.manual_seed(1)
-        draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 8, 0, True, known_prefix=known_prefix))
+        draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 8, 0, True, known_prefix=known_prefix,
+                                                                   prev_token_input=known_prefix))
         draft.reset_parameters(std=0.3)
         path = save_dflash(draft, tmp_path / str(known_prefix), dtype=torch.float32)
         seen.clear()

@@ -96,6 +96,16 @@ def test_known_prefixes_are_drawn_within_the_block_and_not_scored(runner, sequen
     assert loss(changed) != base
 
 
+@pytest.mark.parametrize("rate", ["1.5", "-0.1", "nan", "x"])
+def test_a_known_prefix_rate_outside_0_1_is_refused_by_the_parser(rate, capsys):
+    from specjet.train.dflash import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--known-prefix-rate", rate])
+    assert "--known-prefix-rate" in capsys.readouterr().err
+    assert build_parser().parse_args(["--known-prefix-rate", "0.3"]).known_prefix_rate == 0.3
+
+
 def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     """labels="target": position t learns what the target's own forward (run here over the
     sequence) ranks first after ids[:t]; on this reference text that often differs from the text."""

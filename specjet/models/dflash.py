@@ -293,19 +293,29 @@ class DFlashDraftModel(nn.Module):
         x = self._add_previous_tokens(x, ids)
         return x.reshape(-1, x.shape[-1])
 
+    def root_block_ids(self, roots: torch.Tensor, size: int) -> torch.Tensor:
+        """Block ids [..., size] of roots [...]: each root, then mask ids."""
+        ids = torch.full((*roots.shape, size), self.shape.mask_token_id, dtype=torch.int64, device=roots.device)
+        ids[..., 0] = roots
+        return ids
+
+    def _known_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] bool: the block rows holding a token (the root, known tokens), not a mask."""
+        known = ids != self.shape.mask_token_id
+        known[:, 0] = True  # the root, whatever its id
+        return known
+
     def _add_previous_tokens(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows [B, S, h] plus, with ``prev_token_input``, prev_proj(embedding of token i - 1) at each row
         i >= 1 whose previous token is known (not a mask id); the rest plus zero."""
         if self.prev_proj is None:
             return x
         prev = ids[:, :-1]
-        known = prev != self.shape.mask_token_id
-        known[:, 0] = True  # the root
         # Every row projected, masks included (then zeroed): a row's bits do not depend on which others
         # hold known tokens.
         embedded = F.embedding(prev, self._shared().embed.weight).to(x.dtype)
         add = self.prev_proj.project(embedded.reshape(-1, embedded.shape[-1])).to(x.dtype).view_as(embedded)
-        add = torch.where(known[..., None], add, torch.zeros_like(add))
+        add = torch.where(self._known_rows(ids)[:, :-1, None], add, torch.zeros_like(add))
         return torch.cat([x[:, :1], x[:, 1:] + add], dim=1)
 
     def _mask_rows(self, size: int) -> torch.Tensor:
@@ -336,8 +346,7 @@ class DFlashDraftModel(nn.Module):
         x = self._mask_rows(size)
         known = None
         if ids is not None:
-            known = ids != self.shape.mask_token_id
-            known[:, 0] = True
+            known = self._known_rows(ids)
             x = x.masked_fill(known[..., None], 0.0)
         if self.root_proj is not None:
             x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
@@ -348,10 +357,7 @@ class DFlashDraftModel(nn.Module):
         else:
             x[known] += F.embedding(ids[known], self._shared().embed.weight).to(x.dtype)
         if self.prev_proj is not None:
-            if ids is None:
-                ids = torch.full((batch, size), self.shape.mask_token_id, dtype=torch.int64, device=roots.device)
-                ids[:, 0] = roots
-            x = self._add_previous_tokens(x, ids)
+            x = self._add_previous_tokens(x, self.root_block_ids(roots, size) if ids is None else ids)
         x = x.view(batch * size, -1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]
@@ -398,8 +404,7 @@ class DFlashDraftModel(nn.Module):
         offsets = torch.arange(size, device=device)
         block_pos = (roots[:, :, None] + offsets).reshape(batch, num * size)  # [B, A*S]
         if block_ids is None:
-            block_ids = torch.full((batch, num, size), self.shape.mask_token_id, dtype=torch.int64, device=device)
-            block_ids[:, :, 0] = ids.gather(1, roots)
+            block_ids = self.root_block_ids(ids.gather(1, roots), size)
         ctx = self.context(features.to(self.mask_embedding.dtype))  # [B, L, h]
         root_ctx = None
         if self.root_proj is not None:  # c_{a-1} of each block (zero before the first position)

@@ -32,8 +32,8 @@ fraction of a decode step on the CPU.
 
 Under a grammar (grammar-aware drafting) the chain is built left to right: the grammar's forced
 tokens first (sure tokens; a draft trained with known prefixes reads them in its block, so the
-positions after them draft what follows them), then at each block position the best token the grammar allows after
-the chain so far; the block's logits at a position do not depend on the tokens chosen before it
+positions after them draft what follows them), then at each block position the best token the
+grammar allows after the chain so far; the block's logits at a position do not depend on the tokens chosen before it
 (they are mask tokens in the forward), so one forward still serves the whole walk; a position's
 other candidates are its next best tokens legal after that chain. In a lattice tree a path through
 a runner-up continues with candidates checked only after the chain: the verify's grammar masks
@@ -239,8 +239,8 @@ class DFlashDrafter:
                 return logits
         positions = committed[:, None] + self._constants(1, device).offsets
         slots = req_to_token[rows[:, None], positions]
-        inputs = {"ids": self._block_ids(roots) if ids is None else ids, "positions": positions, "slots": slots, "table": req_to_token, "rows": rows,
-                  "kv_lens": committed + size, "root_ctx": root_ctx}
+        inputs = {"ids": self._block_ids(roots) if ids is None else ids, "positions": positions, "slots": slots,
+                  "table": req_to_token, "rows": rows, "kv_lens": committed + size, "root_ctx": root_ctx}
         return self._block_forward(inputs)[0]
 
     def _block_forward(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
@@ -271,9 +271,7 @@ class DFlashDrafter:
 
     def _block_ids(self, roots: torch.Tensor, known: list[list[int]] | None = None) -> torch.Tensor:
         """[B, S] block ids: each root, its known tokens (at most S - 1), then mask ids."""
-        ids = torch.full((roots.shape[0], self.block_size), self.draft.shape.mask_token_id, dtype=torch.int64,
-                         device=roots.device)
-        ids[:, 0] = roots
+        ids = self.draft.root_block_ids(roots, self.block_size)
         for b, tokens in enumerate(known or ()):
             tokens = tokens[:self.block_size - 1]
             if tokens:

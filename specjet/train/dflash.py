@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--prev-token-input", action=argparse.BooleanOptionalAction, default=False,
                        help="every block row also reads the token before it (the root, or a known token) through "
                             "its own projection (specjet's addition, models/dflash.py)")
-    model.add_argument("--known-prefix-rate", type=float, default=0.0,
+    model.add_argument("--known-prefix-rate", type=_fraction, default=0.0,
                        help="fraction of training blocks holding their next 1 .. S-2 tokens after the root in place "
                             "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
                             "0: DFlash's blocks as published")
@@ -119,8 +119,6 @@ def run(args: argparse.Namespace) -> dict:
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)
     mask_id = config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
-    if not 0.0 <= args.known_prefix_rate <= 1.0:
-        raise SystemExit(f"--known-prefix-rate must lie in [0, 1], got {args.known_prefix_rate}")
     shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context,
                         known_prefix=args.known_prefix_rate > 0, prev_token_input=args.prev_token_input)
     timings: dict[str, float] = {}
@@ -201,6 +199,14 @@ def run(args: argparse.Namespace) -> dict:
     save_dflash(draft, out, target_gguf=_gguf_name(args.model_path), training=summary)
     print(f"wrote {out}")
     return summary
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a float in [0, 1] (NaN refused)."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
 
 
 def _autocast(choice: str) -> bool:

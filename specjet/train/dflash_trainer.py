@@ -80,8 +80,9 @@ def sample_known(anchors: torch.Tensor, lengths: torch.Tensor, rate: float, bloc
                  generator: torch.Generator) -> torch.Tensor | None:
     """[B, A] how many tokens after each block's root are known (in the block in place of mask
     tokens): 0, or for a fraction ``rate`` of the blocks a count drawn uniformly from 1 .. S - 2,
-    cut so that a scored position inside the sequence remains. None when ``rate`` is 0 (nothing is
-    drawn, so a run without known prefixes sees the same anchors as before)."""
+    cut so that a scored position inside the sequence remains. None when ``rate`` is 0 or the block
+    has no room for a known token and a mask (nothing is drawn, so a run without known prefixes sees
+    the same anchors as before)."""
     if rate <= 0 or block_size < 3:
         return None
     chosen = torch.rand(anchors.shape, generator=generator) < rate
