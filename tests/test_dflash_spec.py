@@ -20,7 +20,7 @@ from conftest import make_tiny_model_dir
 from specjet.models.config import ModelConfig
 from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
 from test_spec_eagle import PROMPTS, greedy, run_eager_and_static
-from test_spec_grammar import MIXED, REGEX, check_valid
+from test_spec_grammar import MIXED, REGEX, backend, check_valid, masked_topk_probs  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -419,6 +419,54 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
             assert all(known == chain for known, chain in seen)
         else:
             assert not any(known for known, _ in seen)
+
+
+def test_sampling_with_forced_text_in_the_block_matches_the_masked_target(tiny_model_dir, backend, tmp_path,
+                                                                         monkeypatch):
+    """Sampling with a draft that reads the grammar's forced text in its block (known prefixes and
+    previous tokens, as the packaged draft): 1000 seeded draws under a regex that forces
+    " and then " before each sampled letter; the (t1, t2) histogram matches the exact grammar-masked top-k
+    distribution, and forced chains did reach the block."""
+    from transformers import AutoModelForCausalLM
+
+    from specjet.grammar import RequestGrammar
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    known_seen = []
+    real_blocks = DFlashDrafter.draft_blocks
+
+    def draft_blocks(self, reqs, req_to_token, known=None):
+        known_seen.extend(k for k in known or [] if k)
+        return real_blocks(self, reqs, req_to_token, known)
+
+    monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
+    torch.manual_seed(2)
+    draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 8, 0, True, known_prefix=True,
+                                                               prev_token_input=True))
+    draft.reset_parameters(std=0.3)
+    path = save_dflash(draft, tmp_path / "known", dtype=torch.float32)
+    regex = r"( and then [abc]){2,4}"
+    prompt = PROMPTS[0]
+    n = 1000
+    # Every request's whole tree in one verify (a float CPU target caps the nodes of a verify, which
+    # leaves the many requests here a chain of one token, filled by the forced text).
+    with dflash_engine(tiny_model_dir, path, speculative_num_draft_tokens=8, speculative_max_verify_tokens=1 << 16,
+                       dtype="float32") as eng:
+        prompt_ids = eng.tokenizer(prompt)["input_ids"]
+        # Room for a block after the forced chain: a tree is never longer than what the request may still say.
+        params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 8, "regex": regex, "seed": s} for s in range(n)]
+        outs = eng.generate([prompt] * n, params)
+        eng.check_kv_invariant()
+    assert len(known_seen) > n // 20
+    grammar = RequestGrammar(backend.compile("regex", regex).result())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    exact = {}
+    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, [], 3).items():
+        for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, [t1], 3).items():
+            exact[(t1, t2)] = p1 * p2
+    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.07, tv
 
 
 def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path):

@@ -12,8 +12,10 @@ done:
   4. evaluate  greedy chain acceptance on held-out target replies, per block cut;
   5. save      the draft (its own weights, fp16) and a config.json with this run's summary.
 
-The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, session
-18: one layer, 1,400 target replies, 6,000 steps; ~45 min from nothing on a 2-core CPU with native bf16).
+The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
+18 and 32: one layer, 1,400 target replies, 6,000 steps, each block row reading the token before it,
+30% of the blocks with known tokens; ~45-50 min from nothing on the 2-core Intel Xeon with native bf16,
+~89 min on a 2-core AMD EPYC Zen 4).
 """
 from __future__ import annotations
 
@@ -58,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--root-context", action=argparse.BooleanOptionalAction, default=True,
                        help="every block row also reads the last verified position's context (specjet's "
                             "addition, models/dflash.py); --no-root-context: DFlash as published")
-    model.add_argument("--prev-token-input", action=argparse.BooleanOptionalAction, default=False,
+    model.add_argument("--prev-token-input", action=argparse.BooleanOptionalAction, default=True,
                        help="every block row also reads the token before it (the root, or a known token) through "
-                            "its own projection (specjet's addition, models/dflash.py)")
-    model.add_argument("--known-prefix-rate", type=_fraction, default=0.0,
+                            "its own projection (specjet's addition, models/dflash.py); --no-prev-token-input: "
+                            "DFlash as published, whose one-layer draft does not read its own block")
+    model.add_argument("--known-prefix-rate", type=_fraction, default=0.3,
                        help="fraction of training blocks holding their next 1 .. S-2 tokens after the root in place "
                             "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
                             "0: DFlash's blocks as published")
