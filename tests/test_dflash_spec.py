@@ -20,7 +20,7 @@ from conftest import make_tiny_model_dir
 from specjet.models.config import ModelConfig
 from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
 from test_spec_eagle import PROMPTS, greedy, run_eager_and_static
-from test_spec_grammar import MIXED, REGEX, backend, check_valid, masked_topk_probs  # noqa: F401 (a fixture)
+from test_spec_grammar import MIXED, REGEX, backend, check_valid, masked_two_token_tv  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -427,9 +427,6 @@ def test_sampling_with_forced_text_in_the_block_matches_the_masked_target(tiny_m
     previous tokens, as the packaged draft): 1000 seeded draws under a regex that forces
     " and then " before each sampled letter; the (t1, t2) histogram matches the exact grammar-masked top-k
     distribution, and forced chains did reach the block."""
-    from transformers import AutoModelForCausalLM
-
-    from specjet.grammar import RequestGrammar
     from specjet.spec_v2.dflash_drafter import DFlashDrafter
 
     known_seen = []
@@ -458,14 +455,7 @@ def test_sampling_with_forced_text_in_the_block_matches_the_masked_target(tiny_m
         outs = eng.generate([prompt] * n, params)
         eng.check_kv_invariant()
     assert len(known_seen) > n // 20
-    grammar = RequestGrammar(backend.compile("regex", regex).result())
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    exact = {}
-    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, [], 3).items():
-        for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, [t1], 3).items():
-            exact[(t1, t2)] = p1 * p2
-    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs, top_k=3)
     assert tv < 0.07, tv
 
 

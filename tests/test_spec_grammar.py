@@ -304,8 +304,6 @@ def masked_topk_probs(model, grammar, prompt_ids, prefix, top_k):
 def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, backend):
     """1000 seeded draws of three tokens with NGRAM: the (t1, t2) histogram matches the exact
     grammar-masked top-k distribution (t2 and t3 come from tree verification)."""
-    from transformers import AutoModelForCausalLM
-
     regex = r"( ?[abc]){3,8}"
     prompt = PROMPTS[0]
     n = 1000
@@ -315,15 +313,24 @@ def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, back
         outs = eng.generate([prompt] * n, params)
         eng.check_kv_invariant()
     assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs) > n // 20  # drafts were accepted
+    tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs, top_k=3)
+    assert tv < 0.07, tv
+
+
+def masked_two_token_tv(model_dir, backend, regex, prompt_ids, outs, top_k) -> float:
+    """Total variation between the outputs' first two tokens and the exact grammar-masked top-k
+    distribution of the target (HF transformers) after ``prompt_ids``."""
+    from transformers import AutoModelForCausalLM
+
     grammar = RequestGrammar(backend.compile("regex", regex).result())
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     exact = {}
-    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, [], 3).items():
-        for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, [t1], 3).items():
+    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, [], top_k).items():
+        for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, [t1], top_k).items():
             exact[(t1, t2)] = p1 * p2
     counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
-    assert tv < 0.07, tv
+    n = len(outs)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
 
 
 # ------------------------------------------------------------------ real model
