@@ -389,11 +389,14 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
 
     seen = []  # (known tokens handed to the block, the request's forced chain), per drafted block
     chains = {}
+    proposed = []  # (a request's tokens so far, the tree drafted after them)
     real_propose, real_blocks = DFlashDrafter.propose, DFlashDrafter.draft_blocks
 
     def propose(self, reqs, share, req_to_token):
         chains.update({r.input.rid: r.chain for r in reqs})
-        return real_propose(self, reqs, share, req_to_token)
+        trees = real_propose(self, reqs, share, req_to_token)
+        proposed.extend((tuple(r.input.token_ids), tree) for r, tree in zip(reqs, trees))
+        return trees
 
     def draft_blocks(self, reqs, req_to_token, known=None):
         seen.extend(zip(known or [[] for _ in reqs], [chains[r.rid] for r in reqs]))
@@ -402,16 +405,22 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
     monkeypatch.setattr(DFlashDrafter, "propose", propose)
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
     ref = plain.generate(PROMPTS[:4], MIXED)
-    for known_prefix in (True, False):
+    trees = {}
+    # The static draft runner (padded batch buckets on static buffers: the CUDA-graph path's inputs,
+    # eager here) takes the known tokens through its ids buffer: the same drafts as the eager runner.
+    for known_prefix, runner in ((True, "eager"), (True, "static"), (False, "eager")):
         torch.manual_seed(1)
         draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 8, 0, True, known_prefix=known_prefix,
                                                                    prev_token_input=known_prefix))
         draft.reset_parameters(std=0.3)
-        path = save_dflash(draft, tmp_path / str(known_prefix), dtype=torch.float32)
+        path = save_dflash(draft, tmp_path / f"{known_prefix}-{runner}", dtype=torch.float32)
         seen.clear()
-        with dflash_engine(tiny_model_dir, path, speculative_num_draft_tokens=8, page_size=16) as eng:
+        proposed.clear()
+        with dflash_engine(tiny_model_dir, path, speculative_num_draft_tokens=8, page_size=16,
+                           speculative_draft_runner=runner) as eng:
             outs = eng.generate(PROMPTS[:4], MIXED)
             eng.check_kv_invariant()
+        trees[(known_prefix, runner)] = sorted(proposed)  # batches may form differently
         assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
         check_valid(outs, MIXED)
         assert any(chain for _, chain in seen)  # some drafted blocks follow forced text
@@ -419,6 +428,7 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
             assert all(known == chain for known, chain in seen)
         else:
             assert not any(known for known, _ in seen)
+    assert trees[(True, "eager")] == trees[(True, "static")]
 
 
 def test_sampling_with_forced_text_in_the_block_matches_the_masked_target(tiny_model_dir, backend, tmp_path,
