@@ -260,7 +260,8 @@ def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, p
     # In place the packed draft runs its C++ path, in scratch slots its forward: the same bits.
     assert torch.equal(in_place.draft_blocks(reqs, table, known), scratch.draft_blocks(reqs, table, known))
     assert torch.equal(in_place.draft_blocks(reqs, table), scratch.draft_blocks(reqs, table))
-    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True, prev=prev).bind_target(runner.model)
+    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True, prev=prev)
+    trainable = trainable.bind_target(runner.model)
     anchors = torch.tensor([[4, 17]])
     block_ids = torch.tensor([[[ids[4], MASK_ID, MASK_ID, MASK_ID, MASK_ID], [ids[17], 3, 9, MASK_ID, MASK_ID]]])
     with torch.no_grad():

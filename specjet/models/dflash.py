@@ -318,21 +318,15 @@ class DFlashDraftModel(nn.Module):
         add = torch.where(self._known_rows(ids)[:, :-1, None], add, torch.zeros_like(add))
         return torch.cat([x[:, :1], x[:, 1:] + add], dim=1)
 
-    def _add_known_previous_tokens(self, x: torch.Tensor, roots: torch.Tensor, ids: torch.Tensor | None
-                                   ) -> torch.Tensor:
-        """``_add_previous_tokens``'s values with only the rows whose previous token is known projected
-        (without known tokens: row 1 of each block, after its root). The projection's kernels give a
-        row the same bits whatever rows share the call, and a row plus zero is that row, so this is
-        ``_add_previous_tokens`` to the bit, at a seventh of its projection (host-side indices: the
-        C++ path only)."""
-        embed = self._shared().embed.weight
-        if ids is None:
-            add = self.prev_proj.project(F.embedding(roots, embed).to(x.dtype)).to(x.dtype)
-            x[:, 1] += add
-            return x
+    def _add_known_previous_tokens(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``_add_previous_tokens``'s values, in place, with only the rows whose previous token is known
+        projected (without known tokens: row 1 of each block, after its root). The projection's kernels
+        give a row the same bits whatever rows share the call, and a row plus zero is that row, so this
+        is ``_add_previous_tokens`` to the bit at a fraction of its projection (its indices come from a
+        host-side ``nonzero``: the C++ path only; a captured graph takes ``_add_previous_tokens``)."""
         blocks, rows = self._known_rows(ids)[:, :-1].nonzero(as_tuple=True)
-        add = self.prev_proj.project(F.embedding(ids[blocks, rows], embed).to(x.dtype)).to(x.dtype)
-        x[blocks, rows + 1] += add
+        embedded = F.embedding(ids[blocks, rows], self._shared().embed.weight).to(x.dtype)
+        x[blocks, rows + 1] += self.prev_proj.project(embedded).to(x.dtype)
         return x
 
     def _mask_rows(self, size: int) -> torch.Tensor:
@@ -374,7 +368,7 @@ class DFlashDraftModel(nn.Module):
         else:
             x[known] += F.embedding(ids[known], self._shared().embed.weight).to(x.dtype)
         if self.prev_proj is not None:
-            x = self._add_known_previous_tokens(x, roots, ids)
+            x = self._add_known_previous_tokens(x, self.root_block_ids(roots, size) if ids is None else ids)
         x = x.view(batch * size, -1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]

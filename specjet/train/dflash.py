@@ -14,8 +14,8 @@ done:
 
 The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
 18 and 32: one layer, 1,400 target replies, 6,000 steps, each block row reading the token before it,
-30% of the blocks with known tokens; ~45-50 min from nothing on the 2-core Intel Xeon with native bf16,
-~89 min on a 2-core AMD EPYC Zen 4).
+30% of the blocks with known tokens; ~89 min from nothing on a 2-core AMD EPYC Zen 4, where session 18's
+recipe took 83 and 45 on the 2-core Intel Xeon with native bf16).
 """
 from __future__ import annotations
 
