@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import SHARED_DATA
 from model_harness import load_runner
@@ -95,6 +96,54 @@ def test_known_prefixes_are_drawn_within_the_block_and_not_scored(runner, sequen
     changed[0, first_mask] = (changed[0, first_mask] + 1) % runner.config.vocab_size
     assert loss(changed) != base
 
+
+
+def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(runner, sequences):
+    """``batch_loss`` sends only the scored positions through the head; its loss, top-1 and accept
+    length equal the position-weighted cross-entropy written here over every block row's logits,
+    with known, padded and past-the-end positions weighted 0 (and the same gradient)."""
+    draft = new_draft(runner, seed=5, root_context=True)
+    batch = sequences[:3]
+    ids, feats, lengths = T.collate(batch)
+    anchors = T.sample_anchors(batch, 6, torch.Generator().manual_seed(3))
+    anchors[2, 4:] = -1
+    anchors[0, -1] = int(lengths[0]) - 2  # its block runs past the sequence's end
+    known = torch.zeros_like(anchors)
+    known[1, 0], known[0, 2] = 2, 1
+    cfg = T.DFlashTrainConfig(decay=3.0)
+    source = ids.roll(1, dims=1)  # labels other than the block's own tokens
+
+    got = T.batch_loss(draft, ids, feats, lengths, anchors, cfg, source, known)
+    grad = torch.autograd.grad(got["loss"], draft.fc.weight_t)[0]
+
+    block_ids = T.known_block_ids(ids, anchors, known, BLOCK, draft.shape.mask_token_id)
+    logits = draft.forward_train(ids, feats, anchors, None, block_ids)  # [B, A, S - 1, V], every row
+    weight, first, accepted, blocks = 0.0, 0, 0, 0
+    total = torch.zeros(())
+    for b in range(len(batch)):
+        for j, a in enumerate(anchors[b].tolist()):
+            n_known = int(known[b, j])
+            if a < 0:
+                continue
+            run = 0  # leading drafts equal to their labels
+            for k in range(n_known + 1, BLOCK):
+                if a + k >= int(lengths[b]):
+                    break
+                w = torch.exp(torch.tensor(-(k - 1) / 3.0))
+                label = int(source[b, a + k])
+                total = total + w * F.cross_entropy(logits[b, j, k - 1][None], torch.tensor([label]))
+                weight += float(w)
+                hit = int(logits[b, j, k - 1].argmax()) == label
+                run = run + 1 if hit and run == k - 1 else run
+            if n_known == 0:  # top-1 and accept length: blocks without known tokens
+                blocks += 1
+                first += int(logits[b, j, 0].argmax()) == int(source[b, a + 1])
+                accepted += run
+    expected = total / weight
+    torch.testing.assert_close(got["loss"].detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected, draft.fc.weight_t)[0], rtol=1e-4, atol=1e-7)
+    assert float(got["top1"]) == pytest.approx(first / blocks)
+    assert float(got["accept_length"]) == pytest.approx(1 + accepted / blocks)
 
 @pytest.mark.parametrize("rate", ["1.5", "-0.1", "nan", "x"])
 def test_a_known_prefix_rate_outside_0_1_is_refused_by_the_parser(rate, capsys):

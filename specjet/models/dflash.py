@@ -397,7 +397,8 @@ class DFlashDraftModel(nn.Module):
 
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                      window: int | None = None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      window: int | None = None, block_ids: torch.Tensor | None = None,
+                      scored: torch.Tensor | None = None) -> torch.Tensor:
         """Many blocks per sequence in one forward, each isolated from the others.
 
         ids [B, L], features [B, L, (K + 1) h], anchors [B, A] (the root's position of each block;
@@ -405,7 +406,9 @@ class DFlashDraftModel(nn.Module):
         ``block_ids[b, j]``, [B, A, S]: known tokens in some positions) and sees the context at
         positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its own block,
         exactly what a drafting forward with the root at a sees. Returns the logits of block
-        positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..])."""
+        positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..]);
+        with ``scored`` ([B, A, S - 1] bool) only those positions' logits, [n scored, K or vocab] in
+        row-major order (the head and the loss over unscored rows would be work for nothing)."""
         batch, seq_len, _ = features.shape
         size = self.shape.block_size
         num = anchors.shape[1]
@@ -449,8 +452,10 @@ class DFlashDraftModel(nn.Module):
                                                  scale=attn.scale, enable_gqa=attn.num_kv_heads != attn.num_heads)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(-1, attn.q_size))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.norm(x).reshape(batch, num, size, -1)[:, :, 1:]
-        return self.logits(hidden)
+        x = x.reshape(batch, num, size, -1)[:, :, 1:]
+        if scored is not None:
+            return self.logits(self.norm(x[scored]))
+        return self.logits(self.norm(x))
 
     def _train_mask(self, roots: torch.Tensor, real: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
         """[B, A*S, L + A*S] bool: a block's rows see its visible context and its own block. A padded

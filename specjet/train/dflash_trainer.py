@@ -180,19 +180,22 @@ def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlas
     scored."""
     size = model.shape.block_size
     block_ids = None if known is None else known_block_ids(ids, anchors, known, size, model.shape.mask_token_id)
-    logits = model.forward_train(ids, feats, anchors, cfg.window, block_ids)  # [B, A, S - 1, V]
     labels, valid = block_labels(source, lengths, anchors, size)
     labels, valid = to_columns(model, labels, valid)
     real = anchors >= 0
     if known is not None:
         valid = valid & (torch.arange(1, size)[None, None, :] > known[:, :, None])
         real = real & (known == 0)
-    weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay)[None, None, :] * valid
+    # Only the scored positions go through the norm, the head and the loss.
+    logits = model.forward_train(ids, feats, anchors, cfg.window, block_ids, scored=valid)  # [n, K or vocab]
+    weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay).expand_as(valid)[valid]
     logits = logits.float()  # the loss in fp32 under autocast too
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
+    targets = labels[valid]
+    ce = F.cross_entropy(logits, targets, reduction="none")
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
     with torch.no_grad():
-        hits = (logits.argmax(-1) == labels) & valid
+        hits = torch.zeros_like(valid)
+        hits[valid] = logits.argmax(-1) == targets
         top1 = hits[:, :, 0][real].float().mean()
         accept = 1 + hits.long().cumprod(-1).sum(-1)[real].float().mean()
     return {"loss": loss, "top1": top1, "accept_length": accept}
