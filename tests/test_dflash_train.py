@@ -175,6 +175,25 @@ def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     assert torch.equal(labels[first:], greedy[first:len(seq.ids)]) and torch.equal(labels[:first], seq.ids[:first])
 
 
+
+def test_target_labels_are_kept_beside_the_features_for_the_next_run(runner, sequences, tmp_path, monkeypatch):
+    """A run's label pass is saved (training writes it beside its checkpoint) and read back by the next
+    run over the same sequences; other sequences get their own labels, not the file's."""
+    draft = new_draft(runner)
+    T.train(draft, sequences, T.DFlashTrainConfig(steps=1, batch_tokens=400, blocks_per_seq=2), tmp_path / "a.pt")
+    path = tmp_path / "labels-prompt256.safetensors"
+    assert path.is_file()
+    real, calls = T.target_labels, []
+    monkeypatch.setattr(T, "target_labels", lambda model, seqs: calls.append(len(seqs)) or real(model, seqs))
+    seqs = [T.crop_prompt(s, 256) for s in sequences]
+    expected = real(draft, seqs)
+    cached = T.cached_target_labels(draft, seqs, path)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(cached, expected))
+    fewer = T.cached_target_labels(draft, seqs[1:], path)  # other sequences: computed again, and kept
+    assert calls == [len(seqs) - 1] and all(torch.equal(a, b) for a, b in zip(fewer, expected[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(T.cached_target_labels(draft, seqs[1:], path), expected[1:]))
+    assert calls == [len(seqs) - 1]
+
 def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_path, monkeypatch):
     cfg = T.DFlashTrainConfig(steps=80, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3,
                               checkpoint_every=20, seed=0)

@@ -26,6 +26,8 @@ batches and anchors are fixed by the seed, a checkpoint holds the anchor generat
 """
 from __future__ import annotations
 
+import hashlib
+import pathlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -164,6 +166,34 @@ def target_labels(model: DFlashDraftModel, seqs: list[Sequence], chunk: int = 51
     return out
 
 
+def cached_target_labels(model: DFlashDraftModel, seqs: list[Sequence], path: pathlib.Path | None
+                         ) -> list[torch.Tensor]:
+    """``target_labels``, kept in ``path`` (beside the features they come from) for the next run over
+    the same sequences: the pass is minutes of a run (the full-vocabulary head over every reply
+    position in fp32), the same every time. A file for other sequences or another head is replaced."""
+    if path is None:
+        return target_labels(model, seqs)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    head = model._shared().full_lm_head or model._shared().lm_head
+    digest = hashlib.sha256(head.weight_t.detach().float().contiguous().numpy().tobytes())
+    for s in seqs:
+        digest.update(s.ids.numpy().tobytes())
+        digest.update(f"{len(s.ids)},{s.prompt_len};".encode())
+    key = digest.hexdigest()
+    lengths = [len(s.ids) for s in seqs]
+    if path.is_file():
+        with safe_open(str(path), "pt") as f:
+            if f.metadata().get("key") == key:
+                return list(f.get_tensor("labels").split(lengths))
+    labels = target_labels(model, seqs)
+    tmp = path.with_suffix(".tmp")
+    save_file({"labels": torch.cat(labels)}, str(tmp), metadata={"key": key})
+    tmp.replace(path)
+    return labels
+
+
 def collate_labels(labels: list[torch.Tensor], max_len: int) -> torch.Tensor:
     out = torch.zeros(len(labels), max_len, dtype=torch.int64)
     for i, lab in enumerate(labels):
@@ -213,7 +243,12 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
     if cfg.labels not in ("target", "sequence"):
         raise ValueError(f"labels must be 'target' or 'sequence', got {cfg.labels!r}")
     seqs = [crop_prompt(s, cfg.max_prompt) for s in seqs]
-    labels = target_labels(model, seqs) if cfg.labels == "target" else [s.ids for s in seqs]
+    if cfg.labels == "target":
+        name = f"labels-prompt{cfg.max_prompt}.safetensors"
+        cache = None if checkpoint is None else pathlib.Path(checkpoint).with_name(name)
+        labels = cached_target_labels(model, seqs, cache)
+    else:
+        labels = [s.ids for s in seqs]
     groups = length_groups([len(s.ids) for s in seqs], cfg.batch_tokens)
     model.train()
     start = time.perf_counter()
