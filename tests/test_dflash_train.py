@@ -97,7 +97,6 @@ def test_known_prefixes_are_drawn_within_the_block_and_not_scored(runner, sequen
     assert loss(changed) != base
 
 
-
 def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(runner, sequences):
     """``batch_loss`` sends only the scored positions through the head; its loss, top-1 and accept
     length equal the position-weighted cross-entropy written here over every block row's logits,
@@ -145,6 +144,7 @@ def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(run
     assert float(got["top1"]) == pytest.approx(first / blocks)
     assert float(got["accept_length"]) == pytest.approx(1 + accepted / blocks)
 
+
 @pytest.mark.parametrize("rate", ["1.5", "-0.1", "nan", "x"])
 def test_a_known_prefix_rate_outside_0_1_is_refused_by_the_parser(rate, capsys):
     from specjet.train.dflash import build_parser
@@ -175,7 +175,6 @@ def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     assert torch.equal(labels[first:], greedy[first:len(seq.ids)]) and torch.equal(labels[:first], seq.ids[:first])
 
 
-
 def test_target_labels_are_kept_beside_the_features_for_the_next_run(runner, sequences, tmp_path, monkeypatch):
     """A run's label pass is saved (training writes it beside its checkpoint) and read back by the next
     run over the same sequences; other sequences get their own labels, not the file's."""
@@ -193,6 +192,7 @@ def test_target_labels_are_kept_beside_the_features_for_the_next_run(runner, seq
     assert calls == [len(seqs) - 1] and all(torch.equal(a, b) for a, b in zip(fewer, expected[1:]))
     assert all(torch.equal(a, b) for a, b in zip(T.cached_target_labels(draft, seqs[1:], path), expected[1:]))
     assert calls == [len(seqs) - 1]
+
 
 def test_training_lowers_the_loss_and_resumes_exactly(runner, sequences, tmp_path, monkeypatch):
     cfg = T.DFlashTrainConfig(steps=80, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3,
