@@ -293,7 +293,8 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
             "--num-target-replies", "2", "--num-human-replies", "4", "--num-eval", "2", "--num-few-shot-replies", "0",
             "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
             "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
-            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5", "--prev-token-input"]
+            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5", "--prev-token-input",
+            "--weight-decay", "0.1"]
     main(argv)
     meta = read_dflash_config(out)
     assert (meta["block_size"], meta["num_layers"], meta["target_layers"], meta["hot_vocab_size"]) == (4, 1, [0], 300)
@@ -301,6 +302,7 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     training = meta["training"]
     assert training["eval_after_known"]["known"] == 2 and set(training["eval_after_known"]["all"]["accept_length"]) == {"1"}
     assert training["steps"] == 4 and training["data"]["train"]["gsm8k_human"]["sequences"] == 4
+    assert training["train_config"]["weight_decay"] == 0.1 and "--weight-decay 0.1" in training["command"]
     assert training["data"]["train"]["gsm8k_target"]["sequences"] == 2
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
     main(argv)  # everything cached: no generation, no features, the finished checkpoint reused

@@ -13,9 +13,9 @@ done:
   5. save      the draft (its own weights, fp16) and a config.json with this run's summary.
 
 The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
-18 and 32: one layer, 1,400 target replies, 6,000 steps, each block row reading the token before it,
-30% of the blocks with known tokens; ~89 min from nothing on a 2-core AMD EPYC Zen 4, where session 18's
-recipe took 83 and 45 on the 2-core Intel Xeon with native bf16).
+18, 32 and 33: one layer, 1,400 target replies, 6,000 steps, each block row reading the token before it,
+30% of the blocks with known tokens, AdamW weight decay 0.1; ~89 min from nothing on a 2-core AMD EPYC
+Zen 4, where session 18's recipe took 83 and 45 on the 2-core Intel Xeon with native bf16).
 """
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what a block position learns: the target's greedy token after the text's prefix "
                             "(the same as the text on the target's own replies), or the text's token")
     model.add_argument("--lr", type=float, default=2e-3)
+    model.add_argument("--weight-decay", type=float, default=0.1,
+                       help="AdamW's decoupled weight decay (0.1 against 0: GSM8K held-out chains 2.13 -> 2.35; "
+                            "bench/RESULTS.md, session 33)")
     model.add_argument("--warmup-steps", type=int, default=30)
     model.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -160,7 +163,8 @@ def run(args: argparse.Namespace) -> dict:
     draft = DFlashDraftModel(config, shape, hot_token_ids=hot).bind_target(target)
     cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt,
                             blocks_per_seq=args.blocks_per_seq, decay=args.decay, window=args.window,
-                            labels=args.labels, lr=args.lr, autocast_bf16=_autocast(args.autocast),
+                            labels=args.labels, lr=args.lr, weight_decay=args.weight_decay,
+                            autocast_bf16=_autocast(args.autocast),
                             warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
                             known_prefix_rate=args.known_prefix_rate)
     run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape),
@@ -226,7 +230,7 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
     for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
                 "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
-                "warmup_steps", "known_prefix_rate",
+                "warmup_steps", "known_prefix_rate", "weight_decay",
                 "generate_dtype", "feature_dtype", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
