@@ -155,6 +155,16 @@ def test_a_known_prefix_rate_outside_0_1_is_refused_by_the_parser(rate, capsys):
     assert build_parser().parse_args(["--known-prefix-rate", "0.3"]).known_prefix_rate == 0.3
 
 
+
+@pytest.mark.parametrize("decay", ["-0.1", "nan", "inf", "x"])
+def test_a_negative_or_non_finite_weight_decay_is_refused_by_the_parser(decay, capsys):
+    from specjet.train.dflash import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--weight-decay", decay])
+    assert "--weight-decay" in capsys.readouterr().err
+    assert build_parser().parse_args(["--weight-decay", "0"]).weight_decay == 0.0
+
 def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     """labels="target": position t learns what the target's own forward (run here over the
     sequence) ranks first after ids[:t]; on this reference text that often differs from the text."""

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what a block position learns: the target's greedy token after the text's prefix "
                             "(the same as the text on the target's own replies), or the text's token")
     model.add_argument("--lr", type=float, default=2e-3)
-    model.add_argument("--weight-decay", type=float, default=0.1,
-                       help="AdamW's decoupled weight decay (0.1 against 0: GSM8K held-out chains 2.13 -> 2.35; "
+    model.add_argument("--weight-decay", type=_non_negative, default=0.1,
+                       help="AdamW's decoupled weight decay on the draft's parameters (the shipped draft's: "
                             "bench/RESULTS.md, session 33)")
     model.add_argument("--warmup-steps", type=int, default=30)
     model.add_argument("--checkpoint-every", type=int, default=100)
@@ -213,6 +213,15 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a finite float >= 0 (refused here rather than by the optimizer after the data
+    and feature stages)."""
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
