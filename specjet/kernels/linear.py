@@ -90,8 +90,14 @@ BLOCKED_PLANS = {
     torch.float32: [(None, 1, 128), (None, 2, 128), (None, 1, 32), (None, 2, 32), (None, 2, 16), (None, 2, 8)],
 }
 PLAIN_PLANS = [(None, 1, 32), (None, 2, 32), (None, 1, 16), (None, 2, 16), (None, 1, 8), (None, 2, 8)]
+# A GPU's GEMM library may choose its kernel (tiles, split-K) by the row count, so that no chunking
+# keeps a row's bits (fp32 cuBLAS on an H200: bench/RESULTS.md, session 35) and the fallback of one row
+# per call makes a 16-node verify 16 launches a projection. Every call padded to one fixed row count
+# runs one kernel whatever the rows hold, and on a GPU the padding costs nothing a step notices (the
+# weights' read dominates). On a CPU it would multiply a decode step's work, so only GPU weights try it.
+FIXED_ROW_PLANS = [(None, 32, 32), (None, 16, 16), (None, 8, 8)]
 
-# (in, out, dtype, has_bias, threads, blocked) -> plan
+# (in, out, dtype, has_bias, threads, blocked, device type) -> plan
 _PLANS: dict[tuple, tuple[int | None, int, int]] = {}
 
 
@@ -130,24 +136,36 @@ def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> Pac
     bias = None if bias is None else bias.detach()
     blocked = can_block(weight_t)
     in_features, out_features = weight_t.shape
-    key = (in_features, out_features, weight_t.dtype, bias is not None, torch.get_num_threads(), blocked)
+    key = (in_features, out_features, weight_t.dtype, bias is not None, torch.get_num_threads(), blocked,
+           weight_t.device.type)
     plan = _PLANS.get(key)
     if plan is not None:
         return _make(weight_t, bias, blocked, plan)
-    candidates = BLOCKED_PLANS[weight_t.dtype] if blocked else PLAIN_PLANS
+    plan, packed = choose_plan(weight_t, bias, blocked, plan_candidates(weight_t, blocked))
+    if plan == (None, 1, 1):
+        logger.warning("linear %s: no batch-invariant chunking found; running one row per call", key)
+    _PLANS[key] = plan
+    return packed
+
+
+def plan_candidates(weight_t: torch.Tensor, blocked: bool) -> list[tuple[int | None, int, int]]:
+    if blocked:
+        return BLOCKED_PLANS[weight_t.dtype]
+    return PLAIN_PLANS + (FIXED_ROW_PLANS if weight_t.device.type == "cuda" else [])
+
+
+def choose_plan(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool,
+                candidates) -> tuple[tuple[int | None, int, int], PackedLinear]:
+    """The first candidate measured exact on ``weight_t``, else one row per call (exact by construction)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(CHECK_DISTINCT, in_features, generator=gen).to(device=weight_t.device, dtype=weight_t.dtype)
+    x = torch.randn(CHECK_DISTINCT, weight_t.shape[0], generator=gen).to(device=weight_t.device, dtype=weight_t.dtype)
     with torch.inference_mode():
         for plan in candidates:
             packed = _make(weight_t, bias, blocked, plan)
             if _is_exact(packed, x):
-                break
-        else:
-            plan = (None, 1, 1)
-            packed = _make(weight_t, bias, blocked, plan)
-            logger.warning("linear %s: no batch-invariant chunking found; running one row per call", key)
-    _PLANS[key] = plan
-    return packed
+                return plan, packed
+    plan = (None, 1, 1)
+    return plan, _make(weight_t, bias, blocked, plan)
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""The projections' row plans (kernels/linear.py) when the GEMM's bits follow the call's row count.
+
+A GPU GEMM library may pick its kernel by the row count, so that no chunking keeps a row's bits (fp32
+cuBLAS did so on an H200). The plans padded to one fixed row count run one kernel for every call and
+are tried for GPU weights only: on a CPU the padding would multiply a decode step's work."""
+import pytest
+import torch
+
+from specjet.kernels import linear as L
+
+
+def kernel_exact_only_at_16_rows(x, weight_t, bias):
+    """x @ weight_t row by row (a row's bits its own), off by an amount that follows the call's row
+    count and each row's place in the call, except in calls of exactly 16 rows."""
+    out = torch.stack([row @ weight_t for row in x])
+    rows = x.shape[0]
+    if rows != 16:
+        out = out + 1e-3 * torch.arange(1, rows + 1, dtype=out.dtype).unsqueeze(1) * rows
+    return out
+
+
+@pytest.fixture
+def weight_t():
+    return torch.randn(24, 10, generator=torch.Generator().manual_seed(3))
+
+
+def test_a_fixed_row_count_plan_is_chosen_where_no_chunking_is_exact(monkeypatch, weight_t):
+    monkeypatch.setattr(L, "linear_reference", kernel_exact_only_at_16_rows)
+    plan, packed = L.choose_plan(weight_t, None, False, L.PLAIN_PLANS + L.FIXED_ROW_PLANS)
+    assert plan == (None, 16, 16)
+    x = torch.randn(40, 24, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(40)])
+    torch.testing.assert_close(alone, x @ weight_t, rtol=0, atol=1e-5)  # the padded calls' rows are the exact ones
+    for m in (2, 3, 15, 16, 17, 33, 40):
+        calls = torch.cat([packed(x[i:i + m]) for i in range(0, 40, m)])
+        assert torch.equal(calls, alone), f"rows changed with {m} rows per call"
+
+
+def test_without_fixed_row_plans_the_fallback_is_one_row_per_call(monkeypatch, weight_t):
+    monkeypatch.setattr(L, "linear_reference", kernel_exact_only_at_16_rows)
+    plan, packed = L.choose_plan(weight_t, None, False, L.PLAIN_PLANS)
+    assert plan == (None, 1, 1)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(packed(x), torch.cat([packed(x[i:i + 1]) for i in range(5)]))
+
+
+def test_only_gpu_weights_try_fixed_row_plans(weight_t):
+    assert not set(L.FIXED_ROW_PLANS) & set(L.plan_candidates(weight_t, blocked=False))
+    assert not set(L.FIXED_ROW_PLANS) & set(L.plan_candidates(weight_t, blocked=True))
+    if torch.cuda.is_available():
+        assert set(L.FIXED_ROW_PLANS) <= set(L.plan_candidates(weight_t.cuda(), blocked=False))
