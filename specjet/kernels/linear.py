@@ -17,8 +17,8 @@ Every weight gets a **plan** (hint, ``min_rows``, ``max_rows``): a call of M row
 at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero rows. The plan is not
 assumed but measured once per (shape, dtype, bias, thread count) on the weight itself: a random input
 is run at every chunk size in the range and each row must equal the same row run alone (padded to
-``min_rows``); the first plan that passes wins, falling back to one row per call, which is exact by
-construction. So any CPU gets an exact plan. Plans hold for the torch thread count they were
+``min_rows``); the first plan that passes wins (GPU weights also try calls padded to one fixed row
+count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by construction. So any CPU gets an exact plan. Plans hold for the torch thread count they were
 measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
 path for training, where ``packed`` is None) is ``x @ weight_t + bias``.
 """
