@@ -18,8 +18,9 @@ at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero ro
 assumed but measured once per (shape, dtype, bias, thread count) on the weight itself: a random input
 is run at every chunk size in the range and each row must equal the same row run alone (padded to
 ``min_rows``); the first plan that passes wins (GPU weights also try calls padded to one fixed row
-count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by construction. So any CPU gets an exact plan. Plans hold for the torch thread count they were
-measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
+count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by construction. So any
+CPU gets an exact plan. Plans hold for the torch thread count they were measured under (the one at
+load; nothing in specjet changes it later). The torch reference (also the
 path for training, where ``packed`` is None) is ``x @ weight_t + bias``.
 """
 from __future__ import annotations
