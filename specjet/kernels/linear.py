@@ -15,12 +15,12 @@ hint is part of a weight's plan; the plans that cover the most rows per call com
 
 Every weight gets a **plan** (hint, ``min_rows``, ``max_rows``): a call of M rows runs as chunks of
 at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero rows. The plan is not
-assumed but measured once per (shape, dtype, bias, thread count) on the weight itself: a random input
-is run at every chunk size in the range and each row must equal the same row run alone (padded to
-``min_rows``); the first plan that passes wins (GPU weights also try calls padded to one fixed row
-count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by construction. So any
-CPU gets an exact plan. Plans hold for the torch thread count they were measured under (the one at
-load; nothing in specjet changes it later). The torch reference (also the
+assumed but measured once per (shape, dtype, bias, thread count, device type) on the weight itself: a
+random input is run at every chunk size in the range and each row must equal the same row run alone
+(padded to ``min_rows``); the first plan that passes wins (GPU weights also try calls padded to one
+fixed row count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by
+construction. So any device gets an exact plan. Plans hold for the torch thread count they were
+measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
 path for training, where ``packed`` is None) is ``x @ weight_t + bias``.
 """
 from __future__ import annotations
@@ -150,6 +150,7 @@ def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> Pac
 
 
 def plan_candidates(weight_t: torch.Tensor, blocked: bool) -> list[tuple[int | None, int, int]]:
+    """The plans ``pack_weight`` tries for this weight, in order (the fixed-row ones on a GPU only)."""
     if blocked:
         return BLOCKED_PLANS[weight_t.dtype]
     return PLAIN_PLANS + (FIXED_ROW_PLANS if weight_t.device.type == "cuda" else [])
