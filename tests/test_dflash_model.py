@@ -28,11 +28,11 @@ def runner(tiny_model_dir):
     return load_runner(tiny_model_dir, tokens=512)
 
 
-def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None, root_context=False, prev=False
-                 ) -> DFlashDraftModel:
+def random_draft(config, num_layers=2, block=BLOCK, seed=0, hot=None, root_context=False, prev=False,
+                 position_masks=False) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID, root_context,
-                                                 prev_token_input=prev), hot_token_ids=hot)
+    draft = DFlashDraftModel(config, DFlashShape(num_layers, (0,), block, MASK_ID, root_context, prev_token_input=prev,
+                                                 position_masks=position_masks), hot_token_ids=hot)
     draft.reset_parameters(std=0.2)
     with torch.no_grad():  # norms away from 1, so a missing or misplaced norm shows
         for name, p in draft.named_parameters():
@@ -84,7 +84,10 @@ def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, ro
     size = size or draft.shape.block_size
     c = rms(feats @ P["fc.weight_t"], P["hidden_norm.weight"], eps)
     embed = runner.model.embed_tokens.weight.detach().float()
-    x = torch.stack([embed[root]] + [embed[t] for t in known] + [P["mask_embedding"]] * (size - 1 - len(known)))
+    # A position-mask draft's mask at block position i is its own vector i - 1.
+    masks = [P["mask_embedding"][i - 1] if draft.shape.position_masks else P["mask_embedding"]
+             for i in range(1 + len(known), size)]
+    x = torch.stack([embed[root]] + [embed[t] for t in known] + masks)
     if draft.shape.root_context:
         assert ctx_positions[-1] == root_pos - 1
         x = x + c[-1] @ P["root_proj.weight_t"]
@@ -121,21 +124,22 @@ def scattered_table(num_positions, seed=0):
     return slots[None, :].clone()
 
 
-def draft_and_allocator(runner, packed: bool, root_context: bool = True, prev: bool = False):
+def draft_and_allocator(runner, packed: bool, root_context: bool = True, prev: bool = False,
+                        position_masks: bool = False):
     """A random draft (packed: its inference operands and the C++ ops, as a loaded draft runs) and an
     allocator over the runner's pool."""
     if packed and cpu_ops.extension() is None:
         pytest.skip("the C++ CPU ops are not built")
-    draft = random_draft(runner.config, root_context=root_context, prev=prev)
+    draft = random_draft(runner.config, root_context=root_context, prev=prev, position_masks=position_masks)
     if packed:
         draft.pack_for_decode()
     return draft, TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
 
 
-def scratch_and_in_place_drafters(runner, packed: bool, prev: bool = False):
+def scratch_and_in_place_drafters(runner, packed: bool, prev: bool = False, position_masks: bool = False):
     """A root-context random draft, an allocator, and two drafters of the draft: one borrowing scratch
     slots for its blocks, one drafting in place."""
-    draft, allocator = draft_and_allocator(runner, packed, prev=prev)
+    draft, allocator = draft_and_allocator(runner, packed, prev=prev, position_masks=position_masks)
     return (draft, allocator, DFlashDrafter(runner, draft, BLOCK, None, allocator),
             DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK))
 
@@ -232,15 +236,16 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
     assert allocator.num_free_slots == free  # every borrowed scratch slot went back
 
 
-@pytest.mark.parametrize("packed,prev", [(False, False), (True, False), (False, True), (True, True)])
-def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, packed, prev):
+@pytest.mark.parametrize("packed,prev,position_masks", [(False, False, False), (True, False, False), (False, True, False),
+                                                        (True, True, False), (False, True, True), (True, True, True)])
+def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, packed, prev, position_masks):
     """A block holding known tokens after its root (a grammar's forced text, for a draft trained with
     known prefixes) reads their embeddings where it would read the mask's (prev: and each row after a
-    known token or the root also reads that token through prev_proj): in place and in scratch slots,
-    native and torch, alone and beside a block without any, the oracle's logits; the training forward
-    with the same block ids too."""
+    known token or the root also reads that token through prev_proj; position_masks: each mask row its
+    position's own mask vector): in place and in scratch slots, native and torch, alone and beside a
+    block without any, the oracle's logits; the training forward with the same block ids too."""
     ids, feats = features
-    draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed, prev)
+    draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed, prev, position_masks)
     table = torch.zeros(2, 64, dtype=torch.int64)
     reqs = []
     for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
@@ -260,7 +265,8 @@ def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, p
     # In place the packed draft runs its C++ path, in scratch slots its forward: the same bits.
     assert torch.equal(in_place.draft_blocks(reqs, table, known), scratch.draft_blocks(reqs, table, known))
     assert torch.equal(in_place.draft_blocks(reqs, table), scratch.draft_blocks(reqs, table))
-    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True, prev=prev)
+    trainable = random_draft(runner.config, num_layers=1, seed=2, root_context=True, prev=prev,
+                             position_masks=position_masks)
     trainable = trainable.bind_target(runner.model)
     anchors = torch.tensor([[4, 17]])
     block_ids = torch.tensor([[[ids[4], MASK_ID, MASK_ID, MASK_ID, MASK_ID], [ids[17], 3, 9, MASK_ID, MASK_ID]]])
@@ -376,19 +382,41 @@ def test_static_buffers_give_the_eager_logits(runner, features):
     assert not static.graph.capture  # no CUDA graphs on the CPU
 
 
-@pytest.mark.parametrize("prev", [False, True])
-def test_checkpoint_round_trip(runner, tmp_path, prev):
-    draft = random_draft(runner.config, prev=prev)
+@pytest.mark.parametrize("prev,position_masks", [(False, False), (True, False), (True, True)])
+def test_checkpoint_round_trip(runner, tmp_path, prev, position_masks):
+    draft = random_draft(runner.config, prev=prev, position_masks=position_masks)
     save_dflash(draft, tmp_path / "d", training={"steps": 3}, dtype=torch.float32)
     meta = read_dflash_config(tmp_path / "d")
     assert (meta["num_layers"], meta["target_layers"], meta["block_size"], meta["mask_token_id"]) == (2, [0], BLOCK, MASK_ID)
     assert meta["prev_token_input"] == prev and (draft.prev_proj is not None) == prev
+    assert meta["position_masks"] == position_masks
+    assert draft.mask_embedding.shape == ((BLOCK - 1, runner.config.hidden_size) if position_masks
+                                          else (runner.config.hidden_size,))
     assert meta["training"] == {"steps": 3} and meta["target"]["num_layers"] == runner.config.num_layers
     loaded = load_dflash(tmp_path / "d", runner.config)
     for (name, p), q in zip(draft.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
     with pytest.raises(FileNotFoundError):
         read_dflash_config(tmp_path / "nothing")
+
+
+def test_position_masks_serve_blocks_up_to_the_trained_size(runner, features):
+    """A position-mask draft in a smaller block reads the first mask vectors (the oracle's logits); a
+    block longer than it was trained for has no mask vector for its tail and is refused, by name."""
+    ids, feats = features
+    draft, allocator = draft_and_allocator(runner, packed=False, position_masks=True)
+    small = DFlashDrafter(runner, draft, BLOCK - 2, None, allocator)
+    n = len(ids)
+    table = torch.zeros(1, 64, dtype=torch.int64)
+    table[0, :n + BLOCK] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
+    small.after_prefill([SpecInput("r", 0, 0, ids, 0)], feats, [11], table)
+    logits = small.draft_blocks([SpecInput("r", 0, n, ids + [11], 8)], table)[0]
+    expected = dense_block_logits(draft, runner, feats, torch.arange(n), 11, n, size=BLOCK - 2)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="blocks of up to"):
+        draft.embed_block(torch.full((1, BLOCK + 1), MASK_ID))
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens=6"):
+        DFlashDrafter(runner, draft, BLOCK + 1, None, allocator)
 
 
 def test_default_target_layers_spread_over_the_stack():

@@ -35,6 +35,13 @@ known token after it), as EAGLE's input row holds its token. A 1-layer draft wit
 the root's token nor known tokens through its attention (it learns to attend to the context only);
 with it, both reach the rows after them (bench/RESULTS.md, session 31).
 
+Position masks (``shape.position_masks``, specjet's addition). Every mask row of a published DFlash
+block has the same input, and the rows tell which position they draft only through RoPE inside
+attention; a 1-layer draft's MLP never sees it directly. With a mask embedding per block position
+(``mask_embedding`` [S - 1, h]: position i's row reads vector i - 1) each row's own input says which
+token after the root it drafts (bench/RESULTS.md, session 36). Such a draft serves blocks of up to
+its trained size.
+
 Because c_t depends on the target alone, each layer's context K/V at t is fixed once t is verified:
 ``write_context`` computes it once (after prefill, after each verify) into the draft's own paged KV
 cache at the target's slot of t, and a drafting forward then only writes the block's K/V (scratch
@@ -95,6 +102,10 @@ class DFlashShape:
     # is known (the root for row 1), as EAGLE's input row holds its token: without it a 1-layer draft
     # reads neither the root's token nor known tokens through its attention (bench/RESULTS.md, session 31).
     prev_token_input: bool = False
+    # specjet's addition: a mask embedding per block position (1 .. block_size - 1) instead of one for all,
+    # so a row's own input says which position it drafts (a 1-layer draft otherwise tells them apart
+    # only through RoPE inside its one attention). Blocks of up to block_size tokens then.
+    position_masks: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -130,7 +141,8 @@ class DFlashDraftModel(nn.Module):
         # Layer i writes layer i of the draft's own KV cache.
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.empty(h))
+        self.mask_embedding = nn.Parameter(torch.empty(shape.block_size - 1, h) if shape.position_masks
+                                           else torch.empty(h))
         self.root_proj = Linear(h, h, bias=False) if shape.root_context else None
         self.prev_proj = Linear(h, h, bias=False) if shape.prev_token_input else None
         self.register_buffer("hot_token_ids", check_hot_token_ids(hot_token_ids, config.vocab_size))
@@ -234,7 +246,17 @@ class DFlashDraftModel(nn.Module):
         """Block ids [...] -> embeddings [..., h]: the target's embedding, the mask embedding at mask ids."""
         x = F.embedding(ids, self._shared().embed.weight).to(self.mask_embedding.dtype)
         is_mask = (ids == self.shape.mask_token_id)[..., None]
-        return torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
+        return torch.where(is_mask, self._mask_vectors(ids.shape[-1]).to(x.dtype), x)
+
+    def _mask_vectors(self, size: int) -> torch.Tensor:
+        """[size, h] (or [h], broadcast): the mask embedding of block positions 0 .. size - 1 (position 0,
+        the root, is never a mask; its row is a placeholder)."""
+        if not self.shape.position_masks:
+            return self.mask_embedding
+        if size > self.shape.block_size:
+            raise ValueError(f"this DFlash draft has mask embeddings for blocks of up to {self.shape.block_size} "
+                             f"tokens, got a block of {size}")
+        return torch.cat([self.mask_embedding[:1], self.mask_embedding[:size - 1]])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] (already normed) -> [..., K or vocab] float32 through the (hot) LM head."""
@@ -333,7 +355,7 @@ class DFlashDraftModel(nn.Module):
         """[1, size, h]: zeros at the root's row, the mask embedding at the others (made once a size)."""
         if size not in self._mask_rows_cache:
             with torch.inference_mode(False):  # a plain tensor, whatever mode the first call runs in
-                rows = self.mask_embedding.detach().expand(size, -1).clone()
+                rows = self._mask_vectors(size).detach().expand(size, -1).clone()
                 rows[0] = 0
             self._mask_rows_cache[size] = rows[None]
         return self._mask_rows_cache[size]
@@ -530,7 +552,8 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
                         block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                         root_context=config.get("root_context", False),
                         known_prefix=config.get("known_prefix", False),
-                        prev_token_input=config.get("prev_token_input", False))
+                        prev_token_input=config.get("prev_token_input", False),
+                        position_masks=config.get("position_masks", False))
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
     missing, unexpected = model.load_state_dict(

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every block row also reads the token before it (the root, or a known token) through "
                             "its own projection (specjet's addition, models/dflash.py); --no-prev-token-input: "
                             "DFlash as published, whose one-layer draft does not read its own block")
+    model.add_argument("--position-masks", action=argparse.BooleanOptionalAction, default=False,
+                       help="a mask embedding per block position instead of one for all (specjet's addition, "
+                            "models/dflash.py)")
     model.add_argument("--known-prefix-rate", type=_fraction, default=0.3,
                        help="fraction of training blocks holding their next 1 .. S-2 tokens after the root in place "
                             "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)
     mask_id = config.vocab_size - 1 if args.mask_token_id is None else args.mask_token_id
     shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context,
-                        known_prefix=args.known_prefix_rate > 0, prev_token_input=args.prev_token_input)
+                        known_prefix=args.known_prefix_rate > 0, prev_token_input=args.prev_token_input,
+                        position_masks=args.position_masks)
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -245,5 +249,6 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
                     "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",
+                    "--position-masks" if args.position_masks else "--no-position-masks",
                     "--mask-token-id", str(mask_id),
                     "--target-layers", *map(str, target_layers)]
