@@ -48,6 +48,16 @@ def wrong_draft(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def wrong_position_draft(tmp_path_factory, tiny_model_dir):
+    """A random draft with every specjet addition to the block's inputs, a mask vector per position among them."""
+    torch.manual_seed(1)
+    draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 16, 0, root_context=True, known_prefix=True,
+                                                                  prev_token_input=True, position_masks=True))
+    draft.reset_parameters(std=0.3)
+    return save_dflash(draft, tmp_path_factory.mktemp("wrong-position-dflash"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
 def copy_draft(tmp_path_factory, tiny_model_dir):
     """With a root context (zero: still a copy draft), so every workload also runs the drafter's
     per-request root-context state; the wrong draft is DFlash as published."""
@@ -100,12 +110,14 @@ def dflash_engine(model_dir, draft, **kw):
 @pytest.mark.parametrize("draft_name,page_size,block,overlap,window,topk", [
     ("copy", 1, 4, True, None, 1), ("copy", 16, 8, True, None, 1), ("copy", 1, 16, False, None, 1),
     ("copy", 16, 16, True, 3, 1), ("wrong", 16, 8, False, None, 1), ("wrong", 1, 16, True, 5, 1),
-    ("copy", 16, 8, True, None, 3), ("wrong", 1, 8, True, None, 4), ("copy-hot", 1, 8, True, None, 2)])
-def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_draft, expected, draft_name, page_size,
-                             block, overlap, window, topk):
+    ("copy", 16, 8, True, None, 3), ("wrong", 1, 8, True, None, 4), ("copy-hot", 1, 8, True, None, 2),
+    ("wrong-position", 16, 8, True, None, 1), ("wrong-position", 1, 16, False, None, 3)])
+def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_draft, wrong_position_draft, expected,
+                             draft_name, page_size, block, overlap, window, topk):
     """topk > 1: trees (each block position's runners-up beside the chain), verified as any tree;
-    copy-hot: a draft with a hot vocabulary."""
-    draft = {"copy": copy_draft, "copy-hot": copy_draft_hot, "wrong": wrong_draft}[draft_name]
+    copy-hot: a draft with a hot vocabulary; wrong-position: a mask vector per block position."""
+    draft = {"copy": copy_draft, "copy-hot": copy_draft_hot, "wrong": wrong_draft,
+             "wrong-position": wrong_position_draft}[draft_name]
     with dflash_engine(tiny_model_dir, draft, page_size=page_size, speculative_num_draft_tokens=block,
                        disable_overlap_schedule=not overlap, speculative_dflash_draft_window_size=window,
                        speculative_eagle_topk=topk) as eng:
@@ -121,12 +133,13 @@ def test_greedy_equals_plain(tiny_model_dir, copy_draft, copy_draft_hot, wrong_d
         assert stats["spec_accepted_tokens"] < 1.2 * stats["spec_verify_ct"], stats
 
 
-@pytest.mark.parametrize("draft_name", ["copy", "wrong"])
-def test_static_draft_runner_drafts_what_eager_drafts(tiny_model_dir, copy_draft, wrong_draft, expected, draft_name):
+@pytest.mark.parametrize("draft_name", ["copy", "wrong", "wrong-position"])
+def test_static_draft_runner_drafts_what_eager_drafts(tiny_model_dir, copy_draft, wrong_draft, wrong_position_draft,
+                                                      expected, draft_name):
     """speculative_draft_runner="static": each block forward padded to a batch bucket on static
     buffers (5 requests in bucket 8; one alone in bucket 1). Same ids as plain decoding, and the
     same acceptance as the eager runner: the drafts themselves are the same."""
-    draft = {"copy": copy_draft, "wrong": wrong_draft}[draft_name]
+    draft = {"copy": copy_draft, "wrong": wrong_draft, "wrong-position": wrong_position_draft}[draft_name]
     stats = run_eager_and_static(lambda mode: dflash_engine(
         tiny_model_dir, draft, speculative_num_draft_tokens=8, page_size=16, speculative_draft_runner=mode), expected)
     counts = [(s["spec_accepted_tokens"], s["spec_verify_ct"]) for s in stats.values()]
