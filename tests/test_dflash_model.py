@@ -84,9 +84,9 @@ def dense_block_logits(draft: DFlashDraftModel, runner, feats, ctx_positions, ro
     size = size or draft.shape.block_size
     c = rms(feats @ P["fc.weight_t"], P["hidden_norm.weight"], eps)
     embed = runner.model.embed_tokens.weight.detach().float()
-    # A position-mask draft's mask at block position i is its own vector i - 1.
-    masks = [P["mask_embedding"][i - 1] if draft.shape.position_masks else P["mask_embedding"]
-             for i in range(1 + len(known), size)]
+    # A position-mask draft's mask at block position i is its own vector i - 1 (past the trained block, the last).
+    masks = [P["mask_embedding"][min(i, draft.shape.block_size - 1) - 1] if draft.shape.position_masks
+             else P["mask_embedding"] for i in range(1 + len(known), size)]
     x = torch.stack([embed[root]] + [embed[t] for t in known] + masks)
     if draft.shape.root_context:
         assert ctx_positions[-1] == root_pos - 1
@@ -400,23 +400,20 @@ def test_checkpoint_round_trip(runner, tmp_path, prev, position_masks):
         read_dflash_config(tmp_path / "nothing")
 
 
-def test_position_masks_serve_blocks_up_to_the_trained_size(runner, features):
-    """A position-mask draft in a smaller block reads the first mask vectors (the oracle's logits); a
-    block longer than it was trained for has no mask vector for its tail and is refused, by name."""
+def test_position_masks_in_smaller_and_longer_blocks(runner, features):
+    """A position-mask draft in a smaller block reads its first mask vectors, in a longer one the last
+    trained vector past its end: the oracle's logits either way."""
     ids, feats = features
     draft, allocator = draft_and_allocator(runner, packed=False, position_masks=True)
-    small = DFlashDrafter(runner, draft, BLOCK - 2, None, allocator)
     n = len(ids)
     table = torch.zeros(1, 64, dtype=torch.int64)
-    table[0, :n + BLOCK] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
-    small.after_prefill([SpecInput("r", 0, 0, ids, 0)], feats, [11], table)
-    logits = small.draft_blocks([SpecInput("r", 0, n, ids + [11], 8)], table)[0]
-    expected = dense_block_logits(draft, runner, feats, torch.arange(n), 11, n, size=BLOCK - 2)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="blocks of up to"):
-        draft.embed_block(torch.full((1, BLOCK + 1), MASK_ID))
-    with pytest.raises(ValueError, match="speculative_num_draft_tokens=6"):
-        DFlashDrafter(runner, draft, BLOCK + 1, None, allocator)
+    table[0, :n + BLOCK + 2] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK + 2)
+    for size in (BLOCK - 2, BLOCK + 2):
+        drafter = DFlashDrafter(runner, draft, size, None, allocator)
+        drafter.after_prefill([SpecInput("r", 0, 0, ids, 0)], feats, [11], table)
+        logits = drafter.draft_blocks([SpecInput("r", 0, n, ids + [11], 8)], table)[0]
+        expected = dense_block_logits(draft, runner, feats, torch.arange(n), 11, n, size=size)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_default_target_layers_spread_over_the_stack():

@@ -39,8 +39,8 @@ Position masks (``shape.position_masks``, specjet's addition). Every mask row of
 block has the same input, and the rows tell which position they draft only through RoPE inside
 attention; a 1-layer draft's MLP never sees it directly. With a mask embedding per block position
 (``mask_embedding`` [S - 1, h]: position i's row reads vector i - 1) each row's own input says which
-token after the root it drafts (bench/RESULTS.md, session 36). Such a draft serves blocks of up to
-its trained size.
+token after the root it drafts (bench/RESULTS.md, session 36). In a block longer than it was trained
+for, the positions past its end read the last trained position's vector.
 
 Because c_t depends on the target alone, each layer's context K/V at t is fixed once t is verified:
 ``write_context`` computes it once (after prefill, after each verify) into the draft's own paged KV
@@ -250,13 +250,13 @@ class DFlashDraftModel(nn.Module):
 
     def _mask_vectors(self, size: int) -> torch.Tensor:
         """[size, h] (or [h], broadcast): the mask embedding of block positions 0 .. size - 1 (position 0,
-        the root, is never a mask; its row is a placeholder)."""
+        the root, is never a mask; its row is a placeholder). A block longer than the draft was trained
+        for repeats the last trained position's vector past its end."""
         if not self.shape.position_masks:
             return self.mask_embedding
-        if size > self.shape.block_size:
-            raise ValueError(f"this DFlash draft has mask embeddings for blocks of up to {self.shape.block_size} "
-                             f"tokens, got a block of {size}")
-        return torch.cat([self.mask_embedding[:1], self.mask_embedding[:size - 1]])
+        trained = self.mask_embedding.shape[0]
+        rows = torch.arange(size, device=self.mask_embedding.device).sub(1).clamp(0, trained - 1)
+        return self.mask_embedding[rows]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] (already normed) -> [..., K or vocab] float32 through the (hot) LM head."""

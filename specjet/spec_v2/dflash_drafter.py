@@ -75,9 +75,6 @@ class DFlashDrafter:
                  topk: int = 1, static: bool = False, cuda_graph: bool = False,
                  quantization: str | None = FOLLOW_TARGET, grammar_topk: int | None = None, forced_tail: bool = True,
                  reserved: int = 0):
-        if draft.shape.position_masks and block_size > draft.shape.block_size:
-            raise ValueError(f"speculative_num_draft_tokens={block_size}: this DFlash draft has a mask embedding per "
-                             f"block position, for blocks of up to {draft.shape.block_size} tokens")
         self.runner = runner
         self.draft = draft.bind_target(runner.model, quantization)
         self.feature_capture = self.draft.feature_capture
