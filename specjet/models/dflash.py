@@ -104,7 +104,7 @@ class DFlashShape:
     prev_token_input: bool = False
     # specjet's addition: a mask embedding per block position (1 .. block_size - 1) instead of one for all,
     # so a row's own input says which position it drafts (a 1-layer draft otherwise tells them apart
-    # only through RoPE inside its one attention). Blocks of up to block_size tokens then.
+    # only through RoPE inside its one attention); past a longer block's trained end, the last one.
     position_masks: bool = False
 
     def __post_init__(self) -> None:
