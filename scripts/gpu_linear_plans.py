@@ -3,7 +3,7 @@ bf16 and fp32, and what a 16-row call (a 16-node verify) costs under each chosen
 per call (the fallback where no plan is exact). Run by scripts/gpu_check.sh tests."""
 import torch
 
-from specjet.kernels.linear import _PLANS, _make, pack_weight
+from specjet.kernels.linear import _PLANS, choose_plan, pack_weight
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
 
@@ -26,7 +26,7 @@ for dtype in (torch.bfloat16, torch.float32):
         w = torch.randn(i, o, device="cuda", dtype=dtype) * 0.05
         packed = pack_weight(w)
         x = torch.randn(16, i, device="cuda", dtype=dtype)
-        one_row = _make(w, None, False, (None, 1, 1))
+        _, one_row = choose_plan(w, None, False, [])  # no candidate: the one-row-per-call fallback
         with torch.inference_mode():
             chosen, fallback = time_ms(lambda: packed(x)), time_ms(lambda: one_row(x))
         print(f"{str(dtype):15} {i:5d} x {o:5d}: plan (min_rows {packed.min_rows}, max_rows {packed.max_rows}); "
