@@ -68,8 +68,8 @@ from specjet.kernels import cpu_ops
 from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
-from specjet.models.eagle import (FOLLOW_TARGET, TARGET_SHAPE_FIELDS, SharedTarget, check_hot_token_ids, draft_method,
-                                  hot_lm_head, read_draft_config, target_identity)
+from specjet.models.eagle import (FOLLOW_TARGET, TARGET_SHAPE_FIELDS, HotVocabDraft, SharedTarget, check_hot_token_ids,
+                                  draft_method, hot_lm_head, read_draft_config, target_identity)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.quantize import quantize_linears
@@ -124,7 +124,7 @@ def default_target_layers(num_target_layers: int, count: int) -> tuple[int, ...]
     return tuple(ids)
 
 
-class DFlashDraftModel(nn.Module):
+class DFlashDraftModel(HotVocabDraft):
     def __init__(self, config: ModelConfig, shape: DFlashShape, hot_token_ids: torch.Tensor | None = None):
         super().__init__()
         self.config, self.shape = config, shape
@@ -219,19 +219,6 @@ class DFlashDraftModel(nn.Module):
     @property
     def feature_width(self) -> int:
         return (len(self.shape.target_layers) + 1) * self.config.hidden_size
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
-
-    def hot_to_full(self, ids: torch.Tensor) -> torch.Tensor:
-        """Column indices of ``logits`` -> target token ids (the identity without a hot head)."""
-        return ids if self.hot_token_ids is None else self.hot_token_ids[ids]
-
-    def _shared(self) -> SharedTarget:
-        if self.target is None:
-            raise RuntimeError("call bind_target(target) before running the DFlash draft")
-        return self.target
 
     # ---------------------------------------------------------------- pieces shared by both paths
     def context(self, features: torch.Tensor, native: bool = False) -> torch.Tensor:

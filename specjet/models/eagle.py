@@ -101,7 +101,25 @@ def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None, me
     return hot
 
 
-class EagleDraftModel(nn.Module):
+class HotVocabDraft(nn.Module):
+    """What EAGLE's head and DFlash's draft share: a (hot) vocabulary of the target's ids and the target
+    references ``bind_target`` sets. Subclasses set ``config``, the ``hot_token_ids`` buffer and ``target``."""
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
+
+    def hot_to_full(self, ids: torch.Tensor) -> torch.Tensor:
+        """Column indices of ``logits`` -> target token ids (the identity without a hot head)."""
+        return ids if self.hot_token_ids is None else self.hot_token_ids[ids]
+
+    def _shared(self) -> SharedTarget:
+        if self.target is None:
+            raise RuntimeError(f"call bind_target(target) before running the {type(self).__name__}")
+        return self.target
+
+
+class EagleDraftModel(HotVocabDraft):
     def __init__(self, config: ModelConfig, hot_token_ids: torch.Tensor | None = None,
                  feature_layers: tuple[int, ...] = ()):
         super().__init__()
@@ -189,19 +207,6 @@ class EagleDraftModel(nn.Module):
         native = self.layer.native_ops  # the C++ norm where the head's layer runs on the C++ ops (decode)
         parts = [norm.normalize(c, native) for norm, c in zip(self.feature_norms, chunks)] + [chunks[-1]]
         return self.fuse.project(torch.cat(parts, dim=-1)).reshape(*features.shape[:-1], h)
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.config.vocab_size if self.hot_token_ids is None else int(self.hot_token_ids.shape[0])
-
-    def hot_to_full(self, ids: torch.Tensor) -> torch.Tensor:
-        """Column indices of ``logits`` -> target token ids (the identity without a hot head)."""
-        return ids if self.hot_token_ids is None else self.hot_token_ids[ids]
-
-    def _shared(self) -> SharedTarget:
-        if self.target is None:
-            raise RuntimeError("call bind_target(target) before running the draft head")
-        return self.target
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> [..., K or V] float32 through the (hot) LM head."""

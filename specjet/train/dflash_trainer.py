@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import pathlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
-from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume
+from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume, run_summary
 
 
 @dataclass
@@ -282,14 +282,7 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
             _save_checkpoint(checkpoint, model, optimizer, anchor_gen, step, history, cfg)
     bar.close()
     model.eval()
-    recent = history[-max(1, min(50, cfg.steps // 10)):]
-    return {
-        "steps": cfg.steps,
-        "final": {k: round(v, 4) for k, v in _mean(recent).items()},
-        "first": history[0] if history else {},
-        "seconds_this_run": round(time.perf_counter() - start, 1),
-        "config": asdict(cfg),
-    }
+    return run_summary(cfg, history, start)
 
 
 @torch.no_grad()

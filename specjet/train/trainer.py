@@ -199,6 +199,12 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
             _save_checkpoint(checkpoint, model, optimizer, noise_gen, step, history, cfg)
     bar.close()
     model.eval()
+    return run_summary(cfg, history, start)
+
+
+def run_summary(cfg, history: list[dict], start: float) -> dict:
+    """What a training run reports: its last steps' mean (a tenth of the run, 1 to 50 steps), its first
+    step, its time and its configuration (a dataclass)."""
     recent = history[-max(1, min(50, cfg.steps // 10)):]
     return {
         "steps": cfg.steps,
