@@ -172,17 +172,35 @@ def test_reference_matches_naive_loop(name):
     assert tolerance_ratio(ref, expected, case.dtype) <= 1.0
 
 
-def _patch_interpreter_bf16_dot() -> bool:
-    """Make the interpreter's ``tl.dot`` correct for bf16 operands; False if it cannot.
+def _ordered_matmul(a, b, dtype):
+    """a [M, K] @ b [K, N] in ``dtype``, each element's products added in k order: an element depends
+    only on its row of a and its column of b, as on the GPU's MMA, never on where the row sits in the
+    tile. numpy's matmul gives no such promise: OpenBLAS's Haswell sgemm kernels (what it picks on AVX2
+    CPUs, and on a Zen 5) round a row differently by its position in the tile."""
+    import numpy as np
+
+    a, b = a.astype(dtype), b.astype(dtype)
+    acc = np.zeros((a.shape[0], b.shape[1]), dtype)
+    for k in range(a.shape[1]):
+        acc = acc + a[:, k:k + 1] * b[k:k + 1, :]
+    return acc
+
+
+def _patch_interpreter_dot() -> bool:
+    """Make the interpreter's ``tl.dot`` row-independent and correct for bf16 operands; False if it
+    cannot.
 
     The interpreter stores bf16 as raw uint16 bits and its ``tl.dot`` multiplies those bits
     (triton-lang/triton#11584; upstream: bf16 is "not supported yet" in the interpreter). Casts,
     loads and stores of bf16 are right, so upcasting the dot operands to fp32 lets the kernel's
-    bf16 path run as written; a bf16 x bf16 product is exact in fp32, as on the GPU's MMA.
+    bf16 path run as written; a bf16 x bf16 product is exact in fp32, as on the GPU's MMA. Its
+    float dots go through ``_ordered_matmul``, so the invariance checks test the kernel's blocking,
+    not the host's BLAS.
     """
     try:
+        import numpy as np
         import triton.language as tl
-        from triton.runtime.interpreter import InterpreterBuilder
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
         original_dot = InterpreterBuilder.create_dot
         cast = InterpreterBuilder.cast_impl
@@ -194,6 +212,9 @@ def _patch_interpreter_bf16_dot() -> bool:
             a = cast(self, a, tl.float32)
         if b.dtype.scalar == tl.bfloat16:
             b = cast(self, b, tl.float32)
+        floats = (np.float16, np.float32)
+        if a.data.ndim == 2 and b.data.ndim == 2 and a.data.dtype in floats and b.data.dtype in floats:
+            return TensorHandle(_ordered_matmul(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
         return original_dot(self, a, b, d, *args, **kwargs)
 
     InterpreterBuilder.create_dot = create_dot
@@ -205,7 +226,7 @@ def _kernel_worker() -> None:
     the torch reference on the same device, errors printed as JSON."""
     from specjet.kernels.triton_attention import paged_attention_triton
 
-    bf16_ok = _patch_interpreter_bf16_dot() if interpreted() else True
+    bf16_ok = _patch_interpreter_dot() if interpreted() else True
 
     def run_case(case):
         if case.dtype == torch.bfloat16 and not bf16_ok:
