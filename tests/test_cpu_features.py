@@ -15,8 +15,23 @@ def test_model_name_and_description():
     name = cpu_features.cpu_model()
     assert name and name.strip() == name
     described = cpu_features.describe_cpu()
-    assert described.startswith(f"{name} (") and cpu_features.vector_isa() in described
+    assert described.startswith(name) and f"({cpu_features.vector_isa()}, " in described
     assert ("no native bf16" in described) == (not cpu_features.has_native_bf16())
+
+
+def test_description_names_the_x86_family_and_model(monkeypatch):
+    def cpuinfo(fields):  # cpu_model() is cached: it reads the same fake
+        monkeypatch.setattr(cpu_features, "_cpuinfo", lambda: fields)
+        monkeypatch.setattr(cpu_features, "cpu_model", lambda: fields["model name"])
+
+    # What /proc/cpuinfo says on a virtual machine that names its CPU only "AMD EPYC" (a Zen 5 here).
+    cpuinfo({"model name": "AMD EPYC", "cpu family": "26", "model": "2", "flags": "avx2 avx512f avx512_bf16"})
+    assert cpu_features.cpu_generation() == "family 26 model 2"
+    assert cpu_features.describe_cpu().startswith("AMD EPYC, family 26 model 2 (")
+    # Without the fields (another architecture): the model name alone.
+    cpuinfo({"model name": "Neoverse-V2"})
+    assert cpu_features.cpu_generation() == ""
+    assert cpu_features.describe_cpu().startswith("Neoverse-V2 (")
 
 
 def test_no_bf16_flag_means_no_native_bf16(monkeypatch):

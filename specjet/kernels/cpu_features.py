@@ -99,8 +99,17 @@ def vector_isa() -> str:
     return isa
 
 
+def cpu_generation() -> str:
+    """``family F model M`` of an x86 CPU ("" where /proc/cpuinfo has no such fields): a virtual machine may
+    name its CPU only "AMD EPYC", and two generations of it differ twofold in bf16 throughput."""
+    info = _cpuinfo()
+    family, model = info.get("cpu family"), info.get("model")
+    return f"family {family} model {model}" if family and model else ""
+
+
 def describe_cpu() -> str:
-    """The CPU in one line, e.g. ``AMD EPYC 9R14 (AVX-512, native bf16)``."""
+    """The CPU in one line, e.g. ``AMD EPYC 9R14, family 25 model 17 (AVX-512, native bf16)``."""
     bf16 = "native bf16" if has_native_bf16() else "no native bf16: bf16 emulated"
     override = " [forced]" if _override() is not None else ""
-    return f"{cpu_model()} ({vector_isa()}, {bf16}{override})"
+    generation = cpu_generation()
+    return f"{cpu_model()}{', ' + generation if generation else ''} ({vector_isa()}, {bf16}{override})"
