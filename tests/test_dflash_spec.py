@@ -315,7 +315,10 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
     assert one["output_ids"] == alone["output_ids"]
     base = DFLASH_MIN_DRAFT_PROB
-    assert (4, False, round(2 * base, 6)) in seen and (4, True, round(base, 6)) in seen
+    # How many of the 4 requests share a draft call depends on when the scheduler admits each and when
+    # each ends (seen: 3 at most on one fast CPU), so any batch of 3 or more shows the growth.
+    assert any(n >= 3 and not constrained and cut > base for n, constrained, cut in seen)
+    assert any(n >= 3 and constrained for n, constrained, _ in seen)
     assert (1, False, round(base, 6)) in seen
     assert all(cut == round(base * max(1, n / 2) if not constrained else base, 6) for n, constrained, cut in seen)
 
