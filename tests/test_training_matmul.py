@@ -1,0 +1,48 @@
+"""The training path of the projections (kernels/linear.py ``linear_reference``) under bf16 autocast.
+
+On an Intel Xeon with AMX, torch 2.13's oneDNN died with SIGFPE while building the bf16 matmul for the
+LM head's input gradient at 32 rows x 49,152 ids (the DFlash trainer's tiny-model test crashed the
+whole pytest worker). The products run in a child process, so a crash fails this test instead of
+taking the test worker down. On a CPU without AMX the products take other kernels and these
+checks only pin the values."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import sys, torch
+    from specjet.kernels.linear import linear_reference
+    rows, inp, out, bias = (int(a) for a in sys.argv[1:5])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inp, generator=gen).requires_grad_()
+    weight_t = (torch.randn(inp, out, generator=gen) / inp ** 0.5).requires_grad_()
+    b = torch.randn(out, generator=gen).requires_grad_() if bias else None
+    grad = torch.randn(rows, out, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear_reference(x, weight_t, b)
+    assert y.dtype == torch.bfloat16, y.dtype
+    y.float().backward(grad)
+    # Against the fp32 product of the bf16-rounded operands (what autocast multiplies).
+    xr, wr = x.detach().bfloat16().float(), weight_t.detach().bfloat16().float()
+    ref = xr @ wr + (0 if b is None else b.detach().bfloat16().float())
+    g = grad.bfloat16().float()
+    scale = lambda t: t.abs().max().item()
+    assert (y.float() - ref).abs().max().item() <= 0.02 * scale(ref), "forward"
+    assert (x.grad - g @ wr.t()).abs().max().item() <= 0.02 * scale(g @ wr.t()), "input gradient"
+    assert (weight_t.grad - xr.t() @ g).abs().max().item() <= 0.02 * scale(xr.t() @ g), "weight gradient"
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("rows,inp,out,bias", [
+    (32, 576, 49152, 0),   # the shape that crashed: the default model's full-vocabulary head, 32 scored rows
+    (32, 64, 49152, 0),    # the tiny test model's head
+    (24, 576, 65536, 0),   # a larger vocabulary's crashing row count
+    (7, 576, 8192, 1),     # a hot-vocabulary head, an odd row count, a bias
+])
+def test_bf16_autocast_training_product_and_its_gradients(rows, inp, out, bias):
+    done = subprocess.run([sys.executable, "-c", CHILD, str(rows), str(inp), str(out), str(bias)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
