@@ -1,4 +1,5 @@
-"""The training path of the projections (kernels/linear.py ``linear_reference``) under bf16 autocast.
+"""The training path of the projections (kernels/linear.py ``linear`` without a packed
+weight) under bf16 autocast.
 
 On an Intel Xeon with AMX, torch 2.13's oneDNN died with SIGFPE while building the bf16 matmul for the
 LM head's input gradient at 32 rows x 49,152 ids (the DFlash trainer's tiny-model test crashed the
@@ -13,7 +14,7 @@ import pytest
 
 CHILD = textwrap.dedent("""
     import sys, torch
-    from specjet.kernels.linear import linear_reference
+    from specjet.kernels.linear import linear
     rows, inp, out, bias = (int(a) for a in sys.argv[1:5])
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, inp, generator=gen).requires_grad_()
@@ -21,7 +22,7 @@ CHILD = textwrap.dedent("""
     b = torch.randn(out, generator=gen).requires_grad_() if bias else None
     grad = torch.randn(rows, out, generator=gen)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = linear_reference(x, weight_t, b)
+        y = linear(x, weight_t, b, None)
     assert y.dtype == torch.bfloat16, y.dtype
     y.float().backward(grad)
     # Against the fp32 product of the bf16-rounded operands (what autocast multiplies).

@@ -21,7 +21,8 @@ random input is run at every chunk size in the range and each row must equal the
 fixed row count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by
 construction. So any device gets an exact plan. Plans hold for the torch thread count they were
 measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
-path for training, where ``packed`` is None) is ``x @ weight_t + bias``.
+path for training, where ``packed`` is None) is ``x @ weight_t + bias``; ``linear`` trains under CPU
+bf16 autocast through a contiguous copy of the weight instead (a oneDNN crash, see there).
 """
 from __future__ import annotations
 
@@ -35,14 +36,6 @@ logger = logging.getLogger(__name__)
 
 
 def linear_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.is_grad_enabled():
-        # Training under bf16 autocast: oneDNN's AMX matmul (torch 2.13's) dies with SIGFPE in its
-        # blocking heuristic when it builds the kernel for some small-M, large-K products whose second
-        # operand is a transposed view -- the input gradient of ``x @ weight_t`` (grad @ weight_t.T) at
-        # the LM head, K = vocabulary (tests/test_training_matmul.py). With the [out, in] weight made
-        # contiguous the input gradient multiplies a contiguous operand; that product was checked on such
-        # a CPU for every M from 1 to 512 at K 8,192 and 49,152 (N 64 and 576) without a failure.
-        return F.linear(x, weight_t.t().contiguous(), bias)
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
@@ -180,6 +173,14 @@ def choose_plan(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor:
-    if packed is None:
+    if packed is None:  # training, or a model never packed for inference
+        if torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # Training under bf16 autocast: oneDNN's AMX matmul (torch 2.13's) dies with SIGFPE in its
+            # blocking heuristic when it builds the kernel for some small-M, large-K products whose second
+            # operand is a transposed view -- the input gradient of ``x @ weight_t`` (grad @ weight_t.T) at
+            # the LM head, K = vocabulary (tests/test_training_matmul.py). With the [out, in] weight made
+            # contiguous the input gradient multiplies a contiguous operand; that product was checked on such
+            # a CPU for every M from 1 to 512 at K 8,192 and 49,152 (N 64 and 576) without a failure.
+            return F.linear(x, weight_t.t().contiguous(), bias)
         return linear_reference(x, weight_t, bias)
     return packed(x)
