@@ -52,7 +52,7 @@ namespace isa_avx512 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,fma")
 namespace isa_avx2 {
 #define SJ_VEC_BYTES 32
 #include "attention_body.h"
@@ -73,7 +73,7 @@ enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
 bool isa_supported(int64_t isa) {
   switch (isa) {
     case kBase: return true;
-    case kAvx2: return __builtin_cpu_supports("avx2");
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);

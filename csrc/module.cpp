@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rope_store", &rope_store, "rotate q and k (neox RoPE), write k and v into the pool; returns q");
   module.def("silu_mul", &silu_mul, "silu(gate) * up per row");
   module.def("qgemm_isa_supported", &qgemm_isa_supported,
-             "whether this CPU runs the quantized GEMM's instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
+             "whether this CPU runs the quantized GEMM's instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 VNNI + AMX tiles)");
   module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
   module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
   module.def("int8_gemm_masked", &int8_gemm_masked,

@@ -12,6 +12,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +31,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;  // columns per packed group
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAmx: the AVX-512 VNNI kernels, and AMX tile products for calls of enough rows (qgemm_amx.h; the same bits).
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 // The activations of one call, quantized once before the columns are split across threads.
 struct QuantizedRows {
@@ -91,6 +97,14 @@ constexpr int kRows = 8;  // 8 accumulators + 8 weight vectors + scales of the 3
 #include "qgemm_body.h"
 #undef SJ_VEC
 }  // namespace qgemm_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+namespace qgemm_amx {
+using namespace qgemm_avx512;
+#include "qgemm_amx.h"
+}  // namespace qgemm_amx
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -195,6 +209,23 @@ static void int8(const QuantizedRows& x, const int8_t* q, const uint16_t* s, con
 
 namespace {
 
+// AMX tiles need the CPU's AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25) and, on Linux, the
+// process's permission to use the tile data state, asked for once (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, feature 18): without it the first tile instruction kills the process with SIGILL.
+bool amx_ready() {
+  static const bool ready = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ready;
+}
+
 bool isa_supported(int64_t isa) {
   switch (isa) {
     case kScalar: return true;
@@ -203,6 +234,7 @@ bool isa_supported(int64_t isa) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
+    case kAmx: return isa_supported(kAvx512) && amx_ready();
     default: return false;
   }
 }
@@ -234,6 +266,16 @@ void quantize(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t 
   else qgemm_avx2::quantize_rows(x, rows, K, buf);
 }
 
+// Whether a call runs on AMX tiles; if so its activations get zero rows up to a whole tile (the A operand
+// reads 16 rows).
+bool use_amx(int64_t isa, bool q4_1, RowBuffers& buf, int64_t rows, int64_t K) {
+  if (isa != kAmx || !qgemm_amx::worth_tiles(q4_1, rows)) return false;
+  const int64_t tiles = (rows + qgemm_amx::kTileRows - 1) / qgemm_amx::kTileRows;
+  buf.xq.resize(tiles * qgemm_amx::kTileRows * K, 0);
+  set_view(buf, rows, K);
+  return true;
+}
+
 // Splits the 16-column groups over the threads, ~64k weights per thread at least.
 template <class Fn>
 void parallel_groups(int64_t groups, int64_t K, const Fn& fn) {
@@ -263,8 +305,10 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
   const int8_t* qp = q.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const int32_t* wp = wsum.data_ptr<int32_t>();
+  const bool amx = use_amx(isa, false, buf, rows, K);
   parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
-    if (isa == kAvx512) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
+    if (amx) qgemm_amx::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
+    else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else qgemm_scalar::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
   });
@@ -290,8 +334,10 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
   const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const bool amx = use_amx(isa, true, buf, rows, K);
   parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
-    if (isa == kAvx512) qgemm_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    if (amx) qgemm_amx::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
+    else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else if (isa == kAvx2) qgemm_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else qgemm_scalar::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
   });

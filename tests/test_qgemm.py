@@ -3,8 +3,11 @@ this CPU runs equals the reference arithmetic (int8 activations per 32-block, ex
 sums, then float) within fp32 rounding, every instruction set gives the same bits, and a row gets the
 same bits in a call of any number of rows or threads; the packing round-trips; the formats quantize
 within half a step; the activations' quantization costs little against the float product; the
-fallback path agrees."""
+fallback path agrees. "amx" (AVX-512 VNNI, and AMX tile products for calls of enough rows) is one of
+the instruction sets where the CPU has the tiles."""
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
@@ -214,3 +217,34 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
     with pytest.raises(RuntimeError, match="masked must be"):
         layer.masked(x, bitmask, masked[:3].contiguous())
     assert qgemm.QuantizedLinear.build(quantize_q4_1(weight)).masked(x, bitmask, masked) is None  # no Q4_1 kernel
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="AMX is asked for from the Linux kernel")
+def test_amx_tiles_are_offered_where_the_cpu_has_them():
+    """Linux lists AMX flags only where it manages the tile state; there the kernels must get the
+    permission and offer the tiles (a silent fallback would leave verify at VNNI speed)."""
+    if "avx512" not in qgemm.supported_isas():
+        pytest.skip("no AVX-512 VNNI kernels on this CPU")
+    assert ("amx" in qgemm.supported_isas()) == ({"amx_tile", "amx_int8"} <= cpu_flags())
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "int8-g32"])
+def test_amx_tiles_at_the_lm_head_shape(fmt):
+    """The head (49152 x 576) at a verify's row counts: the tiles' rows, a remainder on tiles and one on
+    the VNNI kernel; the same bits as the VNNI kernel and as each row alone."""
+    if "amx" not in qgemm.supported_isas():
+        pytest.skip("no AMX tiles on this CPU")
+    weight = 0.05 * torch.randn(49152, 576, generator=torch.Generator().manual_seed(5))
+    packed = pack(FORMATS[fmt](weight))
+    x = torch.randn(30, 576, generator=torch.Generator().manual_seed(6))
+    vnni = qgemm.gemm(x, packed, None, "avx512")
+    for rows in (16, 17, 30):
+        assert torch.equal(qgemm.gemm(x[:rows].contiguous(), packed, None, "amx"), vnni[:rows]), rows

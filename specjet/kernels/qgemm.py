@@ -9,7 +9,7 @@ same bits whatever other rows share the call, and every instruction set gives th
 
 The instruction set is chosen once per process from what ATen dispatches to (so
 ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 CPU, as the rest of torch does),
-or forced with ``SPECJET_QGEMM_ISA=avx512|avx2|scalar``; never from the row count, which would make
+or forced with ``SPECJET_QGEMM_ISA=amx|avx512|avx2|scalar``; never from the row count, which would make
 a row's bits depend on its batch. The extension is built at install (setup.py). Without it, each
 weight is dequantized once and runs through kernels/linear.py's batch-invariant float path: right,
 but without the memory savings, and a warning says so.
@@ -30,7 +30,7 @@ from specjet.kernels.quant_formats import Int8Weight, Q41Weight, QuantWeight
 logger = logging.getLogger(__name__)
 
 ISA_ENV = "SPECJET_QGEMM_ISA"
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}  # amx: avx512, and AMX tiles for calls of 4+ rows
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,7 +62,7 @@ def default_isa() -> str:
             raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
         return forced
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    wanted = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+    wanted = {"AVX512": ["amx", "avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
     available = supported_isas()
     return next((isa for isa in wanted if isa in available), "scalar")
 
