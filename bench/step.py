@@ -1,12 +1,13 @@
 """One model forward, no scheduler: how long a decode step (or a verify of N tree nodes) takes for B
 requests with L cached tokens each, with the batch-invariant CPU attention and with SDPA.
 
-    python -m bench.step [--batch-size 64] [--context 400] [--nodes 1] [--repeats 5] [--dtype auto]
+    python -m bench.step [--batch-size 64] [--context 400] [--nodes 1 [16 ...]] [--repeats 5] [--dtype auto]
 
 The model (``--model-path``, default the embedded one) is loaded once; each request owns L + N
 contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
 tokens per request (N = 1: decode; N > 1: a chain of N verify nodes under a tree mask) at positions
-L .. L+N-1, writing the same slots every time. Prints the median and min/max of ``--repeats`` steps
+L .. L+N-1, writing the same slots every time; several N take turns in one process, and each N after the
+first is also given as a ratio to the first's median (issue 16's verify-against-decode figure). Prints the median and min/max of ``--repeats`` steps
 per path, the paths taking turns after one warm-up round: ``invariant`` (the batch-invariant attention; the layers as one
 C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
 layer by layer from Python: what the stack saves) and ``sdpa``.
@@ -31,10 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weight-only quantization (gguf: the file's own blocks; needs a .gguf or the default model)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--context", type=int, default=400, help="cached tokens per request (L)")
-    p.add_argument("--nodes", type=int, default=1, help="new tokens per request (N; > 1 = verify a chain)")
+    p.add_argument("--nodes", type=int, nargs="+", default=[1],
+                   help="new tokens per request (N; > 1 = verify a chain); several values take turns in one "
+                        "process, each reported with its ratio to the first (a verify against a decode step, "
+                        "read within one run on a machine whose speed drifts)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    if min(args.batch_size, args.context, args.nodes, args.repeats) < 1:
+    if min(args.batch_size, args.context, *args.nodes, args.repeats) < 1:
         p.error("--batch-size, --context, --nodes and --repeats must be positive")
     return args
 
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     machine, date = machine_info(), now()
     model_dir = resolve_model_path(args.model_path)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
-    b, length, n = args.batch_size, args.context, args.nodes
+    b, length, n = args.batch_size, args.context, max(args.nodes)
     runner = ModelRunner(config, load_state_dict(model_dir), args.dtype, "cpu", b * (length + n), 0.0, 1,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                          gguf_path=gguf_source(args.model_path) if args.quantization == "gguf" else None)
@@ -68,23 +72,26 @@ def main(argv: list[str] | None = None) -> dict:
         runner.forward(batch)
 
     forward(ForwardMode.EXTEND, torch.arange(length).repeat(b), length)  # the cached context
-    step_positions = torch.arange(length, length + n).repeat(b)
-    mode = ForwardMode.DECODE if n == 1 else ForwardMode.VERIFY
-    mask = None if n == 1 else torch.tril(torch.ones(b, n, n, dtype=torch.bool))
     stack = runner.model.layer_stack
     paths = {"invariant": (True, stack), "loop": (True, None), "sdpa": (False, None)}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    # Round-robin: one step of each path per repeat (the first round a warm-up), so a slower stretch of
-    # a shared machine falls on every path alike.
+    steps = {}  # N -> (mode, positions, mask); every N writes slots L .. L+N-1 of each request
+    for nodes in args.nodes:
+        positions = torch.arange(length, length + nodes).repeat(b)
+        mask = None if nodes == 1 else torch.tril(torch.ones(b, nodes, nodes, dtype=torch.bool))
+        steps[nodes] = (ForwardMode.DECODE if nodes == 1 else ForwardMode.VERIFY, positions, mask)
+    times: dict[tuple[str, int], list[float]] = {(name, nodes): [] for name in paths for nodes in steps}
+    # Round-robin: one step of each path and N per repeat (the first round a warm-up), so a slower stretch
+    # of a shared machine falls on every path alike.
     for i in range(args.repeats + 1):
-        for name, (invariant, use_stack) in paths.items():
-            runner.model.set_batch_invariant(invariant)
-            runner.model.layer_stack = use_stack
-            start = time.perf_counter()
-            forward(mode, step_positions, n, mask)
-            if i:
-                times[name].append(time.perf_counter() - start)
-    results = {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for name, t in times.items()}
+        for nodes, (mode, positions, mask) in steps.items():
+            for name, (invariant, use_stack) in paths.items():
+                runner.model.set_batch_invariant(invariant)
+                runner.model.layer_stack = use_stack
+                start = time.perf_counter()
+                forward(mode, positions, nodes, mask)
+                if i:
+                    times[(name, nodes)].append(time.perf_counter() - start)
+    stats = {key: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for key, t in times.items()}
     runner.model.layer_stack = stack
     machine["load_avg_after"] = machine_info()["load_avg"]
     for line in report_header_lines(command_line(), date, machine):
@@ -92,11 +99,18 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = str(runner.dtype).removeprefix("torch.")
     dtype += f" weights {args.quantization}" if args.quantization else ""
     dtype += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto" else ""
-    print(f"# {dtype}, batch {b}, {length} cached tokens per request, {n} new token(s) per request")
-    print(f"{'path':<10} {'median ms':>10} {'min':>8} {'max':>8}")
-    for name, r in results.items():
-        print(f"{name:<10} {1000 * r['median_s']:>10.1f} {1000 * r['min_s']:>8.1f} {1000 * r['max_s']:>8.1f}")
-    return results
+    first = args.nodes[0]
+    for nodes in steps:
+        print(f"# {dtype}, batch {b}, {length} cached tokens per request, {nodes} new token(s) per request")
+        ratio_head = f" {'/ N=' + str(first):>8}" if nodes != first else ""
+        print(f"{'path':<10} {'median ms':>10} {'min':>8} {'max':>8}{ratio_head}")
+        for name in paths:
+            r = stats[(name, nodes)]
+            ratio = f" {r['median_s'] / stats[(name, first)]['median_s']:>7.2f}x" if nodes != first else ""
+            print(f"{name:<10} {1000 * r['median_s']:>10.1f} {1000 * r['min_s']:>8.1f} {1000 * r['max_s']:>8.1f}{ratio}")
+    if len(steps) == 1:
+        return {name: stats[(name, first)] for name in paths}
+    return {name: {nodes: stats[(name, nodes)] for nodes in steps} for name in paths}
 
 
 if __name__ == "__main__":

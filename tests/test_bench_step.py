@@ -27,3 +27,21 @@ def test_bench_step_dtype_follows_the_cpu(tiny_model_dir, capsys, monkeypatch):
         out = capsys.readouterr().out
         assert f"\n# {dtype}, batch 2," in out
         assert ("no native bf16" in out) == (native == "0")
+
+
+def test_bench_step_several_node_counts_take_turns(tiny_model_dir, capsys):
+    """--nodes 1 4: both steps in one process, the verify's line with its ratio to the decode step."""
+    results = main(["--model-path", str(tiny_model_dir), "--batch-size", "2", "--context", "12",
+                    "--nodes", "1", "4", "--repeats", "2", "--dtype", "float32"])
+    assert set(results) == {"invariant", "loop", "sdpa"}
+    for by_nodes in results.values():
+        assert set(by_nodes) == {1, 4}
+        assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in by_nodes.values())
+    out = capsys.readouterr().out
+    assert "12 cached tokens per request, 1 new token(s)" in out and "12 cached tokens per request, 4 new token(s)" in out
+    verify = out.split("4 new token(s) per request")[1]
+    assert "/ N=1" in verify
+    for name, by_nodes in results.items():
+        line = next(l for l in verify.splitlines() if l.startswith(name + " "))
+        ratio = by_nodes[4]["median_s"] / by_nodes[1]["median_s"]
+        assert line.endswith(f"{ratio:.2f}x"), line
