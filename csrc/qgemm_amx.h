@@ -135,16 +135,7 @@ static inline void tile(Weights& w, const QuantizedRows& x, int64_t r0, const fl
     finish_block<R>(w, x, r0, b, sums[0], acc);
   }
   finish_block<R>(w, x, r0, nb - 1, sums[(nb - 1) & 1], acc);
-  for (int r = 0; r < R; ++r) {
-    float* out = y + (r0 + r) * ldy;
-    if (valid == kGroup) {
-      f_store(out, bias ? f_add(acc[r], f_load(bias)) : acc[r]);
-    } else {
-      alignas(64) float tmp[kGroup];
-      f_store(tmp, acc[r]);
-      for (int c = 0; c < valid; ++c) out[c] = tmp[c] + (bias ? bias[c] : 0.0f);
-    }
-  }
+  store_rows<R>(acc, bias, y, r0, ldy, valid);  // the AVX-512 body's (16 lanes: one column group)
 }
 #undef SJ_AMX_ISSUE
 

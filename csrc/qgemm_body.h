@@ -148,6 +148,21 @@ struct Int8Lanes {
   }
 };
 
+// Rows r0 .. r0 + R of y from their accumulators plus the bias; `valid` of the kVec columns are stored.
+template <int R>
+static inline void store_rows(const vecf* acc, const float* bias, float* y, int64_t r0, int64_t ldy, int valid) {
+  for (int r = 0; r < R; ++r) {
+    float* out = y + (r0 + r) * ldy;
+    if (valid == kVec) {
+      f_store(out, bias ? f_add(acc[r], f_load(bias)) : acc[r]);
+    } else {
+      alignas(64) float tmp[kVec];
+      f_store(tmp, acc[r]);
+      for (int c = 0; c < valid; ++c) out[c] = tmp[c] + (bias ? bias[c] : 0.0f);
+    }
+  }
+}
+
 // R rows of one lane group, every block of K, then the bias; `valid` columns of the kVec are stored.
 template <int R, class Lanes>
 static inline void tile(Lanes& lanes, const QuantizedRows& x, int64_t r0, const float* bias, float* y, int64_t ldy,
@@ -167,16 +182,7 @@ static inline void tile(Lanes& lanes, const QuantizedRows& x, int64_t r0, const 
       acc[r] = lanes.add_block(acc[r], isum[r], x.dx[rb], x.sx[rb]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* out = y + (r0 + r) * ldy;
-    if (valid == kVec) {
-      f_store(out, bias ? f_add(acc[r], f_load(bias)) : acc[r]);
-    } else {
-      alignas(64) float tmp[kVec];
-      f_store(tmp, acc[r]);
-      for (int c = 0; c < valid; ++c) out[c] = tmp[c] + (bias ? bias[c] : 0.0f);
-    }
-  }
+  store_rows<R>(acc, bias, y, r0, ldy, valid);
 }
 
 template <class Lanes>
