@@ -5,10 +5,10 @@
 // reading W; many rows by the multiply-adds, where int8 dot products do 4x (VNNI) or 2x (AVX2) the
 // work of fp32 FMAs per instruction. The weights come packed by kernels/dot_layout.py.
 //
-// One code path per instruction set (AVX-512 VNNI, AVX2 + FMA + F16C, scalar), chosen by the caller
-// (specjet/kernels/qgemm.py), never by the row count; all three give the same bits (qgemm_body.h),
-// and a row's result does not depend on how many rows share the call, which speculative decoding's
-// exactness rests on.
+// One code path per instruction set (AVX-512 VNNI, AVX2 + FMA + F16C, scalar; and AVX-512 VNNI with AMX
+// tiles for calls of many rows, qgemm_amx.h), chosen by the caller (specjet/kernels/qgemm.py); all give the
+// same bits (qgemm_body.h), so a row's result does not depend on how many rows share the call, which
+// speculative decoding's exactness rests on.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

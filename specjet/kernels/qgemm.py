@@ -9,8 +9,9 @@ same bits whatever other rows share the call, and every instruction set gives th
 
 The instruction set is chosen once per process from what ATen dispatches to (so
 ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 CPU, as the rest of torch does),
-or forced with ``SPECJET_QGEMM_ISA=amx|avx512|avx2|scalar``; never from the row count, which would make
-a row's bits depend on its batch. The extension is built at install (setup.py). Without it, each
+or forced with ``SPECJET_QGEMM_ISA=amx|avx512|avx2|scalar``; never from the row count, which could make
+a row's bits depend on its batch (within ``amx``, calls of enough rows take AMX tiles, whose integer sums
+are exact and whose float steps are the VNNI kernels': the same bits). The extension is built at install (setup.py). Without it, each
 weight is dequantized once and runs through kernels/linear.py's batch-invariant float path: right,
 but without the memory savings, and a warning says so.
 """
