@@ -49,11 +49,7 @@ struct AmxQ41 {
     vecf d, m;
   };
   inline void prepare(int64_t b, int slot) {
-    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qs + (b + kAhead) * 256 + line * 64), _MM_HINT_T0);
-    if ((b & 1) == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(d + (b + kAhead) * kGroup), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + (b + kAhead) * kGroup), _MM_HINT_T0);
-    }
+    prefetch_q41_block(qs, d, m, b);
     for (int c = 0; c < 4; ++c) {
       const veci raw = i_load(qs + (b * 4 + c) * 64);
       _mm512_store_si512(codes[slot] + c * 64, i_low_nibbles(raw));
@@ -78,7 +74,7 @@ struct AmxInt8 {
     vecf s;
   };
   inline void prepare(int64_t b, int) const {
-    for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(q + (b + kAhead) * 512 + line * 64), _MM_HINT_T0);
+    prefetch_int8_block(q, b);
   }
   inline const void* operand(int64_t b, int) const { return q + b * 512; }
   inline Scales scales(int64_t b) const { return {f_from_half(s + (b / blocks_per_group) * kGroup)}; }

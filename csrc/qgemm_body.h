@@ -93,6 +93,20 @@ constexpr int kVec = SJ_VEC;
 constexpr int64_t kAhead = 16;  // blocks prefetched ahead (4 KB of Q4_1, 8 KB of int8)
 constexpr int kLaneGroups = kGroup / kVec;  // vectors per packed group of 16 columns
 
+// Block b + kAhead of a column group's packed weights (past the group's end: the next group's, which follow
+// in memory): with many rows the compute per block is long enough to hide the memory read, if it is
+// started early.
+static inline void prefetch_q41_block(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t b) {
+  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qs + (b + kAhead) * 256 + line * 64), _MM_HINT_T0);
+  if ((b & 1) == 0) {  // 32 bytes of scales and of minima a block: a line per two
+    _mm_prefetch(reinterpret_cast<const char*>(d + (b + kAhead) * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + (b + kAhead) * kGroup), _MM_HINT_T0);
+  }
+}
+static inline void prefetch_int8_block(const int8_t* q, int64_t b) {
+  for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(q + (b + kAhead) * 512 + line * 64), _MM_HINT_T0);
+}
+
 // One lane group (kVec columns) of a packed Q4_1 weight: 4 chunks of 64 bytes per block, chunk c's
 // low nibbles the codes of step c, its high nibbles those of step c + 4.
 struct Q41Lanes {
@@ -103,13 +117,7 @@ struct Q41Lanes {
   veci w[8];
   vecf dv, mv;
   inline void load(int64_t b) {
-    // The blocks kAhead on (past the group's end: the next group's, which follow in memory): with
-    // many rows the compute per block is long enough to hide the memory read, if it is started early.
-    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qs + (b + kAhead) * 256 + line * 64), _MM_HINT_T0);
-    if ((b & 1) == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(d + (b + kAhead) * kGroup), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + (b + kAhead) * kGroup), _MM_HINT_T0);
-    }
+    prefetch_q41_block(qs, d, m, b);
     for (int c = 0; c < 4; ++c) {
       const veci raw = i_load(qs + (b * 4 + c) * 64 + half * kVec * 4);
       w[c] = i_low_nibbles(raw);
@@ -137,7 +145,7 @@ struct Int8Lanes {
   veci wsum128;
   vecf sv;
   inline void load(int64_t b) {
-    for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(q + (b + kAhead) * 512 + line * 64), _MM_HINT_T0);
+    prefetch_int8_block(q, b);
     for (int st = 0; st < 8; ++st) w[st] = i_load(q + (b * 8 + st) * 64 + half * kVec * 4);
     wsum128 = i_wsum128(wsum + b * kGroup + half * kVec);
     sv = f_from_half(s + (b / blocks_per_group) * kGroup + half * kVec);

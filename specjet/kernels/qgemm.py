@@ -10,10 +10,10 @@ same bits whatever other rows share the call, and every instruction set gives th
 The instruction set is chosen once per process from what ATen dispatches to (so
 ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 kernels on an AVX-512 CPU, as the rest of torch does),
 or forced with ``SPECJET_QGEMM_ISA=amx|avx512|avx2|scalar``; never from the row count, which could make
-a row's bits depend on its batch (within ``amx``, calls of enough rows take AMX tiles, whose integer sums
-are exact and whose float steps are the VNNI kernels': the same bits). The extension is built at install (setup.py). Without it, each
-weight is dequantized once and runs through kernels/linear.py's batch-invariant float path: right,
-but without the memory savings, and a warning says so.
+a row's bits depend on its batch (within ``amx``, calls of enough rows take AMX tiles, whose integer
+sums are exact and whose float steps are the VNNI kernels': the same bits). The extension is built at
+install (setup.py). Without it, each weight is dequantized once and runs through kernels/linear.py's
+batch-invariant float path: right, but without the memory savings, and a warning says so.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from specjet.kernels.quant_formats import Int8Weight, Q41Weight, QuantWeight
 logger = logging.getLogger(__name__)
 
 ISA_ENV = "SPECJET_QGEMM_ISA"
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}  # amx: avx512, and AMX tiles for calls of 4+ rows
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}  # amx: avx512, and AMX tiles for calls of 8-12+ rows
 
 
 @functools.lru_cache(maxsize=1)
