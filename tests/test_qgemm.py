@@ -248,3 +248,22 @@ def test_amx_tiles_at_the_lm_head_shape(fmt):
     vnni = qgemm.gemm(x, packed, None, "avx512")
     for rows in (16, 17, 30):
         assert torch.equal(qgemm.gemm(x[:rows].contiguous(), packed, None, "amx"), vnni[:rows]), rows
+
+
+def test_a_forced_instruction_set_is_checked(monkeypatch, request):
+    """SPECJET_QGEMM_ISA: an unknown name, or a set this CPU does not run (e.g. amx on a CPU without
+    tiles), is refused with the reason, not run into a SIGILL."""
+    request.addfinalizer(qgemm.default_isa.cache_clear)
+    monkeypatch.setenv(qgemm.ISA_ENV, "avx1024")
+    qgemm.default_isa.cache_clear()
+    with pytest.raises(ValueError, match="use one of scalar, avx2, avx512, amx"):
+        qgemm.default_isa()
+    missing = [isa for isa in qgemm.ISAS if isa not in qgemm.supported_isas()]
+    if missing:
+        monkeypatch.setenv(qgemm.ISA_ENV, missing[-1])
+        qgemm.default_isa.cache_clear()
+        with pytest.raises(ValueError, match="does not run it"):
+            qgemm.default_isa()
+    monkeypatch.setenv(qgemm.ISA_ENV, "scalar")
+    qgemm.default_isa.cache_clear()
+    assert qgemm.default_isa() == "scalar"
