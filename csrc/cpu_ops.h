@@ -44,6 +44,13 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
                                const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,
                                const torch::Tensor& masked, int64_t max_allowed);
 
+bool amx_permitted();  // the CPU has AMX tiles and this process may use them (asked once)
+
+// bf16_gemm.cpp
+bool bf16_gemm_isa_supported(int64_t isa);
+torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa);
+
 // draft_ops.cpp
 std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
                                             const c10::optional<torch::Tensor>& token_ids, int64_t k);

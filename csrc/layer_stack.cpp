@@ -8,8 +8,9 @@
 // all layers.
 //
 // A projection is one of the inference operands of specjet/kernels: a packed Q4_1 or int8 weight
-// (kernels/qgemm.py's QuantizedLinear, float32 activations) or a float weight (kernels/linear.py's
-// PackedLinear: oneDNN's matmul on a blocked weight, or x @ W, under its row plan).
+// (kernels/qgemm.py's QuantizedLinear, float32 activations), a packed bf16 weight (kernels/bf16_gemm.py's
+// Bf16Linear) or a float weight (kernels/linear.py's PackedLinear: oneDNN's matmul on a blocked weight, or
+// x @ W, under its row plan).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -21,7 +22,7 @@
 
 namespace {
 
-enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3 };
+enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3, kBf16 = 4 };
 
 // The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel. Looked
 // up (and its signature checked) when a oneDNN projection is built, so a torch whose op differs fails the
@@ -44,7 +45,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 
 struct Projection {
   int64_t kind = kDense;
-  torch::Tensor a, b, c;  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t
+  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t; bf16: the packed weight
+  torch::Tensor a, b, c;
   c10::optional<torch::Tensor> bias;
   int64_t n = 0, group = 0, isa = 0, min_rows = 1, max_rows = 1;
 
@@ -66,6 +68,10 @@ struct Projection {
 
   // x [rows, K] (a layer's activations: 2-D, contiguous) -> [rows, N] in x's dtype.
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kBf16) {  // Bf16Linear.__call__
+      if (x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm(x, a, bias, isa);
+      return specjet_cpu::bf16_gemm(x.to(torch::kBFloat16).contiguous(), a, bias, isa).to(x.scalar_type());
+    }
     if (kind == kQ41 || kind == kInt8) {  // QuantizedLinear.__call__
       if (x.scalar_type() == torch::kFloat32) return quantized(x);
       return quantized(x.to(torch::kFloat32).contiguous()).to(x.scalar_type());
@@ -150,6 +156,15 @@ Projection quantized_projection(int64_t kind, torch::Tensor a, torch::Tensor b, 
   return p;
 }
 
+Projection bf16_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t isa) {
+  TORCH_CHECK(specjet_cpu::bf16_gemm_isa_supported(isa), "layer stack: bf16 GEMM instruction set ", isa,
+              " is not supported by this CPU");
+  Projection p;
+  p.kind = kBf16;
+  p.a = std::move(weight), p.bias = std::move(bias), p.isa = isa;
+  return p;
+}
+
 Projection float_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias, bool blocked, int64_t min_rows,
                             int64_t max_rows) {
   TORCH_CHECK(min_rows >= 1 && max_rows >= min_rows, "layer stack: bad row plan ", min_rows, "..", max_rows);
@@ -168,6 +183,7 @@ void register_layer_stack(pybind11::module& module) {
   pybind11::class_<Projection>(module, "StackProjection");
   module.def("quantized_projection", &quantized_projection,
              "a packed Q4_1 (kind 0: qs, d, m) or int8 (kind 1: q, s, wsum) weight of n columns");
+  module.def("bf16_projection", &bf16_projection, "a packed bf16 weight (kernels/bf16_gemm.py) on instruction set isa");
   module.def("float_projection", &float_projection,
              "a float weight: oneDNN-blocked (blocked) or weight_t, run in chunks of min_rows..max_rows rows");
   pybind11::class_<LayerStack>(module, "LayerStack")

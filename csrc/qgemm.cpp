@@ -209,19 +209,13 @@ static void int8(const QuantizedRows& x, const int8_t* q, const uint16_t* s, con
 
 namespace {
 
-// AMX tiles need the CPU's AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25) and, on Linux, the
-// process's permission to use the tile data state, asked for once (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XTILEDATA, feature 18): without it the first tile instruction kills the process with SIGILL.
+// AMX int8 tiles: the CPU's AMX-INT8 (CPUID leaf 7: EDX bit 25) and the tile state (amx_permitted).
+// Asked once: CPUID is a trap to the hypervisor on a virtual machine (tens of microseconds), and every call
+// checks its instruction set.
 bool amx_ready() {
   static const bool ready = [] {
-#if defined(__linux__) && defined(SYS_arch_prctl)
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-#else
-    return false;
-#endif
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1) && specjet_cpu::amx_permitted();
   }();
   return ready;
 }
@@ -423,5 +417,22 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
 }
 
 bool qgemm_isa_supported(int64_t isa) { return isa_supported(isa); }
+
+// AMX tiles need the CPU's AMX-TILE (CPUID leaf 7: EDX bit 24) and, on Linux, the process's permission to use
+// the tile data state, asked for once (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18): without it
+// the first tile instruction kills the process with SIGILL.
+bool amx_permitted() {
+  static const bool ready = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ready;
+}
 
 }  // namespace specjet_cpu

@@ -11,7 +11,10 @@ import torch
 
 import specjet
 from specjet.kernels import qgemm
+from specjet.kernels.bf16_gemm import Bf16Linear
 from specjet.kernels.linear import PackedLinear
+
+FLOAT_OPERANDS = (PackedLinear, Bf16Linear)  # oneDNN's plans, or specjet's bf16 GEMM
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.quantize import choose_draft_method
 from test_dflash_spec import make_copy_draft
@@ -106,7 +109,7 @@ def test_every_draft_method_keeps_greedy_output_exact(tiny_model_dir, tmp_path, 
     assert info["draft_quantization"] == resolved and info["quantization"] is None
     projections, head = _operands(drafter)
     if resolved is None:
-        assert all(isinstance(p, PackedLinear) for p in projections) and isinstance(head, PackedLinear)
+        assert all(isinstance(p, FLOAT_OPERANDS) for p in projections) and isinstance(head, FLOAT_OPERANDS)
     else:  # the tiny model's widths are whole 32-blocks: every projection and the hot head quantized
         assert all(isinstance(p, QuantizedLinear) for p in projections) and isinstance(head, QuantizedLinear)
 
@@ -126,4 +129,4 @@ def test_a_float_draft_beside_a_quantized_target_stays_float(cyclic_model_dir, t
         info = eng.get_server_info()
         projections, head = _operands(eng.worker.speculator.drafter)
     assert got == expected and info["draft_quantization"] is None and info["quantization"] == "int8"
-    assert all(isinstance(p, PackedLinear) for p in projections) and isinstance(head, QuantizedLinear)
+    assert all(isinstance(p, FLOAT_OPERANDS) for p in projections) and isinstance(head, QuantizedLinear)

@@ -92,6 +92,26 @@ def test_the_stack_gives_the_python_loops_bits(tiny_model_dir, stack_calls, dtyp
     assert with_stack[0].abs().sum() > 0 and with_stack[5].abs().sum() > 0  # something was computed and written
 
 
+@pytest.mark.parametrize("bf16_gemm_isa", ["onednn", "avx512_bf16", "amx"])
+def test_bf16_weights_on_each_gemm_give_the_python_loops_bits(tiny_model_dir, stack_calls, monkeypatch, request,
+                                                              bf16_gemm_isa):
+    """bf16 projections on oneDNN's plans and on each of specjet's bf16 kernels this CPU runs: the stack
+    calls the operand the Python loop calls."""
+    from specjet.kernels import bf16_gemm
+
+    if bf16_gemm_isa not in bf16_gemm.supported_isas():
+        pytest.skip(f"this CPU does not run the {bf16_gemm_isa} bf16 GEMM")
+    request.addfinalizer(bf16_gemm.default_isa.cache_clear)
+    monkeypatch.setenv(bf16_gemm.ISA_ENV, bf16_gemm_isa)
+    bf16_gemm.default_isa.cache_clear()
+    runner = make_runner(tiny_model_dir, "bfloat16", None)
+    kind = PackedLinear if bf16_gemm_isa == "onednn" else bf16_gemm.Bf16Linear
+    assert all(isinstance(m.packed, kind) for m in runner.model.modules() if isinstance(m, llama.Linear))
+    with_stack = workload(runner, True)
+    assert stack_calls == {"ran": 2, "aside": 0}
+    assert_same(with_stack, workload(runner, False))
+
+
 def test_a_float_weights_row_plan_is_followed_chunk_by_chunk(tiny_model_dir, stack_calls):
     """Projections whose plan pads calls below 2 rows and splits calls above 3 (PackedLinear's chunks):
     the stack's padding, slicing and concatenation give every row the loop's bits."""

@@ -3,7 +3,7 @@
 The C++ loop makes, layer by layer, the calls a layer's native forward makes from Python
 (models/llama.py ``DecoderLayer.forward_native``) with the same kernels and arguments, so its output
 has the same bits; it saves the Python between the calls. ``StackLayer`` describes one layer in terms
-of this package's operands (``PackedLinear``, ``QuantizedLinear``); ``build_layer_stack`` turns a
+of this package's operands (``PackedLinear``, ``Bf16Linear``, ``QuantizedLinear``); ``build_layer_stack`` turns a
 model's layers into the C++ object, or returns None where some operand has no C++ form (a layer
 still training, a quantized weight whose extension is missing), and the Python loop runs instead.
 """
@@ -17,6 +17,7 @@ import torch
 from specjet.kernels import cpu_ops, qgemm
 from specjet.kernels.attention import native_whole_batch_args
 from specjet.kernels.attention_metadata import AttentionMetadata
+from specjet.kernels.bf16_gemm import Bf16Linear
 from specjet.kernels.dot_layout import DotQ41
 from specjet.kernels.linear import PackedLinear
 
@@ -32,7 +33,7 @@ class StackLayer:
     eps1: float
     norm2: torch.Tensor
     eps2: float
-    qkv: object  # PackedLinear | QuantizedLinear | None (training: no inference operand)
+    qkv: object  # PackedLinear | Bf16Linear | QuantizedLinear | None (training: no inference operand)
     o: object
     gate_up: object
     down: object
@@ -46,6 +47,8 @@ def _projection(ext, packed):
         if isinstance(w, DotQ41):
             return ext.quantized_projection(Q4_1, w.qs, w.d, w.m, w.n, 0, packed.bias, code)
         return ext.quantized_projection(INT8, w.q, w.s, w.wsum, w.n, w.group, packed.bias, code)
+    if isinstance(packed, Bf16Linear):
+        return ext.bf16_projection(packed.weight, packed.bias, packed.isa)
     if isinstance(packed, PackedLinear):
         return ext.float_projection(packed.weight, packed.bias, packed.blocked, packed.min_rows, packed.max_rows)
     return None

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specjet.kernels import bf16_gemm
+from specjet.kernels.bf16_gemm import Bf16Linear
+
 logger = logging.getLogger(__name__)
 
 
@@ -132,11 +135,14 @@ def _is_exact(packed: PackedLinear, x: torch.Tensor) -> bool:
     return True
 
 
-def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """Prepare ``weight_t`` ([in, out]) for inference: reorder it for oneDNN where possible, under the
-    first plan measured to keep its matmul batch-invariant."""
+def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | Bf16Linear:
+    """Prepare ``weight_t`` ([in, out]) for inference: a CPU bf16 weight for specjet's own bf16 GEMM where
+    it applies (kernels/bf16_gemm.py: invariant by construction, no plan), else reorder it for oneDNN where
+    possible, under the first plan measured to keep its matmul batch-invariant."""
     weight_t = weight_t.detach()
     bias = None if bias is None else bias.detach()
+    if bf16_gemm.applies(weight_t):
+        return Bf16Linear.build(weight_t, bias)
     blocked = can_block(weight_t)
     in_features, out_features = weight_t.shape
     key = (in_features, out_features, weight_t.dtype, bias is not None, torch.get_num_threads(), blocked,
@@ -172,7 +178,8 @@ def choose_plan(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool
     return plan, _make(weight_t, bias, blocked, plan)
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedLinear | Bf16Linear | None) -> torch.Tensor:
     if packed is None:  # training, or a model never packed for inference
         if torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # Training under bf16 autocast: oneDNN's AMX matmul (torch 2.13's) dies with SIGFPE in its

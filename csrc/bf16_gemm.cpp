@@ -1,0 +1,270 @@
+// bf16 GEMM for CPU: y[M, N] = x[M, K] @ W (+ bias) with bf16 weights and activations, float32 sums rounded to
+// bf16 once (round to nearest even, as torch converts). oneDNN's bf16 matmul picks its kernel and blocking by
+// the row count, which speculative decoding cannot have (a row must get the same bits alone and among the 16
+// rows of a verify: kernels/linear.py's measured row plans), and its one-row calls are slow. Here every row is
+// computed by one code path whatever the call holds, so the kernel is batch-invariant by construction:
+//
+// - AVX-512 BF16 (VDPBF16PS): each output is one chain of pair products over k = 0, 2, 4, .. in order; rows and
+//   columns are blocked only to share weight loads, never to change a chain.
+// - AMX (TDPBF16PS): every row, even a lone one, goes through 16-row tiles (the activations padded with zero
+//   rows); a tile row's sums depend on that row of A alone, so a row's bits do not depend on the others.
+//   A tile product adds its 32 products in an order of its own (not VDPBF16PS's chain: other bits), so a
+//   process uses one of the two for every call, never both. On a one-row call the tile does 16 rows' work, but
+//   it is still far quicker than reading the weights, which is what a decode step waits for.
+//
+// W comes packed by specjet/kernels/bf16_gemm.py: [N / 16, K / 2, 16, 2], a 16-column group's k-pairs one
+// 64-byte line each (VDPBF16PS's operand, and 16 of them an AMX B tile).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cpuid.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+enum Isa : int64_t { kNone = 0, kAvx512Bf16 = 1, kAmx = 2 };
+constexpr int64_t kCols = 16;   // columns of a packed group
+constexpr int64_t kDepth = 32;  // k of one AMX tile product (16 pairs)
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace bf16_avx512 {
+
+// 16 float sums (+ bias) rounded to bf16 (to nearest even, by the bits, as c10::BFloat16 rounds) and stored.
+inline void store_row(__m512 acc, const float* bias, uint16_t* y) {
+  if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias));
+  const __m512i u = _mm512_castps_si512(acc);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+
+// Rows [0, R) of x (stride K) times column groups g .. g + G: every output one VDPBF16PS chain over the k-pairs.
+template <int R, int G>
+inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
+                  int64_t g) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t group_size = K * kCols;  // bf16 elements of one packed group
+  const uint16_t* wg = w + g * group_size;
+  constexpr int64_t kAhead = 16;  // k-pairs of each group's stream fetched ahead (1 KB)
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512bh wv[G];
+    for (int j = 0; j < G; ++j) {
+      const uint16_t* line = wg + j * group_size + kp * 2 * kCols;
+      _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * 2 * kCols), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(line);
+    }
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * kp, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < G; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j)
+      store_row(acc[r][j], bias == nullptr ? nullptr : bias + (g + j) * kCols, y + r * N + (g + j) * kCols);
+}
+
+template <int R>
+inline void rows_block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
+                       int64_t g0, int64_t g1) {
+  int64_t g = g0;
+  for (; g + 4 <= g1; g += 4) block<R, 4>(x, K, w, bias, y, N, g);
+  switch (g1 - g) {
+    case 3: block<R, 3>(x, K, w, bias, y, N, g); break;
+    case 2: block<R, 2>(x, K, w, bias, y, N, g); break;
+    case 1: block<R, 1>(x, K, w, bias, y, N, g); break;
+    default: break;
+  }
+}
+
+// Column groups [g0, g1) of every row.
+void gemm(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
+          int64_t g0, int64_t g1) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) rows_block<4>(x + r * K, K, w, bias, y + r * N, N, g0, g1);
+  switch (rows - r) {
+    case 3: rows_block<3>(x + r * K, K, w, bias, y + r * N, N, g0, g1); break;
+    case 2: rows_block<2>(x + r * K, K, w, bias, y + r * N, N, g0, g1); break;
+    case 1: rows_block<1>(x + r * K, K, w, bias, y + r * N, N, g0, g1); break;
+    default: break;
+  }
+}
+
+}  // namespace bf16_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+namespace bf16_amx {
+
+constexpr int64_t kTileRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the float sums of up to four column groups (four independent chains: one tile product waits
+// for the previous one into the same sums, ~40 cycles, which a lone chain would pay in full on a decode
+// step's call); 4: 16 rows x 32 k of activations; 5-7: the groups' 32 k (the fourth group reuses 5).
+// Every tile is 16 rows of 64 bytes.
+constexpr int kGroupsPerPass = 4;
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
+  // GCC 12 may drop stores to a struct only the builtin reads (qgemm_amx.h): a compiler barrier keeps them.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// The 16 lines of a B tile, fetched two tile products ahead of its load (past a group's end: the next group's
+// first lines, or beyond the weight, where a prefetch does nothing).
+constexpr int64_t kAheadK = 2 * kDepth;
+inline void prefetch_block(const uint16_t* b) {
+  for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(b + line * 2 * kCols), _MM_HINT_T0);
+}
+
+// Group J of a pass: its next 32 k into its sums, B through tile B (the intrinsics take tile numbers as
+// literals).
+#define SJ_PRODUCT(J, B, wg)                                        \
+  do {                                                              \
+    if (prefetch) prefetch_block((wg) + (k + kAheadK) * kCols);     \
+    _tile_loadd(B, (wg) + k * kCols, 64);                           \
+    _tile_dpbf16ps(J, 4, B);                                        \
+  } while (0)
+
+// One 16-row tile of x (xt) against groups g .. g + G: sums[j] = that tile's float sums for group g + j.
+template <int G>
+inline void pass(const uint16_t* xt, int64_t K, const uint16_t* wg, int64_t group_size, bool prefetch,
+                 float (*sums)[kTileRows * kCols]) {
+  _tile_zero(0);
+  if constexpr (G > 1) _tile_zero(1);
+  if constexpr (G > 2) _tile_zero(2);
+  if constexpr (G > 3) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kDepth) {
+    _tile_loadd(4, xt + k, K * 2);
+    SJ_PRODUCT(0, 5, wg);
+    if constexpr (G > 1) SJ_PRODUCT(1, 6, wg + group_size);
+    if constexpr (G > 2) SJ_PRODUCT(2, 7, wg + 2 * group_size);
+    if constexpr (G > 3) SJ_PRODUCT(3, 5, wg + 3 * group_size);
+  }
+#undef SJ_PRODUCT
+  _tile_stored(0, sums[0], 64);
+  if constexpr (G > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (G > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (G > 3) _tile_stored(3, sums[3], 64);
+}
+
+// Column groups [g0, g1) of every row; xp: the rows padded with zero rows to `tiles` whole 16-row tiles.
+void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
+          uint16_t* y, int64_t N, int64_t g0, int64_t g1) {
+  configure_tiles();
+  alignas(64) float sums[kGroupsPerPass][kTileRows * kCols];
+  const int64_t group_size = K * kCols;
+  for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
+    const int64_t groups = std::min<int64_t>(kGroupsPerPass, g1 - g);
+    const uint16_t* wg = w + g * group_size;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint16_t* xt = xp + t * kTileRows * K;
+      const bool prefetch = t == 0;  // later tiles find the groups' weights in cache
+      switch (groups) {
+        case 4: pass<4>(xt, K, wg, group_size, prefetch, sums); break;
+        case 3: pass<3>(xt, K, wg, group_size, prefetch, sums); break;
+        case 2: pass<2>(xt, K, wg, group_size, prefetch, sums); break;
+        default: pass<1>(xt, K, wg, group_size, prefetch, sums); break;
+      }
+      const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
+      for (int64_t j = 0; j < groups; ++j) {
+        const int64_t col = (g + j) * kCols;
+        for (int64_t r = 0; r < valid; ++r)
+          bf16_avx512::store_row(_mm512_load_ps(sums[j] + r * kCols), bias == nullptr ? nullptr : bias + col,
+                                 y + (t * kTileRows + r) * N + col);
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace bf16_amx
+#pragma GCC pop_options
+
+namespace {
+
+bool isa_supported(int64_t isa) {
+  switch (isa) {
+    case kAvx512Bf16:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512bf16");
+    case kAmx: {
+      // Asked once: CPUID traps to the hypervisor on a virtual machine, and every call checks its isa.
+      static const bool ready = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;  // CPUID leaf 7: EDX bit 22 AMX-BF16
+        return isa_supported(kAvx512Bf16) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) &&
+               specjet_cpu::amx_permitted();
+      }();
+      return ready;
+    }
+    default: return false;
+  }
+}
+
+}  // namespace
+
+namespace specjet_cpu {
+
+bool bf16_gemm_isa_supported(int64_t isa) { return isa_supported(isa); }
+
+torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "bf16_gemm: instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "bf16_gemm: x must be a contiguous 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.is_contiguous() && w.size(2) == kCols &&
+                  w.size(3) == 2, "bf16_gemm: w must be a contiguous bfloat16 [N / 16, K / 2, 16, 2] tensor");
+  const int64_t rows = x.size(0), K = x.size(1), groups = w.size(0), N = groups * kCols;
+  TORCH_CHECK(w.size(1) * 2 == K && K % kDepth == 0, "bf16_gemm: x has ", K, " columns, the weight takes ",
+              w.size(1) * 2, " (a multiple of ", kDepth, ")");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bf16_gemm: bias must be a contiguous float32 tensor of ", N, " elements");
+  }
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // ~64k weights per thread at least; the AMX kernel takes column groups four at a time.
+  const int64_t step = isa == kAmx ? bf16_amx::kGroupsPerPass : 1;
+  const int64_t units = (groups + step - 1) / step;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (step * kCols * K));
+  if (isa == kAmx) {
+    const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows;
+    std::vector<uint16_t> padded(tiles * bf16_amx::kTileRows * K, 0);
+    std::memcpy(padded.data(), xp, rows * K * sizeof(uint16_t));
+    at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+      bf16_amx::gemm(padded.data(), rows, tiles, K, wp, bp, yp, N, u0 * step, std::min(groups, u1 * step));
+    });
+  } else {
+    at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+      bf16_avx512::gemm(xp, rows, K, wp, bp, yp, N, u0, u1);
+    });
+  }
+  return y;
+}
+
+}  // namespace specjet_cpu

@@ -1,0 +1,103 @@
+"""bf16 projections on CPU through specjet's own GEMM (csrc/bf16_gemm.cpp): batch-invariant by construction.
+
+oneDNN's bf16 matmul (kernels/linear.py's ``PackedLinear``) needs a measured row plan to keep a row's bits
+whatever the call holds, and reads a one-row call's weights slowly. This kernel computes every row by one
+code path: AVX-512 BF16 (one VDPBF16PS chain per output) or, where the CPU has them, AMX tiles for every
+call (a lone row padded to a 16-row tile). The two give different bits, so a process uses one for all its
+calls: the best this CPU runs, or ``SPECJET_BF16_GEMM=amx|avx512_bf16|onednn`` (onednn: oneDNN's plans, as
+before this kernel). Needs K a multiple of 32 and N of 16 (every projection of the supported models);
+other shapes, CPUs without AVX-512 BF16 and a missing extension keep oneDNN.
+
+The weight is packed once, [N / 16, K / 2, 16, 2]: a 16-column group's k-pairs one 64-byte line each. The
+torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a tolerance, not bits).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specjet.kernels import cpu_ops
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "SPECJET_BF16_GEMM"
+ISAS = {"onednn": 0, "avx512_bf16": 1, "amx": 2}  # onednn: not this kernel (kernels/linear.py's plans)
+COLS, DEPTH = 16, 32  # columns of a packed group; the K multiple the tiles take
+
+
+def supported_isas() -> list[str]:
+    ext = cpu_ops.extension()
+    return ["onednn"] + [name for name, code in ISAS.items()
+                         if code and ext is not None and hasattr(ext, "bf16_gemm") and ext.bf16_gemm_isa_supported(code)]
+
+
+@functools.lru_cache(maxsize=1)
+def default_isa() -> str:
+    """``SPECJET_BF16_GEMM`` if set (refused with the reason where this CPU lacks it), else the best available."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    available = supported_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)}")
+        if forced not in available:
+            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
+        return forced
+    return max(available, key=ISAS.__getitem__)
+
+
+def applies(weight_t: torch.Tensor, isa: str | None = None) -> bool:
+    """Whether a [in, out] weight runs on this kernel (else oneDNN's plans)."""
+    isa = default_isa() if isa is None else isa
+    return (isa != "onednn" and weight_t.device.type == "cpu" and weight_t.dtype == torch.bfloat16
+            and weight_t.dim() == 2 and weight_t.shape[0] % DEPTH == 0 and weight_t.shape[1] % COLS == 0)
+
+
+def pack(weight_t: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> [N / 16, K / 2, 16, 2]: element [g, p, c, j] = weight_t[2p + j, 16g + c]."""
+    k, n = weight_t.shape
+    return weight_t.detach().reshape(k // 2, 2, n // COLS, COLS).permute(2, 0, 3, 1).contiguous()
+
+
+def bf16_gemm_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ weight_t.float()
+    return (y if bias is None else y + bias.float()).to(torch.bfloat16)
+
+
+@dataclass
+class Bf16Linear:
+    """A packed bf16 weight and the instruction set its calls run on (one per process)."""
+
+    weight: torch.Tensor  # [N / 16, K / 2, 16, 2] bf16
+    bias: torch.Tensor | None  # float32
+    isa: int
+
+    @classmethod
+    def build(cls, weight_t: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None) -> "Bf16Linear":
+        isa = default_isa() if isa is None else isa
+        if not applies(weight_t, isa):
+            raise ValueError(f"bf16 GEMM ({isa}): weight {tuple(weight_t.shape)} {weight_t.dtype} does not apply")
+        return cls(pack(weight_t), None if bias is None else bias.detach().float().contiguous(), ISAS[isa])
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0] * COLS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ext = cpu_ops.extension()
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
+            return ext.bf16_gemm(x, self.weight, self.bias, self.isa)
+        lead, dtype = x.shape[:-1], x.dtype
+        y = ext.bf16_gemm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous(), self.weight, self.bias, self.isa)
+        return y.to(dtype).reshape(*lead, y.shape[-1])
+
+
+def describe_kernels() -> str:
+    return f"bf16 GEMM: {default_isa()}"
+
+
+__all__ = ["Bf16Linear", "applies", "bf16_gemm_reference", "default_isa", "describe_kernels", "pack",
+           "supported_isas"]
