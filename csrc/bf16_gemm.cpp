@@ -248,20 +248,19 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c1
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // ~64k weights per thread at least; the AMX kernel takes column groups four at a time.
-  const int64_t step = isa == kAmx ? bf16_amx::kGroupsPerPass : 1;
-  const int64_t units = (groups + step - 1) / step;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (step * kCols * K));
+  // ~64k weights per thread at least; a thread's groups run four at a time in the AMX kernel (split by group, not
+  // by four: 36 groups are 18 and 18, not 20 and 16).
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K));
   if (isa == kAmx) {
     const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows;
     std::vector<uint16_t> padded(tiles * bf16_amx::kTileRows * K, 0);
     std::memcpy(padded.data(), xp, rows * K * sizeof(uint16_t));
-    at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-      bf16_amx::gemm(padded.data(), rows, tiles, K, wp, bp, yp, N, u0 * step, std::min(groups, u1 * step));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      bf16_amx::gemm(padded.data(), rows, tiles, K, wp, bp, yp, N, g0, g1);
     });
   } else {
-    at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-      bf16_avx512::gemm(xp, rows, K, wp, bp, yp, N, u0, u1);
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      bf16_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
     });
   }
   return y;
