@@ -4,9 +4,9 @@ oneDNN's bf16 matmul (kernels/linear.py's ``PackedLinear``) needs a measured row
 whatever the call holds, and reads a one-row call's weights slowly. This kernel computes every row by one
 code path: AVX-512 BF16 (one VDPBF16PS chain per output) or, where the CPU has them, AMX tiles for every
 call (a lone row padded to a 16-row tile). The two give different bits, so a process uses one for all its
-calls: the best this CPU runs, or ``SPECJET_BF16_GEMM=amx|avx512_bf16|onednn`` (onednn: oneDNN's plans, as
-before this kernel). Needs K a multiple of 32 and N of 16 (every projection of the supported models);
-other shapes, CPUs without AVX-512 BF16 and a missing extension keep oneDNN.
+calls: ``amx`` where the CPU has tiles, else oneDNN's plans (``default_isa`` says why), or the one
+``SPECJET_BF16_GEMM=amx|avx512_bf16|onednn`` names. Needs K a multiple of 32 and N of 16 (every projection
+of the supported models); other shapes and a missing extension keep oneDNN.
 
 The weight is packed once, [N / 16, K / 2, 16, 2]: a 16-column group's k-pairs one 64-byte line each. The
 torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a tolerance, not bits).
@@ -37,7 +37,11 @@ def supported_isas() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def default_isa() -> str:
-    """``SPECJET_BF16_GEMM`` if set (refused with the reason where this CPU lacks it), else the best available."""
+    """``SPECJET_BF16_GEMM`` if set (refused with the reason where this CPU lacks it), else ``amx`` where the CPU
+    has the tiles and oneDNN elsewhere. AVX-512 BF16 alone is opt-in: it makes a one-row call (a plain decode
+    step) 2-3x faster than oneDNN's, but a call of many rows (a verify, a prefill) runs at its dot-product
+    instruction's rate, which made speculation slower than plain decoding where it was measured
+    (bench/RESULTS.md, session 40)."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     available = supported_isas()
     if forced:
@@ -46,7 +50,7 @@ def default_isa() -> str:
         if forced not in available:
             raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
         return forced
-    return max(available, key=ISAS.__getitem__)
+    return "amx" if "amx" in available else "onednn"
 
 
 def applies(weight_t: torch.Tensor, isa: str | None = None) -> bool:
@@ -96,7 +100,9 @@ class Bf16Linear:
 
 
 def describe_kernels() -> str:
-    return f"bf16 GEMM: {default_isa()}"
+    isa = default_isa()
+    return ("bf16 projections: oneDNN's measured row plans" if isa == "onednn"
+            else f"bf16 projections: specjet's {isa} GEMM (where K % 32 == 0 and N % 16 == 0)")
 
 
 __all__ = ["Bf16Linear", "applies", "bf16_gemm_reference", "default_isa", "describe_kernels", "pack",

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from specjet.kernels import bf16_gemm
 from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ModelOutput
@@ -109,6 +110,8 @@ class ModelRunner:
                     "auto" if dtype in (None, "auto") else "asked for", where)
         self.config = config
         self.model = build_model(config, state_dict, self.dtype, self.device, quantization, gguf_path)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            logger.info("%s", bf16_gemm.describe_kernels())
         self.model.set_batch_invariant(batch_invariant)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
         per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.kv_dtype)
