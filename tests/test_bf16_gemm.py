@@ -8,20 +8,14 @@ import platform
 import pytest
 import torch
 
+from isa_checks import check_forced_isa, cpu_flags
+
 from specjet.kernels import bf16_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear, bf16_gemm_reference
 from specjet.kernels.linear import PackedLinear, pack_weight
 
 KERNELS = [isa for isa in bf16_gemm.supported_isas() if isa != "onednn"]
 needs_kernel = pytest.mark.skipif(not KERNELS, reason="no AVX-512 BF16 on this CPU (or no extension): oneDNN only")
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def weights(k: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -123,20 +117,7 @@ def test_the_kernels_are_offered_where_the_cpu_has_them():
 def test_a_forced_instruction_set_is_checked(monkeypatch, request):
     """SPECJET_BF16_GEMM: an unknown name, or a set this CPU does not run, is refused with the reason;
     onednn always runs (and gives the oneDNN plans)."""
-    request.addfinalizer(bf16_gemm.default_isa.cache_clear)
-    monkeypatch.setenv(bf16_gemm.ISA_ENV, "avx1024")
-    bf16_gemm.default_isa.cache_clear()
-    with pytest.raises(ValueError, match="use one of onednn, avx512_bf16, amx"):
-        bf16_gemm.default_isa()
-    missing = [isa for isa in bf16_gemm.ISAS if isa not in bf16_gemm.supported_isas()]
-    if missing:
-        monkeypatch.setenv(bf16_gemm.ISA_ENV, missing[-1])
-        bf16_gemm.default_isa.cache_clear()
-        with pytest.raises(ValueError, match="does not run it"):
-            bf16_gemm.default_isa()
-    monkeypatch.setenv(bf16_gemm.ISA_ENV, "onednn")
-    bf16_gemm.default_isa.cache_clear()
-    assert bf16_gemm.default_isa() == "onednn"
+    check_forced_isa(bf16_gemm, monkeypatch, request, "onednn, avx512_bf16, amx", "onednn")
     assert isinstance(pack_weight(weights(576, 960)), PackedLinear)
 
 

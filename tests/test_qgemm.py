@@ -12,6 +12,8 @@ import platform
 import pytest
 import torch
 
+from isa_checks import check_forced_isa, cpu_flags
+
 from specjet.engine.args import EngineArgs
 from specjet.kernels import qgemm
 from specjet.kernels.dot_layout import error_bound, pack, quantize_activations, reference_gemm, unpack
@@ -219,14 +221,6 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
     assert qgemm.QuantizedLinear.build(quantize_q4_1(weight)).masked(x, bitmask, masked) is None  # no Q4_1 kernel
 
 
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.skipif(platform.system() != "Linux", reason="AMX is asked for from the Linux kernel")
 def test_amx_tiles_are_offered_where_the_cpu_has_them():
     """Linux lists AMX flags only where it manages the tile state; there the kernels must get the
@@ -253,17 +247,4 @@ def test_amx_tiles_at_the_lm_head_shape(fmt):
 def test_a_forced_instruction_set_is_checked(monkeypatch, request):
     """SPECJET_QGEMM_ISA: an unknown name, or a set this CPU does not run (e.g. amx on a CPU without
     tiles), is refused with the reason, not run into a SIGILL."""
-    request.addfinalizer(qgemm.default_isa.cache_clear)
-    monkeypatch.setenv(qgemm.ISA_ENV, "avx1024")
-    qgemm.default_isa.cache_clear()
-    with pytest.raises(ValueError, match="use one of scalar, avx2, avx512, amx"):
-        qgemm.default_isa()
-    missing = [isa for isa in qgemm.ISAS if isa not in qgemm.supported_isas()]
-    if missing:
-        monkeypatch.setenv(qgemm.ISA_ENV, missing[-1])
-        qgemm.default_isa.cache_clear()
-        with pytest.raises(ValueError, match="does not run it"):
-            qgemm.default_isa()
-    monkeypatch.setenv(qgemm.ISA_ENV, "scalar")
-    qgemm.default_isa.cache_clear()
-    assert qgemm.default_isa() == "scalar"
+    check_forced_isa(qgemm, monkeypatch, request, "scalar, avx2, avx512, amx", "scalar")
