@@ -38,7 +38,8 @@ constexpr int64_t kDepth = 32;  // k of one AMX tile product (16 pairs)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace bf16_avx512 {
 
-// 16 float sums (+ bias) rounded to bf16 (to nearest even, by the bits, as c10::BFloat16 rounds) and stored.
+// 16 float sums (+ bias) rounded to bf16 (to nearest even, by the bits, as c10::BFloat16 rounds a finite value;
+// the quiet NaN an instruction makes stays a NaN) and stored.
 inline void store_row(__m512 acc, const float* bias, uint16_t* y) {
   if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias));
   const __m512i u = _mm512_castps_si512(acc);

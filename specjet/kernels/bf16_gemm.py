@@ -14,15 +14,12 @@ torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a t
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from specjet.kernels import cpu_ops
-
-logger = logging.getLogger(__name__)
 
 ISA_ENV = "SPECJET_BF16_GEMM"
 ISAS = {"onednn": 0, "avx512_bf16": 1, "amx": 2}  # onednn: not this kernel (kernels/linear.py's plans)

@@ -7,6 +7,9 @@ choice, blocking and reduction order follow the row count M, so a plain matmul k
 only up to some M, and a single row (GEMV) may get other bits than the same row among others (the
 figures of one CPU are in bench/RESULTS.md).
 
+(A CPU bf16 weight goes to specjet's own bf16 GEMM where it runs, kernels/bf16_gemm.py: invariant by
+construction, no plan. What follows is every other weight's path.)
+
 The kernel is oneDNN's matmul against a weight reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, torch's CPU freezing path). Without the reorder oneDNN
 re-blocks a plain bf16 weight on every call, which made bf16 decoding slower than fp32. The reorder
