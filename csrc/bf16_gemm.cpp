@@ -22,7 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "cpu_ops.h"
 
@@ -112,11 +112,7 @@ namespace bf16_amx {
 
 constexpr int64_t kTileRows = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+#include "amx_tile_config.h"
 
 // Tiles 0-3: the float sums of up to four column groups (four independent chains: one tile product waits
 // for the previous one into the same sums, ~40 cycles, which a lone chain would pay in full on a decode
@@ -126,9 +122,7 @@ constexpr int kGroupsPerPass = 4;
 inline void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
-  // GCC 12 may drop stores to a struct only the builtin reads (qgemm_amx.h): a compiler barrier keeps them.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // The 16 lines of a B tile, fetched two tile products ahead of its load (past a group's end: the next group's
@@ -253,11 +247,18 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c1
   // by four: 36 groups are 18 and 18, not 20 and 16).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K));
   if (isa == kAmx) {
-    const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows;
-    std::vector<uint16_t> padded(tiles * bf16_amx::kTileRows * K, 0);
-    std::memcpy(padded.data(), xp, rows * K * sizeof(uint16_t));
+    // A tile reads 16 rows: a call whose rows are not whole tiles gets a copy with zero rows after them.
+    const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows, padded_rows = tiles * bf16_amx::kTileRows;
+    std::unique_ptr<uint16_t[]> padded;
+    const uint16_t* xt = xp;
+    if (padded_rows != rows) {
+      padded.reset(new uint16_t[padded_rows * K]);
+      std::memcpy(padded.get(), xp, rows * K * sizeof(uint16_t));
+      std::memset(padded.get() + rows * K, 0, (padded_rows - rows) * K * sizeof(uint16_t));
+      xt = padded.get();
+    }
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      bf16_amx::gemm(padded.data(), rows, tiles, K, wp, bp, yp, N, g0, g1);
+      bf16_amx::gemm(xt, rows, tiles, K, wp, bp, yp, N, g0, g1);
     });
   } else {
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {

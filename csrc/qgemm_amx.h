@@ -13,11 +13,7 @@
 // it (16 columns' sums, one vector) takes the same float steps, in the same order, as in the VNNI kernels
 // (qgemm_body.h), so every output element has the bits of every other build, whatever the row count.
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+#include "amx_tile_config.h"
 
 constexpr int kTileRows = 16;
 
@@ -30,10 +26,7 @@ static inline void configure_tiles() {
     cfg.rows[3 * slot + 1] = kTileRows, cfg.colsb[3 * slot + 1] = kBlock;  // A: 16 rows x a block of activations
     cfg.rows[3 * slot + 2] = kBlock / 4, cfg.colsb[3 * slot + 2] = 64;     // B: the block's codes, 4 per column
   }
-  // GCC 12 does not see that the builtin reads all 64 bytes and dropped some of the stores above (the tile
-  // load then faulted): a compiler barrier makes them happen first.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // One 16-column group of a packed Q4_1 weight. prepare(b, slot) unpacks block b's nibbles to bytes (the B
