@@ -54,6 +54,9 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c1
 // draft_ops.cpp
 std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
                                             const c10::optional<torch::Tensor>& token_ids, int64_t k);
+std::tuple<std::vector<std::pair<int64_t, double>>, int64_t> masked_topk_row(
+    const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
+    const c10::optional<torch::Tensor>& token_ids, int64_t k);
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked);
 
 // sampling.cpp

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 #include <limits>
 
 namespace {
@@ -77,9 +78,133 @@ bool block_maxima_or_nan(const float* __restrict v, int64_t n, float* __restrict
   return any;
 }
 
+// The columns a bitmask row allows, compacted in column order: their logits into kept and their indices into
+// kept_col (both at least cols long); returns how many. Column c is token token[c] (c without token_ids), allowed
+// where it lies within the mask's vocab tokens and its bit is set. Every column is written and the count
+// advances by its bit: a branch per column mispredicts on a mask that allows about half of them.
+int64_t compact_allowed_scalar(const float* row, const int64_t* token, int64_t cols, const uint32_t* words,
+                               int64_t vocab, float* kept, int64_t* kept_col, int64_t from = 0, int64_t n = 0) {
+  for (int64_t c = from; c < cols; ++c) {  // columns from .. cols - 1, after the n found before them
+    const int64_t t = token ? token[c] : c;
+    const bool inside = t >= 0 && t < vocab;
+    kept[n] = row[c];
+    kept_col[n] = c;
+    n += inside & token_allowed(words, inside ? t : 0);
+  }
+  return n;
+}
+
+// Which of the 8 columns c .. c + 7 a bitmask row allows (compact_allowed_avx512): a token outside [0, vocab) is
+// not, and its word is not read.
+__attribute__((target("avx512f"))) inline __mmask8 allowed8(const int64_t* token, int64_t c, const uint32_t* words,
+                                                             int64_t vocab) {
+  const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i t = token ? _mm512_loadu_si512(token + c) : _mm512_add_epi64(_mm512_set1_epi64(c), step);
+  const __mmask8 inside = _mm512_cmpge_epi64_mask(t, _mm512_setzero_si512()) &
+                          _mm512_cmplt_epi64_mask(t, _mm512_set1_epi64(vocab));
+  const __m256i w = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), inside, _mm512_srli_epi64(t, 5), words, 4);
+  const __m512i bit = _mm512_srlv_epi64(_mm512_cvtepu32_epi64(w), _mm512_and_si512(t, _mm512_set1_epi64(31)));
+  return _mm512_mask_test_epi64_mask(inside, bit, _mm512_set1_epi64(1));
+}
+
+// compact_allowed_scalar 16 columns at a time: the tokens' words gathered, their bits tested, the allowed logits
+// and columns stored by compression. The same compacted arrays (the allowed columns in order), so everything
+// after is the same.
+__attribute__((target("avx512f"))) int64_t compact_allowed_avx512(const float* row, const int64_t* token,
+                                                                   int64_t cols, const uint32_t* words,
+                                                                   int64_t vocab, float* kept, int64_t* kept_col) {
+  const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t n = 0, c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    const __mmask8 lo = allowed8(token, c, words, vocab), hi = allowed8(token, c + 8, words, vocab);
+    _mm512_mask_compressstoreu_ps(kept + n, static_cast<__mmask16>(lo | (hi << 8)), _mm512_loadu_ps(row + c));
+    _mm512_mask_compressstoreu_epi64(kept_col + n, lo, _mm512_add_epi64(_mm512_set1_epi64(c), step));
+    const int64_t n_lo = __builtin_popcount(lo);
+    _mm512_mask_compressstoreu_epi64(kept_col + n + n_lo, hi, _mm512_add_epi64(_mm512_set1_epi64(c + 8), step));
+    n += n_lo + __builtin_popcount(hi);
+  }
+  return compact_allowed_scalar(row, token, cols, words, vocab, kept, kept_col, c, n);
+}
+
 }  // namespace
 
 namespace specjet_cpu {
+
+namespace {
+
+// A drafter's scratch for topk_row, kept across the rows of a call.
+struct TopkScratch {
+  std::vector<float> top_value, kept, block_max;  // kept: a masked row's allowed logits
+  std::vector<int64_t> top_col, kept_col;  // and their columns
+};
+
+// One row of masked_topk_logp: the k best allowed columns of row[0 .. cols) into out_ids / out_logp (their
+// tokens, best first; `found` of them, the rest left as the caller filled them); returns the allowed count.
+// words: the row's bitmask (nullptr: every column allowed), vocab: the tokens it covers.
+int64_t topk_row(const float* row, int64_t cols, const uint32_t* words, int64_t vocab, const int64_t* token, int64_t k,
+                 TopkScratch& s, int64_t* out_ids, float* out_logp, int64_t& found) {
+  const float* values = row;  // the allowed logits (the whole row without a mask)
+  const int64_t* column = nullptr;  // their columns (nullptr: value i is column i)
+  int64_t n = cols;
+  found = 0;
+  if (words != nullptr) {
+    static const bool avx512 = __builtin_cpu_supports("avx512f");
+    s.kept.resize(cols);
+    s.kept_col.resize(cols);
+    n = avx512 ? compact_allowed_avx512(row, token, cols, words, vocab, s.kept.data(), s.kept_col.data())
+               : compact_allowed_scalar(row, token, cols, words, vocab, s.kept.data(), s.kept_col.data());
+    values = s.kept.data();
+    column = s.kept_col.data();
+  }
+  // Pass 1: the largest value and the k best finite ones (on a tie the earlier), a block at a time: a
+  // block whose maximum cannot enter the k best is not scanned.
+  s.top_value.resize(k);
+  s.top_col.resize(k);
+  float* top_value = s.top_value.data();
+  int64_t* top_col = s.top_col.data();
+  s.block_max.resize((n + kBlock - 1) / kBlock);
+  block_maxima_or_nan(values, n, s.block_max.data());  // NaNs are skipped by the scan itself
+  float max_value = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < static_cast<int64_t>(s.block_max.size()); ++b) {
+    if (s.block_max[b] > max_value) max_value = s.block_max[b];
+    if (found == k && !(s.block_max[b] > top_value[k - 1])) continue;
+    for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
+      const float v = values[i];
+      if (!std::isfinite(v) || (found == k && !(v > top_value[k - 1]))) continue;
+      int64_t j = found < k ? found++ : k - 1;
+      while (j > 0 && v > top_value[j - 1]) {
+        top_value[j] = top_value[j - 1];
+        top_col[j] = top_col[j - 1];
+        --j;
+      }
+      top_value[j] = v;
+      top_col[j] = column ? column[i] : i;
+    }
+  }
+  if (found == 0 || !std::isfinite(max_value)) {
+    found = 0;
+    return n;
+  }
+  // Pass 2: the allowed logits' softmax denominator.
+  const float log_total = max_value + static_cast<float>(std::log(sum_exp(values, n, max_value)));
+  for (int64_t j = 0; j < found; ++j) {
+    out_ids[j] = token ? token[top_col[j]] : top_col[j];
+    out_logp[j] = static_cast<float>(top_value[j] - log_total);
+  }
+  return n;
+}
+
+// token_ids' int64 [cols] data, checked (nullptr without).
+const int64_t* checked_token_ids(const c10::optional<torch::Tensor>& token_ids, int64_t cols, torch::Tensor& keep,
+                                 const char* op) {
+  if (!token_ids.has_value()) return nullptr;
+  keep = token_ids->contiguous();
+  TORCH_CHECK(keep.dim() == 1 && keep.scalar_type() == torch::kInt64 && keep.size(0) == cols, op,
+              ": token_ids must be int64 [K], the token of each logits column");
+  return keep.data_ptr<int64_t>();
+}
+
+}  // namespace
 
 std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
                                             const c10::optional<torch::Tensor>& token_ids, int64_t k) {
@@ -91,76 +216,49 @@ std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c
               "masked_topk_logp: bitmask must be a CPU int32 [R, W] tensor, one row per logits row");
   TORCH_CHECK(k >= 1, "masked_topk_logp: k must be >= 1");
   const int64_t rows = logits.size(0), cols = logits.size(1), words_per_row = masked ? bitmask->size(1) : 0;
-  const int64_t vocab = 32 * words_per_row;
   torch::Tensor ids_tensor;
-  if (token_ids.has_value()) {
-    ids_tensor = token_ids->contiguous();
-    TORCH_CHECK(ids_tensor.dim() == 1 && ids_tensor.scalar_type() == torch::kInt64 && ids_tensor.size(0) == cols,
-                "masked_topk_logp: token_ids must be int64 [K], the token of each logits column");
-  }
+  const int64_t* token = checked_token_ids(token_ids, cols, ids_tensor, "masked_topk_logp");
   const torch::Tensor x = logits.contiguous();
   const torch::Tensor mask = masked ? bitmask->contiguous() : torch::zeros({rows, 0}, torch::kInt32);
-  const int64_t* token = token_ids.has_value() ? ids_tensor.data_ptr<int64_t>() : nullptr;
   torch::Tensor out_ids = torch::full({rows, k}, -1, torch::kInt64);
   torch::Tensor out_logp = torch::full({rows, k}, -std::numeric_limits<float>::infinity(), torch::kFloat32);
   torch::Tensor allowed_count = torch::zeros({rows}, torch::kInt64);
-  std::vector<float> top_value(k);
-  std::vector<int64_t> top_col(k);
-  std::vector<float> kept;  // a masked row's allowed logits
-  std::vector<int64_t> kept_col;  // and their columns
-  std::vector<float> block_max;
+  TopkScratch scratch;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x.data_ptr<float>() + r * cols;
-    const float* values = row;  // the allowed logits (the whole row without a mask)
-    const int64_t* column = nullptr;  // their columns (nullptr: value i is column i)
-    int64_t n = cols;
-    if (masked) {
-      const uint32_t* words = bitmask_row(mask.data_ptr<int32_t>(), r, words_per_row);
-      kept.clear();
-      kept_col.clear();
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t t = token ? token[c] : c;
-        if (t >= 0 && t < vocab && token_allowed(words, t)) {
-          kept.push_back(row[c]);
-          kept_col.push_back(c);
-        }
-      }
-      values = kept.data();
-      column = kept_col.data();
-      n = static_cast<int64_t>(kept.size());
-    }
-    allowed_count.data_ptr<int64_t>()[r] = n;
-    // Pass 1: the largest value and the k best finite ones (on a tie the earlier), a block at a time: a
-    // block whose maximum cannot enter the k best is not scanned.
-    block_max.resize((n + kBlock - 1) / kBlock);
-    block_maxima_or_nan(values, n, block_max.data());  // NaNs are skipped by the scan itself
-    float max_value = -std::numeric_limits<float>::infinity();
+    const uint32_t* words = masked ? bitmask_row(mask.data_ptr<int32_t>(), r, words_per_row) : nullptr;
     int64_t found = 0;
-    for (int64_t b = 0; b < static_cast<int64_t>(block_max.size()); ++b) {
-      if (block_max[b] > max_value) max_value = block_max[b];
-      if (found == k && !(block_max[b] > top_value[k - 1])) continue;
-      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
-        const float v = values[i];
-        if (!std::isfinite(v) || (found == k && !(v > top_value[k - 1]))) continue;
-        int64_t j = found < k ? found++ : k - 1;
-        while (j > 0 && v > top_value[j - 1]) {
-          top_value[j] = top_value[j - 1];
-          top_col[j] = top_col[j - 1];
-          --j;
-        }
-        top_value[j] = v;
-        top_col[j] = column ? column[i] : i;
-      }
-    }
-    if (found == 0 || !std::isfinite(max_value)) continue;
-    // Pass 2: the allowed logits' softmax denominator.
-    const float log_total = max_value + static_cast<float>(std::log(sum_exp(values, n, max_value)));
-    for (int64_t j = 0; j < found; ++j) {
-      out_ids.data_ptr<int64_t>()[r * k + j] = token ? token[top_col[j]] : top_col[j];
-      out_logp.data_ptr<float>()[r * k + j] = static_cast<float>(top_value[j] - log_total);
-    }
+    allowed_count.data_ptr<int64_t>()[r] =
+        topk_row(x.data_ptr<float>() + r * cols, cols, words, 32 * words_per_row, token, k, scratch,
+                 out_ids.data_ptr<int64_t>() + r * k, out_logp.data_ptr<float>() + r * k, found);
   }
   return {out_ids, out_logp, allowed_count};
+}
+
+std::tuple<std::vector<std::pair<int64_t, double>>, int64_t> masked_topk_row(
+    const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,
+    const c10::optional<torch::Tensor>& token_ids, int64_t k) {
+  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
+              "masked_topk_row: logits must be a CPU float32 [K] tensor");
+  const bool masked = bitmask.has_value();
+  TORCH_CHECK(!masked || (bitmask->dim() == 2 && bitmask->size(0) == 1 && bitmask->scalar_type() == torch::kInt32 &&
+                          bitmask->device().is_cpu()),
+              "masked_topk_row: bitmask must be a CPU int32 [1, W] tensor");
+  TORCH_CHECK(k >= 1, "masked_topk_row: k must be >= 1");
+  const int64_t cols = logits.size(0);
+  torch::Tensor ids_tensor;
+  const int64_t* token = checked_token_ids(token_ids, cols, ids_tensor, "masked_topk_row");
+  const torch::Tensor x = logits.contiguous();
+  torch::Tensor mask;
+  if (masked) mask = bitmask->contiguous();
+  TopkScratch scratch;
+  std::vector<int64_t> ids(k);
+  std::vector<float> logp(k);
+  int64_t found = 0;
+  const int64_t allowed = topk_row(x.data_ptr<float>(), cols, masked ? bitmask_row(mask.data_ptr<int32_t>(), 0, 0) : nullptr,
+                                   masked ? 32 * mask.size(1) : 0, token, k, scratch, ids.data(), logp.data(), found);
+  std::vector<std::pair<int64_t, double>> best;
+  for (int64_t j = 0; j < found; ++j) best.emplace_back(ids[j], logp[j]);
+  return {best, allowed};
 }
 
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked) {

@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("bf16_gemm", &bf16_gemm, "y = x @ W (+ bias) for bf16 x and a packed bf16 weight, rounded to bf16");
   module.def("masked_topk_logp", &masked_topk_logp,
              "per row: the k best columns the row's token bitmask allows (all without one), log-probs over them");
+  module.def("masked_topk_row", &masked_topk_row,
+             "masked_topk_logp of one row as host values: ([(token, log-prob)] best first, allowed count)");
   module.def("masked_argmax", &masked_argmax,
              "per row: torch.argmax of the row with the columns its token bitmask forbids at -inf (masked rows only)");
   module.def("sample_rows_lists", &sample_rows_lists,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.masked_topk import masked_topk_logp, masked_topk_logp_reference
+from specjet.kernels.masked_topk import masked_topk_logp, masked_topk_logp_reference, masked_topk_row
 
 
 def random_case(seed: int, rows: int, cols: int, vocab: int, density: float, hot: bool):
@@ -116,6 +116,53 @@ def test_argument_checks():
         masked_topk_logp(logits, bitmask[:1], None, 2)
     with pytest.raises(RuntimeError, match="token_ids"):
         masked_topk_logp(logits, bitmask, torch.arange(10), 2)
+    with pytest.raises(RuntimeError, match="k must be"):
+        masked_topk_row(logits[0], bitmask[:1], None, 0)
+    with pytest.raises(RuntimeError, match=r"\[1, W\]"):
+        masked_topk_row(logits[0], bitmask, None, 2)
+    with pytest.raises(RuntimeError, match="token_ids"):
+        masked_topk_row(logits[0], bitmask[:1], torch.arange(10), 2)
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+@pytest.mark.parametrize("cols", [8192, 1000, 17, 5])
+def test_tokens_outside_the_bitmask_are_not_allowed(cols):
+    """Hot columns whose token lies past the bitmask's 32 W tokens, or is negative, are forbidden (and their
+    bitmask word is not read), at column counts with and without a tail past whole groups of 16."""
+    gen = torch.Generator().manual_seed(cols)
+    logits = 3 * torch.randn(2, cols, generator=gen)
+    token_ids = torch.randint(-40, 1100, (cols,), generator=gen)
+    token_ids[: min(cols, 3)] = torch.tensor([2000, -1, 1023][: min(cols, 3)])  # past, negative, last covered
+    logits[:, : min(cols, 2)] = 50.0  # the best columns are the two outside the mask
+    _, bitmask, _, _ = random_case(cols, rows=2, cols=cols, vocab=1024, density=0.6, hot=False)
+    ids, logp, count = masked_topk_logp(logits, bitmask, token_ids, 3)
+    ref_ids, ref_logp, ref_count = masked_topk_logp_reference(logits, bitmask, token_ids, 3)
+    assert torch.equal(ids, ref_ids) and torch.equal(count, ref_count)
+    assert torch.allclose(logp, ref_logp, atol=1e-5, rtol=0)
+    assert 2000 not in ids.flatten().tolist() and bool((ids[ids >= 0] < 1024).all())
+
+
+@pytest.mark.parametrize("impl", ["reference", "dispatch"])
+@pytest.mark.parametrize("seed", range(6))
+def test_one_row_as_host_values_is_that_row_of_the_tensor_op(seed, impl, monkeypatch):
+    """masked_topk_row (a grammar-aware drafter's call per block position) gives row r's pairs and allowed
+    count of masked_topk_logp exactly, dense and sparse masks, hot and full columns, with and without a mask."""
+    if impl == "reference":
+        monkeypatch.setattr(cpu_ops, "extension", lambda: None)
+    elif cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    hot, k = seed % 2 == 0, 1 + seed % 3
+    logits, bitmask, token_ids, _ = random_case(seed, rows=3, cols=8192 if hot else 4096, vocab=8192,
+                                                density=[0.5, 0.01, 0.0005][seed % 3], hot=hot)
+    for mask in (bitmask, None):
+        ids, logp, count = masked_topk_logp(logits, mask, token_ids, k)
+        for r in range(3):
+            best, allowed = masked_topk_row(logits[r], None if mask is None else mask[r:r + 1], token_ids, k)
+            assert allowed == int(count[r])
+            want = [(t, lp) for t, lp in zip(ids[r].tolist(), logp[r].tolist()) if t >= 0]
+            assert [t for t, _ in best] == [t for t, _ in want]
+            assert all(math.isclose(a, b, rel_tol=0, abs_tol=1e-6) for (_, a), (_, b) in zip(best, want))
+    assert masked_topk_row(logits[0], bitmask[0:1], token_ids, k) == ([], 0)  # row 0 allows nothing
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -191,8 +191,26 @@ def test_forced_text_is_split_as_the_tokenizer_splits_it(default_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     assert getattr(tokenizer, "backend_tokenizer", None) is not None
     split = text_to_ids(tokenizer)
-    for text in ('{"name": "', '", "n": ', '"}\n', " true", "\u00e9t\u00e9 \u2014 ok", "   ", "<|im_end|>"):
+    long_text = '"' + "abc, " * 80 + '"'  # past the cached length: split every time
+    for text in ('{"name": "', '", "n": ', '"}\n', " true", "\u00e9t\u00e9 \u2014 ok", "   ", "<|im_end|>", long_text):
         assert split(text) == tokenizer.encode(text, add_special_tokens=False), text
+    # Splits are cached (forced texts repeat): a second call gives the same ids, as a list of its own.
+    first = split('", "n": ')
+    first.append(-1)
+    assert split('", "n": ') == tokenizer.encode('", "n": ', add_special_tokens=False)
+
+
+def test_a_grammars_stop_tokens_are_looked_up_once_for_it_and_its_forks(backend, monkeypatch):
+    """The scheduler forks a request's grammar every speculative iteration; xgrammar builds its tokenizer
+    info anew on every access, so the stop tokens are read once and shared with the forks."""
+    compiled = backend.compile("regex", "(abc|x)yz").result()
+    grammar = RequestGrammar(compiled)
+    fork = grammar.fork()
+    assert fork.stop_token_ids() == tuple(backend.tokenizer_info.stop_token_ids)
+    reads = []
+    monkeypatch.setattr(type(compiled), "tokenizer_info", property(lambda self: reads.append(1)), raising=False)
+    assert grammar.stop_token_ids() == fork.fork().stop_token_ids() == tuple(backend.tokenizer_info.stop_token_ids)
+    assert not reads
 
 
 # ------------------------------------------------------------------ engines (tiny model)

@@ -24,9 +24,13 @@ class RequestGrammar:
     what speculative decoding needs to undo a rejected draft.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, *, _matcher: xgr.GrammarMatcher | None = None):
+    def __init__(self, compiled: xgr.CompiledGrammar, *, _matcher: xgr.GrammarMatcher | None = None,
+                 _facts: dict | None = None):
         self.compiled = compiled
         self._matcher = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
+        # What the compiled grammar says, looked up once and shared with forks (the scheduler forks a request's
+        # grammar every speculative iteration).
+        self._facts = _facts if _facts is not None else {}
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
         """Write the allowed next tokens into row `index` of `bitmask` (CPU int32).
@@ -75,6 +79,13 @@ class RequestGrammar:
         """
         self._matcher.traverse_draft_tree(next_token, next_sibling, tokens, bitmask)
 
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end the grammar (the tokenizer's stop tokens), looked up once per request: xgrammar
+        builds its tokenizer-info object anew on every access."""
+        if "stop_ids" not in self._facts:
+            self._facts["stop_ids"] = tuple(self.compiled.tokenizer_info.stop_token_ids)
+        return self._facts["stop_ids"]
+
     def is_terminated(self) -> bool:
         """True once the stop token has been accepted."""
         return self._matcher.is_terminated()
@@ -85,7 +96,7 @@ class RequestGrammar:
 
     def fork(self) -> RequestGrammar:
         """An independent copy of this state (e.g. to walk a draft branch without rollback)."""
-        return RequestGrammar(self.compiled, _matcher=self._matcher.fork())
+        return RequestGrammar(self.compiled, _matcher=self._matcher.fork(), _facts=self._facts)
 
     def reset(self) -> None:
         """Back to the start of the grammar."""

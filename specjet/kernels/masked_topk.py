@@ -56,6 +56,19 @@ def masked_topk_logp(logits: torch.Tensor, bitmask: torch.Tensor | None, token_i
     return masked_topk_logp_reference(logits, bitmask, token_ids, k)
 
 
+def masked_topk_row(logits: torch.Tensor, bitmask: torch.Tensor | None, token_ids: torch.Tensor | None,
+                    k: int) -> tuple[list[tuple[int, float]], int]:
+    """``masked_topk_logp`` of one row ``logits`` [K] under ``bitmask`` [1, W] (or None) as host values: the
+    (token, log-prob) pairs of its allowed finite columns, best first (at most k), and the allowed count. A
+    grammar-aware drafter calls it once per block position: one C++ call and no tensors to build or read
+    back on the CPU."""
+    ext = cpu_ops.extension()
+    if ext is not None and logits.device.type == "cpu" and (bitmask is None or bitmask.device.type == "cpu"):
+        return ext.masked_topk_row(logits.float(), bitmask, None if token_ids is None else token_ids.cpu(), k)
+    ids, logp, allowed = masked_topk_logp_reference(logits[None], bitmask, token_ids, k)
+    return [(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0], int(allowed[0])
+
+
 def masked_argmax_reference(logits: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """torch.argmax of each row of ``logits`` [R, V] after the columns its ``bitmask`` row forbids are set
     to -inf, for the rows where ``masked`` [R] bool is set (columns past the mask's 32 W tokens stay)."""

@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from specjet.kernels.cpu_ops import native_attention_available
-from specjet.kernels.masked_topk import masked_topk_logp
+from specjet.kernels.masked_topk import masked_topk_logp, masked_topk_row
 from specjet.models.dflash import DFlashDraftModel
 from specjet.models.eagle import FOLLOW_TARGET
 from specjet.models.forward_batch import ForwardBatch, ForwardMode
@@ -315,13 +315,11 @@ class DFlashDrafter:
             return out
         with guide.walk([c[0][0] for c in out]) as walk:  # the chain of best tokens, grown in turn
             while len(out) < stop:
-                ids, logp, allowed = masked_topk_logp(logits[len(out)][None], walk.mask(), self.draft.hot_token_ids,
-                                                      self.grammar_topk)
-                if not int(allowed[0]):
+                best, _ = masked_topk_row(logits[len(out)], walk.mask(), self.draft.hot_token_ids, self.grammar_topk)
+                if not best:  # nothing allowed (the grammar has ended), or no allowed logit is finite
                     break
-                # Fewer legal (finite) tokens than topk leave -1 entries.
-                out.append([(t, lp) for t, lp in zip(ids[0].tolist(), logp[0].tolist()) if t >= 0])
-                walk.take(out[-1][0][0])
+                out.append(best)  # fewer than topk where fewer legal tokens are finite
+                walk.take(best[0][0])
             if self.forced_tail and len(out) == logits.shape[0] and len(out) < want:
                 # Past the block's end the grammar's forced text is still a sure guess (jump-forward
                 # after the chain of best tokens): verify rows, but no draft forward.

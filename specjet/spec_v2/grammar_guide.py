@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from specjet.grammar import RequestGrammar, allocate_token_bitmask, mask_draft_tree
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, empty_token_bitmask, mask_draft_tree
 
 
 class GrammarGuide:
@@ -52,10 +52,12 @@ class GrammarGuide:
 
     def _only_stop_allowed(self) -> bool:
         """Whether the grammar allows no token here but its stop tokens (or none at all)."""
-        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        if self.grammar.is_terminated():
+            return True
+        bitmask = empty_token_bitmask(1, self.vocab_size)  # the fill writes every word
         self.grammar.fill_next_token_bitmask(bitmask, 0)
         words = bitmask.numpy().view(np.uint32)[0]
-        for t in self.grammar.compiled.tokenizer_info.stop_token_ids:
+        for t in self.grammar.stop_token_ids():
             if 0 <= t < 32 * words.shape[0]:
                 words[t >> 5] &= ~np.uint32(1 << (t & 31))
         return not words.any()
