@@ -6,11 +6,14 @@ locking and the cleanup are tested with a stub converter so they cost no second 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
+import shutil
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -215,11 +218,24 @@ def test_conversion_goes_to_the_overridden_cache_once_under_concurrency(stub_con
     target = results[0]
     assert target.parent == tmp_path / "cache" / "models" and target.name.startswith("tiny-")
     assert (target / "config.json").is_file()
-    assert [p.name for p in target.parent.iterdir() if p.is_dir()] == [target.name]
+    assert [p.name for p in target.parent.iterdir() if p.is_dir() and p.name != ".keys"] == [target.name]
 
-    # A changed file is a different cache entry.
+    # The same bytes elsewhere or touched (a fresh install of the package) find the same entry, converted once.
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copy(gguf, copy)
     stat = gguf.stat()
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    weights._CONTENT_KEYS.clear()  # as a new process: only the pointer files remain
+    assert resolve_model_path(copy) == resolve_model_path(gguf) == target
+    assert len(calls) == 1
+    # A new process reads the content key from the pointer instead of hashing the file again.
+    weights._CONTENT_KEYS.clear()
+    with mock.patch.object(weights.hashlib, "sha256", wraps=hashlib.sha256) as sha:
+        assert resolve_model_path(copy) == target
+    assert all(call.args and isinstance(call.args[0], bytes) and len(call.args[0]) < 200 for call in sha.call_args_list)
+    # A changed file is a different cache entry.
+    gguf.write_bytes(b"GGUF changed")
     assert resolve_model_path(gguf) != target
     assert len(calls) == 2
 
@@ -234,7 +250,7 @@ def test_failed_conversion_leaves_no_directory(monkeypatch, stub_converter, tmp_
     monkeypatch.setattr(weights, "_convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model_path(gguf)
-    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]
+    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir() and p.name != ".keys"]
 
 
 # ---- loading ------------------------------------------------------------------------------------

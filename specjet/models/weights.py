@@ -8,8 +8,9 @@ specjet never downloads anything. A `model_path` is one of
 A converted directory holds `config.json`, `generation_config.json`, `model.safetensors` (float32,
 Hugging Face tensor names) and the tokenizer files, so that `AutoConfig`, `AutoTokenizer` and
 `AutoModelForCausalLM.from_pretrained(dir)` all work on it offline, and a later start skips the
-~25 s conversion. The cache key hashes the GGUF's resolved path, size and mtime, so replacing the
-file converts it again.
+~25 s conversion. The cache key hashes the GGUF's bytes (remembered per path, size and mtime), so the
+same file at another path (a fresh install) finds its earlier conversion, and a changed file converts
+again.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
+import threading
 import time
 
 import torch
@@ -116,10 +119,36 @@ def _explain_bad_path(model_path: str | os.PathLike, path: pathlib.Path) -> str:
     return f"model_path {str(model_path)!r} is neither a .gguf file nor a directory; {hint}"
 
 
-def _cache_key(gguf: pathlib.Path) -> str:
+def _cache_key(gguf: pathlib.Path, models: pathlib.Path) -> str:
+    """``<stem>-<hash of the file's bytes>``: one cache entry per GGUF content, wherever the file lies (every
+    fresh install puts the default model's GGUF at a new path with a new mtime: a key on those would convert
+    it again, ~0.5 GB a time, and keep every copy). Hashing ~100 MB takes ~0.1 s, so the content key is
+    remembered per (path, size, mtime) in a small pointer file, and in the process."""
     stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    return f"{gguf.stem}-{digest[:12]}"
+    identity = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    if identity in _CONTENT_KEYS:
+        return _CONTENT_KEYS[identity]
+    pointer = models / ".keys" / hashlib.sha256(identity.encode()).hexdigest()[:24]
+    try:
+        key = pointer.read_text().strip()
+    except OSError:
+        key = ""
+    if not _KEY_PATTERN.fullmatch(key) or not key.startswith(f"{gguf.stem}-"):
+        digest = hashlib.sha256()
+        with open(gguf, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+        key = f"{gguf.stem}-{digest.hexdigest()[:16]}"
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pointer.with_name(f"{pointer.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp.write_text(key)
+        os.replace(tmp, pointer)  # readers see the old pointer or the whole new one
+    _CONTENT_KEYS[identity] = key
+    return key
+
+
+_CONTENT_KEYS: dict[str, str] = {}
+_KEY_PATTERN = re.compile(r".+-[0-9a-f]{16}")
 
 
 def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
@@ -131,7 +160,7 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
     """
     gguf = gguf.resolve()
     models = specjet_cache_dir() / "models"
-    target = models / _cache_key(gguf)
+    target = models / _cache_key(gguf, models)
     if (target / "config.json").is_file():
         return target
     models.mkdir(parents=True, exist_ok=True)
