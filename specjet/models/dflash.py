@@ -327,17 +327,6 @@ class DFlashDraftModel(HotVocabDraft):
         add = torch.where(self._known_rows(ids)[:, :-1, None], add, torch.zeros_like(add))
         return torch.cat([x[:, :1], x[:, 1:] + add], dim=1)
 
-    def _add_known_previous_tokens(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``_add_previous_tokens``'s values, in place, with only the rows whose previous token is known
-        projected (without known tokens: row 1 of each block, after its root). The projection's kernels
-        give a row the same bits whatever rows share the call, and a row plus zero is that row, so this
-        is ``_add_previous_tokens`` to the bit at a fraction of its projection (its indices come from a
-        host-side ``nonzero``: the C++ path only; a captured graph takes ``_add_previous_tokens``)."""
-        blocks, rows = self._known_rows(ids)[:, :-1].nonzero(as_tuple=True)
-        embedded = F.embedding(ids[blocks, rows], self._shared().embed.weight).to(x.dtype)
-        x[blocks, rows + 1] += self.prev_proj.project(embedded).to(x.dtype)
-        return x
-
     def _mask_rows(self, size: int) -> torch.Tensor:
         """[1, size, h]: zeros at the root's row, the mask embedding at the others (made once a size)."""
         if size not in self._mask_rows_cache:
@@ -350,35 +339,51 @@ class DFlashDraftModel(HotVocabDraft):
     @torch.inference_mode()
     def native_block_logits(self, roots: torch.Tensor, root_ctx: torch.Tensor | None, positions: torch.Tensor,
                             slots: torch.Tensor, attention_args: tuple, kv_cache: KVCache,
-                            ids: torch.Tensor | None = None) -> torch.Tensor | None:
+                            known: list[list[int]] | None = None) -> torch.Tensor | None:
         """``forward`` over B blocks [root, mask, ...] as the C++ layer stack runs it, given the C++
         attention kernel's metadata (``kernels/cpu_ops.native_attention_args``'s tuple) instead of a
         ``ForwardBatch``: the same kernels and bits with none of the metadata a torch attention path
-        would need. ``roots`` [B], ``positions`` and ``slots`` [B * S]; ``ids`` [B, S]: the blocks'
-        ids where some hold known tokens after the root (None: masks only). Logits of block
+        would need. ``roots`` [B], ``positions`` and ``slots`` [B * S]; ``known[b]``: the tokens known to
+        follow block b's root, in its block in place of mask tokens (None: masks only). Logits of block
         positions 1.. [B, S - 1, K or vocab]; None where the layers do not run as one C++ call."""
         if self.layer_stack is None or not self.layers[0].self_attn.batch_invariant:
             return None
         batch = roots.shape[0]
         size = positions.shape[0] // batch  # the drafter's block, which need not be the one trained for
-        # block_input's values in fewer operations: [0 ; mask x (S - 1)] (+ root_proj(c)), then the
-        # root's embedding added to row 0 (0 + r + e == e + r exactly); a known token's row as the root's.
-        x = self._mask_rows(size)
-        known = None
-        if ids is not None:
-            known = self._known_rows(ids)
-            x = x.masked_fill(known[..., None], 0.0)
+        # block_input's values in fewer operations: [0 ; mask x (S - 1)] (+ root_proj(c)), then each token's
+        # embedding added to its row (0 + r + e == e + r exactly; a known token's row is zeroed first, as
+        # the root's), and prev_proj of each token's embedding to the row after it. The rows holding tokens
+        # (each root and its known tokens, a prefix of its block) are known on the host: one block's are a
+        # slice; a batch's are listed for index ops (not masks, nonzero and gathers: every op costs tens
+        # of microseconds at this size on a CPU).
+        lens = [0] * batch if known is None else [min(len(k), size - 1) for k in known]
+        tokens = [t for r, k, n in zip(roots.tolist(), known or [[]] * batch, lens) for t in [r, *k[:n]]]
+        x = self._mask_rows(size).expand(batch, size, -1)
+        if any(lens):
+            x = x.clone()
+            for b, n in enumerate(lens):
+                x[b, 1:n + 1] = 0.0
         if self.root_proj is not None:
             x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
-        else:
-            x = x.expand(batch, size, -1).clone()
-        if known is None:
-            x[:, 0] += F.embedding(roots, self._shared().embed.weight).to(x.dtype)
-        else:
-            x[known] += F.embedding(ids[known], self._shared().embed.weight).to(x.dtype)
-        if self.prev_proj is not None:
-            x = self._add_known_previous_tokens(x, self.root_block_ids(roots, size) if ids is None else ids)
+        elif not any(lens):
+            x = x.clone()
         x = x.view(batch * size, -1)
+        embed = self._shared().embed.weight
+        embedded = F.embedding(torch.tensor(tokens), embed).to(x.dtype)  # [sum(lens) + B, h], block by block
+        # A token in a block's last row has no row after it (a block of known tokens only is never drafted).
+        has_next = [i < size - 1 for n in lens for i in range(n + 1)]
+        if batch == 1:
+            x[:lens[0] + 1] += embedded
+            if self.prev_proj is not None:
+                m = sum(has_next)
+                x[1:m + 1] += self.prev_proj.project(embedded[:m]).to(x.dtype)
+        else:
+            token_rows = [b * size + i for b, n in enumerate(lens) for i in range(n + 1)]
+            x.index_add_(0, torch.tensor(token_rows), embedded)
+            if self.prev_proj is not None:
+                keep = [j for j, ok in enumerate(has_next) if ok]
+                add = self.prev_proj.project(embedded[keep] if len(keep) < len(has_next) else embedded)
+                x.index_add_(0, torch.tensor([token_rows[j] + 1 for j in keep]), add.to(x.dtype))
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]
         x = x.view(batch, size, -1)[:, 1:].reshape(batch * (size - 1), -1)

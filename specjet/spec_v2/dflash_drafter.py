@@ -163,7 +163,7 @@ class DFlashDrafter:
             logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token, known)  # [n, S - 1, V]
             for b, block in zip(todo, logits):
                 r = reqs[b]
-                candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1)
+                candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1, r.min_logp)
         return [_tree(r.input.root, c, r.budget, r.min_logp) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
@@ -217,7 +217,6 @@ class DFlashDrafter:
         host = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], [r.root for r in reqs]],
                             dtype=torch.int64).to(device, non_blocking=True)
         rows, committed, roots = host[0], host[1], host[2]
-        ids = None if known is None else self._block_ids(roots, known)
         root_ctx = self._root_ctx(reqs, device)
         if device.type == "cpu" and native_attention_available():
             # The C++ kernel's metadata straight from the table: each row's slots up to its block's end
@@ -234,9 +233,10 @@ class DFlashDrafter:
             c = self._constants(batch, device)
             logits = self.draft.native_block_logits(roots, root_ctx, positions, slots,
                                                     (table, committed + size, c.q_lens, c.q_starts, c.mask),
-                                                    self.kv_cache, ids)
+                                                    self.kv_cache, known)
             if logits is not None:
                 return logits
+        ids = None if known is None else self._block_ids(roots, known)
         positions = committed[:, None] + self._constants(1, device).offsets
         slots = req_to_token[rows[:, None], positions]
         inputs = {"ids": self._block_ids(roots) if ids is None else ids, "positions": positions, "slots": slots,
@@ -300,7 +300,7 @@ class DFlashDrafter:
         return ctx[0][None] if len(ctx) == 1 else torch.stack(ctx)
 
     def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
-                    want: int) -> list[list[tuple[int, float]]]:
+                    want: int, min_logp: float = -math.inf) -> list[list[tuple[int, float]]]:
         """Per draft position after the forced ones: the draft's ``topk`` best (token, log-prob),
         best first; under a grammar its ``grammar_topk`` best among the tokens the grammar allows after
         the chain of best tokens before (renormalised over them). Stops where nothing is allowed (the
@@ -313,8 +313,22 @@ class DFlashDrafter:
                 out += [[(t, lp) for t, lp in zip(row_ids, row_logp) if t >= 0]
                         for row_ids, row_logp in zip(ids.tolist(), logp.tolist())]
             return out
+        # A chain without a cut reads no log-prob, only each position's best legal token: where the draft's
+        # favourite is legal after the chain (the common case) it is that token, found by offering it to the
+        # grammar, with no mask to fill; only a position whose favourite the grammar refuses needs the mask.
+        # Its unmasked log-prob (a lower bound of the renormalised one) is kept, and never read.
+        favourites = None
+        if self.grammar_topk == 1 and min_logp == -math.inf and len(out) < stop:
+            ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, 1)
+            favourites = list(zip(ids[:, 0].tolist(), logp[:, 0].tolist()))
+        first = len(out)
         with guide.walk([c[0][0] for c in out]) as walk:  # the chain of best tokens, grown in turn
             while len(out) < stop:
+                if favourites is not None:
+                    token, lp = favourites[len(out) - first]
+                    if token >= 0 and walk.try_take(token):
+                        out.append([(token, lp)])
+                        continue
                 best, _ = masked_topk_row(logits[len(out)], walk.mask(), self.draft.hot_token_ids, self.grammar_topk)
                 if not best:  # nothing allowed (the grammar has ended), or no allowed logit is finite
                     break

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from specjet.grammar import RequestGrammar, allocate_token_bitmask, empty_token_bitmask, mask_draft_tree
+from specjet.grammar import RequestGrammar, empty_token_bitmask, mask_draft_tree
 
 
 class GrammarGuide:
@@ -66,7 +66,7 @@ class GrammarGuide:
     def masks_after(self, paths: list[list[int]]) -> torch.Tensor:
         """[len(paths), W] int32: the tokens allowed after each path from the root (an illegal
         path, or one through the stop token, gets an all-zero row: nothing may follow it)."""
-        bitmask = allocate_token_bitmask(len(paths), self.vocab_size)
+        bitmask = empty_token_bitmask(len(paths), self.vocab_size)  # every row filled or zeroed below
         for i, path in enumerate(paths):
             taken = self.grammar.accept_tokens(path)
             if taken == len(path) and not self.grammar.is_terminated():
@@ -114,7 +114,7 @@ class ChainWalk:
         self.path = list(path)
         self.taken = 0
         self.legal = True  # every token of the chain so far was accepted
-        self.bitmask = allocate_token_bitmask(1, guide.vocab_size)  # one buffer, refilled by mask()
+        self.bitmask = empty_token_bitmask(1, guide.vocab_size)  # one buffer, filled or zeroed by mask()
 
     def __enter__(self) -> "ChainWalk":
         self.taken = self.grammar.accept_tokens(self.path)
@@ -140,6 +140,15 @@ class ChainWalk:
             accepted = self.grammar.accept_tokens([token])
             self.taken += accepted
             self.legal = accepted == 1
+
+    def try_take(self, token: int) -> bool:
+        """Grow the chain by ``token`` if the grammar allows it after the chain (True); else leave the chain
+        as it was (False). A drafter finds the best legal token so whenever its favourite is legal, without
+        filling a mask."""
+        if self.legal and self.grammar.accept_token(token):
+            self.taken += 1
+            return True
+        return False
 
     def forced_chain(self, max_len: int) -> list[int]:
         """The grammar's forced text after the chain (``GrammarGuide.forced_chain``)."""
