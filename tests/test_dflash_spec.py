@@ -293,6 +293,36 @@ def test_a_chains_legal_favourites_are_the_masked_best_tokens(tiny_model_dir, co
     assert offered[True] and offered[False], offered
 
 
+@pytest.mark.parametrize("topk", [1, 3])
+def test_the_grammar_walk_stops_at_the_cut_with_the_same_tree(tiny_model_dir, copy_draft, plain, topk, monkeypatch):
+    """Under a grammar the walk stops once the chain of best tokens falls below the request's cut: no path
+    reaches past it, so the tree is the one the whole walk gives (chain and 3-wide lattice), the walk was
+    shorter at least once, and the ids stay plain decoding's."""
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter, _tree
+
+    compared = []
+    real = DFlashDrafter._candidates
+
+    def spy(self, guide, forced, logits, want, min_logp=float("-inf")):
+        out = real(self, guide, forced, logits, want, min_logp)
+        if guide is not None and min_logp > float("-inf"):
+            whole = real(self, guide, forced, logits, want, -1e30)  # a cut no path reaches: the whole walk
+            budget = want + 1
+            compared.append((_tree(0, out, budget, min_logp) == _tree(0, whole, budget, min_logp),
+                             len(out) < len(whole)))
+        return out
+
+    monkeypatch.setattr(DFlashDrafter, "_candidates", spy)
+    ref = plain.generate(PROMPTS[:4], MIXED)
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=topk,
+                       speculative_draft_min_prob=0.3) as eng:
+        outs = eng.generate(PROMPTS[:4], MIXED)
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    assert compared and all(same for same, _ in compared)
+    assert any(shorter for _, shorter in compared)
+
+
 def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, copy_draft, plain, monkeypatch):
     """Without speculative_eagle_topk the block is a 3-wide tree for free text and a chain (one
     candidate a position) under a grammar; the ids stay plain decoding's."""

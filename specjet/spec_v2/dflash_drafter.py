@@ -304,7 +304,8 @@ class DFlashDrafter:
         """Per draft position after the forced ones: the draft's ``topk`` best (token, log-prob),
         best first; under a grammar its ``grammar_topk`` best among the tokens the grammar allows after
         the chain of best tokens before (renormalised over them). Stops where nothing is allowed (the
-        grammar has ended), at the block's end or at ``want`` positions."""
+        grammar has ended), at the block's end, at ``want`` positions or, under a grammar, at the position
+        where the best path falls below ``min_logp`` (the cut ``_tree`` applies)."""
         out = list(forced)
         stop = min(want, logits.shape[0])
         if guide is None:  # every position at once: nothing depends on the tokens chosen before
@@ -322,6 +323,9 @@ class DFlashDrafter:
             ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, 1)
             favourites = list(zip(ids[:, 0].tolist(), logp[:, 0].tolist()))
         first = len(out)
+        # The best path to a position is the chain of best tokens (the spine), so once the spine's
+        # log-probability falls below the cut no path reaches further (_tree stops there): the walk stops.
+        spine, cut = sum(c[0][1] for c in out), False
         with guide.walk([c[0][0] for c in out]) as walk:  # the chain of best tokens, grown in turn
             while len(out) < stop:
                 if favourites is not None:
@@ -333,8 +337,12 @@ class DFlashDrafter:
                 if not best:  # nothing allowed (the grammar has ended), or no allowed logit is finite
                     break
                 out.append(best)  # fewer than topk where fewer legal tokens are finite
+                spine += best[0][1]
+                cut = spine < min_logp
+                if cut:
+                    break
                 walk.take(best[0][0])
-            if self.forced_tail and len(out) == logits.shape[0] and len(out) < want:
+            if self.forced_tail and not cut and len(out) == logits.shape[0] and len(out) < want:
                 # Past the block's end the grammar's forced text is still a sure guess (jump-forward
                 # after the chain of best tokens): verify rows, but no draft forward.
                 out += [[(t, 0.0)] for t in walk.forced_chain(want - len(out))]
