@@ -79,9 +79,10 @@ bool block_maxima_or_nan(const float* __restrict v, int64_t n, float* __restrict
 }
 
 // The columns a bitmask row allows, compacted in column order: their logits into kept and their indices into
-// kept_col (both at least cols long); returns how many. Column c is token token[c] (c without token_ids), allowed
-// where it lies within the mask's vocab tokens and its bit is set. Every column is written and the count
-// advances by its bit: a branch per column mispredicts on a mask that allows about half of them.
+// kept_col (cols long at least; cols + kCompactSlack for the AVX-512 form); returns how many. Column c is token
+// token[c] (c without token_ids), allowed where it lies within the mask's vocab tokens and its bit is set.
+// Every column is written and the count advances by its bit: a branch per column mispredicts on a mask that
+// allows about half of them.
 int64_t compact_allowed_scalar(const float* row, const int64_t* token, int64_t cols, const uint32_t* words,
                                int64_t vocab, float* kept, int64_t* kept_col, int64_t from = 0, int64_t n = 0) {
   for (int64_t c = from; c < cols; ++c) {  // columns from .. cols - 1, after the n found before them
@@ -107,6 +108,9 @@ __attribute__((target("avx512f"))) inline __mmask8 allowed8(const int64_t* token
   return _mm512_mask_test_epi64_mask(inside, bit, _mm512_set1_epi64(1));
 }
 
+// Elements past the cols a compaction may write (compact_allowed_avx512 stores whole vectors).
+constexpr int64_t kCompactSlack = 16;
+
 // compact_allowed_scalar 16 columns at a time: the tokens' words gathered, their bits tested, the allowed logits
 // and columns stored by compression. The same compacted arrays (the allowed columns in order), so everything
 // after is the same.
@@ -117,10 +121,13 @@ __attribute__((target("avx512f"))) int64_t compact_allowed_avx512(const float* r
   int64_t n = 0, c = 0;
   for (; c + 16 <= cols; c += 16) {
     const __mmask8 lo = allowed8(token, c, words, vocab), hi = allowed8(token, c + 8, words, vocab);
-    _mm512_mask_compressstoreu_ps(kept + n, static_cast<__mmask16>(lo | (hi << 8)), _mm512_loadu_ps(row + c));
-    _mm512_mask_compressstoreu_epi64(kept_col + n, lo, _mm512_add_epi64(_mm512_set1_epi64(c), step));
+    // Compressed in registers, then stored whole (the lanes past the allowed ones are overwritten later or
+    // lie in the buffers' slack): a compress straight to memory is microcoded and slow on some CPUs (Zen 4).
+    _mm512_storeu_ps(kept + n, _mm512_maskz_compress_ps(static_cast<__mmask16>(lo | (hi << 8)), _mm512_loadu_ps(row + c)));
+    _mm512_storeu_si512(kept_col + n, _mm512_maskz_compress_epi64(lo, _mm512_add_epi64(_mm512_set1_epi64(c), step)));
     const int64_t n_lo = __builtin_popcount(lo);
-    _mm512_mask_compressstoreu_epi64(kept_col + n + n_lo, hi, _mm512_add_epi64(_mm512_set1_epi64(c + 8), step));
+    _mm512_storeu_si512(kept_col + n + n_lo,
+                        _mm512_maskz_compress_epi64(hi, _mm512_add_epi64(_mm512_set1_epi64(c + 8), step)));
     n += n_lo + __builtin_popcount(hi);
   }
   return compact_allowed_scalar(row, token, cols, words, vocab, kept, kept_col, c, n);
@@ -149,8 +156,8 @@ int64_t topk_row(const float* row, int64_t cols, const uint32_t* words, int64_t 
   found = 0;
   if (words != nullptr) {
     static const bool avx512 = __builtin_cpu_supports("avx512f");
-    s.kept.resize(cols);
-    s.kept_col.resize(cols);
+    s.kept.resize(cols + kCompactSlack);
+    s.kept_col.resize(cols + kCompactSlack);
     n = avx512 ? compact_allowed_avx512(row, token, cols, words, vocab, s.kept.data(), s.kept_col.data())
                : compact_allowed_scalar(row, token, cols, words, vocab, s.kept.data(), s.kept_col.data());
     values = s.kept.data();
