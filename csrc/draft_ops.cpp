@@ -123,7 +123,8 @@ __attribute__((target("avx512f"))) int64_t compact_allowed_avx512(const float* r
     const __mmask8 lo = allowed8(token, c, words, vocab), hi = allowed8(token, c + 8, words, vocab);
     // Compressed in registers, then stored whole (the lanes past the allowed ones are overwritten later or
     // lie in the buffers' slack): a compress straight to memory is microcoded and slow on some CPUs (Zen 4).
-    _mm512_storeu_ps(kept + n, _mm512_maskz_compress_ps(static_cast<__mmask16>(lo | (hi << 8)), _mm512_loadu_ps(row + c)));
+    const __mmask16 both = static_cast<__mmask16>(lo | (hi << 8));
+    _mm512_storeu_ps(kept + n, _mm512_maskz_compress_ps(both, _mm512_loadu_ps(row + c)));
     _mm512_storeu_si512(kept_col + n, _mm512_maskz_compress_epi64(lo, _mm512_add_epi64(_mm512_set1_epi64(c), step)));
     const int64_t n_lo = __builtin_popcount(lo);
     _mm512_storeu_si512(kept_col + n + n_lo,
@@ -261,8 +262,9 @@ std::tuple<std::vector<std::pair<int64_t, double>>, int64_t> masked_topk_row(
   std::vector<int64_t> ids(k);
   std::vector<float> logp(k);
   int64_t found = 0;
-  const int64_t allowed = topk_row(x.data_ptr<float>(), cols, masked ? bitmask_row(mask.data_ptr<int32_t>(), 0, 0) : nullptr,
-                                   masked ? 32 * mask.size(1) : 0, token, k, scratch, ids.data(), logp.data(), found);
+  const uint32_t* words = masked ? bitmask_row(mask.data_ptr<int32_t>(), 0, 0) : nullptr;
+  const int64_t allowed = topk_row(x.data_ptr<float>(), cols, words, masked ? 32 * mask.size(1) : 0, token, k, scratch,
+                                   ids.data(), logp.data(), found);
   std::vector<std::pair<int64_t, double>> best;
   for (int64_t j = 0; j < found; ++j) best.emplace_back(ids[j], logp[j]);
   return {best, allowed};
