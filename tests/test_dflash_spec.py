@@ -253,46 +253,6 @@ def test_constrained_equals_plain_constrained(tiny_model_dir, copy_draft, copy_d
     assert accept[True] > 1.3 and accept[True] > accept[False], accept
 
 
-@pytest.mark.parametrize("draft_name", ["copy", "wrong"])
-def test_a_chains_legal_favourites_are_the_masked_best_tokens(tiny_model_dir, copy_draft, wrong_draft, plain,
-                                                              draft_name, monkeypatch):
-    """Under a grammar, a chain without a cut takes each position's favourite when the grammar accepts it and
-    fills a mask only where it refuses it: the same tokens, position by position, as the best legal token of
-    every position's masked logits (the path with a cut), for drafts whose favourites are mostly legal (copy)
-    and mostly not (wrong); both branches ran. Output ids stay plain decoding's."""
-    from specjet.spec_v2.dflash_drafter import DFlashDrafter
-    from specjet.spec_v2.grammar_guide import ChainWalk
-
-    offered = collections.Counter()
-    real_take = ChainWalk.try_take
-
-    def counting_take(self, token):
-        taken = real_take(self, token)
-        offered[taken] += 1
-        return taken
-
-    compared = []
-    real = DFlashDrafter._candidates
-
-    def spy(self, guide, forced, logits, want, min_logp=float("-inf")):
-        out = real(self, guide, forced, logits, want, min_logp)
-        if guide is not None:
-            masked = real(self, guide, forced, logits, want, -1e30)  # a cut: every position through its mask
-            compared.append(([c[0][0] for c in out], [c[0][0] for c in masked]))
-        return out
-
-    monkeypatch.setattr(ChainWalk, "try_take", counting_take)
-    monkeypatch.setattr(DFlashDrafter, "_candidates", spy)
-    ref = plain.generate(PROMPTS[:4], MIXED)
-    draft = {"copy": copy_draft, "wrong": wrong_draft}[draft_name]
-    with dflash_engine(tiny_model_dir, draft, speculative_num_draft_tokens=8) as eng:
-        outs = eng.generate(PROMPTS[:4], MIXED)
-        eng.check_kv_invariant()
-    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
-    assert compared and all(fast == masked for fast, masked in compared)
-    assert offered[True] and offered[False], offered
-
-
 @pytest.mark.parametrize("topk", [1, 3])
 def test_the_grammar_walk_stops_at_the_cut_with_the_same_tree(tiny_model_dir, copy_draft, plain, topk, monkeypatch):
     """Under a grammar the walk stops once the chain of best tokens falls below the request's cut: no path

@@ -25,12 +25,10 @@ class RequestGrammar:
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, *, _matcher: xgr.GrammarMatcher | None = None,
-                 _facts: dict | None = None):
+                 _stop_ids: tuple[int, ...] | None = None):
         self.compiled = compiled
         self._matcher = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
-        # What the compiled grammar says, looked up once and shared with forks (the scheduler forks a request's
-        # grammar every speculative iteration).
-        self._facts = _facts if _facts is not None else {}
+        self._stop_ids = _stop_ids  # stop_token_ids(), once looked up
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
         """Write the allowed next tokens into row `index` of `bitmask` (CPU int32).
@@ -80,11 +78,12 @@ class RequestGrammar:
         self._matcher.traverse_draft_tree(next_token, next_sibling, tokens, bitmask)
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The tokens that end the grammar (the tokenizer's stop tokens), looked up once per request: xgrammar
-        builds its tokenizer-info object anew on every access."""
-        if "stop_ids" not in self._facts:
-            self._facts["stop_ids"] = tuple(self.compiled.tokenizer_info.stop_token_ids)
-        return self._facts["stop_ids"]
+        """The tokens that end the grammar (the tokenizer's stop tokens), looked up once per request (forks get
+        them: the scheduler forks a request's grammar every speculative iteration, and xgrammar builds its
+        tokenizer-info object anew on every access)."""
+        if self._stop_ids is None:
+            self._stop_ids = tuple(self.compiled.tokenizer_info.stop_token_ids)
+        return self._stop_ids
 
     def is_terminated(self) -> bool:
         """True once the stop token has been accepted."""
@@ -96,7 +95,7 @@ class RequestGrammar:
 
     def fork(self) -> RequestGrammar:
         """An independent copy of this state (e.g. to walk a draft branch without rollback)."""
-        return RequestGrammar(self.compiled, _matcher=self._matcher.fork(), _facts=self._facts)
+        return RequestGrammar(self.compiled, _matcher=self._matcher.fork(), _stop_ids=self.stop_token_ids())
 
     def reset(self) -> None:
         """Back to the start of the grammar."""

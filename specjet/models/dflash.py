@@ -337,18 +337,18 @@ class DFlashDraftModel(HotVocabDraft):
         return self._mask_rows_cache[size]
 
     @torch.inference_mode()
-    def native_block_logits(self, roots: torch.Tensor, root_ctx: torch.Tensor | None, positions: torch.Tensor,
+    def native_block_logits(self, roots: list[int], root_ctx: torch.Tensor | None, positions: torch.Tensor,
                             slots: torch.Tensor, attention_args: tuple, kv_cache: KVCache,
                             known: list[list[int]] | None = None) -> torch.Tensor | None:
         """``forward`` over B blocks [root, mask, ...] as the C++ layer stack runs it, given the C++
         attention kernel's metadata (``kernels/cpu_ops.native_attention_args``'s tuple) instead of a
         ``ForwardBatch``: the same kernels and bits with none of the metadata a torch attention path
-        would need. ``roots`` [B], ``positions`` and ``slots`` [B * S]; ``known[b]``: the tokens known to
+        would need. ``roots``: the B blocks' root tokens, ``positions`` and ``slots`` [B * S]; ``known[b]``: the tokens known to
         follow block b's root, in its block in place of mask tokens (None: masks only). Logits of block
         positions 1.. [B, S - 1, K or vocab]; None where the layers do not run as one C++ call."""
         if self.layer_stack is None or not self.layers[0].self_attn.batch_invariant:
             return None
-        batch = roots.shape[0]
+        batch = len(roots)
         size = positions.shape[0] // batch  # the drafter's block, which need not be the one trained for
         # block_input's values in fewer operations: [0 ; mask x (S - 1)] (+ root_proj(c)), then each token's
         # embedding added to its row (0 + r + e == e + r exactly; a known token's row is zeroed first, as
@@ -357,7 +357,7 @@ class DFlashDraftModel(HotVocabDraft):
         # slice; a batch's are listed for index ops (not masks, nonzero and gathers: every op costs tens
         # of microseconds at this size on a CPU).
         lens = [0] * batch if known is None else [min(len(k), size - 1) for k in known]
-        tokens = [t for r, k, n in zip(roots.tolist(), known or [[]] * batch, lens) for t in [r, *k[:n]]]
+        tokens = [t for r, k, n in zip(roots, known or [[]] * batch, lens) for t in [r, *k[:n]]]
         x = self._mask_rows(size).expand(batch, size, -1)
         if any(lens):
             x = x.clone()

@@ -231,7 +231,7 @@ class DFlashDrafter:
                 positions = (committed[:, None] + self._constants(1, device).offsets).reshape(-1)
                 slots = table.gather(1, positions.view(batch, size)).reshape(-1)
             c = self._constants(batch, device)
-            logits = self.draft.native_block_logits(roots, root_ctx, positions, slots,
+            logits = self.draft.native_block_logits([r.root for r in reqs], root_ctx, positions, slots,
                                                     (table, committed + size, c.q_lens, c.q_starts, c.mask),
                                                     self.kv_cache, known)
             if logits is not None:
@@ -314,25 +314,11 @@ class DFlashDrafter:
                 out += [[(t, lp) for t, lp in zip(row_ids, row_logp) if t >= 0]
                         for row_ids, row_logp in zip(ids.tolist(), logp.tolist())]
             return out
-        # A chain without a cut reads no log-prob, only each position's best legal token: where the draft's
-        # favourite is legal after the chain (the common case) it is that token, found by offering it to the
-        # grammar, with no mask to fill; only a position whose favourite the grammar refuses needs the mask.
-        # Its unmasked log-prob (a lower bound of the renormalised one) is kept, and never read.
-        favourites = None
-        if self.grammar_topk == 1 and min_logp == -math.inf and len(out) < stop:
-            ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, 1)
-            favourites = list(zip(ids[:, 0].tolist(), logp[:, 0].tolist()))
-        first = len(out)
         # The best path to a position is the chain of best tokens (the spine), so once the spine's
         # log-probability falls below the cut no path reaches further (_tree stops there): the walk stops.
         spine, cut = sum(c[0][1] for c in out), False
         with guide.walk([c[0][0] for c in out]) as walk:  # the chain of best tokens, grown in turn
             while len(out) < stop:
-                if favourites is not None:
-                    token, lp = favourites[len(out) - first]
-                    if token >= 0 and walk.try_take(token):
-                        out.append([(token, lp)])
-                        continue
                 best, _ = masked_topk_row(logits[len(out)], walk.mask(), self.draft.hot_token_ids, self.grammar_topk)
                 if not best:  # nothing allowed (the grammar has ended), or no allowed logit is finite
                     break

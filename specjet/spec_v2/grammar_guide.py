@@ -141,15 +141,6 @@ class ChainWalk:
             self.taken += accepted
             self.legal = accepted == 1
 
-    def try_take(self, token: int) -> bool:
-        """Grow the chain by ``token`` if the grammar allows it after the chain (True); else leave the chain
-        as it was (False). A drafter finds the best legal token so whenever its favourite is legal, without
-        filling a mask."""
-        if self.legal and self.grammar.accept_token(token):
-            self.taken += 1
-            return True
-        return False
-
     def forced_chain(self, max_len: int) -> list[int]:
         """The grammar's forced text after the chain (``GrammarGuide.forced_chain``)."""
         return self.guide.forced_chain(max_len) if self.legal else []
