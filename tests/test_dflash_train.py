@@ -145,6 +145,31 @@ def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(run
     assert float(got["accept_length"]) == pytest.approx(1 + accepted / blocks)
 
 
+def test_padding_the_training_rows_to_a_bucket_changes_no_loss_or_gradient(runner, sequences, monkeypatch):
+    """``forward_train`` pads its context and scored rows to a multiple of ``TRAIN_ROW_BUCKET`` (a few
+    matmul shapes for oneDNN): the loss and every parameter's gradient equal an unpadded step's."""
+    import specjet.models.dflash as M
+
+    batch = sequences[:3]
+    ids, feats, lengths = T.collate(batch)
+    assert (len(batch) * ids.shape[1]) % M.TRAIN_ROW_BUCKET != 0  # the context rows do get padded
+    anchors = T.sample_anchors(batch, 5, torch.Generator().manual_seed(4))
+    known = T.sample_known(anchors, lengths, 0.5, BLOCK, torch.Generator().manual_seed(5))
+    cfg = T.DFlashTrainConfig()
+    results = []
+    for bucket in (M.TRAIN_ROW_BUCKET, 1):
+        monkeypatch.setattr(M, "TRAIN_ROW_BUCKET", bucket)
+        draft = new_draft(runner, seed=6, root_context=True)
+        loss = T.batch_loss(draft, ids, feats, lengths, anchors, cfg, ids, known)["loss"]
+        params = [p for p in draft.parameters() if p.requires_grad]
+        results.append((loss.detach(), torch.autograd.grad(loss, params)))
+    (loss_padded, grads_padded), (loss_plain, grads_plain) = results
+    torch.testing.assert_close(loss_padded, loss_plain, rtol=1e-6, atol=1e-7)
+    assert len(grads_padded) > 5
+    for got, expected in zip(grads_padded, grads_plain):  # float sums in another blocking: last bits only
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+
+
 @pytest.mark.parametrize("flag, bad, good", [
     *[("--known-prefix-rate", rate, 0.3) for rate in ("1.5", "-0.1", "nan", "x")],  # a fraction
     *[("--weight-decay", decay, 0.0) for decay in ("-0.1", "nan", "inf", "x")],  # finite, >= 0

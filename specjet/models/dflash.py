@@ -433,14 +433,17 @@ class DFlashDraftModel(HotVocabDraft):
         block_pos = (roots[:, :, None] + offsets).reshape(batch, num * size)  # [B, A*S]
         if block_ids is None:
             block_ids = self.root_block_ids(ids.gather(1, roots), size)
-        ctx = self.context(features.to(self.mask_embedding.dtype))  # [B, L, h]
+        ctx_rows = batch * seq_len
+        # Context rows padded to a bucket (see _pad_rows); the padding's rows are dropped after each projection.
+        ctx_flat = self.context(_pad_rows(features.to(self.mask_embedding.dtype).reshape(ctx_rows, -1)))  # [R, h]
+        ctx = ctx_flat[:ctx_rows].view(batch, seq_len, -1)
         root_ctx = None
         if self.root_proj is not None:  # c_{a-1} of each block (zero before the first position)
             before = ctx.gather(1, (roots - 1).clamp(min=0)[:, :, None].expand(-1, -1, ctx.shape[-1]))
             root_ctx = torch.where((roots > 0)[:, :, None], before, torch.zeros_like(before)).reshape(batch * num, -1)
         x = self.block_input(block_ids.reshape(batch * num, size), root_ctx)
-        ctx = ctx.reshape(batch * seq_len, -1)
         ctx_pos = torch.arange(seq_len, device=device).repeat(batch)
+        ctx_pos = torch.cat([ctx_pos, ctx_pos.new_zeros(ctx_flat.shape[0] - ctx_rows)])
         ctx_cos, ctx_sin = self.rotary.cos_sin(ctx_pos, x.dtype)
         cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), x.dtype)
         mask = self._train_mask(roots, real, seq_len, window)  # [B, A*S, L + A*S]
@@ -455,7 +458,7 @@ class DFlashDraftModel(HotVocabDraft):
                 q = attn.q_norm(q)
             q = apply_rotary(q, cos, sin)
             k_blk, v_blk = self._kv(attn, h, cos, sin)
-            k_ctx, v_ctx = self._kv(attn, ctx, ctx_cos, ctx_sin)
+            k_ctx, v_ctx = (t[:ctx_rows] for t in self._kv(attn, ctx_flat, ctx_cos, ctx_sin))
 
             def heads_first(t: torch.Tensor, rows: int) -> torch.Tensor:  # [B*rows, H, D] -> [B, H, rows, D]
                 return t.reshape(batch, rows, t.shape[1], t.shape[2]).transpose(1, 2)
@@ -468,7 +471,8 @@ class DFlashDraftModel(HotVocabDraft):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = x.reshape(batch, num, size, -1)[:, :, 1:]
         if scored is not None:
-            return self.logits(self.norm(x[scored]))
+            hidden = self.norm(x[scored])
+            return self.logits(_pad_rows(hidden))[:hidden.shape[0]]
         return self.logits(self.norm(x))
 
     def _train_mask(self, roots: torch.Tensor, real: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
@@ -486,6 +490,19 @@ class DFlashDraftModel(HotVocabDraft):
         ctx_part = sees_ctx[:, :, None, :].expand(batch, num, size, seq_len)
         blk_part = own[:, :, None, :, None].expand(batch, num, size, num, size).reshape(batch, num, size, num * size)
         return torch.cat([ctx_part, blk_part], dim=-1).reshape(batch, num * size, seq_len + num * size)
+
+
+TRAIN_ROW_BUCKET = 128
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [R, ...] with zero rows appended up to a multiple of ``TRAIN_ROW_BUCKET``. A training batch's row
+    counts (context tokens, scored block positions) change every step, and oneDNN builds a kernel
+    for every new matmul shape, which on AMX costs more than the product itself; padded, a run sees
+    a few shapes (bench/RESULTS.md, session 42). The padding rows' outputs are dropped, so they add
+    nothing to any gradient."""
+    pad = -x.shape[0] % TRAIN_ROW_BUCKET
+    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
 
 
 # ---------------------------------------------------------------- checkpoints
