@@ -343,9 +343,10 @@ class DFlashDraftModel(HotVocabDraft):
         """``forward`` over B blocks [root, mask, ...] as the C++ layer stack runs it, given the C++
         attention kernel's metadata (``kernels/cpu_ops.native_attention_args``'s tuple) instead of a
         ``ForwardBatch``: the same kernels and bits with none of the metadata a torch attention path
-        would need. ``roots``: the B blocks' root tokens, ``positions`` and ``slots`` [B * S]; ``known[b]``: the tokens known to
-        follow block b's root, in its block in place of mask tokens (None: masks only). Logits of block
-        positions 1.. [B, S - 1, K or vocab]; None where the layers do not run as one C++ call."""
+        would need. ``roots``: the B blocks' root tokens, ``positions`` and ``slots`` [B * S];
+        ``known[b]``: the tokens known to follow block b's root, in its block in place of mask tokens
+        (None: masks only). Logits of block positions 1.. [B, S - 1, K or vocab]; None where the layers
+        do not run as one C++ call."""
         if self.layer_stack is None or not self.layers[0].self_attn.batch_invariant:
             return None
         batch = len(roots)
