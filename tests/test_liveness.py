@@ -148,6 +148,78 @@ def test_a_dead_scheduler_thread_fails_every_call_at_once(tiny_model_dir, answer
         eng.shutdown()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread is meant to die
+@pytest.mark.parametrize("answers", [True, False], ids=["thread answers", "thread cannot answer"])
+def test_a_dead_scheduler_thread_fails_every_async_caller(tiny_model_dir, answers):
+    """Async callers, whole and streaming, waiting when the loop breaks: each gets an abort or a
+    RuntimeError within a bounded time, also when the dying thread could answer nobody."""
+    eng = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096)
+    try:
+        sched = eng.scheduler
+        outcomes: list[object] = []
+
+        async def whole():
+            try:
+                outcomes.append((await eng.async_generate("a long one", LONG))["meta_info"]["finish_reason"]["type"])
+            except RuntimeError as exc:
+                outcomes.append(exc)
+
+        async def streamed():
+            try:
+                async for chunk in await eng.async_generate("a long one", LONG, stream=True):
+                    last = chunk
+                outcomes.append(last["meta_info"]["finish_reason"]["type"])
+            except RuntimeError as exc:
+                outcomes.append(exc)
+
+        async def main():
+            async with anyio.create_task_group() as tg:
+                for call in (whole, whole, streamed):
+                    tg.start_soon(call)
+                await anyio.sleep(0.2)
+
+                def broken(*a, **k):
+                    raise RuntimeError("injected: the loop is broken")
+                sched.next_batch = broken
+                sched.abort_all = broken
+                if not answers:
+                    sched.close = broken
+
+        bounded(anyio.run, main, timeout=30)
+        assert len(outcomes) == 3
+        for outcome in outcomes:
+            assert outcome == "abort" or (isinstance(outcome, RuntimeError) and "not running" in str(outcome)), outcome
+        if not answers:  # nobody was answered: the watcher told every caller
+            assert all(isinstance(o, RuntimeError) for o in outcomes)
+    finally:
+        eng.shutdown()
+
+
+def test_waiting_async_callers_cost_their_event_loop_nothing(tiny_model_dir):
+    """Two thousand async callers queued behind one long request: their event loop's thread stays
+    idle while they wait (no caller wakes up to poll; a poll per caller a second kept the loop's
+    thread, and with it the GIL the compute thread needs, busy)."""
+    eng = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=1)
+    try:
+        async def main():
+            with anyio.move_on_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(2000):
+                        tg.start_soon(eng.async_generate, f"caller {i}", LONG)
+                    await anyio.sleep(0.5)  # every caller is parked in its wait
+                    start = time.thread_time()
+                    await anyio.sleep(2.5)
+                    spent = time.thread_time() - start
+                    tg.cancel_scope.cancel()  # aborts every request
+            return spent
+
+        spent = bounded(anyio.run, main, timeout=90)
+        assert spent < 0.05, f"the event loop's thread ran {spent:.3f} s of 2.5 s while its callers waited"
+        assert_released(eng)
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("spec", [None, "NGRAM"])
 def test_sixteen_threads_and_a_shutdown_mid_flight(tiny_model_dir, spec):
     """Plain, grammar, sampled and streaming requests from 16 threads; ``shutdown()`` while they

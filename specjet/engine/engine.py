@@ -1,7 +1,6 @@
 """The public Engine: load a model, start the scheduler thread, generate (sync, async, streaming)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import queue
@@ -14,6 +13,7 @@ import anyio.lowlevel
 import torch
 
 from specjet.engine.args import EngineArgs
+from specjet.engine.async_outputs import STOPPED, AsyncOutputs
 from specjet.engine.streams import AsyncStream, SyncStream
 from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.request import Req
@@ -60,33 +60,6 @@ def _request_ids(rid, n: int) -> list[str]:
     return list(rids)
 
 
-def _send_quietly(send, item) -> None:
-    try:
-        send.send_nowait(item)
-    except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the caller stopped reading
-        pass
-
-
-def _dispatch_async_outputs(outbox: queue.SimpleQueue) -> None:
-    """Hands outputs to event loops from a thread of its own, so the scheduler never waits on one.
-    The hand-off only schedules the send on the caller's loop and never waits for it: a loop that
-    ends between the scheduling and the run (a caller cancelled before its first chunk, whose abort's
-    output is still on the way) would otherwise hold this thread, and every later async caller, for
-    ever. An item for a loop that has ended is dropped."""
-    while True:
-        token, send, item = outbox.get()
-        if token is None:
-            return
-        native = token.native_token  # the asyncio loop, or trio's token
-        try:
-            if isinstance(native, asyncio.AbstractEventLoop):
-                native.call_soon_threadsafe(_send_quietly, send, item)
-            else:
-                native.run_sync_soon(_send_quietly, send, item)
-        except Exception:  # the loop is closed or its run finished: nobody is reading
-            pass
-
-
 class Engine:
     """``Engine(model_path=None, **args)``; see ``EngineArgs`` for the arguments (SGLang's names)."""
 
@@ -102,15 +75,10 @@ class Engine:
         # scheduler: requests, KV and results (host side); worker: forwards, sampling, speculation
         # (compute side); loop: drives both on the scheduler thread.
         self.tokenizer, self.scheduler, self.worker, self.loop = parts.tokenizer, parts.scheduler, parts.worker, parts.loop
-        self._async_outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self.loop.run, name="specjet-scheduler", daemon=True)
         self._thread.start()
-        # The thread gets the queue, not the engine: a thread holding the last reference to the engine
-        # would free its tensors off the main thread, which aborts if that happens at interpreter exit.
-        self._dispatcher = threading.Thread(target=_dispatch_async_outputs, args=(self._async_outbox,),
-                                            name="specjet-async-out", daemon=True)
-        self._dispatcher.start()
+        self._async_outputs = AsyncOutputs(self._thread.is_alive, _LIVENESS_POLL_S)
 
     # ---------------------------------------------------------------- request construction
     def _make_requests(self, prompt, sampling_params, input_ids, rid) -> tuple[list[Req], bool]:
@@ -235,10 +203,11 @@ class Engine:
         token = anyio.lowlevel.current_token()
         for i, req in enumerate(reqs):
             req.stream = stream
-            req.sink = (lambda item, i=i: self._async_outbox.put((token, send, (i, item))))
+            req.sink = self._async_outputs.sink(token, send, i)
+        self._async_outputs.waiting(send, token)
         self.scheduler.submit(reqs)
         if stream:
-            return AsyncStream(self, recv, reqs, single)
+            return AsyncStream(self, send, recv, reqs, single)
         results: list[dict | None] = [None] * len(reqs)
         try:
             async with recv:
@@ -249,18 +218,18 @@ class Engine:
             for req in reqs:
                 self.scheduler.abort(req.rid)
             raise
+        finally:
+            self._async_outputs.done(send)
         return results[0] if single else results
 
     async def _async_wait(self, recv):
-        """The next item for an async caller; RuntimeError if the scheduler thread is gone."""
-        while True:
-            with anyio.move_on_after(_LIVENESS_POLL_S):
-                return await recv.receive()
-            if not self._thread.is_alive():
-                try:
-                    return recv.receive_nowait()
-                except anyio.WouldBlock:
-                    raise self._stopped_error() from None
+        """The next item for an async caller; RuntimeError if the scheduler thread is gone (it
+        answers everything it holds when it stops; ``AsyncOutputs`` covers a thread that could not).
+        The wait itself costs nothing: no caller wakes up to check the thread."""
+        item = await recv.receive()
+        if item is STOPPED:
+            raise self._stopped_error()
+        return item
 
     # ---------------------------------------------------------------- helpers
     def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True, **kwargs) -> str:
@@ -331,8 +300,7 @@ class Engine:
         self._closed = True
         self.scheduler.stop()
         self._thread.join(timeout=30)
-        self._async_outbox.put((None, None, None))
-        self._dispatcher.join(timeout=30)
+        self._async_outputs.close(timeout=30)
         self.scheduler.grammar_backend.shutdown()
 
     def __enter__(self) -> "Engine":

@@ -76,35 +76,39 @@ class SyncStream(_StreamBase):
 
 
 class AsyncStream(_StreamBase):
-    def __init__(self, engine: "Engine", recv, reqs: list["Req"], single: bool):
+    def __init__(self, engine: "Engine", send, recv, reqs: list["Req"], single: bool):
         super().__init__(engine, reqs, single)
-        self._recv = recv
+        self._send, self._recv = send, recv
+
+    def _stop_reading(self) -> None:
+        self._recv.close()
+        self._engine._async_outputs.done(self._send)
 
     def __aiter__(self) -> "AsyncStream":
         return self
 
     async def __anext__(self) -> dict:
         if not self._remaining:
-            self._recv.close()
+            self._stop_reading()
             raise StopAsyncIteration
         try:
             return self._take(await self._engine._async_wait(self._recv))
         except BaseException:  # cancelled, or the engine stopped
             self._abort_unfinished()
-            self._recv.close()
+            self._stop_reading()
             raise
 
     def __del__(self):
         try:
             self._abort_unfinished()
-            self._recv.close()
+            self._stop_reading()
         except Exception:
             pass
 
     async def aclose(self) -> None:
         """Stop reading: abort the requests that have not finished."""
         self._abort_unfinished()
-        self._recv.close()
+        self._stop_reading()
 
     async def __aenter__(self) -> "AsyncStream":
         return self
