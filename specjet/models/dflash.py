@@ -436,7 +436,10 @@ class DFlashDraftModel(HotVocabDraft):
             block_ids = self.root_block_ids(ids.gather(1, roots), size)
         ctx_rows = batch * seq_len
         # Context rows padded to a bucket (see _pad_rows); the padding's rows are dropped after each projection.
-        ctx_flat = self.context(_pad_rows(features.to(self.mask_embedding.dtype).reshape(ctx_rows, -1)))  # [R, h]
+        # bf16 features under bf16 autocast stay bf16 (the projection's matmul would cast them to it).
+        autocast_bf16 = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16
+        feature_dtype = features.dtype if autocast_bf16 and features.dtype == torch.bfloat16 else self.mask_embedding.dtype
+        ctx_flat = self.context(_pad_rows(features.to(feature_dtype).reshape(ctx_rows, -1)))  # [R, h]
         ctx = ctx_flat[:ctx_rows].view(batch, seq_len, -1)
         root_ctx = None
         if self.root_proj is not None:  # c_{a-1} of each block (zero before the first position)
