@@ -15,7 +15,8 @@ done:
 The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
 18, 32, 33 and 34: one layer, 2,800 target replies, 6,000 steps, each block row reading the token before
 it, 30% of the blocks with known tokens, AdamW weight decay 0.3; 66.5 min from nothing, measured, on a
-2-core AMD EPYC Zen 5 (session 37, writing the shipped draft bit for bit), ~105 min estimated on a Zen 4,
+2-core AMD EPYC Zen 5 (session 37, writing the shipped draft bit for bit; the training step's arithmetic
+has changed since, sessions 42 and 43, so a run now trains other bits), ~105 min estimated on a Zen 4,
 where the 1,400-reply recipe took ~89 min, session 18's 83, and 45 on the 2-core Intel Xeon with native bf16).
 """
 from __future__ import annotations
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
                             "0: DFlash's blocks as published")
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="dtype of the target whose features the draft learns from")
+                       help="dtype of the target whose features the draft learns from (bfloat16: half the "
+                            "stage's time where bf16 is native, but a draft worse held out, bench/RESULTS.md session 43)")
     model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                        help="train with bf16 matmuls (fp32 weights and loss); auto: where the CPU has native bf16")
     model.add_argument("--steps", type=int, default=6000)
