@@ -105,6 +105,17 @@ def test_breaking_out_of_a_sync_stream_aborts(engine):
     assert_released(engine)
 
 
+def break_the_loop(sched, answers: bool) -> None:
+    """Make the scheduler's loop fail for good (its last-resort handler too); unless ``answers``, the
+    thread cannot even answer the requests it holds as it ends."""
+    def broken(*a, **k):
+        raise RuntimeError("injected: the loop is broken")
+    sched.next_batch = broken
+    sched.abort_all = broken
+    if not answers:
+        sched.close = broken
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread is meant to die
 @pytest.mark.parametrize("answers", [True, False], ids=["thread answers", "thread cannot answer"])
 def test_a_dead_scheduler_thread_fails_every_call_at_once(tiny_model_dir, answers):
@@ -116,13 +127,7 @@ def test_a_dead_scheduler_thread_fails_every_call_at_once(tiny_model_dir, answer
         waiting = concurrent.futures.ThreadPoolExecutor(4)
         futures = [waiting.submit(lambda: eng.generate("a long one", LONG)) for _ in range(3)]
         time.sleep(0.2)
-
-        def broken(*a, **k):
-            raise RuntimeError("injected: the loop is broken")
-        sched.next_batch = broken
-        sched.abort_all = broken
-        if not answers:
-            sched.close = broken
+        break_the_loop(sched, answers)
         for f in futures:
             try:
                 out = f.result(timeout=30)
@@ -177,13 +182,7 @@ def test_a_dead_scheduler_thread_fails_every_async_caller(tiny_model_dir, answer
                 for call in (whole, whole, streamed):
                     tg.start_soon(call)
                 await anyio.sleep(0.2)
-
-                def broken(*a, **k):
-                    raise RuntimeError("injected: the loop is broken")
-                sched.next_batch = broken
-                sched.abort_all = broken
-                if not answers:
-                    sched.close = broken
+                break_the_loop(sched, answers)
 
         bounded(anyio.run, main, timeout=30)
         assert len(outcomes) == 3
