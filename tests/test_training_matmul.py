@@ -47,3 +47,31 @@ def test_bf16_autocast_training_product_and_its_gradients(rows, inp, out, bias):
     done = subprocess.run([sys.executable, "-c", CHILD, str(rows), str(inp), str(out), str(bias)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_frozen_weight_keeps_one_copy_that_follows_its_changes():
+    """A frozen weight (a target's head under a draft being trained) is transposed and cast once, not
+    every call: the product is the uncached one's, with the input's gradient, and an in-place change
+    of the weight (a new version) is seen by the next call."""
+    import torch
+    import torch.nn.functional as F
+
+    from specjet.kernels import linear as L
+
+    gen = torch.Generator().manual_seed(0)
+    weight_t = torch.randn(64, 96, generator=gen) / 8  # frozen: no grad
+    x = torch.randn(5, 64, generator=gen).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = L.linear(x, weight_t, None, None)
+        again = L.linear(x, weight_t, None, None)
+        want = F.linear(x, weight_t.t().contiguous(), None)
+        assert L._out_in_weight(weight_t) is L._out_in_weight(weight_t)  # one copy, kept
+    assert torch.equal(first, want) and torch.equal(again, want)
+    first.float().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with torch.no_grad():
+        weight_t.mul_(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        changed = L.linear(x, weight_t, None, None)
+        want = F.linear(x, weight_t.t().contiguous(), None)
+    assert torch.equal(changed, want) and not torch.equal(changed, first)

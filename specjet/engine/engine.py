@@ -29,7 +29,8 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-# How often a caller waiting for output checks that the scheduler thread still lives.
+# How often a sync caller waiting for output (and the async callers' one watcher, engine/async_outputs.py)
+# checks that the scheduler thread still lives.
 _LIVENESS_POLL_S = 1.0
 
 
@@ -204,8 +205,10 @@ class Engine:
         for i, req in enumerate(reqs):
             req.stream = stream
             req.sink = self._async_outputs.sink(token, send, i)
-        self._async_outputs.waiting(send, token)
         self.scheduler.submit(reqs)
+        # After the submit, so a refused one leaves nothing registered; a thread that dies in between
+        # is seen at the watcher's next poll, which finds this caller waiting.
+        self._async_outputs.waiting(send, token)
         if stream:
             return AsyncStream(self, send, recv, reqs, single)
         results: list[dict | None] = [None] * len(reqs)

@@ -241,8 +241,7 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
     torch.manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel over all parameters a step (the default runs ~10 ops a parameter on CPU).
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                  fused=params[0].device.type == "cpu")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
     anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
     step, history = resume(checkpoint, cfg, model, optimizer, anchor_gen)
 
