@@ -336,10 +336,14 @@ def test_past_the_blocks_end_a_chain_takes_the_grammars_forced_text(runner, defa
         backend.shutdown()
 
 
-@pytest.mark.parametrize("root_context", [False, True])
-def test_training_forward_equals_the_dense_oracle(runner, features, root_context):
+@pytest.mark.parametrize("root_context, group", [(False, 8), (True, 8), (True, 1), (False, 3)])
+def test_training_forward_equals_the_dense_oracle(runner, features, root_context, group, monkeypatch):
     """Three blocks of one sequence (and a padded slot) in one training forward, each isolated:
-    block j sees the context before its root (or the last ``window``) and itself only."""
+    block j sees the context before its root (or the last ``window``) and itself only. The attention
+    runs ``group`` anchors a call (unsorted anchors here: a group sees context up to its last root)."""
+    import specjet.models.dflash as M
+
+    monkeypatch.setattr(M, "TRAIN_ATTENTION_GROUP", group)
     ids, feats = features
     draft = random_draft(runner.config, num_layers=1, seed=2, root_context=root_context).bind_target(runner.model)
     anchors = torch.tensor([[4, 17, -1, 10]])

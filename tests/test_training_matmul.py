@@ -15,10 +15,10 @@ import pytest
 CHILD = textwrap.dedent("""
     import sys, torch
     from specjet.kernels.linear import linear
-    rows, inp, out, bias = (int(a) for a in sys.argv[1:5])
+    rows, inp, out, bias, frozen = (int(a) for a in sys.argv[1:6])
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, inp, generator=gen).requires_grad_()
-    weight_t = (torch.randn(inp, out, generator=gen) / inp ** 0.5).requires_grad_()
+    weight_t = (torch.randn(inp, out, generator=gen) / inp ** 0.5).requires_grad_(not frozen)
     b = torch.randn(out, generator=gen).requires_grad_() if bias else None
     grad = torch.randn(rows, out, generator=gen)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -32,46 +32,62 @@ CHILD = textwrap.dedent("""
     scale = lambda t: t.abs().max().item()
     assert (y.float() - ref).abs().max().item() <= 0.02 * scale(ref), "forward"
     assert (x.grad - g @ wr.t()).abs().max().item() <= 0.02 * scale(g @ wr.t()), "input gradient"
-    assert (weight_t.grad - xr.t() @ g).abs().max().item() <= 0.02 * scale(xr.t() @ g), "weight gradient"
+    if frozen:
+        assert weight_t.grad is None
+    else:
+        assert (weight_t.grad - xr.t() @ g).abs().max().item() <= 0.02 * scale(xr.t() @ g), "weight gradient"
     print("ok")
 """)
 
 
-@pytest.mark.parametrize("rows,inp,out,bias", [
-    (32, 576, 49152, 0),   # the shape that crashed: the default model's full-vocabulary head, 32 scored rows
-    (32, 64, 49152, 0),    # the tiny test model's head
-    (24, 576, 65536, 0),   # a larger vocabulary's crashing row count
-    (7, 576, 8192, 1),     # a hot-vocabulary head, an odd row count, a bias
+@pytest.mark.parametrize("rows,inp,out,bias,frozen", [
+    (32, 576, 49152, 0, 0),   # the shape that crashed: the default model's full-vocabulary head, 32 scored rows
+    (32, 576, 49152, 0, 1),   # the same head frozen (a target's, under a draft being trained)
+    (32, 64, 49152, 0, 0),    # the tiny test model's head
+    (24, 576, 65536, 0, 0),   # a larger vocabulary's crashing row count
+    (7, 576, 8192, 1, 0),     # a hot-vocabulary head, an odd row count, a bias
+    (300, 576, 3072, 0, 0),   # a draft layer's projections (gate and up, down), as the DFlash trainer runs them
+    (300, 1536, 576, 1, 0),
 ])
-def test_bf16_autocast_training_product_and_its_gradients(rows, inp, out, bias):
-    done = subprocess.run([sys.executable, "-c", CHILD, str(rows), str(inp), str(out), str(bias)],
+def test_bf16_autocast_training_product_and_its_gradients(rows, inp, out, bias, frozen):
+    done = subprocess.run([sys.executable, "-c", CHILD, str(rows), str(inp), str(out), str(bias), str(frozen)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
-def test_a_frozen_weight_keeps_one_copy_that_follows_its_changes():
-    """A frozen weight (a target's head under a draft being trained) is transposed and cast once, not
-    every call: the product is the uncached one's, with the input's gradient, and an in-place change
-    of the weight (a new version) is seen by the next call."""
+def test_a_frozen_weight_keeps_its_casts_that_follow_its_changes():
+    """A frozen weight (a target's head under a draft being trained) is cast and transposed once, not
+    every call: its product and the input's gradient are those of the same weight trained (cast every
+    call), bit for bit, and an in-place change of the weight (a new version) is seen by the next call."""
     import torch
-    import torch.nn.functional as F
 
     from specjet.kernels import linear as L
+    from specjet.kernels.training_linear import frozen_casts
 
     gen = torch.Generator().manual_seed(0)
     weight_t = torch.randn(64, 96, generator=gen) / 8  # frozen: no grad
     x = torch.randn(5, 64, generator=gen).requires_grad_()
+
+    def trained_twin():
+        """(product, input gradient) through the same weight as a trainable one."""
+        twin, xt = weight_t.clone().requires_grad_(), x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = L.linear(xt, twin, None, None)
+        y.float().sum().backward()
+        assert twin.grad is not None
+        return y.detach(), xt.grad
+
     with torch.autocast("cpu", dtype=torch.bfloat16):
         first = L.linear(x, weight_t, None, None)
         again = L.linear(x, weight_t, None, None)
-        want = F.linear(x, weight_t.t().contiguous(), None)
-        assert L._out_in_weight(weight_t) is L._out_in_weight(weight_t)  # one copy, kept
-    assert torch.equal(first, want) and torch.equal(again, want)
+        casts = frozen_casts(weight_t, torch.bfloat16)
+        assert all(a is b for a, b in zip(casts, frozen_casts(weight_t, torch.bfloat16)))  # made once, kept
+    want, want_grad = trained_twin()
+    assert first.dtype == torch.bfloat16 and torch.equal(first, want) and torch.equal(again, want)
     first.float().sum().backward()
-    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert torch.equal(x.grad, want_grad) and x.grad.abs().sum() > 0
     with torch.no_grad():
         weight_t.mul_(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         changed = L.linear(x, weight_t, None, None)
-        want = F.linear(x, weight_t.t().contiguous(), None)
-    assert torch.equal(changed, want) and not torch.equal(changed, first)
+    assert torch.equal(changed, trained_twin()[0]) and not torch.equal(changed, first)

@@ -24,20 +24,19 @@ random input is run at every chunk size in the range and each row must equal the
 fixed row count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by
 construction. So any device gets an exact plan. Plans hold for the torch thread count they were
 measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
-path for training, where ``packed`` is None) is ``x @ weight_t + bias``; ``linear`` trains under CPU
-bf16 autocast through a contiguous copy of the weight instead (a oneDNN crash, see there).
+path for training, where ``packed`` is None) is ``x @ weight_t + bias``; under CPU bf16 autocast
+``linear`` trains through kernels/training_linear.py instead (a oneDNN crash, see there).
 """
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specjet.kernels import bf16_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear
+from specjet.kernels.training_linear import autocast_linear
 
 logger = logging.getLogger(__name__)
 
@@ -186,34 +185,6 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedLinear | Bf16Linear | None) -> torch.Tensor:
     if packed is None:  # training, or a model never packed for inference
         if torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-            # Training under bf16 autocast: oneDNN's AMX matmul (torch 2.13's) dies with SIGFPE in its
-            # blocking heuristic when it builds the kernel for some small-M, large-K products whose second
-            # operand is a transposed view -- the input gradient of ``x @ weight_t`` (grad @ weight_t.T) at
-            # the LM head, K = vocabulary (tests/test_training_matmul.py). With the [out, in] weight made
-            # contiguous the input gradient multiplies a contiguous operand; that product was checked on such
-            # a CPU for every M from 1 to 512 at K 8,192 and 49,152 (N 64 and 576) without a failure.
-            return F.linear(x, _out_in_weight(weight_t), bias)
+            return autocast_linear(x, weight_t, bias)  # (a oneDNN crash, and copies: training_linear.py)
         return linear_reference(x, weight_t, bias)
     return packed(x)
-
-
-# id -> (weak reference, version, copy): the [out, in] bf16 copies of frozen weights (_out_in_weight).
-_FROZEN_COPIES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
-def _out_in_weight(weight_t: torch.Tensor) -> torch.Tensor:
-    """``weight_t.t().contiguous()`` for a training matmul under CPU autocast. A frozen weight (the target's
-    LM head under a draft being trained) gets its copy made once, in the autocast dtype the matmul would
-    cast it to (the same values), and kept while the weight lives unchanged: the transposing copy of an
-    8,192-column head cost more a step than the head's own product."""
-    if weight_t.requires_grad:
-        return weight_t.t().contiguous()
-    dtype = torch.get_autocast_dtype("cpu")
-    hit = _FROZEN_COPIES.get(id(weight_t))
-    if hit is not None and hit[0]() is weight_t and hit[1] == weight_t._version and hit[2].dtype == dtype:
-        return hit[2]
-    copy = weight_t.detach().t().to(dtype).contiguous()
-    key = id(weight_t)
-    _FROZEN_COPIES[key] = (weakref.ref(weight_t, lambda _ref, key=key: _FROZEN_COPIES.pop(key, None)),
-                           weight_t._version, copy)
-    return copy

@@ -422,8 +422,11 @@ class DFlashDraftModel(HotVocabDraft):
         positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its own block,
         exactly what a drafting forward with the root at a sees. Returns the logits of block
         positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..]);
-        with ``scored`` ([B, A, S - 1] bool) only those positions' logits, [n scored, K or vocab] in
-        row-major order (the head and the loss over unscored rows would be work for nothing)."""
+        with ``scored`` ([B, A, S - 1] bool) only those positions' logits, in row-major order (the head
+        and the loss over unscored rows would be work for nothing), followed by padding rows up to a
+        multiple of ``TRAIN_ROW_BUCKET``: [n scored + padding, K or vocab]. The caller scores the padding
+        with weight zero rather than slicing it off, whose backward would write a zero gradient the size
+        of the logits and copy the rest into it every step."""
         batch, seq_len, _ = features.shape
         size = self.shape.block_size
         num = anchors.shape[1]
@@ -451,6 +454,9 @@ class DFlashDraftModel(HotVocabDraft):
         ctx_cos, ctx_sin = self.rotary.cos_sin(ctx_pos, x.dtype)
         cos, sin = self.rotary.cos_sin(block_pos.reshape(-1), x.dtype)
         mask = self._train_mask(roots, real, seq_len, window)  # [B, A*S, L + A*S]
+        # Anchors in groups, each with the context length its blocks can see (up to its last root).
+        groups = [(a, min(a + TRAIN_ATTENTION_GROUP, num), int(roots[:, a:a + TRAIN_ATTENTION_GROUP].max()))
+                  for a in range(0, num, TRAIN_ATTENTION_GROUP)]
         for layer in self.layers:
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -467,16 +473,15 @@ class DFlashDraftModel(HotVocabDraft):
             def heads_first(t: torch.Tensor, rows: int) -> torch.Tensor:  # [B*rows, H, D] -> [B, H, rows, D]
                 return t.reshape(batch, rows, t.shape[1], t.shape[2]).transpose(1, 2)
 
-            keys = torch.cat([heads_first(k_ctx, seq_len), heads_first(k_blk, num * size)], dim=2)
-            values = torch.cat([heads_first(v_ctx, seq_len), heads_first(v_blk, num * size)], dim=2)
-            out = F.scaled_dot_product_attention(heads_first(q, num * size), keys, values, attn_mask=mask[:, None],
-                                                 scale=attn.scale, enable_gqa=attn.num_kv_heads != attn.num_heads)
+            out = _grouped_block_attention(
+                heads_first(q, num * size), heads_first(k_ctx, seq_len), heads_first(v_ctx, seq_len),
+                heads_first(k_blk, num * size), heads_first(v_blk, num * size), mask, groups, size, attn.scale,
+                attn.num_kv_heads != attn.num_heads)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(-1, attn.q_size))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = x.reshape(batch, num, size, -1)[:, :, 1:]
         if scored is not None:
-            hidden = self.norm(x[scored])
-            return self.logits(_pad_rows(hidden))[:hidden.shape[0]]
+            return self.logits(_pad_rows(self.norm(x[scored])))
         return self.logits(self.norm(x))
 
     def _train_mask(self, roots: torch.Tensor, real: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
@@ -497,6 +502,26 @@ class DFlashDraftModel(HotVocabDraft):
 
 
 TRAIN_ROW_BUCKET = 128
+TRAIN_ATTENTION_GROUP = 8  # anchors whose blocks share one attention call in forward_train
+
+
+def _grouped_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, groups, size: int, scale: float, gqa: bool
+                             ) -> torch.Tensor:
+    """The blocks' attention over [context ; blocks] under ``mask`` ([B, A*S, L + A*S]), one call per group
+    of anchors ``(first, end, context seen)``: a group's rows see context only before its last root and
+    of the A*S block keys only their own block's S, so each call leaves out keys the mask would hide
+    anyway (with sorted anchors, most of them). q [B, H, A*S, D], k/v_ctx [B, KV, L, D], k/v_blk
+    [B, KV, A*S, D]; returns [B, H, A*S, D]."""
+    seq_len = k_ctx.shape[2]
+    out = []
+    for first, end, seen in groups:
+        r0, r1 = first * size, end * size
+        keys = torch.cat([k_ctx[:, :, :seen], k_blk[:, :, r0:r1]], dim=2)
+        values = torch.cat([v_ctx[:, :, :seen], v_blk[:, :, r0:r1]], dim=2)
+        visible = torch.cat([mask[:, r0:r1, :seen], mask[:, r0:r1, seq_len + r0:seq_len + r1]], dim=-1)
+        out.append(F.scaled_dot_product_attention(q[:, :, r0:r1], keys, values, attn_mask=visible[:, None],
+                                                  scale=scale, enable_gqa=gqa))
+    return torch.cat(out, dim=2)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:

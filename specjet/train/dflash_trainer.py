@@ -220,16 +220,20 @@ def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlas
     if known is not None:
         valid = valid & (torch.arange(1, size)[None, None, :] > known[:, :, None])
         real = real & (known == 0)
-    # Only the scored positions go through the norm, the head and the loss.
-    logits = model.forward_train(ids, feats, anchors, cfg.window, block_ids, scored=valid)  # [n, K or vocab]
-    weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay).expand_as(valid)[valid]
+    # Only the scored positions go through the norm, the head and the loss; the padding rows after
+    # them (forward_train) count with weight zero.
+    logits = model.forward_train(ids, feats, anchors, cfg.window, block_ids, scored=valid)  # [n + pad, K or vocab]
+    scored = int(valid.sum())
+    weights = logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    weights[:scored] = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay).expand_as(valid)[valid]
+    targets = labels.new_zeros(logits.shape[0])
+    targets[:scored] = labels[valid]
     logits = logits.float()  # the loss in fp32 under autocast too
-    targets = labels[valid]
     ce = F.cross_entropy(logits, targets, reduction="none")
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
     with torch.no_grad():
         hits = torch.zeros_like(valid)
-        hits[valid] = logits.argmax(-1) == targets
+        hits[valid] = logits[:scored].argmax(-1) == targets[:scored]
         top1 = hits[:, :, 0][real].float().mean()
         accept = 1 + hits.long().cumprod(-1).sum(-1)[real].float().mean()
     return {"loss": loss, "top1": top1, "accept_length": accept}

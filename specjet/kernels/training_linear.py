@@ -1,0 +1,73 @@
+"""A projection's training product under CPU low-precision autocast: ``x @ weight_t`` and its gradients.
+
+Two facts shape it:
+- oneDNN's AMX matmul (torch 2.13's) dies with SIGFPE in its blocking heuristic when it builds the
+  kernel for some small-M, large-K products whose second operand is a transposed view: the input
+  gradient of ``x @ weight_t`` (``grad @ weight_t.T``) at an LM head, K = vocabulary
+  (tests/test_training_matmul.py). So every product here multiplies a contiguous, untransposed second
+  operand; such products were checked on that CPU for every M from 1 to 512 at K 8,192 and 49,152.
+- Autocast's own way there (``F.linear`` on a contiguous [out, in] copy) made, per call, a transposing
+  fp32 copy of the weight, its cast, and in the backward a transposing copy of the weight's gradient:
+  copies that cost the DFlash trainer's step more than its attention. Here the weight is cast in the
+  layout it lies in (a streaming copy) and multiplied as it lies; its gradient is made in that layout
+  (``x.T @ grad``); only the input's gradient needs the [out, in] layout, a cast-dtype transposing copy
+  made only when the input wants a gradient (never for a draft's context projection, whose input is
+  the target's features).
+
+A frozen weight (a target's LM head under a draft being trained) has both casts made once per weight
+version and kept while the weight lives.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# id -> (weak reference, version, dtype, [in, out] cast, [out, in] cast) of frozen weights.
+_FROZEN: dict[int, tuple[weakref.ref, int, torch.dtype, torch.Tensor, torch.Tensor]] = {}
+
+
+def autocast_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t + bias`` in the CPU autocast dtype (its result in that dtype, as autocast's)."""
+    return _AutocastLinear.apply(x, weight_t, bias, torch.get_autocast_dtype("cpu"))
+
+
+def frozen_casts(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``weight_t`` in ``dtype``, its contiguous [out, in] transpose) of a weight without a gradient,
+    made once and kept until the weight changes in place (a new version) or dies."""
+    key = id(weight_t)
+    hit = _FROZEN.get(key)
+    if hit is not None and hit[0]() is weight_t and hit[1] == weight_t._version and hit[2] == dtype:
+        return hit[3], hit[4]
+    in_out = weight_t.detach().to(dtype).contiguous()
+    out_in = in_out.t().contiguous()
+    _FROZEN[key] = (weakref.ref(weight_t, lambda _ref, key=key: _FROZEN.pop(key, None)), weight_t._version,
+                    dtype, in_out, out_in)
+    return in_out, out_in
+
+
+class _AutocastLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight_t, bias, dtype):
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        frozen = not weight_t.requires_grad
+        w = frozen_casts(weight_t, dtype)[0] if frozen else weight_t.to(dtype).contiguous()
+        y = rows @ w if bias is None else torch.addmm(bias.to(dtype), rows, w)
+        ctx.save_for_backward(rows if weight_t.requires_grad else None, None if frozen else w, weight_t)
+        ctx.frozen, ctx.dtype, ctx.x_meta = frozen, dtype, (x.shape, x.dtype)
+        return y.view(*x.shape[:-1], w.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, w, weight_t = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            out_in = frozen_casts(weight_t, ctx.dtype)[1] if ctx.frozen else w.t().contiguous()
+            shape, dtype = ctx.x_meta
+            grad_x = (g @ out_in).view(shape).to(dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (rows.t() @ g).to(weight_t.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = g.float().sum(0)
+        return grad_x, grad_w, grad_b, None
