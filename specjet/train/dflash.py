@@ -16,7 +16,7 @@ The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench
 18, 32, 33 and 34: one layer, 2,800 target replies, 6,000 steps, each block row reading the token before
 it, 30% of the blocks with known tokens, AdamW weight decay 0.3; 66.5 min from nothing, measured, on a
 2-core AMD EPYC Zen 5 (session 37, writing the shipped draft bit for bit; the training step's arithmetic
-has changed since, sessions 42 and 43, so a run now trains other bits), ~105 min estimated on a Zen 4,
+has changed since, sessions 42 to 44, so a run now trains other bits), ~105 min estimated on a Zen 4,
 where the 1,400-reply recipe took ~89 min, session 18's 83, and 45 on the 2-core Intel Xeon with native bf16).
 """
 from __future__ import annotations
