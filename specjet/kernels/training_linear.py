@@ -53,7 +53,7 @@ class _AutocastLinear(torch.autograd.Function):
         frozen = not weight_t.requires_grad
         w = frozen_casts(weight_t, dtype)[0] if frozen else weight_t.to(dtype).contiguous()
         y = rows @ w if bias is None else torch.addmm(bias.to(dtype), rows, w)
-        ctx.save_for_backward(rows if weight_t.requires_grad else None, None if frozen else w, weight_t)
+        ctx.save_for_backward(None if frozen else rows, None if frozen else w, weight_t)
         ctx.frozen, ctx.dtype, ctx.x_meta = frozen, dtype, (x.shape, x.dtype)
         return y.view(*x.shape[:-1], w.shape[1])
 
