@@ -54,6 +54,9 @@ class PackedLinear:
     blocked: bool  # True: ``weight`` is oneDNN-blocked
     min_rows: int = 1
     max_rows: int = 1
+    # False: every call is one kernel call whatever its rows (a model run without batch invariance,
+    # e.g. the draft trainers' feature forwards: ~1.3x the fp32 throughput of 128-row chunks).
+    invariant: bool = True
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked:
@@ -73,7 +76,9 @@ class PackedLinear:
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.shape[0]
-        if rows <= self.max_rows:
+        if not self.invariant:
+            out = self.kernel(x)
+        elif rows <= self.max_rows:
             out = self.run_chunk(x)
         else:
             out = torch.cat([self.run_chunk(x[i:i + self.max_rows]) for i in range(0, rows, self.max_rows)])

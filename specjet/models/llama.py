@@ -374,11 +374,14 @@ class LlamaForCausalLM(nn.Module):
         return on
 
     def set_batch_invariant(self, flag: bool) -> None:
-        """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; linears are invariant
-        either way (kernels/linear.py)."""
+        """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; oneDNN projections in their
+        invariant row chunks or one call each (kernels/linear.py; the other kernels are invariant by
+        construction)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.batch_invariant = flag
+            elif isinstance(module, Linear) and isinstance(module.packed, PackedLinear):
+                module.packed.invariant = flag
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch. The
