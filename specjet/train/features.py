@@ -3,8 +3,8 @@
 
 The feature is what specjet's runner gives at inference (``ModelOutput.hidden`` of a forward with
 the head's ``feature_capture``), so the head trains on what it will be fed; the trainers' runners drop
-batch invariance (SDPA attention, each projection in one call: ModelRunner's ``batch_invariant``),
-which moves only last bits and runs ~1.4x faster on long packs. Features are
+batch invariance (SDPA attention, projections unchunked: ModelRunner's ``batch_invariant``), which
+moves only last bits and runs faster on long packs. Features are
 stored in fp16 shards of ``shard_size`` samples beside the token ids; a shard that exists is not
 computed again, so extraction resumes after an interruption and training reruns for free.
 """
