@@ -55,10 +55,10 @@ class PackedLinear:
     min_rows: int = 1
     max_rows: int = 1
     # False (a model run without batch invariance, e.g. the draft trainers' feature forwards): every
-    # call is torch's matmul on ``weight_t`` whatever its rows, which blocks long calls better than
-    # oneDNN's row chunks do (bench/RESULTS.md, session 45).
+    # call is one kernel call whatever its rows. oneDNN, not torch's matmul: torch's CPU build takes
+    # fp32 matmuls to MKL, which runs its AVX2 kernels on AMD CPUs, at under half oneDNN's AVX-512
+    # rate there; on an Intel CPU the two were within noise (bench/RESULTS.md, sessions 45 and 46).
     invariant: bool = True
-    weight_t: torch.Tensor | None = None  # the [in, out] weight itself (a reference, not a copy)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked:
@@ -79,7 +79,7 @@ class PackedLinear:
             x = x.contiguous()
         rows = x.shape[0]
         if not self.invariant:
-            out = linear_reference(x, self.weight_t, self.bias)
+            out = self.kernel(x)
         elif rows <= self.max_rows:
             out = self.run_chunk(x)
         else:
@@ -120,11 +120,11 @@ _PLANS: dict[tuple, tuple[int | None, int, int]] = {}
 def _make(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool, plan) -> PackedLinear:
     hint, min_rows, max_rows = plan
     if not blocked:
-        return PackedLinear(weight_t, bias, False, min_rows, max_rows, weight_t=weight_t)
+        return PackedLinear(weight_t, bias, False, min_rows, max_rows)
     dense = weight_t.t().contiguous()
     weight = (torch.ops.mkldnn._reorder_linear_weight(dense) if hint is None
               else torch.ops.mkldnn._reorder_linear_weight(dense, hint))
-    return PackedLinear(weight, bias, True, min_rows, max_rows, weight_t=weight_t)
+    return PackedLinear(weight, bias, True, min_rows, max_rows)
 
 
 # Row counts checked: every count up to 17, then the usual blocking edges up to 128.

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
 
     # ---- 2. features: the draft's context at every position
     state_dict = load_state_dict(model_dir)
-    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1)
     feature_runner, target_tag = feature_target(args, config, state_dict, runner)
     tag = "-L" + "-".join(map(str, target_layers)) + target_tag
     train_dir = work / "features" / f"train-{fingerprint(train_samples)}{tag}"

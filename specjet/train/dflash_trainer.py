@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
 from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume, run_summary
@@ -158,14 +159,20 @@ def target_labels(model: DFlashDraftModel, seqs: list[Sequence], chunk: int = 51
     more than the draft's own step."""
     out = []
     h = model.config.hidden_size
+    head = model._shared().full_lm_head or model._shared().lm_head
+    # The head packed for inference, one kernel call a chunk: oneDNN, where torch's matmul (the training
+    # head has no packed form) is MKL's AVX2 path on AMD CPUs, half the speed (kernels/linear.py).
+    packed = pack_weight(head.weight_t, head.bias)
+    if isinstance(packed, PackedLinear):
+        packed.invariant = False
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for s in seqs:
             labels = s.ids.clone()
             first = s.prompt_len + 1
             for lo in range(first, len(s.ids), chunk):
                 hi = min(lo + chunk, len(s.ids))
-                hidden = s.features[lo - 1:hi - 1, -h:].to(model.mask_embedding.dtype)
-                labels[lo:hi] = model.target_logits(hidden).argmax(-1)
+                hidden = s.features[lo - 1:hi - 1, -h:].to(head.weight_t.dtype)
+                labels[lo:hi] = packed(hidden).argmax(-1)
             out.append(labels)
     return out
 

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
     # The head trains in fp32 against an fp32 target (its embedding and LM head); the features it
     # reads come from a target in --feature-dtype, the dtype it will draft for.
     state_dict = load_state_dict(model_dir)
-    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False)
+    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1)
     feature_runner, target_tag = feature_target(args, config, state_dict, runner)
     features_dir = work / "features"
     feature_layers = tuple(args.feature_layers)
@@ -227,11 +227,11 @@ def feature_target(args, config, state_dict, float_runner):
 
     quantization = target_quantization(args)
     if quantization is not None:
-        return (ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1, batch_invariant=False,
+        return (ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1,
                             quantization=quantization, gguf_path=gguf_source(args.model_path)), f"-{quantization}")
     if args.feature_dtype == "float32":
         return float_runner, ""
-    return (ModelRunner(config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1, batch_invariant=False),
+    return (ModelRunner(config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1),
             f"-{args.feature_dtype}")
 
 

@@ -2,9 +2,9 @@
 (and, for an EAGLE-3 head, the residual stream after its ``feature_layers`` before it).
 
 The feature is what specjet's runner gives at inference (``ModelOutput.hidden`` of a forward with
-the head's ``feature_capture``), so the head trains on what it will be fed; the trainers' runners drop
-batch invariance (SDPA attention, projections unchunked: ModelRunner's ``batch_invariant``), which
-moves only last bits and runs faster on long packs. Features are
+the head's ``feature_capture``), so the head trains on what it will be fed. The trainers' runners keep
+the engine's batch-invariant kernels (the C++ attention and layer stack): on ~2,000-token packs they ran
+faster than SDPA with unchunked projections (bench/RESULTS.md, session 46). Features are
 stored in fp16 shards of ``shard_size`` samples beside the token ids; a shard that exists is not
 computed again, so extraction resumes after an interruption and training reruns for free.
 """
