@@ -14,10 +14,10 @@ done:
 
 The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
 18, 32, 33 and 34: one layer, 2,800 target replies, 6,000 steps, each block row reading the token before
-it, 30% of the blocks with known tokens, AdamW weight decay 0.3; 66.5 min from nothing, measured, on a
-2-core AMD EPYC Zen 5 (session 37, writing the shipped draft bit for bit; the training step's arithmetic
-has changed since, sessions 42 to 44, so a run now trains other bits), ~105 min estimated on a Zen 4,
-where the 1,400-reply recipe took ~89 min, session 18's 83, and 45 on the 2-core Intel Xeon with native bf16).
+it, 30% of the blocks with known tokens, AdamW weight decay 0.3; 53.4 min from nothing, measured, on a
+2-core AMD EPYC Zen 5 (session 46; session 37's run there wrote the shipped draft bit for bit, and the
+training step's arithmetic has changed since, sessions 42 to 44, so a run now trains other bits), ~98 min
+summed stage by stage on a 2-core Intel Xeon with AMX (sessions 43 to 45, before session 46's feature stage).
 """
 from __future__ import annotations
 
