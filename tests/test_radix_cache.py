@@ -151,6 +151,33 @@ def submit(sched, rid, n, new_tokens, first=1, ids=None):
     return req
 
 
+def test_a_submitted_list_reaches_the_loop_whole(scheduler, monkeypatch):
+    """The loop may drain its inbox while another thread is inside ``submit``: it must find a generate()
+    call's requests all there or none, so they start in one prefill batch."""
+    sched = scheduler(chunk=64)
+    reqs = [Req(f"r{i}", list(range(10 * i + 1, 10 * i + 6)), SamplingParams.from_dict(
+        {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True})) for i in range(3)]
+    seen = []
+    real = sched.inbox
+
+    class DrainedAfterEveryPut:  # the loop drains right after every item that lands
+        get, get_nowait = real.get, real.get_nowait
+
+        def put(self, item):
+            real.put(item)
+            sched.drain_inbox(block=False)
+            seen.append([r.rid for r in sched.waiting])
+
+    monkeypatch.setattr(sched, "inbox", DrainedAfterEveryPut())
+    sched.submit(reqs)
+    assert seen == [["r0", "r1", "r2"]]
+    assert run_one(sched) == (BatchKind.PREFILL, ["r0", "r1", "r2"], [5, 5, 5])
+    while run_one(sched) is not None:
+        pass
+    assert all(r.finished for r in reqs)
+    sched.check_kv_invariant()
+
+
 def test_long_prompt_chunks_alternate_with_decode_steps(scheduler):
     sched = scheduler(chunk=32)
     short = submit(sched, "short", 5, 50, first=500)

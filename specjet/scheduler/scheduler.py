@@ -119,7 +119,9 @@ class Scheduler:
                 key = req.sampling.grammar_key
                 if key is not None:
                     req.grammar_future = self.grammar_backend.compile(*key)
-                self.inbox.put(("add", req))
+            # One item for the list: the loop admits a generate() call's requests between the same two
+            # iterations, so they start in one batch even when this thread is descheduled mid-submit.
+            self.inbox.put(("add", list(reqs)))
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
@@ -162,7 +164,8 @@ class Scheduler:
                 return
             timeout = None
             if kind == "add":
-                self._admit(value)
+                for req in value:
+                    self._admit(req)
             elif kind == "call":  # run a function between iterations, on this thread
                 fn, future = value
                 try:
@@ -195,7 +198,8 @@ class Scheduler:
                 except queue.Empty:
                     break
                 if kind == "add":
-                    self._finish(value, {"type": "abort", "message": message})
+                    for req in value:
+                        self._finish(req, {"type": "abort", "message": message})
                 elif kind == "call":
                     value[1].set_exception(RuntimeError(f"the engine is not running: {message}"))
 
