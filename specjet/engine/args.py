@@ -90,8 +90,9 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     # Batch-invariant attention on CPU (SGLang's name; on by default here): a token's logits do not
     # depend on what else is in its batch, which bf16 speculative decoding needs to reproduce plain
-    # decoding bit for bit. Off: SDPA (a batch-64 decode step ~3x faster, bench.step), for
-    # work that never compares outputs across batch shapes (serving without speculation, data runs).
+    # decoding bit for bit. Off: torch's SDPA and one oneDNN call per projection, for work that never
+    # compares outputs across batch shapes; on CPU not the faster path (a batch-64 bf16 decode step ~3x
+    # slower, bench.step; bench/RESULTS.md, sessions 45 and 46).
     enable_deterministic_inference: bool = True  # speculation refuses False (args.validate)
     log_level: str = "warning"
 

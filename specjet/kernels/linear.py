@@ -54,10 +54,10 @@ class PackedLinear:
     blocked: bool  # True: ``weight`` is oneDNN-blocked
     min_rows: int = 1
     max_rows: int = 1
-    # False (a model run without batch invariance, e.g. the draft trainers' feature forwards): every
-    # call is one kernel call whatever its rows. oneDNN, not torch's matmul: torch's CPU build takes
-    # fp32 matmuls to MKL, which runs its AVX2 kernels on AMD CPUs, at under half oneDNN's AVX-512
-    # rate there; on an Intel CPU the two were within noise (bench/RESULTS.md, sessions 45 and 46).
+    # False (a model run without batch invariance: enable_deterministic_inference=False): every call is
+    # one kernel call whatever its rows. oneDNN, not torch's matmul: torch's CPU build takes fp32
+    # matmuls to MKL, which runs its AVX2 kernels on AMD CPUs, at under half oneDNN's AVX-512 rate
+    # there; on an Intel CPU MKL was at most ~1.1x oneDNN's one call (bench/RESULTS.md, sessions 45, 46).
     invariant: bool = True
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:

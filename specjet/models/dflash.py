@@ -250,11 +250,9 @@ class DFlashDraftModel(HotVocabDraft):
         logits = self._shared().lm_head.project(hidden.reshape(-1, hidden.shape[-1])).float()
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's own full-vocabulary logits [..., vocab] over its final normed hidden states."""
-        head = self._shared().full_lm_head or self._shared().lm_head
-        logits = head(hidden.reshape(-1, hidden.shape[-1])).float()
-        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+    def target_head(self) -> Linear:
+        """The target's own full-vocabulary LM head (the draft's may be a hot-vocabulary one)."""
+        return self._shared().full_lm_head or self._shared().lm_head
 
     @staticmethod
     def _kv(attn: Attention, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:

@@ -375,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; oneDNN projections in their
-        invariant row chunks or torch's matmul (kernels/linear.py; the other kernels are invariant by
+        invariant row chunks or one call each (kernels/linear.py; the other kernels are invariant by
         construction)."""
         for module in self.modules():
             if isinstance(module, Attention):

@@ -135,9 +135,26 @@ def target_greedy_ids(model: DFlashDraftModel, ids: torch.Tensor, feats: torch.T
     the features). Position 0 keeps ids[:, 0] (nothing predicts it)."""
     h = model.config.hidden_size
     out = ids.clone()
-    with torch.autocast("cpu", enabled=False):  # the target's own (fp32) choice, under bf16 training too
-            out[:, 1:] = model.target_logits(feats[:, :-1, -h:].to(model.mask_embedding.dtype)).argmax(-1)
+    greedy = target_greedy(model)
+    out[:, 1:] = greedy(feats[:, :-1, -h:].reshape(-1, h)).view(ids.shape[0], -1)
     return out
+
+
+def target_greedy(model: DFlashDraftModel):
+    """hidden [T, h] -> the target's greedy ids [T]: the argmax of its own full-vocabulary head, in fp32
+    (under bf16 training too). The head is packed once for inference and run in one oneDNN call: the
+    training head has no packed form, and torch's matmul is MKL's AVX2 path on AMD CPUs, half the
+    speed (kernels/linear.py)."""
+    head = model.target_head()
+    packed = pack_weight(head.weight_t, head.bias)
+    if isinstance(packed, PackedLinear):
+        packed.invariant = False
+
+    @torch.no_grad()
+    def greedy(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return packed(hidden.to(head.weight_t.dtype)).argmax(-1)
+    return greedy
 
 
 def to_columns(model: DFlashDraftModel, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,21 +176,14 @@ def target_labels(model: DFlashDraftModel, seqs: list[Sequence], chunk: int = 51
     more than the draft's own step."""
     out = []
     h = model.config.hidden_size
-    head = model._shared().full_lm_head or model._shared().lm_head
-    # The head packed for inference, one kernel call a chunk: oneDNN, where torch's matmul (the training
-    # head has no packed form) is MKL's AVX2 path on AMD CPUs, half the speed (kernels/linear.py).
-    packed = pack_weight(head.weight_t, head.bias)
-    if isinstance(packed, PackedLinear):
-        packed.invariant = False
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        for s in seqs:
-            labels = s.ids.clone()
-            first = s.prompt_len + 1
-            for lo in range(first, len(s.ids), chunk):
-                hi = min(lo + chunk, len(s.ids))
-                hidden = s.features[lo - 1:hi - 1, -h:].to(head.weight_t.dtype)
-                labels[lo:hi] = packed(hidden).argmax(-1)
-            out.append(labels)
+    greedy = target_greedy(model)
+    for s in seqs:
+        labels = s.ids.clone()
+        first = s.prompt_len + 1
+        for lo in range(first, len(s.ids), chunk):
+            hi = min(lo + chunk, len(s.ids))
+            labels[lo:hi] = greedy(s.features[lo - 1:hi - 1, -h:])
+        out.append(labels)
     return out
 
 
@@ -187,7 +197,7 @@ def cached_target_labels(model: DFlashDraftModel, seqs: list[Sequence], path: pa
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    head = model._shared().full_lm_head or model._shared().lm_head
+    head = model.target_head()
     digest = hashlib.sha256(head.weight_t.detach().float().contiguous().numpy().tobytes())
     for s in seqs:
         digest.update(s.ids.numpy().tobytes())
