@@ -29,6 +29,7 @@ _ENGINE_FLAGS = {
     "page_size": "page_size",
     "max_running_requests": "max_running_requests",
     "max_total_tokens": "max_total_tokens",
+    "kv_cache_dtype": "kv_cache_dtype",
     "disable_overlap_schedule": "disable_overlap_schedule",
     "disable_radix_cache": "disable_radix_cache",
     "chunked_prefill_size": "chunked_prefill_size",
@@ -69,6 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--page-size", type=int, default=None)
     group.add_argument("--max-running-requests", type=int, default=None)
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "float32"],
+                       help="default auto: bfloat16 beside quantized weights on CPU, else the model's dtype")
     group.add_argument("--disable-overlap-schedule", action="store_true", default=None)
     group.add_argument("--disable-radix-cache", action="store_true", default=None,
                        help="no prefix cache: every prompt is prefilled whole")

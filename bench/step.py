@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="model directory or .gguf (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="default auto: bfloat16 on a CPU with native bf16 instructions, else float32")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="the KV cache's dtype (bfloat16: beside float32 activations, half the bytes a step reads)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only quantization (gguf: the file's own blocks; needs a .gguf or the default model)")
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     dtype = str(runner.dtype).removeprefix("torch.")
     dtype += f" weights {args.quantization}" if args.quantization else ""
-    dtype += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto" else ""
+    if runner.kv_dtype != runner.dtype:  # e.g. the bf16 cache beside quantized weights (kv_cache_dtype auto)
+        dtype += f", {str(runner.kv_dtype).removeprefix('torch.')} KV cache"
     first = args.nodes[0]
     for nodes in steps:
         print(f"# {dtype}, batch {b}, {length} cached tokens per request, {nodes} new token(s) per request")

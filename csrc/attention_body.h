@@ -183,19 +183,18 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 }
 
 // acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_lo, p_lo + 1, .. p_end - 1 of
-// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]).
-template <int R, class T, class Visible>
-SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* slots, int64_t kvh, int64_t p_lo,
-                         int64_t p_end, int64_t prefix, int64_t r0, int64_t c0, const float* scores,
-                         int64_t ld_scores, const Visible& visible, float* acc) {
-  const int64_t D = bt.head_dim;
+// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)).
+template <int R, class ValueRow, class Visible>
+SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t prefix, int64_t D,
+                            int64_t r0, int64_t c0, const float* scores, int64_t ld_scores, const Visible& visible,
+                            float* acc) {
   lanes_d sum[R][kPvVecs];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
   constexpr int64_t kAhead = 8;
   for (int64_t p = p_lo; p < p_end; ++p) {
-    if (p + kAhead < p_end) prefetch_row(v_cache + slots[p + kAhead] * bt.slot_stride + kvh * bt.head_stride + c0, kPvDims);
-    const T* v = v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride + c0;
+    if (p + kAhead < p_end) prefetch_row(value_row(p + kAhead) + c0, kPvDims);
+    const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
     const bool all = p < prefix;
@@ -207,6 +206,42 @@ SJ_INLINE void weigh_values(const Batch& bt, const T* v_cache, const int64_t* sl
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kPvVecs; ++i) store_lanes(acc + (r0 + r) * D + c0 + i * kLanes, sum[r][i]);
+}
+
+// The weights x V sums of every row (acc[r][0 .. D)), the values' rows at value_row(p): up to kPvRows rows and
+// kPvDims dims at a time in registers (each value loaded once for them); a head_dim tail that does not fill
+// kPvDims goes through memory (`scratch`: D floats).
+template <class ValueRow, class Visible>
+void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t prefix, int64_t D, int64_t rows,
+                      const float* scores, int64_t ld_scores, const Visible& visible, float* acc, float* scratch) {
+  int64_t c0 = 0;
+  for (; c0 + kPvDims <= D; c0 += kPvDims) {
+    int64_t r = 0;
+    for (; r + kPvRows <= rows; r += kPvRows)
+      weigh_values<kPvRows>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+    if constexpr (kPvRows >= 4) {
+      if (rows - r == 3) {
+        weigh_values<3>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+        r += 3;
+      } else if (rows - r == 2) {
+        weigh_values<2>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+        r += 2;
+      }
+    }
+    for (; r < rows; ++r) weigh_values<1>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+  }
+  if (c0 < D) {
+    for (int64_t p = p_lo; p < p_end; ++p) {
+      widen(value_row(p), scratch, D);
+      const bool all = p < prefix;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!all && !visible(r, p)) continue;
+        const float w = scores[r * ld_scores + p - p_lo];
+        float* o = acc + r * D;
+        for (int64_t d = c0; d < D; ++d) o[d] = std::fma(w, scratch[d], o[d]);  // as scale_add
+      }
+    }
+  }
 }
 
 // The largest of m and s[0 .. n).
@@ -244,7 +279,7 @@ SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, i
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
 // shared library costs a lookup per access in the inner loops).
 struct Workspace {
-  std::vector<float> qd, scores, acc, kd, row_max, row_sum;
+  std::vector<float> qd, scores, acc, kd, vd, row_max, row_sum;
   std::vector<int64_t> row_end;
   std::vector<const bool*> row_mask;
 };
@@ -346,37 +381,18 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     for (int64_t p = c_lo; p < row_end[r]; ++p) s[p - c_lo] = exp_nonpositive(s[p - c_lo] - m);
   }
   // Weights x V: acc[r][d] adds w_p * v_p[d] over the row's visible keys in position order (the same
-  // for every d, whether the sum sits in a register or in memory), up to kPvRows rows and kPvDims dims at a
-  // time in registers (each value loaded once for them); a head_dim tail that does not fill kPvDims goes
-  // through memory.
-  int64_t c0 = 0;
-  for (; c0 + kPvDims <= D; c0 += kPvDims) {
-    int64_t r = 0;
-    for (; r + kPvRows <= rows; r += kPvRows)
-      weigh_values<kPvRows>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
-    if constexpr (kPvRows >= 4) {
-      if (rows - r == 3) {
-        weigh_values<3>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
-        r += 3;
-      } else if (rows - r == 2) {
-        weigh_values<2>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
-        r += 2;
-      }
-    }
-    for (; r < rows; ++r)
-      weigh_values<1>(bt, v_cache, slots, kvh, c_lo, c_end, prefix, r, c0, scores, ld_scores, visible, acc);
-  }
-  if (c0 < D) {
-    for (int64_t p = c_lo; p < c_end; ++p) {
-      widen(v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, kd, D);
-      const bool all = p < prefix;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (!all && !visible(r, p)) continue;
-        const float w = scores[r * ld_scores + p - c_lo];
-        float* o = acc + r * D;
-        for (int64_t d = c0; d < D; ++d) o[d] = std::fma(w, kd[d], o[d]);  // as scale_add
-      }
-    }
+  // for every d, whether the sum sits in a register or in memory). A bf16 pool's values are widened to
+  // float once for the chunk where several blocks of rows read them (a verify's or a prefill's tile), not
+  // once per block: the same floats, so the same bits.
+  auto pool_row = [&](int64_t p) { return v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
+  if (!std::is_same<C, float>::value && rows > kPvRows) {
+    ws.vd.resize((c_end - c_lo) * D);
+    float* vd = ws.vd.data();
+    for (int64_t p = c_lo; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
+    weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, prefix, D, rows,
+                     scores, ld_scores, visible, acc, kd);
+  } else {
+    weigh_all_values(pool_row, c_lo, c_end, prefix, D, rows, scores, ld_scores, visible, acc, kd);
   }
   // The softmax denominators, each a sum in position order; up to kSumRows rows' sums advance together in
   // registers (one row's chain of dependent adds alone waits on each add's latency).

@@ -1,7 +1,7 @@
 """A bf16 KV cache beside float32 activations (``kv_cache_dtype="bfloat16"``): each key and value is
 rounded to bf16 once as it is stored (as torch's .to(torch.bfloat16) rounds it), and the attention reads
 it widened to float, with the bits it gives on a float32 cache holding the same (widened) values. Half
-the pool's bytes per token; speculation stays lossless."""
+the pool's bytes per token; speculation stays lossless. The default beside quantized weights on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -40,8 +40,11 @@ def test_rope_store_rounds_keys_and_values_into_a_bf16_pool_as_torch_rounds_them
 @needs_ops
 @pytest.mark.parametrize("q_lens,tree", [([1, 1, 1], False), ([1, 5, 2], False), ([4, 4, 4], True)],
                          ids=["decode", "extend", "tree"])
-def test_attention_over_a_bf16_pool_is_the_float_pool_of_its_values(q_lens, tree):
-    heads, kv_heads, dim = 6, 2, 16
+# 16: every head dimension in the kernel's tail loop; 64 (the default model's) in its register blocks,
+# whose tiles of several row blocks read a bf16 pool's values widened once for the chunk; 80: both.
+@pytest.mark.parametrize("dim", [16, 64, 80])
+def test_attention_over_a_bf16_pool_is_the_float_pool_of_its_values(q_lens, tree, dim):
+    heads, kv_heads = 6, 2
     kv_lens = [700, 45, 9]
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
@@ -64,6 +67,13 @@ def test_the_kv_dtype_is_the_models_or_bf16_beside_float32_on_the_cpu():
     assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
     assert resolve_kv_dtype("bf16", torch.float32, cpu) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
+    # auto beside quantized weights (float32 activations on the CPU): bf16, unless float32 is asked for
+    for method in ("gguf", "int8", "int4"):
+        assert resolve_kv_dtype("auto", torch.float32, cpu, method) == torch.bfloat16
+        assert resolve_kv_dtype("float32", torch.float32, cpu, method) == torch.float32
+        assert resolve_kv_dtype("fp32", torch.float32, cpu, method) == torch.float32
+    with pytest.raises(ValueError, match="needs float32 activations on the CPU"):
+        resolve_kv_dtype("float32", torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         resolve_kv_dtype("fp8_e5m2", torch.float32, cpu)
     with pytest.raises(ValueError, match="needs float32 activations on the CPU"):
@@ -78,15 +88,19 @@ def test_engine_with_a_bf16_kv_cache_speculates_losslessly_in_half_the_bytes(tin
     prompts = ["The cat sat on the mat. The cat", "1 2 3 4 1 2", "Hello there"]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     kw = dict(model_path=str(tiny_model_dir), dtype="float32", quantization=quantization, max_total_tokens=4096)
-    with specjet.Engine(**kw) as eng:
+    with specjet.Engine(kv_cache_dtype="float32", **kw) as eng:
         f32_bytes = eng.worker.runner.kv_cache.k.element_size()
         float_kv = [o["output_ids"] for o in eng.generate(prompts, params)]
         eng.check_kv_invariant()
-    with specjet.Engine(kv_cache_dtype="bfloat16", **kw) as eng:
+    # The default: bf16 beside quantized weights, the model's float32 beside float ones.
+    with specjet.Engine(kv_cache_dtype="auto" if quantization else "bfloat16", **kw) as eng:
         cache = eng.worker.runner.kv_cache
         assert cache.k.dtype == cache.v.dtype == torch.bfloat16 and 2 * cache.k.element_size() == f32_bytes
         plain = [o["output_ids"] for o in eng.generate(prompts, params)]
         eng.check_kv_invariant()
+    if quantization is None:
+        with specjet.Engine(**kw) as eng:
+            assert eng.worker.runner.kv_cache.k.dtype == torch.float32
     head = random_head(tmp_path / "head", tiny_model_dir)
     with specjet.Engine(kv_cache_dtype="bfloat16", speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
                         **kw) as eng:

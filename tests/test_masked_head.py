@@ -13,7 +13,7 @@ import specjet
 from specjet.kernels import qgemm
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "string"}}},
+                                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
           "required": ["name", "age", "tags"]}
 
 

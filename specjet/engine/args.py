@@ -24,9 +24,10 @@ class EngineArgs:
     # kernels take (the embedded default model is one), else None (models/quantize.py:choose_method).
     # With quantization, dtype "auto" means float32 (the kernels compute in float32).
     quantization: str | None = "auto"
-    # The KV cache's dtype (SGLang's name): "auto" (the model's dtype) or "bfloat16" / "bf16" beside float32
-    # activations on the CPU: twice the tokens in the same memory, each key and value rounded to bf16 once
-    # as it is stored (models/runner.py resolve_kv_dtype; no faster a step here: bench/RESULTS.md session 25).
+    # The KV cache's dtype (SGLang's name): "auto", "bfloat16" / "bf16" or "float32" / "fp32". bf16 beside float32
+    # activations on the CPU holds twice the tokens in the same memory, each key and value rounded to bf16 once as
+    # it is stored, and reads long contexts faster. "auto": bf16 beside quantized weights on the CPU (the default
+    # model's GGUF path), else the model's dtype (models/runner.py resolve_kv_dtype; bench/RESULTS.md session 47).
     kv_cache_dtype: str = "auto"
     page_size: int = 1
     max_running_requests: int = 32

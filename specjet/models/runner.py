@@ -44,7 +44,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, quantiz
     return DTYPES[dtype]
 
 
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                   "fp32": torch.float32}
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -52,11 +53,17 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the model's (``auto``), or bf16 under a float32 model on the CPU, where the
-    C++ ops round each stored key and value to bf16 and widen it back as the attention reads it."""
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
+                     quantization: str | None = None) -> torch.dtype:
+    """The KV cache's dtype: the model's, or bf16 under a float32 model on the CPU, where the C++ ops round
+    each stored key and value to bf16 and widen it back as the attention reads it. ``auto``: bf16 beside
+    quantized weights on the CPU (their float32 activations; the weights' rounding already outweighs the
+    cache's, and half the bytes make long contexts faster to read), else the model's dtype."""
     check_kv_cache_dtype(kv_cache_dtype)
-    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_dtype is None:
+        quantized_cpu = quantization is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+        kv_dtype = torch.bfloat16 if quantized_cpu else dtype
     if kv_dtype != dtype and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs float32 activations on the CPU "
                          f"(dtype is {str(dtype).removeprefix('torch.')} on {device}); use 'auto'")
@@ -113,7 +120,7 @@ class ModelRunner:
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             logger.info("%s", bf16_gemm.describe_kernels())
         self.model.set_batch_invariant(batch_invariant)
-        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device, quantization)
         per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.kv_dtype)
         if max_total_tokens is None:
             max_total_tokens = int(total_memory_bytes(self.device) * mem_fraction_static) // per_token
