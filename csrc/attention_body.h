@@ -176,10 +176,30 @@ constexpr int kPvVecs = kPvDims / kLanes;
 
 template <class T>
 SJ_INLINE lanes_d widen_lanes(const T* src) {
-  if constexpr (std::is_same<T, float>::value) return load_lanes(src);  // no trip through a stack copy
-  float tmp[kLanes];
-  for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
-  return load_lanes(tmp);
+  if constexpr (std::is_same<T, float>::value) {
+    return load_lanes(src);  // no trip through a stack copy
+  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    // A bf16 value is the top half of its float: each part's 16-bit lanes widened and shifted in registers
+    // (the exact floats the scalar conversion gives, without its trip through a stack copy).
+    lanes_d a;
+    for (int i = 0; i < kParts; ++i) {
+#if SJ_VEC_BYTES == 64
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * 16)));
+      a.part[i] = (vec_d)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif SJ_VEC_BYTES == 32
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * 8)));
+      a.part[i] = (vec_d)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#else
+      const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i * 4));
+      a.part[i] = (vec_d)_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+#endif
+    }
+    return a;
+  } else {
+    float tmp[kLanes];
+    for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
+    return load_lanes(tmp);
+  }
 }
 
 // acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_lo, p_lo + 1, .. p_end - 1 of

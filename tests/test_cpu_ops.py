@@ -200,19 +200,41 @@ def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
 
 
 # Head dims: one lane group; several, with a tail past the value sums' register block (64); key counts
-# that are not whole blocks of the wider builds' scoring (16 and 8 keys at a time).
-@pytest.mark.parametrize("dtype,dim", [(torch.float32, DIM), (torch.float32, 72), (torch.bfloat16, 64)])
-def test_every_instruction_set_build_gives_the_same_bits(dtype, dim):
+# that are not whole blocks of the wider builds' scoring (16 and 8 keys at a time). A bf16 pool beside
+# float32 rows (the default beside quantized weights): its values widened in registers, or once for a
+# tile's chunk where the build's value blocks hold fewer rows than the tile (a different split per build).
+@pytest.mark.parametrize("dtype,pool_dtype,dim", [(torch.float32, torch.float32, DIM), (torch.float32, torch.float32, 72),
+                                                  (torch.bfloat16, torch.bfloat16, 64),
+                                                  (torch.float32, torch.bfloat16, 64),
+                                                  (torch.float32, torch.bfloat16, 80)])
+def test_every_instruction_set_build_gives_the_same_bits(dtype, pool_dtype, dim):
     isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
     assert "base" in isas
     kv_lens, q_lens = [130, 33], [1, 20]
-    k, v, gen = pool(sum(kv_lens) + 1, dtype, seed=2, dim=dim)
+    k, v, gen = pool(sum(kv_lens) + 1, pool_dtype, seed=2, dim=dim)
     table = scattered_table(kv_lens, gen)
     q = torch.randn(sum(q_lens), HEADS, dim, generator=gen).to(dtype)
     meta = build_attention_metadata(table, torch.arange(2), torch.tensor(kv_lens), torch.tensor(q_lens))
     outs = [native(q, k, v, meta, isa) for isa in isas]
     for isa, out in zip(isas[1:], outs[1:]):
         assert torch.equal(outs[0], out), f"{isa} differs from {isas[0]}"
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(group):
+    """Tiles of as few rows as a build's value blocks hold (decode rows of a small GQA group: 1 in the base
+    build, 2 in the AVX2 one, up to 4 in the AVX-512 one) widen a bf16 pool's values in registers: the
+    bits of a float32 pool holding the same values, in every build."""
+    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    kv_heads, dim, kv_lens, q_lens = 2, 64, [90, 37], [1, 1]
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), group * kv_heads, dim, generator=gen)
+    meta = build_attention_metadata(scattered_table(kv_lens, gen), torch.arange(2), torch.tensor(kv_lens),
+                                    torch.tensor(q_lens))
+    for isa in isas:
+        assert torch.equal(native(q, k, v, meta, isa), native(q, k.float(), v.float(), meta, isa)), isa
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:
