@@ -203,9 +203,10 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 }
 
 // acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_lo, p_lo + 1, .. p_end - 1 of
-// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)).
+// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)); keys
+// before seen_by_all are seen by every row, the others by the rows `visible` says.
 template <int R, class ValueRow, class Visible>
-SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t prefix, int64_t D,
+SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D,
                             int64_t r0, int64_t c0, const float* scores, int64_t ld_scores, const Visible& visible,
                             float* acc) {
   lanes_d sum[R][kPvVecs];
@@ -217,7 +218,7 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
     const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
-    const bool all = p < prefix;
+    const bool all = p < seen_by_all;
     for (int r = 0; r < R; ++r) {
       if (!all && !visible(r0 + r, p)) continue;
       const float w = scores[(r0 + r) * ld_scores + p - p_lo];
@@ -232,28 +233,28 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
 // kPvDims dims at a time in registers (each value loaded once for them); a head_dim tail that does not fill
 // kPvDims goes through memory (`scratch`: D floats).
 template <class ValueRow, class Visible>
-void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t prefix, int64_t D, int64_t rows,
+void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D, int64_t rows,
                       const float* scores, int64_t ld_scores, const Visible& visible, float* acc, float* scratch) {
   int64_t c0 = 0;
   for (; c0 + kPvDims <= D; c0 += kPvDims) {
     int64_t r = 0;
     for (; r + kPvRows <= rows; r += kPvRows)
-      weigh_values<kPvRows>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+      weigh_values<kPvRows>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
     if constexpr (kPvRows >= 4) {
       if (rows - r == 3) {
-        weigh_values<3>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+        weigh_values<3>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
         r += 3;
       } else if (rows - r == 2) {
-        weigh_values<2>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+        weigh_values<2>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
         r += 2;
       }
     }
-    for (; r < rows; ++r) weigh_values<1>(value_row, p_lo, p_end, prefix, D, r, c0, scores, ld_scores, visible, acc);
+    for (; r < rows; ++r) weigh_values<1>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
   }
   if (c0 < D) {
     for (int64_t p = p_lo; p < p_end; ++p) {
       widen(value_row(p), scratch, D);
-      const bool all = p < prefix;
+      const bool all = p < seen_by_all;
       for (int64_t r = 0; r < rows; ++r) {
         if (!all && !visible(r, p)) continue;
         const float w = scores[r * ld_scores + p - p_lo];
@@ -282,15 +283,15 @@ constexpr int kSumRows = 8;
 // row_sum[r] for rows r0 .. r0 + R: the weights of the row's visible keys in [p_lo, p_end) added in
 // position order.
 template <int R, class Visible>
-SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, int64_t p_lo, int64_t prefix,
+SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, int64_t p_lo, int64_t seen_by_all,
                            int64_t p_end, const Visible& visible, float* row_sum) {
   float sum[R];
   for (int r = 0; r < R; ++r) sum[r] = 0.0f;
   const float* s = scores + r0 * ld_scores;
-  const int64_t shared_end = std::min(prefix, p_end);
+  const int64_t shared_end = std::min(seen_by_all, p_end);
   for (int64_t p = p_lo; p < shared_end; ++p)  // seen by every row
     for (int r = 0; r < R; ++r) sum[r] += s[r * ld_scores + p - p_lo];
-  for (int64_t p = std::max(prefix, p_lo); p < p_end; ++p)
+  for (int64_t p = std::max(seen_by_all, p_lo); p < p_end; ++p)
     for (int r = 0; r < R; ++r)
       if (visible(r0 + r, p)) sum[r] += s[r * ld_scores + p - p_lo];
   for (int r = 0; r < R; ++r) row_sum[r0 + r] = sum[r];
@@ -343,6 +344,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   auto visible = [&](int64_t r, int64_t p) {
     return p < row_end[r] && (p < prefix || row_mask[r] == nullptr || row_mask[r][p]);
   };
+  // Keys every row of the tile sees, so their sums skip the per-row test: the cached ones, and under causality
+  // also the new tokens' up to the tile's first (a prefill chunk's tile sees most of its keys so).
+  const int64_t seen_by_all = mask ? prefix : std::min(prefix + j0 + 1, c_end);
 
   const int64_t ld_scores = c_end - c_lo;  // a row's scores, one per key position of the chunk
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
@@ -387,7 +391,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = scores + r * ld_scores;  // position p at s[p - c_lo]
     // A maximum is exact in any order, so the shared keys' part goes a vector at a time.
-    const int64_t shared_end = std::max(c_lo, std::min(prefix, row_end[r]));
+    const int64_t shared_end = std::max(c_lo, std::min(seen_by_all, row_end[r]));
     float m = max_of(s, shared_end - c_lo, row_max[r]);
     for (int64_t p = shared_end; p < row_end[r]; ++p)
       if (visible(r, p) && s[p - c_lo] > m) m = s[p - c_lo];
@@ -409,25 +413,25 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     ws.vd.resize((c_end - c_lo) * D);
     float* vd = ws.vd.data();
     for (int64_t p = c_lo; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
-    weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, prefix, D, rows,
+    weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, seen_by_all, D, rows,
                      scores, ld_scores, visible, acc, kd);
   } else {
-    weigh_all_values(pool_row, c_lo, c_end, prefix, D, rows, scores, ld_scores, visible, acc, kd);
+    weigh_all_values(pool_row, c_lo, c_end, seen_by_all, D, rows, scores, ld_scores, visible, acc, kd);
   }
   // The softmax denominators, each a sum in position order; up to kSumRows rows' sums advance together in
   // registers (one row's chain of dependent adds alone waits on each add's latency).
   {
     int64_t r = 0;
     for (; r + kSumRows <= rows; r += kSumRows)
-      sum_weights<kSumRows>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum);
+      sum_weights<kSumRows>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum);
     if (rows - r >= 4) {
-      sum_weights<4>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum);
+      sum_weights<4>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum);
       r += 4;
     }
     switch (rows - r) {
-      case 3: sum_weights<3>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum); break;
-      case 2: sum_weights<2>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum); break;
-      case 1: sum_weights<1>(scores, ld_scores, r, c_lo, prefix, c_end, visible, row_sum); break;
+      case 3: sum_weights<3>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum); break;
+      case 2: sum_weights<2>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum); break;
+      case 1: sum_weights<1>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum); break;
       default: break;
     }
   }
