@@ -270,3 +270,17 @@ def test_boolean_engine_flags_parse_and_refuse_bad_values(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([flag, "maybe"])
         assert "expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_the_kv_cache_dtype_flag_reaches_the_engine():
+    """--kv-cache-dtype (bf16 is the default beside quantized weights; float32 compares against it) is an engine
+    keyword; without it the engine's own default stands."""
+    import argparse
+
+    from bench.common import add_engine_args, engine_kwargs
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_kwargs(parser.parse_args(["--kv-cache-dtype", "float32"])) == {"kv_cache_dtype": "float32"}
+    assert "kv_cache_dtype" not in engine_kwargs(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "fp8"])
