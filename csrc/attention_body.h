@@ -176,9 +176,11 @@ constexpr int kPvVecs = kPvDims / kLanes;
 
 template <class T>
 SJ_INLINE lanes_d widen_lanes(const T* src) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value,
+                "the CPU attention's pools are float32 or bf16");
   if constexpr (std::is_same<T, float>::value) {
     return load_lanes(src);  // no trip through a stack copy
-  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+  } else {
     // A bf16 value is the top half of its float: each part's 16-bit lanes widened and shifted in registers
     // (the exact floats the scalar conversion gives, without its trip through a stack copy).
     lanes_d a;
@@ -195,10 +197,6 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 #endif
     }
     return a;
-  } else {
-    float tmp[kLanes];
-    for (int i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(src[i]);
-    return load_lanes(tmp);
   }
 }
 

@@ -101,6 +101,7 @@ def test_engine_with_a_bf16_kv_cache_speculates_losslessly_in_half_the_bytes(tin
     if quantization is None:
         with specjet.Engine(**kw) as eng:
             assert eng.worker.runner.kv_cache.k.dtype == torch.float32
+            eng.check_kv_invariant()
     head = random_head(tmp_path / "head", tiny_model_dir)
     with specjet.Engine(kv_cache_dtype="bfloat16", speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
                         **kw) as eng:
