@@ -49,9 +49,11 @@ inline void store_row(__m512 acc, const float* bias, uint16_t* y) {
 }
 
 // Rows [0, R) of x (stride K) times column groups g .. g + G: every output one VDPBF16PS chain over the k-pairs.
+// `prefetch`: fetch the groups' weight lines ahead (the first row block of a call reads them from memory; the
+// next find them in cache).
 template <int R, int G>
 inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
-                  int64_t g) {
+                  int64_t g, bool prefetch) {
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -62,7 +64,7 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
     __m512bh wv[G];
     for (int j = 0; j < G; ++j) {
       const uint16_t* line = wg + j * group_size + kp * 2 * kCols;
-      _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * 2 * kCols), _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * 2 * kCols), _MM_HINT_T0);
       wv[j] = (__m512bh)_mm512_loadu_si512(line);
     }
     for (int r = 0; r < R; ++r) {
@@ -77,28 +79,37 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
       store_row(acc[r][j], bias == nullptr ? nullptr : bias + (g + j) * kCols, y + r * N + (g + j) * kCols);
 }
 
-template <int R>
-inline void rows_block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
-                       int64_t g0, int64_t g1) {
-  int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) block<R, 4>(x, K, w, bias, y, N, g);
-  switch (g1 - g) {
-    case 3: block<R, 3>(x, K, w, bias, y, N, g); break;
-    case 2: block<R, 2>(x, K, w, bias, y, N, g); break;
-    case 1: block<R, 1>(x, K, w, bias, y, N, g); break;
+// Rows per register block: 6 x 4 groups of sums, 4 weight vectors and the broadcast take 29 of the 32 registers.
+constexpr int64_t kRowBlock = 6;
+
+// Every row against column groups g .. g + G, a row block at a time: the groups' weights (G * K * 32 bytes) are
+// read from memory by the first block and from cache by the others, where a loop over all groups per row block
+// would read every weight once per block.
+template <int G>
+inline void groups(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y,
+                   int64_t N, int64_t g) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) block<kRowBlock, G>(x + r * K, K, w, bias, y + r * N, N, g, r == 0);
+  const bool first = r == 0;
+  switch (rows - r) {
+    case 5: block<5, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
+    case 4: block<4, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
+    case 3: block<3, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
+    case 2: block<2, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
+    case 1: block<1, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
     default: break;
   }
 }
 
-// Column groups [g0, g1) of every row.
+// Column groups [g0, g1) of every row, four groups at a time.
 void gemm(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
           int64_t g0, int64_t g1) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) rows_block<4>(x + r * K, K, w, bias, y + r * N, N, g0, g1);
-  switch (rows - r) {
-    case 3: rows_block<3>(x + r * K, K, w, bias, y + r * N, N, g0, g1); break;
-    case 2: rows_block<2>(x + r * K, K, w, bias, y + r * N, N, g0, g1); break;
-    case 1: rows_block<1>(x + r * K, K, w, bias, y + r * N, N, g0, g1); break;
+  int64_t g = g0;
+  for (; g + 4 <= g1; g += 4) groups<4>(x, rows, K, w, bias, y, N, g);
+  switch (g1 - g) {
+    case 3: groups<3>(x, rows, K, w, bias, y, N, g); break;
+    case 2: groups<2>(x, rows, K, w, bias, y, N, g); break;
+    case 1: groups<1>(x, rows, K, w, bias, y, N, g); break;
     default: break;
   }
 }

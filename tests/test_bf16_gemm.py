@@ -58,7 +58,7 @@ def test_close_to_the_float32_reference_with_and_without_bias(isa, shape):
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 3072)])
 def test_each_kernel_gives_a_row_its_bits_at_every_row_count(isa, shape):
     """Rows 1..67 (the AMX kernel's whole tiles, remainders and several tiles; the VDPBF16PS kernel's
-    row blocks of 4 and their remainders): each row has the bits it has alone."""
+    row blocks of 6 and every remainder): each row has the bits it has alone."""
     k, n = shape
     lin = Bf16Linear.build(weights(k, n, seed=2), None, isa)
     x = rows_of(67, k, seed=4)
@@ -93,8 +93,8 @@ def test_three_dimensional_and_float_inputs_keep_their_shape_and_dtype():
 
 @needs_kernel
 def test_pack_weight_takes_the_kernel_where_it_applies_and_onednn_elsewhere():
-    # The kernel is this process's default only where the CPU has AMX tiles or SPECJET_BF16_GEMM names it
-    # (test_the_kernels_are_offered_where_the_cpu_has_them pins that choice to the CPU's flags).
+    # The kernel is this process's default where the CPU has AVX-512 BF16 (test_the_kernels_are_offered_where_the_
+    # cpu_has_them pins that choice to the CPU's flags), unless SPECJET_BF16_GEMM=onednn says otherwise.
     on_kernel = bf16_gemm.default_isa() != "onednn"
     assert isinstance(pack_weight(weights(576, 960)), Bf16Linear if on_kernel else PackedLinear)
     assert isinstance(pack_weight(weights(40, 32)), PackedLinear)  # K not a multiple of 32
@@ -113,8 +113,10 @@ def test_the_kernels_are_offered_where_the_cpu_has_them():
         pytest.skip("the C++ extension is not built")
     assert ("avx512_bf16" in bf16_gemm.supported_isas()) == ("avx512_bf16" in flags)
     assert ("amx" in bf16_gemm.supported_isas()) == ({"avx512_bf16", "amx_tile", "amx_bf16"} <= flags)
-    if not bf16_gemm.os.environ.get(bf16_gemm.ISA_ENV):  # the tiles by default; AVX-512 BF16 alone is opt-in
-        assert bf16_gemm.default_isa() == ("amx" if "amx" in bf16_gemm.supported_isas() else "onednn")
+    if not bf16_gemm.os.environ.get(bf16_gemm.ISA_ENV):  # the tiles by default, else the VDPBF16PS chains
+        offered = bf16_gemm.supported_isas()
+        assert bf16_gemm.default_isa() == ("amx" if "amx" in offered else "avx512_bf16" if "avx512_bf16" in offered
+                                           else "onednn")
 
 
 def test_a_forced_instruction_set_is_checked(monkeypatch, request):

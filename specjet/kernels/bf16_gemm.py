@@ -2,9 +2,11 @@
 
 oneDNN's bf16 matmul (kernels/linear.py's ``PackedLinear``) needs a measured row plan to keep a row's bits
 whatever the call holds, and reads a one-row call's weights slowly. This kernel computes every row by one
-code path: AVX-512 BF16 (one VDPBF16PS chain per output) or, where the CPU has them, AMX tiles for every
-call (a lone row padded to a 16-row tile). The two give different bits, so a process uses one for all its
-calls: ``amx`` where the CPU has tiles, else oneDNN's plans (``default_isa`` says why), or the one
+code path: AMX tiles for every call where the CPU has them (a lone row padded to a 16-row tile), else
+AVX-512 BF16 (one VDPBF16PS chain per output; a call's rows in blocks of 6 against 64 columns at a time, so
+the first block reads those columns' weights from memory and the others from cache). The two give
+different bits, so a process uses one for all its calls: ``amx`` where the CPU has tiles, ``avx512_bf16``
+where it has AVX-512 BF16 alone, oneDNN's plans elsewhere (``default_isa``), or the one
 ``SPECJET_BF16_GEMM=amx|avx512_bf16|onednn`` names. Needs K a multiple of 32 and N of 16 (every projection
 of the supported models); other shapes and a missing extension keep oneDNN.
 
@@ -34,11 +36,11 @@ def supported_isas() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def default_isa() -> str:
-    """``SPECJET_BF16_GEMM`` if set (refused with the reason where this CPU lacks it), else ``amx`` where the CPU
-    has the tiles and oneDNN elsewhere. AVX-512 BF16 alone is opt-in: it makes a one-row call (a plain decode
-    step) 2-3x faster than oneDNN's, but a call of many rows (a verify, a prefill) runs at its dot-product
-    instruction's rate, which made speculation slower than plain decoding where it was measured
-    (bench/RESULTS.md, session 40)."""
+    """``SPECJET_BF16_GEMM`` if set (refused with the reason where this CPU lacks it), else the fastest this CPU
+    runs: ``amx`` where it has the tiles, ``avx512_bf16`` where it has AVX-512 BF16 alone (a one-row call, a
+    plain decode step, reads the weights faster than oneDNN's, and with the weights of 64 columns read once
+    for all of a call's rows, verifies and prefills are no slower either: bench/RESULTS.md, session 48),
+    oneDNN elsewhere."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     available = supported_isas()
     if forced:
@@ -47,7 +49,7 @@ def default_isa() -> str:
         if forced not in available:
             raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
         return forced
-    return "amx" if "amx" in available else "onednn"
+    return next(isa for isa in ("amx", "avx512_bf16", "onednn") if isa in available)
 
 
 def applies(weight_t: torch.Tensor, isa: str | None = None) -> bool:
