@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <vector>
 
 #include "cpu_ops.h"
 
@@ -48,22 +50,23 @@ inline void store_row(__m512 acc, const float* bias, uint16_t* y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
 }
 
-// Rows [0, R) of x (stride K) times column groups g .. g + G: every output one VDPBF16PS chain over the k-pairs.
-// `prefetch`: fetch the groups' weight lines ahead (the first row block of a call reads them from memory; the
-// next find them in cache).
+// Rows [0, R) of x (stride K) times column groups gs[0 .. G): every output one VDPBF16PS chain over the k-pairs.
+// Group j's sums go to columns cols[j] .. + 16 of y (row stride ldy). `prefetch`: fetch the groups' weight lines
+// ahead (the first row block of a call reads them from memory; the next find them in cache).
 template <int R, int G>
-inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
-                  int64_t g, bool prefetch) {
+inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, const int64_t* gs,
+                  uint16_t* y, int64_t ldy, const int64_t* cols, bool prefetch) {
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t group_size = K * kCols;  // bf16 elements of one packed group
-  const uint16_t* wg = w + g * group_size;
+  const uint16_t* wg[G];
+  for (int j = 0; j < G; ++j) wg[j] = w + gs[j] * group_size;
   constexpr int64_t kAhead = 16;  // k-pairs of each group's stream fetched ahead (1 KB)
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     __m512bh wv[G];
     for (int j = 0; j < G; ++j) {
-      const uint16_t* line = wg + j * group_size + kp * 2 * kCols;
+      const uint16_t* line = wg[j] + kp * 2 * kCols;
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * 2 * kCols), _MM_HINT_T0);
       wv[j] = (__m512bh)_mm512_loadu_si512(line);
     }
@@ -76,7 +79,7 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j)
-      store_row(acc[r][j], bias == nullptr ? nullptr : bias + (g + j) * kCols, y + r * N + (g + j) * kCols);
+      store_row(acc[r][j], bias == nullptr ? nullptr : bias + gs[j] * kCols, y + r * ldy + cols[j]);
 }
 
 // Rows per register block: 6 x 4 groups of sums, 4 weight vectors and the broadcast take 29 of the 32 registers.
@@ -88,15 +91,18 @@ constexpr int64_t kRowBlock = 6;
 template <int G>
 inline void groups(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y,
                    int64_t N, int64_t g) {
+  int64_t gs[G], cols[G];
+  for (int j = 0; j < G; ++j) gs[j] = g + j, cols[j] = (g + j) * kCols;
   int64_t r = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock) block<kRowBlock, G>(x + r * K, K, w, bias, y + r * N, N, g, r == 0);
+  for (; r + kRowBlock <= rows; r += kRowBlock)
+    block<kRowBlock, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, r == 0);
   const bool first = r == 0;
   switch (rows - r) {
-    case 5: block<5, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
-    case 4: block<4, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
-    case 3: block<3, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
-    case 2: block<2, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
-    case 1: block<1, G>(x + r * K, K, w, bias, y + r * N, N, g, first); break;
+    case 5: block<5, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
+    case 4: block<4, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
+    case 3: block<3, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
+    case 2: block<2, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
+    case 1: block<1, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
     default: break;
   }
 }
@@ -110,6 +116,28 @@ void gemm(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const f
     case 3: groups<3>(x, rows, K, w, bias, y, N, g); break;
     case 2: groups<2>(x, rows, K, w, bias, y, N, g); break;
     case 1: groups<1>(x, rows, K, w, bias, y, N, g); break;
+    default: break;
+  }
+}
+
+// Groups listed in gs[0 .. n) of one row x, their 16 sums each to out[i * 16 ..]: the chains block() gives
+// them in a full call (a grammar-masked row's allowed columns), eight at a time (independent chains hide
+// the instruction's latency, which a lone chain would wait for at every k-pair).
+void listed_groups(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, const int64_t* gs, int64_t n,
+                   uint16_t* out) {
+  constexpr int kListed = 8;
+  int64_t cols[kListed];
+  for (int j = 0; j < kListed; ++j) cols[j] = j * kCols;
+  int64_t i = 0;
+  for (; i + kListed <= n; i += kListed) block<1, kListed>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false);
+  switch (n - i) {
+    case 7: block<1, 7>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
+    case 6: block<1, 6>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
+    case 5: block<1, 5>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
+    case 4: block<1, 4>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
+    case 3: block<1, 3>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
+    case 2: block<1, 2>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
+    case 1: block<1, 1>(x, K, w, bias, gs + i, out + i * kCols, 0, cols, false); break;
     default: break;
   }
 }
@@ -234,28 +262,32 @@ namespace specjet_cpu {
 
 bool bf16_gemm_isa_supported(int64_t isa) { return isa_supported(isa); }
 
-torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                        int64_t isa) {
+namespace {
+
+// bf16_gemm's argument checks; returns the weight's column groups.
+int64_t check_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                   int64_t isa) {
   TORCH_CHECK(isa_supported(isa), "bf16_gemm: instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "bf16_gemm: x must be a contiguous 2-D bfloat16 CPU tensor");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.is_contiguous() && w.size(2) == kCols &&
                   w.size(3) == 2, "bf16_gemm: w must be a contiguous bfloat16 [N / 16, K / 2, 16, 2] tensor");
-  const int64_t rows = x.size(0), K = x.size(1), groups = w.size(0), N = groups * kCols;
+  const int64_t K = x.size(1), groups = w.size(0), N = groups * kCols;
   TORCH_CHECK(w.size(1) * 2 == K && K % kDepth == 0, "bf16_gemm: x has ", K, " columns, the weight takes ",
               w.size(1) * 2, " (a multiple of ", kDepth, ")");
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
                 "bf16_gemm: bias must be a contiguous float32 tensor of ", N, " elements");
   }
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // ~64k weights per thread at least; a thread's groups run four at a time in the AMX kernel (split by group, not
-  // by four: 36 groups are 18 and 18, not 20 and 16).
+  return groups;
+}
+
+// y[rows, N] (bf16) = x[rows, K] @ W (+ bias) for checked operands, on the instruction set's kernel.
+void gemm_rows(const uint16_t* xp, int64_t rows, int64_t K, const uint16_t* wp, const float* bp, uint16_t* yp,
+               int64_t groups, int64_t isa) {
+  const int64_t N = groups * kCols;
+  // ~64k weights per thread at least; a thread's groups run four at a time (split by group, not by four: 36
+  // groups are 18 and 18, not 20 and 16).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K));
   if (isa == kAmx) {
     // A tile reads 16 rows: a call whose rows are not whole tiles gets a copy with zero rows after them.
@@ -275,6 +307,111 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c1
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       bf16_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
     });
+  }
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa) {
+  const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0);
+  auto y = torch::empty({rows, groups * kCols}, x.options());
+  if (rows == 0) return y;
+  gemm_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
+            reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bias ? bias->data_ptr<float>() : nullptr,
+            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), groups, isa);
+  return y;
+}
+
+torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                               int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
+                               int64_t max_allowed) {
+  const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0), K = x.size(1), N = groups * kCols;
+  TORCH_CHECK(isa == kAvx512Bf16, "bf16_gemm_masked: a row's allowed columns alone are computed on the VDPBF16PS "
+              "kernel (instruction set ", static_cast<int64_t>(kAvx512Bf16), "), not ", isa);
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
+                  bitmask.device().is_cpu() && bitmask.size(0) == rows,
+              "bf16_gemm_masked: bitmask must be a contiguous CPU int32 [rows, W] tensor");
+  TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
+                  masked.device().is_cpu() && masked.size(0) == rows,
+              "bf16_gemm_masked: masked must be a contiguous CPU bool [rows] tensor");
+  const int64_t words = bitmask.size(1), covered = std::min(N, 32 * words);
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const bool* flags = masked.data_ptr<bool>();
+  // A masked row allowing few columns gets those alone (and the columns past the mask's width, which a mask
+  // leaves as they are); its other columns are -inf, as the mask would make them. Work items: eight of a
+  // sparse row's groups (each group's 16 sums made whole, the chains a full call gives them).
+  std::vector<int64_t> dense, sparse, cols_at{0}, groups_at{0}, cols, group_list;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t allowed = 0;
+    if (flags[r])
+      for (int64_t wd = 0; wd < words; ++wd) allowed += __builtin_popcount(bits[r * words + wd]);
+    if (!flags[r] || allowed > max_allowed) {
+      dense.push_back(r);
+      continue;
+    }
+    sparse.push_back(r);
+    for (int64_t wd = 0; wd * 32 < covered; ++wd)
+      for (uint32_t b = bits[r * words + wd]; b != 0; b &= b - 1) {
+        const int64_t c = wd * 32 + __builtin_ctz(b);
+        if (c >= covered) break;
+        cols.push_back(c);
+      }
+    for (int64_t c = covered; c < N; ++c) cols.push_back(c);
+    // The columns come in order, so their groups do: each once.
+    for (int64_t i = cols_at.back(); i < static_cast<int64_t>(cols.size()); ++i)
+      if (group_list.size() == static_cast<size_t>(groups_at.back()) || group_list.back() != cols[i] / kCols)
+        group_list.push_back(cols[i] / kCols);
+    cols_at.push_back(static_cast<int64_t>(cols.size()));
+    groups_at.push_back(static_cast<int64_t>(group_list.size()));
+  }
+  auto y = torch::empty({rows, N}, x.options().dtype(torch::kFloat32));
+  if (rows == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (!dense.empty()) {
+    // The other rows through bf16_gemm's kernel: a row's result does not depend on which rows share a call.
+    const int64_t n = static_cast<int64_t>(dense.size());
+    std::vector<uint16_t> xs(n * K), ys(n * N);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + dense[i] * K, K * sizeof(uint16_t));
+    gemm_rows(xs.data(), n, K, wp, bp, ys.data(), groups, isa);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < N; ++c) yp[dense[i] * N + c] = bf16_to_float(ys[i * N + c]);
+  }
+  if (!sparse.empty()) {
+    constexpr int64_t kItem = 8;  // groups of a work item
+    std::vector<int64_t> item_row, item_start;  // per work item: its sparse row's index, its first group
+    for (size_t i = 0; i < sparse.size(); ++i)
+      for (int64_t g = groups_at[i]; g < groups_at[i + 1]; g += kItem) {
+        item_row.push_back(static_cast<int64_t>(i));
+        item_start.push_back(g);
+      }
+    std::vector<uint16_t> sums(group_list.size() * kCols);  // every listed group's 16 sums
+    at::parallel_for(0, static_cast<int64_t>(item_row.size()), 4, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t i = item_row[e], g = item_start[e], n = std::min(kItem, groups_at[i + 1] - g);
+        bf16_avx512::listed_groups(xp + sparse[i] * K, K, wp, bp, group_list.data() + g, n, sums.data() + g * kCols);
+      }
+    });
+    for (size_t i = 0; i < sparse.size(); ++i) {
+      float* row = yp + sparse[i] * N;
+      std::fill(row, row + N, -std::numeric_limits<float>::infinity());
+      int64_t g = groups_at[i];
+      for (int64_t k = cols_at[i]; k < cols_at[i + 1]; ++k) {
+        const int64_t c = cols[k];
+        while (group_list[g] != c / kCols) ++g;
+        row[c] = bf16_to_float(sums[g * kCols + c % kCols]);
+      }
+    }
   }
   return y;
 }

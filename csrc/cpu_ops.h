@@ -50,6 +50,9 @@ bool amx_permitted();  // the CPU has AMX tiles and this process may use them (a
 bool bf16_gemm_isa_supported(int64_t isa);
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                               int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
+                               int64_t max_allowed);
 
 // draft_ops.cpp
 std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,

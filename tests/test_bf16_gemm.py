@@ -141,3 +141,70 @@ def test_the_kernel_refuses_operands_that_do_not_fit():
     with pytest.raises(RuntimeError, match="instruction set"):
         ext.bf16_gemm(rows_of(2, 64), lin.weight, None, 7)
     assert ext.bf16_gemm(rows_of(0, 64), lin.weight, None, isa).shape == (0, 32)
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] with bit t % 32 of word t // 32 set where allowed[r, t]."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    words = (padded.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.skipif("avx512_bf16" not in KERNELS, reason="no AVX-512 BF16 on this CPU (or no extension)")
+def test_masked_rows_get_the_full_calls_bits_on_their_allowed_columns():
+    """``Bf16Linear.masked`` (bf16_gemm_masked): a masked row allowing few columns has exactly the full call's
+    values there (as float32) and -inf elsewhere, whichever groups its columns fall in (one, several, more
+    than a work item's eight, the last); masked rows allowing many, and unmasked rows, are the full call's;
+    columns past the mask's width are computed; every row sparse, and a row alone, give the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 1008, 96  # 63 groups; the mask covers 992 columns (31 words): the last 16 lie past it
+    lin = Bf16Linear.build(weights(k, n, seed=12), torch.randn(n, generator=gen).bfloat16(), "avx512_bf16")
+    assert lin.has_masked_kernel
+    x = rows_of(7, k, seed=13)
+    allowed = torch.zeros(7, 992, dtype=torch.bool)
+    allowed[0, [0, 15, 16, 500, 991]] = True  # sparse, four groups
+    allowed[1] = torch.rand(992, generator=gen) < 0.5  # dense: > max_allowed
+    allowed[2, 7] = True  # one column
+    allowed[4, :300] = True  # 300 columns in 19 groups: sparse under a larger limit only
+    allowed[6, ::37] = True  # 27 columns in as many groups: several work items
+    masked = torch.tensor([True, True, True, False, True, True, True])  # row 3 unmasked; row 5 allows nothing
+    bitmask = _bitmask(allowed)
+    full = lin(x).float()
+    for limit in (256, 400):
+        got = lin.masked(x, bitmask, masked, limit)
+        assert got.dtype == torch.float32 and got.shape == (7, n)
+        dense = {1, 3} | ({4} if limit < 300 else set())
+        for r in range(7):
+            if r in dense:
+                assert torch.equal(got[r], full[r]), (limit, r)
+                continue
+            keep = torch.cat([allowed[r], torch.ones(16, dtype=torch.bool)])  # past the mask: computed
+            assert torch.equal(got[r][keep], full[r][keep]), (limit, r)
+            assert bool((got[r][~keep] == float("-inf")).all()), (limit, r)
+    rows = [0, 2, 5, 6]
+    sparse_only = lin.masked(x[rows].contiguous(), bitmask[rows].contiguous(), masked[rows].contiguous())
+    assert torch.equal(sparse_only, lin.masked(x, bitmask, masked)[rows])
+    assert torch.equal(lin.masked(x[1:2].contiguous(), bitmask[1:2].contiguous(), masked[1:2].contiguous()),
+                       full[1:2])
+
+
+@needs_kernel
+def test_the_masked_kernel_is_the_vdpbf16ps_one_and_checks_its_masks():
+    from specjet.kernels import cpu_ops
+
+    ext, isa = cpu_ops.extension(), bf16_gemm.ISAS["avx512_bf16"]
+    lin = Bf16Linear.build(weights(64, 32), None, "avx512_bf16")
+    x, bitmask, masked = rows_of(2, 64), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="bitmask"):
+        ext.bf16_gemm_masked(x, lin.weight, None, isa, bitmask.long(), masked, 256)
+    with pytest.raises(RuntimeError, match="bitmask"):
+        ext.bf16_gemm_masked(x, lin.weight, None, isa, bitmask[:1], masked, 256)
+    with pytest.raises(RuntimeError, match="masked"):
+        ext.bf16_gemm_masked(x, lin.weight, None, isa, bitmask, masked[:1], 256)
+    if "amx" in KERNELS:  # the tiles' sums are not recomputed column by column: no masked head on AMX
+        amx = Bf16Linear.build(weights(64, 32), None, "amx")
+        assert not amx.has_masked_kernel and amx.masked(x, bitmask, masked) is None
+        with pytest.raises(RuntimeError, match="VDPBF16PS"):
+            ext.bf16_gemm_masked(x, amx.weight, None, bf16_gemm.ISAS["amx"], bitmask, masked, 256)

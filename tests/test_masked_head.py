@@ -1,7 +1,9 @@
-"""The LM head under grammar masks (QuantizedLinear.masked) in plain constrained decoding, end to end on
-the default model (GGUF, an int8 head): a decode batch under a grammar leaves its head to the sampling,
-which computes only the allowed columns of rows whose mask allows few. Outputs equal those of the full
-head (the engine with the deferral off), greedy and seeded sampling, alone and beside free text."""
+"""The LM head under grammar masks (QuantizedLinear.masked, Bf16Linear.masked) in constrained decoding, end to
+end on the default model (GGUF, an int8 head; and the same model in bf16 where the CPU runs specjet's VDPBF16PS
+GEMM): a decode batch under a grammar leaves its head to the sampling, which computes only the allowed
+columns of rows whose mask allows few. Outputs equal those of the full head (the engine with the deferral
+off), greedy and seeded sampling, alone and beside free text; in bf16 a speculative verify (its rows' heads
+under their masks) gives plain decoding's tokens."""
 from __future__ import annotations
 
 import json
@@ -10,16 +12,16 @@ import jsonschema
 import pytest
 
 import specjet
-from specjet.kernels import qgemm
+from specjet.kernels import bf16_gemm, qgemm
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
           "required": ["name", "age", "tags"]}
 
 
-def _run(defer: bool, prompt_text: str) -> tuple[list[list[int]], str]:
-    with specjet.Engine(max_total_tokens=8192) as eng:
-        assert eng.worker._defer_head  # the default model's head is int8 on this CPU's kernels
+def _run(defer: bool, prompt_text: str, **engine_kwargs) -> tuple[list[list[int]], str]:
+    with specjet.Engine(max_total_tokens=8192, **engine_kwargs) as eng:
+        assert eng.worker._defer_head  # the head (int8, or bf16 on the VDPBF16PS kernel) takes masks
         eng.worker._defer_head = defer
         prompt = eng.apply_chat_template(prompt_text)
         greedy = {"temperature": 0, "max_new_tokens": 64, "json_schema": SCHEMA}
@@ -51,3 +53,33 @@ def test_deferred_masked_head_decodes_as_the_full_head(monkeypatch):
     assert deferred == full
     assert deferred[0] == deferred[3]  # batched == alone
     jsonschema.validate(json.loads(text_out), SCHEMA)
+
+
+@pytest.mark.skipif(bf16_gemm.default_isa() != "avx512_bf16",
+                    reason="the bf16 head takes masks on the VDPBF16PS kernel (CPUs with AVX-512 BF16, no AMX)")
+def test_bf16_masked_head_decodes_as_the_full_head_and_a_verify_as_plain_decoding(monkeypatch):
+    sparse_rows = []
+    real = bf16_gemm.Bf16Linear.masked
+
+    def counting(self, x, bitmask, masked, *args):
+        out = real(self, x, bitmask, masked, *args)
+        sparse_rows.append(int((out == float("-inf")).any(dim=1).sum()))
+        return out
+
+    monkeypatch.setattr(bf16_gemm.Bf16Linear, "masked", counting)
+    text = "Describe a person as JSON with a name, an age and three tags."
+    bf16 = {"dtype": "bfloat16", "quantization": None}
+    deferred, text_out = _run(True, text, **bf16)
+    assert sum(sparse_rows) > 0
+    sparse_rows.clear()
+    full, _ = _run(False, text, **bf16)
+    assert not sparse_rows
+    assert deferred == full
+    assert deferred[0] == deferred[3]
+    jsonschema.validate(json.loads(text_out), SCHEMA)
+    with specjet.Engine(max_total_tokens=8192, speculative_algorithm="DFLASH", **bf16) as eng:
+        prompt = eng.apply_chat_template(text)
+        out = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 64, "json_schema": SCHEMA})
+        eng.check_kv_invariant()
+    assert sum(sparse_rows) > 0  # the verify's rows under narrow masks took the sparse head
+    assert out["output_ids"] == deferred[0]

@@ -26,6 +26,10 @@ from specjet.kernels import cpu_ops
 ISA_ENV = "SPECJET_BF16_GEMM"
 ISAS = {"onednn": 0, "avx512_bf16": 1, "amx": 2}  # onednn: not this kernel (kernels/linear.py's plans)
 COLS, DEPTH = 16, 32  # columns of a packed group; the K multiple the tiles take
+# A grammar-masked row allowing at most this many columns has them computed alone (Bf16Linear.masked): each
+# costs at most its 16-column group's chains (a few hundred instructions), while any full row of an LM head
+# streams the whole weight (56 MB for the default model's) or, in a verify, does 49,152 columns' work.
+MASKED_MAX_ALLOWED = 256
 
 
 def supported_isas() -> list[str]:
@@ -88,6 +92,27 @@ class Bf16Linear:
     @property
     def out_features(self) -> int:
         return self.weight.shape[0] * COLS
+
+    @property
+    def has_masked_kernel(self) -> bool:
+        """Whether ``masked`` computes rows' allowed columns alone: the VDPBF16PS kernel, whose every output
+        is its own chain (an AMX tile's sums are not recomputed column by column here)."""
+        return self.isa == ISAS["avx512_bf16"] and hasattr(cpu_ops.extension(), "bf16_gemm_masked")
+
+    def masked(self, x: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor,
+               max_allowed: int = MASKED_MAX_ALLOWED) -> torch.Tensor | None:
+        """``self(x).float()`` for rows x [R, K] whose outputs a grammar restricts (an LM head's): a row with
+        ``masked`` set whose ``bitmask`` row (int32 [R, W], token t = bit t % 32 of word t // 32) allows at
+        most ``max_allowed`` columns gets those columns, with the bits ``self(x)`` gives them, and -inf
+        elsewhere (where the mask puts -inf anyway); the other rows are ``self(x)``'s. Where every row is such
+        a row, the weight is read only for the allowed columns' groups. None: no such kernel (AMX)."""
+        if not self.has_masked_kernel:
+            return None
+        x = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            x = x.to(torch.bfloat16).contiguous()
+        return cpu_ops.extension().bf16_gemm_masked(x, self.weight, self.bias, self.isa, bitmask.contiguous(),
+                                                    masked.contiguous(), max_allowed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ext = cpu_ops.extension()

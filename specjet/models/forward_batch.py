@@ -46,7 +46,7 @@ class ForwardBatch:
     capture_hidden: CaptureHidden = None
     # (bitmask [T, W] int32, masked [T] bool): rows whose logits a grammar restricts, where only the columns a
     # row's mask allows matter (a verify under a grammar); a quantized LM head may then compute only those
-    # and leave -inf elsewhere (QuantizedLinear.masked). Needs logits for every row.
+    # and leave -inf elsewhere (QuantizedLinear.masked, Bf16Linear.masked). Needs logits for every row.
     logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # The LM head left to the caller (``ModelRunner.head``): the output's ``hidden`` holds the normed rows that
     # need logits and ``logits`` is None. A plain decode under a grammar, whose masks come after the forward.
