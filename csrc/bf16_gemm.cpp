@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "token_bitmask.h"
 
 namespace {
 
@@ -350,20 +351,12 @@ torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, c
   // sparse row's groups (each group's 16 sums made whole, the chains a full call gives them).
   std::vector<int64_t> dense, sparse, cols_at{0}, groups_at{0}, cols, group_list;
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t allowed = 0;
-    if (flags[r])
-      for (int64_t wd = 0; wd < words; ++wd) allowed += __builtin_popcount(bits[r * words + wd]);
-    if (!flags[r] || allowed > max_allowed) {
+    if (!flags[r] || count_allowed(bits + r * words, words) > max_allowed) {
       dense.push_back(r);
       continue;
     }
     sparse.push_back(r);
-    for (int64_t wd = 0; wd * 32 < covered; ++wd)
-      for (uint32_t b = bits[r * words + wd]; b != 0; b &= b - 1) {
-        const int64_t c = wd * 32 + __builtin_ctz(b);
-        if (c >= covered) break;
-        cols.push_back(c);
-      }
+    append_allowed(bits + r * words, covered, cols);
     for (int64_t c = covered; c < N; ++c) cols.push_back(c);
     // The columns come in order, so their groups do: each once.
     for (int64_t i = cols_at.back(); i < static_cast<int64_t>(cols.size()); ++i)

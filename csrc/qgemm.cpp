@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "token_bitmask.h"
 
 namespace {
 
@@ -366,24 +367,13 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
   // mask leaves as they are); every other column of it is -inf, as the mask would make it.
   std::vector<int64_t> dense, at_row, at_col;
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t allowed = 0;
-    if (flags[r])
-      for (int64_t w = 0; w < words; ++w) allowed += __builtin_popcount(bits[r * words + w]);
-    if (!flags[r] || allowed > max_allowed) {
+    if (!flags[r] || count_allowed(bits + r * words, words) > max_allowed) {
       dense.push_back(r);
       continue;
     }
-    for (int64_t w = 0; w * 32 < covered; ++w)
-      for (uint32_t b = bits[r * words + w]; b != 0; b &= b - 1) {
-        const int64_t c = w * 32 + __builtin_ctz(b);
-        if (c >= covered) break;
-        at_row.push_back(r);
-        at_col.push_back(c);
-      }
-    for (int64_t c = covered; c < N; ++c) {
-      at_row.push_back(r);
-      at_col.push_back(c);
-    }
+    append_allowed(bits + r * words, covered, at_col);
+    for (int64_t c = covered; c < N; ++c) at_col.push_back(c);
+    at_row.resize(at_col.size(), r);
   }
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;

@@ -1,9 +1,10 @@
 """What the tests of the kernels with several instruction sets share (kernels/qgemm.py, kernels/bf16_gemm.py): the
-CPU flags Linux lists, and the check of a forced set (SPECJET_QGEMM_ISA, SPECJET_BF16_GEMM): an unknown name, or
+CPU flags Linux lists, grammar bitmasks for their masked LM heads, and the check of a forced set (SPECJET_QGEMM_ISA, SPECJET_BF16_GEMM): an unknown name, or
 a set this CPU does not run, is refused with the reason (not run into a SIGILL); an available one is taken."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 def cpu_flags() -> set[str]:
@@ -31,3 +32,12 @@ def check_forced_isa(module, monkeypatch, request, names: str, available: str) -
     monkeypatch.setenv(module.ISA_ENV, available)
     module.default_isa.cache_clear()
     assert module.default_isa() == available
+
+
+def token_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] with bit t % 32 of word t // 32 set where allowed[r, t] (xgrammar's layout)."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    words = (padded.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

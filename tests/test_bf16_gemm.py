@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from isa_checks import check_forced_isa, cpu_flags
+from isa_checks import check_forced_isa, cpu_flags, token_bitmask
 
 from specjet.kernels import bf16_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear, bf16_gemm_reference
@@ -143,15 +143,6 @@ def test_the_kernel_refuses_operands_that_do_not_fit():
     assert ext.bf16_gemm(rows_of(0, 64), lin.weight, None, isa).shape == (0, 32)
 
 
-def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, ceil(V / 32)] with bit t % 32 of word t // 32 set where allowed[r, t]."""
-    rows, vocab = allowed.shape
-    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
-    padded[:, :vocab] = allowed
-    words = (padded.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 @pytest.mark.skipif("avx512_bf16" not in KERNELS, reason="no AVX-512 BF16 on this CPU (or no extension)")
 def test_masked_rows_get_the_full_calls_bits_on_their_allowed_columns():
     """``Bf16Linear.masked`` (bf16_gemm_masked): a masked row allowing few columns has exactly the full call's
@@ -170,7 +161,7 @@ def test_masked_rows_get_the_full_calls_bits_on_their_allowed_columns():
     allowed[4, :300] = True  # 300 columns in 19 groups: sparse under a larger limit only
     allowed[6, ::37] = True  # 27 columns in as many groups: several work items
     masked = torch.tensor([True, True, True, False, True, True, True])  # row 3 unmasked; row 5 allows nothing
-    bitmask = _bitmask(allowed)
+    bitmask = token_bitmask(allowed)
     full = lin(x).float()
     for limit in (256, 400):
         got = lin.masked(x, bitmask, masked, limit)

@@ -17,6 +17,7 @@ from specjet.kernels import bf16_gemm, qgemm
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
           "required": ["name", "age", "tags"]}
+TEXT = "Describe a person as JSON with a name, an age and three tags."
 
 
 def _run(defer: bool, prompt_text: str, **engine_kwargs) -> tuple[list[list[int]], str]:
@@ -33,52 +34,42 @@ def _run(defer: bool, prompt_text: str, **engine_kwargs) -> tuple[list[list[int]
     return [o["output_ids"] for o in outs] + [alone["output_ids"]], outs[0]["text"]
 
 
-@pytest.mark.skipif(qgemm.extension() is None, reason="the C++ extension is not built")
-def test_deferred_masked_head_decodes_as_the_full_head(monkeypatch):
+def _deferred_equals_full(monkeypatch, layer: type, **engine_kwargs) -> tuple[list[list[int]], list[int]]:
+    """The engine's outputs with the head deferred to the sampling (``layer.masked`` taking narrow rows) and
+    with it in the forward: equal, batched == alone, the greedy text valid. Returns the deferred outputs and
+    a list that goes on counting the sparse rows ``layer.masked`` is given."""
     sparse_rows = []
-    real = qgemm.QuantizedLinear.masked
+    real = layer.masked
 
     def counting(self, x, bitmask, masked, *args):
         out = real(self, x, bitmask, masked, *args)
         sparse_rows.append(int((out == float("-inf")).any(dim=1).sum()))
         return out
 
-    monkeypatch.setattr(qgemm.QuantizedLinear, "masked", counting)
-    text = "Describe a person as JSON with a name, an age and three tags."
-    deferred, text_out = _run(True, text)
+    monkeypatch.setattr(layer, "masked", counting)
+    deferred, text_out = _run(True, TEXT, **engine_kwargs)
     assert sum(sparse_rows) > 0  # rows whose grammar allowed few tokens took the sparse head
     sparse_rows.clear()
-    full, _ = _run(False, text)
+    full, _ = _run(False, TEXT, **engine_kwargs)
     assert not sparse_rows  # the head ran in the forward, over every column
     assert deferred == full
     assert deferred[0] == deferred[3]  # batched == alone
     jsonschema.validate(json.loads(text_out), SCHEMA)
+    return deferred, sparse_rows
+
+
+@pytest.mark.skipif(qgemm.extension() is None, reason="the C++ extension is not built")
+def test_deferred_masked_head_decodes_as_the_full_head(monkeypatch):
+    _deferred_equals_full(monkeypatch, qgemm.QuantizedLinear)
 
 
 @pytest.mark.skipif(bf16_gemm.default_isa() != "avx512_bf16",
                     reason="the bf16 head takes masks on the VDPBF16PS kernel (CPUs with AVX-512 BF16, no AMX)")
 def test_bf16_masked_head_decodes_as_the_full_head_and_a_verify_as_plain_decoding(monkeypatch):
-    sparse_rows = []
-    real = bf16_gemm.Bf16Linear.masked
-
-    def counting(self, x, bitmask, masked, *args):
-        out = real(self, x, bitmask, masked, *args)
-        sparse_rows.append(int((out == float("-inf")).any(dim=1).sum()))
-        return out
-
-    monkeypatch.setattr(bf16_gemm.Bf16Linear, "masked", counting)
-    text = "Describe a person as JSON with a name, an age and three tags."
     bf16 = {"dtype": "bfloat16", "quantization": None}
-    deferred, text_out = _run(True, text, **bf16)
-    assert sum(sparse_rows) > 0
-    sparse_rows.clear()
-    full, _ = _run(False, text, **bf16)
-    assert not sparse_rows
-    assert deferred == full
-    assert deferred[0] == deferred[3]
-    jsonschema.validate(json.loads(text_out), SCHEMA)
+    deferred, sparse_rows = _deferred_equals_full(monkeypatch, bf16_gemm.Bf16Linear, **bf16)
     with specjet.Engine(max_total_tokens=8192, speculative_algorithm="DFLASH", **bf16) as eng:
-        prompt = eng.apply_chat_template(text)
+        prompt = eng.apply_chat_template(TEXT)
         out = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 64, "json_schema": SCHEMA})
         eng.check_kv_invariant()
     assert sum(sparse_rows) > 0  # the verify's rows under narrow masks took the sparse head

@@ -12,7 +12,7 @@ import platform
 import pytest
 import torch
 
-from isa_checks import check_forced_isa, cpu_flags
+from isa_checks import check_forced_isa, cpu_flags, token_bitmask
 
 from specjet.engine.args import EngineArgs
 from specjet.kernels import qgemm
@@ -164,15 +164,6 @@ def test_bad_inputs_are_refused():
         EngineArgs.from_kwargs(quantization=4)
 
 
-def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, ceil(V / 32)] with bit t % 32 of word t // 32 set where allowed[r, t]."""
-    rows, vocab = allowed.shape
-    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
-    padded[:, :vocab] = allowed
-    words = (padded.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 @pytest.mark.parametrize("group", [32, None])
 def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, monkeypatch, request):
     """``QuantizedLinear.masked`` (int8_gemm_masked), per instruction set: a masked row allowing few columns
@@ -191,7 +182,7 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
     allowed[2, 7] = True  # one column
     allowed[4, :300] = True  # 300 columns: sparse under a larger limit only
     masked = torch.tensor([True, True, True, False, True, True])  # row 3 unmasked; row 5 allows nothing
-    bitmask = _bitmask(allowed)
+    bitmask = token_bitmask(allowed)
     request.addfinalizer(qgemm.default_isa.cache_clear)  # no forced instruction set outlives the test
     for isa in qgemm.supported_isas():
         full = qgemm.gemm(x, layer.weight, layer.bias, isa)
