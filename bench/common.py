@@ -253,8 +253,20 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "specjet": specjet.__version__,
         "git_commit": _git_commit(),
+        "kernels": _kernels(),
     }
     return info
+
+
+def _kernels() -> str:
+    """The CPU kernels this process's projections take (a figure changes with them, and SPECJET_BF16_GEMM /
+    SPECJET_QGEMM_ISA can force them): bf16 weights' GEMM and quantized weights' kernels."""
+    from specjet.kernels import bf16_gemm, qgemm
+
+    try:
+        return f"bf16 GEMM {bf16_gemm.default_isa()}, quantized GEMM {qgemm.default_isa()}"
+    except ValueError as e:  # a forced set this CPU lacks: the engine will refuse it with this reason
+        return f"unavailable ({e})"
 
 
 def machine_line(machine: dict) -> str:
@@ -277,7 +289,7 @@ def report_header_lines(command: str, date: str, machine: dict) -> list[str]:
         f"# date: {date}",
         machine_line(m),
         f"# versions: torch {m['torch']}, transformers {m['transformers']}, specjet {m['specjet']}, "
-        f"python {m['python']}, commit {m['git_commit']}",
+        f"python {m['python']}, commit {m['git_commit']}" + (f"; {m['kernels']}" if m.get("kernels") else ""),
     ]
 
 

@@ -17,6 +17,7 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is not installed; plain `pytest` do
 
 from bench.compare import identity_check, main, parse_config, result_rows
 from bench.decode_rate import Measurement
+from specjet.kernels import bf16_gemm, qgemm
 from specjet.kernels.cpu_features import describe_cpu
 from specjet.models.runner import auto_dtype
 
@@ -102,6 +103,8 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
     assert f"# config NGRAM: {dtype} on cpu, speculative NGRAM num_draft_tokens=8" in stdout
     assert f"# config EAGLE: {dtype} on cpu, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
     assert f"# machine: {describe_cpu()}; " in stdout
+    # the kernels a figure was measured on, in its header
+    assert f"; bf16 GEMM {bf16_gemm.default_isa()}, quantized GEMM {qgemm.default_isa()}\n" in stdout
     if HAS_MATPLOTLIB:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
