@@ -343,26 +343,20 @@ torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, c
   TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
                   masked.device().is_cpu() && masked.size(0) == rows,
               "bf16_gemm_masked: masked must be a contiguous CPU bool [rows] tensor");
-  const int64_t words = bitmask.size(1), covered = std::min(N, 32 * words);
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
-  const bool* flags = masked.data_ptr<bool>();
-  // A masked row allowing few columns gets those alone (and the columns past the mask's width, which a mask
-  // leaves as they are); its other columns are -inf, as the mask would make them. Work items: eight of a
-  // sparse row's groups (each group's 16 sums made whole, the chains a full call gives them).
-  std::vector<int64_t> dense, sparse, cols_at{0}, groups_at{0}, cols, group_list;
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!flags[r] || count_allowed(bits + r * words, words) > max_allowed) {
-      dense.push_back(r);
-      continue;
-    }
-    sparse.push_back(r);
-    append_allowed(bits + r * words, covered, cols);
-    for (int64_t c = covered; c < N; ++c) cols.push_back(c);
-    // The columns come in order, so their groups do: each once.
-    for (int64_t i = cols_at.back(); i < static_cast<int64_t>(cols.size()); ++i)
-      if (group_list.size() == static_cast<size_t>(groups_at.back()) || group_list.back() != cols[i] / kCols)
-        group_list.push_back(cols[i] / kCols);
-    cols_at.push_back(static_cast<int64_t>(cols.size()));
+  const MaskedRows split = split_masked_rows(reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()),
+                                             bitmask.size(1), masked.data_ptr<bool>(), rows, N, max_allowed);
+  const std::vector<int64_t>& dense = split.dense;
+  const std::vector<int64_t>& sparse = split.sparse;
+  const std::vector<int64_t>& cols = split.cols;
+  const std::vector<int64_t>& cols_at = split.cols_at;
+  // A sparse row's columns' groups, each once (its columns come in order, so their groups do): row i's are
+  // group_list[groups_at[i] .. groups_at[i + 1]). Work items: eight of a row's groups, each group's 16 sums made
+  // whole (the chains a full call gives them).
+  std::vector<int64_t> group_list, groups_at{0};
+  for (size_t i = 0; i < sparse.size(); ++i) {
+    for (int64_t k = cols_at[i]; k < cols_at[i + 1]; ++k)
+      if (static_cast<int64_t>(group_list.size()) == groups_at.back() || group_list.back() != cols[k] / kCols)
+        group_list.push_back(cols[k] / kCols);
     groups_at.push_back(static_cast<int64_t>(group_list.size()));
   }
   auto y = torch::empty({rows, N}, x.options().dtype(torch::kFloat32));

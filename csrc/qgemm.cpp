@@ -360,21 +360,8 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
               "int8_gemm_masked: bitmask must be a contiguous CPU int32 [rows, W] tensor");
   TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
                   masked.size(0) == rows, "int8_gemm_masked: masked must be a contiguous bool [rows] tensor");
-  const int64_t words = bitmask.size(1), covered = std::min(N, 32 * words);
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
-  const bool* flags = masked.data_ptr<bool>();
-  // A masked row allowing few columns gets those alone (and the columns past the mask's width, which a
-  // mask leaves as they are); every other column of it is -inf, as the mask would make it.
-  std::vector<int64_t> dense, at_row, at_col;
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!flags[r] || count_allowed(bits + r * words, words) > max_allowed) {
-      dense.push_back(r);
-      continue;
-    }
-    append_allowed(bits + r * words, covered, at_col);
-    for (int64_t c = covered; c < N; ++c) at_col.push_back(c);
-    at_row.resize(at_col.size(), r);
-  }
+  const MaskedRows split = split_masked_rows(reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()),
+                                             bitmask.size(1), masked.data_ptr<bool>(), rows, N, max_allowed);
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
   const int8_t* qp = q.data_ptr<int8_t>();
@@ -382,25 +369,28 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  if (!dense.empty()) {
+  if (!split.dense.empty()) {
     // The other rows through int8_gemm's kernels: a row's result does not depend on which rows share a call.
-    const int64_t n = static_cast<int64_t>(dense.size());
+    const int64_t n = static_cast<int64_t>(split.dense.size());
     std::vector<float> xs(n * K), ys(n * N);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + dense[i] * K, K * sizeof(float));
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + split.dense[i] * K, K * sizeof(float));
     int8_rows(xs.data(), n, K, q, s, wsum, group, bp, ys.data(), N, groups, isa);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(yp + dense[i] * N, ys.data() + i * N, N * sizeof(float));
+    for (int64_t i = 0; i < n; ++i) std::memcpy(yp + split.dense[i] * N, ys.data() + i * N, N * sizeof(float));
   }
-  if (!at_row.empty()) {
-    // Each allowed element as the scalar kernel computes it (the bits of every build's kernels).
+  if (!split.sparse.empty()) {
+    // Each allowed element as the scalar kernel computes it (the bits of every build's kernels); the rest -inf.
     RowBuffers buf;
     quantize(xp, rows, K, buf, isa);
-    for (int64_t r = 0; r < rows; ++r)
-      if (flags[r] && (dense.empty() || !std::binary_search(dense.begin(), dense.end(), r)))
-        std::fill(yp + r * N, yp + (r + 1) * N, -std::numeric_limits<float>::infinity());
-    const int64_t elements = static_cast<int64_t>(at_row.size());
-    at::parallel_for(0, elements, 256, [&](int64_t e0, int64_t e1) {
+    std::vector<int64_t> at_row(split.cols.size());  // each element's row
+    for (size_t i = 0; i < split.sparse.size(); ++i) {
+      const int64_t r = split.sparse[i];
+      std::fill(yp + r * N, yp + (r + 1) * N, -std::numeric_limits<float>::infinity());
+      std::fill(at_row.begin() + split.cols_at[i], at_row.begin() + split.cols_at[i + 1], r);
+    }
+    at::parallel_for(0, static_cast<int64_t>(at_row.size()), 256, [&](int64_t e0, int64_t e1) {
       for (int64_t e = e0; e < e1; ++e)
-        yp[at_row[e] * N + at_col[e]] = qgemm_scalar::int8_element(buf.view, qp, sp, group, bp, at_row[e], at_col[e]);
+        yp[at_row[e] * N + split.cols[e]] =
+            qgemm_scalar::int8_element(buf.view, qp, sp, group, bp, at_row[e], split.cols[e]);
     });
   }
   return y;

@@ -19,12 +19,34 @@ inline int64_t count_allowed(const uint32_t* words, int64_t width) {
   return n;
 }
 
-// The tokens below `covered` that a row allows, in increasing order, appended to `out`.
-inline void append_allowed(const uint32_t* words, int64_t covered, std::vector<int64_t>& out) {
-  for (int64_t w = 0; w * 32 < covered; ++w)
-    for (uint32_t b = words[w]; b != 0; b &= b - 1) {
-      const int64_t c = w * 32 + __builtin_ctz(b);
-      if (c >= covered) break;
-      out.push_back(c);
+// The rows of a grammar-masked LM head call (bitmask [rows, width] words, flags[r]: row r is masked) by what
+// they need: a masked row whose mask allows at most `max_allowed` tokens is sparse and needs only its allowed
+// columns below `covered` (= min(N, 32 * width)) and every column from there to N (a mask leaves those as they
+// are); its other columns are -inf. Every other row is dense: all N columns.
+struct MaskedRows {
+  std::vector<int64_t> dense, sparse;
+  std::vector<int64_t> cols, cols_at{0};  // sparse row i's columns, in order: cols[cols_at[i] .. cols_at[i + 1])
+};
+
+inline MaskedRows split_masked_rows(const uint32_t* bits, int64_t width, const bool* flags, int64_t rows, int64_t N,
+                                    int64_t max_allowed) {
+  MaskedRows out;
+  const int64_t covered = N < 32 * width ? N : 32 * width;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* words = bits + r * width;
+    if (!flags[r] || count_allowed(words, width) > max_allowed) {
+      out.dense.push_back(r);
+      continue;
     }
+    out.sparse.push_back(r);
+    for (int64_t w = 0; w * 32 < covered; ++w)
+      for (uint32_t b = words[w]; b != 0; b &= b - 1) {
+        const int64_t c = w * 32 + __builtin_ctz(b);
+        if (c >= covered) break;
+        out.cols.push_back(c);
+      }
+    for (int64_t c = covered; c < N; ++c) out.cols.push_back(c);
+    out.cols_at.push_back(static_cast<int64_t>(out.cols.size()));
+  }
+  return out;
 }

@@ -179,6 +179,11 @@ def test_masked_rows_get_the_full_calls_bits_on_their_allowed_columns():
     assert torch.equal(sparse_only, lin.masked(x, bitmask, masked)[rows])
     assert torch.equal(lin.masked(x[1:2].contiguous(), bitmask[1:2].contiguous(), masked[1:2].contiguous()),
                        full[1:2])
+    # A mask covering every column that allows none (a node after the grammar's end): -inf everywhere.
+    covered = Bf16Linear.build(weights(k, 992, seed=12), None, "avx512_bf16")
+    nothing = covered.masked(x[:2].contiguous(), torch.zeros(2, 31, dtype=torch.int32), torch.tensor([True, False]))
+    assert bool((nothing[0] == float("-inf")).all())
+    assert torch.equal(nothing[1], covered(x[1:2]).float()[0])
 
 
 @needs_kernel

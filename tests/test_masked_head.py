@@ -34,43 +34,53 @@ def _run(defer: bool, prompt_text: str, **engine_kwargs) -> tuple[list[list[int]
     return [o["output_ids"] for o in outs] + [alone["output_ids"]], outs[0]["text"]
 
 
-def _deferred_equals_full(monkeypatch, layer: type, **engine_kwargs) -> tuple[list[list[int]], list[int]]:
-    """The engine's outputs with the head deferred to the sampling (``layer.masked`` taking narrow rows) and
-    with it in the forward: equal, batched == alone, the greedy text valid. Returns the deferred outputs and
-    a list that goes on counting the sparse rows ``layer.masked`` is given."""
-    sparse_rows = []
-    real = layer.masked
+class _SparseRows:
+    """``layer.masked`` wrapped to count, per call, the rows it gave -inf columns (rows that took the sparse head)."""
 
-    def counting(self, x, bitmask, masked, *args):
-        out = real(self, x, bitmask, masked, *args)
-        sparse_rows.append(int((out == float("-inf")).any(dim=1).sum()))
-        return out
+    def __init__(self, monkeypatch, layer: type):
+        self.counts: list[int] = []
+        real = layer.masked
 
-    monkeypatch.setattr(layer, "masked", counting)
-    deferred, text_out = _run(True, TEXT, **engine_kwargs)
-    assert sum(sparse_rows) > 0  # rows whose grammar allowed few tokens took the sparse head
-    sparse_rows.clear()
-    full, _ = _run(False, TEXT, **engine_kwargs)
-    assert not sparse_rows  # the head ran in the forward, over every column
-    assert deferred == full
-    assert deferred[0] == deferred[3]  # batched == alone
-    jsonschema.validate(json.loads(text_out), SCHEMA)
-    return deferred, sparse_rows
+        def counting(this, x, bitmask, masked, *args):
+            out = real(this, x, bitmask, masked, *args)
+            self.counts.append(int((out == float("-inf")).any(dim=1).sum()))
+            return out
+
+        monkeypatch.setattr(layer, "masked", counting)
+
+    def take(self) -> int:
+        """Sparse rows since the last call."""
+        n, self.counts = sum(self.counts), []
+        return n
 
 
 @pytest.mark.skipif(qgemm.extension() is None, reason="the C++ extension is not built")
 def test_deferred_masked_head_decodes_as_the_full_head(monkeypatch):
-    _deferred_equals_full(monkeypatch, qgemm.QuantizedLinear)
+    sparse = _SparseRows(monkeypatch, qgemm.QuantizedLinear)
+    deferred, text_out = _run(True, TEXT)
+    assert sparse.take() > 0  # rows whose grammar allowed few tokens took the sparse head
+    full, _ = _run(False, TEXT)
+    assert sparse.take() == 0  # the head ran in the forward, over every column
+    assert deferred == full
+    assert deferred[0] == deferred[3]  # batched == alone
+    jsonschema.validate(json.loads(text_out), SCHEMA)
 
 
 @pytest.mark.skipif(bf16_gemm.default_isa() != "avx512_bf16",
                     reason="the bf16 head takes masks on the VDPBF16PS kernel (CPUs with AVX-512 BF16, no AMX)")
 def test_bf16_masked_head_decodes_as_the_full_head_and_a_verify_as_plain_decoding(monkeypatch):
     bf16 = {"dtype": "bfloat16", "quantization": None}
-    deferred, sparse_rows = _deferred_equals_full(monkeypatch, bf16_gemm.Bf16Linear, **bf16)
+    sparse = _SparseRows(monkeypatch, bf16_gemm.Bf16Linear)
+    deferred, text_out = _run(True, TEXT, **bf16)
+    assert sparse.take() > 0
+    full, _ = _run(False, TEXT, **bf16)
+    assert sparse.take() == 0
+    assert deferred == full
+    assert deferred[0] == deferred[3]
+    jsonschema.validate(json.loads(text_out), SCHEMA)
     with specjet.Engine(max_total_tokens=8192, speculative_algorithm="DFLASH", **bf16) as eng:
         prompt = eng.apply_chat_template(TEXT)
         out = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 64, "json_schema": SCHEMA})
         eng.check_kv_invariant()
-    assert sum(sparse_rows) > 0  # the verify's rows under narrow masks took the sparse head
+    assert sparse.take() > 0  # the verify's rows under narrow masks took the sparse head
     assert out["output_ids"] == deferred[0]

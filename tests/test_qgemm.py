@@ -210,6 +210,13 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
     with pytest.raises(RuntimeError, match="masked must be"):
         layer.masked(x, bitmask, masked[:3].contiguous())
     assert qgemm.QuantizedLinear.build(quantize_q4_1(weight)).masked(x, bitmask, masked) is None  # no Q4_1 kernel
+    # A mask covering every column that allows none (a node after the grammar's end): -inf everywhere, never
+    # the output buffer's leftovers.
+    covered = qgemm.QuantizedLinear.build(quantize_int8(weight[:992], group) if group else quantize_int8(weight[:992]))
+    for _ in range(3):
+        nothing = covered.masked(x[:2].contiguous(), torch.zeros(2, 31, dtype=torch.int32), torch.tensor([True, False]))
+        assert bool((nothing[0] == float("-inf")).all())
+        assert torch.equal(nothing[1], qgemm.gemm(x[1:2].contiguous(), covered.weight, covered.bias)[0])
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="AMX is asked for from the Linux kernel")
