@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cost_shares.h"
 #include "cpu_ops.h"
 #include "exp_float.h"
 

@@ -549,13 +549,8 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
   std::vector<float> partials(partial_floats);
   const int64_t n = static_cast<int64_t>(units.size());
   const int64_t shares = std::max<int64_t>(1, std::min(threads, n));
-  // Share s runs the units whose cumulative cost ends in (s / shares, (s + 1) / shares] of the total.
-  auto share_start = [&](int64_t s) -> int64_t {
-    if (s <= 0) return 0;
-    if (s >= shares) return n;
-    const double bound = total * static_cast<double>(s) / static_cast<double>(shares);
-    return std::upper_bound(cost_end.begin(), cost_end.end(), bound) - cost_end.begin();
-  };
+  const std::vector<int64_t> starts = specjet_cpu::cost_share_starts(cost_end, shares);
+  auto share_start = [&](int64_t s) -> int64_t { return starts[std::clamp<int64_t>(s, 0, shares)]; };
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
     Workspace ws;
     for (int64_t i = share_start(s0); i < share_start(s1); ++i) {

@@ -1,5 +1,6 @@
 // The Python module of specjet's C++ CPU ops (specjet.kernels._cpu_ops): the batch-invariant paged
 // attention, the per-row parts of a layer, the quantized GEMM and the layer stack that chains them.
+#include "cost_shares.h"
 #include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -13,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // measured slower end to end (bench/RESULTS.md, sessions 11 and 19), so the host's short work runs
   // between forwards instead.
   module.def("paged_attention", &paged_attention, "out = softmax(q K^T * scale) V over each token's visible keys");
+  module.def("cost_share_starts", &cost_share_starts,
+             "the attention's split of units among threads: the first unit of each of `shares` runs of about "
+             "equal cost (cost_end: the units' cumulative costs), then the unit count");
   module.def("rms_norm", &rms_norm, "[x + residual,] weight * x / rms(x) per row");
   module.def("rope_store", &rope_store, "rotate q and k (neox RoPE), write k and v into the pool; returns q");
   module.def("silu_mul", &silu_mul, "silu(gate) * up per row");

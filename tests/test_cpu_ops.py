@@ -138,6 +138,32 @@ def test_threads_share_uneven_tiles_by_cost_and_every_row_is_computed_once():
     torch.testing.assert_close(one, reference, rtol=2e-2, atol=2e-2)
 
 
+def test_threads_start_their_runs_at_the_boundary_nearest_an_equal_share_of_the_cost():
+    """The attention's units go to the threads as runs of consecutive units; each run starts at the unit
+    boundary nearest to its equal share of the total cost. A decode step of one request past one key chunk
+    (3 KV heads x 2 chunks of 512 and 488 keys) splits 3 + 3 on 2 threads, not 2 + 4; a unit costing
+    more than half goes alone."""
+    import itertools
+    import random
+
+    ext = cpu_ops.extension()
+    decode = list(itertools.accumulate([3 * 512.0 + 1] * 3 + [3 * 488.0 + 1] * 3))
+    assert ext.cost_share_starts(decode, 2) == [0, 3, 6]
+    assert ext.cost_share_starts([10.0, 11.0], 2) == [0, 1, 2]
+    assert ext.cost_share_starts([4.0, 8.0, 12.0, 16.0], 4) == [0, 1, 2, 3, 4]
+    rng = random.Random(3)
+    for _ in range(200):
+        n, shares = rng.randint(1, 12), rng.randint(1, 4)
+        ends = list(itertools.accumulate(rng.uniform(1.0, 100.0) for _ in range(n)))
+        starts = ext.cost_share_starts(ends, shares)
+        assert starts[0] == 0 and starts[-1] == n and starts == sorted(starts)
+        before = [0.0] + ends  # before[i]: the cost before boundary i
+        for s in range(1, shares):
+            target = ends[-1] * s / shares
+            best = min(abs(b - target) for b in before)
+            assert abs(before[starts[s]] - target) <= best + 1e-9, (ends, shares, starts)
+
+
 @pytest.mark.parametrize("q_len,tree", [(1, False), (9, False), (6, True)], ids=["decode", "extend", "tree"])
 def test_a_long_context_in_key_chunks_keeps_its_bits_on_any_threads_and_in_any_batch(q_len, tree):
     """Past 512 keys a row's keys go in fixed chunks, merged in order (attention_body.h kKeyChunk): 1,300 and
