@@ -12,6 +12,7 @@ from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import LlamaForCausalLM, Rotary
+from specjet.models.operand_arena import gather_operands
 from specjet.models.quantize import check_method, quantize_model
 from specjet.models.target_graphs import TargetGraphs
 
@@ -80,6 +81,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype,
     model.load_weights(state_dict)
     if quantization is not None:
         quantize_model(model, quantization, gguf_path)
+    if torch.device(device).type == "cpu":
+        gather_operands(model)  # before the layer stack takes references to the operands
     model.use_native_ops()
     return model.eval()
 
