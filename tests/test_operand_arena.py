@@ -12,7 +12,6 @@ from transformers import AutoConfig
 
 import specjet.models.runner as runner_module
 from model_harness import OneRequest
-from specjet.kernels import bf16_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
@@ -99,8 +98,7 @@ def test_the_runner_gathers_its_operands_and_a_float32_model_keeps_onednns(tiny_
     assert pointers and pointers[0] % HUGE_PAGE == 0  # the first operand opens the buffer
     assert torch.equal(_logits(gathered), _logits(_runner(tiny_model_dir, "float32", "int8", gather=False)))
     plain = _runner(tiny_model_dir, "float32", None, gather=False)
-    if not bf16_gemm.applies(torch.empty(8, 8, dtype=torch.float32)):
-        assert gather_operands(plain.model) is None  # oneDNN's blocked weights and dense parameters stay
+    assert gather_operands(plain.model) is None  # oneDNN's blocked weights and dense parameters stay
 
 
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages to ask for here")

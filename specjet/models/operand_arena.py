@@ -6,8 +6,7 @@ few MB apiece), on 4 KiB pages: the stream then crosses a page every 4 KiB, and 
 the restart of the hardware prefetcher, which stops at page boundaries) with it. Copied in model
 order into one 2 MiB-aligned buffer that the kernel is asked to back with transparent huge pages
 (``madvise(MADV_HUGEPAGE)``; honoured where THP is ``always`` or ``madvise``), the same weights stream
-faster: a GGUF one-token step 4-5% and a bf16 one 3% on an AMD EPYC (bench/RESULTS.md, session 49),
-about half of it from the contiguity alone, the rest from the huge pages.
+faster, partly from the contiguity alone and partly from the huge pages (bench/RESULTS.md, session 49).
 
 The copies hold the same bytes, so every output keeps its bits. Only operands that own their memory
 move: specjet's quantized blocks (``QuantizedLinear``) and packed bf16 weights (``Bf16Linear``). A
