@@ -51,6 +51,20 @@ struct RowBuffers {
   QuantizedRows view;
 };
 
+// A call's quantized activations: the calling thread's buffers, kept from call to call, where they are small (a
+// decode step's or a verify's: no allocation and zero fill per projection, of which a step makes ~120); a larger
+// call's (a prefill chunk's) its own, so no thread keeps megabytes. A call's buffers are read only inside it.
+constexpr int64_t kKeptActivations = 1 << 17;  // rows x K
+
+struct CallBuffers {
+  RowBuffers own;
+  RowBuffers* buf;
+  CallBuffers(int64_t rows, int64_t K) {
+    static thread_local RowBuffers kept;
+    buf = rows * K <= kKeptActivations ? &kept : &own;
+  }
+};
+
 void set_view(RowBuffers& buf, int64_t rows, int64_t K) {
   buf.view = {rows, K, K / kBlock, buf.xq.data(), buf.xu.data(), buf.dx.data(), buf.sx.data()};
 }
@@ -251,7 +265,8 @@ int64_t check_common(const torch::Tensor& x, int64_t N, int64_t K, const c10::op
 
 void check_packed(const torch::Tensor& t, c10::ScalarType type, std::initializer_list<int64_t> shape,
                   const char* what) {
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.sizes().vec() == std::vector<int64_t>(shape),
+  // Compared in place: the checks run on every call, ~120 calls a decode step.
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.sizes().equals(c10::IntArrayRef(shape)),
               "qgemm: ", what, " must be a contiguous ", c10::toString(type), " tensor of shape ",
               c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes());
 }
@@ -295,7 +310,8 @@ int64_t check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::
 void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, const torch::Tensor& s,
                const torch::Tensor& wsum, int64_t group, const float* bias, float* y, int64_t N, int64_t groups,
                int64_t isa) {
-  RowBuffers buf;
+  CallBuffers call(rows, K);
+  RowBuffers& buf = *call.buf;
   quantize(x, rows, K, buf, isa);
   const int8_t* qp = q.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
@@ -322,7 +338,8 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
   check_packed(m, torch::kFloat16, {groups, K / kBlock, kGroup}, "m");
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
-  RowBuffers buf;
+  CallBuffers call(rows, K);
+  RowBuffers& buf = *call.buf;
   quantize(x.data_ptr<float>(), rows, K, buf, isa);
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -379,7 +396,8 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
   }
   if (!split.sparse.empty()) {
     // Each allowed element as the scalar kernel computes it (the bits of every build's kernels); the rest -inf.
-    RowBuffers buf;
+    CallBuffers call(rows, K);
+    RowBuffers& buf = *call.buf;
     quantize(xp, rows, K, buf, isa);
     std::vector<int64_t> at_row(split.cols.size());  // each element's row
     for (size_t i = 0; i < split.sparse.size(); ++i) {
