@@ -138,7 +138,7 @@ template <class T>
 void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out, int64_t rows, int64_t n,
                    double eps) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
-    std::vector<float> w_buf, xf(n), of(n);
+    std::vector<float> w_buf, xf(std::is_same_v<T, float> ? 0 : n), of(std::is_same_v<T, float> ? 0 : n);  // bf16 rows
     const float* wf = as_float(w, n, w_buf);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t at = r * n;
