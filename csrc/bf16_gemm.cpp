@@ -26,6 +26,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_ops.h"
 #include "token_bitmask.h"
 
@@ -311,13 +312,6 @@ void gemm_rows(const uint16_t* xp, int64_t rows, int64_t K, const uint16_t* wp, 
   }
 }
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 }  // namespace
 
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
@@ -337,12 +331,7 @@ torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, c
   const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0), K = x.size(1), N = groups * kCols;
   TORCH_CHECK(isa == kAvx512Bf16, "bf16_gemm_masked: a row's allowed columns alone are computed on the VDPBF16PS "
               "kernel (instruction set ", static_cast<int64_t>(kAvx512Bf16), "), not ", isa);
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
-                  bitmask.device().is_cpu() && bitmask.size(0) == rows,
-              "bf16_gemm_masked: bitmask must be a contiguous CPU int32 [rows, W] tensor");
-  TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
-                  masked.device().is_cpu() && masked.size(0) == rows,
-              "bf16_gemm_masked: masked must be a contiguous CPU bool [rows] tensor");
+  check_head_mask(bitmask, masked, rows, "bf16_gemm_masked");
   const MaskedRows split = split_masked_rows(reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()),
                                              bitmask.size(1), masked.data_ptr<bool>(), rows, N, max_allowed);
   const std::vector<int64_t>& dense = split.dense;
@@ -365,15 +354,10 @@ torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, c
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (!dense.empty()) {
-    // The other rows through bf16_gemm's kernel: a row's result does not depend on which rows share a call.
-    const int64_t n = static_cast<int64_t>(dense.size());
-    std::vector<uint16_t> xs(n * K), ys(n * N);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + dense[i] * K, K * sizeof(uint16_t));
-    gemm_rows(xs.data(), n, K, wp, bp, ys.data(), groups, isa);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < N; ++c) yp[dense[i] * N + c] = bf16_to_float(ys[i * N + c]);
-  }
+  // The other rows through bf16_gemm's kernel: a row's result does not depend on which rows share a call.
+  dense_rows_through<uint16_t, uint16_t>(
+      dense, xp, K, N, yp, [&](const uint16_t* xs, int64_t n, uint16_t* ys) { gemm_rows(xs, n, K, wp, bp, ys, groups, isa); },
+      bf16_to_float);
   if (!sparse.empty()) {
     constexpr int64_t kItem = 8;  // groups of a work item
     std::vector<int64_t> item_row, item_start;  // per work item: its sparse row's index, its first group

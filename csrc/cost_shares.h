@@ -2,7 +2,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 namespace specjet_cpu {
@@ -13,6 +15,10 @@ namespace specjet_cpu {
 // left a run short by up to a whole unit: with 3 KV heads in two key chunks on 2 threads, one thread took 2
 // units and the other 4.)
 inline std::vector<int64_t> cost_share_starts(const std::vector<double>& cost_end, int64_t shares) {
+  if (shares < 1) throw std::invalid_argument("cost_share_starts: shares must be at least 1");
+  for (size_t i = 0; i < cost_end.size(); ++i)
+    if (!std::isfinite(cost_end[i]) || cost_end[i] < 0.0 || (i > 0 && cost_end[i] < cost_end[i - 1]))
+      throw std::invalid_argument("cost_share_starts: cost_end must be finite, non-negative and non-decreasing");
   const int64_t n = static_cast<int64_t>(cost_end.size());
   const double total = n ? cost_end.back() : 0.0;
   std::vector<int64_t> starts(shares + 1, n);

@@ -18,20 +18,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_ops.h"
 #include "exp_float.h"
 
 namespace {
 
-// bf16 <-> float by their bits, as c10::BFloat16 converts (round to nearest even, NaN -> 0x7FC0), but
-// branch-free: loops over these vectorise, loops over c10's conversions do not.
-inline __attribute__((always_inline)) float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
+// float -> bf16 by its bits, as c10::BFloat16 converts (round to nearest even, NaN -> 0x7FC0), but
+// branch-free (bf16_bits.h widens back): loops over these vectorise, loops over c10's conversions do not.
 // f rounded to bf16, as float bits (the bf16 in the high half, zeros below).
 inline __attribute__((always_inline)) uint32_t bf16_rounded_bits(float f) {
   uint32_t bits;

@@ -372,11 +372,7 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
                                const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,
                                const torch::Tensor& masked, int64_t max_allowed) {
   const int64_t groups = check_int8(x, q, s, wsum, group, N, bias, isa), rows = x.size(0), K = x.size(1);
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
-                  bitmask.device().is_cpu() && bitmask.size(0) == rows,
-              "int8_gemm_masked: bitmask must be a contiguous CPU int32 [rows, W] tensor");
-  TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
-                  masked.size(0) == rows, "int8_gemm_masked: masked must be a contiguous bool [rows] tensor");
+  check_head_mask(bitmask, masked, rows, "int8_gemm_masked");
   const MaskedRows split = split_masked_rows(reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()),
                                              bitmask.size(1), masked.data_ptr<bool>(), rows, N, max_allowed);
   auto y = torch::empty({rows, N}, x.options());
@@ -386,14 +382,11 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  if (!split.dense.empty()) {
-    // The other rows through int8_gemm's kernels: a row's result does not depend on which rows share a call.
-    const int64_t n = static_cast<int64_t>(split.dense.size());
-    std::vector<float> xs(n * K), ys(n * N);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, xp + split.dense[i] * K, K * sizeof(float));
-    int8_rows(xs.data(), n, K, q, s, wsum, group, bp, ys.data(), N, groups, isa);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(yp + split.dense[i] * N, ys.data() + i * N, N * sizeof(float));
-  }
+  // The other rows through int8_gemm's kernels: a row's result does not depend on which rows share a call.
+  dense_rows_through<float, float>(
+      split.dense, xp, K, N, yp,
+      [&](const float* xs, int64_t n, float* ys) { int8_rows(xs, n, K, q, s, wsum, group, bp, ys, N, groups, isa); },
+      [](float v) { return v; });
   if (!split.sparse.empty()) {
     // Each allowed element as the scalar kernel computes it (the bits of every build's kernels); the rest -inf.
     CallBuffers call(rows, K);

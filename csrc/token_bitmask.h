@@ -3,7 +3,10 @@
 // the logits first (apply_token_bitmask_inplace: a pass over every row and a Python op a step).
 #pragma once
 
+#include <torch/extension.h>
+
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 inline const uint32_t* bitmask_row(const int32_t* words, int64_t row, int64_t width) {
@@ -49,4 +52,31 @@ inline MaskedRows split_masked_rows(const uint32_t* bits, int64_t width, const b
     out.cols_at.push_back(static_cast<int64_t>(out.cols.size()));
   }
   return out;
+}
+
+// A masked LM head's mask arguments for x of `rows` rows: bitmask [rows, W] int32 and masked [rows] bool, both
+// contiguous on the CPU.
+inline void check_head_mask(const torch::Tensor& bitmask, const torch::Tensor& masked, int64_t rows, const char* op) {
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
+                  bitmask.device().is_cpu() && bitmask.size(0) == rows,
+              op, ": bitmask must be a contiguous CPU int32 [rows, W] tensor");
+  TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.is_contiguous() &&
+                  masked.device().is_cpu() && masked.size(0) == rows,
+              op, ": masked must be a contiguous CPU bool [rows] tensor");
+}
+
+// A masked head's dense rows (``split_masked_rows``) through its plain kernel: rows `dense` of x ([*, K] of In)
+// gathered, `compute(xs, n, ys)` ([n, K] -> [n, N] of Out), each output widened by `to_float` into its row of y
+// ([*, N] float). A row's result does not depend on which rows share the kernel's call.
+template <class In, class Out, class Compute, class ToFloat>
+inline void dense_rows_through(const std::vector<int64_t>& dense, const In* x, int64_t K, int64_t N, float* y,
+                               Compute compute, ToFloat to_float) {
+  if (dense.empty()) return;
+  const int64_t n = static_cast<int64_t>(dense.size());
+  std::vector<In> xs(n * K);
+  std::vector<Out> ys(n * N);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(xs.data() + i * K, x + dense[i] * K, K * sizeof(In));
+  compute(xs.data(), n, ys.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < N; ++c) y[dense[i] * N + c] = to_float(ys[i * N + c]);
 }

@@ -162,6 +162,9 @@ def test_threads_start_their_runs_at_the_boundary_nearest_an_equal_share_of_the_
             target = ends[-1] * s / shares
             best = min(abs(b - target) for b in before)
             assert abs(before[starts[s]] - target) <= best + 1e-9, (ends, shares, starts)
+    for bad_ends, bad_shares in (([1.0, 2.0], 0), ([2.0, 1.0], 2), ([1.0, float("nan")], 2), ([-1.0], 2)):
+        with pytest.raises(ValueError, match="cost_share_starts"):
+            ext.cost_share_starts(bad_ends, bad_shares)
 
 
 @pytest.mark.parametrize("q_len,tree", [(1, False), (9, False), (6, True)], ids=["decode", "extend", "tree"])
