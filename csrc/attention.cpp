@@ -25,6 +25,7 @@
 #include "cost_shares.h"
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "prefetch.h"
 
 namespace {
 

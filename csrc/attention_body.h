@@ -147,7 +147,7 @@ SJ_INLINE void score_key(const float* q, int64_t Dp, const float* k, float* out,
 template <class T>
 inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
+    prefetch_l1(reinterpret_cast<const char*>(row) + i);
 }
 
 // exp(x) for x <= 0 (a score minus its row's maximum), exp_float.h's; below -87 the weight is under
@@ -210,9 +210,7 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
   lanes_d sum[R][kPvVecs];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
-  constexpr int64_t kAhead = 8;
   for (int64_t p = p_lo; p < p_end; ++p) {
-    if (p + kAhead < p_end) prefetch_row(value_row(p + kAhead) + c0, kPvDims);
     const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);

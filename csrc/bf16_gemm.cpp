@@ -28,6 +28,7 @@
 
 #include "bf16_bits.h"
 #include "cpu_ops.h"
+#include "prefetch.h"
 #include "token_bitmask.h"
 
 namespace {
@@ -69,7 +70,7 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
     __m512bh wv[G];
     for (int j = 0; j < G; ++j) {
       const uint16_t* line = wg[j] + kp * 2 * kCols;
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * 2 * kCols), _MM_HINT_T0);
+      if (prefetch) prefetch_l1(line + kAhead * 2 * kCols);
       wv[j] = (__m512bh)_mm512_loadu_si512(line);
     }
     for (int r = 0; r < R; ++r) {
@@ -170,7 +171,7 @@ inline void configure_tiles() {
 // first lines, or beyond the weight, where a prefetch does nothing).
 constexpr int64_t kAheadK = 2 * kDepth;
 inline void prefetch_block(const uint16_t* b) {
-  for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(b + line * 2 * kCols), _MM_HINT_T0);
+  for (int line = 0; line < 16; ++line) prefetch_l1(b + line * 2 * kCols);
 }
 
 // Group J of a pass: its next 32 k into its sums, B through tile B (the intrinsics take tile numbers as

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "prefetch.h"
 #include "token_bitmask.h"
 
 namespace {

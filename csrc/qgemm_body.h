@@ -97,14 +97,14 @@ constexpr int kLaneGroups = kGroup / kVec;  // vectors per packed group of 16 co
 // in memory): with many rows the compute per block is long enough to hide the memory read, if it is
 // started early.
 static inline void prefetch_q41_block(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t b) {
-  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qs + (b + kAhead) * 256 + line * 64), _MM_HINT_T0);
+  for (int line = 0; line < 4; ++line) prefetch_l1(qs + (b + kAhead) * 256 + line * 64);
   if ((b & 1) == 0) {  // 32 bytes of scales and of minima a block: a line per two
-    _mm_prefetch(reinterpret_cast<const char*>(d + (b + kAhead) * kGroup), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + (b + kAhead) * kGroup), _MM_HINT_T0);
+    prefetch_l1(d + (b + kAhead) * kGroup);
+    prefetch_l1(m + (b + kAhead) * kGroup);
   }
 }
 static inline void prefetch_int8_block(const int8_t* q, int64_t b) {
-  for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(q + (b + kAhead) * 512 + line * 64), _MM_HINT_T0);
+  for (int line = 0; line < 8; ++line) prefetch_l1(q + (b + kAhead) * 512 + line * 64);
 }
 
 // One lane group (kVec columns) of a packed Q4_1 weight: 4 chunks of 64 bytes per block, chunk c's
