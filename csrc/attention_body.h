@@ -12,7 +12,8 @@ constexpr int kRowBlock = 4;
 // A score q . k is summed in kLanes float32 lanes, lane i adding the products of d = i, i + kLanes, ...
 // in order, then the lanes in one fixed tree. The lane count is fixed, not the register width: a lanes_d
 // is one AVX-512 register, two AVX2 or four SSE2 ones, and every build adds the same numbers in the
-// same order. (Keys are used as they lie in the pool: no transposition.)
+// same order. (Keys are read as they lie in the pool; a tile of many rows scores a block of them from a
+// transposed copy in its scratch: score_keys_transposed.)
 constexpr int kLanes = 16;
 // Inlined always: these pass vectors around, which a call would put through memory.
 #ifndef SJ_INLINE
@@ -128,6 +129,83 @@ SJ_INLINE void score_keys(const float* q, int64_t Dp, const float* kb, float* ou
     for (int j = 0; j < kKeyBlock; ++j) mul_add(acc[j], ql, load_lanes(kb + j * Dp + c));
   }
   sum_lanes_of_keys(acc, out);
+}
+#endif
+
+#if SJ_VEC_BYTES == 64
+// The 16 lanes of a vector, each x: a broadcast (vec_d{} + x would be an addition, kept under IEEE rules).
+SJ_INLINE vec_d splat(float x) { return (vec_d)_mm512_set1_ps(x); }
+
+// Tiles of at least this many rows score a block of keys from its transpose (`transpose_keys`): each lane of a
+// score then sums key-parallel, one vector per lane, and the lanes' tree is kLanes - 1 vector additions per
+// row and block, where score_keys shuffles every row's lanes across registers. The transpose, made once per
+// block of keys, pays for itself over a few rows (a verify's or a prefill's tile; a decode step's 3 rows
+// of a KV head stay with score_keys). Both make the same operations on every score: the same bits. Only the
+// AVX-512 build has it: at 8 lanes a vector the transpose costs the AVX2 build more than its tree did.
+constexpr int64_t kTransposedRows = 8;
+
+// kt[d * kKeyBlock + j] = kd[j * Dp + d]: dimension d of the block's kKeyBlock keys in one vector (Dp a
+// multiple of kKeyBlock), by square transposes of kKeyBlock keys x kKeyBlock dimensions in registers.
+SJ_INLINE void transpose_keys(const float* kd, int64_t Dp, float* kt) {
+  for (int64_t c = 0; c < Dp; c += 16) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: elements 0, 1 (lo) or 2, 3 (hi) of keys 2i, 2i + 1
+      const __m512 a = _mm512_loadu_ps(kd + (2 * i) * Dp + c), b = _mm512_loadu_ps(kd + (2 * i + 1) * Dp + c);
+      t[2 * i] = _mm512_unpacklo_ps(a, b);
+      t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+    }
+    for (int a = 0; a < 4; ++a) {  // u[4a + e], lane L: dimension 4L + e of keys 4a .. 4a + 3
+      u[4 * a] = _mm512_shuffle_ps(t[4 * a], t[4 * a + 2], 0x44);
+      u[4 * a + 1] = _mm512_shuffle_ps(t[4 * a], t[4 * a + 2], 0xEE);
+      u[4 * a + 2] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0x44);
+      u[4 * a + 3] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; ++e) {  // dimensions e, 4 + e, 8 + e, 12 + e: lanes 0 .. 3 of u[e], u[4 + e], ...
+      const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), w = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+      const __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88), w2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+      _mm512_storeu_ps(kt + (c + e) * 16, _mm512_shuffle_f32x4(v, v2, 0x88));
+      _mm512_storeu_ps(kt + (c + 8 + e) * 16, _mm512_shuffle_f32x4(v, v2, 0xDD));
+      _mm512_storeu_ps(kt + (c + 4 + e) * 16, _mm512_shuffle_f32x4(w, w2, 0x88));
+      _mm512_storeu_ps(kt + (c + 12 + e) * 16, _mm512_shuffle_f32x4(w, w2, 0xDD));
+    }
+  }
+}
+
+// Rows scored together from one transpose: each dimension's vector of keys is loaded once for them.
+constexpr int kTransposedRowBlock = 4;
+
+// out[r * ld_out + j] = q_r . k_j for R rows and the kKeyBlock keys of the block's transpose kt: lane i of a
+// score adds q[i + kLanes c] * k_j[i + kLanes c] over c in order (one fused multiply-add each, from 0), as
+// score_keys does; then the lanes' tree of sum_lanes: T_i = L_i + L_(i+8), U_i = T_i + T_(i+4), W_i = U_i +
+// U_(i+2), W_0 + W_1. The four lanes of one U_i advance together (4 R independent chains of fused
+// multiply-adds), so few lane sums are alive at once.
+template <int R>
+SJ_INLINE void score_keys_transposed(const float* q, int64_t Dp, const float* kt, float* out, int64_t ld_out) {
+  auto quarter = [&](int i, vec_d* u) {  // U_i of the R rows
+    constexpr int kOffsets[4] = {0, 8, 4, 12};  // L_i, L_(i+8), L_(i+4), L_(i+12)
+    vec_d acc[4][R];
+    for (int g = 0; g < 4; ++g)
+      for (int r = 0; r < R; ++r) acc[g][r] = vec_d{};
+    for (int64_t c = 0; c < Dp; c += kLanes)
+      for (int g = 0; g < 4; ++g) {
+        const int64_t d = c + i + kOffsets[g];
+        vec_d k;
+        std::memcpy(&k, kt + d * kKeyBlock, sizeof k);
+        for (int r = 0; r < R; ++r) acc[g][r] = fused(splat(q[r * Dp + d]), k, acc[g][r]);
+      }
+    for (int r = 0; r < R; ++r) u[r] = (acc[0][r] + acc[1][r]) + (acc[2][r] + acc[3][r]);
+  };
+  vec_d w[2][R];
+  for (int h = 0; h < 2; ++h) {
+    vec_d u0[R], u2[R];
+    quarter(h, u0);
+    quarter(h + 2, u2);
+    for (int r = 0; r < R; ++r) w[h][r] = u0[r] + u2[r];
+  }
+  for (int r = 0; r < R; ++r) {
+    const vec_d sum = w[0][r] + w[1][r];
+    std::memcpy(out + r * ld_out, &sum, sizeof sum);
+  }
 }
 #endif
 
@@ -296,7 +374,7 @@ SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, i
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
 // shared library costs a lookup per access in the inner loops).
 struct Workspace {
-  std::vector<float> qd, scores, acc, kd, vd, row_max, row_sum;
+  std::vector<float> qd, scores, acc, kd, kt, vd, row_max, row_sum;
   std::vector<int64_t> row_end;
   std::vector<const bool*> row_mask;
 };
@@ -350,10 +428,11 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   ws.scores.resize(rows * ld_scores);
   ws.acc.assign(rows * D, 0.0);
   ws.kd.assign(kKeyBlock * Dp, 0.0);
+  ws.kt.resize(kKeyBlock * Dp);
   ws.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   ws.row_sum.assign(rows, 0.0);
   float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
-        *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
+        *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data(), *kt = ws.kt.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / heads, h = kvh * group + h0 + r % heads;
     widen(q + (t * H + h) * D, qd + r * Dp, D);
@@ -367,6 +446,17 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
       prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
     for (int64_t j = 0; j < kKeyBlock; ++j) widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, kd + j * Dp, D);
+#if SJ_VEC_BYTES == 64
+    if (rows >= kTransposedRows) {
+      transpose_keys(kd, Dp, kt);
+      float* sp = scores + p0 - c_lo;
+      int64_t r = 0;
+      for (; r + kTransposedRowBlock <= rows; r += kTransposedRowBlock)
+        score_keys_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
+      for (; r < rows; ++r) score_keys_transposed<1>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kd, scores + r * ld_scores + p0 - c_lo);
   }
 #endif
