@@ -249,6 +249,33 @@ def test_every_instruction_set_build_gives_the_same_bits(dtype, pool_dtype, dim)
         assert torch.equal(outs[0], out), f"{isa} differs from {isas[0]}"
 
 
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("dim", [64, 80])
+def test_tiles_scored_from_transposed_keys_give_every_build_the_same_bits(tree, dim):
+    """Tiles of 8 rows or more score blocks of keys from a transposed copy in the AVX-512 build, 4 rows
+    at a time: tiles of 9, 15 and 21 rows (3, 5 and 7 tokens of a 3-head group) leave 1 and 3 rows over,
+    the contexts end inside a block of keys, and a tree mask hides some new tokens; every build gives the
+    bits of the base one, which scores key by key."""
+    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    kv_lens, q_lens = [40, 100, 37], [3, 5, 7]
+    k, v, gen = pool(sum(kv_lens) + 1, torch.bfloat16, seed=11, dim=dim)
+    q = torch.randn(sum(q_lens), HEADS, dim, generator=gen)
+    mask = None
+    if tree:
+        mask = torch.zeros(len(q_lens), max(q_lens), max(q_lens), dtype=torch.bool)
+        for b, n in enumerate(q_lens):  # a root, then each node under the one two places up
+            for j in range(n):
+                node = j
+                while node >= 0:
+                    mask[b, j, node] = True
+                    node = node - 2 if node >= 2 else (-1 if node == 0 else 0)
+    meta = build_attention_metadata(scattered_table(kv_lens, gen), torch.arange(3), torch.tensor(kv_lens),
+                                    torch.tensor(q_lens), mask)
+    outs = {isa: native(q, k, v, meta, isa) for isa in isas}
+    for isa in isas:
+        assert torch.equal(outs["base"], outs[isa]), isa
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(group):
     """Tiles of as few rows as a build's value blocks hold (decode rows of a small GQA group: 1 in the base
