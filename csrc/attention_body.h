@@ -280,14 +280,19 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 
 // acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_lo, p_lo + 1, .. p_end - 1 of
 // w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)); keys
-// before seen_by_all are seen by every row, the others by the rows `visible` says.
-template <int R, class ValueRow, class Visible>
+// before seen_by_all are seen by every row, the others by the rows `visible` says. With kSums, also
+// row_sum[r]: the softmax denominator, the same weights added in the same position order (a float chain per
+// row, riding along the multiply-adds instead of a pass of its own over the scores).
+template <int R, bool kSums, class ValueRow, class Visible>
 SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D,
                             int64_t r0, int64_t c0, const float* scores, int64_t ld_scores, const Visible& visible,
-                            float* acc) {
+                            float* acc, float* row_sum) {
   lanes_d sum[R][kPvVecs];
-  for (int r = 0; r < R; ++r)
+  float weights[R];
+  for (int r = 0; r < R; ++r) {
     for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
+    weights[r] = 0.0f;
+  }
   for (int64_t p = p_lo; p < p_end; ++p) {
     const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
@@ -296,42 +301,60 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
     for (int r = 0; r < R; ++r) {
       if (!all && !visible(r0 + r, p)) continue;
       const float w = scores[(r0 + r) * ld_scores + p - p_lo];
+      if constexpr (kSums) weights[r] += w;
       for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
     }
   }
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
     for (int i = 0; i < kPvVecs; ++i) store_lanes(acc + (r0 + r) * D + c0 + i * kLanes, sum[r][i]);
+    if constexpr (kSums) row_sum[r0 + r] = weights[r];
+  }
 }
 
-// The weights x V sums of every row (acc[r][0 .. D)), the values' rows at value_row(p): up to kPvRows rows and
-// kPvDims dims at a time in registers (each value loaded once for them); a head_dim tail that does not fill
-// kPvDims goes through memory (`scratch`: D floats).
+template <int R, class ValueRow, class Visible>
+SJ_INLINE void weigh_values_of_chunk(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all,
+                                     int64_t D, int64_t r0, int64_t c0, const float* scores, int64_t ld_scores,
+                                     const Visible& visible, float* acc, float* row_sum) {
+  if (c0 == 0)  // the first block of dims also makes the rows' denominators
+    weigh_values<R, true>(value_row, p_lo, p_end, seen_by_all, D, r0, c0, scores, ld_scores, visible, acc, row_sum);
+  else
+    weigh_values<R, false>(value_row, p_lo, p_end, seen_by_all, D, r0, c0, scores, ld_scores, visible, acc, row_sum);
+}
+
+// The weights x V sums of every row (acc[r][0 .. D)) and its softmax denominator (row_sum[r], zero on entry),
+// the values' rows at value_row(p): up to kPvRows rows and kPvDims dims at a time in registers (each value
+// loaded once for them); a head_dim tail that does not fill kPvDims goes through memory (`scratch`: D floats).
 template <class ValueRow, class Visible>
 void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D, int64_t rows,
-                      const float* scores, int64_t ld_scores, const Visible& visible, float* acc, float* scratch) {
+                      const float* scores, int64_t ld_scores, const Visible& visible, float* acc, float* row_sum,
+                      float* scratch) {
   int64_t c0 = 0;
   for (; c0 + kPvDims <= D; c0 += kPvDims) {
     int64_t r = 0;
     for (; r + kPvRows <= rows; r += kPvRows)
-      weigh_values<kPvRows>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
+      weigh_values_of_chunk<kPvRows>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc,
+                                     row_sum);
     if constexpr (kPvRows >= 4) {
       if (rows - r == 3) {
-        weigh_values<3>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
+        weigh_values_of_chunk<3>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc, row_sum);
         r += 3;
       } else if (rows - r == 2) {
-        weigh_values<2>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
+        weigh_values_of_chunk<2>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc, row_sum);
         r += 2;
       }
     }
-    for (; r < rows; ++r) weigh_values<1>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc);
+    for (; r < rows; ++r)
+      weigh_values_of_chunk<1>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc, row_sum);
   }
   if (c0 < D) {
+    const bool sums = c0 == 0;  // no whole block of dims made the denominators
     for (int64_t p = p_lo; p < p_end; ++p) {
       widen(value_row(p), scratch, D);
       const bool all = p < seen_by_all;
       for (int64_t r = 0; r < rows; ++r) {
         if (!all && !visible(r, p)) continue;
         const float w = scores[r * ld_scores + p - p_lo];
+        if (sums) row_sum[r] += w;
         float* o = acc + r * D;
         for (int64_t d = c0; d < D; ++d) o[d] = std::fma(w, scratch[d], o[d]);  // as scale_add
       }
@@ -351,24 +374,6 @@ SJ_INLINE float max_of(const float* s, int64_t n, float m) {
   for (int i = 0; i < kVecLanes; ++i) m = mv[i] > m ? mv[i] : m;
   for (; p < n; ++p) m = s[p] > m ? s[p] : m;
   return m;
-}
-
-constexpr int kSumRows = 8;
-// row_sum[r] for rows r0 .. r0 + R: the weights of the row's visible keys in [p_lo, p_end) added in
-// position order.
-template <int R, class Visible>
-SJ_INLINE void sum_weights(const float* scores, int64_t ld_scores, int64_t r0, int64_t p_lo, int64_t seen_by_all,
-                           int64_t p_end, const Visible& visible, float* row_sum) {
-  float sum[R];
-  for (int r = 0; r < R; ++r) sum[r] = 0.0f;
-  const float* s = scores + r0 * ld_scores;
-  const int64_t shared_end = std::min(seen_by_all, p_end);
-  for (int64_t p = p_lo; p < shared_end; ++p)  // seen by every row
-    for (int r = 0; r < R; ++r) sum[r] += s[r * ld_scores + p - p_lo];
-  for (int64_t p = std::max(seen_by_all, p_lo); p < p_end; ++p)
-    for (int r = 0; r < R; ++r)
-      if (visible(r0 + r, p)) sum[r] += s[r * ld_scores + p - p_lo];
-  for (int r = 0; r < R; ++r) row_sum[r0 + r] = sum[r];
 }
 
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
@@ -491,7 +496,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     for (int64_t p = c_lo; p < row_end[r]; ++p) s[p - c_lo] = exp_nonpositive(s[p - c_lo] - m);
   }
   // Weights x V: acc[r][d] adds w_p * v_p[d] over the row's visible keys in position order (the same
-  // for every d, whether the sum sits in a register or in memory). A bf16 pool's values are widened to
+  // for every d, whether the sum sits in a register or in memory), and row_sum[r] the w_p themselves. A bf16 pool's values are widened to
   // float once for the chunk where several blocks of rows read them (a verify's or a prefill's tile), not
   // once per block: the same floats, so the same bits.
   auto pool_row = [&](int64_t p) { return v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
@@ -500,26 +505,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     float* vd = ws.vd.data();
     for (int64_t p = c_lo; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
     weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, seen_by_all, D, rows,
-                     scores, ld_scores, visible, acc, kd);
+                     scores, ld_scores, visible, acc, row_sum, kd);
   } else {
-    weigh_all_values(pool_row, c_lo, c_end, seen_by_all, D, rows, scores, ld_scores, visible, acc, kd);
-  }
-  // The softmax denominators, each a sum in position order; up to kSumRows rows' sums advance together in
-  // registers (one row's chain of dependent adds alone waits on each add's latency).
-  {
-    int64_t r = 0;
-    for (; r + kSumRows <= rows; r += kSumRows)
-      sum_weights<kSumRows>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum);
-    if (rows - r >= 4) {
-      sum_weights<4>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum);
-      r += 4;
-    }
-    switch (rows - r) {
-      case 3: sum_weights<3>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum); break;
-      case 2: sum_weights<2>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum); break;
-      case 1: sum_weights<1>(scores, ld_scores, r, c_lo, seen_by_all, c_end, visible, row_sum); break;
-      default: break;
-    }
+    weigh_all_values(pool_row, c_lo, c_end, seen_by_all, D, rows, scores, ld_scores, visible, acc, row_sum, kd);
   }
   if (partial != nullptr) {
     const int64_t width = partial_width(D);
