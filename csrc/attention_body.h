@@ -433,7 +433,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   ws.scores.resize(rows * ld_scores);
   ws.acc.assign(rows * D, 0.0);
   ws.kd.assign(kKeyBlock * Dp, 0.0);
-  ws.kt.resize(kKeyBlock * Dp);
+#if SJ_VEC_BYTES == 64
+  ws.kt.resize(kKeyBlock * Dp);  // transpose_keys' output: every element written before it is read
+#endif
   ws.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   ws.row_sum.assign(rows, 0.0);
   float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
@@ -496,9 +498,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     for (int64_t p = c_lo; p < row_end[r]; ++p) s[p - c_lo] = exp_nonpositive(s[p - c_lo] - m);
   }
   // Weights x V: acc[r][d] adds w_p * v_p[d] over the row's visible keys in position order (the same
-  // for every d, whether the sum sits in a register or in memory), and row_sum[r] the w_p themselves. A bf16 pool's values are widened to
-  // float once for the chunk where several blocks of rows read them (a verify's or a prefill's tile), not
-  // once per block: the same floats, so the same bits.
+  // for every d, whether the sum sits in a register or in memory), and row_sum[r] the w_p themselves. A bf16
+  // pool's values are widened to float once for the chunk where several blocks of rows read them (a verify's
+  // or a prefill's tile), not once per block: the same floats, so the same bits.
   auto pool_row = [&](int64_t p) { return v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
   if (!std::is_same<C, float>::value && rows > kPvRows) {
     ws.vd.resize((c_end - c_lo) * D);

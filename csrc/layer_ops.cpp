@@ -24,9 +24,9 @@
 
 namespace {
 
-// float -> bf16 by its bits, as c10::BFloat16 converts (round to nearest even, NaN -> 0x7FC0), but
-// branch-free (bf16_bits.h widens back): loops over these vectorise, loops over c10's conversions do not.
-// f rounded to bf16, as float bits (the bf16 in the high half, zeros below).
+// f rounded to bf16, as float bits (the bf16 in the high half, zeros below), as c10::BFloat16 converts (round
+// to nearest even, NaN -> 0x7FC0) but branch-free: loops over it vectorise, loops over c10's conversions do not.
+// (bf16_bits.h widens back.)
 inline __attribute__((always_inline)) uint32_t bf16_rounded_bits(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
