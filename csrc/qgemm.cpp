@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <cpuid.h>
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -77,15 +78,20 @@ void resize(RowBuffers& buf, int64_t rows, int64_t K) {
   buf.sx.resize(rows * (K / kBlock));
 }
 
+// Sizes a call's buffers for `rows` rows (before any block is quantized: the threads then write their blocks in place).
+void prepare(RowBuffers& buf, int64_t rows, int64_t K) {
+  resize(buf, rows, K);
+  set_view(buf, rows, K);
+}
+
 // The same arithmetic as kernels/dot_layout.py's quantize_activations (its tests hold them equal):
 // inv = 127 / max|x| in float, q = round_half_even(x * inv), dx = max|x| / 127, sx = dx * Σ q.
 // Q4_1's minimum multiplies sx, the quantized inputs' sum, not the exact one: then the block computes
 // Σ (d q + m) x̂ for one x̂, whose rounding errors meet the centred weights; with the exact sum they
 // would meet d q = w - m, which is all of one sign, and add up (measured: top-1 agreement with the
-// float model drops by 14 points).
-void quantize_rows_scalar(const float* x, int64_t rows, int64_t K, RowBuffers& buf) {
-  resize(buf, rows, K);
-  for (int64_t rb = 0; rb < rows * (K / kBlock); ++rb) {
+// float model drops by 14 points). Row blocks rb0 .. rb1 - 1 (block rb: x[rb * 32 ..]), into prepared buffers.
+void quantize_blocks_scalar(const float* x, int64_t rb0, int64_t rb1, RowBuffers& buf) {
+  for (int64_t rb = rb0; rb < rb1; ++rb) {
     const float* xb = x + rb * kBlock;
     float amax = 0.0f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
@@ -100,7 +106,6 @@ void quantize_rows_scalar(const float* x, int64_t rows, int64_t K, RowBuffers& b
     buf.dx[rb] = amax / 127.0f;
     buf.sx[rb] = buf.dx[rb] * static_cast<float>(qsum);
   }
-  set_view(buf, rows, K);
 }
 
 }  // namespace
@@ -112,6 +117,28 @@ constexpr int kRows = 8;  // 8 accumulators + 8 weight vectors + scales of the 3
 #define SJ_VEC 16
 #include "qgemm_body.h"
 #undef SJ_VEC
+
+// quantize_blocks_scalar with 16 lanes: the same operations on every element (a maximum is exact in any order).
+static void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers& buf) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t rb = rb0; rb < rb1; ++rb) {
+    const float* xb = x + rb * kBlock;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    auto codes = [&](__m512 v) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+    };
+    const __m512i q0 = codes(v0), q1 = codes(v1);
+    const __m256i q8 = _mm256_set_m128i(_mm512_cvtsepi32_epi8(q1), _mm512_cvtsepi32_epi8(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
+                        _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    buf.dx[rb] = amax / 127.0f;
+    buf.sx[rb] = buf.dx[rb] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
 }  // namespace qgemm_avx512
 #pragma GCC pop_options
 
@@ -131,12 +158,11 @@ constexpr int kRows = 4;  // of the 16 registers
 #include "qgemm_body.h"
 #undef SJ_VEC
 
-// quantize_rows_scalar with 8 lanes: the same operations on every element.
-static void quantize_rows(const float* x, int64_t rows, int64_t K, RowBuffers& buf) {
-  resize(buf, rows, K);
+// quantize_blocks_scalar with 8 lanes: the same operations on every element.
+static void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers& buf) {
   const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t rb = 0; rb < rows * (K / kBlock); ++rb) {
+  for (int64_t rb = rb0; rb < rb1; ++rb) {
     const float* xb = x + rb * kBlock;
     __m256 v[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
@@ -164,7 +190,6 @@ static void quantize_rows(const float* x, int64_t rows, int64_t K, RowBuffers& b
     buf.dx[rb] = amax / 127.0f;
     buf.sx[rb] = buf.dx[rb] * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
-  set_view(buf, rows, K);
 }
 }  // namespace qgemm_avx2
 #pragma GCC pop_options
@@ -272,9 +297,16 @@ void check_packed(const torch::Tensor& t, c10::ScalarType type, std::initializer
               c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes());
 }
 
+// Row blocks rb0 .. rb1 - 1 of x into prepared buffers, on the instruction set's quantizer (all give the same bits).
+void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers& buf, int64_t isa) {
+  if (isa == kAvx512 || isa == kAmx) qgemm_avx512::quantize_blocks(x, rb0, rb1, buf);
+  else if (isa == kAvx2) qgemm_avx2::quantize_blocks(x, rb0, rb1, buf);
+  else quantize_blocks_scalar(x, rb0, rb1, buf);
+}
+
 void quantize(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t isa) {
-  if (isa == kScalar) quantize_rows_scalar(x, rows, K, buf);
-  else qgemm_avx2::quantize_rows(x, rows, K, buf);
+  prepare(buf, rows, K);
+  quantize_blocks(x, 0, rows * (K / kBlock), buf, isa);
 }
 
 // Whether a call runs on AMX tiles; if so its activations get zero rows up to a whole tile (the A operand
@@ -287,11 +319,32 @@ bool use_amx(int64_t isa, bool q4_1, RowBuffers& buf, int64_t rows, int64_t K) {
   return true;
 }
 
-// Splits the 16-column groups over the threads, ~64k weights per thread at least.
+// Row blocks below which a call's activations are quantized by the calling thread alone (a decode step's
+// projections: 18 to 48 blocks, less work than the barrier a shared quantization needs).
+constexpr int64_t kSharedQuantizationBlocks = 64;
+
+// Quantizes x's rows into prepared buffers and runs fn(g0, g1) over the 16-column groups: on one team of
+// threads, each quantizing its share of the row blocks, then after a barrier computing its share of the groups
+// (~64k weights per thread at least; at::parallel_for's split). With the quantization outside the team, a
+// verify's 16 rows were quantized on one thread while the others waited, an eighth of each projection's time.
 template <class Fn>
-void parallel_groups(int64_t groups, int64_t K, const Fn& fn) {
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
-  at::parallel_for(0, groups, grain, fn);
+void quantize_and_run(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t isa, int64_t groups,
+                      const Fn& fn) {
+  const int64_t blocks = rows * (K / kBlock), grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
+  const int64_t team = std::min<int64_t>(at::get_num_threads(), (groups + grain - 1) / grain);
+  if (team <= 1 || blocks < kSharedQuantizationBlocks || at::in_parallel_region()) {
+    quantize_blocks(x, 0, blocks, buf, isa);
+    at::parallel_for(0, groups, grain, fn);
+    return;
+  }
+#pragma omp parallel num_threads(team)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    quantize_blocks(x, blocks * t / n, blocks * (t + 1) / n, buf, isa);
+#pragma omp barrier
+    const int64_t chunk = (groups + n - 1) / n, g0 = t * chunk;
+    if (g0 < groups) fn(g0, std::min(groups, g0 + chunk));
+  }
 }
 
 // int8_gemm's argument checks; returns the weight's column groups.
@@ -313,12 +366,12 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
                int64_t isa) {
   CallBuffers call(rows, K);
   RowBuffers& buf = *call.buf;
-  quantize(x, rows, K, buf, isa);
+  prepare(buf, rows, K);
   const int8_t* qp = q.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const int32_t* wp = wsum.data_ptr<int32_t>();
   const bool amx = use_amx(isa, false, buf, rows, K);
-  parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
+  quantize_and_run(x, rows, K, buf, isa, groups, [&](int64_t g0, int64_t g1) {
     if (amx) qgemm_amx::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
@@ -341,14 +394,14 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
   if (rows == 0) return y;
   CallBuffers call(rows, K);
   RowBuffers& buf = *call.buf;
-  quantize(x.data_ptr<float>(), rows, K, buf, isa);
+  prepare(buf, rows, K);
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx(isa, true, buf, rows, K);
-  parallel_groups(groups, K, [&](int64_t g0, int64_t g1) {
+  quantize_and_run(x.data_ptr<float>(), rows, K, buf, isa, groups, [&](int64_t g0, int64_t g1) {
     if (amx) qgemm_amx::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else if (isa == kAvx2) qgemm_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
