@@ -99,10 +99,10 @@ namespace specjet_cpu {
 // float32 q (a bf16 KV cache: keys and values widened to float as they are read); kv_indices [B, max_kv],
 // kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
 // tokens). Returns [T, H, D] in q's dtype.
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& kv_indices, const torch::Tensor& kv_lens,
-                              const torch::Tensor& q_lens, const torch::Tensor& q_starts,
-                              const c10::optional<torch::Tensor>& custom_mask, double scale, int64_t isa) {
+void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& kv_indices, const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
+                          const torch::Tensor& q_starts, const c10::optional<torch::Tensor>& custom_mask, double scale,
+                          int64_t isa, torch::Tensor& out) {
   TORCH_CHECK(isa_supported(isa), "attention: instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "attention: q must be contiguous [T, H, D] on CPU");
   const auto dtype = q.scalar_type();
@@ -151,7 +151,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     bt.max_q = mask.size(1);
     bt.mask = mask.data_ptr<bool>();
   }
-  auto out = torch::empty_like(q);
+  fit_output(out, q.sizes(), q.options());
   if (dtype == torch::kFloat32 && cache_dtype == torch::kFloat32) {
     dispatch(isa, bt, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
              out.data_ptr<float>(), batch);
@@ -162,6 +162,14 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     dispatch(isa, bt, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
              v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), batch);
   }
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& kv_indices, const torch::Tensor& kv_lens,
+                              const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+                              const c10::optional<torch::Tensor>& custom_mask, double scale, int64_t isa) {
+  torch::Tensor out;
+  paged_attention_into(q, k_cache, v_cache, kv_indices, kv_lens, q_lens, q_starts, custom_mask, scale, isa, out);
   return out;
 }
 

@@ -315,14 +315,20 @@ void gemm_rows(const uint16_t* xp, int64_t rows, int64_t K, const uint16_t* wp, 
 
 }  // namespace
 
-torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                        int64_t isa) {
+void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                    int64_t isa, torch::Tensor& y) {
   const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0);
-  auto y = torch::empty({rows, groups * kCols}, x.options());
-  if (rows == 0) return y;
+  fit_output(y, {rows, groups * kCols}, x.options());
+  if (rows == 0) return;
   gemm_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bias ? bias->data_ptr<float>() : nullptr,
             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), groups, isa);
+}
+
+torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa) {
+  torch::Tensor y;
+  bf16_gemm_into(x, w, bias, isa, y);
   return y;
 }
 

@@ -18,8 +18,23 @@ inline bool kv_rows_unit_stride(const torch::Tensor& c) {
   return slot_major || head_major;
 }
 
+// `out` made a contiguous tensor of `sizes` and `options` (a CPU dtype): kept as it is when it already is one, else
+// allocated anew. The `_into` ops below write their result there, so a caller that passes the same tensors call
+// after call (the layer stack, layer after layer) allocates nothing; an undefined tensor gets a fresh one. `out`
+// must not be one of the op's inputs.
+inline torch::Tensor& fit_output(torch::Tensor& out, c10::IntArrayRef sizes, const torch::TensorOptions& options) {
+  if (!(out.defined() && out.sizes().equals(sizes) && out.scalar_type() == options.dtype().toScalarType() &&
+        out.is_contiguous() && out.device().is_cpu()))
+    out = torch::empty(sizes, options);
+  return out;
+}
+
 // attention.cpp
 bool attention_isa_supported(int64_t isa);
+void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& kv_indices, const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
+                          const torch::Tensor& q_starts, const c10::optional<torch::Tensor>& custom_mask, double scale,
+                          int64_t isa, torch::Tensor& out);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& kv_indices, const torch::Tensor& kv_lens,
                               const torch::Tensor& q_lens, const torch::Tensor& q_starts,
@@ -28,9 +43,16 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 // layer_ops.cpp
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                                     const c10::optional<torch::Tensor>& residual);
+// With `residual`, sum = x + residual too (else `sum` is left alone).
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
+                   torch::Tensor& sum, torch::Tensor& out);
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads);
+void rope_store_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                     int64_t num_heads, torch::Tensor& q);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 
 // qgemm.cpp
 bool qgemm_isa_supported(int64_t isa);
@@ -39,6 +61,10 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+void q4_1_gemm_into(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+                    int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y);
+void int8_gemm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& wsum,
+                    int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y);
 torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                                const torch::Tensor& wsum, int64_t group, int64_t N,
                                const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,
@@ -50,6 +76,8 @@ bool amx_permitted();  // the CPU has AMX tiles and this process may use them (a
 bool bf16_gemm_isa_supported(int64_t isa);
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                    int64_t isa, torch::Tensor& y);
 torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                                int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
                                int64_t max_allowed);

@@ -152,24 +152,29 @@ void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out
 
 namespace specjet_cpu {
 
-std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                                    const c10::optional<torch::Tensor>& residual) {
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
+                   torch::Tensor& sum, torch::Tensor& out) {
   check_rows(x, "rms_norm");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
               "rms_norm: weight must be contiguous [hidden] of x's dtype");
-  torch::Tensor sum;
   if (residual) {
     check_rows(*residual, "rms_norm residual");
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "rms_norm: residual must match x");
-    sum = torch::empty_like(x);
+    fit_output(sum, x.sizes(), x.options());
   }
-  auto out = torch::empty_like(x);
+  fit_output(out, x.sizes(), x.options());
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     rms_norm_rows<T>(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
                      residual ? sum.data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), x.size(1), eps);
   });
+}
+
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                                    const c10::optional<torch::Tensor>& residual) {
+  torch::Tensor sum, out;
+  rms_norm_into(x, weight, eps, residual ? &*residual : nullptr, sum, out);
   if (residual) return {sum, out};
   return {out};
 }
@@ -249,8 +254,9 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache,
 
 namespace specjet_cpu {
 
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads) {
+void rope_store_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                     int64_t num_heads, torch::Tensor& q) {
   check_rows(qkv, "rope_store");
   const int64_t rows = qkv.size(0), KV = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * KV) * D, "rope_store: qkv width ", qkv.size(1),
@@ -273,13 +279,13 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rope_store: slot ", sp[t], " outside the cache");
-  auto q = torch::empty({rows, num_heads, D}, qkv.options());
+  fit_output(q, {rows, num_heads, D}, qkv.options());
   if (qkv.scalar_type() == torch::kFloat32 && cache_dtype == torch::kBFloat16) {
     rope_rows<float, c10::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                     k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
                                     k_cache.stride(0), k_cache.stride(1), sp,
                                     q.data_ptr<float>(), rows, num_heads, KV, D);
-    return q;
+    return;
   }
   dispatch(qkv, [&](auto tag) {
     using T = decltype(tag);
@@ -287,6 +293,12 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
                     v_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), sp, q.data_ptr<T>(), rows, num_heads,
                     KV, D);
   });
+}
+
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads) {
+  torch::Tensor q;
+  rope_store_into(qkv, cos, sin, k_cache, v_cache, slots, num_heads, q);
   return q;
 }
 
@@ -338,14 +350,19 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
 
 namespace specjet_cpu {
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
-  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  fit_output(out, {gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   dispatch(gate_up, [&](auto tag) {
     using T = decltype(tag);
     silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), gate_up.size(0), gate_up.size(1) / 2);
   });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  torch::Tensor out;
+  silu_mul_into(gate_up, out);
   return out;
 }
 

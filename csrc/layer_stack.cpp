@@ -5,7 +5,8 @@
 // same bits as the Python loop. What goes is the Python between the calls (attribute lookups,
 // wrappers, argument checks), which at batch 1 costs about as much as a quantized layer's
 // attention. The per-batch arguments (attention metadata, RoPE tables, KV slots) are passed once for
-// all layers.
+// all layers, and the layers' intermediates live in tensors of the run that each layer writes again
+// (cpu_ops.h's _into ops), so a layer allocates nothing.
 //
 // A projection is one of the inference operands of specjet/kernels: a packed Q4_1 or int8 weight
 // (kernels/qgemm.py's QuantizedLinear, float32 activations), a packed bf16 weight (kernels/bf16_gemm.py's
@@ -62,8 +63,13 @@ struct Projection {
     return float_kernel(at::cat({x, pad})).slice(0, 0, rows);
   }
   torch::Tensor quantized(const torch::Tensor& x) const {
-    return kind == kQ41 ? specjet_cpu::q4_1_gemm(x, a, b, c, n, bias, isa)
-                        : specjet_cpu::int8_gemm(x, a, b, c, group, n, bias, isa);
+    torch::Tensor y;
+    quantized_into(x, y);
+    return y;
+  }
+  void quantized_into(const torch::Tensor& x, torch::Tensor& y) const {
+    if (kind == kQ41) specjet_cpu::q4_1_gemm_into(x, a, b, c, n, bias, isa, y);
+    else specjet_cpu::int8_gemm_into(x, a, b, c, group, n, bias, isa, y);
   }
 
   // x [rows, K] (a layer's activations: 2-D, contiguous) -> [rows, N] in x's dtype.
@@ -81,6 +87,14 @@ struct Projection {
     std::vector<torch::Tensor> parts;
     for (int64_t i = 0; i < rows; i += max_rows) parts.push_back(float_chunk(x.slice(0, i, std::min(rows, i + max_rows))));
     return at::cat(parts);
+  }
+
+  // operator()(x) into y (cpu_ops.h's fit_output: y is reused when it fits) where the kernel writes in place: a
+  // quantized or bf16 weight on rows of its kernel's dtype. Elsewhere y becomes the tensor operator() returns.
+  void into(const torch::Tensor& x, torch::Tensor& y) const {
+    if (kind == kBf16 && x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
+    if ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) return quantized_into(x, y);
+    y = (*this)(x);
   }
 };
 
@@ -120,21 +134,44 @@ class LayerStack {
     std::vector<torch::Tensor> taken;
     size_t next = 0;
     const int64_t tokens = x.size(0);
+    // Every intermediate of a layer in a tensor of the run's, written again by the next layer (cpu_ops.h's _into
+    // ops): one allocation per run instead of a dozen per layer. The residual stream alternates between two
+    // sums, so a norm never writes the tensor it reads; each layer's MLP output is added by the next layer's
+    // input norm (pending), as RMSNorm's residual form computes x + residual exactly as the separate add did.
+    torch::Tensor h, qkv, q, attended, flat, o, gate_up, act, down, sums[2], unused;
+    int which = 0;
+    bool pending = false;  // the stream is x + down
     for (int64_t l = 0; l < size(); ++l) {
       const Layer& layer = layers_[l];
       torch::Tensor k = k_cache.select(0, l), v = v_cache.select(0, l);
-      auto h = specjet_cpu::rms_norm(x, layer.norm1, layer.eps1, c10::nullopt)[0];
-      auto q = specjet_cpu::rope_store(layer.qkv(h), cos, sin, k, v, slots, num_heads_);
-      auto attended = specjet_cpu::paged_attention(q, k, v, kv_indices, kv_lens, q_lens, q_starts, mask, scale_,
-                                                   attention_isa);
-      auto out = layer.o(attended.reshape({tokens, num_heads_ * head_dim_}));
-      auto normed = specjet_cpu::rms_norm(x, layer.norm2, layer.eps2, out);  // x + out, its norm
-      x = normed[0] + layer.down(specjet_cpu::silu_mul(layer.gate_up(normed[1])));
+      if (pending) {
+        specjet_cpu::rms_norm_into(x, layer.norm1, layer.eps1, &down, sums[which], h);  // x + down, its norm
+        x = sums[which];
+        which ^= 1;
+      } else {
+        specjet_cpu::rms_norm_into(x, layer.norm1, layer.eps1, nullptr, unused, h);
+      }
+      layer.qkv.into(h, qkv);
+      specjet_cpu::rope_store_into(qkv, cos, sin, k, v, slots, num_heads_, q);
+      specjet_cpu::paged_attention_into(q, k, v, kv_indices, kv_lens, q_lens, q_starts, mask, scale_, attention_isa,
+                                        attended);
+      if (!flat.defined() || !flat.is_alias_of(attended)) flat = attended.view({tokens, num_heads_ * head_dim_});
+      layer.o.into(flat, o);
+      specjet_cpu::rms_norm_into(x, layer.norm2, layer.eps2, &o, sums[which], h);  // x + o, its norm
+      x = sums[which];
+      which ^= 1;
+      layer.gate_up.into(h, gate_up);
+      specjet_cpu::silu_mul_into(gate_up, act);
+      layer.down.into(act, down);
+      pending = true;
       if (next < capture.size() && capture[next] == l) {
+        x = x + down;  // a tensor of its own: the run's sums are written again
+        pending = false;
         taken.push_back(x);
         ++next;
       }
     }
+    if (pending) x = x + down;
     return {x, taken};
   }
 

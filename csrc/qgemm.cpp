@@ -383,15 +383,15 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
 
 namespace specjet_cpu {
 
-torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                        const torch::Tensor& m, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa) {
-  const int64_t K = qs.dim() == 4 ? qs.size(1) * kBlock : -1, rows = x.size(0);
-  const int64_t groups = check_common(x, N, K, bias, isa);
+void q4_1_gemm_into(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+                    int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y) {
+  const int64_t K = qs.dim() == 4 ? qs.size(1) * kBlock : -1;
+  const int64_t groups = check_common(x, N, K, bias, isa), rows = x.size(0);
   check_packed(qs, torch::kUInt8, {groups, K / kBlock, 4, 64}, "qs");
   check_packed(d, torch::kFloat16, {groups, K / kBlock, kGroup}, "d");
   check_packed(m, torch::kFloat16, {groups, K / kBlock, kGroup}, "m");
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y;
+  fit_output(y, {rows, N}, x.options());
+  if (rows == 0) return;
   CallBuffers call(rows, K);
   RowBuffers& buf = *call.buf;
   prepare(buf, rows, K);
@@ -407,17 +407,29 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
     else if (isa == kAvx2) qgemm_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else qgemm_scalar::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
   });
+}
+
+torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                        const torch::Tensor& m, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  torch::Tensor y;
+  q4_1_gemm_into(x, qs, d, m, N, bias, isa, y);
   return y;
+}
+
+void int8_gemm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& wsum,
+                    int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y) {
+  const int64_t groups = check_int8(x, q, s, wsum, group, N, bias, isa), rows = x.size(0);
+  fit_output(y, {rows, N}, x.options());
+  if (rows == 0) return;
+  int8_rows(x.data_ptr<float>(), rows, x.size(1), q, s, wsum, group, bias ? bias->data_ptr<float>() : nullptr,
+            y.data_ptr<float>(), N, groups, isa);
 }
 
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
                         int64_t isa) {
-  const int64_t groups = check_int8(x, q, s, wsum, group, N, bias, isa), rows = x.size(0);
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y;
-  int8_rows(x.data_ptr<float>(), rows, x.size(1), q, s, wsum, group, bias ? bias->data_ptr<float>() : nullptr,
-            y.data_ptr<float>(), N, groups, isa);
+  torch::Tensor y;
+  int8_gemm_into(x, q, s, wsum, group, N, bias, isa, y);
   return y;
 }
 

@@ -53,8 +53,9 @@ def tree_mask(batch: int, q_len: int, gen) -> torch.Tensor:
 
 
 def workload(runner, use_stack: bool) -> list[torch.Tensor]:
-    """A prefill of three requests of different lengths (feature layers captured), then a tree verify
-    of 5 nodes each (two layers captured); every output and the KV pools afterwards."""
+    """A prefill of three requests of different lengths (feature layers captured), a tree verify of 5
+    nodes each (two layers captured), then one capturing only the first layer and one capturing none
+    (later layers add the MLP output in their input norm); every output and the KV pools afterwards."""
     model = runner.model
     stack = model.layer_stack
     model.layer_stack = stack if use_stack else None
@@ -69,10 +70,13 @@ def workload(runner, use_stack: bool) -> list[torch.Tensor]:
                       capture=FeatureLayers((0, last)))
         ver = forward(runner, table, ids, [22, 10, 35], [5, 5, 5], ForwardMode.VERIFY, mask=tree_mask(3, 5, gen),
                       capture=(last, 0))
+        first = forward(runner, table, ids, [25, 13, 37], [3, 3, 2], ForwardMode.VERIFY, mask=tree_mask(3, 3, gen),
+                        capture=(0,))
+        plain = forward(runner, table, ids, [28, 16, 39], [3, 3, 2], ForwardMode.VERIFY, mask=tree_mask(3, 3, gen))
     finally:
         model.layer_stack = stack
-    return [pre.logits, pre.hidden, ver.logits, ver.layer_hidden[0], ver.layer_hidden[last],
-            runner.kv_cache.k.clone(), runner.kv_cache.v.clone()]
+    return [pre.logits, pre.hidden, ver.logits, ver.layer_hidden[0], ver.layer_hidden[last], first.logits,
+            first.layer_hidden[0], plain.logits, runner.kv_cache.k.clone(), runner.kv_cache.v.clone()]
 
 
 def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -87,9 +91,9 @@ def test_the_stack_gives_the_python_loops_bits(tiny_model_dir, stack_calls, dtyp
     runner = make_runner(tiny_model_dir, dtype, quantization)
     assert runner.model.layer_stack is not None and len(runner.model.layer_stack) == runner.config.num_layers
     with_stack = workload(runner, True)
-    assert stack_calls == {"ran": 2, "aside": 0}
+    assert stack_calls == {"ran": 4, "aside": 0}
     assert_same(with_stack, workload(runner, False))
-    assert with_stack[0].abs().sum() > 0 and with_stack[5].abs().sum() > 0  # something was computed and written
+    assert with_stack[0].abs().sum() > 0 and with_stack[8].abs().sum() > 0  # something was computed and written
 
 
 @pytest.mark.parametrize("bf16_gemm_isa", ["onednn", "avx512_bf16", "amx"])
@@ -108,7 +112,7 @@ def test_bf16_weights_on_each_gemm_give_the_python_loops_bits(tiny_model_dir, st
     kind = PackedLinear if bf16_gemm_isa == "onednn" else bf16_gemm.Bf16Linear
     assert all(isinstance(m.packed, kind) for m in runner.model.modules() if isinstance(m, llama.Linear))
     with_stack = workload(runner, True)
-    assert stack_calls == {"ran": 2, "aside": 0}
+    assert stack_calls == {"ran": 4, "aside": 0}
     assert_same(with_stack, workload(runner, False))
 
 
@@ -121,7 +125,7 @@ def test_a_float_weights_row_plan_is_followed_chunk_by_chunk(tiny_model_dir, sta
             module.packed.min_rows, module.packed.max_rows = 2, 3
     runner.model.use_native_ops()  # rebuilds the stack from the changed operands
     with_stack = workload(runner, True)
-    assert stack_calls["ran"] == 2
+    assert stack_calls["ran"] == 4
     assert_same(with_stack, workload(runner, False))
 
 
