@@ -116,6 +116,31 @@ def test_lm_head_shape_and_thread_count():
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "int8-g32"])
+def test_a_teams_shared_quantization_gives_each_row_its_bits(fmt):
+    """A call of 64 row blocks or more (here 4 to 33 rows of the down projection's K = 1536) quantizes its
+    activations on the whole team, each thread its share of the row blocks, before the columns: on 1 to 4
+    threads, every instruction set, each row gets the bits it gets alone (a 1-row call quantizes on the
+    calling thread)."""
+    weight = 0.05 * torch.randn(576, 1536, generator=torch.Generator().manual_seed(5))
+    packed = pack(FORMATS[fmt](weight))
+    x = torch.randn(33, 1536, generator=torch.Generator().manual_seed(6))
+    x[3, 64:96] = 0  # an all-zero block in a share
+    threads = torch.get_num_threads()
+    try:
+        for isa in qgemm.supported_isas():
+            if isa == "scalar":
+                continue  # the scalar kernel is slow at this shape; the shared quantizer is the same per build
+            alone = torch.cat([qgemm.gemm(x[i:i + 1], packed, None, isa) for i in range(x.shape[0])])
+            for n in (1, 2, 3, 4):
+                torch.set_num_threads(n)
+                for rows in (4, 7, 16, 33):
+                    assert torch.equal(qgemm.gemm(x[:rows], packed, None, isa), alone[:rows]), (isa, n, rows)
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "int8-g32"])
 def test_int8_activations_stay_close_to_the_float_product(fmt):
     """Against x @ dequantize(W)^T: the int8 activations' rounding (<= half a step of 1/127 of the
     block's largest input) moves a well-spread output by well under 1% of its scale."""
