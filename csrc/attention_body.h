@@ -379,9 +379,18 @@ SJ_INLINE float max_of(const float* s, int64_t n, float m) {
 // A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
 // shared library costs a lookup per access in the inner loops).
 struct Workspace {
-  std::vector<float> qd, scores, acc, kd, kt, vd, row_max, row_sum;
+  std::vector<float> qd, scores, acc, kd, vd, row_max, row_sum;
   std::vector<int64_t> row_end;
   std::vector<const bool*> row_mask;
+  // What a tile leaves for the thread's next tile when that reads the same keys and values (a KV head's next query
+  // tile, or its other query heads): whose they are (the request's slot table, the KV head, the chunk's first
+  // position); its whole blocks of keys in `keys` (kKeyBlock x Dp floats each), widened or, for tiles of
+  // kTransposedRows rows or more, transposed (kept_transposed), kept_blocks of them; and how many positions' values
+  // vd holds widened. Only within one attend_all call, whose pools do not change under it.
+  const int64_t* kept_slots = nullptr;
+  int64_t kept_kvh = -1, kept_lo = -1, kept_blocks = 0, kept_values = 0;
+  bool kept_transposed = false;
+  std::vector<float> keys;
 };
 
 // Keys are taken in chunks of kKeyChunk positions (0 .. kKeyChunk - 1, then the next ..), the same chunks for
@@ -433,40 +442,67 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   ws.scores.resize(rows * ld_scores);
   ws.acc.assign(rows * D, 0.0);
   ws.kd.assign(kKeyBlock * Dp, 0.0);
-#if SJ_VEC_BYTES == 64
-  ws.kt.resize(kKeyBlock * Dp);  // transpose_keys' output: every element written before it is read
-#endif
   ws.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   ws.row_sum.assign(rows, 0.0);
   float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
-        *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data(), *kt = ws.kt.data();
+        *row_max = ws.row_max.data(), *row_sum = ws.row_sum.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = bt.q_starts[b] + j0 + r / heads, h = kvh * group + h0 + r % heads;
     widen(q + (t * H + h) * D, qd + r * Dp, D);
     for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= static_cast<float>(bt.scale);
   }
+  // The thread's previous tile may have left this tile's keys and values (Workspace): the blocks it kept are not
+  // read from the pool again. The same floats, so the same bits.
+  if (ws.kept_slots != slots || ws.kept_kvh != kvh || ws.kept_lo != c_lo) {
+    ws.kept_slots = slots, ws.kept_kvh = kvh, ws.kept_lo = c_lo;
+    ws.kept_blocks = ws.kept_values = 0;
+  }
+  const int64_t whole_blocks = SJ_VEC_BYTES >= 32 ? (c_end - c_lo) / kKeyBlock : 0;  // the base build goes key by key
+#if SJ_VEC_BYTES == 64
+  const bool transposed = rows >= kTransposedRows;
+#else
+  const bool transposed = false;
+#endif
+  if (ws.kept_transposed != transposed) ws.kept_transposed = transposed, ws.kept_blocks = 0;  // kept in the other form
+  const int64_t kept_blocks = ws.kept_blocks;
+  if (ws.keys.size() < static_cast<size_t>(whole_blocks * kKeyBlock * Dp))
+    ws.keys.resize(whole_blocks * kKeyBlock * Dp);  // a larger vector keeps the blocks already in it
+  float* kept_keys = ws.keys.data();
   constexpr int64_t kAhead = 8;
-  for (int64_t p = c_lo; p < std::min(c_end, c_lo + kAhead); ++p) prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
+  const int64_t fresh_from = c_lo + kept_blocks * kKeyBlock;  // the first key not kept from the previous tile
+  for (int64_t p = fresh_from; p < std::min(c_end, fresh_from + kAhead); ++p) prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
   int64_t p0 = c_lo;
 #if SJ_VEC_BYTES >= 32
   for (; p0 + kKeyBlock <= c_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
-    for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
-      prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
-    for (int64_t j = 0; j < kKeyBlock; ++j) widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, kd + j * Dp, D);
+    const int64_t block = (p0 - c_lo) / kKeyBlock;
+    float* kept_block = kept_keys + block * kKeyBlock * Dp;
+    if (block >= kept_blocks) {
+      for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
+        prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
+      // Widened into kd (zero-padded to Dp by its assign) and transposed into the kept block, or widened there.
+      float* dst = transposed ? kd : kept_block;
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
+        widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, dst + j * Dp, D);
+        if (!transposed) std::fill(dst + j * Dp + D, dst + (j + 1) * Dp, 0.0f);
+      }
 #if SJ_VEC_BYTES == 64
-    if (rows >= kTransposedRows) {
-      transpose_keys(kd, Dp, kt);
+      if (transposed) transpose_keys(kd, Dp, kept_block);
+#endif
+    }
+#if SJ_VEC_BYTES == 64
+    if (transposed) {
       float* sp = scores + p0 - c_lo;
       int64_t r = 0;
       for (; r + kTransposedRowBlock <= rows; r += kTransposedRowBlock)
-        score_keys_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
-      for (; r < rows; ++r) score_keys_transposed<1>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
+        score_keys_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kept_block, sp + r * ld_scores, ld_scores);
+      for (; r < rows; ++r) score_keys_transposed<1>(qd + r * Dp, Dp, kept_block, sp + r * ld_scores, ld_scores);
       continue;
     }
 #endif
-    for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kd, scores + r * ld_scores + p0 - c_lo);
+    for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kept_block, scores + r * ld_scores + p0 - c_lo);
   }
 #endif
+  ws.kept_blocks = std::max(kept_blocks, whole_blocks);
   for (int64_t p = p0; p < c_end; ++p) {
     if (p + kAhead < c_end) prefetch_row(k_cache + slots[p + kAhead] * bt.slot_stride + kvh * bt.head_stride, D);
     widen(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, kd, D);  // kd[D .. Dp) stay zero
@@ -503,9 +539,10 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   // or a prefill's tile), not once per block: the same floats, so the same bits.
   auto pool_row = [&](int64_t p) { return v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
   if (!std::is_same<C, float>::value && rows > kPvRows) {
-    ws.vd.resize((c_end - c_lo) * D);
+    if (ws.vd.size() < static_cast<size_t>((c_end - c_lo) * D)) ws.vd.resize((c_end - c_lo) * D);
     float* vd = ws.vd.data();
-    for (int64_t p = c_lo; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
+    for (int64_t p = c_lo + ws.kept_values; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
+    ws.kept_values = std::max(ws.kept_values, c_end - c_lo);
     weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, seen_by_all, D, rows,
                      scores, ld_scores, visible, acc, row_sum, kd);
   } else {

@@ -280,6 +280,43 @@ def test_tiles_scored_from_transposed_keys_give_every_build_the_same_bits(tree, 
         assert torch.equal(outs["base"], outs[isa]), isa
 
 
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("dim", [64, 80])
+def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_same_bits(tree, dim):
+    """A thread's next tile of the same KV head and key chunk takes the keys and values the previous one widened
+    (or transposed) instead of reading them again: 5 new tokens of a 3-head group split by query head on 2
+    threads (5 rows scored key-block by key-block, then 10 from transposed blocks), 9 and 17 tokens in tiles of
+    8 (24 transposed rows, then 3 rows key-block by key-block; causal tiles see more keys than the one before),
+    80 dims (keys padded to 96). Every build and thread count gives the base build's bits on one thread, and the
+    torch path's values."""
+    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    heads, kv_heads = 9, 3
+    kv_lens, q_lens = [61, 140, 300], [5, 9, 17]
+    gen = torch.Generator().manual_seed(dim + tree)
+    k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    table = scattered_table(kv_lens, gen)
+    threads = torch.get_num_threads()
+    try:
+        for b in range(len(kv_lens)):  # one request a call: few tiles, so the split by query head happens
+            q = torch.randn(q_lens[b], heads, dim, generator=gen)
+            mask = tree_mask(1, q_lens[b], gen) if tree else None
+            meta = build_attention_metadata(table[b:b + 1, :kv_lens[b]], torch.arange(1), torch.tensor(kv_lens[b:b + 1]),
+                                            torch.tensor(q_lens[b:b + 1]), mask)
+            outs = {}
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                for isa in isas:
+                    outs[isa, n] = native(q, k, v, meta, isa)
+            first = outs["base", 1]
+            for key, out in outs.items():
+                assert torch.equal(out, first), (b, key)
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(first, A._attention_float64(q, k, v, meta, 0.25).float(), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(group):
     """Tiles of as few rows as a build's value blocks hold (decode rows of a small GQA group: 1 in the base
