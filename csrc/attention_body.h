@@ -376,8 +376,9 @@ SJ_INLINE float max_of(const float* s, int64_t n, float m) {
   return m;
 }
 
-// A thread's scratch, reused across its tiles (local to the parallel region: thread_local storage in a
-// shared library costs a lookup per access in the inner loops).
+// A thread's scratch, reused across its tiles and from call to call (a thread_local one, taken by reference once
+// a call: thread_local storage in a shared library costs a lookup per access, which the inner loops must not pay),
+// so a call allocates and zero-fills nothing its thread's earlier calls already sized.
 struct Workspace {
   std::vector<float> qd, scores, acc, kd, vd, row_max, row_sum;
   std::vector<int64_t> row_end;
@@ -667,7 +668,9 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
   const std::vector<int64_t> starts = specjet_cpu::cost_share_starts(cost_end, shares);
   auto share_start = [&](int64_t s) -> int64_t { return starts[std::clamp<int64_t>(s, 0, shares)]; };
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
-    Workspace ws;
+    static thread_local Workspace thread_ws;  // looked up once a call, then passed by reference
+    Workspace& ws = thread_ws;
+    ws.kept_slots = nullptr;  // nothing kept from the last call: the pools may have changed since
     for (int64_t i = share_start(s0); i < share_start(s1); ++i) {
       const Unit& u = units[i];
       attend_tile(bt, q, k, v, out, u.b, u.kvh, u.j0, u.j1, u.h0, u.h1, u.c_lo, u.c_hi,

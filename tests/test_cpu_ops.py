@@ -317,6 +317,40 @@ def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("q_len", [1, 16])
+def test_nothing_is_kept_from_one_call_to_the_next(q_len):
+    """The keys a thread keeps between tiles live for one call: a layer stack passes the same slot table to every
+    layer's pool. Two pools read through the same table one after the other (one KV head, so a thread's first tile
+    of the second call has the tag of its last of the first) give each its own result, on every build and 1-2
+    threads."""
+    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    ext = cpu_ops.extension()
+    kv_len, dim = 90, 64
+    gen = torch.Generator().manual_seed(q_len)
+    pools = [(torch.randn(kv_len + 1, 1, dim, generator=gen).to(torch.bfloat16),
+              torch.randn(kv_len + 1, 1, dim, generator=gen).to(torch.bfloat16)) for _ in range(2)]
+    q = torch.randn(q_len, 3, dim, generator=gen)
+    mask = tree_mask(1, q_len, gen) if q_len > 1 else None
+    meta = build_attention_metadata(scattered_table([kv_len], gen), torch.arange(1), torch.tensor([kv_len]),
+                                    torch.tensor([q_len]), mask)
+    table = meta.kv_indices.contiguous()
+    cm = None if meta.custom_mask is None else meta.custom_mask.contiguous()
+
+    def attend(k, v, isa, slots):
+        return ext.paged_attention(q, k, v, slots, meta.kv_lens, meta.q_lens, meta.q_starts, cm, 0.25, cpu_ops.ISAS[isa])
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for isa in isas:
+                expected = [attend(k, v, isa, table.clone()) for k, v in pools]  # a table of its own each
+                got = [attend(k, v, isa, table) for k, v in pools]  # one table for both, as a stack's layers
+                assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (n, isa)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(group):
     """Tiles of as few rows as a build's value blocks hold (decode rows of a small GQA group: 1 in the base
