@@ -439,10 +439,17 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
 
   const int64_t ld_scores = c_end - c_lo;  // a row's scores, one per key position of the chunk
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
-  ws.qd.assign(rows * Dp, 0.0);
+  // Sized, not cleared: every element read is written first. Only what no write covers is zeroed: q and key rows'
+  // padding past head_dim, and the accumulators of a head_dim tail the weights x V pass adds to in memory.
+  ws.qd.resize(rows * Dp);
   ws.scores.resize(rows * ld_scores);
-  ws.acc.assign(rows * D, 0.0);
-  ws.kd.assign(kKeyBlock * Dp, 0.0);
+  if (D % kPvDims != 0) ws.acc.assign(rows * D, 0.0);
+  else ws.acc.resize(rows * D);
+  ws.kd.resize(kKeyBlock * Dp);
+  if (D != Dp) {
+    for (int64_t r = 0; r < rows; ++r) std::fill(ws.qd.begin() + r * Dp + D, ws.qd.begin() + (r + 1) * Dp, 0.0f);
+    for (int64_t j = 0; j < kKeyBlock; ++j) std::fill(ws.kd.begin() + j * Dp + D, ws.kd.begin() + (j + 1) * Dp, 0.0f);
+  }
   ws.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   ws.row_sum.assign(rows, 0.0);
   float *qd = ws.qd.data(), *scores = ws.scores.data(), *acc = ws.acc.data(), *kd = ws.kd.data(),
@@ -480,7 +487,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     if (block >= kept_blocks) {
       for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
         prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
-      // Widened into kd (zero-padded to Dp by its assign) and transposed into the kept block, or widened there.
+      // Widened into kd (its padding zeroed above) and transposed into the kept block, or widened there.
       float* dst = transposed ? kd : kept_block;
       for (int64_t j = 0; j < kKeyBlock; ++j) {
         widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, dst + j * Dp, D);

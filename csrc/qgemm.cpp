@@ -325,8 +325,8 @@ constexpr int64_t kSharedQuantizationBlocks = 64;
 
 // Quantizes x's rows into prepared buffers and runs fn(g0, g1) over the 16-column groups: on one team of
 // threads, each quantizing its share of the row blocks, then after a barrier computing its share of the groups
-// (~64k weights per thread at least; at::parallel_for's split). With the quantization outside the team, a
-// verify's 16 rows were quantized on one thread while the others waited, an eighth of each projection's time.
+// (~64k weights per thread at least; at::parallel_for's split), so no thread waits while one quantizes a
+// verify's rows alone.
 template <class Fn>
 void quantize_and_run(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t isa, int64_t groups,
                       const Fn& fn) {
