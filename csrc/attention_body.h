@@ -55,8 +55,17 @@ SJ_INLINE vec_d fused(vec_d x, vec_d y, vec_d acc) {
 SJ_INLINE void mul_add(lanes_d& acc, const lanes_d& x, const lanes_d& y) {
   for (int i = 0; i < kParts; ++i) acc.part[i] = fused(x.part[i], y.part[i], acc.part[i]);
 }
+// acc += w * x lane by lane, w a softmax weight: never -0, so its broadcast is a plain one (vec_d{} + w would be an
+// addition, kept under IEEE rules, in the inner loop of the weights x V sums).
 SJ_INLINE void scale_add(lanes_d& acc, float w, const lanes_d& x) {
-  for (int i = 0; i < kParts; ++i) acc.part[i] = fused(vec_d{} + w, x.part[i], acc.part[i]);
+#if SJ_VEC_BYTES == 64
+  const vec_d wv = (vec_d)_mm512_set1_ps(w);
+#elif SJ_VEC_BYTES == 32
+  const vec_d wv = (vec_d)_mm256_set1_ps(w);
+#else
+  const vec_d wv = (vec_d)_mm_set1_ps(w);
+#endif
+  for (int i = 0; i < kParts; ++i) acc.part[i] = fused(wv, x.part[i], acc.part[i]);
 }
 SJ_INLINE float lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
 // Lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3): a halving tree, so each step is one
@@ -207,6 +216,54 @@ SJ_INLINE void score_keys_transposed(const float* q, int64_t Dp, const float* kt
     std::memcpy(out + r * ld_out, &sum, sizeof sum);
   }
 }
+
+// score_keys_transposed for two blocks of keys side by side (kt and kt + kKeyBlock * Dp; scores to out[r * ld_out
+// + 0 .. 2 * kKeyBlock)): each broadcast q element serves both blocks. With one block the broadcast loads, one per
+// multiply-add, bound the loop well below the multiply-add rate; here one serves two. The same operations on every
+// score as score_keys_transposed: lane chains L_l from 0, T = L_i + L_(i+8) and L_(i+4) + L_(i+12), U_i their sum,
+// then (U_0 + U_2) + (U_1 + U_3). A quarter's four lanes go in two halves, so 2 x R x 2 chains are alive at once.
+template <int R>
+SJ_INLINE void score_key_pairs_transposed(const float* q, int64_t Dp, const float* kt, float* out, int64_t ld_out) {
+  const float* kt2 = kt + kKeyBlock * Dp;
+  auto half = [&](int64_t i, int64_t o0, int64_t o1, vec_d (*t)[2]) {  // t[r][b] = L_(i+o0) + L_(i+o1), block b
+    vec_d a0[R][2], a1[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 2; ++b) a0[r][b] = a1[r][b] = vec_d{};
+    for (int64_t c = 0; c < Dp; c += kLanes) {
+      const int64_t d0 = c + i + o0, d1 = c + i + o1;
+      vec_d k0, k0b, k1, k1b;
+      std::memcpy(&k0, kt + d0 * kKeyBlock, sizeof k0);
+      std::memcpy(&k0b, kt2 + d0 * kKeyBlock, sizeof k0b);
+      for (int r = 0; r < R; ++r) {
+        const vec_d qb = splat(q[r * Dp + d0]);
+        a0[r][0] = fused(qb, k0, a0[r][0]);
+        a0[r][1] = fused(qb, k0b, a0[r][1]);
+      }
+      std::memcpy(&k1, kt + d1 * kKeyBlock, sizeof k1);
+      std::memcpy(&k1b, kt2 + d1 * kKeyBlock, sizeof k1b);
+      for (int r = 0; r < R; ++r) {
+        const vec_d qb = splat(q[r * Dp + d1]);
+        a1[r][0] = fused(qb, k1, a1[r][0]);
+        a1[r][1] = fused(qb, k1b, a1[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 2; ++b) t[r][b] = a0[r][b] + a1[r][b];
+  };
+  vec_d u[4][R][2];
+  for (int64_t i = 0; i < 4; ++i) {
+    vec_d t0[R][2], t1[R][2];
+    half(i, 0, 8, t0);
+    half(i, 4, 12, t1);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 2; ++b) u[i][r][b] = t0[r][b] + t1[r][b];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 2; ++b) {
+      const vec_d sum = (u[0][r][b] + u[2][r][b]) + (u[1][r][b] + u[3][r][b]);
+      std::memcpy(out + r * ld_out + b * kKeyBlock, &sum, sizeof sum);
+    }
+}
 #endif
 
 // out[r * ld_out] = q_r . k for rows r0 .. r0 + R; q rows and k zero-padded to Dp, a multiple of kLanes.
@@ -293,18 +350,22 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
     for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
     weights[r] = 0.0f;
   }
-  for (int64_t p = p_lo; p < p_end; ++p) {
+  // Key p's value times each row's weight; the keys every row sees (before seen_by_all) go without a test per row.
+  auto add_key = [&](int64_t p, auto all) {
     const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
-    const bool all = p < seen_by_all;
     for (int r = 0; r < R; ++r) {
-      if (!all && !visible(r0 + r, p)) continue;
+      if (!decltype(all)::value && !visible(r0 + r, p)) continue;
       const float w = scores[(r0 + r) * ld_scores + p - p_lo];
       if constexpr (kSums) weights[r] += w;
       for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
     }
-  }
+  };
+  const int64_t shared_end = std::max(p_lo, std::min(p_end, seen_by_all));
+  int64_t p = p_lo;
+  for (; p < shared_end; ++p) add_key(p, std::true_type{});
+  for (; p < p_end; ++p) add_key(p, std::false_type{});
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < kPvVecs; ++i) store_lanes(acc + (r0 + r) * D + c0 + i * kLanes, sum[r][i]);
     if constexpr (kSums) row_sum[r0 + r] = weights[r];
@@ -437,7 +498,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   // also the new tokens' up to the tile's first (a prefill chunk's tile sees most of its keys so).
   const int64_t seen_by_all = mask ? prefix : std::min(prefix + j0 + 1, c_end);
 
-  const int64_t ld_scores = c_end - c_lo;  // a row's scores, one per key position of the chunk
+  // A row's scores, one per key position of the chunk, the row padded to whole vectors so the softmax's exp runs
+  // on whole vectors (what it makes past a row's visible keys is never read).
+  const int64_t ld_scores = (c_end - c_lo + kVecLanes - 1) / kVecLanes * kVecLanes;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   // Sized, not cleared: every element read is written first. Only what no write covers is zeroed: q and key rows'
   // padding past head_dim, and the accumulators of a head_dim tail the weights x V pass adds to in memory.
@@ -498,12 +561,20 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
 #endif
     }
 #if SJ_VEC_BYTES == 64
-    if (transposed) {
-      float* sp = scores + p0 - c_lo;
+    if (transposed) {  // blocks scored in pairs once both are ready (an even block waits for its partner)
+      const bool pair = block % 2 == 1, last = p0 + 2 * kKeyBlock > c_end;
+      if (!pair && !last) continue;
+      const int64_t first = pair ? p0 - kKeyBlock : p0;
+      const float* kt = pair ? kept_block - kKeyBlock * Dp : kept_block;
+      float* sp = scores + first - c_lo;
       int64_t r = 0;
-      for (; r + kTransposedRowBlock <= rows; r += kTransposedRowBlock)
-        score_keys_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kept_block, sp + r * ld_scores, ld_scores);
-      for (; r < rows; ++r) score_keys_transposed<1>(qd + r * Dp, Dp, kept_block, sp + r * ld_scores, ld_scores);
+      for (; r + kTransposedRowBlock <= rows; r += kTransposedRowBlock) {
+        if (pair) score_key_pairs_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
+        else score_keys_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
+      }
+      for (; r < rows; ++r)
+        for (int64_t b = 0; b < (pair ? 2 : 1); ++b)
+          score_keys_transposed<1>(qd + r * Dp, Dp, kt + b * kKeyBlock * Dp, sp + r * ld_scores + b * kKeyBlock, ld_scores);
       continue;
     }
 #endif
@@ -539,7 +610,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     const float m = row_max[r];
     if (m == -std::numeric_limits<float>::infinity()) continue;  // no key of this chunk is visible to the row
     // Every score of the row is replaced by its weight; masked positions hold garbage and are skipped below.
-    for (int64_t p = c_lo; p < row_end[r]; ++p) s[p - c_lo] = exp_nonpositive(s[p - c_lo] - m);
+    const int64_t n = std::min(ld_scores, (row_end[r] - c_lo + kVecLanes - 1) / kVecLanes * kVecLanes);
+    for (int64_t v = 0; v < n; v += kVecLanes)
+      for (int64_t l = 0; l < kVecLanes; ++l) s[v + l] = exp_nonpositive(s[v + l] - m);
   }
   // Weights x V: acc[r][d] adds w_p * v_p[d] over the row's visible keys in position order (the same
   // for every d, whether the sum sits in a register or in memory), and row_sum[r] the w_p themselves. A bf16

@@ -253,12 +253,13 @@ def test_every_instruction_set_build_gives_the_same_bits(dtype, pool_dtype, dim)
 @pytest.mark.parametrize("dim", [64, 80])
 def test_tiles_scored_from_transposed_keys_give_every_build_the_same_bits(tree, dim):
     """Tiles of 8 rows or more score blocks of keys from a transposed copy in the AVX-512 build, 4 rows
-    at a time: tiles of 9, 15 and 21 rows (3, 5 and 7 tokens of a 3-head group) leave 1 and 3 rows over,
-    the contexts end inside a block of keys, and a tree mask hides some new tokens; every build gives the
-    bits of the base one, which scores key by key. One thread: with more, a few units are split by query
-    head and the tiles would be too small for the transposed path."""
+    at a time and two blocks of keys at a time: tiles of 9, 15 and 21 rows (3, 5 and 7 tokens of a 3-head
+    group) leave 1 and 3 rows over, the contexts end inside a block of keys after an even or an odd number
+    of whole blocks (2, 6 and 3: the last of an odd number is scored alone), and a tree mask hides some new
+    tokens; every build gives the bits of the base one, which scores key by key. One thread: with more, a
+    few units are split by query head and the tiles would be too small for the transposed path."""
     isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
-    kv_lens, q_lens = [40, 100, 37], [3, 5, 7]
+    kv_lens, q_lens = [40, 100, 57], [3, 5, 7]
     k, v, gen = pool(sum(kv_lens) + 1, torch.bfloat16, seed=11, dim=dim)
     q = torch.randn(sum(q_lens), HEADS, dim, generator=gen)
     mask = None
