@@ -6,12 +6,9 @@
 #include <cstdint>
 #include <cstring>
 
-// exp(x) in float for |x| <= 88: Cody-Waite reduction by ln 2 and a degree-7 Taylor polynomial
-// (truncation ~5e-9 relative, below float's 6e-8); branch-free so loops over it vectorise (the clamps
-// as comparisons: std::fmin / fmax have NaN rules that keep GCC from vectorising them).
-static inline __attribute__((always_inline)) float exp_float(float x) {
-  x = x > 88.0f ? 88.0f : x;
-  x = x < -87.0f ? -87.0f : x;
+// exp(x) in float for x in [-87, 88]: Cody-Waite reduction by ln 2 and a degree-7 Taylor polynomial
+// (truncation ~5e-9 relative, below float's 6e-8); branch-free so loops over it vectorise.
+static inline __attribute__((always_inline)) float exp_float_in_range(float x) {
   const float magic = 12582912.0f;  // 1.5 * 2^23
   const float t = x * 1.44269504f + magic;
   const float n = t - magic;
@@ -33,3 +30,10 @@ static inline __attribute__((always_inline)) float exp_float(float x) {
   return p * scale;
 }
 
+// exp(x) in float, x first clamped to [-87, 88] (as comparisons: std::fmin / fmax have NaN rules that keep GCC from
+// vectorising them); on that range the same bits as exp_float_in_range.
+static inline __attribute__((always_inline)) float exp_float(float x) {
+  x = x > 88.0f ? 88.0f : x;
+  x = x < -87.0f ? -87.0f : x;
+  return exp_float_in_range(x);
+}
