@@ -225,27 +225,23 @@ SJ_INLINE void score_keys_transposed(const float* q, int64_t Dp, const float* kt
 template <int R>
 SJ_INLINE void score_key_pairs_transposed(const float* q, int64_t Dp, const float* kt, float* out, int64_t ld_out) {
   const float* kt2 = kt + kKeyBlock * Dp;
+  auto add_dim = [&](int64_t d, vec_d (*a)[2]) {  // lane chains of dimension d, both blocks, every row
+    vec_d k, kb;
+    std::memcpy(&k, kt + d * kKeyBlock, sizeof k);
+    std::memcpy(&kb, kt2 + d * kKeyBlock, sizeof kb);
+    for (int r = 0; r < R; ++r) {
+      const vec_d qb = splat(q[r * Dp + d]);
+      a[r][0] = fused(qb, k, a[r][0]);
+      a[r][1] = fused(qb, kb, a[r][1]);
+    }
+  };
   auto half = [&](int64_t i, int64_t o0, int64_t o1, vec_d (*t)[2]) {  // t[r][b] = L_(i+o0) + L_(i+o1), block b
     vec_d a0[R][2], a1[R][2];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < 2; ++b) a0[r][b] = a1[r][b] = vec_d{};
     for (int64_t c = 0; c < Dp; c += kLanes) {
-      const int64_t d0 = c + i + o0, d1 = c + i + o1;
-      vec_d k0, k0b, k1, k1b;
-      std::memcpy(&k0, kt + d0 * kKeyBlock, sizeof k0);
-      std::memcpy(&k0b, kt2 + d0 * kKeyBlock, sizeof k0b);
-      for (int r = 0; r < R; ++r) {
-        const vec_d qb = splat(q[r * Dp + d0]);
-        a0[r][0] = fused(qb, k0, a0[r][0]);
-        a0[r][1] = fused(qb, k0b, a0[r][1]);
-      }
-      std::memcpy(&k1, kt + d1 * kKeyBlock, sizeof k1);
-      std::memcpy(&k1b, kt2 + d1 * kKeyBlock, sizeof k1b);
-      for (int r = 0; r < R; ++r) {
-        const vec_d qb = splat(q[r * Dp + d1]);
-        a1[r][0] = fused(qb, k1, a1[r][0]);
-        a1[r][1] = fused(qb, k1b, a1[r][1]);
-      }
+      add_dim(c + i + o0, a0);
+      add_dim(c + i + o1, a1);
     }
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < 2; ++b) t[r][b] = a0[r][b] + a1[r][b];
