@@ -7,7 +7,9 @@
 #include <cstring>
 
 // exp(x) in float for x in [-87, 88]: Cody-Waite reduction by ln 2 and a degree-7 Taylor polynomial
-// (truncation ~5e-9 relative, below float's 6e-8); branch-free so loops over it vectorise.
+// (truncation ~5e-9 relative, below float's 6e-8); branch-free so loops over it vectorise. Outside that range the
+// result is meaningless but computed without undefined behaviour (the softmax runs it over masked keys' scores and
+// discards those).
 static inline __attribute__((always_inline)) float exp_float_in_range(float x) {
   const float magic = 12582912.0f;  // 1.5 * 2^23
   const float t = x * 1.44269504f + magic;
@@ -21,10 +23,12 @@ static inline __attribute__((always_inline)) float exp_float_in_range(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  int32_t tb, mb;
+  // The exponent's bits in unsigned arithmetic: the same bits as signed on [-87, 88], and defined (wrapping) for any
+  // input, which a vectorised loop may compute for lanes whose results it then discards.
+  uint32_t tb, mb;
   std::memcpy(&tb, &t, sizeof tb);
   std::memcpy(&mb, &magic, sizeof mb);
-  const int32_t bits = (tb - mb + 127) << 23;
+  const uint32_t bits = (tb - mb + 127u) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
