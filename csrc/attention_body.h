@@ -55,16 +55,19 @@ SJ_INLINE vec_d fused(vec_d x, vec_d y, vec_d acc) {
 SJ_INLINE void mul_add(lanes_d& acc, const lanes_d& x, const lanes_d& y) {
   for (int i = 0; i < kParts; ++i) acc.part[i] = fused(x.part[i], y.part[i], acc.part[i]);
 }
-// acc += w * x lane by lane, w a softmax weight: never -0, so its broadcast is a plain one (vec_d{} + w would be an
-// addition, kept under IEEE rules, in the inner loop of the weights x V sums).
-SJ_INLINE void scale_add(lanes_d& acc, float w, const lanes_d& x) {
+// The lanes of a vector, each x: a broadcast (vec_d{} + x would be an addition, kept under IEEE rules).
+SJ_INLINE vec_d splat(float x) {
 #if SJ_VEC_BYTES == 64
-  const vec_d wv = (vec_d)_mm512_set1_ps(w);
+  return (vec_d)_mm512_set1_ps(x);
 #elif SJ_VEC_BYTES == 32
-  const vec_d wv = (vec_d)_mm256_set1_ps(w);
+  return (vec_d)_mm256_set1_ps(x);
 #else
-  const vec_d wv = (vec_d)_mm_set1_ps(w);
+  return (vec_d)_mm_set1_ps(x);
 #endif
+}
+// acc += w * x lane by lane; w is a softmax weight, never -0, so its plain broadcast gives what vec_d{} + w did.
+SJ_INLINE void scale_add(lanes_d& acc, float w, const lanes_d& x) {
+  const vec_d wv = splat(w);
   for (int i = 0; i < kParts; ++i) acc.part[i] = fused(wv, x.part[i], acc.part[i]);
 }
 SJ_INLINE float lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
@@ -142,8 +145,6 @@ SJ_INLINE void score_keys(const float* q, int64_t Dp, const float* kb, float* ou
 #endif
 
 #if SJ_VEC_BYTES == 64
-// The 16 lanes of a vector, each x: a broadcast (vec_d{} + x would be an addition, kept under IEEE rules).
-SJ_INLINE vec_d splat(float x) { return (vec_d)_mm512_set1_ps(x); }
 
 // Tiles of at least this many rows score a block of keys from its transpose (`transpose_keys`): each lane of a
 // score then sums key-parallel, one vector per lane, and the lanes' tree is kLanes - 1 vector additions per
