@@ -103,8 +103,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     spec.add_argument("--speculative-grammar-aware", default=None, type=_parse_bool, metavar="{true,false}",
                       help="grammar-aware drafting for constrained requests (default true)")
     spec.add_argument("--speculative-measured-payoff", default=None, type=_parse_bool, metavar="{true,false}",
-                      help="EAGLE, DFLASH on a CPU: free text decoding alone drafts only while drafting measures "
-                           "faster than plain steps (default true)")
+                      help="EAGLE, DFLASH: free text decoding alone drafts only while drafting measures "
+                           "faster than plain steps (default: on a CPU target)")
     spec.add_argument("--speculative-hybrid-ngram-tokens", type=int, default=None,
                       help="EAGLE trees also take the best n-gram continuation, up to this many nodes "
                            "(default 14, half of it as a rule, more while the request's paths are taken whole; "

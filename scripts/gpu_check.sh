@@ -8,6 +8,8 @@
 #   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH, CUDA graphs on and
 #          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations);
 #          TREE=old: the same on an older commit's code (.gpu/old), for an A/B of two commits on one host;
+#          GSM8K_EXTRA: more configurations, e.g. E-pay:speculative_algorithm=EAGLE,speculative_measured_payoff=true
+#          (the payoff controller on CUDA, where it is not on by default);
 #   heldout: after bench (which unpacks the GGUF), bench.json on the ten JSON schemas the drafts never saw
 #          in training (issue 15's unseen-schema acceptance): plain, EAGLE-GA and DFLASH-GA.
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,

@@ -114,3 +114,6 @@ def test_the_engine_argument_is_typed_and_on_for_learned_drafts_on_a_cpu():
     assert measured("EAGLE") and measured("DFLASH")
     assert not measured("NGRAM") and not measured("EAGLE", cpu=False)
     assert not measured("EAGLE", speculative_measured_payoff=False)
+    # True asks for it on any device (a CUDA target too); still only for the learned drafts.
+    assert measured("DFLASH", cpu=False, speculative_measured_payoff=True)
+    assert not measured("NGRAM", speculative_measured_payoff=True)

@@ -78,10 +78,12 @@ class EngineArgs:
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
     speculative_grammar_aware: bool = True
-    # EAGLE and DFLASH on a CPU (specjet's own): a request without a grammar decoding alone drafts only
-    # while drafting measures faster than plain steps at its context length (spec_v2/payoff.py); a long
+    # EAGLE and DFLASH (specjet's own): a request without a grammar decoding alone drafts only while
+    # drafting measures faster than plain steps at its context length (spec_v2/payoff.py); a long
     # conversation whose drafts are rarely accepted then decodes near the plain rate. Output is the same.
-    speculative_measured_payoff: bool = True
+    # None (default): on a CPU target; True: on any device (a CUDA target too, not yet the default there:
+    # its root-only iteration is not its plain decode graph, and it has not been measured on a GPU); False: off.
+    speculative_measured_payoff: bool | None = None
     # The drafters' fixed-shape forwards (EAGLE's draft steps, DFLASH's block): "auto" (CUDA graphs
     # on CUDA, eager on CPU), "eager", or "static" (padded batch buckets on static buffers, captured
     # as CUDA graphs on CUDA unless disable_cuda_graph; models/graph_runner.py).

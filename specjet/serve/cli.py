@@ -20,9 +20,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kinds = [k.strip() for k in str(f.type).split("|")]
         if "bool" in kinds:
-            if f.default is True:
+            if f.default is True or f.default is None:  # None: the engine decides (e.g. per device)
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                   help=f"(default: on)")
+                                   help="(default: on)" if f.default else "(default: auto)")
             else:
                 group.add_argument(flag, dest=f.name, action="store_true", default=None)
             continue

@@ -139,7 +139,7 @@ class SpecConfig:
     # requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target.
     free_text_draft_batch: int | None = None
     # A request without a grammar decoding alone drafts only while it measures that drafting pays
-    # (spec_v2/payoff.py; speculative_measured_payoff, on a CPU target).
+    # (spec_v2/payoff.py; speculative_measured_payoff: by default on a CPU target).
     measured_payoff: bool = False
     # Tree nodes one verify forward may hold across its batch (None: no cap): each tree gets an even
     # share. A CPU verify costs about its token count once the batch is past a few rows.
@@ -236,8 +236,9 @@ class SpecConfig:
         max_verify = _given(args.speculative_max_verify_tokens, FLOAT_CPU_MAX_VERIFY_NODES if float_cpu else None)
         common = dict(grammar_aware=args.speculative_grammar_aware, max_verify_nodes=max_verify,
                       min_draft_prob_grows=float_cpu and args.speculative_draft_min_prob is None,
-                      measured_payoff=(args.speculative_measured_payoff and cpu_target
-                                       and algorithm in HYBRID_ALGORITHMS),
+                      measured_payoff=(algorithm in HYBRID_ALGORITHMS
+                                       and (cpu_target if args.speculative_measured_payoff is None
+                                            else args.speculative_measured_payoff)),
                       free_text_draft_batch=(QUANTIZED_FREE_TEXT_DRAFT_BATCH
                                              if quantized_cpu_target and algorithm in HYBRID_ALGORITHMS else None),
                       draft_model_path=args.speculative_draft_model_path,
