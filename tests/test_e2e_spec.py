@@ -55,7 +55,9 @@ def test_speculative_greedy_equals_plain(plain_outputs, kwargs):
 
 def test_eagle_accepts_several_tokens_per_verify_on_gsm8k(plain_outputs):
     prompts, _ = plain_outputs
-    with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE") as eng:
+    # Every iteration drafts: the payoff controller pauses free-text drafting where it measures slower than plain
+    # steps (on an AVX2-only CPU it does for these prompts), and its root-only verifies would count here.
+    with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE", speculative_measured_payoff=False) as eng:
         for prompt in prompts[:2]:  # alone: beside others, free text verifies its root alone on the default weights
             eng.generate(prompt, PARAMS)
         assert eng.get_server_info()["stats"]["spec_accept_length"] > 1.5  # a trained head, not a random one
