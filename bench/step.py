@@ -5,8 +5,8 @@ requests with L cached tokens each, with the batch-invariant CPU attention and w
 
 The model (``--model-path``, default the embedded one) is loaded once; each request owns L + N
 contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
-tokens per request (N = 1: decode; N > 1: a chain of N verify nodes under a tree mask) at positions
-L .. L+N-1, writing the same slots every time; several N take turns in one process, and each N after the
+tokens per request (N = 1: decode, logits of the token; N > 1: a chain of N verify nodes under a tree mask,
+logits of every node, as the engine's verify needs them) at positions L .. L+N-1, writing the same slots every time; several N take turns in one process, and each N after the
 first is also given as a ratio to the first's median (issue 16's verify-against-decode figure). Prints the median and min/max of ``--repeats`` steps
 per path, the paths taking turns after one warm-up round: ``invariant`` (the batch-invariant attention; the layers as one
 C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
             mode, input_ids=torch.randint(0, config.vocab_size, (b * q_len,)), positions=positions,
             out_cache_loc=table[:, positions[:q_len]].reshape(-1), req_to_token=table, req_pool_indices=rows,
             kv_lens=torch.full((b,), int(positions[q_len - 1]) + 1),
-            q_lens=torch.full((b,), q_len), custom_mask=mask, logits="last")
+            q_lens=torch.full((b,), q_len), custom_mask=mask, logits="last" if q_len == 1 else "all")
         runner.forward(batch)
 
     forward(ForwardMode.EXTEND, torch.arange(length).repeat(b), length)  # the cached context

@@ -45,3 +45,23 @@ def test_bench_step_several_node_counts_take_turns(tiny_model_dir, capsys):
         line = next(l for l in verify.splitlines() if l.startswith(name + " "))
         ratio = by_nodes[4]["median_s"] / by_nodes[1]["median_s"]
         assert line.endswith(f"{ratio:.2f}x"), line
+
+
+def test_a_verify_step_computes_every_nodes_logits_as_the_engines_verify_does(tiny_model_dir, monkeypatch):
+    """A verify checks each node's children against that node's logits, so its step computes all N rows'
+    logits (the LM head's share of a verify); a decode step computes its token's."""
+    from specjet.models.runner import ModelRunner
+
+    rows = []
+    real = ModelRunner.forward
+
+    def forward(self, batch):
+        out = real(self, batch)
+        rows.append((batch.mode.name, batch.input_ids.shape[0], None if out.logits is None else out.logits.shape[0]))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    main(["--model-path", str(tiny_model_dir), "--batch-size", "2", "--context", "6", "--nodes", "1", "5",
+          "--repeats", "1", "--dtype", "float32"])
+    steps = {(mode, tokens, logits) for mode, tokens, logits in rows if mode != "EXTEND"}
+    assert steps == {("DECODE", 2, 2), ("VERIFY", 10, 10)}
