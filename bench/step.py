@@ -6,9 +6,11 @@ requests with L cached tokens each, with the batch-invariant CPU attention and w
 The model (``--model-path``, default the embedded one) is loaded once; each request owns L + N
 contiguous slots of one KV cache (filled by a prefill of random tokens), and a timed step runs N new
 tokens per request (N = 1: decode, logits of the token; N > 1: a chain of N verify nodes under a tree mask,
-logits of every node, as the engine's verify needs them) at positions L .. L+N-1, writing the same slots every time; several N take turns in one process, and each N after the
-first is also given as a ratio to the first's median (issue 16's verify-against-decode figure). Prints the median and min/max of ``--repeats`` steps
-per path, the paths taking turns after one warm-up round: ``invariant`` (the batch-invariant attention; the layers as one
+logits of every node, as the engine's verify needs them) at positions L .. L+N-1, writing the same slots
+every time; several N take turns in one process, and each N after the first is also given as a ratio to the
+first's median (issue 16's verify-against-decode figure) and as the median of each round's ratio (``paired``:
+steadier where the host's speed drifts). Prints the median and min/max of ``--repeats`` steps per path, the
+paths taking turns after one warm-up round: ``invariant`` (the batch-invariant attention; the layers as one
 C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
 layer by layer from Python: what the stack saves) and ``sdpa``.
 """
@@ -92,6 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
                 if i:
                     times[(name, nodes)].append(time.perf_counter() - start)
     stats = {key: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for key, t in times.items()}
+    first = args.nodes[0]
+    for (name, nodes), t in times.items():
+        if nodes != first:  # each round's N-node step over the same round's first step: a host that drifts
+            # between minutes moves both alike, so the median of these is steadier than the medians' ratio
+            stats[(name, nodes)]["paired_ratio"] = statistics.median(
+                a / b for a, b in zip(t, times[(name, first)]))
     runner.model.layer_stack = stack
     machine["load_avg_after"] = machine_info()["load_avg"]
     for line in report_header_lines(command_line(), date, machine):
@@ -100,14 +108,14 @@ def main(argv: list[str] | None = None) -> dict:
     dtype += f" weights {args.quantization}" if args.quantization else ""
     if runner.kv_dtype != runner.dtype:  # e.g. the bf16 cache beside quantized weights (kv_cache_dtype auto)
         dtype += f", {str(runner.kv_dtype).removeprefix('torch.')} KV cache"
-    first = args.nodes[0]
     for nodes in steps:
         print(f"# {dtype}, batch {b}, {length} cached tokens per request, {nodes} new token(s) per request")
-        ratio_head = f" {'/ N=' + str(first):>8}" if nodes != first else ""
+        ratio_head = f" {'/ N=' + str(first):>8} {'paired':>7}" if nodes != first else ""
         print(f"{'path':<10} {'median ms':>10} {'min':>8} {'max':>8}{ratio_head}")
         for name in paths:
             r = stats[(name, nodes)]
-            ratio = f" {r['median_s'] / stats[(name, first)]['median_s']:>7.2f}x" if nodes != first else ""
+            ratio = (f" {r['median_s'] / stats[(name, first)]['median_s']:>7.2f}x {r['paired_ratio']:>6.2f}x"
+                     if nodes != first else "")
             print(f"{name:<10} {1000 * r['median_s']:>10.1f} {1000 * r['min_s']:>8.1f} {1000 * r['max_s']:>8.1f}{ratio}")
     if len(steps) == 1:
         return {name: stats[(name, first)] for name in paths}

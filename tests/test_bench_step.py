@@ -44,7 +44,9 @@ def test_bench_step_several_node_counts_take_turns(tiny_model_dir, capsys):
     for name, by_nodes in results.items():
         line = next(l for l in verify.splitlines() if l.startswith(name + " "))
         ratio = by_nodes[4]["median_s"] / by_nodes[1]["median_s"]
-        assert line.endswith(f"{ratio:.2f}x"), line
+        paired = by_nodes[4]["paired_ratio"]
+        assert line.split()[-2:] == [f"{ratio:.2f}x", f"{paired:.2f}x"], line
+        assert "paired_ratio" not in by_nodes[1]
 
 
 def test_a_verify_step_computes_every_nodes_logits_as_the_engines_verify_does(tiny_model_dir, monkeypatch):
