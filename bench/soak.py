@@ -24,7 +24,9 @@ says "internal error", or an exception other than TypeError/ValueError), engine 
 hangs; and validation mismatches (an invalid request served, a valid one refused). At the end the
 engine must go idle; then its KV invariant is checked, the prefix cache flushed, and leaked slots =
 pool - free. PASS iff no
-hang, no leaked slot, no internal error and the engine alive (exit status 1 otherwise). Appends one
+hang, no leaked slot, no internal error and the engine alive (exit status 1 otherwise). The process's
+resident memory is printed with each progress line, and its growth over the soak's second half (MB per
+minute, once caches have filled) is reported beside the verdict, not judged. Appends one
 JSON line per configuration to ``--result-file``.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import collections
 import json
 import math
+import os
 import random
 import sys
 import threading
@@ -793,6 +796,7 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
             print(f"# [{label}] HANG: {worker}'s {case} call has not returned after {seconds:.0f} s", flush=True)
 
     next_progress, died = t0 + args.progress_s, False
+    rss = [(0.0, rss_mb())]  # the process's resident memory at each progress line: a leak grows it steadily
     while time.monotonic() < deadline:
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         watch()
@@ -802,7 +806,9 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
             break
         if time.monotonic() >= next_progress:
             next_progress += args.progress_s
-            print(f"# [{label}] {time.monotonic() - t0:5.0f} s: " + _progress(stats, tracker), flush=True)
+            rss.append((time.monotonic() - t0, rss_mb()))
+            print(f"# [{label}] {rss[-1][0]:5.0f} s: " + _progress(stats, tracker)
+                  + ("" if rss[-1][1] is None else f", RSS {rss[-1][1]:.0f} MB"), flush=True)
     stop.set()
     # Wait for the calls in flight: each returns, or is counted as a hang at the bound.
     while True:
@@ -851,10 +857,38 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
         "by_case": {case: dict(c) for case, c in sorted(stats.by_case.items())},
         "examples": {lab: ex for lab, ex in stats.examples.items()},
         "hangs": hangs, "internal_errors": internal, "end": end, "engine_died": died, "pass": bool(passed),
+        "rss_mb": [(round(t, 1), None if m is None else round(m, 1)) for t, m in rss],
+        "rss_growth_mb_per_min": rss_growth(rss),
     }
     for line in report_lines(record):
         print(line, flush=True)
     return record
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory in MB (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def rss_growth(samples: list[tuple[float, float | None]]) -> float | None:
+    """MB per minute over the soak's second half (the first fills caches: grammars, the prefix cache), by a
+    least-squares line through its samples; None with fewer than three there. Reported, not judged: an
+    allocator's caches move it a few MB either way."""
+    points = [(t, m) for t, m in samples if m is not None]
+    if not points:
+        return None
+    half = points[-1][0] / 2
+    late = [(t, m) for t, m in points if t >= half]
+    if len(late) < 3:
+        return None
+    mt = sum(t for t, _ in late) / len(late)
+    mm = sum(m for _, m in late) / len(late)
+    var = sum((t - mt) ** 2 for t, _ in late)
+    return None if var == 0 else 60 * sum((t - mt) * (m - mm) for t, m in late) / var
 
 
 def _progress(stats: Stats, tracker: Tracker) -> str:
@@ -902,6 +936,11 @@ def report_lines(rec: dict) -> list[str]:
                   VALID_REFUSED):
         for case, message in rec["examples"].get(label, []):
             lines.append(f"  {label} [{case}]: {message}")
+    growth = rec.get("rss_growth_mb_per_min")
+    samples = [m for _, m in rec.get("rss_mb", []) if m is not None]
+    if samples:
+        lines.append(f"resident memory: {samples[0]:.0f} MB at the start, {samples[-1]:.0f} MB at the end; second half "
+                     + ("-" if growth is None else f"{growth:+.1f} MB/min"))
     lines.append(f"RESULT {tag}: {'PASS' if rec['pass'] else 'FAIL'} "
                  f"(hangs {rec['hangs']}, leaked slots {end['leaked_slots']}, internal errors {rec['internal_errors']}, "
                  f"engine alive {'yes' if end['alive'] else 'no'})")

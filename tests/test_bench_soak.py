@@ -35,6 +35,17 @@ def test_soak_a_few_seconds_passes_with_consistent_counts(tiny_model_dir, tmp_pa
     assert f"requests served: {requests[soak.SERVED]}; tokens generated: {rec['tokens']} " in out
     assert "\nRESULT [none]: PASS (hangs 0, leaked slots 0, internal errors 0, engine alive yes)" in out
     assert json.loads(result_file.read_text().splitlines()[-1])["requests"] == requests
+    # The process's resident memory at the start and at each progress line, reported (Linux: /proc).
+    assert rec["rss_mb"][0][1] > 0 and "\nresident memory: " in out
+
+
+def test_rss_growth_is_the_second_halfs_slope():
+    """MB per minute through the second half's samples: the first half's cache filling does not count."""
+    samples = [(0.0, 100.0), (30.0, 400.0)] + [(60.0 + 30 * i, 500.0 + 2.0 * i) for i in range(5)]  # 4 MB/min late
+    assert soak.rss_growth(samples) == pytest.approx(4.0)
+    assert soak.rss_growth([(0.0, 100.0), (60.0, 90.0), (90.0, 90.0), (120.0, 90.0)]) == pytest.approx(0.0)
+    assert soak.rss_growth([(0.0, 100.0), (60.0, 110.0)]) is None  # too few samples in the second half
+    assert soak.rss_growth([(0.0, None), (60.0, None)]) is None  # no /proc
 
 
 def test_a_hung_call_and_an_internal_error_are_reported_not_waited_for(tiny_model_dir, tmp_path, capsys,
