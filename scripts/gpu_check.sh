@@ -30,7 +30,7 @@ fi
 nvidia-smi -L
 python3 -c "import torch, triton, xgrammar, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || exit 1
 
-python3 scripts/gpu_host_probe.py | tee -a "$OUT/host_probe.log"
+python3 scripts/gpu_host_probe.py  # printed only: a call brings back at most 8 files from $OUT
 
 # A carried path does not outlive its call on the machine: the GGUF's first half waits in /tmp, and so does an
 # older commit's specjet + bench (.gpu/old, scripts/gpu_prepare.sh with OLD=commit) for the bench phase's TREE=old.
@@ -77,16 +77,18 @@ if [ "$phase" = bench ]; then
     ln -sfn "$PWD/specjet/assets" /tmp/old_tree/specjet/assets
     cd /tmp/old_tree && export PYTHONPATH=/tmp/site:/tmp/old_tree
   fi
-  # BATCH_SIZES="1 4": batch 4 too; EAGER=0 leaves out the runs without CUDA graphs; DTYPE=float32.
+  # BATCH_SIZES="1 4": batch 4 too; EAGER=0 leaves out the runs without CUDA graphs; DTYPE=float32; JSONL=0 writes
+  # no result records (the logs hold the tables; a call brings back at most 8 files).
   common="--dtype ${DTYPE:-bfloat16} --quantization none --device cuda --batch-sizes ${BATCH_SIZES:-1} --repeats ${REPEATS:-2}"
+  records() { [ "${JSONL:-1}" = 1 ] && echo "--result-file $OUT/$1.jsonl"; }
   eager="none-eager:disable_cuda_graph=true E-eager:speculative_algorithm=EAGLE,disable_cuda_graph=true"
   [ "${EAGER:-1}" = 0 ] && eager=""
   timeout "${GSM8K_TIMEOUT:-200}" python3 -m bench.compare --workload gsm8k --num-prompts 4 --max-new-tokens 128 $common \
-    --data-path $data/gsm8k.jsonl --result-file "$OUT/gpu-gsm8k.jsonl" --configs none: E:speculative_algorithm=EAGLE $eager \
+    --data-path $data/gsm8k.jsonl $(records gpu-gsm8k) --configs none: E:speculative_algorithm=EAGLE $eager \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
     D-tree:speculative_algorithm=DFLASH ${GSM8K_EXTRA:-} 2>&1 | tee "$OUT/gsm8k.log" | tail -30
   timeout "${JSON_TIMEOUT:-200}" python3 -m bench.compare --workload json --json-constrained --num-prompts 6 --max-new-tokens 256 $common \
-    --json-path $data/jsonschema --result-file "$OUT/gpu-json.jsonl" --configs none: E:speculative_algorithm=EAGLE \
+    --json-path $data/jsonschema $(records gpu-json) --configs none: E:speculative_algorithm=EAGLE \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 D-tree:speculative_algorithm=DFLASH \
     2>&1 | tee "$OUT/json.log" | tail -30
   exit 0

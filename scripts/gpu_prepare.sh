@@ -15,7 +15,9 @@
 # The calls, back to back (a machine stays warm 30 s; a carried path does not outlive its call, so
 # the first call copies the first half to /tmp there):
 #   1. hide-assets; run `bash scripts/gpu_check.sh tests`, carry .whl .gpu/tok .gpu/data .gpu/part1
-#   2. show-assets; run `bash scripts/gpu_check.sh bench`, carry .gpu/part2 .gpu/data
+#   2. show-assets; run `bash scripts/gpu_check.sh bench`, carry .gpu/part2 .gpu/data; more phases in the same call
+#      (at most 8 files come back from $OUT), e.g. `O=$OUT; OUT=$O/bf16 JSONL=0 BATCH_SIZES="1 4" EAGER=0 REPEATS=1
+#      bash scripts/gpu_check.sh bench; OUT=$O bash scripts/gpu_check.sh heldout; OUT=$O bash scripts/gpu_check.sh profile`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
