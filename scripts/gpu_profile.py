@@ -29,9 +29,10 @@ def profile_one(algorithm: str, args) -> dict:
 
     # The overlap loop off: the iteration's host and compute work in the one thread profiled (the
     # speculative iteration is synchronous either way).
-    kwargs = {"device": args.device, "dtype": args.dtype, "disable_overlap_schedule": True}
-    if args.device == "cpu":
-        kwargs["quantization"] = None
+    kwargs = {"device": args.device, "dtype": args.dtype, "disable_overlap_schedule": True,
+              "model_path": args.model_path}
+    if args.device == "cpu" and args.model_path is None:
+        kwargs["quantization"] = None  # the embedded GGUF's float weights, as on the GPU
     if algorithm != "none":  # every iteration drafts (no pauses by the payoff controller)
         kwargs.update(speculative_algorithm=algorithm, speculative_measured_payoff=False)
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": not args.json}
@@ -66,6 +67,7 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--model-path", default=None, help="default: the embedded model")
     parser.add_argument("--algorithms", nargs="+", default=["none", "EAGLE", "DFLASH"])
     parser.add_argument("--json", action="store_true", help="decode under a JSON schema (grammar-aware drafting)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
