@@ -3,6 +3,7 @@ target's distribution under sampling, and no KV leak. Tiny random-weight model."
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 import torch
@@ -227,3 +228,24 @@ def test_verify_token_cap_keeps_ngram_output_exact(tiny_model_dir, plain):
     assert [o["output_ids"] for o in outs] == expected and single["output_ids"] == expected[0]
     assert all(max(o["meta_info"]["spec_accept_histogram"]) <= 2 for o in outs + [single])
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]  # some guesses were taken
+
+
+@pytest.mark.parametrize("overlap_off", [False, True])
+def test_an_idle_engine_holds_no_ended_requests_state(tiny_model_dir, overlap_off):
+    """A request's compute-side state (its compute state, the drafter's n-gram index) is dropped once it ends
+    and the loop has nothing else to do, not only when the next batch comes: an idle server keeps no ended
+    request's memory."""
+    with ngram_engine(tiny_model_dir, disable_overlap_schedule=overlap_off) as eng:
+        eng.generate(["The cat sat on the mat. The cat", "one two three one two"],
+                     {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+        eng.wait_idle()
+        drafter = eng.worker.speculator.drafter
+
+        def held():
+            return len(eng.worker._states), len(drafter._indexes)
+
+        deadline = time.monotonic() + 10
+        while eng.scheduler.run_in_loop(held).result() != (0, 0):
+            assert time.monotonic() < deadline, eng.scheduler.run_in_loop(held).result()
+            time.sleep(0.01)
+        eng.check_kv_invariant()

@@ -135,9 +135,22 @@ class EventLoop:
     def _drain_inbox(self, idle: bool) -> None:
         """New requests and calls; an idle loop waits for them, and if none came this thread frees its
         OpenMP team (the plain loop's forwards run here) so that other engines' workers keep spinning."""
+        if idle:
+            self._release_ended()
         self.scheduler.drain_inbox(block=idle)
         if idle and not self.scheduler.has_work():
             release_calling_thread_team()
+
+    def _release_ended(self) -> None:
+        """With nothing in flight, hand the compute side the requests that ended since the last launch (which
+        would otherwise wait for the next batch): an idle engine holds no ended request's state, such as a long
+        request's n-gram index or its draft state."""
+        rids = self.scheduler.take_released()
+        if rids:
+            try:
+                self.stream.submit(self.worker.release, rids).result()
+            except Exception:  # dropping state cannot fail a request; a bug here must not stop the loop
+                logger.exception("dropping the compute-side state of %d ended requests failed", len(rids))
 
     # ---------------------------------------------------------------- launching and completing
     def _launch(self, batch: ScheduledBatch) -> Launched:

@@ -548,8 +548,13 @@ class Scheduler:
                         self.chunked_req = None
                 else:
                     self.chunked_req = req
+        return WorkerBatch(batch.kind, inputs, self.take_released())
+
+    def take_released(self) -> tuple[str, ...]:
+        """The requests ended since the last hand-over, handed over now: the compute side drops their state
+        (normally with the next batch; an idle loop hands them over itself, event_loops.py)."""
         released, self._released_rids = tuple(self._released_rids), []
-        return WorkerBatch(batch.kind, inputs, released)
+        return released
 
     # ---------------------------------------------------------------- host side of a batch
     def grammar_mask(self, reqs: list[Req]):

@@ -105,7 +105,7 @@ class ModelWorker:
     # ---------------------------------------------------------------- work items (run on the stream)
     def forward(self, batch: WorkerBatch) -> ModelOutput:
         """A plain batch's forward: prefill (starting each request's compute state) or decode."""
-        self._release(batch.released)
+        self.release(batch.released)
         if batch.kind is BatchKind.PREFILL:
             for inp in batch.inputs:
                 self._states[inp.rid] = ComputeState(inp.rid, inp.prefill_ids[:_prefill_end(inp)], inp.prompt_len,
@@ -172,7 +172,7 @@ class ModelWorker:
     def speculate(self, batch: WorkerBatch) -> list[list[int]]:
         """One speculative decode iteration: draft, verify, accept. The root and the accepted draft
         nodes now have KV, and the bonus token is the next root."""
-        self._release(batch.released)
+        self.release(batch.released)
         states = [self._state(inp) for inp in batch.inputs]
         spec_inputs = []
         for inp, state in zip(batch.inputs, states):
@@ -196,7 +196,8 @@ class ModelWorker:
             raise RuntimeError(f"request {inp.rid!r} has no compute-side state (was it prefilled?)")
         return state
 
-    def _release(self, rids) -> None:
+    def release(self, rids) -> None:
+        """Drop the compute-side state of these ended requests (their compute state, the drafter's)."""
         for rid in rids:
             self._states.pop(rid, None)
             if self.speculator is not None:
