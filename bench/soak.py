@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -885,10 +886,7 @@ def rss_growth(samples: list[tuple[float, float | None]]) -> float | None:
     late = [(t, m) for t, m in points if t >= half]
     if len(late) < 3:
         return None
-    mt = sum(t for t, _ in late) / len(late)
-    mm = sum(m for _, m in late) / len(late)
-    var = sum((t - mt) ** 2 for t, _ in late)
-    return None if var == 0 else 60 * sum((t - mt) * (m - mm) for t, m in late) / var
+    return 60 * statistics.linear_regression([t for t, _ in late], [m for _, m in late]).slope
 
 
 def _progress(stats: Stats, tracker: Tracker) -> str:

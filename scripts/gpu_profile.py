@@ -48,6 +48,7 @@ def profile_one(algorithm: str, args) -> dict:
             out = eng.generate([prompt], params)[0]
         finally:
             eng.scheduler.run_in_loop(lambda: prof.__exit__(None, None, None)).result()
+        eng.check_kv_invariant()
     meta = out["meta_info"]
     iterations = meta.get("spec_verify_ct") or len(out["output_ids"])
     events = prof.key_averages()

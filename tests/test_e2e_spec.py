@@ -61,6 +61,7 @@ def test_eagle_accepts_several_tokens_per_verify_on_gsm8k(plain_outputs):
         for prompt in prompts[:2]:  # alone: beside others, free text verifies its root alone on the default weights
             eng.generate(prompt, PARAMS)
         assert eng.get_server_info()["stats"]["spec_accept_length"] > 1.5  # a trained head, not a random one
+        eng.check_kv_invariant()
 
 
 def test_json_schema_with_eagle_is_valid_and_exact():

@@ -28,6 +28,9 @@ def test_cli_engine_flags_use_sglang_spellings():
                                  "enable_deterministic_inference": False}
     ns = build_parser().parse_args([])
     assert (ns.host, ns.port, engine_kwargs(ns)) == ("127.0.0.1", 30000, {})
+    # A bool flag whose default is None (the engine decides per device) turns both ways, and is absent unless given.
+    for flag, value in (("--speculative-measured-payoff", True), ("--no-speculative-measured-payoff", False)):
+        assert engine_kwargs(build_parser().parse_args([flag])) == {"speculative_measured_payoff": value}
 
 
 def request(**kwargs) -> ChatCompletionRequest:

@@ -230,14 +230,17 @@ def test_verify_token_cap_keeps_ngram_output_exact(tiny_model_dir, plain):
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]  # some guesses were taken
 
 
+IDLE_PROMPTS = ["The cat sat on the mat. The cat", "one two three one two"]
+
+
 @pytest.mark.parametrize("overlap_off", [False, True])
-def test_an_idle_engine_holds_no_ended_requests_state(tiny_model_dir, overlap_off):
+def test_an_idle_engine_holds_no_ended_requests_state(tiny_model_dir, plain, overlap_off):
     """A request's compute-side state (its compute state, the drafter's n-gram index) is dropped once it ends
     and the loop has nothing else to do, not only when the next batch comes: an idle server keeps no ended
-    request's memory."""
+    request's memory. The same rids served again afterwards give plain decoding's ids."""
+    expected = [o["output_ids"] for o in plain.generate(IDLE_PROMPTS, greedy(24))]
     with ngram_engine(tiny_model_dir, disable_overlap_schedule=overlap_off) as eng:
-        eng.generate(["The cat sat on the mat. The cat", "one two three one two"],
-                     {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+        assert [o["output_ids"] for o in eng.generate(IDLE_PROMPTS, greedy(24), rid=["a", "b"])] == expected
         eng.wait_idle()
         drafter = eng.worker.speculator.drafter
 
@@ -248,4 +251,31 @@ def test_an_idle_engine_holds_no_ended_requests_state(tiny_model_dir, overlap_of
         while eng.scheduler.run_in_loop(held).result() != (0, 0):
             assert time.monotonic() < deadline, eng.scheduler.run_in_loop(held).result()
             time.sleep(0.01)
+        assert [o["output_ids"] for o in eng.generate(IDLE_PROMPTS, greedy(24), rid=["a", "b"])] == expected
         eng.check_kv_invariant()
+
+
+def test_a_failed_idle_release_is_logged_and_the_engine_serves_on(tiny_model_dir, plain, caplog):
+    """Dropping ended requests' state when the loop goes idle cannot fail a request: an error there is logged,
+    the loop goes on, and the next requests are served with plain decoding's ids."""
+    expected = [o["output_ids"] for o in plain.generate(IDLE_PROMPTS, greedy(16))]
+    with ngram_engine(tiny_model_dir) as eng:
+        real, failed = eng.worker.release, []
+
+        def release(rids):
+            if rids and not failed:  # the first hand-over of an ended request: the idle one (one request below)
+                failed.append(tuple(rids))
+                raise RuntimeError("injected release failure")
+            return real(rids)
+
+        eng.worker.release = release
+        assert eng.generate(IDLE_PROMPTS[0], greedy(16))["output_ids"] == expected[0]
+        deadline = time.monotonic() + 10
+        while not failed:
+            assert time.monotonic() < deadline, "the idle loop did not hand the ended request over"
+            time.sleep(0.01)
+        assert [o["output_ids"] for o in eng.generate(IDLE_PROMPTS, greedy(16))] == expected
+        assert eng.is_alive()
+        eng.check_kv_invariant()
+    assert any("injected release failure" in (r.exc_text or "") or "ended requests failed" in r.getMessage()
+               for r in caplog.records)
