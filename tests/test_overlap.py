@@ -7,9 +7,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 import specjet
-from specjet.scheduler.streams import CpuStream
+from specjet.scheduler.streams import CpuStream, make_stream
 
 PROMPTS = [
     "The quick brown fox",
@@ -70,6 +71,63 @@ def test_overlap_matches_the_plain_loop(tiny_model_dir, reference, kwargs):
         assert 0 < overlap["forward_ms_median"] <= overlap["iteration_ms_median"]
     else:
         assert "forward_ms_median" not in overlap
+
+
+def test_iteration_timings_stay_with_their_batches_after_an_idle_release(tiny_model_dir):
+    """The idle loop's hand-over of ended requests runs on the compute stream between batches; it must not
+    shift the stream's timings onto the next batches (each plain decode batch is its forward, then its
+    sampling). Each decode forward is made 20 ms slower, so every decode record's forward is at least that,
+    and the median iteration holds it; a record that took the previous batch's sampling for its forward
+    fails it."""
+    slow_s = 0.02
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        real_forward, real_release, released = eng.worker.forward, eng.worker.release, []
+
+        def forward(batch):
+            if batch.kind.value == "decode":
+                time.sleep(slow_s)
+            return real_forward(batch)
+
+        def release(rids):
+            released.extend(rids)
+            return real_release(rids)
+
+        eng.worker.forward, eng.worker.release = forward, release
+        greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+        eng.generate(PROMPTS[0], greedy, rid="first")
+        deadline = time.monotonic() + 10
+        while "first" not in released:  # the loop went idle and handed the ended request over
+            assert time.monotonic() < deadline, "the idle loop did not hand the ended request over"
+            time.sleep(0.01)
+        eng.generate(PROMPTS[1], dict(greedy, max_new_tokens=12))
+        eng.wait_idle()
+        records = eng.scheduler.run_in_loop(lambda: list(eng.loop._iteration_records)).result()
+        overlap = eng.get_server_info()["stats"]["overlap"]
+        eng.check_kv_invariant()
+    decodes = [r for r in records if r["kind"] == "decode"]
+    assert len(decodes) >= 12
+    assert all(r["forward_s"] >= slow_s for r in decodes), sorted(r["forward_s"] for r in decodes)
+    assert all(r["forward_s"] <= r["compute_s"] for r in decodes)
+    assert slow_s * 1e3 <= overlap["forward_ms_median"] <= overlap["iteration_ms_median"]
+
+
+def test_untimed_stream_items_leave_no_timing():
+    """Housekeeping submitted with timed=False (and synchronize's marker) runs in order but is not timed."""
+    stream = CpuStream()
+    try:
+        order = []
+        stream.submit(order.append, 1)
+        stream.submit(order.append, 2, timed=False)
+        stream.submit(order.append, 3)
+        stream.synchronize()
+        assert order == [1, 2, 3]
+        assert len(stream.take_timings()) == 2
+    finally:
+        stream.close()
+    inline = make_stream(torch.device("cpu"), overlap=False)
+    inline.submit(lambda: None, timed=False).result()
+    inline.submit(lambda: None).result()
+    assert len(inline.take_timings()) == 1
 
 
 def test_retraction_under_kv_pressure_matches(tiny_model_dir):

@@ -148,7 +148,7 @@ class EventLoop:
         rids = self.scheduler.take_released()
         if rids:
             try:
-                self.stream.submit(self.worker.release, rids).result()
+                self.stream.submit(self.worker.release, rids, timed=False).result()
             except Exception:  # dropping state cannot fail a request; a bug here must not stop the loop
                 logger.exception("dropping the compute-side state of %d ended requests failed", len(rids))
 

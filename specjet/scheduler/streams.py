@@ -15,7 +15,9 @@ exception on the caller's thread.
   stream reaches them, so results meant for the host are copied with ``non_blocking`` and an event.
 
 Both stamp each item (submitted, started, ended) so the loop can report how long the compute side
-waited for the host. Nothing above this module branches on the device type.
+waited for the host; an item submitted with ``timed=False`` (housekeeping between batches, such as
+dropping ended requests' state) leaves no timing, so the loop's count of items per batch stays right.
+Nothing above this module branches on the device type.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ class WorkTiming:
 class Stream:
     """An ordered queue of work for the compute side."""
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, timed: bool = True) -> Future:
+        """Run ``fn(*args)`` after everything submitted before; ``timed``: record its timing."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -65,7 +68,9 @@ class Stream:
         self._timings: list[WorkTiming] = []
         self._timings_lock = threading.Lock()
 
-    def _record(self, timing: WorkTiming) -> None:
+    def _record(self, timing: WorkTiming | None) -> None:
+        if timing is None:  # an untimed item
+            return
         with self._timings_lock:
             self._timings.append(timing)
 
@@ -76,7 +81,7 @@ class InlineStream(Stream):
     def __init__(self):
         self._init_timings()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, timed: bool = True) -> Future:
         timing = WorkTiming(time.perf_counter())
         timing.started = timing.submitted
         future: Future = Future()
@@ -85,7 +90,7 @@ class InlineStream(Stream):
         except BaseException as exc:
             future.set_exception(exc)
         timing.ended = time.perf_counter()
-        self._record(timing)
+        self._record(timing if timed else None)
         return future
 
     def synchronize(self) -> None:
@@ -101,13 +106,13 @@ class CpuStream(Stream):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, timed: bool = True) -> Future:
         future: Future = Future()
-        self._queue.put((fn, args, future, WorkTiming(time.perf_counter())))
+        self._queue.put((fn, args, future, WorkTiming(time.perf_counter()) if timed else None))
         return future
 
     def synchronize(self) -> None:
-        self.submit(lambda: None).result()
+        self.submit(lambda: None, timed=False).result()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -125,17 +130,21 @@ class CpuStream(Stream):
             fn, args, future, timing = item
             if not future.set_running_or_notify_cancel():
                 continue
-            timing.started = time.perf_counter()
+            started = time.perf_counter()
             try:
                 result = fn(*args)
             except BaseException as exc:  # handed to whoever waits on the future
-                timing.ended = time.perf_counter()
-                self._record(timing)
+                self._stamp(timing, started)
                 future.set_exception(exc)
             else:
-                timing.ended = time.perf_counter()
-                self._record(timing)
+                self._stamp(timing, started)
                 future.set_result(result)
+
+    def _stamp(self, timing: WorkTiming | None, started: float) -> None:
+        """Record a timed item's run (before its future resolves: whoever waits on it sees its timing)."""
+        if timing is not None:
+            timing.started, timing.ended = started, time.perf_counter()
+            self._record(timing)
 
 
 class CudaStream(Stream):
@@ -146,7 +155,7 @@ class CudaStream(Stream):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, timed: bool = True) -> Future:
         timing = WorkTiming(time.perf_counter())
         future: Future = Future()
         timing.started = time.perf_counter()
@@ -158,7 +167,7 @@ class CudaStream(Stream):
         else:
             future.set_result(result)
         timing.ended = time.perf_counter()  # launch time; the GPU may still be busy
-        self._record(timing)
+        self._record(timing if timed else None)
         return future
 
     def synchronize(self) -> None:
