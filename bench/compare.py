@@ -271,7 +271,8 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
     lines.append(f"# model: {header['model_dir']}")
     for c in header["configs"]:
         e = c["engine"]
-        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}, speculative {spec_str(e['speculative'])}"
+        loop = {True: ", overlap loop", False: ", plain loop"}.get(e.get("overlap_schedule"), "")
+        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}{loop}, speculative {spec_str(e['speculative'])}"
                      + (f"; set: {', '.join(f'{k}={v}' for k, v in c['overrides'].items())}" if c["overrides"] else ""))
     t = header["prompt_tokens"]
     lines += [

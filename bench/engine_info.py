@@ -26,7 +26,7 @@ def describe_engine(engine) -> dict:
     desc = {"dtype": str(worker.runner.dtype).removeprefix("torch."), "quantization": worker.runner.quantization,
             "device": str(worker.device),
             "max_running_requests": engine.args.max_running_requests, "page_size": engine.args.page_size,
-            "speculative": None}
+            "overlap_schedule": engine.loop.overlap, "speculative": None}
     spec = worker.speculator.cfg if worker.speculator is not None else None
     if spec is not None:  # reported under the engine arguments' names (SGLang's)
         if spec.algorithm == "EAGLE":

@@ -319,7 +319,7 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
                                                         entries, args.max_new_tokens, bar, lengths))
                 engine.check_kv_invariant()  # a configuration that leaks KV must not pass for a fast one
                 desc = describe_engine(engine)
-                desc.update(disable_overlap_schedule=engine.args.disable_overlap_schedule,
+                desc.update(disable_overlap_schedule=not engine.loop.overlap,
                             speculative_grammar_aware=engine.args.speculative_grammar_aware)
                 described.append({"name": config.name, "algorithm": config.algorithm, "overlap": config.overlap,
                                   "engine_kwargs": kwargs, "engine": desc})

@@ -1,4 +1,5 @@
-"""Freeing a thread's OpenMP team (kernels/openmp_teams.py): the team's worker threads really go."""
+"""Freeing a thread's OpenMP team (kernels/openmp_teams.py): the team's worker threads really go, and an idle
+engine thread frees its team only when another engine computes (or after a long idle)."""
 import os
 import threading
 import time
@@ -6,6 +7,7 @@ import time
 import pytest
 import torch
 
+from specjet.kernels import openmp_teams
 from specjet.kernels.openmp_teams import _libgomp, release_calling_thread_team
 
 pytestmark = pytest.mark.skipif(_libgomp() is None or torch.get_num_threads() < 2,
@@ -57,38 +59,80 @@ def test_release_without_a_team_is_harmless():
     assert result["ok"] is True
 
 
-def test_an_idle_compute_stream_frees_its_team():
-    """The overlap loop's compute thread gives its team back once idle, and computes again after."""
-    from specjet.scheduler.streams import CpuStream
+def test_an_idle_compute_stream_keeps_its_team_until_another_thread_computes():
+    """The overlap loop's compute thread keeps its team while idle (the next item does not build it again),
+    gives it back once another engine's thread computes, and computes again after."""
+    from specjet.scheduler.streams import IDLE_POLL_S, CpuStream
 
-    stream = CpuStream()
+    stream, other = CpuStream(), openmp_teams.IdleTeam()
     try:
         a = torch.randn(512, 512)
         stream.submit(lambda: None).result()
         before = _thread_count()
         expected, with_team = stream.submit(lambda: (a @ a, _thread_count())).result()
         assert with_team > before
-        assert _wait_for(lambda: _thread_count() <= before), "the idle stream kept its team"
+        time.sleep(4 * IDLE_POLL_S)  # idle, alone: the team stays
+        assert _thread_count() == with_team
+        other.busy()  # this thread now computes for an engine
+        assert _wait_for(lambda: _thread_count() <= before), "the idle stream kept its team beside a busy engine"
         assert torch.equal(stream.submit(lambda: a @ a).result(), expected)
     finally:
+        other.close()
         stream.close()
+
+
+def test_an_idle_compute_stream_frees_its_team_after_a_long_idle(monkeypatch):
+    from specjet.scheduler.streams import CpuStream
+
+    monkeypatch.setattr(openmp_teams, "KEEP_IDLE_TEAM_S", 0.2)
+    stream = CpuStream()
+    try:
+        a = torch.randn(512, 512)
+        stream.submit(lambda: None).result()
+        before = _thread_count()
+        with_team = stream.submit(lambda: (a @ a, _thread_count())[1]).result()
+        assert with_team > before
+        assert _wait_for(lambda: _thread_count() <= before), "the stream kept its team past KEEP_IDLE_TEAM_S"
+    finally:
+        stream.close()
+
+
+def test_the_plain_loop_keeps_its_team_while_idle_alone(tiny_model_dir):
+    """The plain loop computes on its own thread: idle, it keeps that thread's team (a request after a pause
+    does not build it again) until another engine's thread computes."""
+    import specjet
+
+    other = openmp_teams.IdleTeam()
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=True) as eng:
+        try:
+            eng.generate("Hello there", {"temperature": 0, "max_new_tokens": 4})
+            with_team = _thread_count()
+            time.sleep(0.3)  # six of the idle loop's waits
+            assert _thread_count() == with_team
+            other.busy()
+            assert _wait_for(lambda: _thread_count() < with_team), "the idle plain loop kept its team"
+            other.close()
+            assert eng.generate("Hello there", {"temperature": 0, "max_new_tokens": 4})["output_ids"]
+            eng.check_kv_invariant()
+        finally:
+            other.close()
 
 
 def test_a_failing_release_neither_raises_nor_stops_the_stream(monkeypatch):
     """The compute thread frees its team between work items: a failure there must not end the thread
     (every caller waiting on a future would wait for ever)."""
-    from specjet.kernels import openmp_teams
-    from specjet.scheduler.streams import IDLE_RELEASE_S, CpuStream
+    from specjet.scheduler.streams import IDLE_POLL_S, CpuStream
 
     def broken():
         raise OSError("no libgomp")
 
     monkeypatch.setattr(openmp_teams, "_libgomp", broken)
+    monkeypatch.setattr(openmp_teams, "KEEP_IDLE_TEAM_S", 0.0)  # an idle stream releases at once
     assert release_calling_thread_team() is False
     stream = CpuStream()
     try:
         assert stream.submit(lambda: 1).result(timeout=10) == 1
-        time.sleep(3 * IDLE_RELEASE_S)  # the stream went idle and tried to release
+        time.sleep(3 * IDLE_POLL_S)  # the stream went idle and tried to release
         assert stream.submit(lambda: 2).result(timeout=10) == 2
     finally:
         stream.close()

@@ -1,6 +1,6 @@
-"""The overlap loop (the default) gives exactly the plain loop's outputs, and the compute stream runs
-work in order and hands exceptions back. Tiny random-weight model; every workload ends with the KV
-invariant."""
+"""The overlap loop (the default; asked for by name here) gives exactly the plain loop's outputs, and the
+compute stream runs work in order and hands exceptions back. Tiny random-weight model; every workload ends
+with the KV invariant."""
 from __future__ import annotations
 
 import threading
@@ -62,7 +62,7 @@ def reference(tiny_model_dir):
     {"speculative_algorithm": "NGRAM", "disable_overlap_schedule": True, "page_size": 16},
 ])
 def test_overlap_matches_the_plain_loop(tiny_model_dir, reference, kwargs):
-    kwargs = dict({"max_total_tokens": 4096}, **kwargs)
+    kwargs = dict({"max_total_tokens": 4096, "disable_overlap_schedule": False}, **kwargs)
     with specjet.Engine(model_path=str(tiny_model_dir), **kwargs) as eng:
         assert run_workload(eng) == reference
         overlap = eng.get_server_info()["stats"]["overlap"]
@@ -80,7 +80,8 @@ def test_iteration_timings_stay_with_their_batches_after_an_idle_release(tiny_mo
     and the median iteration holds it; a record that took the previous batch's sampling for its forward
     fails it."""
     slow_s = 0.02
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=False) as eng:
+        assert eng.get_server_info()["overlap_schedule"] is True
         real_forward, real_release, released = eng.worker.forward, eng.worker.release, []
 
         def forward(batch):
@@ -143,7 +144,7 @@ def test_retraction_under_kv_pressure_matches(tiny_model_dir):
 
 
 def test_abort_mid_flight_leaves_the_rest_intact(tiny_model_dir, reference):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=False) as eng:
         victim = eng.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True},
                               stream=True)
         first = next(victim)
@@ -164,7 +165,7 @@ def test_invalid_schema_fails_alone_under_overlap(tiny_model_dir, reference):
     params = mixed_params(" the")
     # valid JSON that the grammar compiler refuses (a dangling $ref): it fails its request alone
     params[2] = dict(params[2], json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=False) as eng:
         outs = eng.generate(PROMPTS, params)
         eng.check_kv_invariant()
     assert outs[2]["meta_info"]["finish_reason"]["type"] == "abort"

@@ -259,8 +259,8 @@ def test_greedy_constrained_equals_plain(tiny_model_dir, head, expected, algorit
 
 
 def test_only_the_scheduler_thread_touches_a_requests_matcher(tiny_model_dir, head, expected, monkeypatch):
-    """The thread boundary holds for grammar state: the request's own matcher is advanced and read
-    by the scheduler thread alone, and speculation, on the compute thread, drafts and verifies
+    """The overlap loop's thread boundary holds for grammar state: the request's own matcher is advanced
+    and read by the scheduler thread alone, and speculation, on the compute thread, drafts and verifies
     against a fork of it (overlapped with the host's work), with the same tokens as plain decoding."""
     import threading
 
@@ -280,8 +280,9 @@ def test_only_the_scheduler_thread_touches_a_requests_matcher(tiny_model_dir, he
         monkeypatch.setattr(RequestGrammar, name, spy)
     monkeypatch.setattr(RequestGrammar, "fork", fork)
     with spec_engine(tiny_model_dir, "EAGLE", head, speculative_eagle_topk=2, speculative_num_steps=3,
-                     speculative_num_draft_tokens=8) as eng:
-        # On the CPU the compute side is a thread of its own; on CUDA it is a stream that the
+                     speculative_num_draft_tokens=8, disable_overlap_schedule=False) as eng:
+        # The overlap loop (the default; the plain loop runs everything on the scheduler thread). On the
+        # CPU its compute side is a thread of its own; on CUDA it is a stream that the
         # scheduler thread launches work on, so there the forks are the scheduler thread's too.
         compute_thread = "specjet-compute" if eng.worker.device.type == "cpu" else "specjet-scheduler"
         outs = eng.generate(PROMPTS, MIXED)

@@ -287,6 +287,7 @@ class Engine:
                 "quantization": runner.quantization,
                 "draft_quantization": speculator.cfg.draft_quantization if learned else None,
                 "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
+                "overlap_schedule": self.loop.overlap,  # the loop in effect (disable_overlap_schedule, resolved)
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,
                 "grammar": dict(self.scheduler.grammar_backend.compile_stats), "radix_cache": cache}
 

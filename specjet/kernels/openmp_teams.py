@@ -13,6 +13,12 @@ the same forward costs on the loading thread.
 ``omp_pause_resource_all``; the team is created again if that thread opens another parallel
 region). The engine calls it on the thread that built it, once loading is done. It does nothing
 where torch does not run on GNU OpenMP.
+
+A thread that computes for an engine (the plain loop's scheduler thread, the overlap loop's compute
+thread) keeps its team while it idles (``IdleTeam``): building the team again costs the next request
+several milliseconds (bench/RESULTS.md, session 54), as much as a short request's whole prefill. It
+gives the team back only when another such thread computes (another engine in the process, whose
+workers would otherwise sleep) or after ``KEEP_IDLE_TEAM_S`` of idling.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import ctypes
 import functools
 import logging
 import os
+import threading
+import time
 
 import torch
 
@@ -58,3 +66,46 @@ def release_calling_thread_team() -> bool:
         logger.debug("freeing the OpenMP team failed", exc_info=True)
         return False
     return rc == 0
+
+
+# An idle computing thread keeps its team this long unless another one computes (then it frees it at once).
+KEEP_IDLE_TEAM_S = 10.0
+
+_computing: set[int] = set()  # the idents of the threads computing for an engine now
+_computing_lock = threading.Lock()
+
+
+class IdleTeam:
+    """The OpenMP team of a thread that computes for an engine, across its idle spells: ``busy()`` before it
+    computes, ``idle()`` each time it finds nothing to do (it then frees its team once another engine's
+    thread computes, or after KEEP_IDLE_TEAM_S). Used by that thread alone."""
+
+    def __init__(self):
+        self._idle_since: float | None = None
+        self._marked = False  # in _computing
+        self.released = False
+
+    def busy(self) -> None:
+        if not self._marked:
+            with _computing_lock:
+                _computing.add(threading.get_ident())
+            self._marked = True
+        self._idle_since, self.released = None, False
+
+    def idle(self) -> None:
+        with _computing_lock:
+            _computing.discard(threading.get_ident())
+            others = bool(_computing)
+        self._marked = False
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if not self.released and (others or now - self._idle_since >= KEEP_IDLE_TEAM_S):
+            release_calling_thread_team()
+            self.released = True
+
+    def close(self) -> None:
+        """The thread stops computing for good."""
+        with _computing_lock:
+            _computing.discard(threading.get_ident())
+        self._marked = False

@@ -27,7 +27,7 @@ import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from specjet.kernels.openmp_teams import release_calling_thread_team
+from specjet.kernels.openmp_teams import IdleTeam, release_calling_thread_team
 from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.scheduler import SETTLE_FIRST, Scheduler
 from specjet.scheduler.streams import WorkTiming, make_stream
@@ -61,6 +61,7 @@ class EventLoop:
         self._iteration_records: list[dict] = []  # per batch: compute time and compute-side wait
         self._pending_timings: list[WorkTiming] = []  # stream timings of batches not processed yet
         self._last_compute_end: float | None = None
+        self._team = IdleTeam()  # the plain loop's: its forwards run on the loop's thread
 
     # ---------------------------------------------------------------- the thread
     def run(self) -> None:
@@ -90,6 +91,7 @@ class EventLoop:
             try:
                 sched.close(reason)
             finally:
+                self._team.close()
                 self.stream.close()
 
     def _normal_iteration(self) -> None:
@@ -133,13 +135,19 @@ class EventLoop:
         return launched
 
     def _drain_inbox(self, idle: bool) -> None:
-        """New requests and calls; an idle loop waits for them, and if none came this thread frees its
-        OpenMP team (the plain loop's forwards run here) so that other engines' workers keep spinning."""
+        """New requests and calls; an idle loop waits for them. The plain loop's forwards run on this
+        thread, which keeps its OpenMP team while idle unless another engine computes (``IdleTeam``); the
+        overlap loop's host thread computes nothing, and frees whatever team it made at once."""
         if idle:
             self._release_ended()
         self.scheduler.drain_inbox(block=idle)
         if idle and not self.scheduler.has_work():
-            release_calling_thread_team()
+            if self.overlap:
+                release_calling_thread_team()
+            else:
+                self._team.idle()
+        elif not self.overlap:
+            self._team.busy()
 
     def _release_ended(self) -> None:
         """With nothing in flight, hand the compute side the requests that ended since the last launch (which

@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 import torch
 
-from specjet.kernels.openmp_teams import release_calling_thread_team
+from specjet.kernels.openmp_teams import IdleTeam
 
-# A compute thread idle this long gives its OpenMP team back (kernels/openmp_teams.py): a team
-# costs a few thread starts to build again, an idle one puts every other team's workers to sleep.
-IDLE_RELEASE_S = 0.05
+# An idle compute thread looks this often whether to give its OpenMP team back (kernels/openmp_teams.py
+# IdleTeam: when another engine computes, whose workers an idle team puts to sleep, or after a long idle).
+IDLE_POLL_S = 0.05
 
 
 @dataclass
@@ -119,14 +119,17 @@ class CpuStream(Stream):
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
+        team = IdleTeam()
         while True:
             try:
-                item = self._queue.get(timeout=IDLE_RELEASE_S)
-            except queue.Empty:  # idle: free this thread's OpenMP team so busy engines' workers spin
-                release_calling_thread_team()
-                item = self._queue.get()
+                item = self._queue.get() if team.released else self._queue.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                team.idle()
+                continue
             if item is None:
+                team.close()
                 return
+            team.busy()
             fn, args, future, timing = item
             if not future.set_running_or_notify_cancel():
                 continue
