@@ -72,7 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "float32"],
                        help="default auto: bfloat16 beside quantized weights on CPU, else the model's dtype")
-    group.add_argument("--disable-overlap-schedule", action="store_true", default=None)
+    group.add_argument("--disable-overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                       help="the plain loop (--no-...: the overlap loop; default: plain on the CPU, overlap on CUDA)")
     group.add_argument("--disable-radix-cache", action="store_true", default=None,
                        help="no prefix cache: every prompt is prefilled whole")
     group.add_argument("--chunked-prefill-size", type=int, default=None,

@@ -105,4 +105,7 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
 // layer_stack.cpp
 void register_layer_stack(pybind11::module& module);
 
+// thread_pinning.cpp
+std::vector<int64_t> pin_team_threads(const std::vector<int64_t>& cpus);
+
 }  // namespace specjet_cpu

@@ -48,5 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("verify_tree_sample", &verify_tree_sample,
              "per sampled request: its draft tree's accepted path (-1 padded), the path's length and the bonus token, "
              "by lossless rejection sampling against softmax(logits / T) under top-k, top-p and min-p");
+  module.def("pin_team_threads", &pin_team_threads,
+             "bind thread t of the calling thread's OpenMP team to cpus[t % len(cpus)]; returns each thread's CPU "
+             "(-1 where the binding failed)");
   register_layer_stack(module);
 }

@@ -100,8 +100,8 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
         assert (accept == "n/a") == (name == "none")
     assert "outputs identical: yes (NGRAM, EAGLE vs none, greedy: 8 requests compared)" in stdout
     dtype = str(auto_dtype("cpu")).removeprefix("torch.")  # no --dtype: the CPU's auto choice
-    assert f"# config NGRAM: {dtype} on cpu, overlap loop, speculative NGRAM num_draft_tokens=8" in stdout
-    assert f"# config EAGLE: {dtype} on cpu, overlap loop, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
+    assert f"# config NGRAM: {dtype} on cpu, plain loop, speculative NGRAM num_draft_tokens=8" in stdout
+    assert f"# config EAGLE: {dtype} on cpu, plain loop, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
     assert f"# machine: {describe_cpu()}; " in stdout
     # the kernels a figure was measured on, in its header
     assert f"; bf16 GEMM {bf16_gemm.default_isa()}, quantized GEMM {qgemm.default_isa()}\n" in stdout

@@ -10,12 +10,33 @@ import torch
 from specjet.kernels import openmp_teams
 from specjet.kernels.openmp_teams import _libgomp, release_calling_thread_team
 
-pytestmark = pytest.mark.skipif(_libgomp() is None or torch.get_num_threads() < 2,
-                                reason="torch does not run on GNU OpenMP with 2+ threads here")
+pytestmark = pytest.mark.skipif(_libgomp() is None or (os.cpu_count() or 1) < 2,
+                                reason="torch does not run on GNU OpenMP here, or one CPU")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Teams of two threads, also under pytest-xdist (whose workers get one thread each, conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def _settled_thread_count() -> int:
+    """The thread count once an earlier test's threads have finished exiting (two readings 0.1 s apart agree)."""
+    last, end = _thread_count(), time.monotonic() + 5
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        now = _thread_count()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def _wait_for(predicate, timeout=5.0) -> bool:
@@ -64,17 +85,16 @@ def test_an_idle_compute_stream_keeps_its_team_until_another_thread_computes():
     gives it back once another engine's thread computes, and computes again after."""
     from specjet.scheduler.streams import IDLE_POLL_S, CpuStream
 
-    stream, other = CpuStream(), openmp_teams.IdleTeam()
+    before = _settled_thread_count()
+    stream, other = CpuStream(), openmp_teams.IdleTeam(pin=False)
     try:
         a = torch.randn(512, 512)
-        stream.submit(lambda: None).result()
-        before = _thread_count()
         expected, with_team = stream.submit(lambda: (a @ a, _thread_count())).result()
-        assert with_team > before
+        assert with_team > before + 1  # the stream's thread and its team's workers
         time.sleep(4 * IDLE_POLL_S)  # idle, alone: the team stays
         assert _thread_count() == with_team
         other.busy()  # this thread now computes for an engine
-        assert _wait_for(lambda: _thread_count() <= before), "the idle stream kept its team beside a busy engine"
+        assert _wait_for(lambda: _thread_count() <= before + 1), "the idle stream kept its team beside a busy engine"
         assert torch.equal(stream.submit(lambda: a @ a).result(), expected)
     finally:
         other.close()
@@ -85,14 +105,13 @@ def test_an_idle_compute_stream_frees_its_team_after_a_long_idle(monkeypatch):
     from specjet.scheduler.streams import CpuStream
 
     monkeypatch.setattr(openmp_teams, "KEEP_IDLE_TEAM_S", 0.2)
+    before = _settled_thread_count()
     stream = CpuStream()
     try:
         a = torch.randn(512, 512)
-        stream.submit(lambda: None).result()
-        before = _thread_count()
         with_team = stream.submit(lambda: (a @ a, _thread_count())[1]).result()
-        assert with_team > before
-        assert _wait_for(lambda: _thread_count() <= before), "the stream kept its team past KEEP_IDLE_TEAM_S"
+        assert with_team > before + 1
+        assert _wait_for(lambda: _thread_count() <= before + 1), "the stream kept its team past KEEP_IDLE_TEAM_S"
     finally:
         stream.close()
 
@@ -102,11 +121,13 @@ def test_the_plain_loop_keeps_its_team_while_idle_alone(tiny_model_dir):
     does not build it again) until another engine's thread computes."""
     import specjet
 
-    other = openmp_teams.IdleTeam()
+    other = openmp_teams.IdleTeam(pin=False)
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=True) as eng:
         try:
             eng.generate("Hello there", {"temperature": 0, "max_new_tokens": 4})
-            with_team = _thread_count()
+            if len(openmp_teams._PROCESS_CPUS) >= 2:  # its forwards' thread is bound to a CPU of its own
+                assert _allowed_cpus(eng._thread.native_id) == str(openmp_teams._PROCESS_CPUS[0])
+            with_team = _settled_thread_count()
             time.sleep(0.3)  # six of the idle loop's waits
             assert _thread_count() == with_team
             other.busy()
@@ -116,6 +137,54 @@ def test_the_plain_loop_keeps_its_team_while_idle_alone(tiny_model_dir):
             eng.check_kv_invariant()
         finally:
             other.close()
+
+
+def _allowed_cpus(native_id: int) -> str:
+    for line in open(f"/proc/self/task/{native_id}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("no Cpus_allowed_list")
+
+
+needs_two_cpus = pytest.mark.skipif(len(openmp_teams._PROCESS_CPUS) < 2, reason="one CPU: nothing to bind apart")
+
+
+@needs_two_cpus
+def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
+    """The calling thread goes to the process's first CPU and each worker to the next ones (what
+    OMP_PROC_BIND=true does); the team still computes the same; SPECJET_PIN_THREADS=0 binds nothing."""
+    cpus = openmp_teams._PROCESS_CPUS
+    result = {}
+
+    def body():
+        a = torch.randn(256, 256)
+        expected = a @ a
+        result["pinned"] = openmp_teams.pin_calling_team()
+        result["mine"] = _allowed_cpus(threading.get_native_id())
+        result["workers"] = sorted(_allowed_cpus(int(t)) for t in os.listdir("/proc/self/task")
+                                   if int(t) != threading.get_native_id())
+        result["same"] = torch.equal(a @ a, expected)
+        release_calling_thread_team()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert result["pinned"] is True and result["same"]
+    assert result["mine"] == str(cpus[0])
+    team = torch.get_num_threads()
+    assert sum(w == str(cpus[i % len(cpus)]) for w in result["workers"] for i in range(1, team)) >= team - 1
+
+    monkeypatch.setenv(openmp_teams.PIN_ENV, "0")
+    off = {}
+
+    def unpinned():
+        off["pinned"] = openmp_teams.pin_calling_team()
+        off["mine"] = _allowed_cpus(threading.get_native_id())
+
+    t = threading.Thread(target=unpinned)
+    t.start()
+    t.join()
+    assert off["pinned"] is False and off["mine"] != str(cpus[0])
 
 
 def test_a_failing_release_neither_raises_nor_stops_the_stream(monkeypatch):

@@ -1,6 +1,6 @@
-"""The overlap loop (the default; asked for by name here) gives exactly the plain loop's outputs, and the
-compute stream runs work in order and hands exceptions back. Tiny random-weight model; every workload ends
-with the KV invariant."""
+"""The overlap loop (the default on CUDA; asked for by name here) gives exactly the plain loop's outputs (the
+CPU's default), and the compute stream runs work in order and hands exceptions back. Tiny random-weight
+model; every workload ends with the KV invariant."""
 from __future__ import annotations
 
 import threading
@@ -129,6 +129,20 @@ def test_untimed_stream_items_leave_no_timing():
     inline.submit(lambda: None, timed=False).result()
     inline.submit(lambda: None).result()
     assert len(inline.take_timings()) == 1
+
+
+def test_the_default_loop_is_the_plain_one_on_the_cpu_and_the_overlap_one_on_cuda(tiny_model_dir):
+    from specjet.engine.loading import use_overlap_schedule
+
+    assert use_overlap_schedule(None, torch.device("cpu")) is False
+    assert use_overlap_schedule(None, torch.device("cuda")) is True
+    assert use_overlap_schedule(False, torch.device("cpu")) is True
+    assert use_overlap_schedule(True, torch.device("cuda")) is False
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        assert eng.get_server_info()["overlap_schedule"] is False
+        assert not eng.loop.overlap and eng.loop.stream.__class__.__name__ == "InlineStream"
+        eng.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})
+        eng.check_kv_invariant()
 
 
 def test_retraction_under_kv_pressure_matches(tiny_model_dir):

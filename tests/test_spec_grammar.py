@@ -281,8 +281,8 @@ def test_only_the_scheduler_thread_touches_a_requests_matcher(tiny_model_dir, he
     monkeypatch.setattr(RequestGrammar, "fork", fork)
     with spec_engine(tiny_model_dir, "EAGLE", head, speculative_eagle_topk=2, speculative_num_steps=3,
                      speculative_num_draft_tokens=8, disable_overlap_schedule=False) as eng:
-        # The overlap loop (the default; the plain loop runs everything on the scheduler thread). On the
-        # CPU its compute side is a thread of its own; on CUDA it is a stream that the
+        # The overlap loop (asked for: the CPU's default is the plain loop, all on the scheduler thread). On
+        # the CPU its compute side is a thread of its own; on CUDA it is a stream that the
         # scheduler thread launches work on, so there the forks are the scheduler thread's too.
         compute_thread = "specjet-compute" if eng.worker.device.type == "cpu" else "specjet-scheduler"
         outs = eng.generate(PROMPTS, MIXED)

@@ -40,7 +40,11 @@ class EngineArgs:
     # The radix prefix cache (scheduler/radix_cache.py): requests sharing a prefix share its KV.
     disable_radix_cache: bool = False
     context_length: int | None = None  # None: the model's max_position_embeddings
-    disable_overlap_schedule: bool = False
+    # SGLang's name. None (default): the overlap loop on CUDA, the plain loop on the CPU, where the host's
+    # work cannot run beside a forward (the C++ kernels keep the GIL, and their threads every core;
+    # csrc/module.cpp): there the overlap loop's thread hand-offs only add time (bench/RESULTS.md, session
+    # 54). True: the plain loop; False: the overlap loop.
+    disable_overlap_schedule: bool | None = None
     grammar_backend: str = "xgrammar"
     # Limits on one grammar (specjet's own; each failure is a clear per-request error): seconds a
     # compile may take (None: no limit; the dev set's slowest schema takes well under one) and the

@@ -31,6 +31,13 @@ class Components:
     loop: EventLoop  # runs both on the scheduler thread
 
 
+def use_overlap_schedule(disable_overlap_schedule: bool | None, device: torch.device) -> bool:
+    """Whether the engine runs the overlap loop: as asked, else on CUDA only (EngineArgs says why)."""
+    if disable_overlap_schedule is None:
+        return device.type != "cpu"
+    return not disable_overlap_schedule
+
+
 def load_components(args: EngineArgs, device: torch.device) -> Components:
     # Nothing is fetched from a hub: the model directory is local (or converted from a local GGUF).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,5 +86,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)
     scheduler = Scheduler(tokenizer, grammar, sched_config, allocator, req_to_token_pool, config.vocab_size,
                           config.eos_token_ids, spec=speculator)
-    loop = EventLoop(scheduler, worker, overlap=not args.disable_overlap_schedule)
+    overlap = use_overlap_schedule(args.disable_overlap_schedule, runner.device)
+    logger.info("scheduler loop: %s", "overlap" if overlap else "plain")
+    loop = EventLoop(scheduler, worker, overlap=overlap)
     return Components(tokenizer, scheduler, worker, loop)

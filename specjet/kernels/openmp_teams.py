@@ -16,9 +16,12 @@ where torch does not run on GNU OpenMP.
 
 A thread that computes for an engine (the plain loop's scheduler thread, the overlap loop's compute
 thread) keeps its team while it idles (``IdleTeam``): building the team again costs the next request
-several milliseconds (bench/RESULTS.md, session 54), as much as a short request's whole prefill. It
-gives the team back only when another such thread computes (another engine in the process, whose
-workers would otherwise sleep) or after ``KEEP_IDLE_TEAM_S`` of idling.
+milliseconds (bench/RESULTS.md, session 54). It gives the team back only when another such thread
+computes (another engine in the process, whose workers would otherwise sleep) or after
+``KEEP_IDLE_TEAM_S`` of idling. And it binds its team's threads to one CPU each (``pin_calling_team``,
+what OMP_PROC_BIND=true does for a process that sets it before OpenMP starts): unbound, the workers
+that slept through an idle spell wake on whatever CPU the kernel picks, often their master's, and the
+first forward after the pause ran ~5x slower; ``SPECJET_PIN_THREADS=0`` leaves them unbound.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ _RTLD_NOLOAD = getattr(os, "RTLD_NOLOAD", 4)  # open only what is already loaded
 logger = logging.getLogger(__name__)
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime's state
+
+PIN_ENV = "SPECJET_PIN_THREADS"
+# The CPUs this process may run on, read once (at import, normally on the main thread: a pinned thread's
+# own set is its one CPU).
+_PROCESS_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,14 +83,33 @@ _computing: set[int] = set()  # the idents of the threads computing for an engin
 _computing_lock = threading.Lock()
 
 
+def pin_calling_team() -> bool:
+    """Bind the calling thread's OpenMP team (itself and its workers, creating them if need be) to one CPU
+    each of the process's set; True where every thread was bound. Never raises (an optimisation only)."""
+    if os.environ.get(PIN_ENV, "1").strip() == "0" or not _PROCESS_CPUS:
+        return False
+    try:
+        from specjet.kernels.cpu_ops import extension
+
+        ext = extension()
+        if ext is None or not hasattr(ext, "pin_team_threads"):
+            return False
+        return min(ext.pin_team_threads(_PROCESS_CPUS)) >= 0
+    except Exception:
+        logger.debug("binding the OpenMP team to CPUs failed", exc_info=True)
+        return False
+
+
 class IdleTeam:
     """The OpenMP team of a thread that computes for an engine, across its idle spells: ``busy()`` before it
-    computes, ``idle()`` each time it finds nothing to do (it then frees its team once another engine's
-    thread computes, or after KEEP_IDLE_TEAM_S). Used by that thread alone."""
+    computes (the first time, and after its team was freed, it binds the team's threads to CPUs: ``pin``),
+    ``idle()`` each time it finds nothing to do (it then frees its team once another engine's thread
+    computes, or after KEEP_IDLE_TEAM_S). Used by that thread alone."""
 
-    def __init__(self):
+    def __init__(self, pin: bool = True):
         self._idle_since: float | None = None
         self._marked = False  # in _computing
+        self._pin, self._pinned = pin, False
         self.released = False
 
     def busy(self) -> None:
@@ -90,6 +117,9 @@ class IdleTeam:
             with _computing_lock:
                 _computing.add(threading.get_ident())
             self._marked = True
+        if self._pin and not self._pinned:
+            pin_calling_team()
+            self._pinned = True  # tried: a thread that cannot be bound is not tried every step
         self._idle_since, self.released = None, False
 
     def idle(self) -> None:
@@ -102,7 +132,7 @@ class IdleTeam:
             self._idle_since = now
         if not self.released and (others or now - self._idle_since >= KEEP_IDLE_TEAM_S):
             release_calling_thread_team()
-            self.released = True
+            self.released, self._pinned = True, False  # a new team's workers are new threads
 
     def close(self) -> None:
         """The thread stops computing for good."""

@@ -61,7 +61,8 @@ class EventLoop:
         self._iteration_records: list[dict] = []  # per batch: compute time and compute-side wait
         self._pending_timings: list[WorkTiming] = []  # stream timings of batches not processed yet
         self._last_compute_end: float | None = None
-        self._team = IdleTeam()  # the plain loop's: its forwards run on the loop's thread
+        # The plain loop's forwards run on the loop's thread: its team (bound to CPUs where they are the CPU's).
+        self._team = IdleTeam(pin=worker.device.type == "cpu")
 
     # ---------------------------------------------------------------- the thread
     def run(self) -> None:
