@@ -126,7 +126,8 @@ def test_the_plain_loop_keeps_its_team_while_idle_alone(tiny_model_dir):
         try:
             eng.generate("Hello there", {"temperature": 0, "max_new_tokens": 4})
             if len(openmp_teams._PROCESS_CPUS) >= 2:  # its forwards' thread is bound to a CPU of its own
-                assert _allowed_cpus(eng._thread.native_id) == str(openmp_teams._PROCESS_CPUS[0])
+                start = openmp_teams._team_starts[eng._thread.ident]
+                assert _allowed_cpus(eng._thread.native_id) == str(openmp_teams._PROCESS_CPUS[start])
             with_team = _settled_thread_count()
             time.sleep(0.3)  # six of the idle loop's waits
             assert _thread_count() == with_team
@@ -161,6 +162,7 @@ def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
         expected = a @ a
         result["pinned"] = openmp_teams.pin_calling_team()
         result["mine"] = _allowed_cpus(threading.get_native_id())
+        result["start"] = openmp_teams._team_starts[threading.get_ident()]
         result["workers"] = sorted(_allowed_cpus(int(t)) for t in os.listdir("/proc/self/task")
                                    if int(t) != threading.get_native_id())
         result["same"] = torch.equal(a @ a, expected)
@@ -170,9 +172,10 @@ def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
     t.start()
     t.join()
     assert result["pinned"] is True and result["same"]
-    assert result["mine"] == str(cpus[0])
     team = torch.get_num_threads()
-    assert sum(w == str(cpus[i % len(cpus)]) for w in result["workers"] for i in range(1, team)) >= team - 1
+    block = openmp_teams.team_cpus(cpus, result["start"], team)
+    assert result["mine"] == str(block[0])
+    assert sum(w in {str(c) for c in block[1:]} for w in result["workers"]) >= team - 1
 
     monkeypatch.setenv(openmp_teams.PIN_ENV, "0")
     off = {}
@@ -184,7 +187,14 @@ def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
     t = threading.Thread(target=unpinned)
     t.start()
     t.join()
-    assert off["pinned"] is False and off["mine"] != str(cpus[0])
+    assert off["pinned"] is False and ("," in off["mine"] or "-" in off["mine"])  # still every CPU
+
+
+def test_teams_take_consecutive_blocks_of_cpus():
+    assert openmp_teams.team_cpus([0, 1, 2, 3], 0, 2) == [0, 1]
+    assert openmp_teams.team_cpus([0, 1, 2, 3], 2, 2) == [2, 3]
+    assert openmp_teams.team_cpus([4, 5, 6], 2, 3) == [6, 4, 5]  # around the list
+    assert openmp_teams.team_cpus([0, 1], 0, 3) == [0, 1, 0]  # more threads than CPUs
 
 
 def test_a_failing_release_neither_raises_nor_stops_the_stream(monkeypatch):

@@ -83,9 +83,24 @@ _computing: set[int] = set()  # the idents of the threads computing for an engin
 _computing_lock = threading.Lock()
 
 
+# Where each computing thread's team starts in the process's CPU list (by thread ident): engines in one process
+# take consecutive blocks of CPUs, so two that compute at once on a machine with the CPUs for both do not share.
+_team_starts: dict[int, int] = {}
+_next_start = 0
+_starts_lock = threading.Lock()
+
+
+def team_cpus(cpus: list[int], start: int, team: int) -> list[int]:
+    """The CPUs of a team of ``team`` threads whose block starts at ``cpus[start]``: thread t's is entry t
+    (around the list where the team outnumbers it)."""
+    return [cpus[(start + t) % len(cpus)] for t in range(team)]
+
+
 def pin_calling_team() -> bool:
     """Bind the calling thread's OpenMP team (itself and its workers, creating them if need be) to one CPU
-    each of the process's set; True where every thread was bound. Never raises (an optimisation only)."""
+    each of the process's set: the calling thread's first time, the next free block of CPUs, kept when it
+    binds a new team later. True where every thread was bound. Never raises (an optimisation only)."""
+    global _next_start
     if os.environ.get(PIN_ENV, "1").strip() == "0" or not _PROCESS_CPUS:
         return False
     try:
@@ -94,7 +109,13 @@ def pin_calling_team() -> bool:
         ext = extension()
         if ext is None or not hasattr(ext, "pin_team_threads"):
             return False
-        return min(ext.pin_team_threads(_PROCESS_CPUS)) >= 0
+        team = torch.get_num_threads()
+        with _starts_lock:
+            start = _team_starts.get(threading.get_ident())
+            if start is None:
+                start = _team_starts[threading.get_ident()] = _next_start
+                _next_start = (_next_start + team) % len(_PROCESS_CPUS)
+        return min(ext.pin_team_threads(team_cpus(_PROCESS_CPUS, start, team))) >= 0
     except Exception:
         logger.debug("binding the OpenMP team to CPUs failed", exc_info=True)
         return False
