@@ -130,7 +130,7 @@ class IdleTeam:
     def __init__(self, pin: bool = True):
         self._idle_since: float | None = None
         self._marked = False  # in _computing
-        self._pin, self._pinned = pin, False
+        self._pin, self._pinned = pin, 0  # the team size last bound (0: none): a new size is a new team
         self.released = False
 
     def busy(self) -> None:
@@ -138,9 +138,9 @@ class IdleTeam:
             with _computing_lock:
                 _computing.add(threading.get_ident())
             self._marked = True
-        if self._pin and not self._pinned:
+        if self._pin and self._pinned != torch.get_num_threads():
             pin_calling_team()
-            self._pinned = True  # tried: a thread that cannot be bound is not tried every step
+            self._pinned = torch.get_num_threads()  # tried: a thread that cannot be bound is not tried every step
         self._idle_since, self.released = None, False
 
     def idle(self) -> None:
@@ -153,7 +153,7 @@ class IdleTeam:
             self._idle_since = now
         if not self.released and (others or now - self._idle_since >= KEEP_IDLE_TEAM_S):
             release_calling_thread_team()
-            self.released, self._pinned = True, False  # a new team's workers are new threads
+            self.released, self._pinned = True, 0  # a new team's workers are new threads
 
     def close(self) -> None:
         """The thread stops computing for good."""
