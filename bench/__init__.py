@@ -7,6 +7,8 @@
 - ``bench.json``: schema-valid JSON on the JSON-schema dev set: validity, TTFT, TPOT, tokens/s and accept
   length per configuration (speculation, grammar-aware drafting, overlap), against unconstrained decoding.
 
+- ``bench.pause``: short requests after the engine idled (an agent app's sporadic calls), per loop.
+
 ``bench.common`` holds what they share: the engine-argument flags, the GSM8K and JSON-schema prompts,
 concurrent generation, the machine and the report header. Recorded figures go to ``bench/RESULTS.md``.
 """
