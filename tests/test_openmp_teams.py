@@ -190,6 +190,15 @@ def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
     assert off["pinned"] is False and ("," in off["mine"] or "-" in off["mine"])  # still every CPU
 
 
+def test_teams_take_one_thread_of_each_core_first():
+    siblings_apart = {0: (0, 0), 1: (0, 1), 2: (0, 2), 3: (0, 3), 4: (0, 0), 5: (0, 1), 6: (0, 2), 7: (0, 3)}
+    siblings_together = {0: (0, 0), 1: (0, 0), 2: (0, 1), 3: (0, 1), 4: (1, 0), 5: (1, 0)}
+    assert openmp_teams.cores_first(list(range(8)), siblings_apart.get) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert openmp_teams.cores_first(list(range(6)), siblings_together.get) == [0, 2, 4, 1, 3, 5]
+    assert openmp_teams.cores_first([3, 1, 2], lambda cpu: None) == [1, 2, 3]  # no topology: numeric order
+    assert openmp_teams.cores_first([5, 4], siblings_together.get) == [4, 5]  # one core's two threads
+
+
 def test_teams_take_consecutive_blocks_of_cpus():
     assert openmp_teams.team_cpus([0, 1, 2, 3], 0, 2) == [0, 1]
     assert openmp_teams.team_cpus([0, 1, 2, 3], 2, 2) == [2, 3]

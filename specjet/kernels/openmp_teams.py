@@ -41,9 +41,36 @@ logger = logging.getLogger(__name__)
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime's state
 
 PIN_ENV = "SPECJET_PIN_THREADS"
+_TOPOLOGY = "/sys/devices/system/cpu/cpu{}/topology/{}"
+
+
+def _core_of(cpu: int) -> tuple[int, int] | None:
+    """(package, core) of a logical CPU from sysfs, or None where the kernel does not say."""
+    try:
+        with open(_TOPOLOGY.format(cpu, "physical_package_id")) as package, open(_TOPOLOGY.format(cpu, "core_id")) as core:
+            return int(package.read()), int(core.read())
+    except (OSError, ValueError):
+        return None
+
+
+def cores_first(cpus: list[int], core_of=_core_of) -> list[int]:
+    """``cpus`` ordered so that a team takes one hardware thread of each physical core before any core's
+    second (SMT siblings are numbered apart on some machines, side by side on others): the first CPU of
+    every core in (package, core) order, then the second ones, ... Numeric order where the topology is
+    unknown."""
+    cores: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(cpus):
+        core = core_of(cpu)
+        if core is None:
+            return sorted(cpus)
+        cores.setdefault(core, []).append(cpu)
+    groups = [cores[k] for k in sorted(cores)]
+    return [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
+
+
 # The CPUs this process may run on, read once (at import, normally on the main thread: a pinned thread's
-# own set is its one CPU).
-_PROCESS_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+# own set is its one CPU), physical cores first.
+_PROCESS_CPUS = cores_first(list(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else []
 
 
 @functools.lru_cache(maxsize=1)
