@@ -190,6 +190,13 @@ def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
     assert off["pinned"] is False and ("," in off["mine"] or "-" in off["mine"])  # still every CPU
 
 
+def test_the_idle_keep_comes_from_the_environment_and_bad_values_keep_the_default():
+    assert openmp_teams.keep_idle_seconds(None) == 10.0 and openmp_teams.keep_idle_seconds(" ") == 10.0
+    assert openmp_teams.keep_idle_seconds("0") == 0.0 and openmp_teams.keep_idle_seconds("2.5") == 2.5
+    for bad in ("-1", "nan", "inf", "soon"):
+        assert openmp_teams.keep_idle_seconds(bad) == 10.0
+
+
 def test_teams_take_one_thread_of_each_core_first():
     siblings_apart = {0: (0, 0), 1: (0, 1), 2: (0, 2), 3: (0, 3), 4: (0, 0), 5: (0, 1), 6: (0, 2), 7: (0, 3)}
     siblings_together = {0: (0, 0), 1: (0, 0), 2: (0, 1), 3: (0, 1), 4: (1, 0), 5: (1, 0)}
