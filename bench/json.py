@@ -319,8 +319,7 @@ def run_all(configs: list[Config], base: dict, entries: list[dict], args: argpar
                                                         entries, args.max_new_tokens, bar, lengths))
                 engine.check_kv_invariant()  # a configuration that leaks KV must not pass for a fast one
                 desc = describe_engine(engine)
-                desc.update(disable_overlap_schedule=not engine.loop.overlap,
-                            speculative_grammar_aware=engine.args.speculative_grammar_aware)
+                desc.update(speculative_grammar_aware=engine.args.speculative_grammar_aware)
                 described.append({"name": config.name, "algorithm": config.algorithm, "overlap": config.overlap,
                                   "engine_kwargs": kwargs, "engine": desc})
             finally:
@@ -437,7 +436,7 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
         e = c["engine"]
         ga = f", grammar-aware {e['speculative_grammar_aware']}" if e["speculative"] else ""
         lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}, speculative {spec_str(e['speculative'])}"
-                     f"{ga}, overlap {'off' if e['disable_overlap_schedule'] else 'on'}")
+                     f"{ga}, overlap {'on' if e['overlap_schedule'] else 'off'}")
     t = header["prompt_tokens"]
     lines += [
         f"# {t['count']} schemas of {header['schema_dir']} ({t['min']}-{t['max']} prompt tokens, chat template), "

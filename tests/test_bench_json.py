@@ -187,7 +187,7 @@ def test_tiny_model_ngram_overlap_on_and_off(tiny_model_dir, tmp_path, capsys):
             [q["completion_tokens"] for q in results[("none/on", bs)]["per_request"]]
     ngram = next(c for c in record["configs"] if c["name"] == "NGRAM-GA/off")["engine"]
     assert ngram["speculative"]["num_draft_tokens"] == 4 and ngram["speculative_grammar_aware"] is True
-    assert ngram["disable_overlap_schedule"] is True
+    assert ngram["overlap_schedule"] is False
 
 
 def test_repeats_pair_each_constrained_run_with_an_unconstrained_one(tiny_model_dir, capsys):

@@ -190,11 +190,14 @@ def test_pinning_binds_each_thread_of_the_team_to_its_own_cpu(monkeypatch):
     assert off["pinned"] is False and ("," in off["mine"] or "-" in off["mine"])  # still every CPU
 
 
-def test_the_idle_keep_comes_from_the_environment_and_bad_values_keep_the_default():
+def test_the_idle_keep_comes_from_the_environment_and_bad_values_keep_the_default(caplog):
     assert openmp_teams.keep_idle_seconds(None) == 10.0 and openmp_teams.keep_idle_seconds(" ") == 10.0
     assert openmp_teams.keep_idle_seconds("0") == 0.0 and openmp_teams.keep_idle_seconds("2.5") == 2.5
     for bad in ("-1", "nan", "inf", "soon"):
+        caplog.clear()
         assert openmp_teams.keep_idle_seconds(bad) == 10.0
+        assert any(openmp_teams.KEEP_IDLE_ENV in r.getMessage() and repr(bad) in r.getMessage()
+                   for r in caplog.records), bad
 
 
 def test_teams_take_one_thread_of_each_core_first():
@@ -211,6 +214,30 @@ def test_teams_take_consecutive_blocks_of_cpus():
     assert openmp_teams.team_cpus([0, 1, 2, 3], 2, 2) == [2, 3]
     assert openmp_teams.team_cpus([4, 5, 6], 2, 3) == [6, 4, 5]  # around the list
     assert openmp_teams.team_cpus([0, 1], 0, 3) == [0, 1, 0]  # more threads than CPUs
+
+
+def test_a_failing_binding_neither_raises_nor_stops_the_stream(monkeypatch):
+    """The compute thread binds its team before its first item: an op that fails there must not end the thread
+    (the item's caller would wait for ever); the item runs unbound."""
+    from specjet.kernels import cpu_ops
+    from specjet.scheduler.streams import CpuStream
+
+    class Broken:
+        def __getattr__(self, name):
+            if name == "pin_team_threads":
+                def fail(cpus):
+                    raise RuntimeError("injected binding failure")
+                return fail
+            raise AttributeError(name)
+
+    monkeypatch.setattr(cpu_ops, "extension", lambda: Broken())
+    assert openmp_teams.pin_calling_team() is False
+    stream = CpuStream()
+    try:
+        assert stream.submit(lambda: 1).result(timeout=10) == 1
+        assert stream.submit(lambda: 2).result(timeout=10) == 2
+    finally:
+        stream.close()
 
 
 def test_a_failing_release_neither_raises_nor_stops_the_stream(monkeypatch):
