@@ -15,6 +15,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -175,6 +177,67 @@ class LayerStack {
     return {x, taken};
   }
 
+  // A decode step from host lists, then the final norm: request i feeds token ids[i] at position positions[i] of
+  // table row rows[i], writes its KV to slot table[rows[i], positions[i]] and sees positions 0 .. positions[i].
+  // The inputs are the values models/llama.py's forward builds from ForwardBatch.from_host and
+  // host_token_tensors (embedding rows, RoPE table rows, slots, the attention's metadata) and the calls after
+  // the layers are its final norm's, so the result has the same bits: the rows the LM head reads, [B, hidden].
+  // What goes is a dozen small torch ops and their Python, each costing more than its work on a decode step.
+  torch::Tensor decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                       const std::vector<int64_t>& rows, const torch::Tensor& table, const torch::Tensor& embed,
+                       const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& norm, double eps, int64_t attention_isa) const {
+    const int64_t batch = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(batch > 0 && positions.size() == ids.size() && rows.size() == ids.size(),
+                "layer stack decode: ids, positions and rows must be non-empty lists of one length");
+    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.device().is_cpu(),
+                "layer stack decode: the request-to-token table must be a contiguous CPU int64 [rows, positions] tensor");
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.device().is_cpu(),
+                "layer stack decode: the embedding must be a contiguous CPU [vocab, hidden] tensor");
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.is_contiguous() && sin_table.sizes().equals(cos_table.sizes()) &&
+                    sin_table.is_contiguous() && sin_table.scalar_type() == cos_table.scalar_type(),
+                "layer stack decode: the RoPE tables must be contiguous [positions, D/2] tensors of one dtype");
+    const int64_t vocab = embed.size(0), width = table.size(1), table_rows = table.size(0);
+    const int64_t rope_rows = cos_table.size(0);
+    int64_t max_kv = 0;
+    for (int64_t i = 0; i < batch; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "layer stack decode: token id ", ids[i], " outside [0, ", vocab, ")");
+      TORCH_CHECK(rows[i] >= 0 && rows[i] < table_rows, "layer stack decode: table row ", rows[i], " outside [0, ",
+                  table_rows, ")");
+      TORCH_CHECK(positions[i] >= 0 && positions[i] < width && positions[i] < rope_rows, "layer stack decode: position ",
+                  positions[i], " outside the table (", width, ") or the RoPE table (", rope_rows, ")");
+      max_kv = std::max(max_kv, positions[i] + 1);
+    }
+    auto rows_of = [&](const torch::Tensor& source, const std::vector<int64_t>& index) {
+      torch::Tensor out = torch::empty({batch, source.size(1)}, source.options());
+      const int64_t bytes = source.size(1) * source.element_size();
+      const auto* from = static_cast<const char*>(source.data_ptr());
+      auto* to = static_cast<char*>(out.data_ptr());
+      for (int64_t i = 0; i < batch; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
+      return out;
+    };
+    torch::Tensor x = rows_of(embed, ids), cos = rows_of(cos_table, positions), sin = rows_of(sin_table, positions);
+    const auto longs = torch::TensorOptions().dtype(torch::kInt64);
+    torch::Tensor slots = torch::empty({batch}, longs), kv_lens = torch::empty({batch}, longs);
+    torch::Tensor q_lens = torch::ones({batch}, longs), q_starts = torch::arange(batch, longs);
+    torch::Tensor kv_indices = torch::zeros({batch, max_kv}, longs);  // past a row's length: slot 0 (padding)
+    const int64_t* t = table.data_ptr<int64_t>();
+    int64_t* slot = slots.data_ptr<int64_t>();
+    int64_t* kv_len = kv_lens.data_ptr<int64_t>();
+    int64_t* kv = kv_indices.data_ptr<int64_t>();
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t* row = t + rows[i] * width;
+      slot[i] = row[positions[i]];
+      kv_len[i] = positions[i] + 1;
+      std::memcpy(kv + i * max_kv, row, kv_len[i] * sizeof(int64_t));
+    }
+    auto [out, taken] = run(x, cos, sin, k_cache, v_cache, slots, kv_indices, kv_lens, q_lens, q_starts, c10::nullopt,
+                            attention_isa, {});
+    torch::Tensor normed, unused;
+    specjet_cpu::rms_norm_into(out, norm, eps, nullptr, unused, normed);
+    return normed;
+  }
+
  private:
   int64_t num_heads_, head_dim_;
   double scale_;
@@ -228,7 +291,8 @@ void register_layer_stack(pybind11::module& module) {
       .def("add_layer", &LayerStack::add_layer)
       .def("__len__", &LayerStack::size)
       // The call keeps the GIL (module.cpp says why).
-      .def("run", &LayerStack::run);
+      .def("run", &LayerStack::run)
+      .def("decode", &LayerStack::decode);
 }
 
 }  // namespace specjet_cpu

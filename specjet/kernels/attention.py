@@ -143,7 +143,12 @@ def native_whole_batch_args(meta: AttentionMetadata) -> tuple | None:
     """The C++ kernel's metadata arguments (the kernels/layer_stack.py loop passes them to every layer):
     where the kernel runs, ``paged_attention_invariant`` runs the whole batch as one call of it
     (``_work_parts``); None where it does not (the torch path)."""
-    return native_attention_args(meta) if native_attention_available() else None
+    return native_attention_args(meta) if native_whole_batch() else None
+
+
+def native_whole_batch() -> bool:
+    """Whether a batch's attention runs as one call of the C++ kernel (``native_whole_batch_args``' test)."""
+    return native_attention_available()
 
 
 def _run_part(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shared: torch.Tensor | None):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.attention import paged_attention
+from specjet.kernels.attention import native_whole_batch, paged_attention
 from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
@@ -110,6 +110,13 @@ class Rotary:
                 pass
         cos, sin = self._grow(dtype, int(positions.max()) + 1 if positions.numel() else 1)
         return cos[positions], sin[positions]
+
+    def table(self, dtype, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tables of cos and sin rows ([>= positions, D/2] each, contiguous), grown to cover ``positions``."""
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < positions:
+            table = self._grow(dtype, positions)
+        return table
 
     def _compute(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -343,6 +350,26 @@ class LlamaForCausalLM(nn.Module):
         if feature_layers:
             hidden = torch.cat([*residuals, hidden], dim=-1)
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
+
+    @torch.inference_mode()
+    def decode_lists(self, ids: list[int], positions: list[int], rows: list[int], table: torch.Tensor,
+                     kv_cache: KVCache, defer_logits: bool = False) -> ModelOutput | None:
+        """A decode step from host lists (request i: token ``ids[i]`` at ``positions[i]`` of table row ``rows[i]``)
+        as one C++ call of the layer stack (``LayerStack.decode``): ``forward`` of the batch ``ForwardBatch.from_host``
+        and ``host_token_tensors`` build from the same lists, the same bits (tested), without their dozen small torch
+        ops. None (nothing run) where that call does not apply: no layer stack, the attention or embedding off the
+        CPU kernels, a table or cache the call does not take."""
+        stack, native = self.layer_stack, self._native_norm
+        weight = self.embed_tokens.weight
+        if (stack is None or native is None or not native_whole_batch() or type(self.embed_tokens)
+                is not nn.Embedding or weight.device.type != "cpu" or table.device.type != "cpu"):
+            return None
+        cos, sin = self.rotary.table(weight.dtype, max(positions) + 1)
+        hidden = stack.decode(ids, positions, rows, table, weight, cos, sin, kv_cache.k, kv_cache.v, *native,
+                              cpu_ops.isa())
+        if defer_logits:
+            return ModelOutput(logits=None, hidden=hidden)
+        return ModelOutput(logits=self.head_logits(hidden))
 
     @torch.inference_mode()
     def head_logits(self, x: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -144,6 +144,12 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, self.kv_cache)
 
+    def decode_lists(self, ids: list[int], positions: list[int], rows: list[int], table: torch.Tensor,
+                     defer_logits: bool = False) -> ModelOutput | None:
+        """A decode step from host lists in one C++ call (``LlamaForCausalLM.decode_lists``), or None where that
+        does not apply (the caller then builds a ``ForwardBatch``)."""
+        return self.model.decode_lists(ids, positions, rows, table, self.kv_cache, defer_logits)
+
     @property
     def head_takes_masks(self) -> bool:
         """Whether the LM head computes only the columns a grammar mask allows, for rows that allow few

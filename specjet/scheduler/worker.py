@@ -235,11 +235,15 @@ class ModelWorker:
             return self.runner.graphs.decode(torch.tensor(
                 [[s.tokens[-1], s.committed_len, inp.row] for s, inp in zip(states, inputs)], dtype=torch.int64))
         rows, committed = [inp.row for inp in inputs], [s.committed_len for s in states]
-        ids, positions, slots = host_token_tensors(self.req_to_token, [s.tokens[-1] for s in states], committed,
-                                                   rows, committed)
+        last = [s.tokens[-1] for s in states]
+        defer = self._defer_head and any(inp.constrained for inp in inputs)
+        out = self.runner.decode_lists(last, committed, rows, self.req_to_token, defer)
+        if out is not None:
+            return out
+        ids, positions, slots = host_token_tensors(self.req_to_token, last, committed, rows, committed)
         return self.runner.forward(ForwardBatch.from_host(
             ForwardMode.DECODE, ids, positions, slots, self.req_to_token, rows, [1] * len(states),
-            [n + 1 for n in committed], defer_logits=self._defer_head and any(inp.constrained for inp in inputs)))
+            [n + 1 for n in committed], defer_logits=defer))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:
