@@ -177,65 +177,86 @@ class LayerStack {
     return {x, taken};
   }
 
-  // A decode step from host lists, then the final norm: request i feeds token ids[i] at position positions[i] of
-  // table row rows[i], writes its KV to slot table[rows[i], positions[i]] and sees positions 0 .. positions[i].
-  // The inputs are the values models/llama.py's forward builds from ForwardBatch.from_host and
-  // host_token_tensors (embedding rows, RoPE table rows, slots, the attention's metadata) and the calls after
-  // the layers are its final norm's, so the result has the same bits: the rows the LM head reads, [B, hidden].
-  // What goes is a dozen small torch ops and their Python, each costing more than its work on a decode step.
-  torch::Tensor decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
-                       const std::vector<int64_t>& rows, const torch::Tensor& table, const torch::Tensor& embed,
-                       const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& k_cache,
-                       const torch::Tensor& v_cache, const torch::Tensor& norm, double eps, int64_t attention_isa) const {
-    const int64_t batch = static_cast<int64_t>(ids.size());
-    TORCH_CHECK(batch > 0 && positions.size() == ids.size() && rows.size() == ids.size(),
-                "layer stack decode: ids, positions and rows must be non-empty lists of one length");
+  // A decode step's or a verify's forward from host lists, then the final norm. Request b (table row rows[b]) brings
+  // q_lens[b] new tokens, the last of its kv_lens[b] positions, which it sees all of (under `mask` among its new
+  // tokens, [B, >= max_q, >= max_q] bool, where given); token i of the flat list (requests in order) is ids[i] at
+  // RoPE position positions[i] and writes its KV to slot table[its request's row, slot_cols[i]]. The inputs are the
+  // values models/llama.py's forward builds from ForwardBatch.from_host and host_token_tensors (embedding rows, RoPE
+  // table rows, slots, the attention's metadata), so the result has that forward's bits: the normed rows the LM head
+  // reads, [T, hidden], and the outputs of the layers in `capture`. What goes is a dozen small torch ops and their
+  // Python, each costing more than its work on a step. Everything is checked before anything is written.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward_lists(
+      const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slot_cols,
+      const std::vector<int64_t>& rows, const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
+      const torch::Tensor& table, const torch::Tensor& embed, const torch::Tensor& cos_table,
+      const torch::Tensor& sin_table, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+      const c10::optional<torch::Tensor>& mask, const torch::Tensor& norm, double eps, int64_t attention_isa,
+      const std::vector<int64_t>& capture) const {
+    const int64_t tokens = static_cast<int64_t>(ids.size()), batch = static_cast<int64_t>(rows.size());
+    TORCH_CHECK(tokens > 0 && positions.size() == ids.size() && slot_cols.size() == ids.size(),
+                "layer stack lists: ids, positions and slot_cols must be non-empty lists of one length");
+    TORCH_CHECK(batch > 0 && q_lens.size() == rows.size() && kv_lens.size() == rows.size(),
+                "layer stack lists: rows, q_lens and kv_lens must be non-empty lists of one length");
     TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.device().is_cpu(),
-                "layer stack decode: the request-to-token table must be a contiguous CPU int64 [rows, positions] tensor");
+                "layer stack lists: the request-to-token table must be a contiguous CPU int64 [rows, positions] tensor");
     TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.device().is_cpu(),
-                "layer stack decode: the embedding must be a contiguous CPU [vocab, hidden] tensor");
+                "layer stack lists: the embedding must be a contiguous CPU [vocab, hidden] tensor");
     TORCH_CHECK(cos_table.dim() == 2 && cos_table.is_contiguous() && sin_table.sizes().equals(cos_table.sizes()) &&
                     sin_table.is_contiguous() && sin_table.scalar_type() == cos_table.scalar_type(),
-                "layer stack decode: the RoPE tables must be contiguous [positions, D/2] tensors of one dtype");
+                "layer stack lists: the RoPE tables must be contiguous [positions, D/2] tensors of one dtype");
     const int64_t vocab = embed.size(0), width = table.size(1), table_rows = table.size(0);
     const int64_t rope_rows = cos_table.size(0);
-    int64_t max_kv = 0;
-    for (int64_t i = 0; i < batch; ++i) {
-      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "layer stack decode: token id ", ids[i], " outside [0, ", vocab, ")");
-      TORCH_CHECK(rows[i] >= 0 && rows[i] < table_rows, "layer stack decode: table row ", rows[i], " outside [0, ",
+    int64_t max_q = 0, max_kv = 0, total = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(rows[b] >= 0 && rows[b] < table_rows, "layer stack lists: table row ", rows[b], " outside [0, ",
                   table_rows, ")");
-      TORCH_CHECK(positions[i] >= 0 && positions[i] < width && positions[i] < rope_rows, "layer stack decode: position ",
-                  positions[i], " outside the table (", width, ") or the RoPE table (", rope_rows, ")");
-      max_kv = std::max(max_kv, positions[i] + 1);
+      TORCH_CHECK(q_lens[b] >= 1 && q_lens[b] <= kv_lens[b] && kv_lens[b] <= width, "layer stack lists: request ", b,
+                  " has q_len ", q_lens[b], " and kv_len ", kv_lens[b], " (a table row holds ", width, ")");
+      max_q = std::max(max_q, q_lens[b]);
+      max_kv = std::max(max_kv, kv_lens[b]);
+      total += q_lens[b];
+    }
+    TORCH_CHECK(total == tokens, "layer stack lists: the requests bring ", total, " tokens, the lists hold ", tokens);
+    for (int64_t i = 0; i < tokens; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "layer stack lists: token id ", ids[i], " outside [0, ", vocab, ")");
+      TORCH_CHECK(positions[i] >= 0 && positions[i] < rope_rows, "layer stack lists: position ", positions[i],
+                  " outside the RoPE table (", rope_rows, ")");
+      TORCH_CHECK(slot_cols[i] >= 0 && slot_cols[i] < width, "layer stack lists: slot column ", slot_cols[i],
+                  " outside the table (", width, ")");
+    }
+    if (mask) {
+      TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 3 &&
+                      mask->size(0) == batch && mask->size(1) == mask->size(2) && mask->size(1) >= max_q,
+                  "layer stack lists: the mask must be contiguous bool [B, >= max_q, >= max_q]");
     }
     auto rows_of = [&](const torch::Tensor& source, const std::vector<int64_t>& index) {
-      torch::Tensor out = torch::empty({batch, source.size(1)}, source.options());
+      torch::Tensor out = torch::empty({tokens, source.size(1)}, source.options());
       const int64_t bytes = source.size(1) * source.element_size();
       const auto* from = static_cast<const char*>(source.data_ptr());
       auto* to = static_cast<char*>(out.data_ptr());
-      for (int64_t i = 0; i < batch; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
+      for (int64_t i = 0; i < tokens; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
       return out;
     };
     torch::Tensor x = rows_of(embed, ids), cos = rows_of(cos_table, positions), sin = rows_of(sin_table, positions);
     const auto longs = torch::TensorOptions().dtype(torch::kInt64);
-    torch::Tensor slots = torch::empty({batch}, longs), kv_lens = torch::empty({batch}, longs);
-    torch::Tensor q_lens = torch::ones({batch}, longs), q_starts = torch::arange(batch, longs);
+    torch::Tensor slots = torch::empty({tokens}, longs), kv_len_t = torch::empty({batch}, longs);
+    torch::Tensor q_len_t = torch::empty({batch}, longs), q_starts = torch::empty({batch}, longs);
     torch::Tensor kv_indices = torch::zeros({batch, max_kv}, longs);  // past a row's length: slot 0 (padding)
     const int64_t* t = table.data_ptr<int64_t>();
-    int64_t* slot = slots.data_ptr<int64_t>();
-    int64_t* kv_len = kv_lens.data_ptr<int64_t>();
-    int64_t* kv = kv_indices.data_ptr<int64_t>();
-    for (int64_t i = 0; i < batch; ++i) {
-      const int64_t* row = t + rows[i] * width;
-      slot[i] = row[positions[i]];
-      kv_len[i] = positions[i] + 1;
-      std::memcpy(kv + i * max_kv, row, kv_len[i] * sizeof(int64_t));
+    int64_t *slot = slots.data_ptr<int64_t>(), *kv = kv_indices.data_ptr<int64_t>();
+    for (int64_t b = 0, i = 0; b < batch; ++b) {
+      const int64_t* row = t + rows[b] * width;
+      kv_len_t.data_ptr<int64_t>()[b] = kv_lens[b];
+      q_len_t.data_ptr<int64_t>()[b] = q_lens[b];
+      q_starts.data_ptr<int64_t>()[b] = i;
+      std::memcpy(kv + b * max_kv, row, kv_lens[b] * sizeof(int64_t));
+      for (int64_t j = 0; j < q_lens[b]; ++j, ++i) slot[i] = row[slot_cols[i]];
     }
-    auto [out, taken] = run(x, cos, sin, k_cache, v_cache, slots, kv_indices, kv_lens, q_lens, q_starts, c10::nullopt,
-                            attention_isa, {});
+    auto [out, taken] = run(x, cos, sin, k_cache, v_cache, slots, kv_indices, kv_len_t, q_len_t, q_starts, mask,
+                            attention_isa, capture);
     torch::Tensor normed, unused;
     specjet_cpu::rms_norm_into(out, norm, eps, nullptr, unused, normed);
-    return normed;
+    return {normed, taken};
   }
 
  private:
@@ -292,7 +313,7 @@ void register_layer_stack(pybind11::module& module) {
       .def("__len__", &LayerStack::size)
       // The call keeps the GIL (module.cpp says why).
       .def("run", &LayerStack::run)
-      .def("decode", &LayerStack::decode);
+      .def("forward_lists", &LayerStack::forward_lists);
 }
 
 }  // namespace specjet_cpu

@@ -90,9 +90,9 @@ def test_a_failing_decode_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir
         if runner.graphs is not None:  # CUDA: a decode step replays the target's graph, not runner.forward
             fault = Fault(runner.graphs.decode)
             runner.graphs.decode = fault
-        else:  # every CPU decode step asks decode_lists first (the layer stack's one call, or None: the general path)
-            fault = Fault(runner.decode_lists)
-            runner.decode_lists = fault
+        else:  # every CPU decode step asks forward_lists first (the layer stack's one call, or None: the general path)
+            fault = Fault(runner.forward_lists)
+            runner.forward_lists = fault
         fault.armed.set()
         outs = bounded(eng.generate, RUNNERS, LONG)
         assert fault.fired.is_set()

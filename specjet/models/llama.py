@@ -15,7 +15,7 @@ from specjet.kernels.attention import native_whole_batch, paged_attention
 from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
-from specjet.models.forward_batch import FeatureLayers, ForwardBatch, ModelOutput
+from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 
 
@@ -352,24 +352,37 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(logits=logits, hidden=hidden if every_row else None, layer_hidden=layer_hidden)
 
     @torch.inference_mode()
-    def decode_lists(self, ids: list[int], positions: list[int], rows: list[int], table: torch.Tensor,
-                     kv_cache: KVCache, defer_logits: bool = False) -> ModelOutput | None:
-        """A decode step from host lists (request i: token ``ids[i]`` at ``positions[i]`` of table row ``rows[i]``)
-        as one C++ call of the layer stack (``LayerStack.decode``): ``forward`` of the batch ``ForwardBatch.from_host``
-        and ``host_token_tensors`` build from the same lists, the same bits (tested), without their dozen small torch
-        ops. None (nothing run) where that call does not apply: no layer stack, the attention or embedding off the
-        CPU kernels, a table or cache the call does not take."""
+    def forward_lists(self, ids: list[int], positions: list[int], slot_cols: list[int], rows: list[int],
+                      q_lens: list[int], kv_lens: list[int], table: torch.Tensor, kv_cache: KVCache,
+                      custom_mask: torch.Tensor | None = None, capture_hidden: CaptureHidden = None,
+                      logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      defer_logits: bool = False) -> ModelOutput | None:
+        """A decode step or a verify from host lists as one C++ call of the layer stack
+        (``LayerStack.forward_lists``): request b (table row ``rows[b]``) brings ``q_lens[b]`` tokens, the last of
+        its ``kv_lens[b]`` positions; token i is ``ids[i]`` at ``positions[i]``, its KV in slot
+        ``table[row, slot_cols[i]]``. The output of ``forward`` on the batch ``host_token_tensors`` and
+        ``ForwardBatch.from_host`` build from the same lists (logits of every row), the same bits (tested),
+        without their dozen small torch ops. None (nothing run) where the call does not apply: no layer stack,
+        the attention or the embedding off the CPU kernels, per-layer captures (``capture_hidden`` a tuple)."""
         stack, native = self.layer_stack, self._native_norm
         weight = self.embed_tokens.weight
-        if (stack is None or native is None or not native_whole_batch() or type(self.embed_tokens)
-                is not nn.Embedding or weight.device.type != "cpu" or table.device.type != "cpu"):
+        if (stack is None or native is None or isinstance(capture_hidden, tuple) or not native_whole_batch()
+                or type(self.embed_tokens) is not nn.Embedding or weight.device.type != "cpu"
+                or table.device.type != "cpu"):
             return None
+        feature_layers = capture_hidden.layers if isinstance(capture_hidden, FeatureLayers) else ()
+        features = sorted(i for i in set(feature_layers) if 0 <= i < len(self.layers))
         cos, sin = self.rotary.table(weight.dtype, max(positions) + 1)
-        hidden = stack.decode(ids, positions, rows, table, weight, cos, sin, kv_cache.k, kv_cache.v, *native,
-                              cpu_ops.isa())
-        if defer_logits:
+        mask = None if custom_mask is None else custom_mask.to(torch.bool).contiguous()
+        hidden, residuals = stack.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, weight, cos,
+                                                sin, kv_cache.k, kv_cache.v, mask, *native, cpu_ops.isa(), features)
+        every_row = capture_hidden == "last" or bool(feature_layers)
+        if defer_logits and not every_row:
             return ModelOutput(logits=None, hidden=hidden)
-        return ModelOutput(logits=self.head_logits(hidden))
+        logits = self.head_logits(hidden, logits_mask)
+        if feature_layers:
+            hidden = torch.cat([*residuals, hidden], dim=-1)
+        return ModelOutput(logits=logits, hidden=hidden if every_row else None)
 
     @torch.inference_mode()
     def head_logits(self, x: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

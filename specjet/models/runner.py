@@ -144,11 +144,13 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, self.kv_cache)
 
-    def decode_lists(self, ids: list[int], positions: list[int], rows: list[int], table: torch.Tensor,
-                     defer_logits: bool = False) -> ModelOutput | None:
-        """A decode step from host lists in one C++ call (``LlamaForCausalLM.decode_lists``), or None where that
-        does not apply (the caller then builds a ``ForwardBatch``)."""
-        return self.model.decode_lists(ids, positions, rows, table, self.kv_cache, defer_logits)
+    def forward_lists(self, ids: list[int], positions: list[int], slot_cols: list[int], rows: list[int],
+                      q_lens: list[int], kv_lens: list[int], table: torch.Tensor, **kwargs) -> ModelOutput | None:
+        """A decode step or a verify from host lists in one C++ call (``LlamaForCausalLM.forward_lists``: its
+        keyword arguments are ``ForwardBatch.from_host``'s), or None where that does not apply (the caller then
+        builds a ``ForwardBatch``)."""
+        return self.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, self.kv_cache,
+                                        **kwargs)
 
     @property
     def head_takes_masks(self) -> bool:

@@ -237,13 +237,15 @@ class ModelWorker:
         rows, committed = [inp.row for inp in inputs], [s.committed_len for s in states]
         last = [s.tokens[-1] for s in states]
         defer = self._defer_head and any(inp.constrained for inp in inputs)
-        out = self.runner.decode_lists(last, committed, rows, self.req_to_token, defer)
+        ones = [1] * len(states)
+        kv_lens = [n + 1 for n in committed]
+        out = self.runner.forward_lists(last, committed, committed, rows, ones, kv_lens, self.req_to_token,
+                                        defer_logits=defer)
         if out is not None:
             return out
         ids, positions, slots = host_token_tensors(self.req_to_token, last, committed, rows, committed)
-        return self.runner.forward(ForwardBatch.from_host(
-            ForwardMode.DECODE, ids, positions, slots, self.req_to_token, rows, [1] * len(states),
-            [n + 1 for n in committed], defer_logits=defer))
+        return self.runner.forward(ForwardBatch.from_host(ForwardMode.DECODE, ids, positions, slots, self.req_to_token,
+                                                          rows, ones, kv_lens, defer_logits=defer))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:

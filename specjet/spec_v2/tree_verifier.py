@@ -73,23 +73,28 @@ class TreeVerifier:
         # Roots alone need none: the forward is a plain decode step's.
         mask = (None if max_n == 1 and not static else
                 _tree_masks(ancestors, self.static_nodes if static else max_n).to(device, non_blocking=True))
-        ids, positions, slots = host_token_tensors(
-            req_to_token, [t for r in reqs for t in r.tokens],
-            [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes],
-            [r.row for r, n in zip(reqs, sizes) for _ in range(n)],
-            [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)])
-        grammar = self._grammar_masks(reqs, len(ids), self.runner.config.vocab_size, offsets_of(sizes))
-        if static:
-            per_request = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], sizes],
-                                       dtype=torch.int64).to(device, non_blocking=True)
-            rows, committed, q_lens = per_request[0], per_request[1], per_request[2]
-            out = graphs.verify(ids, positions, slots, rows, q_lens, committed + q_lens, mask, self.static_nodes,
-                                self.capture_hidden)
-        else:
-            out = self.runner.forward(ForwardBatch.from_host(
-                ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots, req_to_token,
-                [r.row for r in reqs], sizes, [r.committed_len + n for r, n in zip(reqs, sizes)], mask,
-                self.capture_hidden, logits_mask=grammar))
+        tokens = [t for r in reqs for t in r.tokens]
+        depths = [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes]
+        slot_cols = [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]
+        grammar = self._grammar_masks(reqs, len(tokens), self.runner.config.vocab_size, offsets_of(sizes))
+        rows, kv_lens = [r.row for r in reqs], [r.committed_len + n for r, n in zip(reqs, sizes)]
+        # On the CPU's layer stack the whole forward from these lists in one C++ call; else a ForwardBatch.
+        out = None if static else self.runner.forward_lists(tokens, depths, slot_cols, rows, sizes, kv_lens,
+                                                            req_to_token, custom_mask=mask,
+                                                            capture_hidden=self.capture_hidden, logits_mask=grammar)
+        if out is None:
+            ids, positions, slots = host_token_tensors(
+                req_to_token, tokens, depths, [r.row for r, n in zip(reqs, sizes) for _ in range(n)], slot_cols)
+            if static:
+                per_request = torch.tensor([rows, [r.committed_len for r in reqs], sizes],
+                                           dtype=torch.int64).to(device, non_blocking=True)
+                rows_t, committed, q_lens = per_request[0], per_request[1], per_request[2]
+                out = graphs.verify(ids, positions, slots, rows_t, q_lens, committed + q_lens, mask, self.static_nodes,
+                                    self.capture_hidden)
+            else:
+                out = self.runner.forward(ForwardBatch.from_host(
+                    ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots,
+                    req_to_token, rows, sizes, kv_lens, mask, self.capture_hidden, logits_mask=grammar))
         logits = out.logits
         offsets = offsets_of(sizes)
         self._apply_penalties(reqs, logits, offsets)
