@@ -10,8 +10,10 @@ logits of every node, as the engine's verify needs them) at positions L .. L+N-1
 every time; several N take turns in one process, and each N after the first is also given as a ratio to the
 first's median (issue 16's verify-against-decode figure) and as the median of each round's ratio (``paired``:
 steadier where the host's speed drifts). Prints the median and min/max of ``--repeats`` steps per path, the
-paths taking turns after one warm-up round: ``invariant`` (the batch-invariant attention; the layers as one
-C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
+paths taking turns after one warm-up round: ``lists`` (where the model has its C++ layer stack: the whole
+forward from host lists in one C++ call, ``ModelRunner.forward_lists``, the path the engine's decode steps and
+verifies take on the CPU), ``invariant`` (the batch-invariant attention from a ``ForwardBatch``; the layers as
+one C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
 layer by layer from Python: what the stack saves) and ``sdpa``.
 """
 from __future__ import annotations
@@ -65,7 +67,15 @@ def main(argv: list[str] | None = None) -> dict:
     table = torch.arange(1, b * (length + n) + 1).view(b, length + n)  # slot 0 is the padding slot
     rows = torch.arange(b)
 
-    def forward(mode, positions: torch.Tensor, q_len: int, mask=None):
+    def forward(mode, positions: torch.Tensor, q_len: int, mask=None, lists: bool = False):
+        if lists:  # the engine's CPU path: the whole forward from host lists in one C++ call
+            ids = torch.randint(0, config.vocab_size, (b * q_len,)).tolist()
+            pos = positions.tolist()
+            out = runner.forward_lists(ids, pos, pos, rows.tolist(), [q_len] * b, [pos[q_len - 1] + 1] * b, table,
+                                       custom_mask=mask)
+            if out is None:
+                raise SystemExit("bench.step: the lists path needs the C++ layer stack (CPU, extension built)")
+            return
         batch = ForwardBatch.build(
             mode, input_ids=torch.randint(0, config.vocab_size, (b * q_len,)), positions=positions,
             out_cache_loc=table[:, positions[:q_len]].reshape(-1), req_to_token=table, req_pool_indices=rows,
@@ -75,7 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     forward(ForwardMode.EXTEND, torch.arange(length).repeat(b), length)  # the cached context
     stack = runner.model.layer_stack
-    paths = {"invariant": (True, stack), "loop": (True, None), "sdpa": (False, None)}
+    # name -> (batch-invariant attention, the layer stack, the forward from host lists)
+    paths = {"invariant": (True, stack, False), "loop": (True, None, False), "sdpa": (False, None, False)}
+    if stack is not None:
+        paths = {"lists": (True, stack, True), **paths}
     steps = {}  # N -> (mode, positions, mask); every N writes slots L .. L+N-1 of each request
     for nodes in args.nodes:
         positions = torch.arange(length, length + nodes).repeat(b)
@@ -86,11 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     # of a shared machine falls on every path alike.
     for i in range(args.repeats + 1):
         for nodes, (mode, positions, mask) in steps.items():
-            for name, (invariant, use_stack) in paths.items():
+            for name, (invariant, use_stack, lists) in paths.items():
                 runner.model.set_batch_invariant(invariant)
                 runner.model.layer_stack = use_stack
                 start = time.perf_counter()
-                forward(mode, positions, nodes, mask)
+                forward(mode, positions, nodes, mask, lists)
                 if i:
                     times[(name, nodes)].append(time.perf_counter() - start)
     stats = {key: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for key, t in times.items()}

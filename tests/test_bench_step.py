@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 from bench.step import main
+from specjet.kernels import cpu_ops
 from specjet.kernels.cpu_features import describe_cpu
+
+# The engine's CPU path (the forward from host lists) is timed where the layer stack is built.
+PATHS = ({"lists"} if cpu_ops.extension() is not None else set()) | {"invariant", "loop", "sdpa"}
 
 
 def test_bench_step_times_both_attention_paths(tiny_model_dir, capsys):
@@ -11,11 +15,11 @@ def test_bench_step_times_both_attention_paths(tiny_model_dir, capsys):
     for nodes in ("1", "3"):
         results = main(["--model-path", str(tiny_model_dir), "--batch-size", "3", "--context", "20",
                         "--nodes", nodes, "--repeats", "2", "--dtype", "float32"])
-        assert set(results) == {"invariant", "loop", "sdpa"}
+        assert set(results) == PATHS
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in results.values())
     out = capsys.readouterr().out
     assert "batch 3, 20 cached tokens per request, 3 new token(s) per request" in out
-    assert out.count("\ninvariant ") == 2 and out.count("\nloop ") == 2 and out.count("\nsdpa ") == 2
+    assert all(out.count(f"\n{name} ") == 2 for name in PATHS)
     assert out.count(f"# machine: {describe_cpu()}; ") == 2
 
 
@@ -33,7 +37,7 @@ def test_bench_step_several_node_counts_take_turns(tiny_model_dir, capsys):
     """--nodes 1 4: both steps in one process, the verify's line with its ratio to the decode step."""
     results = main(["--model-path", str(tiny_model_dir), "--batch-size", "2", "--context", "12",
                     "--nodes", "1", "4", "--repeats", "2", "--dtype", "float32"])
-    assert set(results) == {"invariant", "loop", "sdpa"}
+    assert set(results) == PATHS
     for by_nodes in results.values():
         assert set(by_nodes) == {1, 4}
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in by_nodes.values())
@@ -62,8 +66,18 @@ def test_a_verify_step_computes_every_nodes_logits_as_the_engines_verify_does(ti
         rows.append((batch.mode.name, batch.input_ids.shape[0], None if out.logits is None else out.logits.shape[0]))
         return out
 
+    lists = []
+    real_lists = ModelRunner.forward_lists
+
+    def forward_lists(self, ids, *args, **kwargs):
+        out = real_lists(self, ids, *args, **kwargs)
+        lists.append((len(ids), out.logits.shape[0]))
+        return out
+
     monkeypatch.setattr(ModelRunner, "forward", forward)
+    monkeypatch.setattr(ModelRunner, "forward_lists", forward_lists)
     main(["--model-path", str(tiny_model_dir), "--batch-size", "2", "--context", "6", "--nodes", "1", "5",
           "--repeats", "1", "--dtype", "float32"])
     steps = {(mode, tokens, logits) for mode, tokens, logits in rows if mode != "EXTEND"}
     assert steps == {("DECODE", 2, 2), ("VERIFY", 10, 10)}
+    assert set(lists) == ({(2, 2), (10, 10)} if "lists" in PATHS else set())
