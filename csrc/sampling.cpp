@@ -133,23 +133,13 @@ struct Scratch {
   std::vector<int64_t> ids;
 };
 
-RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratch& s) {
+// The filtered distribution once the weights, the blocks' maxima and sums are in s (`largest`: the row's largest
+// value; `allowed`: the only columns that may hold a weight, in order, or null for every column).
+RowDist select_kept(const float* row, int64_t n, const RowParams& p, Scratch& s, float largest,
+                    const std::vector<int64_t>* allowed) {
   RowDist d;
-  bool nan = false;
-  const float largest = row_max(row, n, &nan);
-  if (nan || largest == std::numeric_limits<float>::infinity()) {
-    d.point = argmax_row(row, n);
-    return d;
-  }
-  if (largest == -std::numeric_limits<float>::infinity()) {  // nothing allowed (never under a grammar)
-    d.point = 0;
-    return d;
-  }
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  s.w.resize(n), s.block_max.resize(blocks), s.block_sum.resize(blocks);
-  float* w = s.w.data();
-  row_weights(row, n, p.temperature, largest / p.temperature, p.min_p > 0.0f ? p.min_p : 0.0f, w,
-              s.block_max.data(), s.block_sum.data());
+  const float* w = s.w.data();
   double all = 0.0;
   for (int64_t b = 0; b < blocks; ++b) all += s.block_sum[b];
   if (!((p.top_k > 0 && p.top_k < n) || p.top_p < 1.0f)) {
@@ -164,9 +154,14 @@ RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratc
   double nucleus_of = all;
   if (p.min_p > 0.0f && p.top_p < 1.0f) {
     const float top = largest / p.temperature;
-    for (int64_t c = 0; c < n; ++c) {
+    auto add_dropped = [&](int64_t c) {
       const float d = row[c] / p.temperature - top;
       if (w[c] == 0.0f && d >= -87.0f) nucleus_of += exp_float(d);
+    };
+    if (allowed != nullptr) {
+      for (const int64_t c : *allowed) add_dropped(c);  // a forbidden column adds nothing (it is -inf)
+    } else {
+      for (int64_t c = 0; c < n; ++c) add_dropped(c);
     }
   }
   const double nucleus = static_cast<double>(p.top_p) * nucleus_of;
@@ -188,8 +183,11 @@ RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratc
           if (w[c] >= threshold) ids.push_back(c);
       }
     } else {
-      for (int64_t c = 0; c < n; ++c)
-        if (w[c] > 0.0f) ids.push_back(c);
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (s.block_max[b] == 0.0f) continue;  // no weight in the block
+        for (int64_t c = b * kBlock; c < std::min(n, (b + 1) * kBlock); ++c)
+          if (w[c] > 0.0f) ids.push_back(c);
+      }
     }
     const int64_t take = std::min<int64_t>(k, ids.size());
     std::partial_sort(ids.begin(), ids.begin() + take, ids.end(), heavier);
@@ -214,6 +212,62 @@ RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratc
   return d;
 }
 
+RowDist row_distribution(const float* row, int64_t n, const RowParams& p, Scratch& s) {
+  RowDist d;
+  bool nan = false;
+  const float largest = row_max(row, n, &nan);
+  if (nan || largest == std::numeric_limits<float>::infinity()) {
+    d.point = argmax_row(row, n);
+    return d;
+  }
+  if (largest == -std::numeric_limits<float>::infinity()) {  // nothing allowed (never under a grammar)
+    d.point = 0;
+    return d;
+  }
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  s.w.resize(n), s.block_max.resize(blocks), s.block_sum.resize(blocks);
+  row_weights(row, n, p.temperature, largest / p.temperature, p.min_p > 0.0f ? p.min_p : 0.0f, s.w.data(),
+              s.block_max.data(), s.block_sum.data());
+  return select_kept(row, n, p, s, largest, nullptr);
+}
+
+// Rows whose grammar allows at most this many tokens are drawn from their allowed columns alone (a sparse row:
+// a structural token, a number's digits, an enum's values), the others through a masked copy of the row.
+constexpr int64_t kSparseAllowed = 2048;
+
+// row_distribution of the masked copy of `row` (its forbidden columns -inf), from the allowed columns alone:
+// the same weights, blocks' maxima and sums (each block that holds an allowed column computed by row_weights on
+// that block's masked values, the same operations in the same order; a block without one is zero, which the
+// dense pass computes for it too) and so the same distribution. `allowed`: the allowed columns in order (the
+// mask covering every column). Returns false (nothing decided) where the row holds a NaN or +inf among them or
+// allows nothing: the dense path's point masses, left to it. `argmax` gets the first largest allowed column.
+bool sparse_row_distribution(const float* row, int64_t n, const std::vector<int64_t>& allowed, const RowParams& p,
+                             Scratch& s, RowDist& d, int64_t& argmax) {
+  if (allowed.empty()) return false;
+  float largest = -std::numeric_limits<float>::infinity();
+  argmax = allowed[0];
+  for (const int64_t c : allowed) {
+    const float v = row[c];
+    if (std::isnan(v) || v == std::numeric_limits<float>::infinity()) return false;
+    if (v > largest) largest = v, argmax = c;
+  }
+  if (largest == -std::numeric_limits<float>::infinity()) return false;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  s.w.assign(n, 0.0f), s.block_max.assign(blocks, 0.0f), s.block_sum.assign(blocks, 0.0);
+  const float minus_inf = -std::numeric_limits<float>::infinity(), top = largest / p.temperature;
+  const float floor_w = p.min_p > 0.0f ? p.min_p : 0.0f;
+  float masked[kBlock];
+  for (size_t i = 0; i < allowed.size();) {
+    const int64_t b = allowed[i] / kBlock, start = b * kBlock, len = std::min(kBlock, n - start);
+    std::fill(masked, masked + len, minus_inf);
+    for (; i < allowed.size() && allowed[i] < start + len; ++i) masked[allowed[i] - start] = row[allowed[i]];
+    row_weights(masked, len, p.temperature, top, floor_w, s.w.data() + start, s.block_max.data() + b,
+                s.block_sum.data() + b);
+  }
+  d = select_kept(row, n, p, s, largest, &allowed);
+  return true;
+}
+
 // Column c's weight under d (0 where c is not kept).
 double weight_of(const RowDist& d, const Scratch& s, int64_t c) {
   if (d.point >= 0) return c == d.point ? 1.0 : 0.0;
@@ -229,7 +283,8 @@ bool among(int64_t c, const std::vector<int64_t>& excluded) {
 // all rejected; none for a plain step): the first kept column in id order whose running weight exceeds u times
 // the remaining total; the row's argmax where no weight remains. Zeroes the excluded weights in s.
 int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u,
-             const std::vector<int64_t>& excluded) {
+             const std::vector<int64_t>& excluded, int64_t fallback = -1) {
+  auto argmax = [&] { return fallback >= 0 ? fallback : argmax_row(row, n); };
   if (d.point >= 0) return d.point;
   const float* w = s.w.data();
   if (d.whole) {
@@ -241,7 +296,7 @@ int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u
       total = 0.0;
       for (int64_t b = 0; b < blocks; ++b) total += s.block_sum[b];
     }
-    if (!(total > 0.0)) return argmax_row(row, n);
+    if (!(total > 0.0)) return argmax();
     // Walk the blocks' sums, then the block the target falls in.
     const double target = u * total;
     double run = 0.0;
@@ -261,7 +316,7 @@ int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u
   double total = 0.0;
   for (int64_t j = 0; j < d.kept; ++j)
     if (!among(s.ids[j], excluded)) total += w[s.ids[j]];
-  if (!(total > 0.0)) return argmax_row(row, n);
+  if (!(total > 0.0)) return argmax();
   const double target = u * total;
   double run = 0.0;
   int64_t last = -1;
@@ -344,15 +399,31 @@ void draw_rows(const torch::Tensor& x, const std::function<RowParams(int64_t)>& 
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     std::vector<float> copy;
+    std::vector<int64_t> allowed;
     const std::vector<int64_t> none;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x.data_ptr<float>() + r * cols;
+      const RowParams p = params(r);
       if (words != nullptr && masked[r]) {
+        const uint32_t* bits = bitmask_row(words, r, width);
+        if (p.temperature > 0.0f && 32 * width >= cols && count_allowed(bits, width) <= kSparseAllowed) {
+          allowed.clear();
+          for (int64_t w = 0; w < width; ++w)
+            for (uint32_t m = bits[w]; m != 0u; m &= m - 1u) {
+              const int64_t c = 32 * w + __builtin_ctz(m);
+              if (c < cols) allowed.push_back(c);
+            }
+          RowDist d;
+          int64_t argmax = -1;
+          if (sparse_row_distribution(row, cols, allowed, p, scratch, d, argmax)) {
+            out[r] = draw(d, scratch, row, cols, p.uniform, none, argmax);
+            continue;
+          }
+        }
         copy.resize(cols);
-        mask_row(row, cols, bitmask_row(words, r, width), width, copy.data());
+        mask_row(row, cols, bits, width, copy.data());
         row = copy.data();
       }
-      const RowParams p = params(r);
       out[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
                                     : argmax_row(row, cols);
     }

@@ -188,6 +188,54 @@ def test_the_lists_sampler_reads_the_grammar_mask_as_xgrammar_writes_it():
     assert any(d >= 32 * width for d, f in zip(drawn, flags) if f)  # the unmasked tail was drawn from
 
 
+@pytest.mark.parametrize("allowed", [1, 2, 63, 64, 65, 300, 2048, 2049])
+def test_a_sparse_masked_row_draws_what_its_masked_copy_draws(allowed):
+    """A masked row allowing at most 2,048 tokens is drawn from its allowed columns alone (csrc/sampling.cpp's
+    sparse path): the same token as the row with xgrammar's -inf written in (the dense path, the torch reference)
+    for every filter and coin, allowed columns clustered in blocks or scattered, in the last partial block of
+    64 columns too, a NaN or +inf among them (left to the dense path), -inf logits among them."""
+    import xgrammar as xgr
+    from specjet.kernels.sampling import cpu_sampler_serves, sample_lists
+
+    if not cpu_sampler_serves(torch.zeros(1, 1)):
+        pytest.skip("the C++ extension is not built")
+    gen = torch.Generator().manual_seed(allowed)
+    rows, vocab = 40, 5000  # 78 whole blocks of 64 columns and one of 8
+    width = (vocab + 31) // 32
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::4] = logits[::4].round(decimals=0)  # ties between columns
+    allow = torch.zeros(rows, 32 * width, dtype=torch.bool)
+    for r in range(rows):
+        if r % 3 == 0:  # clustered: a run of columns
+            start = int(torch.randint(0, vocab - allowed + 1, (), generator=gen))
+            allow[r, start:start + allowed] = True
+        else:
+            allow[r, torch.randperm(vocab, generator=gen)[:allowed]] = True
+    allow[5, :vocab] = False
+    allow[5, vocab - min(allowed, 8):vocab] = True  # the last, partial block
+    cols = [allow[r].nonzero()[:, 0] for r in range(rows)]
+    logits[7, cols[7][0]] = float("nan")
+    logits[9, cols[9][-1]] = float("inf")
+    logits[11, cols[11][:allowed // 2]] = float("-inf")  # never all of them: a row allowing nothing is not drawn
+    bits = allow.view(rows, width, 32).to(torch.int64) << torch.arange(32)
+    bitmask = bits.sum(-1).to(torch.int64)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    flags = [True] * rows
+    params = [(0.3 + (i % 5) * 0.3, [-1, 3, 50][i % 3], [1.0, 0.9, 0.5][i % 3 - 1], [0.0, 0.02, 0.3][i % 3 - 2])
+              for i in range(rows)]
+    written = logits.clone()
+    xgr.apply_token_bitmask_inplace(written, bitmask, backend="cpu")
+    for trial in range(5):
+        uniforms = torch.rand(rows, generator=gen)
+        uniforms[0] = 0.0
+        uniforms[1] = 1.0 - 2**-24
+        drawn = sample_lists(logits, *(list(column) for column in zip(*params)), uniforms.tolist(), (bitmask, flags))
+        dense = sample_lists(written, *(list(column) for column in zip(*params)), uniforms.tolist())
+        reference = sample(written, SamplingTensors.from_lists(*(list(column) for column in zip(*params))), uniforms)
+        assert drawn == dense == reference.tolist(), trial
+        assert all(allow[r, d] for r, d in enumerate(drawn)), "a forbidden token was drawn"
+
+
 def test_the_lists_sampler_refuses_bad_inputs():
     ext = _cpu_sampler()
     logits = torch.randn(2, 40)
