@@ -258,3 +258,57 @@ def test_the_engine_gives_the_same_outputs_with_and_without_the_cpp_forward(tiny
     assert calls == {"ran": 0, "aside": 0}
     assert run(True) == general
     assert calls["ran"] > 10 and calls["aside"] == 0
+
+
+def feature_driven_head(tmp_path, model_dir, expected):
+    """An EAGLE-3 head whose drafts hang on the target's fused features (fc: the token embedding plus a strong
+    random map of the features), so features that differ in any way draft other tokens."""
+    from transformers import AutoConfig
+
+    from specjet.models.config import ModelConfig
+    from specjet.models.eagle import EagleDraftModel, save_eagle
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    hot = torch.tensor(sorted({t for ids in expected for t in ids} | {0, 1, 2}))
+    head = EagleDraftModel(config, hot_token_ids=hot, feature_layers=(0,))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("weight_t") or name.endswith("bias"):
+                p.zero_()
+        h = config.hidden_size
+        head.fuse.weight_t.normal_(0.0, 0.1, generator=gen)
+        head.fc.weight_t[:h] = torch.eye(h)
+        head.fc.weight_t[h:].normal_(0.0, 1.0, generator=gen)
+    return save_eagle(head, tmp_path, dtype=torch.float32)
+
+
+def test_an_eagle3_engine_drafts_the_same_from_the_features_of_either_path(tiny_model_dir, tmp_path, monkeypatch):
+    """EAGLE-3 drafts from the target layers' features that each verify captures: with the C++ forward from
+    lists the ids and every request's accepted lengths equal the general path's (the same features, so the same
+    drafts), under a grammar and without; the KV invariant after each."""
+    import specjet
+
+    from specjet.models.runner import ModelRunner
+
+    prompts = [[1, 9, 42, 42, 7, 100 + i, 42, 7] * (2 + i) for i in range(3)]
+    params = [{"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 32, "regex": "[a-z ]{4,60}"},
+              {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}]
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048) as eng:
+        expected = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    head = feature_driven_head(tmp_path, tiny_model_dir, expected)
+
+    def run(fast: bool):
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(ModelRunner, "forward_lists", lambda self, *a, **k: None)
+            with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, speculative_algorithm="EAGLE",
+                                speculative_draft_model_path=str(head)) as eng:
+                outs = eng.generate(input_ids=prompts, sampling_params=params)
+                eng.check_kv_invariant()
+        return [o["output_ids"] for o in outs], [o["meta_info"]["spec_accept_histogram"] for o in outs]
+
+    ids, accepted = run(True)
+    assert ids == expected
+    assert (ids, accepted) == run(False)
