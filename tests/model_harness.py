@@ -59,16 +59,26 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
 
 def count_stack_runs(monkeypatch) -> dict:
     """Spies on models/llama.py's ``run_layer_stack``: ``counts["ran"]`` forwards that went as one C++
-    call, ``counts["aside"]`` those where the stack stood aside (the Python loop ran)."""
+    call, ``counts["aside"]`` those where the stack stood aside (the Python loop ran); ``counts["lists"]``
+    forwards from host lists (``LlamaForCausalLM.forward_lists``), which run the stack too, and count in "ran"."""
     from specjet.models import llama
 
-    counts = {"ran": 0, "aside": 0}
+    counts = {"ran": 0, "aside": 0, "lists": 0}
     real = llama.run_layer_stack
+    real_lists = llama.LlamaForCausalLM.forward_lists
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         counts["ran" if out is not None else "aside"] += 1
         return out
 
+    def spy_lists(*args, **kwargs):
+        out = real_lists(*args, **kwargs)
+        if out is not None:
+            counts["ran"] += 1
+            counts["lists"] += 1
+        return out
+
     monkeypatch.setattr(llama, "run_layer_stack", spy)
+    monkeypatch.setattr(llama.LlamaForCausalLM, "forward_lists", spy_lists)
     return counts

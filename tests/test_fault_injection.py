@@ -9,7 +9,6 @@ import threading
 import pytest
 
 import specjet
-from specjet.models.forward_batch import ForwardMode
 from robustness_helpers import assert_healthy, bounded, submit
 
 RUNNERS = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
@@ -65,8 +64,9 @@ def test_a_failing_prefill_aborts_only_its_request(tiny_model_dir, reference, lo
     with make_engine(tiny_model_dir, loop) as eng:
         worker = eng.worker
         if where == "prefill forward":
-            fault = Fault(worker.runner.forward, lambda fb: fb.mode is ForwardMode.EXTEND)
-            worker.runner.forward = fault
+            # Every prefill asks forward_lists first (the layer stack's one call, or None: the general path).
+            fault = Fault(worker.runner.forward_lists, lambda *args, **kwargs: kwargs.get("last_logits", False))
+            worker.runner.forward_lists = fault
         else:
             fault = Fault(worker.sample, lambda batch, *a: batch.kind.value == "prefill")
             worker.sample = fault
@@ -203,13 +203,13 @@ def test_a_failing_prefill_chunk_aborts_its_request_and_caches_only_what_succeed
     with make_engine(tiny_model_dir, loop, chunked_prefill_size=64) as eng:
         extends = []
 
-        def second_chunk(fb):
-            if fb.mode is ForwardMode.EXTEND:
-                extends.append(fb)
+        def second_chunk(*args, **kwargs):  # every prefill chunk asks forward_lists first
+            if kwargs.get("last_logits", False):
+                extends.append(args)
             return len(extends) == 2
 
-        fault = Fault(eng.worker.runner.forward, second_chunk)
-        eng.worker.runner.forward = fault
+        fault = Fault(eng.worker.runner.forward_lists, second_chunk)
+        eng.worker.runner.forward_lists = fault
         streams = [eng.generate(p, LONG, stream=True) for p in RUNNERS]
         firsts = [next(s) for s in streams]
         extends.clear()

@@ -141,6 +141,36 @@ def test_a_verify_from_lists_gives_the_general_paths_bits(tiny_model_dir, dtype,
         assert fast.hidden.shape == (len(tokens), width)
 
 
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+@pytest.mark.parametrize("capture", [None, "last", FeatureLayers((1, 0))], ids=["none", "last", "features"])
+def test_a_prefill_from_lists_gives_the_general_paths_bits(tiny_model_dir, dtype, quantization, capture):
+    """Prefills of several requests (one after a cached prefix, one a single token) with each request's last
+    row's logits, as ``ForwardBatch.build(..., logits="last")`` gives them: the same logits, features and KV."""
+    runner = make_runner(tiny_model_dir, dtype, quantization)
+    vocab = runner.config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    table = scattered_table(6, 48)
+    ids = torch.randint(0, vocab, (6, 48), generator=gen)
+    rows, cached, ends = [2, 4, 0], [0, 11, 6], [17, 30, 7]
+    prefill(runner, table, ids, [4, 0], [11, 6])  # the cached prefixes
+    tokens = [int(ids[r, p]) for r, c, e in zip(rows, cached, ends) for p in range(c, e)]
+    positions = [p for c, e in zip(cached, ends) for p in range(c, e)]
+    q_lens = [e - c for c, e in zip(cached, ends)]
+    kv = KVSnapshot(runner)
+    fast = runner.forward_lists(tokens, positions, positions, rows, q_lens, ends, table, capture_hidden=capture,
+                                last_logits=True)
+    written = kv.written()
+    kv.restore()
+    flat_rows = torch.tensor([r for r, q in zip(rows, q_lens) for _ in range(q)])
+    ref = runner.forward(ForwardBatch.build(
+        ForwardMode.EXTEND, input_ids=torch.tensor(tokens), positions=torch.tensor(positions),
+        out_cache_loc=table[flat_rows, torch.tensor(positions)], req_to_token=table, req_pool_indices=torch.tensor(rows),
+        kv_lens=torch.tensor(ends), q_lens=torch.tensor(q_lens), logits="last", capture_hidden=capture))
+    assert_same_output(fast, ref)
+    assert fast.logits.shape[0] == len(rows)
+    assert torch.equal(written[0], runner.kv_cache.k) and torch.equal(written[1], runner.kv_cache.v)
+
+
 def test_per_layer_captures_stand_aside(tiny_model_dir):
     """A tuple of layers (``ModelOutput.layer_hidden``, for tests) is the general forward's alone."""
     runner = make_runner(tiny_model_dir, "float32", None)
@@ -154,17 +184,15 @@ def test_forward_from_lists_grows_the_rope_table_past_its_blocks(tiny_model_dir,
     table = scattered_table(2, 64)
     ids = torch.randint(0, runner.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     prefill(runner, table, ids, [0, 1], [5, 5])
-    k0, v0 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
     rows, tokens = [0, 1], [3, 4]
     for step in range(5, 40):  # the table grows by 8 rows at a time while the requests advance
         positions = [step, min(step + 17, 63)]
+        kv = KVSnapshot(runner)
         fast = decode_lists(runner, table, tokens, positions, rows)
-        kv = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
-        runner.kv_cache.k.copy_(k0)
-        runner.kv_cache.v.copy_(v0)
+        written = kv.written()
+        kv.restore()
         ref = general_forward(runner, table, tokens, positions, positions, rows, [1, 1], [p + 1 for p in positions])
-        assert torch.equal(fast.logits, ref.logits) and torch.equal(kv[0], runner.kv_cache.k), step
-        k0, v0 = runner.kv_cache.k.clone(), runner.kv_cache.v.clone()
+        assert torch.equal(fast.logits, ref.logits) and torch.equal(written[0], runner.kv_cache.k), step
         tokens = fast.logits.argmax(-1).tolist()
     assert runner.model.rotary._tables[torch.float32][0].shape[0] >= 64
 

@@ -111,7 +111,8 @@ class ModelWorker:
                 self._states[inp.rid] = ComputeState(inp.rid, inp.prefill_ids[:_prefill_end(inp)], inp.prompt_len,
                                                      inp.cached_len)
             capture = self.speculator.target_capture if self.speculator is not None else None
-            return self.runner.forward(self._prefill_batch(batch.inputs, capture))
+            out = self._prefill_lists(batch.inputs, capture)
+            return out if out is not None else self.runner.forward(self._prefill_batch(batch.inputs, capture))
         return self._decode_forward([self._state(inp) for inp in batch.inputs], batch.inputs)
 
     def sample(self, batch: WorkerBatch, forward: Future, grammar_mask) -> list[list[int]]:
@@ -202,6 +203,19 @@ class ModelWorker:
             self._states.pop(rid, None)
             if self.speculator is not None:
                 self.speculator.release(rid)
+
+    def _prefill_lists(self, inputs: list[ReqInput], capture) -> ModelOutput | None:
+        """``_prefill_batch``'s forward from host lists in one C++ call (``ModelRunner.forward_lists``), or None
+        where that does not apply."""
+        ids, positions, q_lens, kv_lens = [], [], [], []
+        for inp in inputs:
+            start, end = inp.cached_len, _prefill_end(inp)
+            ids.extend(inp.prefill_ids[start:end])
+            positions.extend(range(start, end))
+            q_lens.append(end - start)
+            kv_lens.append(end)
+        return self.runner.forward_lists(ids, positions, positions, [inp.row for inp in inputs], q_lens, kv_lens,
+                                         self.req_to_token, capture_hidden=capture, last_logits=True)
 
     def _prefill_batch(self, inputs: list[ReqInput], capture) -> ForwardBatch:
         """Extend every request from its cached length to the end of its prefill ids."""
