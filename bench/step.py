@@ -11,7 +11,7 @@ every time; several N take turns in one process, and each N after the first is a
 first's median (issue 16's verify-against-decode figure) and as the median of each round's ratio (``paired``:
 steadier where the host's speed drifts). Prints the median and min/max of ``--repeats`` steps per path, the
 paths taking turns after one warm-up round: ``lists`` (where the model has its C++ layer stack: the whole
-forward from host lists in one C++ call, ``ModelRunner.forward_lists``, the path the engine's decode steps and
+forward from host lists in one C++ call, ``LlamaForCausalLM.forward_lists``, the path the engine's decode steps and
 verifies take on the CPU), ``invariant`` (the batch-invariant attention from a ``ForwardBatch``; the layers as
 one C++ call where the model has its layer stack, kernels/layer_stack.py), ``loop`` (the same kernels called
 layer by layer from Python: what the stack saves) and ``sdpa``.
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
         if lists:  # the engine's CPU path: the whole forward from host lists in one C++ call
             ids = torch.randint(0, config.vocab_size, (b * q_len,)).tolist()
             pos = positions.tolist()
-            out = runner.forward_lists(ids, pos, pos, rows.tolist(), [q_len] * b, [pos[q_len - 1] + 1] * b, table,
-                                       custom_mask=mask)
+            out = runner.model.forward_lists(ids, pos, pos, rows.tolist(), [q_len] * b, [pos[q_len - 1] + 1] * b,
+                                             table, runner.kv_cache, custom_mask=mask)
             if out is None:
                 raise SystemExit("bench.step: the lists path needs the C++ layer stack (CPU, extension built)")
             return

@@ -244,11 +244,12 @@ class LayerStack {
     torch::Tensor kv_indices = torch::zeros({batch, max_kv}, longs);  // past a row's length: slot 0 (padding)
     const int64_t* t = table.data_ptr<int64_t>();
     int64_t *slot = slots.data_ptr<int64_t>(), *kv = kv_indices.data_ptr<int64_t>();
+    std::memcpy(kv_len_t.data_ptr<int64_t>(), kv_lens.data(), batch * sizeof(int64_t));
+    std::memcpy(q_len_t.data_ptr<int64_t>(), q_lens.data(), batch * sizeof(int64_t));
+    int64_t* q_start = q_starts.data_ptr<int64_t>();
     for (int64_t b = 0, i = 0; b < batch; ++b) {
       const int64_t* row = t + rows[b] * width;
-      kv_len_t.data_ptr<int64_t>()[b] = kv_lens[b];
-      q_len_t.data_ptr<int64_t>()[b] = q_lens[b];
-      q_starts.data_ptr<int64_t>()[b] = i;
+      q_start[b] = i;
       std::memcpy(kv + b * max_kv, row, kv_lens[b] * sizeof(int64_t));
       for (int64_t j = 0; j < q_lens[b]; ++j, ++i) slot[i] = row[slot_cols[i]];
     }

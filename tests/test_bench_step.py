@@ -56,6 +56,7 @@ def test_bench_step_several_node_counts_take_turns(tiny_model_dir, capsys):
 def test_a_verify_step_computes_every_nodes_logits_as_the_engines_verify_does(tiny_model_dir, monkeypatch):
     """A verify checks each node's children against that node's logits, so its step computes all N rows'
     logits (the LM head's share of a verify); a decode step computes its token's."""
+    from specjet.models.llama import LlamaForCausalLM
     from specjet.models.runner import ModelRunner
 
     rows = []
@@ -67,7 +68,7 @@ def test_a_verify_step_computes_every_nodes_logits_as_the_engines_verify_does(ti
         return out
 
     lists = []
-    real_lists = ModelRunner.forward_lists
+    real_lists = LlamaForCausalLM.forward_lists
 
     def forward_lists(self, ids, *args, **kwargs):
         out = real_lists(self, ids, *args, **kwargs)
@@ -75,7 +76,7 @@ def test_a_verify_step_computes_every_nodes_logits_as_the_engines_verify_does(ti
         return out
 
     monkeypatch.setattr(ModelRunner, "forward", forward)
-    monkeypatch.setattr(ModelRunner, "forward_lists", forward_lists)
+    monkeypatch.setattr(LlamaForCausalLM, "forward_lists", forward_lists)
     main(["--model-path", str(tiny_model_dir), "--batch-size", "2", "--context", "6", "--nodes", "1", "5",
           "--repeats", "1", "--dtype", "float32"])
     steps = {(mode, tokens, logits) for mode, tokens, logits in rows if mode != "EXTEND"}

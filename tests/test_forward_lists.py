@@ -1,8 +1,9 @@
-"""A decode step's or a verify's forward from host lists as one C++ call (``ModelRunner.forward_lists``,
-csrc/layer_stack.cpp's ``LayerStack.forward_lists``) against the batch the general path builds from the same
-lists (``host_token_tensors`` + ``ForwardBatch.from_host`` + ``forward``): the same logits, normed rows, captured
-features and KV slots written, bit for bit; bad lists refused before anything is written; the engine's outputs
-the same with and without it, plain and speculative."""
+"""A prefill's, a decode step's or a verify's forward from host lists as one C++ call
+(``LlamaForCausalLM.forward_lists``, csrc/layer_stack.cpp's ``LayerStack.forward_lists``) against the batch the
+general path builds from the same lists (``host_token_tensors`` + ``ForwardBatch.from_host`` / ``build`` +
+``forward``): the same logits, normed rows, captured features and KV slots written, bit for bit; bad lists refused
+before anything is written; ``ModelRunner.forward_lists`` falling back to the general path where the C++ call
+stands aside; the engine's outputs the same with and without the C++ call, plain and speculative."""
 from __future__ import annotations
 
 import pytest
@@ -33,11 +34,17 @@ def prefill(runner, table: torch.Tensor, ids: torch.Tensor, rows: list[int], len
     runner.forward(batch)
 
 
+def cpp_forward(runner, ids, positions, slot_cols, rows, q_lens, kv_lens, table, **kwargs):
+    """The C++ call alone (None where it stands aside), on the runner's KV cache."""
+    return runner.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, runner.kv_cache,
+                                      **kwargs)
+
+
 def decode_lists(runner, table, tokens, positions, rows, **kwargs):
     """A decode step: request i's token at position positions[i], in its table row's column of that position."""
     n = len(rows)
-    return runner.forward_lists(tokens, positions, positions, rows, [1] * n, [p + 1 for p in positions], table,
-                                **kwargs)
+    return cpp_forward(runner, tokens, positions, positions, rows, [1] * n, [p + 1 for p in positions], table,
+                       **kwargs)
 
 
 def general_forward(runner, table, tokens, positions, slot_cols, rows, q_lens, kv_lens, mask=None, **kwargs):
@@ -128,7 +135,7 @@ def test_a_verify_from_lists_gives_the_general_paths_bits(tiny_model_dir, dtype,
     kv = KVSnapshot(runner)
     for logits_mask in (None, (bitmask, masked)):
         kv.restore()
-        fast = runner.forward_lists(tokens, depths, slot_cols, rows, q_lens, kv_lens, table, custom_mask=mask,
+        fast = cpp_forward(runner, tokens, depths, slot_cols, rows, q_lens, kv_lens, table, custom_mask=mask,
                                     capture_hidden=capture, logits_mask=logits_mask)
         fast_kv = kv.written()
         kv.restore()
@@ -157,7 +164,7 @@ def test_a_prefill_from_lists_gives_the_general_paths_bits(tiny_model_dir, dtype
     positions = [p for c, e in zip(cached, ends) for p in range(c, e)]
     q_lens = [e - c for c, e in zip(cached, ends)]
     kv = KVSnapshot(runner)
-    fast = runner.forward_lists(tokens, positions, positions, rows, q_lens, ends, table, capture_hidden=capture,
+    fast = cpp_forward(runner, tokens, positions, positions, rows, q_lens, ends, table, capture_hidden=capture,
                                 last_logits=True)
     written = kv.written()
     kv.restore()
@@ -174,7 +181,7 @@ def test_a_prefill_from_lists_gives_the_general_paths_bits(tiny_model_dir, dtype
 def test_per_layer_captures_stand_aside(tiny_model_dir):
     """A tuple of layers (``ModelOutput.layer_hidden``, for tests) is the general forward's alone."""
     runner = make_runner(tiny_model_dir, "float32", None)
-    assert runner.forward_lists([1], [0], [0], [0], [1], [1], scattered_table(1, 8), capture_hidden=(0,)) is None
+    assert cpp_forward(runner, [1], [0], [0], [0], [1], [1], scattered_table(1, 8), capture_hidden=(0,)) is None
 
 
 def test_forward_from_lists_grows_the_rope_table_past_its_blocks(tiny_model_dir, monkeypatch):
@@ -245,10 +252,35 @@ def test_forward_from_lists_refuses_bad_lists_before_writing_anything(tiny_model
     assert runner.kv_cache.k.abs().sum() > 0
 
 
-def test_forward_from_lists_stands_aside_where_the_stack_does_not_run(tiny_model_dir):
+@pytest.mark.parametrize("kind", ["prefill", "verify"])
+def test_the_runner_falls_back_to_the_general_path_where_the_cpp_call_stands_aside(tiny_model_dir, kind):
+    """Without the layer stack the C++ call stands aside and ``ModelRunner.forward_lists`` gives the general
+    path's output from the same lists (the Python loop over the same kernels: the same bits)."""
     runner = make_runner(tiny_model_dir, "float32", None)
-    runner.model.layer_stack = None
-    assert decode_lists(runner, scattered_table(1, 8), [1], [0], [0]) is None
+    gen = torch.Generator().manual_seed(4)
+    table = scattered_table(3, 40)
+    tokens = torch.randint(0, runner.config.vocab_size, (12,), generator=gen).tolist()
+    if kind == "prefill":
+        lists = dict(positions=list(range(7)) + list(range(5)), rows=[2, 0], q_lens=[7, 5], kv_lens=[7, 5])
+        lists["slot_cols"], kwargs = lists["positions"], {"last_logits": True}
+    else:
+        prefill(runner, table, torch.randint(0, runner.config.vocab_size, (3, 40), generator=gen), [1], [9])
+        chain = [9 + i for i in range(12)]  # a chain of 12 nodes after 9 cached tokens
+        lists = dict(positions=chain, slot_cols=chain, rows=[1], q_lens=[12], kv_lens=[21])
+        kwargs = {"custom_mask": torch.tril(torch.ones(1, 12, 12, dtype=torch.bool)),
+                  "capture_hidden": FeatureLayers((0,))}
+    args = (tokens, lists["positions"], lists["slot_cols"], lists["rows"], lists["q_lens"], lists["kv_lens"], table)
+    kv = KVSnapshot(runner)
+    fast = cpp_forward(runner, *args, **kwargs)
+    fast_kv = kv.written()
+    kv.restore()
+    stack, runner.model.layer_stack = runner.model.layer_stack, None
+    assert cpp_forward(runner, *args, **kwargs) is None
+    kv.restore()
+    fallback = runner.forward_lists(*args, **kwargs)
+    runner.model.layer_stack = stack
+    assert_same_output(fast, fallback)
+    assert torch.equal(fast_kv[0], runner.kv_cache.k) and torch.equal(fast_kv[1], runner.kv_cache.v)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"speculative_algorithm": "NGRAM"}, {"speculative_algorithm": "NGRAM",
@@ -258,7 +290,7 @@ def test_the_engine_gives_the_same_outputs_with_and_without_the_cpp_forward(tiny
     under the grammar; n-gram trees verified under their masks): the ids with the C++ forward from lists equal
     those of the general path, which it replaced (counted); the KV invariant after each."""
     import specjet
-    from specjet.models.runner import ModelRunner
+    from specjet.models.llama import LlamaForCausalLM
 
     prompts = [[1, 9, 42, 42, 7, 100 + i, 42, 7] * (2 + i) for i in range(4)]
     params = [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True},
@@ -266,7 +298,7 @@ def test_the_engine_gives_the_same_outputs_with_and_without_the_cpp_forward(tiny
               {"temperature": 0, "max_new_tokens": 20, "json_schema": {"type": "object", "properties": {
                   "a": {"type": "integer"}}, "required": ["a"]}},
               {"temperature": 0.7, "seed": 3, "max_new_tokens": 20, "regex": "[a-z]{3,12}"}]
-    real = ModelRunner.forward_lists
+    real = LlamaForCausalLM.forward_lists
     calls = {"ran": 0, "aside": 0}
 
     def counted(self, *args, **kw):
@@ -276,7 +308,7 @@ def test_the_engine_gives_the_same_outputs_with_and_without_the_cpp_forward(tiny
 
     def run(fast: bool):
         with monkeypatch.context() as m:
-            m.setattr(ModelRunner, "forward_lists", counted if fast else (lambda self, *a, **k: None))
+            m.setattr(LlamaForCausalLM, "forward_lists", counted if fast else (lambda self, *a, **k: None))
             with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, **kwargs) as eng:
                 outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
                 eng.check_kv_invariant()
@@ -317,7 +349,7 @@ def test_an_eagle3_engine_drafts_the_same_from_the_features_of_either_path(tiny_
     drafts), under a grammar and without; the KV invariant after each."""
     import specjet
 
-    from specjet.models.runner import ModelRunner
+    from specjet.models.llama import LlamaForCausalLM
 
     prompts = [[1, 9, 42, 42, 7, 100 + i, 42, 7] * (2 + i) for i in range(3)]
     params = [{"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
@@ -330,7 +362,7 @@ def test_an_eagle3_engine_drafts_the_same_from_the_features_of_either_path(tiny_
     def run(fast: bool):
         with monkeypatch.context() as m:
             if not fast:
-                m.setattr(ModelRunner, "forward_lists", lambda self, *a, **k: None)
+                m.setattr(LlamaForCausalLM, "forward_lists", lambda self, *a, **k: None)
             with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, speculative_algorithm="EAGLE",
                                 speculative_draft_model_path=str(head)) as eng:
                 outs = eng.generate(input_ids=prompts, sampling_params=params)

@@ -191,8 +191,8 @@ def test_the_lists_sampler_reads_the_grammar_mask_as_xgrammar_writes_it():
 @pytest.mark.parametrize("allowed", [1, 2, 63, 64, 65, 300, 2048, 2049])
 def test_a_sparse_masked_row_draws_what_its_masked_copy_draws(allowed):
     """A masked row allowing at most 2,048 tokens is drawn from its allowed columns alone (csrc/sampling.cpp's
-    sparse path): the same token as the row with xgrammar's -inf written in (the dense path, the torch reference)
-    for every filter and coin, allowed columns clustered in blocks or scattered, in the last partial block of
+    sparse path): the same token as the row with xgrammar's -inf written in (the C++ dense path, which the tests
+    above hold to the torch reference) for every filter and coin, allowed columns clustered in blocks or scattered, in the last partial block of
     64 columns too, a NaN or +inf among them (left to the dense path), -inf logits among them."""
     import xgrammar as xgr
     from specjet.kernels.sampling import cpu_sampler_serves, sample_lists
@@ -231,8 +231,7 @@ def test_a_sparse_masked_row_draws_what_its_masked_copy_draws(allowed):
         uniforms[1] = 1.0 - 2**-24
         drawn = sample_lists(logits, *(list(column) for column in zip(*params)), uniforms.tolist(), (bitmask, flags))
         dense = sample_lists(written, *(list(column) for column in zip(*params)), uniforms.tolist())
-        reference = sample(written, SamplingTensors.from_lists(*(list(column) for column in zip(*params))), uniforms)
-        assert drawn == dense == reference.tolist(), trial
+        assert drawn == dense, trial
         assert all(allow[r, d] for r, d in enumerate(drawn)), "a forbidden token was drawn"
 
 

@@ -9,7 +9,7 @@ import torch
 from specjet.kernels import bf16_gemm
 from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
 from specjet.models.config import ModelConfig
-from specjet.models.forward_batch import ForwardBatch, ModelOutput
+from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import LlamaForCausalLM, Rotary
 from specjet.models.operand_arena import gather_operands
@@ -145,12 +145,25 @@ class ModelRunner:
         return self.model(batch, self.kv_cache)
 
     def forward_lists(self, ids: list[int], positions: list[int], slot_cols: list[int], rows: list[int],
-                      q_lens: list[int], kv_lens: list[int], table: torch.Tensor, **kwargs) -> ModelOutput | None:
-        """A decode step or a verify from host lists in one C++ call (``LlamaForCausalLM.forward_lists``: its
-        keyword arguments are ``ForwardBatch.from_host``'s), or None where that does not apply (the caller then
-        builds a ``ForwardBatch``)."""
-        return self.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, self.kv_cache,
-                                        **kwargs)
+                      q_lens: list[int], kv_lens: list[int], table: torch.Tensor,
+                      custom_mask: torch.Tensor | None = None, capture_hidden=None,
+                      logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None, defer_logits: bool = False,
+                      last_logits: bool = False) -> ModelOutput:
+        """A prefill, a decode step or a verify given as host lists (``LlamaForCausalLM.forward_lists`` says what
+        they hold): one C++ call of the layer stack where the model takes it, else ``forward`` on the batch
+        ``host_token_tensors`` and ``ForwardBatch.from_host`` build from the same lists (the same output: tested)."""
+        kwargs = dict(custom_mask=custom_mask, capture_hidden=capture_hidden, logits_mask=logits_mask,
+                      defer_logits=defer_logits, last_logits=last_logits)
+        out = self.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, self.kv_cache, **kwargs)
+        if out is not None:
+            return out
+        token_rows = [row for row, n in zip(rows, q_lens) for _ in range(n)]
+        ids_t, positions_t, slots = host_token_tensors(table, ids, positions, token_rows, slot_cols)
+        mode = (ForwardMode.VERIFY if custom_mask is not None else
+                ForwardMode.DECODE if max(q_lens) == 1 else ForwardMode.EXTEND)
+        return self.forward(ForwardBatch.from_host(mode, ids_t, positions_t, slots, table, rows, q_lens, kv_lens,
+                                                   custom_mask, capture_hidden, logits_mask, defer_logits,
+                                                   last_logits))
 
     @property
     def head_takes_masks(self) -> bool:

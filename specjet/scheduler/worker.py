@@ -24,7 +24,7 @@ from specjet.grammar import RequestGrammar, apply_token_bitmask_
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample, sample_lists
-from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
+from specjet.models.forward_batch import ModelOutput
 from specjet.models.runner import ModelRunner
 from specjet.scheduler.batch import BatchKind
 from specjet.scheduler.sampling_params import SamplingParams
@@ -111,8 +111,7 @@ class ModelWorker:
                 self._states[inp.rid] = ComputeState(inp.rid, inp.prefill_ids[:_prefill_end(inp)], inp.prompt_len,
                                                      inp.cached_len)
             capture = self.speculator.target_capture if self.speculator is not None else None
-            out = self._prefill_lists(batch.inputs, capture)
-            return out if out is not None else self.runner.forward(self._prefill_batch(batch.inputs, capture))
+            return self._prefill(batch.inputs, capture)
         return self._decode_forward([self._state(inp) for inp in batch.inputs], batch.inputs)
 
     def sample(self, batch: WorkerBatch, forward: Future, grammar_mask) -> list[list[int]]:
@@ -204,9 +203,8 @@ class ModelWorker:
             if self.speculator is not None:
                 self.speculator.release(rid)
 
-    def _prefill_lists(self, inputs: list[ReqInput], capture) -> ModelOutput | None:
-        """``_prefill_batch``'s forward from host lists in one C++ call (``ModelRunner.forward_lists``), or None
-        where that does not apply."""
+    def _prefill(self, inputs: list[ReqInput], capture) -> ModelOutput:
+        """Extend every request from its cached length to the end of its prefill ids (logits of its last row)."""
         ids, positions, q_lens, kv_lens = [], [], [], []
         for inp in inputs:
             start, end = inp.cached_len, _prefill_end(inp)
@@ -217,49 +215,17 @@ class ModelWorker:
         return self.runner.forward_lists(ids, positions, positions, [inp.row for inp in inputs], q_lens, kv_lens,
                                          self.req_to_token, capture_hidden=capture, last_logits=True)
 
-    def _prefill_batch(self, inputs: list[ReqInput], capture) -> ForwardBatch:
-        """Extend every request from its cached length to the end of its prefill ids."""
-        ids, positions, slots, q_lens, kv_lens = [], [], [], [], []
-        table = self.req_to_token
-        for inp in inputs:
-            start, end = inp.cached_len, _prefill_end(inp)
-            ids.extend(inp.prefill_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slots.append(table[inp.row, start:end])
-            q_lens.append(end - start)
-            kv_lens.append(end)
-        device = self.device
-        return ForwardBatch.build(
-            ForwardMode.EXTEND,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.cat(positions).to(device),
-            out_cache_loc=torch.cat(slots),
-            req_to_token=table,
-            req_pool_indices=torch.tensor([inp.row for inp in inputs], dtype=torch.int64, device=device),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int64, device=device),
-            q_lens=torch.tensor(q_lens, dtype=torch.int64, device=device),
-            logits="last",
-            capture_hidden=capture,
-        )
-
     def _decode_forward(self, states: list[ComputeState], inputs: list[ReqInput]) -> ModelOutput:
         """Feed each request's last token at position committed_len (through the target's graphs
         where the runner has them)."""
         if self.runner.graphs is not None:  # the batch's numbers go to the device as one tensor
             return self.runner.graphs.decode(torch.tensor(
                 [[s.tokens[-1], s.committed_len, inp.row] for s, inp in zip(states, inputs)], dtype=torch.int64))
-        rows, committed = [inp.row for inp in inputs], [s.committed_len for s in states]
-        last = [s.tokens[-1] for s in states]
-        defer = self._defer_head and any(inp.constrained for inp in inputs)
-        ones = [1] * len(states)
-        kv_lens = [n + 1 for n in committed]
-        out = self.runner.forward_lists(last, committed, committed, rows, ones, kv_lens, self.req_to_token,
-                                        defer_logits=defer)
-        if out is not None:
-            return out
-        ids, positions, slots = host_token_tensors(self.req_to_token, last, committed, rows, committed)
-        return self.runner.forward(ForwardBatch.from_host(ForwardMode.DECODE, ids, positions, slots, self.req_to_token,
-                                                          rows, ones, kv_lens, defer_logits=defer))
+        committed = [s.committed_len for s in states]
+        return self.runner.forward_lists([s.tokens[-1] for s in states], committed, committed,
+                                         [inp.row for inp in inputs], [1] * len(states), [n + 1 for n in committed],
+                                         self.req_to_token,
+                                         defer_logits=self._defer_head and any(inp.constrained for inp in inputs))
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:

@@ -17,7 +17,7 @@ from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sampling_rows
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling, verify_trees_sampling_cpu
-from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
+from specjet.models.forward_batch import ModelOutput, host_token_tensors
 from specjet.models.runner import ModelRunner
 
 
@@ -78,23 +78,17 @@ class TreeVerifier:
         slot_cols = [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]
         grammar = self._grammar_masks(reqs, len(tokens), self.runner.config.vocab_size, offsets_of(sizes))
         rows, kv_lens = [r.row for r in reqs], [r.committed_len + n for r, n in zip(reqs, sizes)]
-        # On the CPU's layer stack the whole forward from these lists in one C++ call; else a ForwardBatch.
-        out = None if static else self.runner.forward_lists(tokens, depths, slot_cols, rows, sizes, kv_lens,
-                                                            req_to_token, custom_mask=mask,
-                                                            capture_hidden=self.capture_hidden, logits_mask=grammar)
-        if out is None:
+        if static:
             ids, positions, slots = host_token_tensors(
                 req_to_token, tokens, depths, [r.row for r, n in zip(reqs, sizes) for _ in range(n)], slot_cols)
-            if static:
-                per_request = torch.tensor([rows, [r.committed_len for r in reqs], sizes],
-                                           dtype=torch.int64).to(device, non_blocking=True)
-                rows_t, committed, q_lens = per_request[0], per_request[1], per_request[2]
-                out = graphs.verify(ids, positions, slots, rows_t, q_lens, committed + q_lens, mask, self.static_nodes,
-                                    self.capture_hidden)
-            else:
-                out = self.runner.forward(ForwardBatch.from_host(
-                    ForwardMode.VERIFY if mask is not None else ForwardMode.DECODE, ids, positions, slots,
-                    req_to_token, rows, sizes, kv_lens, mask, self.capture_hidden, logits_mask=grammar))
+            per_request = torch.tensor([rows, [r.committed_len for r in reqs], sizes],
+                                       dtype=torch.int64).to(device, non_blocking=True)
+            rows_t, committed, q_lens = per_request[0], per_request[1], per_request[2]
+            out = graphs.verify(ids, positions, slots, rows_t, q_lens, committed + q_lens, mask, self.static_nodes,
+                                self.capture_hidden)
+        else:
+            out = self.runner.forward_lists(tokens, depths, slot_cols, rows, sizes, kv_lens, req_to_token,
+                                            custom_mask=mask, capture_hidden=self.capture_hidden, logits_mask=grammar)
         logits = out.logits
         offsets = offsets_of(sizes)
         self._apply_penalties(reqs, logits, offsets)
