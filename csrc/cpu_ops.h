@@ -102,8 +102,11 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
                                               const torch::Tensor& temperatures, const torch::Tensor& top_ks,
                                               const torch::Tensor& top_ps, const torch::Tensor& min_ps);
 
-// layer_stack.cpp
+// layer_stack.cpp (the StackProjection type and the LayerStack class)
 void register_layer_stack(pybind11::module& module);
+
+// dflash_block.cpp (after register_layer_stack: it takes StackProjections)
+void register_dflash_block(pybind11::module& module);
 
 // thread_pinning.cpp
 std::vector<int64_t> pin_team_threads(const std::vector<int64_t>& cpus);

@@ -8,97 +8,26 @@
 // all layers, and the layers' intermediates live in tensors of the run that each layer writes again
 // (cpu_ops.h's _into ops), so a layer allocates nothing.
 //
-// A projection is one of the inference operands of specjet/kernels: a packed Q4_1 or int8 weight
-// (kernels/qgemm.py's QuantizedLinear, float32 activations), a packed bf16 weight (kernels/bf16_gemm.py's
-// Bf16Linear) or a float weight (kernels/linear.py's PackedLinear: oneDNN's matmul on a blocked weight, or
-// x @ W, under its row plan).
-#include <ATen/core/dispatch/Dispatcher.h>
+// A projection is one of specjet's inference operands (csrc/stack_projection.h).
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstring>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "cpu_ops.h"
+#include "stack_projection.h"
 
 namespace {
 
-enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3, kBf16 = 4 };
-
-// The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel. Looked
-// up (and its signature checked) when a oneDNN projection is built, so a torch whose op differs fails the
-// stack's construction, where the model falls back to its Python loop, not a forward.
-using OneDnnLinearFn = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
-                                     c10::string_view, c10::List<std::optional<c10::Scalar>>,
-                                     std::optional<c10::string_view>);
-using OneDnnLinear = c10::TypedOperatorHandle<OneDnnLinearFn>;
-
-const OneDnnLinear& onednn_linear_op() {
-  static const OneDnnLinear op = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                                     .typed<OneDnnLinearFn>();
-  return op;
-}
-
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  return onednn_linear_op().call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
-}
-
-struct Projection {
-  int64_t kind = kDense;
-  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t; bf16: the packed weight
-  torch::Tensor a, b, c;
-  c10::optional<torch::Tensor> bias;
-  int64_t n = 0, group = 0, isa = 0, min_rows = 1, max_rows = 1;
-
-  // PackedLinear.kernel / run_chunk: a chunk below min_rows is padded with zero rows.
-  torch::Tensor float_kernel(const torch::Tensor& x) const {
-    if (kind == kOneDnn) return onednn_linear(x, a, bias);
-    return bias ? at::addmm(*bias, x, a) : at::matmul(x, a);
-  }
-  torch::Tensor float_chunk(const torch::Tensor& x) const {
-    const int64_t rows = x.size(0);
-    if (rows >= min_rows) return float_kernel(x);
-    auto pad = x.new_zeros({min_rows - rows, x.size(1)});
-    return float_kernel(at::cat({x, pad})).slice(0, 0, rows);
-  }
-  torch::Tensor quantized(const torch::Tensor& x) const {
-    torch::Tensor y;
-    quantized_into(x, y);
-    return y;
-  }
-  void quantized_into(const torch::Tensor& x, torch::Tensor& y) const {
-    if (kind == kQ41) specjet_cpu::q4_1_gemm_into(x, a, b, c, n, bias, isa, y);
-    else specjet_cpu::int8_gemm_into(x, a, b, c, group, n, bias, isa, y);
-  }
-
-  // x [rows, K] (a layer's activations: 2-D, contiguous) -> [rows, N] in x's dtype.
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == kBf16) {  // Bf16Linear.__call__
-      if (x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm(x, a, bias, isa);
-      return specjet_cpu::bf16_gemm(x.to(torch::kBFloat16).contiguous(), a, bias, isa).to(x.scalar_type());
-    }
-    if (kind == kQ41 || kind == kInt8) {  // QuantizedLinear.__call__
-      if (x.scalar_type() == torch::kFloat32) return quantized(x);
-      return quantized(x.to(torch::kFloat32).contiguous()).to(x.scalar_type());
-    }
-    const int64_t rows = x.size(0);  // PackedLinear.__call__
-    if (rows <= max_rows) return float_chunk(x);
-    std::vector<torch::Tensor> parts;
-    for (int64_t i = 0; i < rows; i += max_rows) parts.push_back(float_chunk(x.slice(0, i, std::min(rows, i + max_rows))));
-    return at::cat(parts);
-  }
-
-  // operator()(x) into y (cpu_ops.h's fit_output: y is reused when it fits) where the kernel writes in place: a
-  // quantized or bf16 weight on rows of its kernel's dtype. Elsewhere y becomes the tensor operator() returns.
-  void into(const torch::Tensor& x, torch::Tensor& y) const {
-    if (kind == kBf16 && x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
-    if ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) return quantized_into(x, y);
-    y = (*this)(x);
-  }
-};
+using specjet_cpu::Projection;
+using specjet_cpu::kQ41;
+using specjet_cpu::kInt8;
+using specjet_cpu::kOneDnn;
+using specjet_cpu::kDense;
+using specjet_cpu::kBf16;
+using specjet_cpu::onednn_linear_op;
 
 struct Layer {
   torch::Tensor norm1, norm2;
@@ -192,33 +121,71 @@ class LayerStack {
       const torch::Tensor& sin_table, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
       const c10::optional<torch::Tensor>& mask, const torch::Tensor& norm, double eps, int64_t attention_isa,
       const std::vector<int64_t>& capture) const {
-    const int64_t tokens = static_cast<int64_t>(ids.size()), batch = static_cast<int64_t>(rows.size());
-    TORCH_CHECK(tokens > 0 && positions.size() == ids.size() && slot_cols.size() == ids.size(),
+    TORCH_CHECK(!ids.empty() && positions.size() == ids.size() && slot_cols.size() == ids.size(),
                 "layer stack lists: ids, positions and slot_cols must be non-empty lists of one length");
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.device().is_cpu(),
+                "layer stack lists: the embedding must be a contiguous CPU [vocab, hidden] tensor");
+    const Lists lists = check_lists(positions, slot_cols, rows, q_lens, kv_lens, table, cos_table, sin_table, mask);
+    const int64_t vocab = embed.size(0);
+    for (int64_t id : ids) TORCH_CHECK(id >= 0 && id < vocab, "layer stack lists: token id ", id, " outside [0, ", vocab, ")");
+    return run_lists(rows_of(embed, ids), lists, positions, slot_cols, rows, q_lens, kv_lens, table, cos_table,
+                     sin_table, k_cache, v_cache, mask, norm, eps, attention_isa, capture, 0);
+  }
+
+  // forward_lists with the input rows given ([T, hidden], contiguous) instead of token ids: a draft's block, whose
+  // rows are its own (csrc/dflash_block.cpp). The output leaves out the first `skip` rows of each request (a block's
+  // root, which drafts nothing): the final norm is per row, so the rows it gives are the rows of the whole output.
+  torch::Tensor forward_rows(const torch::Tensor& x, const std::vector<int64_t>& positions,
+                             const std::vector<int64_t>& slot_cols, const std::vector<int64_t>& rows,
+                             const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
+                             const torch::Tensor& table, const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                             const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const c10::optional<torch::Tensor>& mask, const torch::Tensor& norm, double eps,
+                             int64_t attention_isa, int64_t skip) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                    x.size(0) == static_cast<int64_t>(positions.size()) && slot_cols.size() == positions.size() &&
+                    !positions.empty(),
+                "layer stack rows: x must be contiguous CPU [T, hidden], positions and slot_cols T long");
+    const Lists lists = check_lists(positions, slot_cols, rows, q_lens, kv_lens, table, cos_table, sin_table, mask);
+    TORCH_CHECK(skip >= 0, "layer stack rows: skip must be >= 0");
+    for (int64_t q : q_lens) TORCH_CHECK(q > skip, "layer stack rows: every request must keep a row after skipping ", skip);
+    return std::get<0>(run_lists(x, lists, positions, slot_cols, rows, q_lens, kv_lens, table, cos_table, sin_table,
+                                 k_cache, v_cache, mask, norm, eps, attention_isa, {}, skip));
+  }
+
+ private:
+  struct Lists {
+    int64_t max_q = 0, max_kv = 0;
+  };
+
+  // The checks of forward_lists' request lists (every one before anything is written).
+  static Lists check_lists(const std::vector<int64_t>& positions, const std::vector<int64_t>& slot_cols,
+                           const std::vector<int64_t>& rows, const std::vector<int64_t>& q_lens,
+                           const std::vector<int64_t>& kv_lens, const torch::Tensor& table,
+                           const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                           const c10::optional<torch::Tensor>& mask) {
+    const int64_t tokens = static_cast<int64_t>(positions.size()), batch = static_cast<int64_t>(rows.size());
     TORCH_CHECK(batch > 0 && q_lens.size() == rows.size() && kv_lens.size() == rows.size(),
                 "layer stack lists: rows, q_lens and kv_lens must be non-empty lists of one length");
     TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.device().is_cpu(),
                 "layer stack lists: the request-to-token table must be a contiguous CPU int64 [rows, positions] tensor");
-    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.device().is_cpu(),
-                "layer stack lists: the embedding must be a contiguous CPU [vocab, hidden] tensor");
     TORCH_CHECK(cos_table.dim() == 2 && cos_table.is_contiguous() && sin_table.sizes().equals(cos_table.sizes()) &&
                     sin_table.is_contiguous() && sin_table.scalar_type() == cos_table.scalar_type(),
                 "layer stack lists: the RoPE tables must be contiguous [positions, D/2] tensors of one dtype");
-    const int64_t vocab = embed.size(0), width = table.size(1), table_rows = table.size(0);
-    const int64_t rope_rows = cos_table.size(0);
-    int64_t max_q = 0, max_kv = 0, total = 0;
+    const int64_t width = table.size(1), table_rows = table.size(0), rope_rows = cos_table.size(0);
+    Lists lists;
+    int64_t total = 0;
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK(rows[b] >= 0 && rows[b] < table_rows, "layer stack lists: table row ", rows[b], " outside [0, ",
                   table_rows, ")");
       TORCH_CHECK(q_lens[b] >= 1 && q_lens[b] <= kv_lens[b] && kv_lens[b] <= width, "layer stack lists: request ", b,
                   " has q_len ", q_lens[b], " and kv_len ", kv_lens[b], " (a table row holds ", width, ")");
-      max_q = std::max(max_q, q_lens[b]);
-      max_kv = std::max(max_kv, kv_lens[b]);
+      lists.max_q = std::max(lists.max_q, q_lens[b]);
+      lists.max_kv = std::max(lists.max_kv, kv_lens[b]);
       total += q_lens[b];
     }
     TORCH_CHECK(total == tokens, "layer stack lists: the requests bring ", total, " tokens, the lists hold ", tokens);
     for (int64_t i = 0; i < tokens; ++i) {
-      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "layer stack lists: token id ", ids[i], " outside [0, ", vocab, ")");
       TORCH_CHECK(positions[i] >= 0 && positions[i] < rope_rows, "layer stack lists: position ", positions[i],
                   " outside the RoPE table (", rope_rows, ")");
       TORCH_CHECK(slot_cols[i] >= 0 && slot_cols[i] < width, "layer stack lists: slot column ", slot_cols[i],
@@ -226,18 +193,34 @@ class LayerStack {
     }
     if (mask) {
       TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 3 &&
-                      mask->size(0) == batch && mask->size(1) == mask->size(2) && mask->size(1) >= max_q,
+                      mask->size(0) == batch && mask->size(1) == mask->size(2) && mask->size(1) >= lists.max_q,
                   "layer stack lists: the mask must be contiguous bool [B, >= max_q, >= max_q]");
     }
-    auto rows_of = [&](const torch::Tensor& source, const std::vector<int64_t>& index) {
-      torch::Tensor out = torch::empty({tokens, source.size(1)}, source.options());
-      const int64_t bytes = source.size(1) * source.element_size();
-      const auto* from = static_cast<const char*>(source.data_ptr());
-      auto* to = static_cast<char*>(out.data_ptr());
-      for (int64_t i = 0; i < tokens; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
-      return out;
-    };
-    torch::Tensor x = rows_of(embed, ids), cos = rows_of(cos_table, positions), sin = rows_of(sin_table, positions);
+    return lists;
+  }
+
+  // The rows index[i] of a contiguous [rows, width] tensor, stacked.
+  static torch::Tensor rows_of(const torch::Tensor& source, const std::vector<int64_t>& index) {
+    const int64_t n = static_cast<int64_t>(index.size());
+    torch::Tensor out = torch::empty({n, source.size(1)}, source.options());
+    const int64_t bytes = source.size(1) * source.element_size();
+    const auto* from = static_cast<const char*>(source.data_ptr());
+    auto* to = static_cast<char*>(out.data_ptr());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
+    return out;
+  }
+
+  // x (checked lists' rows) through the layers and the final norm, the first `skip` rows of each request left out.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run_lists(
+      const torch::Tensor& x, const Lists& lists, const std::vector<int64_t>& positions,
+      const std::vector<int64_t>& slot_cols, const std::vector<int64_t>& rows, const std::vector<int64_t>& q_lens,
+      const std::vector<int64_t>& kv_lens, const torch::Tensor& table, const torch::Tensor& cos_table,
+      const torch::Tensor& sin_table, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+      const c10::optional<torch::Tensor>& mask, const torch::Tensor& norm, double eps, int64_t attention_isa,
+      const std::vector<int64_t>& capture, int64_t skip) const {
+    const int64_t tokens = x.size(0), batch = static_cast<int64_t>(rows.size());
+    const int64_t width = table.size(1), max_kv = lists.max_kv;
+    torch::Tensor cos = rows_of(cos_table, positions), sin = rows_of(sin_table, positions);
     const auto longs = torch::TensorOptions().dtype(torch::kInt64);
     torch::Tensor slots = torch::empty({tokens}, longs), kv_len_t = torch::empty({batch}, longs);
     torch::Tensor q_len_t = torch::empty({batch}, longs), q_starts = torch::empty({batch}, longs);
@@ -255,12 +238,19 @@ class LayerStack {
     }
     auto [out, taken] = run(x, cos, sin, k_cache, v_cache, slots, kv_indices, kv_len_t, q_len_t, q_starts, mask,
                             attention_isa, capture);
+    if (skip > 0) {
+      std::vector<int64_t> kept;
+      kept.reserve(tokens - skip * batch);
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = skip; j < q_lens[b]; ++j) kept.push_back(q_start[b] + j);
+      }
+      out = rows_of(out, kept);
+    }
     torch::Tensor normed, unused;
     specjet_cpu::rms_norm_into(out, norm, eps, nullptr, unused, normed);
     return {normed, taken};
   }
 
- private:
   int64_t num_heads_, head_dim_;
   double scale_;
   std::vector<Layer> layers_;
@@ -314,7 +304,8 @@ void register_layer_stack(pybind11::module& module) {
       .def("__len__", &LayerStack::size)
       // The call keeps the GIL (module.cpp says why).
       .def("run", &LayerStack::run)
-      .def("forward_lists", &LayerStack::forward_lists);
+      .def("forward_lists", &LayerStack::forward_lists)
+      .def("forward_rows", &LayerStack::forward_rows);
 }
 
 }  // namespace specjet_cpu

@@ -52,4 +52,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "bind thread t of the calling thread's OpenMP team to cpus[t % len(cpus)]; returns each thread's CPU "
              "(-1 where the binding failed)");
   register_layer_stack(module);
+  register_dflash_block(module);
 }

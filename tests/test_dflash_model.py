@@ -277,6 +277,73 @@ def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, p
         torch.testing.assert_close(logits[0, j], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("float32", "int8"), ("bfloat16", None),
+                                                ("bfloat16", "int8")])
+def test_the_cpp_block_from_host_lists_gives_the_forwards_bits(tiny_model_dir, tmp_path, dtype, quantization,
+                                                                 monkeypatch):
+    """A loaded draft (root context, previous-token rows) drafting in place runs its block as two C++ calls
+    (csrc/dflash_block.cpp's input rows, the layer stack from host lists): for float32 and bfloat16 targets, float
+    and int8 draft weights, one block or two of different context lengths, with known tokens (more than a block
+    holds, too) and without, the logits of the same blocks through ``forward`` in scratch slots, bit for bit."""
+    runner = load_runner(tiny_model_dir, dtype=dtype, tokens=512)
+    ids = torch.randint(0, 2000, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    from specjet.models.forward_batch import FeatureLayers
+
+    feats = OneRequest(runner).extend(ids, capture=FeatureLayers((0,))).hidden.clone()
+    save_dflash(random_draft(runner.config, root_context=True, prev=True), tmp_path / "d", dtype=torch.float32)
+    draft = load_dflash(tmp_path / "d", runner.config, dtype=getattr(torch, dtype))
+    allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, 1, "cpu")
+    scratch = DFlashDrafter(runner, draft, BLOCK, None, allocator, quantization=quantization)
+    in_place = DFlashDrafter(runner, draft, BLOCK, None, allocator, quantization=quantization, reserved=BLOCK)
+    assert draft._block_projections is not None and (quantization is None) == (
+        draft.root_proj.packed.__class__.__name__ != "QuantizedLinear")
+    ran = []
+    real = draft.native_block_logits
+    monkeypatch.setattr(draft, "native_block_logits", lambda *a: ran.append(1) or real(*a))
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    reqs = []
+    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
+        table[row, :n + BLOCK] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
+        for drafter in (scratch, in_place):
+            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
+        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    for batch, known in [(reqs[1:], None), (reqs[1:], [[3, 9]]), (reqs, None), (reqs, [[], [3, 9]]),
+                         (reqs, [[4], [3, 9, 1, 2, 8, 6]])]:
+        got = in_place.draft_blocks(batch, table, known)
+        assert torch.equal(got, scratch.draft_blocks(batch, table, known)), (len(batch), known)
+    assert len(ran) == 5
+    # What the rows hold matters: another known token changes its block's logits.
+    assert not torch.equal(in_place.draft_blocks(reqs[1:], table, [[3, 10]]), in_place.draft_blocks(reqs[1:], table,
+                                                                                                       [[3, 9]]))
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
+@pytest.mark.parametrize("change, match", [
+    ({"roots": [10 ** 6]}, "token id"),
+    ({"known": [[1], [2]]}, "every block"),
+    ({"size": 1}, "at least 2 rows"),
+    ({"root_ctx": None}, "come together"),
+    ({"root_ctx": "wide"}, "root_ctx"),
+    ({"mask_rows": "short"}, "mask_rows"),
+])
+def test_the_cpp_block_input_refuses_bad_arguments(runner, change, match):
+    draft = random_draft(runner.config, root_context=True, prev=True).bind_target(runner.model)
+    draft.pack_for_decode()
+    root_op, prev_op = draft._block_projections
+    h = runner.config.hidden_size
+    args = dict(roots=[3], known=[[4, 5]], size=BLOCK, embed=runner.model.embed_tokens.weight,
+                mask_rows=draft._mask_rows(BLOCK)[0], root_proj=root_op, root_ctx=torch.randn(1, h), prev_proj=prev_op)
+    assert cpu_ops.extension().dflash_block_input(*args.values()).shape == (BLOCK, h)
+    args.update(change)
+    if isinstance(args["root_ctx"], str):
+        args["root_ctx"] = torch.randn(1, h + 1)
+    if isinstance(args["mask_rows"], str):
+        args["mask_rows"] = draft._mask_rows(BLOCK)[0][:2]
+    with pytest.raises(RuntimeError, match=match):
+        cpu_ops.extension().dflash_block_input(*args.values())
+
+
 def test_hot_vocabulary_draft_gives_the_oracles_hot_columns(runner, features, tmp_path):
     """A hot head: the block's logits are the full head's at the hot ids, the drafter's candidates
     are target ids, and the hot ids survive a checkpoint."""

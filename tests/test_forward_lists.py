@@ -252,6 +252,65 @@ def test_forward_from_lists_refuses_bad_lists_before_writing_anything(tiny_model
     assert runner.kv_cache.k.abs().sum() > 0
 
 
+@pytest.mark.parametrize("change, match", [
+    ({"x": "two rows"}, "positions and slot_cols T long"),
+    ({"x": "strided"}, "contiguous"),
+    ({"positions": [5, 6, 10 ** 6]}, "position"),
+    ({"rows": [6]}, "table row"),
+    ({"skip": 3}, "keep a row"),
+    ({"skip": -1}, "skip"),
+])
+def test_forward_from_given_rows_refuses_bad_arguments_before_writing_anything(tiny_model_dir, change, match):
+    """``LayerStack.forward_rows`` (a draft block's rows given, not ids) shares forward_lists' checks, and
+    refuses rows that do not fit the lists or a skip that would leave a request without a row."""
+    runner = make_runner(tiny_model_dir, "float32", None)
+    model = runner.model
+    runner.kv_cache.k.zero_()
+    runner.kv_cache.v.zero_()
+    hidden = runner.config.hidden_size
+    xs = {"good": torch.randn(3, hidden), "two rows": torch.randn(2, hidden),
+          "strided": torch.randn(hidden, 3).t()}
+
+    def call(x="good", positions=(5, 6, 7), rows=(2,), skip=1):
+        return model.layer_stack.forward_rows(xs[x], list(positions), [5, 6, 7], list(rows), [3], [8],
+                                              scattered_table(6, 40), *model.rotary.table(torch.float32, 64),
+                                              runner.kv_cache.k, runner.kv_cache.v, None, *model._native_norm,
+                                              cpu_ops.isa(), skip)
+
+    with pytest.raises(RuntimeError, match=match):
+        call(**change)
+    assert runner.kv_cache.k.abs().sum() == 0 and runner.kv_cache.v.abs().sum() == 0, "a refused call wrote the KV"
+    assert call().shape == (2, hidden) and runner.kv_cache.k.abs().sum() > 0
+
+
+def test_forward_from_given_rows_is_forward_lists_on_the_embedded_ids(tiny_model_dir):
+    """Rows given as the ids' embeddings give forward_lists' normed rows and KV, less the skipped rows of each
+    request (two requests, a verify's tree mask)."""
+    runner = make_runner(tiny_model_dir, "float32", None)
+    model = runner.model
+    gen = torch.Generator().manual_seed(7)
+    table = scattered_table(2, 64)
+    prefill(runner, table, torch.randint(0, runner.config.vocab_size, (2, 64), generator=gen), [0, 1], [9, 12])
+    ids = torch.randint(0, runner.config.vocab_size, (7,), generator=gen).tolist()
+    positions = [9, 10, 11, 12, 13, 14, 15]
+    rows, q_lens, kv_lens = [0, 1], [3, 4], [12, 16]
+    mask = torch.tril(torch.ones(2, 4, 4, dtype=torch.bool))
+    mask[1, 3, 2] = False  # a tree: node 3 of the second request hangs on node 1
+    cos, sin = model.rotary.table(torch.float32, 64)
+    kv = KVSnapshot(runner)
+    whole, _ = model.layer_stack.forward_lists(ids, positions, positions, rows, q_lens, kv_lens, table,
+                                               model.embed_tokens.weight, cos, sin, runner.kv_cache.k,
+                                               runner.kv_cache.v, mask, *model._native_norm, cpu_ops.isa(), [])
+    written = kv.written()
+    kv.restore()
+    x = model.embed_tokens.weight[ids].contiguous()
+    kept = model.layer_stack.forward_rows(x, positions, positions, rows, q_lens, kv_lens, table, cos, sin,
+                                          runner.kv_cache.k, runner.kv_cache.v, mask, *model._native_norm,
+                                          cpu_ops.isa(), 1)
+    assert torch.equal(kept, whole[[1, 2, 4, 5, 6]])
+    assert torch.equal(runner.kv_cache.k, written[0]) and torch.equal(runner.kv_cache.v, written[1])
+
+
 @pytest.mark.parametrize("kind", ["prefill", "verify"])
 def test_the_runner_falls_back_to_the_general_path_where_the_cpp_call_stands_aside(tiny_model_dir, kind):
     """Without the layer stack the C++ call stands aside and ``ModelRunner.forward_lists`` gives the general

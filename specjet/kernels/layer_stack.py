@@ -39,7 +39,12 @@ class StackLayer:
     down: object
 
 
-def _projection(ext, packed):
+def stack_projection(packed, ext=None):
+    """The C++ form (a StackProjection) of an inference operand (``PackedLinear``, ``Bf16Linear``,
+    ``QuantizedLinear``), or None: no C++ form, or no extension."""
+    ext = ext or cpu_ops.extension()
+    if ext is None or not hasattr(ext, "LayerStack"):
+        return None
     if isinstance(packed, qgemm.QuantizedLinear):
         if packed.fallback is not None:
             return None
@@ -63,7 +68,7 @@ def build_layer_stack(layers: list[StackLayer], num_heads: int, head_dim: int, s
     stack = ext.LayerStack(num_heads, head_dim, float(scale))
     try:
         for layer in layers:
-            projections = [_projection(ext, p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            projections = [stack_projection(p, ext) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in projections):
                 return None
             stack.add_layer(layer.norm1, float(layer.eps1), layer.norm2, float(layer.eps2), *projections)
@@ -85,4 +90,4 @@ def run_layer_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return stack.run(x, cos, sin, k_cache, v_cache, slots, *args, cpu_ops.isa(), capture)
 
 
-__all__ = ["StackLayer", "build_layer_stack", "run_layer_stack"]
+__all__ = ["StackLayer", "build_layer_stack", "run_layer_stack", "stack_projection"]

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.layer_stack import stack_projection
 from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
@@ -151,6 +152,7 @@ class DFlashDraftModel(HotVocabDraft):
         self.context_kv: list = []  # per layer, write_context's k|v operand (_pack_context_kv)
         self.layer_stack = None  # the drafting forward's layers as one C++ call (_pack_context_kv)
         self._mask_rows_cache: dict[int, torch.Tensor] = {}  # native_block_logits' block rows (_mask_rows)
+        self._block_projections: tuple | None = None  # native_block_logits' root_proj, prev_proj in C++ form
         self.reset_parameters()
 
     # ---------------------------------------------------------------- set-up
@@ -199,6 +201,11 @@ class DFlashDraftModel(HotVocabDraft):
         same operands."""
         self.layer_stack = native_layer_stack(list(self.layers))
         self._mask_rows_cache = {}
+        self._block_projections = None
+        if self.layer_stack is not None:
+            ops = tuple(None if p is None else stack_projection(p.packed) for p in (self.root_proj, self.prev_proj))
+            if all((op is None) == (p is None) for op, p in zip(ops, (self.root_proj, self.prev_proj))):
+                self._block_projections = ops
         self.context_kv = []
         for layer in self.layers:
             attn, packed = layer.self_attn, layer.self_attn.qkv_proj.packed
@@ -335,58 +342,33 @@ class DFlashDraftModel(HotVocabDraft):
         return self._mask_rows_cache[size]
 
     @torch.inference_mode()
-    def native_block_logits(self, roots: list[int], root_ctx: torch.Tensor | None, positions: torch.Tensor,
-                            slots: torch.Tensor, attention_args: tuple, kv_cache: KVCache,
+    def native_block_logits(self, roots: list[int], root_ctx: torch.Tensor | None, committed: list[int],
+                            rows: list[int], size: int, table: torch.Tensor, kv_cache: KVCache, mask: torch.Tensor,
                             known: list[list[int]] | None = None) -> torch.Tensor | None:
-        """``forward`` over B blocks [root, mask, ...] as the C++ layer stack runs it, given the C++
-        attention kernel's metadata (``kernels/cpu_ops.native_attention_args``'s tuple) instead of a
-        ``ForwardBatch``: the same kernels and bits with none of the metadata a torch attention path
-        would need. ``roots``: the B blocks' root tokens, ``positions`` and ``slots`` [B * S];
-        ``known[b]``: the tokens known to follow block b's root, in its block in place of mask tokens
-        (None: masks only). Logits of block positions 1.. [B, S - 1, K or vocab]; None where the layers
-        do not run as one C++ call."""
-        if self.layer_stack is None or not self.layers[0].self_attn.batch_invariant:
-            return None
-        batch = len(roots)
-        size = positions.shape[0] // batch  # the drafter's block, which need not be the one trained for
-        # block_input's values in fewer operations: [0 ; mask x (S - 1)] (+ root_proj(c)), then each token's
-        # embedding added to its row (0 + r + e == e + r exactly; a known token's row is zeroed first, as
-        # the root's), and prev_proj of each token's embedding to the row after it. The rows holding tokens
-        # (each root and its known tokens, a prefix of its block) are known on the host: one block's are a
-        # slice; a batch's are listed for index ops (not masks, nonzero and gathers: every op costs tens
-        # of microseconds at this size on a CPU).
-        lens = [0] * batch if known is None else [min(len(k), size - 1) for k in known]
-        tokens = [t for r, k, n in zip(roots, known or [[]] * batch, lens) for t in [r, *k[:n]]]
-        x = self._mask_rows(size).expand(batch, size, -1)
-        if any(lens):
-            x = x.clone()
-            for b, n in enumerate(lens):
-                x[b, 1:n + 1] = 0.0
-        if self.root_proj is not None:
-            x = x + self.root_proj.project(root_ctx.to(x.dtype))[:, None, :]
-        elif not any(lens):
-            x = x.clone()
-        x = x.view(batch * size, -1)
+        """``forward`` over B blocks [root, known tokens, mask, ...] of ``size`` rows, each in its request's own
+        slots, as two C++ calls: the block's input rows (csrc/dflash_block.cpp: ``block_input``'s values from
+        the host's token lists) and the layer stack from host lists (``LayerStack.forward_rows``: the attention's
+        metadata, RoPE rows and slots built in C++, the final norm of positions 1..). Block b is request row
+        ``rows[b]`` of ``table`` at positions ``committed[b]`` .. + size - 1 (their table columns), seeing every
+        committed position and its whole block (``mask`` [B, size, size], all True); ``known[b]``: the tokens
+        known to follow its root (None: masks only). The same kernels and bits as ``forward`` (tested), without
+        its dozen small torch ops. Logits of block positions 1.. [B, S - 1, K or vocab]; None where the layers
+        or the input projections do not run in C++."""
+        ext = cpu_ops.extension()
         embed = self._shared().embed.weight
-        embedded = F.embedding(torch.tensor(tokens), embed).to(x.dtype)  # [sum(lens) + B, h], block by block
-        # A token in a block's last row has no row after it (a block of known tokens only is never drafted).
-        has_next = [i < size - 1 for n in lens for i in range(n + 1)]
-        if batch == 1:
-            x[:lens[0] + 1] += embedded
-            if self.prev_proj is not None:
-                m = sum(has_next)
-                x[1:m + 1] += self.prev_proj.project(embedded[:m]).to(x.dtype)
-        else:
-            token_rows = [b * size + i for b, n in enumerate(lens) for i in range(n + 1)]
-            x.index_add_(0, torch.tensor(token_rows), embedded)
-            if self.prev_proj is not None:
-                keep = [j for j, ok in enumerate(has_next) if ok]
-                add = self.prev_proj.project(embedded[keep] if len(keep) < len(has_next) else embedded)
-                x.index_add_(0, torch.tensor([token_rows[j] + 1 for j in keep]), add.to(x.dtype))
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        x = self.layer_stack.run(x, cos, sin, kv_cache.k, kv_cache.v, slots, *attention_args, cpu_ops.isa(), [])[0]
-        x = x.view(batch, size, -1)[:, 1:].reshape(batch * (size - 1), -1)
-        return self.logits(self.norm.normalize(x, True)).view(batch, size - 1, -1)
+        if (self.layer_stack is None or self._block_projections is None or not self.layers[0].self_attn.batch_invariant
+                or ext is None or embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        root_op, prev_op = self._block_projections
+        dtype = self.mask_embedding.dtype
+        x = ext.dflash_block_input(roots, known or [], size, embed, self._mask_rows(size)[0], root_op,
+                                   None if root_op is None else root_ctx.to(dtype).contiguous(), prev_op)
+        positions = [c + j for c in committed for j in range(size)]  # in place: a position is its table column
+        cos, sin = self.rotary.table(dtype, max(committed) + size)
+        normed = self.layer_stack.forward_rows(x, positions, positions, rows, [size] * len(rows),
+                                               [c + size for c in committed], table, cos, sin, kv_cache.k, kv_cache.v,
+                                               mask, self.norm.weight, self.norm.eps, cpu_ops.isa(), 1)
+        return self.logits(normed).view(len(rows), size - 1, -1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache, root_ctx: torch.Tensor | None = None) -> torch.Tensor:

@@ -63,8 +63,6 @@ from specjet.spec_v2.tree_verifier import VerifyResult
 class _BlockConstants(NamedTuple):
     mask: torch.Tensor  # [B, S, S] all true: a block sees all of itself
     logits_rows: torch.Tensor  # [B * (S - 1)] flat rows of block positions 1.. (the drafts)
-    q_lens: torch.Tensor  # [B] S each
-    q_starts: torch.Tensor  # [B] each block's first flat row
     offsets: torch.Tensor  # [S] 0 .. S - 1: a block's positions past its root's
 
 
@@ -214,28 +212,17 @@ class DFlashDrafter:
         table row (every committed position visible)."""
         device = req_to_token.device
         size, batch = self.block_size, len(reqs)
+        root_ctx = self._root_ctx(reqs, device)
+        if device.type == "cpu" and native_attention_available():
+            # The C++ block input and layer stack from host lists (no metadata tensors built here).
+            logits = self.draft.native_block_logits([r.root for r in reqs], root_ctx, [r.committed_len for r in reqs],
+                                                    [r.row for r in reqs], size, req_to_token, self.kv_cache,
+                                                    self._constants(batch, device).mask, known)
+            if logits is not None:
+                return logits
         host = torch.tensor([[r.row for r in reqs], [r.committed_len for r in reqs], [r.root for r in reqs]],
                             dtype=torch.int64).to(device, non_blocking=True)
         rows, committed, roots = host[0], host[1], host[2]
-        root_ctx = self._root_ctx(reqs, device)
-        if device.type == "cpu" and native_attention_available():
-            # The C++ kernel's metadata straight from the table: each row's slots up to its block's end
-            # (one request: views of its row).
-            width = max(r.committed_len for r in reqs) + size
-            if batch == 1:
-                start = reqs[0].committed_len
-                table = req_to_token[reqs[0].row:reqs[0].row + 1, :width]
-                positions, slots = self._constants(1, device).offsets + start, table[0, start:]
-            else:
-                table = req_to_token[rows, :width]
-                positions = (committed[:, None] + self._constants(1, device).offsets).reshape(-1)
-                slots = table.gather(1, positions.view(batch, size)).reshape(-1)
-            c = self._constants(batch, device)
-            logits = self.draft.native_block_logits([r.root for r in reqs], root_ctx, positions, slots,
-                                                    (table, committed + size, c.q_lens, c.q_starts, c.mask),
-                                                    self.kv_cache, known)
-            if logits is not None:
-                return logits
         ids = None if known is None else self._block_ids(roots, known)
         positions = committed[:, None] + self._constants(1, device).offsets
         slots = req_to_token[rows[:, None], positions]
@@ -288,7 +275,6 @@ class DFlashDrafter:
             self._block_constants[batch] = _BlockConstants(
                 mask=torch.ones((batch, size, size), dtype=torch.bool, device=device),
                 logits_rows=(starts[:, None] + offsets[1:]).reshape(-1),
-                q_lens=torch.full((batch,), size, dtype=torch.int64, device=device), q_starts=starts,
                 offsets=offsets)
         return self._block_constants[batch]
 

@@ -1,0 +1,96 @@
+// A projection of the C++ layer stack and of the ops around it (csrc/layer_stack.cpp, csrc/dflash_block.cpp): one of
+// the inference operands of specjet/kernels, called with the kernel and the arguments its Python wrapper uses, so
+// it gives that wrapper's bits. A packed Q4_1 or int8 weight (kernels/qgemm.py's QuantizedLinear, float32
+// activations), a packed bf16 weight (kernels/bf16_gemm.py's Bf16Linear) or a float weight (kernels/linear.py's
+// PackedLinear: oneDNN's matmul on a blocked weight, or x @ W, under its row plan). Built in Python by
+// kernels/layer_stack.py's stack_projection (the StackProjection type).
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace specjet_cpu {
+
+enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3, kBf16 = 4 };
+
+// The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel. Looked
+// up (and its signature checked) when a oneDNN projection is built, so a torch whose op differs fails the
+// stack's construction, where the model falls back to its Python loop, not a forward.
+using OneDnnLinearFn = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
+                                     c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                     std::optional<c10::string_view>);
+using OneDnnLinear = c10::TypedOperatorHandle<OneDnnLinearFn>;
+
+inline const OneDnnLinear& onednn_linear_op() {
+  static const OneDnnLinear op = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                                     .typed<OneDnnLinearFn>();
+  return op;
+}
+
+inline torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  return onednn_linear_op().call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
+// Hidden, as pybind11 declares its own types (the class is bound to Python in layer_stack.cpp).
+struct __attribute__((visibility("hidden"))) Projection {
+  int64_t kind = kDense;
+  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t; bf16: the packed weight
+  torch::Tensor a, b, c;
+  c10::optional<torch::Tensor> bias;
+  int64_t n = 0, group = 0, isa = 0, min_rows = 1, max_rows = 1;
+
+  // PackedLinear.kernel / run_chunk: a chunk below min_rows is padded with zero rows.
+  torch::Tensor float_kernel(const torch::Tensor& x) const {
+    if (kind == kOneDnn) return onednn_linear(x, a, bias);
+    return bias ? at::addmm(*bias, x, a) : at::matmul(x, a);
+  }
+  torch::Tensor float_chunk(const torch::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (rows >= min_rows) return float_kernel(x);
+    auto pad = x.new_zeros({min_rows - rows, x.size(1)});
+    return float_kernel(at::cat({x, pad})).slice(0, 0, rows);
+  }
+  torch::Tensor quantized(const torch::Tensor& x) const {
+    torch::Tensor y;
+    quantized_into(x, y);
+    return y;
+  }
+  void quantized_into(const torch::Tensor& x, torch::Tensor& y) const {
+    if (kind == kQ41) specjet_cpu::q4_1_gemm_into(x, a, b, c, n, bias, isa, y);
+    else specjet_cpu::int8_gemm_into(x, a, b, c, group, n, bias, isa, y);
+  }
+
+  // x [rows, K] (a layer's activations: 2-D, contiguous) -> [rows, N] in x's dtype.
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kBf16) {  // Bf16Linear.__call__
+      if (x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm(x, a, bias, isa);
+      return specjet_cpu::bf16_gemm(x.to(torch::kBFloat16).contiguous(), a, bias, isa).to(x.scalar_type());
+    }
+    if (kind == kQ41 || kind == kInt8) {  // QuantizedLinear.__call__
+      if (x.scalar_type() == torch::kFloat32) return quantized(x);
+      return quantized(x.to(torch::kFloat32).contiguous()).to(x.scalar_type());
+    }
+    const int64_t rows = x.size(0);  // PackedLinear.__call__
+    if (rows <= max_rows) return float_chunk(x);
+    std::vector<torch::Tensor> parts;
+    for (int64_t i = 0; i < rows; i += max_rows) parts.push_back(float_chunk(x.slice(0, i, std::min(rows, i + max_rows))));
+    return at::cat(parts);
+  }
+
+  // operator()(x) into y (cpu_ops.h's fit_output: y is reused when it fits) where the kernel writes in place: a
+  // quantized or bf16 weight on rows of its kernel's dtype. Elsewhere y becomes the tensor operator() returns.
+  void into(const torch::Tensor& x, torch::Tensor& y) const {
+    if (kind == kBf16 && x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
+    if ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) return quantized_into(x, y);
+    y = (*this)(x);
+  }
+};
+
+}  // namespace specjet_cpu
