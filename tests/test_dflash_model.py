@@ -144,6 +144,20 @@ def scratch_and_in_place_drafters(runner, packed: bool, prev: bool = False, posi
             DFlashDrafter(runner, draft, BLOCK, None, allocator, reserved=BLOCK))
 
 
+def two_prefilled_requests(drafters, extend, ids, feats):
+    """Two requests (the prompt's first 12 tokens with root 5, all of it with root 11) prefilled into each of
+    ``drafters``: their table (rows 0 and 1, slots from ``extend`` for each context and a block after it) and
+    their inputs."""
+    table = torch.zeros(2, 64, dtype=torch.int64)
+    reqs = []
+    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
+        table[row, :n + BLOCK] = extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
+        for drafter in drafters:
+            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
+        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    return table, reqs
+
+
 @pytest.mark.parametrize("window,root_context,packed", [(None, False, False), (6, False, False), (None, True, False),
                                                          (6, True, False), (None, True, True), (6, False, True)])
 def test_paged_block_forward_equals_the_dense_oracle(runner, features, window, root_context, packed):
@@ -203,13 +217,7 @@ def test_blocks_in_the_requests_own_slots_give_the_scratch_blocks_logits(runner,
         return out
 
     monkeypatch.setattr(draft, "native_block_logits", spy)
-    table = torch.zeros(2, 64, dtype=torch.int64)
-    reqs = []
-    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
-        table[row, :n + BLOCK] = real_extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
-        for drafter in (scratch, in_place):
-            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
-        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    table, reqs = two_prefilled_requests((scratch, in_place), real_extend, ids, feats)
     free = allocator.num_free_slots
     results = []
     for batch in (reqs[1:], reqs):
@@ -246,13 +254,7 @@ def test_known_tokens_after_the_root_give_the_oracles_logits(runner, features, p
     block without any, the oracle's logits; the training forward with the same block ids too."""
     ids, feats = features
     draft, allocator, scratch, in_place = scratch_and_in_place_drafters(runner, packed, prev, position_masks)
-    table = torch.zeros(2, 64, dtype=torch.int64)
-    reqs = []
-    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
-        table[row, :n + BLOCK] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
-        for drafter in (scratch, in_place):
-            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
-        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    table, reqs = two_prefilled_requests((scratch, in_place), allocator.extend, ids, feats)
     known = [[], [3, 9]]
     for drafter in (in_place, scratch):
         got = drafter.draft_blocks(reqs, table, known)
@@ -301,13 +303,7 @@ def test_the_cpp_block_from_host_lists_gives_the_forwards_bits(tiny_model_dir, t
     ran = []
     real = draft.native_block_logits
     monkeypatch.setattr(draft, "native_block_logits", lambda *a: ran.append(1) or real(*a))
-    table = torch.zeros(2, 64, dtype=torch.int64)
-    reqs = []
-    for row, (n, root) in enumerate([(12, 5), (len(ids), 11)]):
-        table[row, :n + BLOCK] = allocator.extend(torch.empty(0, dtype=torch.int64), 0, n + BLOCK)
-        for drafter in (scratch, in_place):
-            drafter.after_prefill([SpecInput(f"r{row}", row, 0, ids[:n], 0)], feats[:n], [root], table)
-        reqs.append(SpecInput(f"r{row}", row, n, ids[:n] + [root], 8))
+    table, reqs = two_prefilled_requests((scratch, in_place), allocator.extend, ids, feats)
     for batch, known in [(reqs[1:], None), (reqs[1:], [[3, 9]]), (reqs, None), (reqs, [[], [3, 9]]),
                          (reqs, [[4], [3, 9, 1, 2, 8, 6]])]:
         got = in_place.draft_blocks(batch, table, known)
