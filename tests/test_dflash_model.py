@@ -304,11 +304,13 @@ def test_the_cpp_block_from_host_lists_gives_the_forwards_bits(tiny_model_dir, t
     real = draft.native_block_logits
     monkeypatch.setattr(draft, "native_block_logits", lambda *a: ran.append(1) or real(*a))
     table, reqs = two_prefilled_requests((scratch, in_place), allocator.extend, ids, feats)
+    free = allocator.num_free_slots
     for batch, known in [(reqs[1:], None), (reqs[1:], [[3, 9]]), (reqs, None), (reqs, [[], [3, 9]]),
                          (reqs, [[4], [3, 9, 1, 2, 8, 6]])]:
         got = in_place.draft_blocks(batch, table, known)
         assert torch.equal(got, scratch.draft_blocks(batch, table, known)), (len(batch), known)
     assert len(ran) == 5
+    assert allocator.num_free_slots == free  # the scratch blocks gave their slots back; in place borrows none
     # What the rows hold matters: another known token changes its block's logits.
     assert not torch.equal(in_place.draft_blocks(reqs[1:], table, [[3, 10]]), in_place.draft_blocks(reqs[1:], table,
                                                                                                        [[3, 9]]))
