@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "bf16_bits.h"
@@ -56,9 +57,9 @@ inline void store_row(__m512 acc, const float* bias, uint16_t* y) {
 // Rows [0, R) of x (stride K) times column groups gs[0 .. G): every output one VDPBF16PS chain over the k-pairs.
 // Group j's sums go to columns cols[j] .. + 16 of y (row stride ldy). `prefetch`: fetch the groups' weight lines
 // ahead (the first row block of a call reads them from memory; the next find them in cache).
-template <int R, int G>
+template <int R, int G, bool Ahead = false>
 inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, const int64_t* gs,
-                  uint16_t* y, int64_t ldy, const int64_t* cols, bool prefetch) {
+                  uint16_t* y, int64_t ldy, const int64_t* cols, bool prefetch, L2Stream ahead = {}) {
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -67,6 +68,7 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
   for (int j = 0; j < G; ++j) wg[j] = w + gs[j] * group_size;
   constexpr int64_t kAhead = 16;  // k-pairs of each group's stream fetched ahead (1 KB)
   for (int64_t kp = 0; kp < K / 2; ++kp) {
+    if constexpr (Ahead) ahead.step();  // a template flag: a first block's loop carries nothing of it
     __m512bh wv[G];
     for (int j = 0; j < G; ++j) {
       const uint16_t* line = wg[j] + kp * 2 * kCols;
@@ -90,22 +92,40 @@ constexpr int64_t kRowBlock = 6;
 
 // Every row against column groups g .. g + G, a row block at a time: the groups' weights (G * K * 32 bytes) are
 // read from memory by the first block and from cache by the others, where a loop over all groups per row block
-// would read every weight once per block.
+// would read every weight once per block. With more than one block, the blocks after the first (which compute
+// from cache, leaving the memory idle) fetch the next groups' weights up to `g_end` into L2, spread evenly over
+// their k-pairs, so that the next groups' first block computes from L2 rather than waiting for memory: a verify's
+// rows then cost their products, the weights' stream hidden behind them.
 template <int G>
 inline void groups(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y,
-                   int64_t N, int64_t g) {
+                   int64_t N, int64_t g, int64_t g_end) {
   int64_t gs[G], cols[G];
   for (int j = 0; j < G; ++j) gs[j] = g + j, cols[j] = (g + j) * kCols;
+  L2Ahead next;
+  const int64_t next_groups = std::min<int64_t>(4, g_end - (g + G));
+  if (next_groups > 0) {
+    next.base = reinterpret_cast<const char*>(w + (g + G) * K * kCols);
+    // As much of them as the later rows' products can cover, a first block's worth (kRowBlock rows) all of it:
+    // a short later block (8 rows: 6 + 2) that fetched all of it would wait for the memory itself.
+    next.lines = next_groups * K * kCols * 2 / 64 * std::min<int64_t>(rows - kRowBlock, kRowBlock) / kRowBlock;
+    next.passes = (rows - 1) / kRowBlock;  // the blocks after the first
+    next.steps = K / 2;
+  }
   int64_t r = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock)
-    block<kRowBlock, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, r == 0);
-  const bool first = r == 0;
+  // The block at row r: the first reads the weights from memory, a later one fetches its share of the next.
+  auto run = [&](auto rows_of_block) {
+    constexpr int R = decltype(rows_of_block)::value;
+    const uint16_t* xr = x + r * K;
+    if (r == 0) block<R, G>(xr, K, w, bias, gs, y + r * N, N, cols, true);
+    else block<R, G, true>(xr, K, w, bias, gs, y + r * N, N, cols, false, next.part(r / kRowBlock - 1));
+  };
+  for (; r + kRowBlock <= rows; r += kRowBlock) run(std::integral_constant<int, kRowBlock>{});
   switch (rows - r) {
-    case 5: block<5, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
-    case 4: block<4, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
-    case 3: block<3, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
-    case 2: block<2, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
-    case 1: block<1, G>(x + r * K, K, w, bias, gs, y + r * N, N, cols, first); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 1: run(std::integral_constant<int, 1>{}); break;
     default: break;
   }
 }
@@ -114,11 +134,11 @@ inline void groups(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w
 void gemm(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
           int64_t g0, int64_t g1) {
   int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) groups<4>(x, rows, K, w, bias, y, N, g);
+  for (; g + 4 <= g1; g += 4) groups<4>(x, rows, K, w, bias, y, N, g, g1);
   switch (g1 - g) {
-    case 3: groups<3>(x, rows, K, w, bias, y, N, g); break;
-    case 2: groups<2>(x, rows, K, w, bias, y, N, g); break;
-    case 1: groups<1>(x, rows, K, w, bias, y, N, g); break;
+    case 3: groups<3>(x, rows, K, w, bias, y, N, g, g1); break;
+    case 2: groups<2>(x, rows, K, w, bias, y, N, g, g1); break;
+    case 1: groups<1>(x, rows, K, w, bias, y, N, g, g1); break;
     default: break;
   }
 }

@@ -1,12 +1,14 @@
 """The built kernels keep their software prefetches (csrc/prefetch.h). GCC at -O3 once deleted every
 prefetch of the AVX-512 and AMX Q4_1 GEMMs without a trace in the source or the results: the weights of
 a verify then streamed from memory behind the compute instead of ahead of it. This reads the machine
-code of the built extension and requires a prefetch instruction in each kernel whose source asks for one."""
+code of the built extension and requires a prefetch instruction in each kernel whose source asks for one,
+and the bf16 GEMM's fetches of the next columns into L2."""
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+from collections import Counter
 
 import pytest
 
@@ -32,26 +34,39 @@ KERNELS = {
 
 
 @pytest.fixture(scope="module")
-def prefetches_by_function() -> dict[str, int]:
-    """Demangled function name -> prefetch instructions in it, over the extension's machine code."""
+def prefetches_by_function() -> dict[str, Counter]:
+    """Demangled function name -> its prefetch instructions by mnemonic, over the extension's machine code."""
     library = cpu_ops.extension().__file__
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], check=True,
                              capture_output=True, text=True).stdout
-    counts: dict[str, int] = {}
+    counts: dict[str, Counter] = {}
     function = None
     for line in listing.splitlines():
         header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if header:
             function = re.sub(r"^void ", "", header.group(1))
-            counts.setdefault(function, 0)
-        elif function is not None and re.search(r"\tprefetch", line):
-            counts[function] += 1
+            counts.setdefault(function, Counter())
+        elif function is not None:
+            fetch = re.search(r"\t(prefetch\w*)", line)
+            if fetch:
+                counts[function][fetch.group(1)] += 1
     return counts
+
+
+def kernel_prefetches(prefetches_by_function, kernel: str) -> Counter:
+    pattern = re.compile(KERNELS[kernel])
+    functions = {name: n for name, n in prefetches_by_function.items() if pattern.search(name)}
+    assert functions, f"no function of the {kernel} in the extension (symbols stripped or renamed?)"
+    return sum(functions.values(), Counter())
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_kernel_keeps_its_prefetches(prefetches_by_function, kernel):
-    pattern = re.compile(KERNELS[kernel])
-    functions = {name: n for name, n in prefetches_by_function.items() if pattern.search(name)}
-    assert functions, f"no function of the {kernel} in the extension (symbols stripped or renamed?)"
-    assert sum(functions.values()) > 0, f"the {kernel} has no prefetch instruction: {sorted(functions)}"
+    assert sum(kernel_prefetches(prefetches_by_function, kernel).values()) > 0, f"the {kernel} has no prefetch"
+
+
+def test_the_bf16_gemm_fetches_the_next_columns_into_l2(prefetches_by_function):
+    """A bf16 call of more than one row block fetches the next column groups' weights into L2 from its later
+    blocks (csrc/prefetch.h's L2Ahead: PREFETCHT1), beside the first block's fetches into L1 (PREFETCHT0)."""
+    fetches = kernel_prefetches(prefetches_by_function, "AVX-512 bf16 GEMM")
+    assert fetches["prefetcht1"] > 0 and fetches["prefetcht0"] > 0, fetches
