@@ -114,31 +114,11 @@ torch::Tensor dflash_block_input(const std::vector<int64_t>& roots, const std::v
     }
   }
   // The tokens' embeddings in the rows' dtype (F.embedding(...).to(dtype)).
-  torch::Tensor embedded = torch::empty({static_cast<int64_t>(tokens.size()), h}, mask_rows.options());
-  {
-    std::vector<float> row(h);
-    for (size_t k = 0; k < tokens.size(); ++k) {
-      load_row(embed, tokens[k], row.data());
-      if (mask_rows.scalar_type() == torch::kFloat32) {
-        std::memcpy(embedded.data_ptr<float>() + k * h, row.data(), h * sizeof(float));
-      } else {
-        c10::BFloat16* dst = embedded.data_ptr<c10::BFloat16>() + k * h;
-        for (int64_t j = 0; j < h; ++j) dst[j] = static_cast<c10::BFloat16>(row[j]);
-      }
-    }
-  }
+  const torch::Tensor embedded = rows_of(embed, tokens).to(mask_rows.scalar_type());
   c10::optional<torch::Tensor> root_add, prev_add;
   if (root_proj) root_add = (*root_proj)(*root_ctx).to(mask_rows.scalar_type()).contiguous();
-  if (prev_proj) {
-    torch::Tensor rows = embedded;
-    if (prev_tokens.size() != tokens.size()) {  // a token in a block's last row has no row after it
-      rows = torch::empty({static_cast<int64_t>(prev_tokens.size()), h}, mask_rows.options());
-      const int64_t bytes = h * embedded.element_size();
-      for (size_t k = 0; k < prev_tokens.size(); ++k) {
-        std::memcpy(static_cast<char*>(rows.data_ptr()) + k * bytes,
-                    static_cast<const char*>(embedded.data_ptr()) + prev_tokens[k] * bytes, bytes);
-      }
-    }
+  if (prev_proj) {  // a token in a block's last row has no row after it
+    const torch::Tensor rows = prev_tokens.size() == tokens.size() ? embedded : rows_of(embedded, prev_tokens);
     prev_add = (*prev_proj)(rows).to(mask_rows.scalar_type()).contiguous();
   }
   const torch::Tensor* r = root_add ? &*root_add : nullptr;

@@ -28,6 +28,7 @@ using specjet_cpu::kOneDnn;
 using specjet_cpu::kDense;
 using specjet_cpu::kBf16;
 using specjet_cpu::onednn_linear_op;
+using specjet_cpu::rows_of;
 
 struct Layer {
   torch::Tensor norm1, norm2;
@@ -200,16 +201,6 @@ class LayerStack {
   }
 
   // The rows index[i] of a contiguous [rows, width] tensor, stacked.
-  static torch::Tensor rows_of(const torch::Tensor& source, const std::vector<int64_t>& index) {
-    const int64_t n = static_cast<int64_t>(index.size());
-    torch::Tensor out = torch::empty({n, source.size(1)}, source.options());
-    const int64_t bytes = source.size(1) * source.element_size();
-    const auto* from = static_cast<const char*>(source.data_ptr());
-    auto* to = static_cast<char*>(out.data_ptr());
-    for (int64_t i = 0; i < n; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
-    return out;
-  }
-
   // x (checked lists' rows) through the layers and the final norm, the first `skip` rows of each request left out.
   std::tuple<torch::Tensor, std::vector<torch::Tensor>> run_lists(
       const torch::Tensor& x, const Lists& lists, const std::vector<int64_t>& positions,

@@ -40,7 +40,7 @@ struct L2Ahead {
   // The stream of later block `pass` (0 .. passes - 1): its share of the region's lines, in order.
   inline L2Stream part(int64_t pass) const {
     L2Stream s;
-    if (pass < 0 || pass >= passes || lines == 0) return s;
+    if (pass < 0 || pass >= passes || lines <= 0) return s;
     const int64_t share = (lines + passes - 1) / passes;
     const int64_t first = std::min(pass * share, lines), last = std::min(first + share, lines);
     s.next = base + first * 64;

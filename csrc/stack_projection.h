@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -18,6 +19,18 @@
 namespace specjet_cpu {
 
 enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3, kBf16 = 4 };
+
+// Rows index[i] of a contiguous [n, h] CPU tensor, gathered into a new one (a memcpy a row: a handful of rows of the
+// tables and embeddings, where index_select's dispatch costs more than the copies).
+inline torch::Tensor rows_of(const torch::Tensor& source, const std::vector<int64_t>& index) {
+  const int64_t n = static_cast<int64_t>(index.size());
+  torch::Tensor out = torch::empty({n, source.size(1)}, source.options());
+  const int64_t bytes = source.size(1) * source.element_size();
+  const auto* from = static_cast<const char*>(source.data_ptr());
+  auto* to = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(to + i * bytes, from + index[i] * bytes, bytes);
+  return out;
+}
 
 // The op torch.ops.mkldnn._linear_pointwise calls from Python (kernels/linear.py): the same kernel. Looked
 // up (and its signature checked) when a oneDNN projection is built, so a torch whose op differs fails the
