@@ -54,9 +54,28 @@ inline void store_row(__m512 acc, const float* bias, uint16_t* y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
 }
 
-// Rows [0, R) of x (stride K) times column groups gs[0 .. G): every output one VDPBF16PS chain over the k-pairs.
-// Group j's sums go to columns cols[j] .. + 16 of y (row stride ldy). `prefetch`: fetch the groups' weight lines
-// ahead (the first row block of a call reads them from memory; the next find them in cache).
+// The sums acc of rows [0, R) of x (stride K) times groups wg[0 .. G), over k-pairs [kp0, kp1): every output one
+// VDPBF16PS chain over the k-pairs in order, whatever the blocking around it. fetch(kp): the caller's prefetches
+// at k-pair kp.
+template <int R, int G, class Fetch>
+inline __attribute__((always_inline)) void chains(__m512 (&acc)[R][G], const uint16_t* x, int64_t K,
+                                                  const uint16_t* const* wg, int64_t kp0, int64_t kp1, Fetch&& fetch) {
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    fetch(kp);
+    __m512bh wv[G];
+    for (int j = 0; j < G; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wg[j] + kp * 2 * kCols);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * kp, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < G; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+}
+
+// Rows [0, R) of x (stride K) times column groups gs[0 .. G), all k-pairs. Group j's sums go to columns cols[j] ..
+// + 16 of y (row stride ldy). `prefetch`: fetch the groups' weight lines ahead (the first row block of a call reads
+// them from memory; the next find them in cache).
 template <int R, int G, bool Ahead = false>
 inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, const int64_t* gs,
                   uint16_t* y, int64_t ldy, const int64_t* cols, bool prefetch, L2Stream ahead = {}) {
@@ -67,21 +86,11 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, const float* 
   const uint16_t* wg[G];
   for (int j = 0; j < G; ++j) wg[j] = w + gs[j] * group_size;
   constexpr int64_t kAhead = 16;  // k-pairs of each group's stream fetched ahead (1 KB)
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
+  chains<R, G>(acc, x, K, wg, 0, K / 2, [&](int64_t kp) {
     if constexpr (Ahead) ahead.step();  // a template flag: a first block's loop carries nothing of it
-    __m512bh wv[G];
-    for (int j = 0; j < G; ++j) {
-      const uint16_t* line = wg[j] + kp * 2 * kCols;
-      if (prefetch) prefetch_l1(line + kAhead * 2 * kCols);
-      wv[j] = (__m512bh)_mm512_loadu_si512(line);
-    }
-    for (int r = 0; r < R; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, x + r * K + 2 * kp, 4);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < G; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-    }
-  }
+    if (prefetch)
+      for (int j = 0; j < G; ++j) prefetch_l1(wg[j] + (kp + kAhead) * 2 * kCols);
+  });
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j)
       store_row(acc[r][j], bias == nullptr ? nullptr : bias + gs[j] * kCols, y + r * ldy + cols[j]);
@@ -106,7 +115,7 @@ inline void groups(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w
   if (next_groups > 0) {
     next.base = reinterpret_cast<const char*>(w + (g + G) * K * kCols);
     // As much of them as the later rows' products can cover, a first block's worth (kRowBlock rows) all of it:
-    // a short later block (8 rows: 6 + 2) that fetched all of it would wait for the memory itself.
+    // a short later block that fetched all of it would wait for the memory itself.
     next.lines = next_groups * K * kCols * 2 / 64 * std::min<int64_t>(rows - kRowBlock, kRowBlock) / kRowBlock;
     next.passes = (rows - 1) / kRowBlock;  // the blocks after the first
     next.steps = K / 2;
@@ -130,9 +139,86 @@ inline void groups(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w
   }
 }
 
-// Column groups [g0, g1) of every row, four groups at a time.
+// Calls of 7 to 10 rows (a verify's tree, a few requests' decode steps): two row blocks over the same weights. In
+// groups() the first block streams the weights while the second waits, then the second computes from cache while
+// the memory idles: about the sum of the stream and the second block's products. Here the k-pairs go in chunks of
+// kChunk (4 groups: 8 KB), both blocks take a chunk in turn while it is in L1 (their sums parked in memory between
+// chunks) and the first block fetches the next chunk into L2, so the stream runs beside both blocks' products.
+// Every output is still one VDPBF16PS chain over the k-pairs in order (a parked sum keeps its bits): a row's bits
+// do not change. With a second block of 5 or 6 rows the products alone outlast the stream and the parking costs
+// more than it hides (measured), so those calls, and all larger ones, stay in groups().
+constexpr int64_t kChunk = 32;
+constexpr int64_t kInterleavedRows = kRowBlock + 4;
+
+// Rows [0, R) against groups wg[0 .. G) over k-pairs [kp0, kp1): sums from `parked` (zeros on the first chunk), back
+// to it after (rounded and stored to y on the last). Fetch: also fetch, per k-pair, each group's line of the next
+// chunk at fetch[j] + (kp - kp0) * 64 (into L2).
+template <int R, int G, bool Fetch>
+inline void block_chunk(const uint16_t* x, int64_t K, const uint16_t* const* wg, int64_t kp0, int64_t kp1,
+                        float* parked, bool first, bool last, const float* bias, const int64_t* gs, uint16_t* y,
+                        int64_t ldy, const int64_t* cols, const char* const* fetch) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(parked + (r * G + j) * kCols);
+  chains<R, G>(acc, x, K, wg, kp0, kp1, [&](int64_t kp) {
+    if constexpr (Fetch)
+      for (int j = 0; j < G; ++j) prefetch_l2(fetch[j] + (kp - kp0) * 64);
+  });
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) {
+      if (last) store_row(acc[r][j], bias == nullptr ? nullptr : bias + gs[j] * kCols, y + r * ldy + cols[j]);
+      else _mm512_store_ps(parked + (r * G + j) * kCols, acc[r][j]);
+    }
+}
+
+// Groups g .. g + G of all `rows` (7 to kInterleavedRows), chunk by chunk; during the last chunk the first block
+// fetches the first chunk of the next G groups where this thread computes them (g_end: its range's end).
+template <int G>
+inline void interleaved(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y,
+                        int64_t N, int64_t g, int64_t g_end) {
+  int64_t gs[G], cols[G];
+  const uint16_t* wg[G];
+  for (int j = 0; j < G; ++j) gs[j] = g + j, cols[j] = (g + j) * kCols, wg[j] = w + (g + j) * K * kCols;
+  alignas(64) float parked[2][kRowBlock * G * kCols];  // each block's sums between chunks
+  const uint16_t* x2 = x + kRowBlock * K;  // the second block's rows
+  uint16_t* y2 = y + kRowBlock * N;
+  const int64_t pairs = K / 2;
+  for (int64_t kp0 = 0; kp0 < pairs; kp0 += kChunk) {
+    const int64_t kp1 = std::min(pairs, kp0 + kChunk);
+    const bool first = kp0 == 0, last = kp1 == pairs;
+    const char* fetch[G];
+    const bool fetching = !last || g + 2 * G <= g_end;
+    for (int j = 0; j < G; ++j)
+      fetch[j] = !fetching ? nullptr
+                           : reinterpret_cast<const char*>(last ? w + (g + G + j) * K * kCols : wg[j] + kp1 * 2 * kCols);
+    if (fetching) block_chunk<kRowBlock, G, true>(x, K, wg, kp0, kp1, parked[0], first, last, bias, gs, y, N, cols, fetch);
+    else block_chunk<kRowBlock, G, false>(x, K, wg, kp0, kp1, parked[0], first, last, bias, gs, y, N, cols, fetch);
+#define SJ_SECOND(R) block_chunk<R, G, false>(x2, K, wg, kp0, kp1, parked[1], first, last, bias, gs, y2, N, cols, fetch)
+    switch (rows - kRowBlock) {
+      case 4: SJ_SECOND(4); break;
+      case 3: SJ_SECOND(3); break;
+      case 2: SJ_SECOND(2); break;
+      default: SJ_SECOND(1); break;
+    }
+#undef SJ_SECOND
+  }
+}
+
+// Column groups [g0, g1) of every row, four groups at a time: interleaved for 7 to kInterleavedRows rows, else in
+// row blocks (groups()).
 void gemm(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
           int64_t g0, int64_t g1) {
+  if (rows > kRowBlock && rows <= kInterleavedRows) {
+    int64_t g = g0;
+    for (; g + 4 <= g1; g += 4) interleaved<4>(x, rows, K, w, bias, y, N, g, g1);
+    switch (g1 - g) {
+      case 3: interleaved<3>(x, rows, K, w, bias, y, N, g, g1); break;
+      case 2: interleaved<2>(x, rows, K, w, bias, y, N, g, g1); break;
+      case 1: interleaved<1>(x, rows, K, w, bias, y, N, g, g1); break;
+      default: break;
+    }
+    return;
+  }
   int64_t g = g0;
   for (; g + 4 <= g1; g += 4) groups<4>(x, rows, K, w, bias, y, N, g, g1);
   switch (g1 - g) {
