@@ -204,27 +204,22 @@ inline void interleaved(const uint16_t* x, int64_t rows, int64_t K, const uint16
   }
 }
 
-// Column groups [g0, g1) of every row, four groups at a time: interleaved for 7 to kInterleavedRows rows, else in
-// row blocks (groups()).
+// Column groups [g0, g1) of every row, four at a time and then the 1-3 left: chunked for 7 to kInterleavedRows
+// rows (interleaved()), else in row blocks (groups()).
 void gemm(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
           int64_t g0, int64_t g1) {
-  if (rows > kRowBlock && rows <= kInterleavedRows) {
-    int64_t g = g0;
-    for (; g + 4 <= g1; g += 4) interleaved<4>(x, rows, K, w, bias, y, N, g, g1);
-    switch (g1 - g) {
-      case 3: interleaved<3>(x, rows, K, w, bias, y, N, g, g1); break;
-      case 2: interleaved<2>(x, rows, K, w, bias, y, N, g, g1); break;
-      case 1: interleaved<1>(x, rows, K, w, bias, y, N, g, g1); break;
-      default: break;
-    }
-    return;
-  }
+  const bool chunked = rows > kRowBlock && rows <= kInterleavedRows;
+  auto run = [&](auto groups_of_set, int64_t g) {
+    constexpr int G = decltype(groups_of_set)::value;
+    if (chunked) interleaved<G>(x, rows, K, w, bias, y, N, g, g1);
+    else groups<G>(x, rows, K, w, bias, y, N, g, g1);
+  };
   int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) groups<4>(x, rows, K, w, bias, y, N, g, g1);
+  for (; g + 4 <= g1; g += 4) run(std::integral_constant<int, 4>{}, g);
   switch (g1 - g) {
-    case 3: groups<3>(x, rows, K, w, bias, y, N, g, g1); break;
-    case 2: groups<2>(x, rows, K, w, bias, y, N, g, g1); break;
-    case 1: groups<1>(x, rows, K, w, bias, y, N, g, g1); break;
+    case 3: run(std::integral_constant<int, 3>{}, g); break;
+    case 2: run(std::integral_constant<int, 2>{}, g); break;
+    case 1: run(std::integral_constant<int, 1>{}, g); break;
     default: break;
   }
 }
