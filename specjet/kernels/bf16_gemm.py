@@ -4,7 +4,8 @@ oneDNN's bf16 matmul (kernels/linear.py's ``PackedLinear``) needs a measured row
 whatever the call holds, and reads a one-row call's weights slowly. This kernel computes every row by one
 code path: AMX tiles for every call where the CPU has them (a lone row padded to a 16-row tile), else
 AVX-512 BF16 (one VDPBF16PS chain per output; a call's rows in blocks of 6 against 64 columns at a time, so
-the first block reads those columns' weights from memory and the others from cache). The two give
+the first block reads those columns' weights from memory and the others from cache; a call of 7 to 10 rows
+takes its two blocks through the weights in L1-sized chunks, so both compute beside the stream). The two give
 different bits, so a process uses one for all its calls: ``amx`` where the CPU has tiles, ``avx512_bf16``
 where it has AVX-512 BF16 alone, oneDNN's plans elsewhere (``default_isa``), or the one
 ``SPECJET_BF16_GEMM=amx|avx512_bf16|onednn`` names. Needs K a multiple of 32 and N of 16 (every projection
