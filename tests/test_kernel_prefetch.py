@@ -2,7 +2,7 @@
 prefetch of the AVX-512 and AMX Q4_1 GEMMs without a trace in the source or the results: the weights of
 a verify then streamed from memory behind the compute instead of ahead of it. This reads the machine
 code of the built extension and requires a prefetch instruction in each kernel whose source asks for one,
-and the bf16 GEMM's fetches of the next columns into L2."""
+and each bf16 GEMM path's fetches into L2."""
 from __future__ import annotations
 
 import re
@@ -65,8 +65,16 @@ def test_kernel_keeps_its_prefetches(prefetches_by_function, kernel):
     assert sum(kernel_prefetches(prefetches_by_function, kernel).values()) > 0, f"the {kernel} has no prefetch"
 
 
-def test_the_bf16_gemm_fetches_the_next_columns_into_l2(prefetches_by_function):
-    """A bf16 call of more than one row block fetches the next column groups' weights into L2 from its later
-    blocks (csrc/prefetch.h's L2Ahead: PREFETCHT1), beside the first block's fetches into L1 (PREFETCHT0)."""
-    fetches = kernel_prefetches(prefetches_by_function, "AVX-512 bf16 GEMM")
-    assert fetches["prefetcht1"] > 0 and fetches["prefetcht0"] > 0, fetches
+@pytest.mark.parametrize("path", ["groups", "interleaved"])
+def test_the_bf16_gemm_fetches_the_next_columns_into_l2(prefetches_by_function, path):
+    """Both paths of a bf16 call of more than one row block fetch weights they read next into L2 (PREFETCHT1):
+    groups() from its later blocks (csrc/prefetch.h's L2Ahead), beside the first block's fetches into L1
+    (PREFETCHT0); interleaved() (7-10 rows) the next chunk from its first block. Asked per path, so that one
+    path's fetches cannot stand in for the other's."""
+    pattern = re.compile(rf"^bf16_avx512::{path}<")
+    functions = {name: n for name, n in prefetches_by_function.items() if pattern.search(name)}
+    assert functions, f"no bf16_avx512::{path} function in the extension (inlined, stripped or renamed?)"
+    fetches = sum(functions.values(), Counter())
+    assert fetches["prefetcht1"] > 0, (path, fetches)
+    if path == "groups":
+        assert fetches["prefetcht0"] > 0, fetches
