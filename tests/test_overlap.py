@@ -112,6 +112,24 @@ def test_iteration_timings_stay_with_their_batches_after_an_idle_release(tiny_mo
     assert slow_s * 1e3 <= overlap["forward_ms_median"] <= overlap["iteration_ms_median"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_stream_work_sees_the_hosts_earlier_device_writes():
+    """The scheduler writes the slot table (a cached prefix, a decode step's next slot) on its own thread's
+    stream, and the overlap loop's forwards read it on the compute stream: an item must see every device
+    write the host launched before submitting it. The host's write is held back on its stream behind a
+    spin kernel (~25 ms); a compute stream that does not wait for it reads the zeros."""
+    stream = make_stream(torch.device("cuda"), overlap=True)
+    values = torch.arange(1 << 16, device="cuda")
+    for _ in range(3):
+        table = torch.zeros_like(values)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        table.copy_(values)
+        seen = stream.submit(lambda: table.clone()).result()
+        torch.cuda.synchronize()
+        assert torch.equal(seen, values)
+
+
 def test_untimed_stream_items_leave_no_timing():
     """Housekeeping submitted with timed=False (and synchronize's marker) runs in order but is not timed."""
     stream = CpuStream()
@@ -138,7 +156,7 @@ def test_the_default_loop_is_the_plain_one_on_the_cpu_and_the_overlap_one_on_cud
     assert use_overlap_schedule(None, torch.device("cuda")) is True
     assert use_overlap_schedule(False, torch.device("cpu")) is True
     assert use_overlap_schedule(True, torch.device("cuda")) is False
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu") as eng:
         assert eng.get_server_info()["overlap_schedule"] is False
         assert not eng.loop.overlap and eng.loop.stream.__class__.__name__ == "InlineStream"
         eng.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})

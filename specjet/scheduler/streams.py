@@ -13,6 +13,10 @@ exception on the caller's thread.
 - ``CudaStream``: the host thread itself launches the work on a compute stream (launches are
   asynchronous); the returned future is already resolved and its tensors become valid once the
   stream reaches them, so results meant for the host are copied with ``non_blocking`` and an event.
+  The host's own device writes (the scheduler's slot table: a new request's cached prefix, a decode
+  step's next slot) go to the host thread's stream, which the compute stream does not otherwise
+  wait for: each item first makes the compute stream wait for everything the host launched before
+  it, or its forward could read a table entry before the host's write lands.
 
 Both stamp each item (submitted, started, ended) so the loop can report how long the compute side
 waited for the host; an item submitted with ``timed=False`` (housekeeping between batches, such as
@@ -163,6 +167,7 @@ class CudaStream(Stream):
         future: Future = Future()
         timing.started = time.perf_counter()
         try:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 result = fn(*args)
         except BaseException as exc:
