@@ -232,6 +232,73 @@ def test_streamed_tool_replies_match_the_whole_ones(server):
             assert len(pieces) > 2
 
 
+def streamed_choices(chunks, field: str = "content"):
+    """A stream of several choices assembled as clients do, by index: {index: (text, [finish reasons])}."""
+    out: dict[int, list] = {}
+    for c in chunks:
+        for choice in c.choices:
+            entry = out.setdefault(choice.index, ["", []])
+            entry[0] += (getattr(choice.delta, field) or "") if field == "content" else choice.text
+            if choice.finish_reason:
+                entry[1].append(choice.finish_reason)
+    return {i: (text, reasons) for i, (text, reasons) in out.items()}
+
+
+def test_n_choices_are_the_seeded_single_requests(server):
+    """n=3 with a seed: choice i is what one request with seed + i gives (the engine's output of a request does
+    not depend on what shares its batches), whole or streamed, and the usage counts the prompt once and every
+    choice's completion."""
+    client = server.client()
+    kwargs = dict(max_tokens=12, temperature=1.0, seed=7)
+    singles = [chat(client, "Tell me a story.", **dict(kwargs, seed=7 + i)) for i in range(3)]
+    expected = [s.choices[0].message.content for s in singles]
+    assert len(set(expected)) > 1, expected  # sampled with different seeds: the choices differ
+    full = chat(client, "Tell me a story.", n=3, **kwargs)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert [c.message.content for c in full.choices] == expected
+    assert [c.finish_reason for c in full.choices] == [s.choices[0].finish_reason for s in singles]
+    assert full.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert full.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert [c.message.content for c in chat(client, "Tell me a story.", n=3, **kwargs).choices] == expected
+
+    chunks = list(chat(client, "Tell me a story.", n=3, stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed = streamed_choices(chunks)
+    assert {i: text for i, (text, _) in streamed.items()} == dict(enumerate(expected))
+    assert all(len(reasons) == 1 for _, reasons in streamed.values())
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    done = client.completions.create(model="tiny", prompt="Once upon a time", n=2, **kwargs)
+    one = [client.completions.create(model="tiny", prompt="Once upon a time", **dict(kwargs, seed=7 + i))
+           for i in range(2)]
+    assert [c.text for c in done.choices] == [o.choices[0].text for o in one]
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", n=2, stream=True, **kwargs))
+    assert {i: text for i, (text, _) in streamed_choices(chunks, "text").items()} == {
+        i: o.choices[0].text for i, o in enumerate(one)}
+    kv_ok(server)
+
+
+def test_n_choices_under_a_schema_and_with_tools(server):
+    """Every choice of a json_schema request validates; with tool_choice auto (parallel calls, read back
+    per choice with the repeated-call cut) each choice is text or valid calls, and equals its seeded single."""
+    client = server.client()
+    out = chat(client, "A person, please.", n=4, max_tokens=40, temperature=1.0, seed=3,
+               response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    assert len(out.choices) == 4
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    kwargs = dict(tools=[WEATHER], max_tokens=48, temperature=1.0)
+    both = chat(client, "Weather in Oslo?", n=2, seed=11, **kwargs).choices
+    for i, choice in enumerate(both):
+        single = chat(client, "Weather in Oslo?", seed=11 + i, **kwargs).choices[0]
+        assert (choice.message.content, choice.finish_reason) == (single.message.content, single.finish_reason)
+        assert [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []] == [
+            (t.function.name, t.function.arguments) for t in single.message.tool_calls or []]
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice, {"get_weather"})
+    kv_ok(server)
+
+
 def test_sixteen_concurrent_async_requests(server):
     prompts = [f"Count to {i}." for i in range(16)]
     client = server.client()
@@ -320,9 +387,10 @@ def error_of(exc_info) -> dict:
 
 def test_errors_are_openai_shaped_400s(server):
     client = server.client()
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(client, "hi", n=2)
-    assert error_of(e)["param"] == "n" and "not supported" in error_of(e)["message"]
+    for n in (0, 129):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "hi", n=n)
+        assert error_of(e)["param"] == "n" and "n must be in [1, 128]" in error_of(e)["message"]
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", response_format={"type": "json_schema", "json_schema": {
             "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "strng"}}}}})

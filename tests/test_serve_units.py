@@ -228,3 +228,74 @@ def test_a_reply_ends_before_a_repeated_call():
     assert reason == "tool_calls" and len(message.tool_calls) == 2 and message.content is None
     message, reason = chat.reply(one + "\n<tool_call>\n{", "length", chat.ToolPlan(mode="tagged", names={"add"}))
     assert reason == "length" and len(message.tool_calls) == 1
+
+
+class _ScriptedStream:
+    """An engine stream of two choices' chunks (each with its ``index``), recording per-choice aborts."""
+
+    def __init__(self, items):
+        self.items, self.aborted, self.closed = list(items), [], False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def abort(self, index):
+        self.aborted.append(index)
+
+    async def aclose(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_choice_ends_at_its_repeated_call_and_the_others_go_on(stream):
+    """n=2, tool_choice auto with parallel calls: choice 0 starts a call it already made, so it ends before it
+    (its request alone aborted, its later chunks dropped); choice 1's reply is whole."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+
+    def item(index, text, reason=None, tokens=1):
+        return {"index": index, "text": text, "output_ids": [1] * tokens, "meta_info": {
+            "finish_reason": reason, "prompt_tokens": 5, "completion_tokens": tokens}}
+
+    scripted = _ScriptedStream([item(0, call), item(1, "Sure"), item(0, call, tokens=2), item(1, " thing.", tokens=2),
+                                item(0, "dropped", {"type": "abort"}, tokens=3),
+                                item(1, "", {"type": "stop"}, tokens=3)])
+    calls = []
+
+    async def async_generate(**kwargs):
+        calls.append(kwargs)
+        return scripted
+
+    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
+    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
+        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    body = {"messages": [{"role": "user", "content": "add"}], "tools": [tool], "n": 2, "seed": 5, "stream": stream}
+    with TestClient(create_app(engine, "m")) as client:
+        r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [sp["seed"] for sp in calls[0]["sampling_params"]] == [5, 6] and calls[0]["prompt"] == ["prompt"] * 2
+    assert scripted.aborted == [0] and scripted.closed
+    if stream:
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        content, finish, names = {0: "", 1: ""}, {}, {0: [], 1: []}
+        for event in events:
+            for choice in event["choices"]:
+                content[choice["index"]] += choice["delta"].get("content") or ""
+                names[choice["index"]] += [t["function"]["name"] for t in choice["delta"].get("tool_calls") or []
+                                           if t["function"].get("name")]
+                if choice["finish_reason"]:
+                    finish[choice["index"]] = choice["finish_reason"]
+        assert finish == {0: "tool_calls", 1: "stop"}
+        assert names[0] == ["add"] and content[1] == "Sure thing." and "dropped" not in r.text
+    else:
+        choices = r.json()["choices"]
+        assert [c["finish_reason"] for c in choices] == ["tool_calls", "stop"]
+        assert len(choices[0]["message"]["tool_calls"]) == 1 and choices[1]["message"]["content"] == "Sure thing."
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 2 + 3, "total_tokens": 10}

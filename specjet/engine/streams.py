@@ -34,6 +34,11 @@ class _StreamBase:
             chunk["index"] = i
         return chunk
 
+    def abort(self, index: int = 0) -> None:
+        """Abort one request of the stream (the prompt at ``index``), the others going on: its last chunk,
+        an abort, still comes (a finished request is left alone)."""
+        self._engine.scheduler.abort(self._rids[index])
+
     def _abort_unfinished(self) -> None:
         if self._remaining:
             self._remaining = 0

@@ -35,9 +35,10 @@ logger = logging.getLogger("specjet.serve")
 _DISCONNECT_POLL_S = 0.5
 
 
-def _usage(meta: dict[str, Any]) -> Usage:
-    return Usage(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-                 total_tokens=meta["prompt_tokens"] + meta["completion_tokens"])
+def _usage(metas: list[dict[str, Any]]) -> Usage:
+    """A response's usage: its prompt once, every choice's completion."""
+    prompt, completion = metas[0]["prompt_tokens"], sum(m["completion_tokens"] for m in metas)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _sse(payload: Any) -> str:
@@ -98,12 +99,20 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if not engine.is_alive():
             raise unavailable("the engine is not running: " + str(engine.scheduler.closed_reason or "stopped"))
 
-    async def start(sp: dict, stream: bool, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None,
+    async def start(sps: list[dict], stream: bool, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None,
                     prompt_param: str = "messages"):
-        """``engine.async_generate``, its door errors as 400s."""
+        """``engine.async_generate`` of one request per choice (``sps``: their sampling parameters), its door
+        errors as 400s: the results in choice order, or one stream whose chunks carry their choice's ``index``
+        (with several choices). The engine checks every choice before it admits any."""
         check_alive()
+        sp, n = sps[0], len(sps)
+        if n > 1:
+            prompt = None if prompt is None else [prompt] * n
+            input_ids = None if input_ids is None else [list(input_ids) for _ in range(n)]
         try:
-            return await engine.async_generate(prompt=prompt, input_ids=input_ids, sampling_params=sp, stream=stream)
+            result = await engine.async_generate(prompt=prompt, input_ids=input_ids,
+                                                 sampling_params=sp if n == 1 else sps, stream=stream)
+            return result if stream or n > 1 else [result]
         except GrammarError as error:
             raise bad_request(str(error), _constraint_param(sp), "invalid_grammar") from None
         except (ValueError, TypeError) as error:
@@ -203,98 +212,92 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         sp, plan = chat.chat_params(body)
         # OpenAI's default is "until the context is full"; the engine stops there on its own.
         sp.setdefault("max_new_tokens", engine.scheduler.config.context_len)
+        sps = chat.choice_params(sp, chat.choice_count(body))
         prompt = chat.chat_prompt(engine.tokenizer, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _stream_chat(body, sp, plan, prompt, rid)
+            return await _stream_chat(body, sps, plan, prompt, rid)
         if plan.mode == "tagged" and plan.parallel:
-            result = await until_disconnected(request, lambda: collect_calls(sp, prompt))
+            results = await until_disconnected(request, lambda: collect_calls(sps, prompt))
         else:
-            result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt))
-        refused(result, sp)
-        message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
-        usage = _usage(result["meta_info"])
-        metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
-        return ChatCompletion(id=rid, model=model_name, usage=usage,
-                              choices=[ChatChoice(message=message, finish_reason=reason)])
+            results = await until_disconnected(request, lambda: start(sps, False, prompt=prompt))
+        for result in results:
+            refused(result, sp)
+        choices = []
+        for i, result in enumerate(results):
+            message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason))
+            record(reason, result["meta_info"], i)
+        return ChatCompletion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results]),
+                              choices=choices)
 
-    async def collect_calls(sp: dict, prompt: str) -> dict:
-        """A whole reply that may hold several tool calls, read as a stream so that it can end at
-        the first repeated call (``chat.repeat_cut``)."""
-        stream = await start(sp, True, prompt=prompt)
+    def record(reason: Optional[str], meta: dict, index: int) -> None:
+        """One choice in the metrics (its prompt counted with the first)."""
+        metrics.record(reason, 0 if index else meta["prompt_tokens"], meta["completion_tokens"])
+
+    async def collect_calls(sps: list[dict], prompt: str) -> list[dict]:
+        """Whole replies that may hold several tool calls, read as a stream so that each can end at
+        its first repeated call (``chat.repeat_cut``)."""
+        stream = await start(sps, True, prompt=prompt)
+        cuts = RepeatCuts(stream, len(sps))
+        results: list[Optional[dict]] = [None] * len(sps)
         try:
-            text = ""
-            while True:
-                item = await stream.__anext__()
-                text += item["text"]
-                meta = item["meta_info"]
-                cut = chat.repeat_cut(text)
-                if cut is not None:
-                    text, meta = text[:cut], dict(meta, finish_reason=chat.REPEATED_CALL)
-                if meta["finish_reason"] is not None:
-                    return {"text": text, "meta_info": meta}
+            async for item in stream:
+                i, item = cuts.take(item)
+                if item is not None and item["meta_info"]["finish_reason"] is not None:
+                    results[i] = {"text": cuts.texts[i], "meta_info": item["meta_info"]}
+                if all(r is not None for r in results):
+                    break
+            return results
         finally:
             await stream.aclose()  # aborts what is left after a repeated call
 
-    async def _stream_chat(body: ChatCompletionRequest, sp, plan, prompt, rid) -> Response:
-        stream = await start(sp, True, prompt=prompt)
+    async def _stream_chat(body: ChatCompletionRequest, sps: list[dict], plan, prompt, rid) -> Response:
+        sp, n = sps[0], len(sps)
+        stream = await start(sps, True, prompt=prompt)
         first = await _first_chunk(stream)
         refused(first, sp)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
-        def chunk(delta: ChoiceDelta, reason: Optional[str] = None) -> str:
+        def chunk(index: int, delta: ChoiceDelta, reason: Optional[str] = None) -> str:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name,
-                                            choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
+                                            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=reason)]))
 
         async def events() -> AsyncIterator[str]:
             finished = False
             try:
-                yield chunk(ChoiceDelta(role="assistant", content=""))
-                text, sent, item = "", 0, first
-                calls = chat.CallStreamer(plan)
+                for i in range(n):
+                    yield chunk(i, ChoiceDelta(role="assistant", content=""))
+                cuts = RepeatCuts(stream, n, active=plan.mode == "tagged" and plan.parallel)
+                sent, calls = [0] * n, [chat.CallStreamer(plan) for _ in range(n)]
+                metas: list[Optional[dict]] = [None] * n
+                item = first
                 while True:
-                    text += item["text"]
-                    if plan.mode == "tagged" and plan.parallel:
-                        cut = chat.repeat_cut(text)
-                        if cut is not None:  # ends here; closing the stream below aborts the rest
-                            text = text[:cut]
-                            item = dict(item, meta_info=dict(item["meta_info"], finish_reason=chat.REPEATED_CALL))
-                    # Plain text streams as it comes; "auto" tool replies stream their text up to a
-                    # <tool_call>; tool calls stream their name, then their arguments as written.
-                    end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)
-                    if end > sent:
-                        yield chunk(ChoiceDelta(content=text[sent:end]))
-                        sent = end
-                    if plan.mode is not None and item["text"]:
-                        deltas = calls.feed(text)
-                        if deltas:
-                            yield chunk(ChoiceDelta(tool_calls=deltas))
-                    if item["meta_info"]["finish_reason"] is not None:
-                        break
+                    i, item = cuts.take(item)
+                    if item is not None:
+                        text = cuts.texts[i]
+                        # Plain text streams as it comes; "auto" tool replies stream their text up to a
+                        # <tool_call>; tool calls stream their name, then their arguments as written.
+                        end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)
+                        if end > sent[i]:
+                            yield chunk(i, ChoiceDelta(content=text[sent[i]:end]))
+                            sent[i] = end
+                        if plan.mode is not None and item["text"]:
+                            deltas = calls[i].feed(text)
+                            if deltas:
+                                yield chunk(i, ChoiceDelta(tool_calls=deltas))
+                        if item["meta_info"]["finish_reason"] is not None:
+                            metas[i] = item["meta_info"]
+                            for piece in finish_choice(i, text, sent[i], calls[i], item):
+                                yield piece
+                            if all(m is not None for m in metas):
+                                break
                     item = await stream.__anext__()
                 finished = True
-                meta = item["meta_info"]
-                reason = chat.finish_reason(item)
-                if plan.mode is not None:
-                    message, reason = chat.reply(text, reason, plan)
-                    if message.tool_calls:
-                        rest = (message.content or "")[sent:]
-                        deltas = calls.feed(text, finished=True)
-                        # Calls the streamer could not follow (laid out unlike the grammar's) go whole.
-                        deltas += [dict(call.model_dump(), index=i) for i, call in enumerate(message.tool_calls)
-                                   if i >= len(calls.sent)]
-                    else:  # no complete call: the text is the reply (unless a call had begun)
-                        rest, deltas = ("" if calls.sent else text[sent:]), []
-                    if rest:
-                        yield chunk(ChoiceDelta(content=rest))
-                    if deltas:
-                        yield chunk(ChoiceDelta(tool_calls=deltas))
-                yield chunk(ChoiceDelta(), reason)
-                usage = _usage(meta)
-                metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
                 if include_usage:
-                    yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[], usage=usage))
+                    yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
+                                                   usage=_usage(metas)))
                 yield "data: [DONE]\n\n"
             except Exception as error:  # after the 200 went out: an error event, not a torn stream
                 yield stream_error(error)
@@ -303,16 +306,39 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             finally:
                 await close(stream, finished)
 
+        def finish_choice(i: int, text: str, sent: int, calls: "chat.CallStreamer", item: dict) -> list[str]:
+            """A finished choice's last chunks: what its reply holds beyond what went out, then its finish reason."""
+            pieces = []
+            reason = chat.finish_reason(item)
+            if plan.mode is not None:
+                message, reason = chat.reply(text, reason, plan)
+                if message.tool_calls:
+                    rest = (message.content or "")[sent:]
+                    deltas = calls.feed(text, finished=True)
+                    # Calls the streamer could not follow (laid out unlike the grammar's) go whole.
+                    deltas += [dict(call.model_dump(), index=k) for k, call in enumerate(message.tool_calls)
+                               if k >= len(calls.sent)]
+                else:  # no complete call: the text is the reply (unless a call had begun)
+                    rest, deltas = ("" if calls.sent else text[sent:]), []
+                if rest:
+                    pieces.append(chunk(i, ChoiceDelta(content=rest)))
+                if deltas:
+                    pieces.append(chunk(i, ChoiceDelta(tool_calls=deltas)))
+            pieces.append(chunk(i, ChoiceDelta(), reason))
+            record(reason, item["meta_info"], i)
+            return pieces
+
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @v1.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_alive()
         sp = chat.completion_params(body)
+        sps = chat.choice_params(sp, chat.choice_count(body))
         prompt, input_ids = _one_prompt(body.prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            stream = await start(sp, True, prompt=prompt, input_ids=input_ids, prompt_param="prompt")
+            stream = await start(sps, True, prompt=prompt, input_ids=input_ids, prompt_param="prompt")
             first = await _first_chunk(stream)
             refused(first, sp)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -321,18 +347,20 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             async def events() -> AsyncIterator[str]:
                 finished = False
                 try:
-                    item = first
+                    item, metas = first, [None] * len(sps)
                     while True:
-                        reason = chat.finish_reason(item)
+                        i, reason = item.get("index", 0), chat.finish_reason(item)
                         if item["text"] or reason is not None:
                             yield _sse(Completion(id=rid, created=created, model=model_name, choices=[
-                                CompletionChoice(text=item["text"], finish_reason=reason)]))
+                                CompletionChoice(index=i, text=item["text"], finish_reason=reason)]))
                         if reason is not None:
-                            finished = True
-                            break
+                            metas[i] = item["meta_info"]
+                            record(reason, item["meta_info"], i)
+                            if all(m is not None for m in metas):
+                                finished = True
+                                break
                         item = await stream.__anext__()
-                    usage = _usage(item["meta_info"])
-                    metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
+                    usage = _usage(metas)
                     if include_usage:
                         yield _sse(Completion(id=rid, created=created, model=model_name, choices=[], usage=usage))
                     yield "data: [DONE]\n\n"
@@ -344,17 +372,45 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     await close(stream, finished)
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        result = await until_disconnected(request, lambda: start(sp, False, prompt=prompt, input_ids=input_ids,
-                                                                  prompt_param="prompt"))
-        refused(result, sp)
-        reason = chat.finish_reason(result)
-        usage = _usage(result["meta_info"])
-        metrics.record(reason, usage.prompt_tokens, usage.completion_tokens)
-        return Completion(id=rid, model=model_name, usage=usage,
-                          choices=[CompletionChoice(text=result["text"], finish_reason=reason)])
+        results = await until_disconnected(request, lambda: start(sps, False, prompt=prompt, input_ids=input_ids,
+                                                                   prompt_param="prompt"))
+        for result in results:
+            refused(result, sp)
+        choices = []
+        for i, result in enumerate(results):
+            reason = chat.finish_reason(result)
+            choices.append(CompletionChoice(index=i, text=result["text"], finish_reason=reason))
+            record(reason, result["meta_info"], i)
+        return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results]), choices=choices)
 
     app.include_router(v1)
     return app
+
+
+class RepeatCuts:
+    """The choices' texts of a tool reply streamed by the engine (chunks with an ``index`` where there are
+    several choices), each ended at its first repeated tool call (``chat.repeat_cut``) when ``active``:
+    that choice's request is aborted there and the stream's later chunks of it are dropped."""
+
+    def __init__(self, stream, n: int, active: bool = True):
+        self.stream, self.active = stream, active
+        self.texts = [""] * n
+        self.cut: set[int] = set()
+
+    def take(self, item: dict) -> tuple[int, Optional[dict]]:
+        """(the chunk's choice, the chunk with its choice's finish where a repeat ends it; None: dropped)."""
+        i = item.get("index", 0)
+        if i in self.cut:
+            return i, None
+        self.texts[i] += item["text"]
+        cut = chat.repeat_cut(self.texts[i]) if self.active else None
+        if cut is not None:
+            self.texts[i] = self.texts[i][:cut]
+            self.cut.add(i)
+            if item["meta_info"]["finish_reason"] is None:
+                self.stream.abort(i)
+            item = dict(item, meta_info=dict(item["meta_info"], finish_reason=chat.REPEATED_CALL))
+        return i, item
 
 
 async def _first_chunk(stream) -> dict:

@@ -54,11 +54,29 @@ def _check_schema(schema: Any, param: str) -> None:
         raise bad_request(f"invalid JSON schema in {param} at {where}: {error.message}", param) from None
 
 
+# OpenAI's upper bound on ``n``. The choices are separate engine requests, admitted as the running-request
+# limit and the KV pool allow; they share the prompt's prefill through the prefix cache.
+MAX_CHOICES = 128
+
+
+def choice_count(req: _SamplingFields) -> int:
+    """The request's ``n`` (1 when not given); 400 outside [1, MAX_CHOICES]."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
+    return n
+
+
+def choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The engine's sampling parameters of each of ``n`` choices. With a seed, choice i samples with
+    seed + i (mod 2**64): the choices differ from each other, and the same request gives the same ones."""
+    if "seed" not in sp:
+        return [dict(sp) for _ in range(n)]
+    return [dict(sp, seed=(sp["seed"] + i) % 2**64) for i in range(n)]
+
+
 def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str, Any]:
     """The sampling-parameter dict for the engine; 400 for what specjet does not support."""
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"n={req.n} is not supported: specjet returns one choice per request (n=1); "
-                          "send several requests instead", "n", "unsupported_parameter")
     if req.logprobs:
         raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
     sp: dict[str, Any] = {}
