@@ -299,3 +299,23 @@ def test_one_choice_ends_at_its_repeated_call_and_the_others_go_on(stream):
         assert [c["finish_reason"] for c in choices] == ["tool_calls", "stop"]
         assert len(choices[0]["message"]["tool_calls"]) == 1 and choices[1]["message"]["content"] == "Sure thing."
         assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 2 + 3, "total_tokens": 10}
+
+
+def test_a_refused_choice_answers_a_streamed_request_and_closes_the_others():
+    """n=2, streamed: the first chunk is one choice refused before any token (a KV pool too small for it): the
+    answer is that refusal, and the stream is closed, which aborts the other choice."""
+    scripted = _ScriptedStream([{"index": 1, "text": "", "output_ids": [], "meta_info": {
+        "finish_reason": {"type": "abort", "message": "KV pool exhausted: the request needs more"},
+        "prompt_tokens": 5, "completion_tokens": 0}}])
+
+    async def async_generate(**kwargs):
+        return scripted
+
+    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
+    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
+        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    with TestClient(create_app(engine, "m")) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                      "stream": True})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_pool_exhausted"
+    assert scripted.closed

@@ -140,6 +140,17 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             raise bad_request(reason.get("message") or "the request was aborted", _constraint_param(sp),
                               "request_refused")
 
+    async def first_chunk(stream, sp: dict) -> dict:
+        """A stream's first chunk, before any byte of the response goes out: a choice the engine refused
+        answers the whole request, and the stream is closed (aborting the other choices)."""
+        first = await _first_chunk(stream)
+        try:
+            refused(first, sp)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return first
+
     async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
         """``await work()``, cancelled (which aborts the engine request) if the client goes away."""
         result: list[Any] = []
@@ -255,8 +266,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     async def _stream_chat(body: ChatCompletionRequest, sps: list[dict], plan, prompt, rid) -> Response:
         sp, n = sps[0], len(sps)
         stream = await start(sps, True, prompt=prompt)
-        first = await _first_chunk(stream)
-        refused(first, sp)
+        first = await first_chunk(stream, sp)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
@@ -339,8 +349,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             stream = await start(sps, True, prompt=prompt, input_ids=input_ids, prompt_param="prompt")
-            first = await _first_chunk(stream)
-            refused(first, sp)
+            first = await first_chunk(stream, sp)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             created = int(time.time())
 
