@@ -277,6 +277,45 @@ def test_n_choices_are_the_seeded_single_requests(server):
     kv_ok(server)
 
 
+def test_completions_of_a_batch_of_prompts(server):
+    """OpenAI's batched completions: a list of prompts (strings, or token id lists), each with its n choices,
+    prompt-major (index = prompt * n + choice); each equals its single request, whole or streamed; the usage
+    counts each prompt once."""
+    client = server.client()
+    prompts = ["Once upon a time", "The weather today", "1, 2, 3,"]
+    kwargs = dict(max_tokens=10, temperature=1.0, seed=21)
+    singles = [[client.completions.create(model="tiny", prompt=p, **dict(kwargs, seed=21 + j)) for j in range(2)]
+               for p in prompts]
+    expected = [singles[i][j].choices[0].text for i in range(3) for j in range(2)]
+    before = parse_prometheus(httpx.get(server.url + "/metrics").text)
+    out = client.completions.create(model="tiny", prompt=prompts, n=2, **kwargs)
+    after = parse_prometheus(httpx.get(server.url + "/metrics").text)
+    assert [c.index for c in out.choices] == list(range(6)) and [c.text for c in out.choices] == expected
+    for name, counted in (("prompt_tokens_total", out.usage.prompt_tokens),
+                          ("generation_tokens_total", out.usage.completion_tokens)):
+        assert after[f"specjet_{name}"] - before[f"specjet_{name}"] == counted, name
+    assert out.usage.prompt_tokens == sum(s[0].usage.prompt_tokens for s in singles)
+    assert out.usage.completion_tokens == sum(x.usage.completion_tokens for s in singles for x in s)
+    ids = [[1, 2, 3 + i] for i in range(3)]
+    by_ids = client.completions.create(model="tiny", prompt=ids, **kwargs)
+    assert [c.text for c in by_ids.choices] == [
+        client.completions.create(model="tiny", prompt=x, **kwargs).choices[0].text for x in ids]
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    streamed = streamed_choices(chunks, "text")
+    assert {i: text for i, (text, _) in streamed.items()} == dict(enumerate(expected))
+    assert all(len(reasons) == 1 for _, reasons in streamed.values())
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+    for bad in ([], [[]]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=bad)
+        assert error_of(e)["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=["a"] * 65, n=2)
+    assert error_of(e)["param"] == "prompt" and "at most 128" in error_of(e)["message"]
+    kv_ok(server)
+
+
 def test_n_choices_under_a_schema_and_with_tools(server):
     """Every choice of a json_schema request validates; with tool_choice auto (parallel calls, read back
     per choice with the repeated-call cut) each choice is text or valid calls, and equals its seeded single."""

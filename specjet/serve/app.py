@@ -35,9 +35,10 @@ logger = logging.getLogger("specjet.serve")
 _DISCONNECT_POLL_S = 0.5
 
 
-def _usage(metas: list[dict[str, Any]]) -> Usage:
-    """A response's usage: its prompt once, every choice's completion."""
-    prompt, completion = metas[0]["prompt_tokens"], sum(m["completion_tokens"] for m in metas)
+def _usage(metas: list[dict[str, Any]], n: int) -> Usage:
+    """A response's usage from its choices' (``n`` a prompt, prompt-major): each prompt once, every completion."""
+    prompt = sum(m["prompt_tokens"] for m in metas[::n])
+    completion = sum(m["completion_tokens"] for m in metas)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -99,20 +100,23 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if not engine.is_alive():
             raise unavailable("the engine is not running: " + str(engine.scheduler.closed_reason or "stopped"))
 
-    async def start(sps: list[dict], stream: bool, prompt: Optional[str] = None, input_ids: Optional[list[int]] = None,
-                    prompt_param: str = "messages"):
-        """``engine.async_generate`` of one request per choice (``sps``: their sampling parameters), its door
-        errors as 400s: the results in choice order, or one stream whose chunks carry their choice's ``index``
-        (with several choices). The engine checks every choice before it admits any."""
+    async def start(sps: list[dict], stream: bool, prompts: list, prompt_param: str = "messages"):
+        """``engine.async_generate`` of one request per prompt and choice (``prompts``: strings or token id
+        lists; ``sps``: each choice's sampling parameters), prompt-major, its door errors as 400s: the results
+        in that order, or one stream whose chunks carry their request's ``index`` (with several). The engine
+        checks every request before it admits any."""
         check_alive()
-        sp, n = sps[0], len(sps)
-        if n > 1:
-            prompt = None if prompt is None else [prompt] * n
-            input_ids = None if input_ids is None else [list(input_ids) for _ in range(n)]
+        sp = sps[0]
+        requests = [(p, choice) for p in prompts for choice in sps]
+        texts = None if not isinstance(prompts[0], str) else [p for p, _ in requests]
+        ids = None if texts is not None else [list(p) for p, _ in requests]
+        params = [choice for _, choice in requests]
+        single = len(requests) == 1
         try:
-            result = await engine.async_generate(prompt=prompt, input_ids=input_ids,
-                                                 sampling_params=sp if n == 1 else sps, stream=stream)
-            return result if stream or n > 1 else [result]
+            result = await engine.async_generate(prompt=texts[0] if single and texts else texts,
+                                                 input_ids=ids[0] if single and ids else ids,
+                                                 sampling_params=params[0] if single else params, stream=stream)
+            return result if stream or not single else [result]
         except GrammarError as error:
             raise bad_request(str(error), _constraint_param(sp), "invalid_grammar") from None
         except (ValueError, TypeError) as error:
@@ -231,25 +235,25 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if plan.mode == "tagged" and plan.parallel:
             results = await until_disconnected(request, lambda: collect_calls(sps, prompt))
         else:
-            results = await until_disconnected(request, lambda: start(sps, False, prompt=prompt))
+            results = await until_disconnected(request, lambda: start(sps, False, [prompt]))
         for result in results:
             refused(result, sp)
         choices = []
         for i, result in enumerate(results):
             message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason))
-            record(reason, result["meta_info"], i)
-        return ChatCompletion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results]),
+            record(reason, result["meta_info"], i, len(sps))
+        return ChatCompletion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], len(sps)),
                               choices=choices)
 
-    def record(reason: Optional[str], meta: dict, index: int) -> None:
-        """One choice in the metrics (its prompt counted with the first)."""
-        metrics.record(reason, 0 if index else meta["prompt_tokens"], meta["completion_tokens"])
+    def record(reason: Optional[str], meta: dict, index: int, n: int) -> None:
+        """One choice in the metrics (of ``n`` a prompt, prompt-major: its prompt counted with its first)."""
+        metrics.record(reason, 0 if index % n else meta["prompt_tokens"], meta["completion_tokens"])
 
     async def collect_calls(sps: list[dict], prompt: str) -> list[dict]:
         """Whole replies that may hold several tool calls, read as a stream so that each can end at
         its first repeated call (``chat.repeat_cut``)."""
-        stream = await start(sps, True, prompt=prompt)
+        stream = await start(sps, True, [prompt])
         cuts = RepeatCuts(stream, len(sps))
         results: list[Optional[dict]] = [None] * len(sps)
         try:
@@ -265,7 +269,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
 
     async def _stream_chat(body: ChatCompletionRequest, sps: list[dict], plan, prompt, rid) -> Response:
         sp, n = sps[0], len(sps)
-        stream = await start(sps, True, prompt=prompt)
+        stream = await start(sps, True, [prompt])
         first = await first_chunk(stream, sp)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
@@ -307,7 +311,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 finished = True
                 if include_usage:
                     yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
-                                                   usage=_usage(metas)))
+                                                   usage=_usage(metas, n)))
                 yield "data: [DONE]\n\n"
             except Exception as error:  # after the 200 went out: an error event, not a torn stream
                 yield stream_error(error)
@@ -335,7 +339,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 if deltas:
                     pieces.append(chunk(i, ChoiceDelta(tool_calls=deltas)))
             pieces.append(chunk(i, ChoiceDelta(), reason))
-            record(reason, item["meta_info"], i)
+            record(reason, item["meta_info"], i, n)
             return pieces
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -345,10 +349,14 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         check_alive()
         sp = chat.completion_params(body)
         sps = chat.choice_params(sp, chat.choice_count(body))
-        prompt, input_ids = _one_prompt(body.prompt)
+        prompts = _prompts(body.prompt)
+        n, count = len(sps), len(prompts) * len(sps)
+        if count > chat.MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={n} is {count} choices; at most {chat.MAX_CHOICES} a request",
+                              "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            stream = await start(sps, True, prompt=prompt, input_ids=input_ids, prompt_param="prompt")
+            stream = await start(sps, True, prompts, prompt_param="prompt")
             first = await first_chunk(stream, sp)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             created = int(time.time())
@@ -356,7 +364,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             async def events() -> AsyncIterator[str]:
                 finished = False
                 try:
-                    item, metas = first, [None] * len(sps)
+                    item, metas = first, [None] * count
                     while True:
                         i, reason = item.get("index", 0), chat.finish_reason(item)
                         if item["text"] or reason is not None:
@@ -364,12 +372,12 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                                 CompletionChoice(index=i, text=item["text"], finish_reason=reason)]))
                         if reason is not None:
                             metas[i] = item["meta_info"]
-                            record(reason, item["meta_info"], i)
+                            record(reason, item["meta_info"], i, n)
                             if all(m is not None for m in metas):
                                 finished = True
                                 break
                         item = await stream.__anext__()
-                    usage = _usage(metas)
+                    usage = _usage(metas, n)
                     if include_usage:
                         yield _sse(Completion(id=rid, created=created, model=model_name, choices=[], usage=usage))
                     yield "data: [DONE]\n\n"
@@ -381,16 +389,16 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     await close(stream, finished)
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        results = await until_disconnected(request, lambda: start(sps, False, prompt=prompt, input_ids=input_ids,
-                                                                   prompt_param="prompt"))
+        results = await until_disconnected(request, lambda: start(sps, False, prompts, prompt_param="prompt"))
         for result in results:
             refused(result, sp)
         choices = []
         for i, result in enumerate(results):
             reason = chat.finish_reason(result)
             choices.append(CompletionChoice(index=i, text=result["text"], finish_reason=reason))
-            record(reason, result["meta_info"], i)
-        return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results]), choices=choices)
+            record(reason, result["meta_info"], i, n)
+        return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], n),
+                          choices=choices)
 
     app.include_router(v1)
     return app
@@ -430,15 +438,17 @@ async def _first_chunk(stream) -> dict:
         raise
 
 
-def _one_prompt(prompt) -> tuple[Optional[str], Optional[list[int]]]:
+def _prompts(prompt) -> list:
+    """A completion request's prompts: strings, or token id lists (OpenAI's four forms; a batch gives each
+    prompt its n choices, prompt-major)."""
     if isinstance(prompt, str):
-        return prompt, None
+        return [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
-        return None, list(prompt)
-    if len(prompt) == 1:
-        return _one_prompt(prompt[0])
-    raise bad_request("send one prompt per request (a string or a list of token ids); batches are not supported",
-                      "prompt", "unsupported_parameter")
+        return [list(prompt)]
+    if prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) and p for p in prompt)):
+        return list(prompt)
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of such lists "
+                      "(none of them empty)", "prompt")
 
 
 def _constraint_param(sp: dict) -> Optional[str]:
