@@ -142,6 +142,14 @@ def test_auto_replies_stream_their_text_up_to_a_call():
     assert chat.streamable_end("a < b") == len("a < b")
 
 
+def _fake_engine(async_generate):
+    """What the app reads of an engine, with ``async_generate`` scripted by the test (the app's own logic under
+    test: what it does with the chunks it is given)."""
+    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
+    return SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
+        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+
+
 class _FailingStream:
     """An engine stream that yields one chunk, then fails."""
 
@@ -166,9 +174,7 @@ def test_an_error_mid_stream_is_an_error_event_and_the_request_is_closed():
     async def async_generate(**kwargs):
         return stream
 
-    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
-    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
-        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    engine = _fake_engine(async_generate)
     with TestClient(create_app(engine, "m")) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
         assert r.status_code == 200
@@ -187,9 +193,7 @@ def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
         return {"text": "", "output_ids": [], "meta_info": {
             "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 3, "completion_tokens": 0}}
 
-    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
-    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
-        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    engine = _fake_engine(async_generate)
     with TestClient(create_app(engine, "m")) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == status and r.json()["error"]["message"] == message
@@ -270,9 +274,7 @@ def test_one_choice_ends_at_its_repeated_call_and_the_others_go_on(stream):
         calls.append(kwargs)
         return scripted
 
-    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
-    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
-        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    engine = _fake_engine(async_generate)
     tool = {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
     body = {"messages": [{"role": "user", "content": "add"}], "tools": [tool], "n": 2, "seed": 5, "stream": stream}
@@ -311,9 +313,7 @@ def test_a_refused_choice_answers_a_streamed_request_and_closes_the_others():
     async def async_generate(**kwargs):
         return scripted
 
-    tokenizer = SimpleNamespace(chat_template="", apply_chat_template=lambda messages, **kw: "prompt")
-    engine = SimpleNamespace(is_alive=lambda: True, scheduler=SimpleNamespace(closed_reason=None, config=SimpleNamespace(
-        context_len=100)), tokenizer=tokenizer, async_generate=async_generate)
+    engine = _fake_engine(async_generate)
     with TestClient(create_app(engine, "m")) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
                                                       "stream": True})
