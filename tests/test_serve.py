@@ -316,6 +316,44 @@ def test_completions_of_a_batch_of_prompts(server):
     kv_ok(server)
 
 
+def test_logprobs_in_both_layouts_whole_and_streamed(server):
+    """Chat's logprobs.content and the legacy completions layout: one entry per completion token, their bytes
+    making up the reply, the greedy token its own best alternative, the same numbers whole and streamed and on
+    both endpoints (the engine's are checked against transformers in tests/test_logprobs.py)."""
+    client = server.client()
+    kwargs = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = chat(client, "Tell me a story.", logprobs=True, top_logprobs=3, **kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 12
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == full.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    assert chat(client, "Tell me a story.", **kwargs).choices[0].logprobs is None
+    chunks = list(chat(client, "Tell me a story.", logprobs=True, top_logprobs=3, stream=True, **kwargs))
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+    done = client.completions.create(model="tiny", prompt="Once upon a time", logprobs=2, **kwargs)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(12)]
+    assert all(len(top) == 2 and max(top.values()) == logprob for top, logprob in zip(lp.top_logprobs, lp.token_logprobs))
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", logprobs=2, stream=True, **kwargs))
+    assert [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.token_logprobs] == lp.token_logprobs
+    assert [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.text_offset] == lp.text_offset
+    for bad, param in ((dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(top_logprobs=2), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "hi", **bad)
+        assert error_of(e)["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", logprobs=6)
+    assert error_of(e)["param"] == "logprobs"
+    kv_ok(server)
+
+
 def test_n_choices_under_a_schema_and_with_tools(server):
     """Every choice of a json_schema request validates; with tool_choice auto (parallel calls, read back
     per choice with the repeated-call cut) each choice is text or valid calls, and equals its seeded single."""

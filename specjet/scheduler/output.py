@@ -31,8 +31,19 @@ def meta_info(req: Req) -> dict[str, Any]:
     return info
 
 
+def _logprobs(req: Req, info: dict[str, Any], start: int) -> dict[str, Any]:
+    """``info`` with the logprobs of output tokens ``start``.. (SGLang's layout: [logprob, id] per token, and
+    per token its top alternatives as such pairs), where the request asked for them."""
+    if req.sampling.return_logprob:
+        ids = req.output_ids[start:]
+        info["output_token_logprobs"] = [[lp, t] for lp, t in zip(req.output_logprobs[start:], ids)]
+        if req.sampling.top_logprobs_num:
+            info["output_top_logprobs"] = [[[lp, t] for lp, t in top] for top in req.output_top_logprobs[start:]]
+    return info
+
+
 def final_output(req: Req) -> dict[str, Any]:
-    return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+    return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": _logprobs(req, meta_info(req), 0)}
 
 
 def stream_chunk(req: Req) -> dict[str, Any] | None:
@@ -42,7 +53,8 @@ def stream_chunk(req: Req) -> dict[str, Any] | None:
     new_ids = req.output_ids[req.num_sent_ids:]
     if not req.finished and end <= req.sent_len:
         return None
-    chunk = {"text": req.text[req.sent_len:end], "output_ids": new_ids, "meta_info": meta_info(req)}
+    chunk = {"text": req.text[req.sent_len:end], "output_ids": new_ids,
+             "meta_info": _logprobs(req, meta_info(req), req.num_sent_ids)}
     req.sent_len = end
     req.num_sent_ids = len(req.output_ids)
     return chunk

@@ -21,6 +21,10 @@ class Req:
     sink: Callable[[dict[str, Any]], None] | None = None
 
     output_ids: list[int] = field(default_factory=list)
+    # With sampling.return_logprob: per output token its logprob and top alternatives [(logprob, id)]
+    # (specjet.kernels.logprobs), as long as output_ids.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # KV bookkeeping (see memory_pool): positions with valid KV, and positions with a slot reserved.
     req_pool_idx: int | None = None
     kv_committed_len: int = 0

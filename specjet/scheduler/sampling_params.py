@@ -24,6 +24,8 @@ _FLOAT32_MAX = 3.4028234663852886e38
 # A top_k at least this large keeps the whole vocabulary: it is stored as -1 (off), so the value
 # that reaches the int64 tensor is always small.
 TOP_K_ALL = 1 << 30
+# The most alternatives a token's logprobs list (OpenAI's limit on top_logprobs).
+MAX_TOP_LOGPROBS = 20
 # What torch.Generator.manual_seed accepts, less the negative half (an unsigned 64-bit seed).
 _SEED_LIMIT = 1 << 64
 
@@ -68,6 +70,11 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Each output token's log probability under the model's own next-token distribution (the log-softmax
+    # of its logits, before grammar masks, penalties and temperature), and the ``top_logprobs_num`` most
+    # likely tokens' (SGLang's names; meta_info's output_token_logprobs / output_top_logprobs).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -129,7 +136,13 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty (an empty one would match at once)")
         self.stop_token_ids = self._int_list("stop_token_ids", self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        if not _is_int(self.top_logprobs_num):
+            raise TypeError(f"top_logprobs_num must be an int, got {type(self.top_logprobs_num).__name__}")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.top_logprobs_num and not self.return_logprob:
+            raise ValueError("top_logprobs_num needs return_logprob=True")
+        for name in ("ignore_eos", "skip_special_tokens", "return_logprob"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("json_schema", "regex", "ebnf"):

@@ -631,8 +631,12 @@ class Scheduler:
         if req.first_token_at is None:
             req.first_token_at = now
         reason = None
-        for token in tokens:  # a finishing token cuts the accepted run: later ones are dropped
+        logged = req.sampling.return_logprob
+        for k, token in enumerate(tokens):  # a finishing token cuts the accepted run: later ones are dropped
             req.output_ids.append(token)
+            if logged:  # every path hands a logprob-asking request's tokens on as LoggedTokens
+                req.output_logprobs.append(tokens.logprobs[k])
+                req.output_top_logprobs.append(tokens.tops[k])
             reason = self._check_finished(req, token)
             if reason is not None:
                 break

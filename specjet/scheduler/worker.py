@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
+from specjet.kernels.logprobs import log_softmax_rows, logged
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample, sample_lists
@@ -119,6 +120,8 @@ class ModelWorker:
         bitmask ``(bitmask, rows)`` (or None); advances the compute states. A prefill chunk before
         the prompt's last gets no token ([]), and draws none of its request's coins."""
         out: ModelOutput = forward.result()
+        sampled = [i for i, inp in enumerate(batch.inputs) if _samples(batch.kind, inp)]
+        logged_rows = [i for i in sampled if batch.inputs[i].sampling.return_logprob]
         masked = flags = None
         if grammar_mask is not None:
             rows = set(grammar_mask[1])
@@ -127,11 +130,16 @@ class ModelWorker:
         logits = out.logits
         if logits is None:  # the head was left to this step (ModelWorker._defer_head)
             start = time.perf_counter()
-            logits = self.runner.head(out.hidden, None if grammar_mask is None else (grammar_mask[0], masked))
+            head_mask = None
+            if grammar_mask is not None:  # rows that report logprobs need every column
+                head_mask = (grammar_mask[0], torch.tensor([f and i not in logged_rows for i, f in enumerate(flags)],
+                                                           dtype=torch.bool) if logged_rows else masked)
+            logits = self.runner.head(out.hidden, head_mask)
             out.head_seconds = time.perf_counter() - start
+        # Before the masks and penalties below change the logits in place.
+        logprobs = log_softmax_rows(logits, logged_rows) if logged_rows else None
         states = [self._state(inp) for inp in batch.inputs]
         penalised = [i for i, inp in enumerate(batch.inputs) if inp.sampling.penalties is not None]
-        sampled = [i for i, inp in enumerate(batch.inputs) if _samples(batch.kind, inp)]
         tokens: list[int | None] = [None] * len(batch.inputs)
         if (grammar_mask is not None and not penalised and logits.device.type == "cpu"
                 and all(inp.sampling.is_greedy for inp in batch.inputs)):
@@ -167,7 +175,10 @@ class ModelWorker:
             state.committed_len = len(state.tokens) if batch.kind is BatchKind.PREFILL else state.committed_len + 1
             if token is not None:
                 state.tokens.append(token)
-        return [[] if t is None else [t] for t in tokens]
+        new_tokens = [[] if t is None else [t] for t in tokens]
+        for k, i in enumerate(logged_rows):
+            new_tokens[i] = logged(new_tokens[i], logprobs[k:k + 1], batch.inputs[i].sampling.top_logprobs_num)
+        return new_tokens
 
     def speculate(self, batch: WorkerBatch) -> list[list[int]]:
         """One speculative decode iteration: draft, verify, accept. The root and the accepted draft
@@ -181,7 +192,8 @@ class ModelWorker:
             if grammar is not None and not _catch_up(grammar, state.tokens[state.prompt_len + inp.grammar_len:]):
                 remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
             spec_inputs.append(SpecInput(inp.rid, inp.row, state.committed_len, state.tokens, remaining, grammar,
-                                         inp.generator, state.prompt_len, inp.sampling.penalties))
+                                         inp.generator, state.prompt_len, inp.sampling.penalties,
+                                         inp.sampling.top_logprobs_num if inp.sampling.return_logprob else None))
         new_tokens = self.speculator.run(spec_inputs, sampling_tensors([i.sampling for i in batch.inputs], self.device),
                                          self.req_to_token)
         for state, tokens in zip(states, new_tokens):

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjet.grammar.spec import GrammarError
 from specjet.serve import chat
+from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
 from specjet.serve.errors import ApiError, bad_request, unavailable
 from specjet.serve.metrics import Metrics
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -58,6 +59,15 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     app = FastAPI(title="specjet", version="0.1.0")
     metrics = Metrics()
     app.state.engine, app.state.metrics = engine, metrics
+    token_texts: list[TokenTexts] = []  # made at the first request that asks for logprobs
+
+    def texts() -> TokenTexts:
+        if not token_texts:
+            token_texts.append(TokenTexts(engine.tokenizer))
+        return token_texts[0]
+
+    def chat_logprobs(sp: dict, meta: dict) -> Optional[dict]:
+        return {"content": chat_entries(texts(), meta), "refusal": None} if sp.get("return_logprob") else None
 
     # ------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
@@ -241,7 +251,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         choices = []
         for i, result in enumerate(results):
             message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
-            choices.append(ChatChoice(index=i, message=message, finish_reason=reason))
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
+                                      logprobs=chat_logprobs(sp, result["meta_info"])))
             record(reason, result["meta_info"], i, len(sps))
         return ChatCompletion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], len(sps)),
                               choices=choices)
@@ -260,7 +271,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             async for item in stream:
                 i, item = cuts.take(item)
                 if item is not None and item["meta_info"]["finish_reason"] is not None:
-                    results[i] = {"text": cuts.texts[i], "meta_info": item["meta_info"]}
+                    results[i] = {"text": cuts.texts[i], "meta_info": cuts.whole_meta(i, item["meta_info"])}
                 if all(r is not None for r in results):
                     break
             return results
@@ -274,9 +285,16 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
+        # Each choice's token logprobs not sent yet: they go with the choice's next chunk (text held back for a
+        # stop string or a tool call sends them later).
+        pending: list[list[dict]] = [[] for _ in range(n)]
+
         def chunk(index: int, delta: ChoiceDelta, reason: Optional[str] = None) -> str:
-            return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name,
-                                            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=reason)]))
+            logprobs = None
+            if pending[index]:
+                logprobs, pending[index] = {"content": pending[index], "refusal": None}, []
+            return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[
+                ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)]))
 
         async def events() -> AsyncIterator[str]:
             finished = False
@@ -291,6 +309,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     i, item = cuts.take(item)
                     if item is not None:
                         text = cuts.texts[i]
+                        if sp.get("return_logprob"):
+                            pending[i] += chat_entries(texts(), item["meta_info"])
                         # Plain text streams as it comes; "auto" tool replies stream their text up to a
                         # <tool_call>; tool calls stream their name, then their arguments as written.
                         end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)
@@ -364,12 +384,16 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             async def events() -> AsyncIterator[str]:
                 finished = False
                 try:
-                    item, metas = first, [None] * count
+                    item, metas, offsets = first, [None] * count, [0] * count
                     while True:
                         i, reason = item.get("index", 0), chat.finish_reason(item)
-                        if item["text"] or reason is not None:
+                        logprobs = None
+                        if sp.get("return_logprob"):
+                            logprobs = completion_logprobs(texts(), item["meta_info"], offsets[i])
+                            offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                        if item["text"] or reason is not None or (logprobs and logprobs["tokens"]):
                             yield _sse(Completion(id=rid, created=created, model=model_name, choices=[
-                                CompletionChoice(index=i, text=item["text"], finish_reason=reason)]))
+                                CompletionChoice(index=i, text=item["text"], finish_reason=reason, logprobs=logprobs)]))
                         if reason is not None:
                             metas[i] = item["meta_info"]
                             record(reason, item["meta_info"], i, n)
@@ -395,7 +419,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         choices = []
         for i, result in enumerate(results):
             reason = chat.finish_reason(result)
-            choices.append(CompletionChoice(index=i, text=result["text"], finish_reason=reason))
+            logprobs = completion_logprobs(texts(), result["meta_info"]) if sp.get("return_logprob") else None
+            choices.append(CompletionChoice(index=i, text=result["text"], finish_reason=reason, logprobs=logprobs))
             record(reason, result["meta_info"], i, n)
         return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], n),
                           choices=choices)
@@ -413,6 +438,11 @@ class RepeatCuts:
         self.stream, self.active = stream, active
         self.texts = [""] * n
         self.cut: set[int] = set()
+        self.logprobs: list[dict[str, list]] = [{} for _ in range(n)]  # the choices' logprobs so far
+
+    def whole_meta(self, i: int, meta: dict) -> dict:
+        """Choice ``i``'s last chunk's meta_info with the logprobs of all its tokens (a chunk holds its own)."""
+        return dict(meta, **self.logprobs[i])
 
     def take(self, item: dict) -> tuple[int, Optional[dict]]:
         """(the chunk's choice, the chunk with its choice's finish where a repeat ends it; None: dropped)."""
@@ -420,6 +450,9 @@ class RepeatCuts:
         if i in self.cut:
             return i, None
         self.texts[i] += item["text"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in item["meta_info"]:
+                self.logprobs[i].setdefault(key, []).extend(item["meta_info"][key])
         cut = chat.repeat_cut(self.texts[i]) if self.active else None
         if cut is not None:
             self.texts[i] = self.texts[i][:cut]

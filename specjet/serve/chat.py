@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specjet.serve import logprobs
 from specjet.serve.errors import bad_request
 from specjet.serve.protocol import (AssistantMessage, ChatCompletionRequest, CompletionRequest, FunctionCall,
                                     ToolCall, _SamplingFields)
@@ -77,8 +78,6 @@ def choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str, Any]:
     """The sampling-parameter dict for the engine; 400 for what specjet does not support."""
-    if req.logprobs:
-        raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
     sp: dict[str, Any] = {}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
@@ -112,7 +111,9 @@ def completion_params(req: CompletionRequest) -> dict[str, Any]:
             raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
     if req.best_of not in (None, 1):
         raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
-    return sampling_params(req, req.max_tokens)
+    sp = sampling_params(req, req.max_tokens)
+    sp.update(logprobs.engine_params(req.logprobs is not None, req.logprobs, logprobs.MAX_COMPLETION_TOP, "logprobs"))
+    return sp
 
 
 def chat_params(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolPlan]:
@@ -120,6 +121,7 @@ def chat_params(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolPlan]:
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise bad_request("give max_tokens or max_completion_tokens, not two different values", "max_tokens")
     sp = sampling_params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    sp.update(logprobs.engine_params(bool(req.logprobs), req.top_logprobs, logprobs.MAX_CHAT_TOP, "top_logprobs"))
     plan = ToolPlan(parallel=req.parallel_tool_calls is not False)
     constraint: Optional[tuple[str, Any, str]] = None  # (kind, spec, the field it came from)
     fmt = req.response_format

@@ -2,7 +2,7 @@
 
 Requests forbid fields they do not know, so a misspelt or unsupported parameter is a 400 that names
 it rather than something silently ignored; the few OpenAI fields that change nothing here (``user``,
-``metadata``, ``store``, a zero penalty, ``logprobs=false``) are accepted. SGLang's extra fields
+``metadata``, ``store``, a zero penalty) are accepted. SGLang's extra fields
 ``json_schema``, ``regex`` and ``ebnf`` are accepted on both generation endpoints.
 """
 from __future__ import annotations
@@ -75,7 +75,6 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
-    logprobs: Optional[bool] = None
     user: Optional[str] = None
     # SGLang's extras
     top_k: Optional[int] = None
@@ -107,6 +106,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
+    logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
 
 
@@ -137,7 +137,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 def _now() -> int:
@@ -163,7 +163,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChoiceDelta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -182,13 +182,14 @@ class CompletionRequest(_SamplingFields):
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    logprobs: Optional[int] = None  # the legacy layout: this many alternatives a token (0-5)
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class Completion(BaseModel):

@@ -38,6 +38,7 @@ class SpecInput:
     generator: torch.Generator | None = None  # coins for sampling verification; None when greedy
     prompt_len: int = 0  # token_ids[:prompt_len] is the prompt (penalties count the output apart)
     penalties: Penalties | None = None  # applied to every node's logits with its own path's tokens
+    logprobs: int | None = None  # asks its tokens' logprobs with this many alternatives; None: does not ask
 
     @property
     def root(self) -> int:

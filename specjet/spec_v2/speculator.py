@@ -214,7 +214,8 @@ class Speculator:
                 tokens, parents, bitmask = guide.mask_tree(tokens, parents)
             uniforms = None if req.generator is None else torch.rand(len(tokens), generator=req.generator)
             penalty = None if req.penalties is None else (req.penalties, req.token_ids, req.prompt_len)
-            verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask, penalty))
+            verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask, penalty,
+                                             req.logprobs))
         clock.lap("grammar")
         result = self.verifier.verify(verify_inputs, req_to_token, sampling)
         clock.lap("verify")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
+from specjet.kernels.logprobs import log_softmax_rows
+from specjet.kernels.logprobs import logged as _logged
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sampling_rows
@@ -36,6 +38,9 @@ class VerifyInput:
     # (penalties, the tokens before the root's successor (prompt and output, the root last), the
     # prompt's length), or None: node i's logits are penalised as after those tokens and its path.
     penalty: tuple[Penalties, list[int], int] | None = None
+    # The request asks its tokens' logprobs with this many alternatives (None: it does not): its nodes' logits
+    # are then computed over the whole vocabulary, and each accepted token's row gives its logprobs.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -77,6 +82,9 @@ class TreeVerifier:
         depths = [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes]
         slot_cols = [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]
         grammar = self._grammar_masks(reqs, len(tokens), self.runner.config.vocab_size, offsets_of(sizes))
+        logged = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        head_mask = grammar if grammar is None or not logged else _unmask_requests(grammar, logged, offsets_of(sizes),
+                                                                                    sizes)
         rows, kv_lens = [r.row for r in reqs], [r.committed_len + n for r, n in zip(reqs, sizes)]
         if static:
             ids, positions, slots = host_token_tensors(
@@ -88,9 +96,13 @@ class TreeVerifier:
                                 self.capture_hidden)
         else:
             out = self.runner.forward_lists(tokens, depths, slot_cols, rows, sizes, kv_lens, req_to_token,
-                                            custom_mask=mask, capture_hidden=self.capture_hidden, logits_mask=grammar)
+                                            custom_mask=mask, capture_hidden=self.capture_hidden,
+                                            logits_mask=head_mask)
         logits = out.logits
         offsets = offsets_of(sizes)
+        # Before the penalties and masks below change the logits in place: every node row of those requests.
+        logprobs = (log_softmax_rows(logits, [offsets[i] + k for i in logged for k in range(sizes[i])])
+                    if logged else None)
         self._apply_penalties(reqs, logits, offsets)
         if sampling.all_greedy:
             # The one read-back of a greedy verify; under a grammar the masked argmax reads only the columns
@@ -104,6 +116,11 @@ class TreeVerifier:
             paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device)
         accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
         accepted_nodes = [nodes for nodes, _ in paths]
+        first = 0
+        for i in logged:  # token j of the accepted run was decided by the row of the path's node j
+            accepted_tokens[i] = _logged(accepted_tokens[i], logprobs[[first + node for node in accepted_nodes[i]]],
+                                         reqs[i].logprobs)
+            first += sizes[i]
         self._commit_kv(reqs, accepted_nodes, req_to_token)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
 
@@ -205,6 +222,17 @@ class TreeVerifier:
         index = torch.tensor([rows, src, dst], dtype=torch.int64).to(req_to_token.device, non_blocking=True)
         self.runner.kv_cache.move_slots(req_to_token[index[0], index[1]].to(torch.int64),
                                         req_to_token[index[0], index[2]].to(torch.int64))
+
+
+def _unmask_requests(grammar: tuple[torch.Tensor, torch.Tensor], requests: list[int], offsets: list[int],
+                     sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify's grammar masks for the LM head with these requests' rows left unconstrained: their logits
+    are computed over the whole vocabulary (the walk still reads their masks)."""
+    bitmask, masked = grammar
+    masked = masked.clone()
+    for i in requests:
+        masked[offsets[i]:offsets[i] + sizes[i]] = False
+    return bitmask, masked
 
 
 def offsets_of(sizes: list[int]) -> list[int]:

@@ -1,0 +1,88 @@
+"""The engine's per-token logprobs (``meta_info["output_token_logprobs"]`` and ``["output_top_logprobs"]``:
+[logprob, token id] pairs) in OpenAI's two layouts: chat's ``{"content": [{"token", "logprob", "bytes",
+"top_logprobs"}]}`` and the legacy completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
+
+A token's text is its own bytes: a byte-level BPE token's characters mapped back through GPT-2's byte alphabet
+(transformers' ``bytes_to_unicode``), so a token holding part of a UTF-8 character keeps its exact bytes (its
+text shows the replacement character, as OpenAI's does); a tokenizer of another kind gives its decoded text."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+# OpenAI's limits: chat's top_logprobs and the legacy completions' logprobs.
+MAX_CHAT_TOP = 20
+MAX_COMPLETION_TOP = 5
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet; empty where transformers no longer has it (the
+    tokens' decoded text is used then)."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:
+        return {}
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class TokenTexts:
+    """Token id -> (text, bytes), cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.lookup = functools.lru_cache(maxsize=65536)(self._compute)
+
+    def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        alphabet = _byte_alphabet()
+        if isinstance(piece, str) and piece and all(c in alphabet for c in piece):
+            raw = bytes(alphabet[c] for c in piece)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.tokenizer.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+
+def chat_entries(texts: TokenTexts, meta: dict[str, Any], start: int = 0) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries of the tokens from ``start`` on."""
+    tops = meta.get("output_top_logprobs")
+    entries = []
+    for k, (logprob, token) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+        text, raw = texts.lookup(token)
+        alternatives = []
+        for alt_logprob, alt in (tops[k] if tops else []):
+            alt_text, alt_raw = texts.lookup(alt)
+            alternatives.append({"token": alt_text, "logprob": alt_logprob, "bytes": alt_raw})
+        entries.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
+    return entries
+
+
+def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions layout of a chunk's (or a whole reply's) tokens, whose text starts ``offset``
+    characters into the completion."""
+    tops = meta.get("output_top_logprobs")
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if tops is not None else None,
+                           "text_offset": []}
+    for k, (logprob, token) in enumerate(meta.get("output_token_logprobs", [])):
+        text, _ = texts.lookup(token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if tops is not None:
+            out["top_logprobs"].append({texts.lookup(alt)[0]: alt_logprob for alt_logprob, alt in tops[k]})
+    return out
+
+
+def engine_params(want: bool, top: Optional[int], limit: int, param: str) -> dict[str, Any]:
+    """The engine's return_logprob / top_logprobs_num for a request that wants logprobs with ``top``
+    alternatives (None: none)."""
+    from specjet.serve.errors import bad_request
+
+    if top is not None and not 0 <= top <= limit:
+        raise bad_request(f"{param} must be in [0, {limit}], got {top}", param)
+    if not want:
+        if top:
+            raise bad_request(f"{param} needs logprobs=true", param)
+        return {}
+    return {"return_logprob": True, "top_logprobs_num": top or 0}

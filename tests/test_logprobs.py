@@ -1,0 +1,127 @@
+"""Output logprobs (``return_logprob``, ``top_logprobs_num``): each emitted token's log probability under the
+model's own next-token distribution, before grammar masks, penalties and temperature. Checked against
+transformers' forward of the same tiny model; the speculative paths (NGRAM, EAGLE, DFLASH, under a grammar too)
+report plain decoding's numbers exactly (the same kernels in one process); stream chunks add up to the whole
+output. Every workload ends with the KV invariant."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specjet
+from conftest import make_tiny_model_dir
+from test_dflash_spec import dflash_engine, make_copy_draft
+from test_spec_eagle import eagle_engine, random_head
+from test_spec_grammar import SCHEMA
+
+PROMPT_IDS = [[504, 2365, 6354, 16438], [253, 255, 272, 253, 255, 272, 253], [28, 216, 33, 216, 34, 216]]
+
+
+def with_logprobs(params: dict, top: int = 3) -> dict:
+    return dict(params, return_logprob=True, top_logprobs_num=top)
+
+
+def reference_logprobs(model_dir, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """transformers' float32 log-softmax rows that decided each output token: [len(output), V]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:len(prompt) + len(output) - 1], dim=-1)
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_new_tokens": 10, "ignore_eos": True, "frequency_penalty": 0.5},
+    {"temperature": 0, "max_new_tokens": 24, "json_schema": SCHEMA},
+])
+def test_logprobs_are_the_models_own_distribution(tiny_model_dir, params):
+    """Whatever the sampling, the mask or the penalties: the reported numbers are the model's log-softmax at
+    the token's position (transformers computes it here), best alternatives first; greedy picks the best."""
+    with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096) as eng:
+        outs = eng.generate(input_ids=PROMPT_IDS, sampling_params=with_logprobs(params))
+        eng.check_kv_invariant()
+    for prompt, out in zip(PROMPT_IDS, outs):
+        ids, meta = out["output_ids"], out["meta_info"]
+        pairs, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+        assert len(pairs) == len(tops) == len(ids) > 0
+        assert [t for _, t in pairs] == ids
+        ref = reference_logprobs(tiny_model_dir, prompt, ids)
+        chosen = ref.gather(1, torch.tensor(ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([lp for lp, _ in pairs]), chosen, atol=2e-4), (pairs, chosen)
+        ref_top = ref.topk(3, dim=-1)
+        for j, top in enumerate(tops):
+            assert [t for _, t in top] == ref_top.indices[j].tolist()
+            assert torch.allclose(torch.tensor([lp for lp, _ in top]), ref_top.values[j], atol=2e-4)
+            if params["temperature"] == 0 and "json_schema" not in params:
+                assert top[0][1] == ids[j] and top[0][0] == pairs[j][0]
+
+
+@pytest.fixture(scope="module")
+def cyclic_dir(tmp_path_factory, default_model_dir):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cyclic-logprobs"), default_model_dir, weight_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(cyclic_dir):
+    with specjet.Engine(model_path=str(cyclic_dir), max_total_tokens=4096) as eng:
+        outs = eng.generate(input_ids=PROMPT_IDS + PROMPT_IDS[:1], sampling_params=MIXED_PARAMS)
+        eng.check_kv_invariant()
+    return outs
+
+
+# Two requests ask for logprobs (one under a schema), one asks for none, one asks without alternatives.
+MIXED_PARAMS = [with_logprobs({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}),
+                {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
+                with_logprobs({"temperature": 0, "max_new_tokens": 40, "json_schema": SCHEMA}, top=5),
+                with_logprobs({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}, top=0)]
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "DFLASH"])
+def test_speculative_logprobs_are_plain_decodings(cyclic_dir, plain_outputs, algorithm, tmp_path):
+    """A verify reports, for each accepted token and the bonus, the row of the node that decided it: the numbers
+    plain decoding reports, exactly, in a mixed batch with a request under a schema and one asking for none."""
+    if algorithm == "NGRAM":
+        engine = specjet.Engine(model_path=str(cyclic_dir), speculative_algorithm="NGRAM", max_total_tokens=4096)
+    elif algorithm == "EAGLE":
+        engine = eagle_engine(cyclic_dir, random_head(tmp_path, cyclic_dir))
+    else:
+        engine = dflash_engine(cyclic_dir, make_copy_draft(tmp_path, cyclic_dir))
+    with engine as eng:
+        outs = eng.generate(input_ids=PROMPT_IDS + PROMPT_IDS[:1], sampling_params=MIXED_PARAMS)
+        eng.check_kv_invariant()
+    for out, plain, params in zip(outs, plain_outputs, MIXED_PARAMS):
+        assert out["output_ids"] == plain["output_ids"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert out["meta_info"].get(key) == plain["meta_info"].get(key), key
+        assert ("output_token_logprobs" in out["meta_info"]) == params.get("return_logprob", False)
+        assert ("output_top_logprobs" in out["meta_info"]) == bool(params.get("top_logprobs_num"))
+    if algorithm != "EAGLE":  # a random head is always wrong; the n-grams and the copy draft are taken
+        assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) < sum(len(o["output_ids"]) for o in outs)
+
+
+def test_stream_chunks_carry_their_own_tokens_logprobs(cyclic_dir, plain_outputs):
+    with specjet.Engine(model_path=str(cyclic_dir), speculative_algorithm="NGRAM", max_total_tokens=4096) as eng:
+        chunks = list(eng.generate(input_ids=PROMPT_IDS[0], sampling_params=MIXED_PARAMS[0], stream=True))
+        eng.check_kv_invariant()
+    assert all(len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) for c in chunks)
+    assert [p for c in chunks for p in c["meta_info"]["output_token_logprobs"]] == \
+        plain_outputs[0]["meta_info"]["output_token_logprobs"]
+    assert [p for c in chunks for p in c["meta_info"]["output_top_logprobs"]] == \
+        plain_outputs[0]["meta_info"]["output_top_logprobs"]
+
+
+@pytest.mark.parametrize("params,error,match", [
+    ({"return_logprob": 1}, TypeError, "return_logprob must be a bool"),
+    ({"return_logprob": True, "top_logprobs_num": 21}, ValueError, r"top_logprobs_num must be in \[0, 20\]"),
+    ({"return_logprob": True, "top_logprobs_num": -1}, ValueError, "top_logprobs_num"),
+    ({"return_logprob": True, "top_logprobs_num": 2.0}, TypeError, "top_logprobs_num must be an int"),
+    ({"top_logprobs_num": 3}, ValueError, "needs return_logprob=True"),
+])
+def test_bad_logprob_parameters_fail_at_the_door(tiny_model_dir, params, error, match):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024) as eng:
+        with pytest.raises(error, match=match):
+            eng.generate("hi", params)
+        assert eng.generate("hi", {"max_new_tokens": 2})["output_ids"]
+        eng.check_kv_invariant()
