@@ -46,14 +46,14 @@ def test_logprobs_are_the_models_own_distribution(tiny_model_dir, params):
         ids, meta = out["output_ids"], out["meta_info"]
         pairs, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
         assert len(pairs) == len(tops) == len(ids) > 0
-        assert [t for _, t in pairs] == ids
+        assert [t for _, t, text in pairs] == ids and all(text is None for _, _, text in pairs)
         ref = reference_logprobs(tiny_model_dir, prompt, ids)
         chosen = ref.gather(1, torch.tensor(ids)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor([lp for lp, _ in pairs]), chosen, atol=2e-4), (pairs, chosen)
+        assert torch.allclose(torch.tensor([lp for lp, _, _ in pairs]), chosen, atol=2e-4), (pairs, chosen)
         ref_top = ref.topk(3, dim=-1)
         for j, top in enumerate(tops):
-            assert [t for _, t in top] == ref_top.indices[j].tolist()
-            assert torch.allclose(torch.tensor([lp for lp, _ in top]), ref_top.values[j], atol=2e-4)
+            assert [t for _, t, _ in top] == ref_top.indices[j].tolist()
+            assert torch.allclose(torch.tensor([lp for lp, _, _ in top]), ref_top.values[j], atol=2e-4)
             if params["temperature"] == 0 and "json_schema" not in params:
                 assert top[0][1] == ids[j] and top[0][0] == pairs[j][0]
 
@@ -125,3 +125,22 @@ def test_bad_logprob_parameters_fail_at_the_door(tiny_model_dir, params, error, 
             eng.generate("hi", params)
         assert eng.generate("hi", {"max_new_tokens": 2})["output_ids"]
         eng.check_kv_invariant()
+
+
+def test_sglang_arguments_set_the_same_parameters(cyclic_dir, plain_outputs):
+    """``generate(..., return_logprob=, top_logprobs_num=)`` as SGLang's Engine takes them (a value, or one per
+    prompt): the same outputs as the sampling parameters of those names."""
+    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    with specjet.Engine(model_path=str(cyclic_dir), max_total_tokens=4096) as eng:
+        both = eng.generate(input_ids=PROMPT_IDS[:2], sampling_params=greedy, return_logprob=[True, False],
+                            top_logprobs_num=[3, 0])
+        one = eng.generate(input_ids=PROMPT_IDS[0], sampling_params=greedy, return_logprob=True, top_logprobs_num=3)
+        with pytest.raises(ValueError, match="1 return_logprob values for 2 prompts"):
+            eng.generate(input_ids=PROMPT_IDS[:2], sampling_params=greedy, return_logprob=[True])
+        with pytest.raises(ValueError, match="top_logprobs_num needs return_logprob=True"):
+            eng.generate(input_ids=PROMPT_IDS[0], sampling_params=greedy, top_logprobs_num=2)
+        eng.check_kv_invariant()
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert both[0]["meta_info"][key] == plain_outputs[0]["meta_info"][key]
+    assert one["meta_info"]["output_token_logprobs"] == plain_outputs[0]["meta_info"]["output_token_logprobs"]
+    assert "output_token_logprobs" not in both[1]["meta_info"]

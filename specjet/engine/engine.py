@@ -82,9 +82,11 @@ class Engine:
         self._async_outputs = AsyncOutputs(self._thread.is_alive, _LIVENESS_POLL_S)
 
     # ---------------------------------------------------------------- request construction
-    def _make_requests(self, prompt, sampling_params, input_ids, rid) -> tuple[list[Req], bool]:
+    def _make_requests(self, prompt, sampling_params, input_ids, rid, return_logprob=False,
+                       top_logprobs_num=0) -> tuple[list[Req], bool]:
         """Validate and tokenize everything before anything is submitted, so a bad item in a list
-        raises without leaving half the list running."""
+        raises without leaving half the list running. ``return_logprob`` / ``top_logprobs_num`` (SGLang's
+        arguments; a value, or one per prompt) set the sampling parameters of the same names."""
         self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -107,6 +109,15 @@ class Engine:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params) for _ in range(n)]
+        if return_logprob is not False or top_logprobs_num != 0:
+            for name, value in (("return_logprob", return_logprob), ("top_logprobs_num", top_logprobs_num)):
+                values = value if isinstance(value, (list, tuple)) else [value] * n
+                if len(values) != n:
+                    raise ValueError(f"{len(values)} {name} values for {n} prompts")
+                for sp, v in zip(params, values):
+                    setattr(sp, name, v)
+            for sp in params:
+                sp.validate()
         for sp in params:
             sp.check_token_ids(self.scheduler.vocab_size)
             key = sp.grammar_key
@@ -172,12 +183,13 @@ class Engine:
                         raise self._stopped_error() from None
 
     # ---------------------------------------------------------------- sync API
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None,
+                 return_logprob=False, top_logprobs_num=0):
         """One prompt (or token-id list) -> a dict; a list -> a list in the same order.
         ``stream=True`` returns an iterator of increments: each chunk's ``text`` and ``output_ids``
         are what is new since the previous chunk; the last chunk carries ``finish_reason``. With a
         list of prompts each chunk also has ``index``."""
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid)
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num)
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         for i, req in enumerate(reqs):
             req.stream = stream
@@ -197,9 +209,10 @@ class Engine:
         return results[0] if single else results
 
     # ---------------------------------------------------------------- async API
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None):
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None,
+                             return_logprob=False, top_logprobs_num=0):
         """Like ``generate``; ``stream=True`` returns an async iterator. Safe from many tasks at once."""
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid)
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num)
         send, recv = anyio.create_memory_object_stream(math.inf)
         token = anyio.lowlevel.current_token()
         for i, req in enumerate(reqs):

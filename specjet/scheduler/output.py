@@ -32,13 +32,14 @@ def meta_info(req: Req) -> dict[str, Any]:
 
 
 def _logprobs(req: Req, info: dict[str, Any], start: int) -> dict[str, Any]:
-    """``info`` with the logprobs of output tokens ``start``.. (SGLang's layout: [logprob, id] per token, and
-    per token its top alternatives as such pairs), where the request asked for them."""
+    """``info`` with the logprobs of output tokens ``start``.. (SGLang's layout: (logprob, id, text) per token,
+    the text None, and per token its top alternatives as such triples), where the request asked for them."""
     if req.sampling.return_logprob:
         ids = req.output_ids[start:]
-        info["output_token_logprobs"] = [[lp, t] for lp, t in zip(req.output_logprobs[start:], ids)]
+        info["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(req.output_logprobs[start:], ids)]
         if req.sampling.top_logprobs_num:
-            info["output_top_logprobs"] = [[[lp, t] for lp, t in top] for top in req.output_top_logprobs[start:]]
+            info["output_top_logprobs"] = [[(lp, t, None) for lp, t in top]
+                                           for top in req.output_top_logprobs[start:]]
     return info
 
 

@@ -1,5 +1,5 @@
 """The engine's per-token logprobs (``meta_info["output_token_logprobs"]`` and ``["output_top_logprobs"]``:
-[logprob, token id] pairs) in OpenAI's two layouts: chat's ``{"content": [{"token", "logprob", "bytes",
+(logprob, token id, text) triples) in OpenAI's two layouts: chat's ``{"content": [{"token", "logprob", "bytes",
 "top_logprobs"}]}`` and the legacy completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
 
 A token's text is its own bytes: a byte-level BPE token's characters mapped back through GPT-2's byte alphabet
@@ -47,10 +47,10 @@ def chat_entries(texts: TokenTexts, meta: dict[str, Any], start: int = 0) -> lis
     """Chat's ``logprobs.content`` entries of the tokens from ``start`` on."""
     tops = meta.get("output_top_logprobs")
     entries = []
-    for k, (logprob, token) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+    for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
         text, raw = texts.lookup(token)
         alternatives = []
-        for alt_logprob, alt in (tops[k] if tops else []):
+        for alt_logprob, alt, _ in (tops[k] if tops else []):
             alt_text, alt_raw = texts.lookup(alt)
             alternatives.append({"token": alt_text, "logprob": alt_logprob, "bytes": alt_raw})
         entries.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
@@ -63,14 +63,14 @@ def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0
     tops = meta.get("output_top_logprobs")
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if tops is not None else None,
                            "text_offset": []}
-    for k, (logprob, token) in enumerate(meta.get("output_token_logprobs", [])):
+    for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])):
         text, _ = texts.lookup(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
         out["text_offset"].append(offset)
         offset += len(text)
         if tops is not None:
-            out["top_logprobs"].append({texts.lookup(alt)[0]: alt_logprob for alt_logprob, alt in tops[k]})
+            out["top_logprobs"].append({texts.lookup(alt)[0]: alt_logprob for alt_logprob, alt, _ in tops[k]})
     return out
 
 
