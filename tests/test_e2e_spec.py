@@ -109,3 +109,28 @@ def test_grammar_masked_head_keeps_speculation_exact(algorithm, monkeypatch):
         eng.check_kv_invariant()
     assert outs == expected and spec_alone == alone == expected[0]
     assert sum(sparse_rows) > 0
+
+
+def test_logprobs_of_speculative_decoding_are_plain_decodings(plain_outputs):
+    """On the default (quantized) model: DFLASH and EAGLE report each token's logprob and top alternatives with
+    plain decoding's numbers, alone (where they draft) and under a JSON schema; a greedy token is its own best."""
+    prompts, _ = plain_outputs
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}}, "required": ["city", "population"]}
+    params = [dict(PARAMS, max_new_tokens=40, return_logprob=True, top_logprobs_num=2),
+              dict(PARAMS, max_new_tokens=40, return_logprob=True, top_logprobs_num=2, json_schema=schema)]
+    asks = [prompts[2], prompts[3]]
+    with specjet.Engine(max_total_tokens=8192) as eng:
+        expected = [eng.generate(p, sp) for p, sp in zip(asks, params)]
+    free = expected[0]["meta_info"]  # unconstrained greedy: each token is the best of its distribution
+    assert all(top[0][:2] == pair[:2] for pair, top in zip(free["output_token_logprobs"], free["output_top_logprobs"]))
+    for algorithm in ("DFLASH", "EAGLE"):
+        with specjet.Engine(max_total_tokens=8192, speculative_algorithm=algorithm,
+                            speculative_measured_payoff=False) as eng:
+            outs = [eng.generate(p, sp) for p, sp in zip(asks, params)]
+            eng.check_kv_invariant()
+        for out, want in zip(outs, expected):
+            assert out["output_ids"] == want["output_ids"]
+            assert out["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
+            assert out["meta_info"]["output_top_logprobs"] == want["meta_info"]["output_top_logprobs"]
+            assert out["meta_info"]["spec_verify_ct"] < len(out["output_ids"])
