@@ -27,11 +27,13 @@ def _byte_alphabet() -> dict[str, int]:
 
 
 class TokenTexts:
-    """Token id -> (text, bytes), cached per id."""
+    """Token id -> (text, bytes), cached per id; ``special``: the ids a reply's text leaves out (an end-of-turn
+    token the model wrote, say), whose entries the layouts leave out too, so a reply's entries spell its text."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.lookup = functools.lru_cache(maxsize=65536)(self._compute)
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -48,6 +50,8 @@ def chat_entries(texts: TokenTexts, meta: dict[str, Any], start: int = 0) -> lis
     tops = meta.get("output_top_logprobs")
     entries = []
     for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+        if token in texts.special:
+            continue
         text, raw = texts.lookup(token)
         alternatives = []
         for alt_logprob, alt, _ in (tops[k] if tops else []):
@@ -64,6 +68,8 @@ def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if tops is not None else None,
                            "text_offset": []}
     for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])):
+        if token in texts.special:
+            continue
         text, _ = texts.lookup(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
