@@ -144,3 +144,44 @@ def test_sglang_arguments_set_the_same_parameters(cyclic_dir, plain_outputs):
         assert both[0]["meta_info"][key] == plain_outputs[0]["meta_info"][key]
     assert one["meta_info"]["output_token_logprobs"] == plain_outputs[0]["meta_info"]["output_token_logprobs"]
     assert "output_token_logprobs" not in both[1]["meta_info"]
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_prompt_logprobs_are_the_models_chunked_cached_and_speculative(tiny_model_dir, start):
+    """``logprob_start_len``: the prompt's tokens from there on (the first token None), against transformers; the
+    same after a chunked prefill, after the prompt is in the prefix cache (the cache then gives only positions
+    before the asked rows), and on a speculative engine."""
+    prompt = [504, 2365, 6354, 16438, 253, 255, 272, 253, 255, 272, 28]
+    params = {"temperature": 0, "max_new_tokens": 4, "return_logprob": True, "top_logprobs_num": 2,
+              "logprob_start_len": start}
+    ref = reference_logprobs(tiny_model_dir, prompt[:1], prompt[1:])  # row p - 1 decided prompt token p
+    runs = []
+    for kwargs in ({}, {"chunked_prefill_size": 4}, {"speculative_algorithm": "NGRAM"}):
+        with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096, **kwargs) as eng:
+            first = eng.generate(input_ids=prompt, sampling_params=params)
+            again = eng.generate(input_ids=prompt, sampling_params=params)  # the prompt is cached now
+            eng.check_kv_invariant()
+        assert again["meta_info"]["cached_tokens"] == max(start - 1, 0)
+        runs += [first["meta_info"], again["meta_info"]]
+    for meta in runs:
+        pairs, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        assert [t for _, t, _ in pairs] == prompt[start:]
+        assert (pairs[0][0] is None and tops[0] is None) == (start == 0)
+        got = torch.tensor([lp for lp, _, _ in pairs[1 if start == 0 else 0:]])
+        want = ref[max(start, 1) - 1:].gather(1, torch.tensor(prompt[max(start, 1):])[:, None])[:, 0]
+        assert torch.allclose(got, want, atol=2e-4), (got, want)
+        assert [[t for _, t, _ in top] for top in tops if top is not None] == \
+            ref[max(start, 1) - 1:].topk(2, dim=-1).indices.tolist()
+    # The same bits on every path: one prefill, chunks, a cached prefix, the speculative engine's prefill.
+    assert all(m["input_token_logprobs"] == runs[0]["input_token_logprobs"] for m in runs)
+
+
+def test_prompt_logprob_parameters_fail_at_the_door(tiny_model_dir):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024) as eng:
+        with pytest.raises(ValueError, match="logprob_start_len needs return_logprob=True"):
+            eng.generate("hi", {"logprob_start_len": 0})
+        with pytest.raises(ValueError, match="logprob_start_len must be -1"):
+            eng.generate("hi", {"return_logprob": True, "logprob_start_len": -2})
+        with pytest.raises(TypeError, match="logprob_start_len must be an int"):
+            eng.generate("hi", {"return_logprob": True, "logprob_start_len": 1.0})
+        eng.check_kv_invariant()

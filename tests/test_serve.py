@@ -355,6 +355,35 @@ def test_logprobs_in_both_layouts_whole_and_streamed(server):
     kv_ok(server)
 
 
+def test_echo_with_logprobs_scores_a_prompt(server):
+    """The legacy completions' echo with logprobs and max_tokens 0 (how evaluation harnesses score a text): the
+    prompt comes back with its tokens' logprobs, the first None; with a completion after it, its tokens follow
+    with the numbers the same request without echo reports, whole and streamed."""
+    client = server.client()
+    prompt = "Once upon a time there was"
+    scored = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert len(lp.tokens) == scored.usage.prompt_tokens and scored.usage.completion_tokens == 0
+    kwargs = dict(max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model="tiny", prompt=prompt, **kwargs).choices[0]
+    echoed = client.completions.create(model="tiny", prompt=prompt, echo=True, **kwargs).choices[0]
+    assert echoed.text == prompt + plain.text
+    count = len(lp.tokens)
+    assert echoed.logprobs.token_logprobs == lp.token_logprobs + plain.logprobs.token_logprobs
+    assert echoed.logprobs.tokens[count:] == plain.logprobs.tokens
+    assert echoed.logprobs.text_offset[count:] == [len(prompt) + o for o in plain.logprobs.text_offset]
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, echo=True, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.text
+    assert [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.token_logprobs] == \
+        echoed.logprobs.token_logprobs
+    assert client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=2).choices[0].text.startswith(
+        prompt)
+    kv_ok(server)
+
+
 def test_n_choices_under_a_schema_and_with_tools(server):
     """Every choice of a json_schema request validates; with tool_choice auto (parallel calls, read back
     per choice with the repeated-call cut) each choice is text or valid calls, and equals its seeded single."""

@@ -128,3 +128,5 @@ class ModelOutput:
     hidden: torch.Tensor | None = None  # [T, hidden] for capture "last", [T, (n + 1) hidden] for FeatureLayers
     layer_hidden: dict[int, torch.Tensor] | None = None  # layer id -> [T, hidden]
     head_seconds: float = 0.0  # a deferred head's time, set by whoever ran it (the forward's share of it)
+    # A prefill's prompt logprobs: batch index -> {prompt position: (logprob, top alternatives)} (the worker's).
+    prompt_logprobs: dict[int, dict[int, tuple[float, list[tuple[float, int]]]]] | None = None

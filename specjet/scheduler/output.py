@@ -40,7 +40,20 @@ def _logprobs(req: Req, info: dict[str, Any], start: int) -> dict[str, Any]:
         if req.sampling.top_logprobs_num:
             info["output_top_logprobs"] = [[(lp, t, None) for lp, t in top]
                                            for top in req.output_top_logprobs[start:]]
+        if req.sampling.logprob_start_len >= 0 and start == 0:  # the prompt's, with the first output
+            _prompt_logprobs(req, info)
     return info
+
+
+def _prompt_logprobs(req: Req, info: dict[str, Any]) -> None:
+    """SGLang's input_token_logprobs (and input_top_logprobs): the prompt's tokens from logprob_start_len on, the
+    first token's logprob None (nothing comes before it)."""
+    first = min(req.sampling.logprob_start_len, len(req.input_ids))
+    entries = [req.input_logprobs.get(p) for p in range(first, len(req.input_ids))]
+    ids = req.input_ids[first:]
+    info["input_token_logprobs"] = [(None if e is None else e[0], t, None) for e, t in zip(entries, ids)]
+    if req.sampling.top_logprobs_num:
+        info["input_top_logprobs"] = [None if e is None else [(lp, t, None) for lp, t in e[1]] for e in entries]
 
 
 def final_output(req: Req) -> dict[str, Any]:

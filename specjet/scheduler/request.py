@@ -25,6 +25,9 @@ class Req:
     # (specjet.kernels.logprobs), as long as output_ids.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # With sampling.logprob_start_len >= 0: prompt position -> (its token's logprob, top alternatives), from
+    # the prefill (its first: a re-prefill after a retraction adds nothing).
+    input_logprobs: dict[int, tuple[float, list[tuple[float, int]]]] = field(default_factory=dict)
     # KV bookkeeping (see memory_pool): positions with valid KV, and positions with a slot reserved.
     req_pool_idx: int | None = None
     kv_committed_len: int = 0

@@ -75,6 +75,8 @@ class SamplingParams:
     # likely tokens' (SGLang's names; meta_info's output_token_logprobs / output_top_logprobs).
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # The prompt's tokens from this position on get theirs too (meta_info's input_token_logprobs; -1: none).
+    logprob_start_len: int = -1
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -142,6 +144,12 @@ class SamplingParams:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
         if self.top_logprobs_num and not self.return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob=True")
+        if not _is_int(self.logprob_start_len):
+            raise TypeError(f"logprob_start_len must be an int, got {type(self.logprob_start_len).__name__}")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or >= 0, got {self.logprob_start_len}")
+        if self.logprob_start_len >= 0 and not self.return_logprob:
+            raise ValueError("logprob_start_len needs return_logprob=True")
         for name in ("ignore_eos", "skip_special_tokens", "return_logprob"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -357,11 +357,19 @@ class Scheduler:
         match = self.cache.match_prefix(tokens)
         p = self.allocator.page_size
         usable = match.next_token_len if self._draft_reads_next else match.length
-        usable = max(0, min(usable, len(tokens) - 1)) // p * p
+        usable = max(0, min(usable, len(tokens) - 1, self._prompt_logprob_limit(req))) // p * p
         if usable == 0:
             return 0, None
         self.cache.lock(match.node)
         return usable, match
+
+    def _prompt_logprob_limit(self, req: Req) -> int:
+        """Positions a prefill may take from the cache and still give the prompt logprobs ``req`` asks for: the
+        row before the first asked-for token is computed (a cached position has no logits)."""
+        start = req.sampling.logprob_start_len
+        if start < 0 or req.retract_count:  # none asked, or its first prefill gave them
+            return len(req.fill_ids)
+        return max(start - 1, 0)
 
     def _unlock(self, match) -> None:
         if match is not None:
@@ -610,6 +618,8 @@ class Scheduler:
                 continue
             try:
                 if batch.kind is BatchKind.PREFILL:
+                    for position, entry in getattr(tokens, "inputs", {}).items():  # prompt logprobs
+                        req.input_logprobs.setdefault(position, entry)
                     self._cache_prompt(req, batch.prefill_ends[i], tokens[0] if tokens else None)
                     if batch.prefill_ends[i] < len(req.fill_ids):  # a chunk: no token yet
                         continue

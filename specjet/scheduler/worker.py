@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
-from specjet.kernels.logprobs import log_softmax_rows, logged
+from specjet.kernels.logprobs import LoggedTokens, log_softmax_rows, logged
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample, sample_lists
@@ -81,6 +81,15 @@ class ComputeState:
 
 def _prefill_end(inp: ReqInput) -> int:
     return len(inp.prefill_ids) if inp.prefill_end is None else inp.prefill_end
+
+
+def _prompt_positions(inp: ReqInput) -> list[int]:
+    """The prompt positions whose token's logprob this prefill (chunk) can give and the request asks for: the row
+    before each is among the computed ones (the first position has no row before it)."""
+    start = inp.sampling.logprob_start_len
+    if start < 0:
+        return []
+    return list(range(max(start, 1, inp.cached_len + 1), min(inp.prompt_len, _prefill_end(inp) + 1)))
 
 
 def _samples(kind: BatchKind, inp: ReqInput) -> bool:
@@ -178,6 +187,10 @@ class ModelWorker:
         new_tokens = [[] if t is None else [t] for t in tokens]
         for k, i in enumerate(logged_rows):
             new_tokens[i] = logged(new_tokens[i], logprobs[k:k + 1], batch.inputs[i].sampling.top_logprobs_num)
+        for i, entries in (out.prompt_logprobs or {}).items():  # handed on with the request's token (or none)
+            if not isinstance(new_tokens[i], LoggedTokens):
+                new_tokens[i] = LoggedTokens(new_tokens[i], [], [])
+            new_tokens[i].inputs = entries
         return new_tokens
 
     def speculate(self, batch: WorkerBatch) -> list[list[int]]:
@@ -216,7 +229,8 @@ class ModelWorker:
                 self.speculator.release(rid)
 
     def _prefill(self, inputs: list[ReqInput], capture) -> ModelOutput:
-        """Extend every request from its cached length to the end of its prefill ids (logits of its last row)."""
+        """Extend every request from its cached length to the end of its prefill ids (logits of its last row;
+        the prompt logprobs of the requests that ask, from every row they need)."""
         ids, positions, q_lens, kv_lens = [], [], [], []
         for inp in inputs:
             start, end = inp.cached_len, _prefill_end(inp)
@@ -224,8 +238,20 @@ class ModelWorker:
             positions.extend(range(start, end))
             q_lens.append(end - start)
             kv_lens.append(end)
-        return self.runner.forward_lists(ids, positions, positions, [inp.row for inp in inputs], q_lens, kv_lens,
-                                         self.req_to_token, capture_hidden=capture, last_logits=True)
+        asked = {i: ps for i, inp in enumerate(inputs) if (ps := _prompt_positions(inp))}
+        out = self.runner.forward_lists(ids, positions, positions, [inp.row for inp in inputs], q_lens, kv_lens,
+                                        self.req_to_token, capture_hidden=capture, last_logits=not asked)
+        if asked:  # every row's logits came: the asked rows' logprobs, then each request's last row
+            firsts = [sum(q_lens[:i]) for i in range(len(inputs))]
+            out.prompt_logprobs = {}
+            for i, ps in asked.items():
+                inp = inputs[i]
+                rows = [firsts[i] + p - 1 - inp.cached_len for p in ps]
+                tokens = logged([inp.prefill_ids[p] for p in ps], log_softmax_rows(out.logits, rows),
+                                inp.sampling.top_logprobs_num)
+                out.prompt_logprobs[i] = {p: (lp, top) for p, lp, top in zip(ps, tokens.logprobs, tokens.tops)}
+            out.logits = out.logits[[first + n - 1 for first, n in zip(firsts, q_lens)]]
+        return out
 
     def _decode_forward(self, states: list[ComputeState], inputs: list[ReqInput]) -> ModelOutput:
         """Feed each request's last token at position committed_len (through the target's graphs

@@ -375,6 +375,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             raise bad_request(f"{len(prompts)} prompts x n={n} is {count} choices; at most {chat.MAX_CHOICES} a request",
                               "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
+        # echo: each choice's text starts with its prompt's (a token id prompt decoded).
+        echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if body.echo else None
         if body.stream:
             stream = await start(sps, True, prompts, prompt_param="prompt")
             first = await first_chunk(stream, sp)
@@ -384,16 +386,19 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             async def events() -> AsyncIterator[str]:
                 finished = False
                 try:
-                    item, metas, offsets = first, [None] * count, [0] * count
+                    item, metas, offsets, started = first, [None] * count, [0] * count, [False] * count
                     while True:
                         i, reason = item.get("index", 0), chat.finish_reason(item)
+                        echo = echoes is not None and not started[i]  # a choice's first chunk starts with its prompt
+                        started[i] = True
+                        text = (echoes[i // n] if echo else "") + item["text"]
                         logprobs = None
                         if sp.get("return_logprob"):
-                            logprobs = completion_logprobs(texts(), item["meta_info"], offsets[i])
+                            logprobs = completion_logprobs(texts(), item["meta_info"], offsets[i], prompt=echo)
                             offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                        if item["text"] or reason is not None or (logprobs and logprobs["tokens"]):
+                        if text or reason is not None or (logprobs and logprobs["tokens"]):
                             yield _sse(Completion(id=rid, created=created, model=model_name, choices=[
-                                CompletionChoice(index=i, text=item["text"], finish_reason=reason, logprobs=logprobs)]))
+                                CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=logprobs)]))
                         if reason is not None:
                             metas[i] = item["meta_info"]
                             record(reason, item["meta_info"], i, n)
@@ -419,8 +424,10 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         choices = []
         for i, result in enumerate(results):
             reason = chat.finish_reason(result)
-            logprobs = completion_logprobs(texts(), result["meta_info"]) if sp.get("return_logprob") else None
-            choices.append(CompletionChoice(index=i, text=result["text"], finish_reason=reason, logprobs=logprobs))
+            logprobs = (completion_logprobs(texts(), result["meta_info"], prompt=echoes is not None)
+                        if sp.get("return_logprob") else None)
+            text = (echoes[i // n] if echoes is not None else "") + result["text"]
+            choices.append(CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=logprobs))
             record(reason, result["meta_info"], i, n)
         return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], n),
                           choices=choices)

@@ -106,13 +106,14 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str
 
 
 def completion_params(req: CompletionRequest) -> dict[str, Any]:
-    for name in ("echo", "suffix"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
     if req.best_of not in (None, 1):
         raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
     sp = sampling_params(req, req.max_tokens)
     sp.update(logprobs.engine_params(req.logprobs is not None, req.logprobs, logprobs.MAX_COMPLETION_TOP, "logprobs"))
+    if req.echo and sp.get("return_logprob"):  # the echoed prompt's tokens get theirs too
+        sp["logprob_start_len"] = 0
     return sp
 
 

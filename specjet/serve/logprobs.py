@@ -61,22 +61,32 @@ def chat_entries(texts: TokenTexts, meta: dict[str, Any], start: int = 0) -> lis
     return entries
 
 
-def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0, prompt: bool = False) -> dict[str, Any]:
     """The legacy completions layout of a chunk's (or a whole reply's) tokens, whose text starts ``offset``
-    characters into the completion."""
-    tops = meta.get("output_top_logprobs")
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if tops is not None else None,
+    characters into the response's text; ``prompt`` (echo): the prompt's tokens first, from the engine's
+    input_token_logprobs (the first token's logprob None, as nothing comes before it)."""
+    want_tops = meta.get("output_top_logprobs") is not None or meta.get("input_top_logprobs") is not None
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if want_tops else None,
                            "text_offset": []}
-    for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])):
-        if token in texts.special:
-            continue
+
+    def add(token: int, logprob: Optional[float], top: Optional[list]) -> None:
+        nonlocal offset
         text, _ = texts.lookup(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
         out["text_offset"].append(offset)
         offset += len(text)
-        if tops is not None:
-            out["top_logprobs"].append({texts.lookup(alt)[0]: alt_logprob for alt_logprob, alt, _ in tops[k]})
+        if want_tops:
+            out["top_logprobs"].append(None if top is None else {texts.lookup(alt)[0]: lp for lp, alt, _ in top})
+
+    if prompt:
+        tops = meta.get("input_top_logprobs")
+        for k, (logprob, token, _) in enumerate(meta.get("input_token_logprobs", [])):
+            add(token, logprob, tops[k] if tops else None)
+    tops = meta.get("output_top_logprobs")
+    for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])):
+        if token not in texts.special:
+            add(token, logprob, tops[k] if tops else None)
     return out
 
 
