@@ -31,15 +31,20 @@ def reference_logprobs(model_dir, prompt: list[int], output: list[int]) -> torch
     return torch.log_softmax(logits[len(prompt) - 1:len(prompt) + len(output) - 1], dim=-1)
 
 
+@pytest.mark.parametrize("algorithm", [None, "NGRAM"])
 @pytest.mark.parametrize("params", [
     {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True},
     {"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_new_tokens": 10, "ignore_eos": True, "frequency_penalty": 0.5},
+    {"temperature": 0.9, "seed": 4, "max_new_tokens": 10, "ignore_eos": True},
     {"temperature": 0, "max_new_tokens": 24, "json_schema": SCHEMA},
 ])
-def test_logprobs_are_the_models_own_distribution(tiny_model_dir, params):
-    """Whatever the sampling, the mask or the penalties: the reported numbers are the model's log-softmax at
-    the token's position (transformers computes it here), best alternatives first; greedy picks the best."""
-    with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096) as eng:
+def test_logprobs_are_the_models_own_distribution(tiny_model_dir, params, algorithm):
+    """Whatever the sampling, the mask or the penalties, plain or speculative (a verify takes a greedy walk's rows
+    after it, a sampled or penalised one's before the walk changes them): the reported numbers are the model's
+    log-softmax at the token's position (transformers computes it here), best alternatives first; greedy picks the
+    best."""
+    with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096,
+                        speculative_algorithm=algorithm) as eng:
         outs = eng.generate(input_ids=PROMPT_IDS, sampling_params=with_logprobs(params))
         eng.check_kv_invariant()
     for prompt, out in zip(PROMPT_IDS, outs):
@@ -185,3 +190,22 @@ def test_prompt_logprob_parameters_fail_at_the_door(tiny_model_dir):
         with pytest.raises(TypeError, match="logprob_start_len must be an int"):
             eng.generate("hi", {"return_logprob": True, "logprob_start_len": 1.0})
         eng.check_kv_invariant()
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+    {"temperature": 0.8, "seed": 5, "max_new_tokens": 24, "ignore_eos": True, "presence_penalty": 0.3},
+])
+def test_a_dflash_tree_reports_its_accepted_branches_rows(cyclic_dir, params, tmp_path):
+    """DFLASH's lattice trees (3 candidates a position) accept paths through nodes that are not consecutive rows:
+    each token's numbers come from its own path node, greedy or sampled with a penalty, against transformers."""
+    draft = make_copy_draft(tmp_path, cyclic_dir)
+    with dflash_engine(cyclic_dir, draft, dtype="float32", speculative_eagle_topk=3) as eng:
+        outs = eng.generate(input_ids=PROMPT_IDS, sampling_params=with_logprobs(params))
+        eng.check_kv_invariant()
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) < sum(len(o["output_ids"]) for o in outs)
+    for prompt, out in zip(PROMPT_IDS, outs):
+        ids = out["output_ids"]
+        ref = reference_logprobs(cyclic_dir, prompt, ids)
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, ref.gather(1, torch.tensor(ids)[:, None])[:, 0], atol=2e-4)

@@ -100,9 +100,12 @@ class TreeVerifier:
                                             logits_mask=head_mask)
         logits = out.logits
         offsets = offsets_of(sizes)
-        # Before the penalties and masks below change the logits in place: every node row of those requests.
-        logprobs = (log_softmax_rows(logits, [offsets[i] + k for i in logged for k in range(sizes[i])])
-                    if logged else None)
+        # A greedy walk reads the logits of unpenalised requests without changing them: their accepted rows alone
+        # are taken after it. Otherwise every node row of those requests, before the penalties and masks below
+        # change the logits in place.
+        after_walk = sampling.all_greedy and all(reqs[i].penalty is None for i in logged)
+        source_rows = [offsets[i] + k for i in logged for k in range(sizes[i])]  # the flat rows logprobs holds
+        logprobs = log_softmax_rows(logits, source_rows) if logged and not after_walk else None
         self._apply_penalties(reqs, logits, offsets)
         if sampling.all_greedy:
             # The one read-back of a greedy verify; under a grammar the masked argmax reads only the columns
@@ -116,11 +119,15 @@ class TreeVerifier:
             paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device)
         accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
         accepted_nodes = [nodes for nodes, _ in paths]
-        first = 0
-        for i in logged:  # token j of the accepted run was decided by the row of the path's node j
-            accepted_tokens[i] = _logged(accepted_tokens[i], logprobs[[first + node for node in accepted_nodes[i]]],
+        # Token j of a request's accepted run was decided by the row of its path's node j.
+        path_rows = {i: [offsets[i] + node for node in accepted_nodes[i]] for i in logged}
+        if logged and after_walk:
+            source_rows = [row for i in logged for row in path_rows[i]]
+            logprobs = log_softmax_rows(logits, source_rows)
+        where = {row: k for k, row in enumerate(source_rows)}
+        for i in logged:
+            accepted_tokens[i] = _logged(accepted_tokens[i], logprobs[[where[row] for row in path_rows[i]]],
                                          reqs[i].logprobs)
-            first += sizes[i]
         self._commit_kv(reqs, accepted_nodes, req_to_token)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
 
