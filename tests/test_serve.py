@@ -334,6 +334,12 @@ def test_logprobs_in_both_layouts_whole_and_streamed(server):
     chunks = list(chat(client, "Tell me a story.", logprobs=True, top_logprobs=3, stream=True, **kwargs))
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # A tool reply with parallel calls (assembled from the engine's stream): every chunk's entries, whole or streamed.
+    tools = dict(tools=[WEATHER], max_tokens=48, temperature=0, logprobs=True)
+    whole = chat(client, "Weather in Oslo?", **tools).choices[0].logprobs.content
+    pieces = [e for c in chat(client, "Weather in Oslo?", stream=True, **tools) for ch in c.choices if ch.logprobs
+              for e in ch.logprobs.content]
+    assert whole and [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in whole]
 
     done = client.completions.create(model="tiny", prompt="Once upon a time", logprobs=2, **kwargs)
     lp = done.choices[0].logprobs

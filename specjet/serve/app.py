@@ -118,12 +118,12 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         check_alive()
         sp = sps[0]
         requests = [(p, choice) for p in prompts for choice in sps]
-        texts = None if not isinstance(prompts[0], str) else [p for p, _ in requests]
-        ids = None if texts is not None else [list(p) for p, _ in requests]
+        strings = None if not isinstance(prompts[0], str) else [p for p, _ in requests]
+        ids = None if strings is not None else [list(p) for p, _ in requests]
         params = [choice for _, choice in requests]
         single = len(requests) == 1
         try:
-            result = await engine.async_generate(prompt=texts[0] if single and texts else texts,
+            result = await engine.async_generate(prompt=strings[0] if single and strings else strings,
                                                  input_ids=ids[0] if single and ids else ids,
                                                  sampling_params=params[0] if single else params, stream=stream)
             return result if stream or not single else [result]
@@ -265,7 +265,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         """Whole replies that may hold several tool calls, read as a stream so that each can end at
         its first repeated call (``chat.repeat_cut``)."""
         stream = await start(sps, True, [prompt])
-        cuts = RepeatCuts(stream, len(sps))
+        cuts = RepeatCuts(stream, len(sps), whole=True)
         results: list[Optional[dict]] = [None] * len(sps)
         try:
             async for item in stream:
@@ -441,11 +441,13 @@ class RepeatCuts:
     several choices), each ended at its first repeated tool call (``chat.repeat_cut``) when ``active``:
     that choice's request is aborted there and the stream's later chunks of it are dropped."""
 
-    def __init__(self, stream, n: int, active: bool = True):
-        self.stream, self.active = stream, active
+    def __init__(self, stream, n: int, active: bool = True, whole: bool = False):
+        self.stream, self.active, self.whole = stream, active, whole
         self.texts = [""] * n
         self.cut: set[int] = set()
-        self.logprobs: list[dict[str, list]] = [{} for _ in range(n)]  # the choices' logprobs so far
+        # ``whole``: the choices' logprobs so far, for a reply assembled from the stream (a streamed response
+        # sends each chunk's own).
+        self.logprobs: list[dict[str, list]] = [{} for _ in range(n)]
 
     def whole_meta(self, i: int, meta: dict) -> dict:
         """Choice ``i``'s last chunk's meta_info with the logprobs of all its tokens (a chunk holds its own)."""
@@ -457,7 +459,7 @@ class RepeatCuts:
         if i in self.cut:
             return i, None
         self.texts[i] += item["text"]
-        for key in ("output_token_logprobs", "output_top_logprobs"):
+        for key in ("output_token_logprobs", "output_top_logprobs") if self.whole else ():
             if key in item["meta_info"]:
                 self.logprobs[i].setdefault(key, []).extend(item["meta_info"][key])
         cut = chat.repeat_cut(self.texts[i]) if self.active else None

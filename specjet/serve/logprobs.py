@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-# OpenAI's limits: chat's top_logprobs and the legacy completions' logprobs.
-MAX_CHAT_TOP = 20
+from specjet.scheduler.sampling_params import MAX_TOP_LOGPROBS
+
+# OpenAI's limits: chat's top_logprobs (the engine's own limit) and the legacy completions' logprobs.
+MAX_CHAT_TOP = MAX_TOP_LOGPROBS
 MAX_COMPLETION_TOP = 5
 
 
@@ -45,11 +47,11 @@ class TokenTexts:
         return text, list(text.encode("utf-8"))
 
 
-def chat_entries(texts: TokenTexts, meta: dict[str, Any], start: int = 0) -> list[dict[str, Any]]:
-    """Chat's ``logprobs.content`` entries of the tokens from ``start`` on."""
+def chat_entries(texts: TokenTexts, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries of the tokens a reply (or a stream chunk) holds."""
     tops = meta.get("output_top_logprobs")
     entries = []
-    for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+    for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])):
         if token in texts.special:
             continue
         text, raw = texts.lookup(token)

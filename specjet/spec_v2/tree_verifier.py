@@ -81,10 +81,10 @@ class TreeVerifier:
         tokens = [t for r in reqs for t in r.tokens]
         depths = [r.committed_len + len(a) - 1 for r, nodes in zip(reqs, ancestors) for a in nodes]
         slot_cols = [r.committed_len + i for r, n in zip(reqs, sizes) for i in range(n)]
-        grammar = self._grammar_masks(reqs, len(tokens), self.runner.config.vocab_size, offsets_of(sizes))
+        offsets = offsets_of(sizes)
+        grammar = self._grammar_masks(reqs, len(tokens), self.runner.config.vocab_size, offsets)
         logged = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-        head_mask = grammar if grammar is None or not logged else _unmask_requests(grammar, logged, offsets_of(sizes),
-                                                                                    sizes)
+        head_mask = grammar if grammar is None or not logged else _unmask_requests(grammar, logged, offsets, sizes)
         rows, kv_lens = [r.row for r in reqs], [r.committed_len + n for r, n in zip(reqs, sizes)]
         if static:
             ids, positions, slots = host_token_tensors(
@@ -99,13 +99,13 @@ class TreeVerifier:
                                             custom_mask=mask, capture_hidden=self.capture_hidden,
                                             logits_mask=head_mask)
         logits = out.logits
-        offsets = offsets_of(sizes)
         # A greedy walk reads the logits of unpenalised requests without changing them: their accepted rows alone
-        # are taken after it. Otherwise every node row of those requests, before the penalties and masks below
-        # change the logits in place.
-        after_walk = sampling.all_greedy and all(reqs[i].penalty is None for i in logged)
-        source_rows = [offsets[i] + k for i in logged for k in range(sizes[i])]  # the flat rows logprobs holds
-        logprobs = log_softmax_rows(logits, source_rows) if logged and not after_walk else None
+        # are taken after it. Otherwise every node row of those requests, now, before the penalties and masks
+        # below change the logits in place: (the flat rows, their log-softmax).
+        early = None
+        if logged and not (sampling.all_greedy and all(reqs[i].penalty is None for i in logged)):
+            early_rows = [offsets[i] + k for i in logged for k in range(sizes[i])]
+            early = (early_rows, log_softmax_rows(logits, early_rows))
         self._apply_penalties(reqs, logits, offsets)
         if sampling.all_greedy:
             # The one read-back of a greedy verify; under a grammar the masked argmax reads only the columns
@@ -119,15 +119,8 @@ class TreeVerifier:
             paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device)
         accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
         accepted_nodes = [nodes for nodes, _ in paths]
-        # Token j of a request's accepted run was decided by the row of its path's node j.
-        path_rows = {i: [offsets[i] + node for node in accepted_nodes[i]] for i in logged}
-        if logged and after_walk:
-            source_rows = [row for i in logged for row in path_rows[i]]
-            logprobs = log_softmax_rows(logits, source_rows)
-        where = {row: k for k, row in enumerate(source_rows)}
-        for i in logged:
-            accepted_tokens[i] = _logged(accepted_tokens[i], logprobs[[where[row] for row in path_rows[i]]],
-                                         reqs[i].logprobs)
+        if logged:
+            _log_accepted(reqs, logged, logits, offsets, accepted_nodes, accepted_tokens, early)
         self._commit_kv(reqs, accepted_nodes, req_to_token)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
 
@@ -229,6 +222,22 @@ class TreeVerifier:
         index = torch.tensor([rows, src, dst], dtype=torch.int64).to(req_to_token.device, non_blocking=True)
         self.runner.kv_cache.move_slots(req_to_token[index[0], index[1]].to(torch.int64),
                                         req_to_token[index[0], index[2]].to(torch.int64))
+
+
+def _log_accepted(reqs: list[VerifyInput], logged: list[int], logits: torch.Tensor, offsets: list[int],
+                  accepted_nodes: list[list[int]], accepted_tokens: list[list[int]],
+                  early: tuple[list[int], torch.Tensor] | None) -> None:
+    """The logged requests' accepted runs as ``LoggedTokens``: token j was decided by the row of the path's node j,
+    read from ``early`` (rows taken before the walk) or, without it, from the unchanged logits."""
+    path_rows = {i: [offsets[i] + node for node in accepted_nodes[i]] for i in logged}
+    if early is None:
+        rows = [row for i in logged for row in path_rows[i]]
+        early = (rows, log_softmax_rows(logits, rows))
+    rows, logprobs = early
+    where = {row: k for k, row in enumerate(rows)}
+    for i in logged:
+        accepted_tokens[i] = _logged(accepted_tokens[i], logprobs[[where[row] for row in path_rows[i]]],
+                                     reqs[i].logprobs)
 
 
 def _unmask_requests(grammar: tuple[torch.Tensor, torch.Tensor], requests: list[int], offsets: list[int],
