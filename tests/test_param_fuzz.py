@@ -39,6 +39,12 @@ _plausible = {
                                     {"type": "string", "maxLength": 4}, "{bad", '{"type": "number"}', 7]),
     "regex": st.sampled_from(["[a-c]{1,4}", "(", "x*y", ""]),
     "ebnf": st.sampled_from(['root ::= "yes" | "no"', "root ::= ", 'root ::= [0-9]+']),
+    "frequency_penalty": st.floats(min_value=-2.5, max_value=2.5),
+    "repetition_penalty": st.one_of(st.floats(min_value=0, max_value=2.5), st.just(math.inf)),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(min_value=-1, max_value=60000),
+                                            st.sampled_from(["0", "17", "-3", "1e3", "49151", " 5", "x"])),
+                                  st.one_of(st.floats(min_value=-101, max_value=101), st.just(math.nan)),
+                                  max_size=4),
 }
 NAMES = sorted(_plausible) + ["bogus_name"]
 

@@ -412,6 +412,44 @@ def test_n_choices_under_a_schema_and_with_tools(server):
     kv_ok(server)
 
 
+def test_logit_bias_forces_and_bans_tokens_whole_and_streamed(server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    client = server.client()
+    cat = tok(" cat", add_special_tokens=False)["input_ids"][0]
+    forced = client.completions.create(model="tiny", prompt="A dog", max_tokens=3, temperature=0,
+                                       logit_bias={str(cat): 100})
+    assert forced.choices[0].text == tok.decode([cat] * 3)
+    streamed = chat(client, "hi", max_tokens=3, temperature=0, logit_bias={str(cat): 100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == tok.decode([cat] * 3)
+    base = client.completions.create(model="tiny", prompt="A dog", max_tokens=4, temperature=0)
+    ids = tok(base.choices[0].text, add_special_tokens=False)["input_ids"]
+    banned = client.completions.create(model="tiny", prompt="A dog", max_tokens=4, temperature=0,
+                                       logit_bias={str(ids[0]): -100})
+    assert banned.choices[0].text != base.choices[0].text
+    assert tok(banned.choices[0].text, add_special_tokens=False)["input_ids"][0] != ids[0]
+    for bias, param in (({"abc": 1}, "logit_bias"), ({str(cat): 101}, "logit_bias"), ({"99999999": 1}, "logit_bias"),
+                        ({str(cat): "strong"}, f"logit_bias.{cat}")):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "hi", max_tokens=2, logit_bias=bias)
+        assert error_of(e)["param"] == param, error_of(e)
+    kv_ok(server)
+
+
+def test_a_model_card_by_name_and_a_body_that_is_not_json(server):
+    client = server.client()
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert error_of(e)["code"] == "model_not_found" and name in error_of(e)["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert "not valid JSON" in r.json()["error"]["message"] and r.json()["error"]["param"] is None
+
+
 def test_sixteen_concurrent_async_requests(server):
     prompts = [f"Count to {i}." for i in range(16)]
     client = server.client()

@@ -94,6 +94,9 @@ def test_dead_engine_is_503_and_api_key_is_checked():
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = client.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+        assert client.get("/v1/models/m").status_code == 401
+        r = client.get("/v1/models/m", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.json()["id"] == "m"
         r = client.get("/v1/nowhere", headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 404 and "error" in r.json()
 

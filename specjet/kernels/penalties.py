@@ -1,8 +1,9 @@
-"""Repetition, frequency and presence penalties on logits.
+"""Repetition, frequency and presence penalties and a logit bias on logits.
 
 A request's penalties depend on the tokens before the position being predicted: its output so far
 (OpenAI's frequency and presence penalties) and its prompt and output (the repetition penalty,
-as in SGLang and HF). Plain decoding applies them to each request's row; speculative verification
+as in SGLang and HF). Its logit bias (OpenAI's ``logit_bias``) is a constant added to chosen
+tokens' logits after the penalties, so the caller's bias has the last word. Plain decoding applies them to each request's row; speculative verification
 applies them to every node of a draft tree with the tokens on that node's own path added, so a
 node sees exactly the logits plain decoding would see after that path. Every operation here is
 elementwise on a row, so a row's result does not depend on how many rows share the call: greedy
@@ -20,10 +21,17 @@ class Penalties:
     frequency: float = 0.0  # subtracted once per occurrence of the token in the output so far
     presence: float = 0.0  # subtracted once if the token occurs in the output so far
     repetition: float = 1.0  # a seen token's logit divided by it when positive, multiplied when not
+    bias_ids: tuple[int, ...] = ()  # added to these tokens' logits after the penalties ...
+    bias_values: tuple[float, ...] = ()  # ... these values (logit_bias)
+
+    @property
+    def contextual(self) -> bool:
+        """Whether the row's tokens so far change anything (a bias alone needs no context)."""
+        return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
 
     @property
     def active(self) -> bool:
-        return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
+        return self.contextual or bool(self.bias_ids)
 
 
 def context_rows(contexts: list[list[int]], prompt_lens: list[int], vocab_size: int, device=None
@@ -41,11 +49,34 @@ def context_rows(contexts: list[list[int]], prompt_lens: list[int], vocab_size: 
     return counts, seen
 
 
-def apply_penalties_(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+def apply_penalties_(logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
                      penalties: list[Penalties]) -> None:
     """Penalise ``logits`` [R, V] float32 in place, row r with ``penalties[r]`` given the row's
-    ``counts`` and ``seen`` (``context_rows``): the repetition penalty first, then frequency and
-    presence."""
+    ``counts`` and ``seen`` (``context_rows``; None where no row's penalties are ``contextual``): the
+    repetition penalty first, then frequency and presence, then the logit bias."""
+    if any(p.contextual for p in penalties):
+        _penalise_(logits, counts, seen, penalties)
+    add_bias_(logits, penalties)
+
+
+def add_bias_(logits: torch.Tensor, penalties: list[Penalties]) -> None:
+    """Row r's ``bias_values`` added to its ``bias_ids`` columns. Rows sharing one ``Penalties`` (a
+    verified tree's nodes) take theirs in one indexed add."""
+    groups: dict[int, tuple[Penalties, list[int]]] = {}
+    for r, p in enumerate(penalties):
+        if p.bias_ids:
+            groups.setdefault(id(p), (p, []))[1].append(r)
+    for p, rows in groups.values():
+        cols = torch.tensor(p.bias_ids, dtype=torch.int64, device=logits.device)
+        values = torch.tensor(p.bias_values, dtype=torch.float32, device=logits.device).to(logits.dtype)
+        if len(rows) == logits.shape[0]:
+            logits[:, cols] += values
+        else:
+            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)[:, None]
+            logits[index, cols] += values
+
+
+def _penalise_(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, penalties: list[Penalties]) -> None:
     device = logits.device
     rep = torch.tensor([p.repetition for p in penalties], dtype=torch.float32, device=device)[:, None]
     freq = torch.tensor([p.frequency for p in penalties], dtype=torch.float32, device=device)[:, None]

@@ -62,6 +62,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: {token id: value in [-100, 100]} added to those tokens' logits after the penalties
+    # (ids as ints or as the decimal strings JSON objects carry), plain and speculative decoding alike.
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -121,6 +124,7 @@ class SamplingParams:
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        self.logit_bias = self._bias_dict(self.logit_bias)
         if not _is_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
         if self.top_k == 0 or self.top_k < -1:
@@ -167,6 +171,28 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+        bad = [t for t in self.logit_bias or () if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad[:5]}")
+
+    @staticmethod
+    def _bias_dict(value: Any) -> dict[int, float] | None:
+        """``logit_bias`` as {int id: float}; None when empty."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            token = key
+            if isinstance(key, str) and key.strip().lstrip("-").isdecimal() and len(key) < 20:
+                token = int(key)  # a JSON object's keys are strings
+            if not _is_int(token):
+                raise TypeError(f"logit_bias keys must be token ids (ints or decimal strings), got {key!r}")
+            if token in out:
+                raise ValueError(f"logit_bias gives token {token} twice")
+            out[token] = _real(f"logit_bias[{key!r}]", bias, -100.0, 100.0)
+        return out or None
 
     @staticmethod
     def _string_list(name: str, value: Any) -> list[str]:
@@ -189,9 +215,12 @@ class SamplingParams:
     @property
     def penalties(self) -> Penalties | None:
         """The request's penalties, or None when it has none (checked per request and iteration)."""
-        if self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0:
+        bias = self.logit_bias
+        if (self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0
+                and not bias):
             return None
-        return Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
+        return Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
+                         tuple(bias) if bias else (), tuple(bias.values()) if bias else ())
 
     @property
     def is_greedy(self) -> bool:

@@ -267,12 +267,16 @@ class ModelWorker:
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:
-        """Penalties on the given rows of a plain batch's logits, from each request's tokens so far."""
-        counts, seen = context_rows([s.tokens for s in states], [s.prompt_len for s in states], logits.shape[1],
-                                    logits.device)
+        """Penalties (and logit biases) on the given rows of a plain batch's logits, from each request's tokens
+        so far."""
+        penalties = [inp.sampling.penalties for inp in inputs]
+        counts = seen = None
+        if any(p.contextual for p in penalties):
+            counts, seen = context_rows([s.tokens for s in states], [s.prompt_len for s in states], logits.shape[1],
+                                        logits.device)
         with torch.inference_mode():  # the forward's logits are inference tensors
             sub = logits[rows]
-            apply_penalties_(sub, counts, seen, [inp.sampling.penalties for inp in inputs])
+            apply_penalties_(sub, counts, seen, penalties)
             logits[rows] = sub
 
     @staticmethod

@@ -78,6 +78,10 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     async def _validation_error(_request: Request, error: RequestValidationError):
         problems = error.errors()
         first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # its loc is the character where parsing failed
+            where = first.get("loc", ())[-1]
+            message = f"the body is not valid JSON ({first.get('msg')} at character {where})"
+            return JSONResponse(bad_request(message, None, "invalid_json").body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
@@ -219,6 +223,13 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     @v1.get("/v1/models")
     async def models():
         return ModelList(data=[ModelCard(id=model_name)])
+
+    @v1.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        if model != model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+        return ModelCard(id=model_name)
 
     if debug_endpoints:
         @v1.get("/debug/kv")

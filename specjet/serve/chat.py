@@ -82,7 +82,7 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty"):
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         value = getattr(req, name)
         if value is not None:
             sp[name] = value

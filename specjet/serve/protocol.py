@@ -75,6 +75,7 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (a decimal string) -> bias in [-100, 100]
     user: Optional[str] = None
     # SGLang's extras
     top_k: Optional[int] = None

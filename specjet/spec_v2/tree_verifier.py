@@ -15,7 +15,7 @@ from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
 from specjet.kernels.logprobs import log_softmax_rows
 from specjet.kernels.logprobs import logged as _logged
 from specjet.kernels.masked_topk import masked_argmax
-from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
+from specjet.kernels.penalties import Penalties, add_bias_, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sampling_rows
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling, verify_trees_sampling_cpu
@@ -169,12 +169,16 @@ class TreeVerifier:
     def _apply_penalties(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:
         """Each penalised node's logits as plain decoding would penalise them after that node: the
         request's tokens so far plus the draft tokens on the node's path (the root excluded: it is
-        the last token so far)."""
+        the last token so far); then its logit bias."""
         for r, off in zip(reqs, offsets):
             if r.penalty is None:
                 continue
             penalties, context, prompt_len = r.penalty
             n = len(r.tokens)
+            if not penalties.contextual:  # a logit bias alone: the same for every node
+                with torch.inference_mode():
+                    add_bias_(logits[off:off + n], [penalties] * n)
+                continue
             # The request's tokens so far once, then each node's path (a node's path is its
             # parent's plus its own token: the root is the last token so far, so it adds none).
             counts, seen = context_rows([context], [prompt_len], logits.shape[1], logits.device)
