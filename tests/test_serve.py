@@ -518,12 +518,24 @@ def test_a_speculative_server_answers_the_same_and_reports_its_accept_length(ser
     prompts = ["Once upon a time", "The list: a, b, a, b, a, b,"]
     expected = [server.client().completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
                 for p in prompts]
+    reply = chat(server.client(), "Tell me a story", max_tokens=32, temperature=0).choices[0].message.content
     spec = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096",
                    "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"])
     try:
         got = [spec.client().completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
                for p in prompts]
         assert got == expected
+        # A predicted output, whole or in text parts, exact or edited, changes no token.
+        for content in (reply, [{"type": "text", "text": reply[:10]}, {"type": "text", "text": reply[10:]}],
+                        reply.replace("e", "a")):
+            out = chat(spec.client(), "Tell me a story", max_tokens=32, temperature=0,
+                       prediction={"type": "content", "content": content})
+            assert out.choices[0].message.content == reply
+        for bad, param in (({"type": "text", "content": "x"}, "prediction.type"), ({"type": "content"},
+                                                                                  "prediction.content")):
+            with pytest.raises(openai.BadRequestError) as e:
+                chat(spec.client(), "hi", max_tokens=2, prediction=bad)
+            assert error_of(e)["param"] == param, error_of(e)
         samples = parse_prometheus(httpx.get(spec.url + "/metrics").text)
         assert samples["specjet_spec_accept_length"] >= 1 and samples["specjet_spec_verify_total"] >= 1
         kv_ok(spec)

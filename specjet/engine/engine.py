@@ -76,12 +76,25 @@ class Engine:
         # scheduler: requests, KV and results (host side); worker: forwards, sampling, speculation
         # (compute side); loop: drives both on the scheduler thread.
         self.tokenizer, self.scheduler, self.worker, self.loop = parts.tokenizer, parts.scheduler, parts.worker, parts.loop
+        self._warned_prediction = False
         self._closed = False
         self._thread = threading.Thread(target=self.loop.run, name="specjet-scheduler", daemon=True)
         self._thread.start()
         self._async_outputs = AsyncOutputs(self._thread.is_alive, _LIVENESS_POLL_S)
 
     # ---------------------------------------------------------------- request construction
+    def _check_prediction(self, ids: list[int]) -> None:
+        """A prediction longer than any reply could be is a mistake; one the engine cannot draft from is not
+        an error (it changes no output), but worth a line in the log."""
+        ctx = self.scheduler.config.context_len
+        if len(ids) > ctx:
+            raise ValueError(f"prediction of {len(ids)} tokens is longer than the context length {ctx}")
+        speculator = self.worker.speculator
+        if not self._warned_prediction and (speculator is None or not speculator.drafts_ngrams):
+            self._warned_prediction = True
+            logger.warning("a request brought a prediction, which this engine does not draft from: it drafts "
+                           "n-grams with speculative_algorithm NGRAM, or EAGLE / DFLASH with their n-gram path")
+
     def _make_requests(self, prompt, sampling_params, input_ids, rid, return_logprob=False,
                        top_logprobs_num=0) -> tuple[list[Req], bool]:
         """Validate and tokenize everything before anything is submitted, so a bad item in a list
@@ -119,6 +132,10 @@ class Engine:
             for sp in params:
                 sp.validate()
         for sp in params:
+            if isinstance(sp.prediction, str):
+                sp.prediction = self.tokenizer(sp.prediction, add_special_tokens=False)["input_ids"] or None
+            if sp.prediction is not None:
+                self._check_prediction(sp.prediction)
             sp.check_token_ids(self.scheduler.vocab_size)
             key = sp.grammar_key
             if key is not None:  # what can be known without compiling: bad JSON, too big, too deep

@@ -80,6 +80,11 @@ class SamplingParams:
     top_logprobs_num: int = 0
     # The prompt's tokens from this position on get theirs too (meta_info's input_token_logprobs; -1: none).
     logprob_start_len: int = -1
+    # OpenAI's predicted output: text (or token ids) the reply is expected to repeat for the most part (a
+    # previous version of a document being edited, say). Where the engine speculates, drafting proposes the
+    # prediction's continuation wherever the reply's last tokens match it; verification keeps the output
+    # exactly what it would be without it. The engine turns a str into token ids at the door.
+    prediction: str | list[int] | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -162,6 +167,12 @@ class SamplingParams:
             if value is not None and not isinstance(value, str):
                 kinds = "a str, a dict or a pydantic model class" if name == "json_schema" else "a str"
                 raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            if not isinstance(self.prediction, (list, tuple)):
+                raise TypeError(f"prediction must be a str or a list of token ids, got {type(self.prediction).__name__}")
+            self.prediction = self._int_list("prediction", self.prediction)
+        if not self.prediction:
+            self.prediction = None
         constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(constraints) > 1:
             raise ValueError(f"give at most one of json_schema, regex, ebnf (got {', '.join(constraints)})")
@@ -171,6 +182,10 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if isinstance(self.prediction, list):
+            bad = [t for t in self.prediction if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"prediction token ids must be in [0, {vocab_size}), got {bad[:5]}")
         bad = [t for t in self.logit_bias or () if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad[:5]}")

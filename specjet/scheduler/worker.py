@@ -206,7 +206,8 @@ class ModelWorker:
                 remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
             spec_inputs.append(SpecInput(inp.rid, inp.row, state.committed_len, state.tokens, remaining, grammar,
                                          inp.generator, state.prompt_len, inp.sampling.penalties,
-                                         inp.sampling.top_logprobs_num if inp.sampling.return_logprob else None))
+                                         inp.sampling.top_logprobs_num if inp.sampling.return_logprob else None,
+                                         inp.sampling.prediction))
         new_tokens = self.speculator.run(spec_inputs, sampling_tensors([i.sampling for i in batch.inputs], self.device),
                                          self.req_to_token)
         for state, tokens in zip(states, new_tokens):

@@ -123,6 +123,8 @@ def chat_params(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolPlan]:
         raise bad_request("give max_tokens or max_completion_tokens, not two different values", "max_tokens")
     sp = sampling_params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
     sp.update(logprobs.engine_params(bool(req.logprobs), req.top_logprobs, logprobs.MAX_CHAT_TOP, "top_logprobs"))
+    if req.prediction is not None and req.prediction.text:
+        sp["prediction"] = req.prediction.text
     plan = ToolPlan(parallel=req.parallel_tool_calls is not False)
     constraint: Optional[tuple[str, Any, str]] = None  # (kind, spec, the field it came from)
     fmt = req.response_format

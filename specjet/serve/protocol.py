@@ -89,6 +89,21 @@ class _SamplingFields(_Request):
 
 
 # ---------------------------------------------------------------- chat
+class TextPart(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class Prediction(_Request):
+    """OpenAI's predicted output: text the reply is expected to repeat for the most part."""
+    type: Literal["content"] = "content"
+    content: Union[str, list[TextPart]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
@@ -109,6 +124,7 @@ class ChatCompletionRequest(_SamplingFields):
     store: Optional[bool] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    prediction: Optional[Prediction] = None
 
 
 class FunctionCall(BaseModel):

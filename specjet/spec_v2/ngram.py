@@ -8,9 +8,13 @@ tasks that copy from the prompt.
 
 ``NgramIndex`` is the per-request suffix index: for every n-gram length 1..max_window it maps the
 n-gram to the positions where it ends, updated incrementally as tokens are accepted.
+``PredictionIndex`` does the same over a request's predicted output (OpenAI's Predicted Outputs:
+text the reply is expected to repeat, such as the last version of a document being edited), whose
+continuation goes first in the request's tree wherever the reply's last tokens match it.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Callable
 
 import torch
@@ -64,6 +68,33 @@ class NgramIndex:
         return found
 
 
+class PredictionIndex:
+    """A request's predicted output, indexed like its own tokens. A prediction is read in order, and
+    text repeats in it (a JSON document's keys): of the places the reply's last tokens match, the one
+    nearest after the place the last continuation came from is taken (else the nearest before it)."""
+
+    def __init__(self, tokens: list[int], max_window: int):
+        self.index = NgramIndex(max_window)
+        self.index.extend(tokens)
+        self.cursor = 0  # the prediction position after the last match a continuation came from
+
+    def continuation(self, cfg: NgramConfig, tail: list[int], max_len: int) -> list[int]:
+        """What follows the longest suffix of ``tail`` (the reply's last tokens) found in the prediction,
+        at most ``max_len`` tokens ([]: no suffix of ``cfg.min_window`` tokens or more is found)."""
+        tokens = self.index.tokens
+        for w in range(min(cfg.max_window, len(tail)), cfg.min_window - 1, -1):
+            ends = self.index._ends.get(tuple(tail[len(tail) - w:]))
+            if not ends:
+                continue
+            k = bisect.bisect_left(ends, self.cursor)
+            end = ends[k] if k < len(ends) else ends[-1]
+            cont = tokens[end + 1: end + 1 + max_len]
+            if cont:
+                self.cursor = end + 1
+                return cont
+        return []
+
+
 def build_trie(root_token: int, continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
     """Merge continuations into a tree with at most ``max_nodes`` nodes (root included).
 
@@ -95,6 +126,7 @@ class NgramDrafter:
     def __init__(self, cfg: NgramConfig):
         self.cfg = cfg
         self._indexes: dict[str, NgramIndex] = {}
+        self._predictions: dict[str, PredictionIndex] = {}
 
     def scratch_slots(self, batch_size: int) -> int:
         return 0
@@ -107,6 +139,8 @@ class NgramDrafter:
         trees = []
         for r in reqs:
             self.observe(r.input.rid, r.input.token_ids)
+            if r.input.prediction and r.input.rid not in self._predictions:
+                self._predictions[r.input.rid] = PredictionIndex(r.input.prediction, self.cfg.max_window)
             legal_len = r.guide.legal_prefix_len if r.guide is not None else None
             trees.append(self.tree_for(r.input.rid, r.budget, r.chain, legal_len))
         return trees
@@ -133,7 +167,10 @@ class NgramDrafter:
         constrained model often spells differently ('a', 'rg', 'um', 'en', 't', 's' where the
         tokenizer says 'a', 'rguments'). So a legal continuation matched from the sequence itself
         that leaves the chain within the chain's length goes first: once the request has written
-        that text before, its own spelling is the better guess. The chain's branch follows."""
+        that text before, its own spelling is the better guess. The chain's branch follows.
+
+        A request's predicted output, where its last tokens (and the chain) match it, gives the first
+        branch of all: the caller's own guess at the reply."""
         index = self._indexes[rid]
         chain = list(chain)[: max(0, max_nodes - 1)]
         respelled = []
@@ -147,7 +184,15 @@ class NgramDrafter:
         if legal_len is not None:
             conts = [cont[: legal_len(chain, cont)] for cont in conts]
         branches = respelled + [chain + cont for cont in conts]
+        prediction = self._predictions.get(rid)
+        if prediction is not None and room > 0:
+            cont = prediction.continuation(self.cfg, index.tokens[-self.cfg.max_window:] + chain, room)
+            if legal_len is not None:
+                cont = cont[: legal_len(chain, cont)]
+            if cont:
+                branches.insert(0, chain + cont)
         return build_trie(index.tokens[-1], branches[: self.cfg.max_branches] + [chain], max_nodes)
 
     def release(self, rid: str) -> None:
         self._indexes.pop(rid, None)
+        self._predictions.pop(rid, None)

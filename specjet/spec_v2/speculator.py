@@ -136,6 +136,11 @@ class Speculator:
         return self.drafter.draft_kv_reads_next_token
 
     @property
+    def drafts_ngrams(self) -> bool:
+        """Whether its trees take n-gram continuations (and so a request's prediction's)."""
+        return self.cfg.algorithm == "NGRAM" or self.cfg.hybrid_path_nodes > 0
+
+    @property
     def max_nodes(self) -> int:
         """Positions one iteration may write beyond a request's committed length."""
         return self.cfg.max_tree_nodes

@@ -1,0 +1,170 @@
+"""Predicted outputs (OpenAI's ``prediction``): the prediction's index follows it in order; its
+continuation is the first branch of an n-gram tree; with NGRAM, EAGLE and DFLASH (their n-gram path),
+overlap on and off, free and under a grammar, an exact, an edited or a useless prediction leaves the
+output exactly plain decoding's, and an exact one raises acceptance; sampling keeps the target's
+distribution; bad predictions are refused at the door."""
+from __future__ import annotations
+
+import collections
+import logging
+import random
+
+import pytest
+import torch
+
+import specjet
+from specjet.spec_v2.config import NgramConfig
+from specjet.spec_v2.drafter import DraftRequest, SpecInput
+from specjet.spec_v2.ngram import NgramDrafter, PredictionIndex
+from test_dflash_spec import _config, dflash_engine
+from test_logit_bias import biased_topk
+from test_penalties import SCHEMA
+from test_spec_eagle import greedy, random_head
+
+PROMPTS = ["The cat sat on the mat. The cat", "Hello", "1 2 3 4 1 2", "Some words, then more words"]
+N = 48
+
+
+def test_the_prediction_is_read_in_order():
+    cfg = NgramConfig(max_window=3)
+    pred = PredictionIndex([1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5], cfg.max_window)
+    assert pred.continuation(cfg, [7, 1, 2], 3) == [3, 9, 1]  # first occurrence of "1 2"
+    # "9 1 2" ends at positions 5 and 9: the one after the last continuation's place comes first.
+    assert pred.continuation(cfg, [3, 9, 1, 2], 2) == [4, 9]
+    assert pred.continuation(cfg, [4, 9, 1, 2], 5) == [5]
+    # Past the last place a suffix matches, the nearest before it.
+    assert pred.continuation(cfg, [8, 1, 2], 2) == [5]
+    assert pred.continuation(cfg, [6], 4) == []  # nowhere
+    assert pred.continuation(cfg, [1, 2, 5], 4) == []  # at the prediction's end: nothing follows
+
+
+def test_the_prediction_is_the_first_branch_of_an_ngram_tree():
+    drafter = NgramDrafter(NgramConfig())
+    own = [5, 6, 7, 8, 5, 6]  # its own text says 7, 8 after "5 6"
+    req = SpecInput("r", 0, len(own) - 1, own, 10, prediction=[5, 6, 11, 12, 13])
+    tokens, parents = drafter.propose([DraftRequest(req, 6, None, [])], 6, None)[0]
+    assert tokens[:4] == [6, 11, 12, 13] and parents[:4] == [-1, 0, 1, 2]
+    assert 7 in tokens  # the request's own continuation follows in what is left
+    drafter.release("r")
+    assert not drafter._predictions and not drafter._indexes
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    free = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(N))]
+    constrained = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(N, json_schema=SCHEMA))]
+    return free, constrained
+
+
+def edited(ids: list[int], seed: int) -> list[int]:
+    """A prediction that is partly wrong: a token changed, one dropped, two inserted."""
+    rnd = random.Random(seed)
+    out = list(ids)
+    out[len(out) // 4] = (out[len(out) // 4] + 1) % 1000
+    del out[len(out) // 2]
+    out[3 * len(out) // 4:3 * len(out) // 4] = [rnd.randrange(1000), rnd.randrange(1000)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory, tiny_model_dir):
+    return random_head(tmp_path_factory.mktemp("prediction-head"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(tmp_path_factory, tiny_model_dir):
+    from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
+
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(1, (0,), 8, 0))
+    draft.reset_parameters(std=0.3)
+    return save_dflash(draft, tmp_path_factory.mktemp("prediction-dflash"), dtype=torch.float32)
+
+
+def engine(algorithm, model_dir, head, draft, overlap):
+    common = dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False)
+    if algorithm == "DFLASH":
+        return dflash_engine(model_dir, draft, speculative_hybrid_ngram_tokens=10, **common)
+    if algorithm == "EAGLE":
+        return specjet.Engine(model_path=str(model_dir), speculative_algorithm="EAGLE",
+                              speculative_draft_model_path=str(head), speculative_num_steps=2,
+                              speculative_eagle_topk=2, speculative_num_draft_tokens=6,
+                              speculative_hybrid_ngram_tokens=10, **common)
+    return specjet.Engine(model_path=str(model_dir), speculative_algorithm="NGRAM",
+                          speculative_num_draft_tokens=10, **common)
+
+
+def mean_accept(outs) -> float:
+    return sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs)
+
+
+@pytest.mark.parametrize("algorithm, overlap", [("NGRAM", True), ("NGRAM", False), ("EAGLE", True),
+                                                ("DFLASH", True), ("DFLASH", False)])
+def test_a_prediction_changes_no_token_and_an_exact_one_is_taken(tiny_model_dir, head, wrong_draft, expected,
+                                                                  algorithm, overlap):
+    free, constrained = expected
+    with engine(algorithm, tiny_model_dir, head, wrong_draft, overlap) as eng:
+        without = eng.generate(PROMPTS, greedy(N))
+        exact = eng.generate(PROMPTS, [greedy(N, prediction=ids) for ids in free])
+        edits = eng.generate(PROMPTS, [greedy(N, prediction=edited(ids, i)) for i, ids in enumerate(free)])
+        useless = eng.generate(PROMPTS, greedy(N, prediction=list(range(100, 160))))
+        schema = eng.generate(PROMPTS, [greedy(N, json_schema=SCHEMA, prediction=ids) for ids in constrained])
+        eng.check_kv_invariant()
+    for outs, want in ((without, free), (exact, free), (edits, free), (useless, free), (schema, constrained)):
+        assert [o["output_ids"] for o in outs] == want
+    assert mean_accept(exact) > max(2.5, 1.5 * mean_accept(without)), (mean_accept(exact), mean_accept(without))
+    assert mean_accept(edits) > mean_accept(without)
+    assert mean_accept(schema) > 2.5
+
+
+def test_sampling_with_a_prediction_matches_the_target(cyclic_model_dir):
+    """1000 seeded draws of three tokens with NGRAM and a prediction of the likeliest path (so its
+    drafts are often verified): the (t1, t2) histogram matches the target's top-k distribution."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, n = PROMPTS[0], 1000
+    model = AutoModelForCausalLM.from_pretrained(cyclic_model_dir, dtype=torch.float32)
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=8192, dtype="float32",
+                        speculative_algorithm="NGRAM", speculative_measured_payoff=False) as eng:
+        prompt_ids = eng.tokenizer(prompt)["input_ids"]
+        first = max(biased_topk(model, prompt_ids, {}, 3).items(), key=lambda kv: kv[1])[0]
+        second = max(biased_topk(model, prompt_ids + [first], {}, 3).items(), key=lambda kv: kv[1])[0]
+        prediction = prompt_ids[-2:] + [first, second, first, second]
+        params = [dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True, seed=s, prediction=prediction)
+                  for s in range(n)]
+        outs = eng.generate([prompt] * n, params)
+        eng.check_kv_invariant()
+    assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs) > n // 10  # drafts were accepted
+    exact = {}
+    for t1, p1 in biased_topk(model, prompt_ids, {}, 3).items():
+        for t2, p2 in biased_topk(model, prompt_ids + [t1], {}, 3).items():
+            exact[(t1, t2)] = p1 * p2
+    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.07, tv
+
+
+@pytest.mark.parametrize("prediction, error, match", [
+    (5, TypeError, "prediction must be a str or a list of token ids"),
+    ({1, 2}, TypeError, "prediction must be a str or a list of token ids"),
+    (["a"], TypeError, "prediction must be a list of ints"),
+    ([True], TypeError, "prediction must be a list of ints"),
+    ([1, -1], ValueError, r"prediction token ids must be in \[0, "),
+    ([10 ** 9], ValueError, r"prediction token ids must be in \[0, "),
+    ([1] * 9000, ValueError, "longer than the context length"),
+])
+def test_bad_predictions_are_refused(plain, prediction, error, match):
+    with pytest.raises(error, match=match):
+        plain.generate("a", greedy(2, prediction=prediction))
+    assert plain.generate(["a", "b"], greedy(2))[1]["meta_info"]["completion_tokens"] == 2  # the engine goes on
+    plain.check_kv_invariant()
+
+
+def test_an_engine_that_drafts_no_ngrams_says_so_once_and_decodes_as_ever(tiny_model_dir, expected, caplog):
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        with caplog.at_level(logging.WARNING, logger="specjet"):
+            outs = eng.generate(PROMPTS, [greedy(N, prediction=ids) for ids in expected[0]])
+            eng.generate(PROMPTS[0], greedy(2, prediction="some text"))
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == expected[0]
+    assert sum("does not draft from" in r.getMessage() for r in caplog.records) == 1
