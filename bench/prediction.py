@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     for algorithm in args.algorithms:
         spec_kwargs = dict(engine_kwargs(args), speculative_algorithm=algorithm)
         with specjet.Engine(**spec_kwargs) as eng:
-            eng.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4))
+            eng.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4, prediction=texts[0]))  # warm-up
             for kind in KINDS:
                 r = run(eng, requests, predictions[kind])
                 rows.append({"algorithm": algorithm, "prediction": kind, "tok_s": round(r["tok_s"], 1),

@@ -156,3 +156,27 @@ def test_a_predicted_output_keeps_plain_tokens_and_is_taken(plain_outputs, algor
         assert [o["output_ids"] for o in outs] == expected[:2]
     for got, base in zip(exact, without):
         assert got["meta_info"]["spec_accept_length"] > max(3.0, base["meta_info"]["spec_accept_length"])
+
+
+def test_a_predicted_json_object_is_found_in_a_constrained_models_own_spelling():
+    """Under a schema the model spells some text in other pieces than the tokenizer: the prediction (text) is
+    matched as bytes, so its
+    continuation is still found; the output is plain constrained decoding's."""
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "maximum": 10 ** 9},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3}},
+        "required": ["city", "population", "landmarks"], "additionalProperties": False}
+    params = dict(PARAMS, max_new_tokens=128, json_schema=schema)
+    with specjet.Engine(max_total_tokens=8192) as eng:
+        prompt = eng.apply_chat_template("Describe Paris as JSON.")
+        want = eng.generate(prompt, params)
+    text = json.loads(want["text"])
+    # (' [', '"' where the tokenizer says ' ["', say)
+    assert want["output_ids"][:-1] != eng.tokenizer(want["text"], add_special_tokens=False)["input_ids"]
+    with specjet.Engine(max_total_tokens=8192, speculative_algorithm="NGRAM", speculative_num_draft_tokens=12,
+                        speculative_measured_payoff=False) as eng:
+        without = eng.generate(prompt, params)
+        exact = eng.generate(prompt, dict(params, prediction=want["text"]))
+        eng.check_kv_invariant()
+    assert text and without["output_ids"] == exact["output_ids"] == want["output_ids"]
+    assert exact["meta_info"]["spec_accept_length"] > max(4.0, 1.5 * without["meta_info"]["spec_accept_length"])

@@ -15,7 +15,8 @@ import torch
 import specjet
 from specjet.spec_v2.config import NgramConfig
 from specjet.spec_v2.drafter import DraftRequest, SpecInput
-from specjet.spec_v2.ngram import NgramDrafter, PredictionIndex
+from specjet.spec_v2.ngram import NgramDrafter, NgramIndex
+from specjet.spec_v2.prediction import PredictionIndex, PredictionText
 from test_dflash_spec import _config, dflash_engine
 from test_logit_bias import biased_topk
 from test_penalties import SCHEMA
@@ -27,15 +28,51 @@ N = 48
 
 def test_the_prediction_is_read_in_order():
     cfg = NgramConfig(max_window=3)
-    pred = PredictionIndex([1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5], cfg.max_window)
-    assert pred.continuation(cfg, [7, 1, 2], 3) == [3, 9, 1]  # first occurrence of "1 2"
+    index = NgramIndex(cfg.max_window)
+    index.extend([1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5])
+    pred = PredictionIndex(index)
+    assert pred.continuation(cfg, [7, 1, 2], [], 3) == [3, 9, 1]  # first occurrence of "1 2"
     # "9 1 2" ends at positions 5 and 9: the one after the last continuation's place comes first.
-    assert pred.continuation(cfg, [3, 9, 1, 2], 2) == [4, 9]
-    assert pred.continuation(cfg, [4, 9, 1, 2], 5) == [5]
+    assert pred.continuation(cfg, [3, 9, 1], [2], 2) == [4, 9]  # (the last token a grammar's forced one)
+    assert pred.continuation(cfg, [4, 9, 1, 2], [], 5) == [5]
     # Past the last place a suffix matches, the nearest before it.
-    assert pred.continuation(cfg, [8, 1, 2], 2) == [5]
-    assert pred.continuation(cfg, [6], 4) == []  # nowhere
-    assert pred.continuation(cfg, [1, 2, 5], 4) == []  # at the prediction's end: nothing follows
+    assert pred.continuation(cfg, [8, 1, 2], [], 2) == [5]
+    assert pred.continuation(cfg, [6], [], 4) == []  # nowhere
+    assert pred.continuation(cfg, [1, 2, 5], [], 4) == []  # at the prediction's end: nothing follows
+
+
+VOCAB = [b"{", b'"', b'{"', b"a", b"b", b"ab", b'":', b" ", b"1", b"2", b",", b"}", b"x", b"y", b"y" * 12]
+
+
+def toy_tokenize(text: str) -> list[int]:
+    """The longest vocabulary entry first, left to right (a tokenizer's canonical split, for the toy vocabulary)."""
+    data, out = text.encode(), []
+    while data:
+        best = max((i for i, v in enumerate(VOCAB) if data.startswith(v)), key=lambda i: len(VOCAB[i]))
+        out.append(best)
+        data = data[len(VOCAB[best]):]
+    return out
+
+
+def test_a_text_prediction_is_matched_as_bytes_whatever_the_split():
+    from specjet.spec_v2.prediction import TokenText
+
+    cfg, text = NgramConfig(), TokenText(lambda: VOCAB, toy_tokenize)
+    prompt = [12, 13]  # 'xy'
+    pred = PredictionText('{"ab": 1, "ab": 2}', len(prompt), text)
+    # The reply so far is '{' (a constrained model's split; the tokenizer says '{"'): the text from there on,
+    # in the tokenizer's split; cut short, its last token is left out (it may be the start of a longer one).
+    assert pred.continuation(cfg, prompt + [0], [], 3) == toy_tokenize('"ab": 1')[:3]
+    assert pred.continuation(cfg, prompt + [0], [], 1) == toy_tokenize('"')
+    long = PredictionText("{" + "y" * 40, len(prompt), text)
+    assert long.continuation(cfg, prompt + [0], [], 2) == [14]  # 24 bytes read, more after: the last token dropped
+    # '{', '"', 'a', 'b' (another split of '{"ab') and the forced '":': what follows the first '": '.
+    assert pred.continuation(cfg, prompt + [0, 1, 3, 4], [6], 3) == toy_tokenize(" 1,")
+    # ', "ab": ' occurs once; then '": ' twice: the place after the last match comes first.
+    assert pred.continuation(cfg, prompt + [10, 7, 1, 5, 6, 7], [], 8) == toy_tokenize("2}")
+    assert pred.continuation(cfg, prompt + [12, 6, 7], [], 8) == toy_tokenize("2}")  # '": ' again: the last
+    assert pred.continuation(cfg, prompt + [10, 7, 1, 5, 6, 7, 9, 11], [], 8) == []  # at its end: nothing follows
+    assert pred.continuation(cfg, prompt + [12, 12], [], 8) == []  # 'xx' is nowhere
 
 
 def test_the_prediction_is_the_first_branch_of_an_ngram_tree():

@@ -83,12 +83,15 @@ class Engine:
         self._async_outputs = AsyncOutputs(self._thread.is_alive, _LIVENESS_POLL_S)
 
     # ---------------------------------------------------------------- request construction
-    def _check_prediction(self, ids: list[int]) -> None:
+    def _check_prediction(self, prediction: str | list[int]) -> None:
         """A prediction longer than any reply could be is a mistake; one the engine cannot draft from is not
         an error (it changes no output), but worth a line in the log."""
         ctx = self.scheduler.config.context_len
-        if len(ids) > ctx:
-            raise ValueError(f"prediction of {len(ids)} tokens is longer than the context length {ctx}")
+        n = len(prediction) if not isinstance(prediction, str) else (
+            len(prediction) // 64 if len(prediction) > 64 * ctx else  # surely too long: not worth tokenizing
+            len(self.tokenizer(prediction, add_special_tokens=False)["input_ids"]))
+        if n > ctx:
+            raise ValueError(f"prediction of {n} tokens is longer than the context length {ctx}")
         speculator = self.worker.speculator
         if not self._warned_prediction and (speculator is None or not speculator.drafts_ngrams):
             self._warned_prediction = True
@@ -132,8 +135,6 @@ class Engine:
             for sp in params:
                 sp.validate()
         for sp in params:
-            if isinstance(sp.prediction, str):
-                sp.prediction = self.tokenizer(sp.prediction, add_special_tokens=False)["input_ids"] or None
             if sp.prediction is not None:
                 self._check_prediction(sp.prediction)
             sp.check_token_ids(self.scheduler.vocab_size)

@@ -73,8 +73,8 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
                                                       runner.device)
         logger.info("draft quantization %s (%s)", draft_quantization, why)
         spec_config = replace(spec_config, draft_quantization=draft_quantization)
-    speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer)
-                  if spec_config is not None else None)
+    speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer,
+                             token_bytes=grammar.token_bytes) if spec_config is not None else None)
     if runner.device.type == "cuda" and not args.disable_cuda_graph:
         # The target's decode and verify forwards replay CUDA graphs (models/target_graphs.py), the
         # buckets this engine's iterations take captured now.

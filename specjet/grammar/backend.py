@@ -121,6 +121,7 @@ class GrammarBackend:
         # vocab_size is the model's: its LM head may be wider than the tokenizer's vocabulary
         # (padding rows), and the token bitmask must cover every logit.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._token_bytes: list[bytes] | None = None
         # xgrammar's own cache stays on: it shares compiled sub-rules across different schemas
         # (about 2.5x faster over the dev set). max_threads is xgrammar's parallelism inside one
         # compile.
@@ -145,6 +146,12 @@ class GrammarBackend:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer_info.vocab_size
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each token id spells (xgrammar's decoded vocabulary), made once."""
+        if self._token_bytes is None:
+            self._token_bytes = [bytes(b) for b in self.tokenizer_info.decoded_vocab]
+        return self._token_bytes
 
     @property
     def abandoned_compiles(self) -> int:

@@ -83,7 +83,7 @@ class SamplingParams:
     # OpenAI's predicted output: text (or token ids) the reply is expected to repeat for the most part (a
     # previous version of a document being edited, say). Where the engine speculates, drafting proposes the
     # prediction's continuation wherever the reply's last tokens match it; verification keeps the output
-    # exactly what it would be without it. The engine turns a str into token ids at the door.
+    # exactly what it would be without it. Token ids are matched as tokens, text as bytes (spec_v2/prediction.py).
     prediction: str | list[int] | None = None
 
     @classmethod

@@ -39,7 +39,7 @@ class SpecInput:
     prompt_len: int = 0  # token_ids[:prompt_len] is the prompt (penalties count the output apart)
     penalties: Penalties | None = None  # applied to every node's logits with its own path's tokens
     logprobs: int | None = None  # asks its tokens' logprobs with this many alternatives; None: does not ask
-    prediction: list[int] | None = None  # the reply it expects (OpenAI's predicted output), as token ids
+    prediction: str | list[int] | None = None  # the reply it expects (OpenAI's predicted output): text or ids
 
     @property
     def root(self) -> int:

@@ -8,19 +8,18 @@ tasks that copy from the prompt.
 
 ``NgramIndex`` is the per-request suffix index: for every n-gram length 1..max_window it maps the
 n-gram to the positions where it ends, updated incrementally as tokens are accepted.
-``PredictionIndex`` does the same over a request's predicted output (OpenAI's Predicted Outputs:
-text the reply is expected to repeat, such as the last version of a document being edited), whose
-continuation goes first in the request's tree wherever the reply's last tokens match it.
+A request's predicted output (prediction.py) gives the first branch of its tree wherever the
+reply's last tokens match it.
 """
 from __future__ import annotations
 
-import bisect
 from typing import Callable
 
 import torch
 
 from specjet.spec_v2.config import NgramConfig
 from specjet.spec_v2.drafter import DraftRequest, DraftTree, SpecInput
+from specjet.spec_v2.prediction import PredictionIndex, PredictionText, TokenText
 from specjet.spec_v2.tree_verifier import VerifyResult
 
 
@@ -37,6 +36,10 @@ class NgramIndex:
             for w in range(1, min(self.max_window, t + 1) + 1):
                 key = tuple(self.tokens[t - w + 1: t + 1])
                 self._ends.setdefault(key, []).append(t)
+
+    def ends_of(self, ngram: list[int]) -> list[int]:
+        """The positions where ``ngram`` ends in the tokens, ascending."""
+        return self._ends.get(tuple(ngram), [])
 
     def continuations(self, cfg: NgramConfig, max_len: int, after: list[int] = ()) -> list[list[int]]:
         """Up to ``cfg.max_branches`` distinct continuations of the current suffix, best first:
@@ -66,33 +69,6 @@ class NgramIndex:
                     if len(found) >= cfg.max_branches:
                         return found
         return found
-
-
-class PredictionIndex:
-    """A request's predicted output, indexed like its own tokens. A prediction is read in order, and
-    text repeats in it (a JSON document's keys): of the places the reply's last tokens match, the one
-    nearest after the place the last continuation came from is taken (else the nearest before it)."""
-
-    def __init__(self, tokens: list[int], max_window: int):
-        self.index = NgramIndex(max_window)
-        self.index.extend(tokens)
-        self.cursor = 0  # the prediction position after the last match a continuation came from
-
-    def continuation(self, cfg: NgramConfig, tail: list[int], max_len: int) -> list[int]:
-        """What follows the longest suffix of ``tail`` (the reply's last tokens) found in the prediction,
-        at most ``max_len`` tokens ([]: no suffix of ``cfg.min_window`` tokens or more is found)."""
-        tokens = self.index.tokens
-        for w in range(min(cfg.max_window, len(tail)), cfg.min_window - 1, -1):
-            ends = self.index._ends.get(tuple(tail[len(tail) - w:]))
-            if not ends:
-                continue
-            k = bisect.bisect_left(ends, self.cursor)
-            end = ends[k] if k < len(ends) else ends[-1]
-            cont = tokens[end + 1: end + 1 + max_len]
-            if cont:
-                self.cursor = end + 1
-                return cont
-        return []
 
 
 def build_trie(root_token: int, continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
@@ -126,7 +102,10 @@ class NgramDrafter:
     def __init__(self, cfg: NgramConfig):
         self.cfg = cfg
         self._indexes: dict[str, NgramIndex] = {}
-        self._predictions: dict[str, PredictionIndex] = {}
+        self._predictions: dict[str, PredictionIndex | PredictionText] = {}
+        # What a prediction given as text needs of the tokenizer (set by the speculator; None: such
+        # predictions are not drafted from).
+        self.token_text: TokenText | None = None
 
     def scratch_slots(self, batch_size: int) -> int:
         return 0
@@ -140,13 +119,23 @@ class NgramDrafter:
         for r in reqs:
             self.observe(r.input.rid, r.input.token_ids)
             if r.input.prediction and r.input.rid not in self._predictions:
-                self._predictions[r.input.rid] = PredictionIndex(r.input.prediction, self.cfg.max_window)
+                self._add_prediction(r.input)
             legal_len = r.guide.legal_prefix_len if r.guide is not None else None
             trees.append(self.tree_for(r.input.rid, r.budget, r.chain, legal_len))
         return trees
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
         pass  # the accepted tokens reach the index with the request's next token_ids
+
+    def _add_prediction(self, req: SpecInput) -> None:
+        """Token ids are matched as tokens (the model's own split, e.g. an earlier reply's output ids); text
+        as bytes, so a reply that spells it in other pieces than the tokenizer's still finds its place."""
+        if not isinstance(req.prediction, str):
+            index = NgramIndex(self.cfg.max_window)
+            index.extend(req.prediction)
+            self._predictions[req.rid] = PredictionIndex(index)
+        elif self.token_text is not None:
+            self._predictions[req.rid] = PredictionText(req.prediction, req.prompt_len, self.token_text)
 
     def observe(self, rid: str, all_tokens: list[int]) -> None:
         """Bring the request's index up to date with its full token list (prompt + output)."""
@@ -186,7 +175,7 @@ class NgramDrafter:
         branches = respelled + [chain + cont for cont in conts]
         prediction = self._predictions.get(rid)
         if prediction is not None and room > 0:
-            cont = prediction.continuation(self.cfg, index.tokens[-self.cfg.max_window:] + chain, room)
+            cont = prediction.continuation(self.cfg, index.tokens, chain, room)
             if legal_len is not None:
                 cont = cont[: legal_len(chain, cont)]
             if cont:

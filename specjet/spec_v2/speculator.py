@@ -35,6 +35,7 @@ from specjet.spec_v2.eagle_drafter import EagleDrafter
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.hybrid import HybridDrafter
 from specjet.spec_v2.ngram import NgramDrafter
+from specjet.spec_v2.prediction import TokenText
 from specjet.spec_v2.payoff import DraftPayoff
 from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput, VerifyResult
 
@@ -110,7 +111,8 @@ def text_to_ids(tokenizer) -> Callable[[str], list[int]]:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, runner: ModelRunner, allocator, context_len: int, tokenizer=None):
+    def __init__(self, cfg: SpecConfig, runner: ModelRunner, allocator, context_len: int, tokenizer=None,
+                 token_bytes: Callable[[], list[bytes]] | None = None):
         self.cfg = cfg
         # Jump-forward needs the model's tokenizer to turn the grammar's forced text into tokens.
         self._tokenize = None if tokenizer is None else text_to_ids(tokenizer)
@@ -118,6 +120,9 @@ class Speculator:
         self.context_len = context_len
         self.draft_model_dir = draft_model_dir(cfg)  # None: a head handed in, or no draft model
         self.drafter = make_drafter(cfg, runner, allocator)
+        ngram = self.drafter if isinstance(self.drafter, NgramDrafter) else getattr(self.drafter, "ngram", None)
+        if isinstance(ngram, NgramDrafter) and token_bytes is not None and tokenizer is not None:
+            ngram.token_text = TokenText(token_bytes, self._tokenize)  # for predictions given as text
         self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture, static_nodes=cfg.max_tree_nodes)
         # A learned drafter sees the positions of root-only trees later, in one call (catch_up.py).
         self.pending = PendingPositions() if self.drafter.feature_capture is not None else None
