@@ -9,7 +9,8 @@ greedy, three ways: without a prediction; with the reply itself ("exact": a clie
 it has, or a document it expects back unchanged); and with the reply's every eighth word reversed
 ("edited": the last version of a document being revised). Every output must be plain decoding's
 (checked, printed); tokens/s is completion tokens over the summed request times (prefill included),
-accept the accepted tokens per verify over the whole set.
+accept the accepted tokens per verify over the whole set, both of the median of ``--repeats`` rounds (the
+three ways alternated, so a slow spell of the machine does not fall on one of them).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=_positive, default=8)
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
     parser.add_argument("--algorithms", nargs="+", default=["NGRAM", "DFLASH"], choices=["NGRAM", "EAGLE", "DFLASH"])
+    parser.add_argument("--repeats", type=_positive, default=3,
+                        help="rounds of the three ways, alternated; the median round is reported")
     parser.add_argument("--result-file", default=None, help="append one JSON record of the run")
     add_engine_args(parser)
     return parser.parse_args(argv)
@@ -71,6 +74,11 @@ def run(engine, requests, predictions: list[str | None]) -> dict:
             "tok_s": tokens / seconds, "accept": accept_length(before, spec_totals(engine))}
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median tokens/s (the lower middle one of an even count)."""
+    return sorted(rounds, key=lambda r: r["tok_s"])[(len(rounds) - 1) // 2]
+
+
 def main(argv: list[str] | None = None) -> dict:
     import specjet
 
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     with specjet.Engine(**kwargs) as plain:
         requests = workload(args, plain.tokenizer)
         plain.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4))  # warm-up
-        reference = run(plain, requests, [None] * len(requests))
+        reference = median_round([run(plain, requests, [None] * len(requests)) for _ in range(args.repeats)])
         texts = [plain.tokenizer.decode(ids, skip_special_tokens=True) for ids in reference["ids"]]
     predictions = {"none": [None] * len(texts), "exact": texts, "edited": [edited(t) for t in texts]}
     rows = []
@@ -88,12 +96,17 @@ def main(argv: list[str] | None = None) -> dict:
         spec_kwargs = dict(engine_kwargs(args), speculative_algorithm=algorithm)
         with specjet.Engine(**spec_kwargs) as eng:
             eng.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4, prediction=texts[0]))  # warm-up
-            for kind in KINDS:
-                r = run(eng, requests, predictions[kind])
-                rows.append({"algorithm": algorithm, "prediction": kind, "tok_s": round(r["tok_s"], 1),
-                             "accept": None if r["accept"] is None else round(r["accept"], 2),
-                             "vs_plain": round(r["tok_s"] / reference["tok_s"], 2),
-                             "identical": r["ids"] == reference["ids"]})
+            rounds = {kind: [] for kind in KINDS}
+            for _ in range(args.repeats):
+                for kind in KINDS:
+                    rounds[kind].append(run(eng, requests, predictions[kind]))
+        for kind in KINDS:
+            r = median_round(rounds[kind])
+            rows.append({"algorithm": algorithm, "prediction": kind, "tok_s": round(r["tok_s"], 1),
+                         "tok_s_rounds": [round(x["tok_s"], 1) for x in rounds[kind]],
+                         "accept": None if r["accept"] is None else round(r["accept"], 2),
+                         "vs_plain": round(r["tok_s"] / reference["tok_s"], 2),
+                         "identical": all(x["ids"] == reference["ids"] for x in rounds[kind])})
     machine["load_avg_after"] = machine_info()["load_avg"]
     lines = report_header_lines(command_line(), date, machine)
     lines.append(f"# workload: {args.workload}, {len(requests)} prompts alone, greedy, {args.max_new_tokens} tokens "

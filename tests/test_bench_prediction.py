@@ -15,11 +15,12 @@ def test_each_prediction_kind_against_plain(tiny_model_dir, tmp_path, capsys, wo
     result_file = tmp_path / "prediction.jsonl"
     record = main(["--model-path", str(tiny_model_dir), "--workload", workload, "--num-prompts", "2",
                    "--max-new-tokens", "24", "--algorithms", "NGRAM", "--max-total-tokens", "4096",
-                   "--speculative-num-draft-tokens", "6", "--result-file", str(result_file)])
+                   "--speculative-num-draft-tokens", "6", "--repeats", "2", "--result-file", str(result_file)])
     out = capsys.readouterr().out
     rows = {r["prediction"]: r for r in record["rows"]}
     assert set(rows) == {"none", "exact", "edited"} and all(r["algorithm"] == "NGRAM" for r in rows.values())
-    assert all(r["identical"] for r in rows.values())
+    assert all(r["identical"] for r in rows.values()) and all(len(r["tok_s_rounds"]) == 2 for r in rows.values())
+    assert all(r["tok_s"] == min(r["tok_s_rounds"]) for r in rows.values())  # the lower middle of two
     if workload == "gsm8k":  # (under a schema the random model spells its JSON in other pieces than the text's)
         assert rows["exact"]["accept"] > max(3.0, rows["none"]["accept"])  # at most 6 a verify
     assert "| NGRAM | exact |" in out and out.startswith("# command: ") and f"\n# machine: {describe_cpu()}; " in out
@@ -32,7 +33,8 @@ def test_an_edited_prediction_reverses_every_eighth_word():
     assert words[7] == "x7w" and words[15] == "x51w" and words[:7] == text.split(" ")[:7]
 
 
-@pytest.mark.parametrize("flags", [["--num-prompts", "0"], ["--max-new-tokens", "-1"], ["--algorithms", "MEDUSA"]])
+@pytest.mark.parametrize("flags", [["--num-prompts", "0"], ["--max-new-tokens", "-1"], ["--algorithms", "MEDUSA"],
+                                   ["--repeats", "0"]])
 def test_bad_arguments_are_refused(flags):
     with pytest.raises(SystemExit):
         parse_args(flags)

@@ -41,6 +41,18 @@ def test_the_prediction_is_read_in_order():
     assert pred.continuation(cfg, [1, 2, 5], [], 4) == []  # at the prediction's end: nothing follows
 
 
+def test_the_requests_own_spelling_of_forced_text_goes_before_the_prediction():
+    """A constrained model that spelt a key in its own pieces before spells it so again: that branch first,
+    then the prediction's (after the grammar's forced chain, the tokenizer's split of the key)."""
+    drafter = NgramDrafter(NgramConfig())
+    own = [9, 1, 2, 3, 50, 60, 1, 2]  # '1 2 3' its own spelling of the text the chain [4] also spells
+    req = SpecInput("r", 0, len(own) - 1, own, 20, prediction=[8, 1, 2, 4, 70, 71])
+    tokens, parents = drafter.propose([DraftRequest(req, 12, None, [4])], 12, None)[0]
+    assert tokens[1] == 3 and parents[1] == 0  # the respelled branch leads
+    four = tokens.index(4)
+    assert parents[four] == 0 and tokens[tokens.index(70)] == 70 and parents[tokens.index(70)] == four
+
+
 VOCAB = [b"{", b'"', b'{"', b"a", b"b", b"ab", b'":', b" ", b"1", b"2", b",", b"}", b"x", b"y", b"y" * 12]
 
 

@@ -159,7 +159,7 @@ class NgramDrafter:
         that text before, its own spelling is the better guess. The chain's branch follows.
 
         A request's predicted output, where its last tokens (and the chain) match it, gives the first
-        branch of all: the caller's own guess at the reply."""
+        branch after those: the caller's own guess at the reply."""
         index = self._indexes[rid]
         chain = list(chain)[: max(0, max_nodes - 1)]
         respelled = []
@@ -178,8 +178,8 @@ class NgramDrafter:
             cont = prediction.continuation(self.cfg, index.tokens, chain, room)
             if legal_len is not None:
                 cont = cont[: legal_len(chain, cont)]
-            if cont:
-                branches.insert(0, chain + cont)
+            if cont:  # after the request's own spelling of the forced text (the chain's is the tokenizer's)
+                branches.insert(len(respelled), chain + cont)
         return build_trie(index.tokens[-1], branches[: self.cfg.max_branches] + [chain], max_nodes)
 
     def release(self, rid: str) -> None:
