@@ -4,8 +4,8 @@
                                [--algorithms NGRAM DFLASH] [--result-file F] [engine flags: --dtype ...]
 
 Per prompt (GSM8K questions in the chat template, or the JSON dev set's prompts under their schemas),
-plain greedy decoding first gives the reply. Then each speculative algorithm decodes each prompt alone,
-greedy, three ways: without a prediction; with the reply itself ("exact": a client regenerating a reply
+plain greedy decoding first gives the reply. Then each speculative algorithm decodes the prompts (alone, or
+``--batch-size`` at a time), greedy, three ways: without a prediction; with the reply itself ("exact": a client regenerating a reply
 it has, or a document it expects back unchanged); and with the reply's every eighth word reversed
 ("edited": the last version of a document being revised). Every output must be plain decoding's
 (checked, printed); tokens/s is completion tokens over the summed request times (prefill included),
@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=_positive, default=8)
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
     parser.add_argument("--algorithms", nargs="+", default=["NGRAM", "DFLASH"], choices=["NGRAM", "EAGLE", "DFLASH"])
+    parser.add_argument("--batch-size", type=_positive, default=1,
+                        help="requests sent together (each batch one generate call; its time counted once)")
     parser.add_argument("--repeats", type=_positive, default=3,
                         help="rounds of the three ways, alternated; the median round is reported")
     parser.add_argument("--result-file", default=None, help="append one JSON record of the run")
@@ -61,13 +63,17 @@ def workload(args, tokenizer) -> list[tuple[str, dict]]:
             for e in jsonschema_prompts(args.num_prompts)]
 
 
-def run(engine, requests, predictions: list[str | None]) -> dict:
-    """Each request alone; its output ids, the summed seconds and tokens, and the accept length."""
+def run(engine, requests, predictions: list[str | None], batch_size: int = 1) -> dict:
+    """The requests in batches of ``batch_size`` (one generate call each); the output ids, the summed seconds
+    and tokens, and the accept length."""
     before = spec_totals(engine)
     outs, seconds = [], 0.0
-    for (prompt, params), prediction in zip(requests, predictions):
+    for i in range(0, len(requests), batch_size):
+        prompts = [prompt for prompt, _ in requests[i:i + batch_size]]
+        params = [p if pred is None else dict(p, prediction=pred)
+                  for (_, p), pred in zip(requests[i:i + batch_size], predictions[i:i + batch_size])]
         start = time.perf_counter()
-        outs.append(engine.generate(prompt, params if prediction is None else dict(params, prediction=prediction)))
+        outs += engine.generate(prompts, params)
         seconds += time.perf_counter() - start
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     return {"ids": [o["output_ids"] for o in outs], "tokens": tokens, "seconds": seconds,
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     with specjet.Engine(**kwargs) as plain:
         requests = workload(args, plain.tokenizer)
         plain.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4))  # warm-up
-        reference = median_round([run(plain, requests, [None] * len(requests)) for _ in range(args.repeats)])
+        reference = median_round([run(plain, requests, [None] * len(requests), args.batch_size)
+                                  for _ in range(args.repeats)])
         texts = [plain.tokenizer.decode(ids, skip_special_tokens=True) for ids in reference["ids"]]
     predictions = {"none": [None] * len(texts), "exact": texts, "edited": [edited(t) for t in texts]}
     rows = []
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             rounds = {kind: [] for kind in KINDS}
             for _ in range(args.repeats):
                 for kind in KINDS:
-                    rounds[kind].append(run(eng, requests, predictions[kind]))
+                    rounds[kind].append(run(eng, requests, predictions[kind], args.batch_size))
         for kind in KINDS:
             r = median_round(rounds[kind])
             rows.append({"algorithm": algorithm, "prediction": kind, "tok_s": round(r["tok_s"], 1),
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "identical": all(x["ids"] == reference["ids"] for x in rounds[kind])})
     machine["load_avg_after"] = machine_info()["load_avg"]
     lines = report_header_lines(command_line(), date, machine)
-    lines.append(f"# workload: {args.workload}, {len(requests)} prompts alone, greedy, {args.max_new_tokens} tokens "
+    lines.append(f"# workload: {args.workload}, {len(requests)} prompts in batches of {args.batch_size}, greedy, "
+                 f"{args.max_new_tokens} tokens "
                  f"at most; plain decoding {reference['tok_s']:.1f} tok/s ({reference['tokens']} tokens)")
     lines.append("| algorithm | prediction | tok/s | x plain | accept | identical to plain |")
     lines.append("|---|---|---|---|---|---|")

@@ -217,3 +217,18 @@ def test_an_engine_that_drafts_no_ngrams_says_so_once_and_decodes_as_ever(tiny_m
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in outs] == expected[0]
     assert sum("does not draft from" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_free_text_with_a_prediction_drafts_beside_others_on_a_quantized_target(tiny_model_dir, wrong_draft):
+    """int8 weights on the CPU: in a batch, free text verifies its root alone (QUANTIZED_FREE_TEXT_DRAFT_BATCH)
+    unless it brings a prediction, the caller's claim that drafting pays; the ids stay plain decoding's."""
+    kw = dict(max_total_tokens=4096, device="cpu", quantization="int8")
+    with specjet.Engine(model_path=str(tiny_model_dir), **kw) as plain_q:
+        ref = [o["output_ids"] for o in plain_q.generate(PROMPTS, greedy(N))]
+    with dflash_engine(tiny_model_dir, wrong_draft, speculative_hybrid_ngram_tokens=10, **kw) as eng:
+        assert eng.worker.speculator.cfg.free_text_draft_batch == 1
+        without = eng.generate(PROMPTS, greedy(N))
+        exact = eng.generate(PROMPTS, [greedy(N, prediction=ids) for ids in ref])
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in without] == ref == [o["output_ids"] for o in exact]
+    assert mean_accept(without) < 1.2 and mean_accept(exact) > 3.0, (mean_accept(without), mean_accept(exact))

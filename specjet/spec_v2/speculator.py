@@ -180,10 +180,13 @@ class Speculator:
         share = self.tree_share(len(reqs))
         budgets = [self.tree_budget(r, share) for r in reqs]
         limit = self.cfg.free_text_draft_batch
+        # A request with a grammar (whose forced text is sure) or a prediction (the caller's claim that drafting
+        # pays) is left to draft.
         if limit is not None and len(reqs) > limit:  # free text verifies its root alone (a plain step)
-            budgets = [min(n, 1) if r.grammar is None else n for r, n in zip(reqs, budgets)]
+            budgets = [min(n, 1) if r.grammar is None and not r.prediction else n for r, n in zip(reqs, budgets)]
         # Alone and without a grammar, a request drafts while drafting measures faster than plain steps.
-        judged = reqs[0] if self.payoff is not None and len(reqs) == 1 and reqs[0].grammar is None else None
+        judged = (reqs[0] if self.payoff is not None and len(reqs) == 1 and reqs[0].grammar is None
+                  and not reqs[0].prediction else None)
         if judged is not None and budgets[0] > 1 and not self.payoff.wants_draft(judged.rid, judged.committed_len):
             budgets = [1]
         start = time.perf_counter()
