@@ -431,3 +431,25 @@ def test_an_eagle3_engine_drafts_the_same_from_the_features_of_either_path(tiny_
     ids, accepted = run(True)
     assert ids == expected
     assert (ids, accepted) == run(False)
+
+
+def test_logits_of_given_rows_are_those_rows_of_every_rows_logits(tiny_model_dir):
+    """``logit_rows`` (a prefill scoring some prompt positions): the LM head over those flat rows alone, in
+    their order, the bits of every row's logits picked after, from the C++ call and the general path."""
+    runner = make_runner(tiny_model_dir, "float32", None)
+    gen = torch.Generator().manual_seed(5)
+    table = scattered_table(3, 40)
+    tokens = torch.randint(0, runner.config.vocab_size, (12,), generator=gen).tolist()
+    positions = list(range(7)) + list(range(5))
+    args = (tokens, positions, positions, [2, 0], [7, 5], [7, 5], table)
+    picked_rows = [6, 0, 11, 3]
+    kv = KVSnapshot(runner)
+    every = cpp_forward(runner, *args)
+    kv.restore()
+    picked = cpp_forward(runner, *args, logit_rows=picked_rows)
+    kv.restore()
+    assert torch.equal(picked.logits, every.logits[picked_rows])
+    stack, runner.model.layer_stack = runner.model.layer_stack, None
+    fallback = runner.forward_lists(*args, logit_rows=picked_rows)
+    runner.model.layer_stack = stack
+    assert torch.equal(fallback.logits, picked.logits)

@@ -181,6 +181,28 @@ def test_prompt_logprobs_are_the_models_chunked_cached_and_speculative(tiny_mode
     assert all(m["input_token_logprobs"] == runs[0]["input_token_logprobs"] for m in runs)
 
 
+def test_a_prefill_scores_only_the_asking_requests_rows(tiny_model_dir, monkeypatch):
+    """A prefill batch with a prompt-logprob request runs the LM head over that request's scored rows and each
+    request's last row, not over its neighbours' prompts; both answer as they do alone."""
+    asker = [504, 2365, 6354, 16438, 253, 255, 272, 253, 255, 272, 28]
+    neighbour = list(range(1000, 1060))
+    ask = {"temperature": 0, "max_new_tokens": 3, "return_logprob": True, "logprob_start_len": 3}
+    plain = {"temperature": 0, "max_new_tokens": 3}
+    with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096,
+                        disable_radix_cache=True) as eng:
+        alone = [eng.generate(input_ids=neighbour, sampling_params=plain),
+                 eng.generate(input_ids=asker, sampling_params=ask)]
+        model = eng.worker.runner.model
+        rows, real = [], model.head_logits
+        monkeypatch.setattr(model, "head_logits", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
+        both = eng.generate(input_ids=[neighbour, asker], sampling_params=[plain, ask])
+        eng.check_kv_invariant()
+    # Rows 2..9 (prompt tokens 3..10), its last row and the neighbour's last (all 71 of the batch before).
+    assert max(rows) == (len(asker) - 3) + 2
+    assert [o["output_ids"] for o in both] == [o["output_ids"] for o in alone]
+    assert both[1]["meta_info"]["input_token_logprobs"] == alone[1]["meta_info"]["input_token_logprobs"]
+
+
 def test_prompt_logprob_parameters_fail_at_the_door(tiny_model_dir):
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024) as eng:
         with pytest.raises(ValueError, match="logprob_start_len needs return_logprob=True"):

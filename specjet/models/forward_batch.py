@@ -96,15 +96,17 @@ class ForwardBatch:
                   q_lens: list[int], kv_lens: list[int], custom_mask: torch.Tensor | None = None,
                   capture_hidden: CaptureHidden = None,
                   logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  defer_logits: bool = False, last_logits: bool = False) -> "ForwardBatch":
-        """``build(..., logits="all")`` (``last_logits``: ``logits="last"``) from the requests' table rows and
-        lengths as host lists (a decode step's, a verify's, a draft extend's): the same batch (tested) with
-        fewer small ops."""
+                  defer_logits: bool = False, last_logits: bool = False,
+                  logit_rows: list[int] | None = None) -> "ForwardBatch":
+        """``build(..., logits="all")`` (``last_logits``: ``logits="last"``; ``logit_rows``: those flat rows) from
+        the requests' table rows and lengths as host lists (a decode step's, a verify's, a draft extend's): the
+        same batch (tested) with fewer small ops."""
         attn = host_attention_metadata(req_to_token, rows, q_lens, kv_lens, custom_mask)
-        logits_indices = None
         if last_logits:  # each request's last row
-            ends = [end - 1 for end in itertools.accumulate(q_lens)]
-            logits_indices = torch.tensor(ends, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+            logit_rows = [end - 1 for end in itertools.accumulate(q_lens)]
+        logits_indices = None
+        if logit_rows is not None:
+            logits_indices = torch.tensor(logit_rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)
         return cls(mode, input_ids, positions, out_cache_loc, attn, logits_indices, capture_hidden, logits_mask,
                    defer_logits)
 

@@ -358,13 +358,15 @@ class LlamaForCausalLM(nn.Module):
                       q_lens: list[int], kv_lens: list[int], table: torch.Tensor, kv_cache: KVCache,
                       custom_mask: torch.Tensor | None = None, capture_hidden: CaptureHidden = None,
                       logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      defer_logits: bool = False, last_logits: bool = False) -> ModelOutput | None:
+                      defer_logits: bool = False, last_logits: bool = False,
+                      logit_rows: list[int] | None = None) -> ModelOutput | None:
         """A prefill, a decode step or a verify from host lists as one C++ call of the layer stack
         (``LayerStack.forward_lists``): request b (table row ``rows[b]``) brings ``q_lens[b]`` tokens, the last of
         its ``kv_lens[b]`` positions; token i is ``ids[i]`` at ``positions[i]``, its KV in slot
         ``table[row, slot_cols[i]]``. The output of ``forward`` on the batch ``host_token_tensors`` and
         ``ForwardBatch.from_host`` build from the same lists (logits of every row; ``last_logits``: of each
-        request's last row, as ``build(..., logits="last")`` gives a prefill), the same bits (tested), without
+        request's last row, as ``build(..., logits="last")`` gives a prefill; ``logit_rows``: of those flat rows,
+        in that order), the same bits (tested), without
         their dozen small torch ops. None (nothing run) where the call does not apply: no layer stack, the
         attention or the embedding off the CPU kernels, per-layer captures (``capture_hidden`` a tuple)."""
         stack, native = self.layer_stack, self._native_norm
@@ -385,6 +387,8 @@ class LlamaForCausalLM(nn.Module):
         if last_logits:  # the norm is per row: its rows picked after it are the rows it gives picked before
             ends = list(itertools.accumulate(q_lens))
             logits = self.head_logits(hidden[[end - 1 for end in ends]] if ends[-1] > len(ends) else hidden)
+        elif logit_rows is not None:
+            logits = self.head_logits(hidden[logit_rows])
         else:
             logits = self.head_logits(hidden, logits_mask)
         if feature_layers:

@@ -148,12 +148,13 @@ class ModelRunner:
                       q_lens: list[int], kv_lens: list[int], table: torch.Tensor,
                       custom_mask: torch.Tensor | None = None, capture_hidden=None,
                       logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None, defer_logits: bool = False,
-                      last_logits: bool = False) -> ModelOutput:
+                      last_logits: bool = False, logit_rows: list[int] | None = None) -> ModelOutput:
         """A prefill, a decode step or a verify given as host lists (``LlamaForCausalLM.forward_lists`` says what
         they hold): one C++ call of the layer stack where the model takes it, else ``forward`` on the batch
-        ``host_token_tensors`` and ``ForwardBatch.from_host`` build from the same lists (the same output: tested)."""
+        ``host_token_tensors`` and ``ForwardBatch.from_host`` build from the same lists (the same output: tested).
+        Logits of every row, of each request's last (``last_logits``) or of the flat rows ``logit_rows``."""
         kwargs = dict(custom_mask=custom_mask, capture_hidden=capture_hidden, logits_mask=logits_mask,
-                      defer_logits=defer_logits, last_logits=last_logits)
+                      defer_logits=defer_logits, last_logits=last_logits, logit_rows=logit_rows)
         out = self.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, self.kv_cache, **kwargs)
         if out is not None:
             return out
@@ -163,7 +164,7 @@ class ModelRunner:
                 ForwardMode.DECODE if max(q_lens) == 1 else ForwardMode.EXTEND)
         return self.forward(ForwardBatch.from_host(mode, ids_t, positions_t, slots, table, rows, q_lens, kv_lens,
                                                    custom_mask, capture_hidden, logits_mask, defer_logits,
-                                                   last_logits))
+                                                   last_logits, logit_rows))
 
     @property
     def head_takes_masks(self) -> bool:

@@ -240,18 +240,24 @@ class ModelWorker:
             q_lens.append(end - start)
             kv_lens.append(end)
         asked = {i: ps for i, inp in enumerate(inputs) if (ps := _prompt_positions(inp))}
+        if not asked:
+            return self.runner.forward_lists(ids, positions, positions, [inp.row for inp in inputs], q_lens, kv_lens,
+                                             self.req_to_token, capture_hidden=capture, last_logits=True)
+        # The LM head over the rows the asking requests score and each request's last row: not its neighbours'.
+        firsts = [sum(q_lens[:i]) for i in range(len(inputs))]
+        scored = {i: [firsts[i] + p - 1 - inputs[i].cached_len for p in ps] for i, ps in asked.items()}
+        lasts = [first + n - 1 for first, n in zip(firsts, q_lens)]
+        logit_rows = sorted({*lasts, *(r for rows in scored.values() for r in rows)})
+        at = {row: k for k, row in enumerate(logit_rows)}
         out = self.runner.forward_lists(ids, positions, positions, [inp.row for inp in inputs], q_lens, kv_lens,
-                                        self.req_to_token, capture_hidden=capture, last_logits=not asked)
-        if asked:  # every row's logits came: the asked rows' logprobs, then each request's last row
-            firsts = [sum(q_lens[:i]) for i in range(len(inputs))]
-            out.prompt_logprobs = {}
-            for i, ps in asked.items():
-                inp = inputs[i]
-                rows = [firsts[i] + p - 1 - inp.cached_len for p in ps]
-                tokens = logged([inp.prefill_ids[p] for p in ps], log_softmax_rows(out.logits, rows),
-                                inp.sampling.top_logprobs_num)
-                out.prompt_logprobs[i] = {p: (lp, top) for p, lp, top in zip(ps, tokens.logprobs, tokens.tops)}
-            out.logits = out.logits[[first + n - 1 for first, n in zip(firsts, q_lens)]]
+                                        self.req_to_token, capture_hidden=capture, logit_rows=logit_rows)
+        out.prompt_logprobs = {}
+        for i, ps in asked.items():
+            inp = inputs[i]
+            tokens = logged([inp.prefill_ids[p] for p in ps], log_softmax_rows(out.logits, [at[r] for r in scored[i]]),
+                            inp.sampling.top_logprobs_num)
+            out.prompt_logprobs[i] = {p: (lp, top) for p, lp, top in zip(ps, tokens.logprobs, tokens.tops)}
+        out.logits = out.logits[[at[row] for row in lasts]]
         return out
 
     def _decode_forward(self, states: list[ComputeState], inputs: list[ReqInput]) -> ModelOutput:
