@@ -39,12 +39,18 @@ def _config(model_dir) -> ModelConfig:
     return ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
 
 
+def make_wrong_draft(path, model_dir, num_layers: int = 2, block_size: int = 16):
+    """A random DFlash draft (DFlash as published): its blocks are wrong, so whatever is accepted came from
+    elsewhere (an n-gram path, a prediction)."""
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(_config(model_dir), DFlashShape(num_layers, (0,), block_size, 0))
+    draft.reset_parameters(std=0.3)
+    return save_dflash(draft, path, dtype=torch.float32)
+
+
 @pytest.fixture(scope="module")
 def wrong_draft(tmp_path_factory, tiny_model_dir):
-    torch.manual_seed(0)
-    draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 16, 0))
-    draft.reset_parameters(std=0.3)
-    return save_dflash(draft, tmp_path_factory.mktemp("wrong-dflash"), dtype=torch.float32)
+    return make_wrong_draft(tmp_path_factory.mktemp("wrong-dflash"), tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ import torch
 
 import specjet
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
-from test_dflash_spec import _config, dflash_engine, make_copy_draft
+from spec_helpers import biased_topk, total_variation, two_token_distribution
+from spec_helpers import spec_engine as engine
+from test_dflash_spec import make_copy_draft, make_wrong_draft
 from test_penalties import PROMPTS, SCHEMA, greedy
 from test_spec_eagle import random_head
 
@@ -88,13 +90,8 @@ def head(tmp_path_factory, cyclic_model_dir):
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory, cyclic_model_dir):
     """A DFlash draft that copies its root (often right on the cyclic model) and a random one (wrong)."""
-    from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
-
-    torch.manual_seed(0)
-    wrong = DFlashDraftModel(_config(cyclic_model_dir), DFlashShape(2, (0,), 8, 0))
-    wrong.reset_parameters(std=0.3)
     return {"copy": make_copy_draft(tmp_path_factory.mktemp("bias-copy"), cyclic_model_dir, root_context=True),
-            "wrong": save_dflash(wrong, tmp_path_factory.mktemp("bias-wrong"), dtype=torch.float32)}
+            "wrong": make_wrong_draft(tmp_path_factory.mktemp("bias-wrong"), cyclic_model_dir, 2, 8)}
 
 
 @pytest.mark.parametrize("algorithm, overlap", [("NGRAM", True), ("NGRAM", False), ("EAGLE", True),
@@ -102,16 +99,9 @@ def drafts(tmp_path_factory, cyclic_model_dir):
                                                 ("DFLASH-wrong", True)])
 def test_greedy_speculation_with_a_bias_equals_plain(cyclic_model_dir, head, drafts, expected, algorithm, overlap):
     bias, biased, constrained = expected
-    common = dict(max_total_tokens=4096, disable_overlap_schedule=not overlap)
-    if algorithm.startswith("DFLASH"):
-        eng = dflash_engine(cyclic_model_dir, drafts[algorithm.split("-")[1]], **common)
-    elif algorithm == "EAGLE":
-        eng = specjet.Engine(model_path=str(cyclic_model_dir), speculative_algorithm="EAGLE",
-                             speculative_draft_model_path=str(head), speculative_num_steps=3,
-                             speculative_eagle_topk=2, speculative_num_draft_tokens=8, **common)
-    else:
-        eng = specjet.Engine(model_path=str(cyclic_model_dir), speculative_algorithm="NGRAM", **common)
-    with eng:
+    kind = algorithm.split("-")
+    draft = drafts[kind[1]] if len(kind) > 1 else None
+    with engine(kind[0], cyclic_model_dir, head, draft, overlap, path=0) as eng:
         outs = eng.generate(PROMPTS, greedy(40, logit_bias=bias))
         under_grammar = eng.generate(PROMPTS, greedy(40, json_schema=SCHEMA, logit_bias=bias))
         eng.check_kv_invariant()
@@ -119,16 +109,6 @@ def test_greedy_speculation_with_a_bias_equals_plain(cyclic_model_dir, head, dra
     assert [o["output_ids"] for o in under_grammar] == constrained
     if algorithm != "DFLASH-wrong":
         assert any(o["meta_info"]["spec_accept_length"] > 1 for o in outs + under_grammar)
-
-
-def biased_topk(model, ids, bias, top_k):
-    """The target's top-k distribution after ``ids`` with ``bias`` added to its logits."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-    for token, value in bias.items():
-        logits[token] += value
-    vals, idx = logits.topk(top_k)
-    return dict(zip(idx.tolist(), torch.softmax(vals, -1).tolist()))
 
 
 def test_sampling_with_a_bias_matches_the_biased_target(cyclic_model_dir):
@@ -151,17 +131,9 @@ def test_sampling_with_a_bias_matches_the_biased_target(cyclic_model_dir):
         outs = eng.generate([prompt] * n, params)
         eng.check_kv_invariant()
     assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs) > n // 20  # drafts were accepted
-    exact = {}
-    for t1, p1 in biased_topk(model, prompt_ids, bias, 3).items():
-        for t2, p2 in biased_topk(model, prompt_ids + [t1], bias, 3).items():
-            exact[(t1, t2)] = p1 * p2
-    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
-    assert tv < 0.07, tv
-    unbiased = {}
-    for t1, p1 in biased_topk(model, prompt_ids, {}, 3).items():
-        for t2, p2 in biased_topk(model, prompt_ids + [t1], {}, 3).items():
-            unbiased[(t1, t2)] = p1 * p2
+    exact = two_token_distribution(model, prompt_ids, bias)
+    assert total_variation(outs, exact) < 0.07
+    unbiased = two_token_distribution(model, prompt_ids, {})
     assert 0.5 * sum(abs(exact.get(k, 0.0) - unbiased.get(k, 0.0)) for k in set(exact) | set(unbiased)) > 0.15
 
 

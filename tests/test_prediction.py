@@ -5,7 +5,6 @@ output exactly plain decoding's, and an exact one raises acceptance; sampling ke
 distribution; bad predictions are refused at the door."""
 from __future__ import annotations
 
-import collections
 import logging
 import random
 
@@ -17,8 +16,9 @@ from specjet.spec_v2.config import NgramConfig
 from specjet.spec_v2.drafter import DraftRequest, SpecInput
 from specjet.spec_v2.ngram import NgramDrafter, NgramIndex
 from specjet.spec_v2.prediction import PredictionIndex, PredictionText
-from test_dflash_spec import _config, dflash_engine
-from test_logit_bias import biased_topk
+from spec_helpers import biased_topk, mean_accept, total_variation, two_token_distribution
+from spec_helpers import spec_engine as engine
+from test_dflash_spec import dflash_engine, make_wrong_draft
 from test_penalties import SCHEMA
 from test_spec_eagle import greedy, random_head
 
@@ -122,29 +122,7 @@ def head(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def wrong_draft(tmp_path_factory, tiny_model_dir):
-    from specjet.models.dflash import DFlashDraftModel, DFlashShape, save_dflash
-
-    torch.manual_seed(0)
-    draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(1, (0,), 8, 0))
-    draft.reset_parameters(std=0.3)
-    return save_dflash(draft, tmp_path_factory.mktemp("prediction-dflash"), dtype=torch.float32)
-
-
-def engine(algorithm, model_dir, head, draft, overlap):
-    common = dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False)
-    if algorithm == "DFLASH":
-        return dflash_engine(model_dir, draft, speculative_hybrid_ngram_tokens=10, **common)
-    if algorithm == "EAGLE":
-        return specjet.Engine(model_path=str(model_dir), speculative_algorithm="EAGLE",
-                              speculative_draft_model_path=str(head), speculative_num_steps=2,
-                              speculative_eagle_topk=2, speculative_num_draft_tokens=6,
-                              speculative_hybrid_ngram_tokens=10, **common)
-    return specjet.Engine(model_path=str(model_dir), speculative_algorithm="NGRAM",
-                          speculative_num_draft_tokens=10, **common)
-
-
-def mean_accept(outs) -> float:
-    return sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs)
+    return make_wrong_draft(tmp_path_factory.mktemp("prediction-dflash"), tiny_model_dir, 1, 8)
 
 
 @pytest.mark.parametrize("algorithm, overlap", [("NGRAM", True), ("NGRAM", False), ("EAGLE", True),
@@ -184,12 +162,7 @@ def test_sampling_with_a_prediction_matches_the_target(cyclic_model_dir):
         outs = eng.generate([prompt] * n, params)
         eng.check_kv_invariant()
     assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs) > n // 10  # drafts were accepted
-    exact = {}
-    for t1, p1 in biased_topk(model, prompt_ids, {}, 3).items():
-        for t2, p2 in biased_topk(model, prompt_ids + [t1], {}, 3).items():
-            exact[(t1, t2)] = p1 * p2
-    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    tv = total_variation(outs, two_token_distribution(model, prompt_ids, {}))
     assert tv < 0.07, tv
 
 
