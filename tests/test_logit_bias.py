@@ -38,6 +38,8 @@ def test_bias_by_hand():
     ({"x": 1.0}, TypeError, "logit_bias keys must be token ids"),
     ({True: 1.0}, TypeError, "logit_bias keys must be token ids"),
     ({"1.5": 1.0}, TypeError, "logit_bias keys must be token ids"),
+    ({"--5": 1.0}, TypeError, "logit_bias keys must be token ids"),
+    ({"1e3": 1.0}, TypeError, "logit_bias keys must be token ids"),
     ({"5": "1"}, TypeError, r"logit_bias\['5'\] must be a number"),
     ({"5": float("nan")}, ValueError, r"logit_bias\['5'\] must be finite"),
     ({5: float("inf")}, ValueError, r"logit_bias\[5\] must be finite"),

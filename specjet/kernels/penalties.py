@@ -3,7 +3,8 @@
 A request's penalties depend on the tokens before the position being predicted: its output so far
 (OpenAI's frequency and presence penalties) and its prompt and output (the repetition penalty,
 as in SGLang and HF). Its logit bias (OpenAI's ``logit_bias``) is a constant added to chosen
-tokens' logits after the penalties, so the caller's bias has the last word. Plain decoding applies them to each request's row; speculative verification
+tokens' logits after the penalties, so the caller's bias has the last word. Plain decoding applies
+them to each request's row; speculative verification
 applies them to every node of a draft tree with the tokens on that node's own path added, so a
 node sees exactly the logits plain decoding would see after that path. Every operation here is
 elementwise on a row, so a row's result does not depend on how many rows share the call: greedy

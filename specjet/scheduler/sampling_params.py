@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ _FLOAT32_MAX = 3.4028234663852886e38
 TOP_K_ALL = 1 << 30
 # The most alternatives a token's logprobs list (OpenAI's limit on top_logprobs).
 MAX_TOP_LOGPROBS = 20
+# A logit_bias key given as a string (JSON's object keys): a decimal token id, sign allowed (refused later).
+_DECIMAL = re.compile(r"\s*-?[0-9]{1,18}\s*")
 # What torch.Generator.manual_seed accepts, less the negative half (an unsigned 64-bit seed).
 _SEED_LIMIT = 1 << 64
 
@@ -200,7 +203,7 @@ class SamplingParams:
         out: dict[int, float] = {}
         for key, bias in value.items():
             token = key
-            if isinstance(key, str) and key.strip().lstrip("-").isdecimal() and len(key) < 20:
+            if isinstance(key, str) and _DECIMAL.fullmatch(key):
                 token = int(key)  # a JSON object's keys are strings
             if not _is_int(token):
                 raise TypeError(f"logit_bias keys must be token ids (ints or decimal strings), got {key!r}")
