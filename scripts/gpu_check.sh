@@ -48,7 +48,7 @@ if [ "$phase" = tests ]; then
          test_eagle_frontier_rows test_sampling test_structured test_prefix_cache test_radix_cache test_memory_pool
          test_param_fuzz test_penalties test_grammar test_spec_config test_decode_fast_paths test_draft_catch_up
          test_draft_payoff test_kv_cache_dtype test_kv_cache_layout test_masked_head test_tree_verifier_sampling
-         test_logprobs"}
+         test_logprobs test_logit_bias test_prediction"}
   paths=$(for f in $files; do printf 'tests/%s.py ' "$f"; done)
   # The projections' batch-invariant row plans on this GPU at the default model's shapes, and their cost.
   python3 scripts/gpu_linear_plans.py 2>&1 | tee "$OUT/plans.log"

@@ -45,6 +45,8 @@ _plausible = {
                                             st.sampled_from(["0", "17", "-3", "1e3", "49151", " 5", "x"])),
                                   st.one_of(st.floats(min_value=-101, max_value=101), st.just(math.nan)),
                                   max_size=4),
+    "prediction": st.one_of(st.text(max_size=40), st.lists(st.integers(min_value=-1, max_value=60000), max_size=8),
+                            st.sampled_from(["Some prompt Some prompt", '{"a": 1}', [1, 2, 3] * 4])),
 }
 NAMES = sorted(_plausible) + ["bogus_name"]
 
@@ -61,10 +63,12 @@ def sampling_dicts(draw):
     return params
 
 
-@pytest.fixture(scope="module", params=["overlap", "plain"])
+@pytest.fixture(scope="module", params=["overlap", "plain", "ngram"])
 def engine(request, tiny_model_dir):
+    # NGRAM: predictions, biases and penalties through drafting and tree verification.
+    spec = {"speculative_algorithm": "NGRAM"} if request.param == "ngram" else {}
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, random_seed=0,
-                        disable_overlap_schedule=request.param == "plain") as eng:
+                        disable_overlap_schedule=request.param == "plain", **spec) as eng:
         yield eng
 
 
