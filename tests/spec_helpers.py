@@ -14,7 +14,8 @@ from test_dflash_spec import dflash_engine
 def spec_engine(algorithm, model_dir, head, draft, overlap, path=10, **kw):
     """A speculative engine of ``algorithm`` (EAGLE with ``head``, DFLASH with ``draft``; both with an n-gram path
     of ``path`` nodes), every iteration drafting."""
-    common = dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False, **kw)
+    common = dict(dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False),
+                  **kw)
     if algorithm == "DFLASH":
         return dflash_engine(model_dir, draft, speculative_hybrid_ngram_tokens=path, **common)
     if algorithm == "EAGLE":

@@ -205,3 +205,22 @@ def test_free_text_with_a_prediction_drafts_beside_others_on_a_quantized_target(
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in without] == ref == [o["output_ids"] for o in exact]
     assert mean_accept(without) < 1.2 and mean_accept(exact) > 3.0, (mean_accept(without), mean_accept(exact))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_predictions_survive_retraction_and_stop_strings(tiny_model_dir, plain, expected, overlap):
+    """A pool too small for the batch retracts requests and prefills them again (their prediction's place kept);
+    a stop string and a budget cut a prediction's accepted run where plain decoding stops."""
+    free = expected[0]
+    text = plain.generate(PROMPTS[0], greedy(N))["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    ref_stop = plain.generate(PROMPTS[0], greedy(N, stop=[stop]))
+    with engine("NGRAM", tiny_model_dir, None, None, overlap, max_total_tokens=320, page_size=16) as small:
+        outs = small.generate(PROMPTS * 2, [greedy(N, prediction=ids) for ids in free * 2])
+        cut = small.generate(PROMPTS[0], greedy(N, stop=[stop], prediction=free[0]))
+        short = small.generate(PROMPTS[0], greedy(7, prediction=free[0]))
+        small.check_kv_invariant()
+        assert small.get_server_info()["stats"]["retractions"] > 0
+    assert [o["output_ids"] for o in outs] == free * 2
+    assert cut["output_ids"] == ref_stop["output_ids"] and cut["text"] == ref_stop["text"]
+    assert short["output_ids"] == free[0][:7]
