@@ -90,7 +90,8 @@ BATCH_MIN_DRAFT_PROB_CAP = 0.4
 # this many (beside others its tree is its root alone: a plain decoding step through the verify). There a
 # one-token step streams 4-bit weights and a batch of 2 costs little more than one, so every verify row is
 # dear: on GSM8K EAGLE and DFLASH were 1.13-1.16x plain at batch 1 but 0.68-0.81x at batch 2 and 0.65-0.75x
-# at batch 4 (bench/RESULTS.md, session 24). Constrained requests keep drafting (forced text is sure).
+# at batch 4 (bench/RESULTS.md, session 24), NGRAM 0.76x and 0.54x (session 60). Constrained requests keep
+# drafting (forced text is sure), and so do requests with a prediction.
 QUANTIZED_FREE_TEXT_DRAFT_BATCH = 1
 # Verify nodes of one forward, all requests together (speculative_max_verify_tokens; each tree gets an
 # even share), when not given and EAGLE or DFLASH runs on a CPU target with float weights: a verify row
@@ -239,8 +240,7 @@ class SpecConfig:
                       measured_payoff=(algorithm in HYBRID_ALGORITHMS
                                        and (cpu_target if args.speculative_measured_payoff is None
                                             else args.speculative_measured_payoff)),
-                      free_text_draft_batch=(QUANTIZED_FREE_TEXT_DRAFT_BATCH
-                                             if quantized_cpu_target and algorithm in HYBRID_ALGORITHMS else None),
+                      free_text_draft_batch=QUANTIZED_FREE_TEXT_DRAFT_BATCH if quantized_cpu_target else None,
                       draft_model_path=args.speculative_draft_model_path,
                       draft_runner=args.speculative_draft_runner, cuda_graph=not args.disable_cuda_graph)
         if algorithm == "EAGLE":
