@@ -8,8 +8,8 @@ tasks that copy from the prompt.
 
 ``NgramIndex`` is the per-request suffix index: for every n-gram length 1..max_window it maps the
 n-gram to the positions where it ends, updated incrementally as tokens are accepted.
-A request's predicted output (prediction.py) gives the first branch of its tree wherever the
-reply's last tokens match it.
+A request's predicted output (prediction.py) gives a branch of its tree wherever the reply's last
+tokens match it, ahead of the request's own continuations.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A request's predicted output (OpenAI's Predicted Outputs): the reply the caller expects, such as the
-last version of a document being revised. N-gram drafting (ngram.py) puts its continuation first in
-the request's tree wherever the reply so far matches it.
+last version of a document being revised. N-gram drafting (ngram.py) puts its continuation in the
+request's tree wherever the reply so far matches it, ahead of the request's own continuations (after
+only its own earlier spelling of a grammar's forced text).
 
 A prediction is read in order, and text repeats in it (a JSON document's keys): of the places the
 reply's last tokens match, the one nearest after the place the last continuation came from is taken

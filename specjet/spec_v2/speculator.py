@@ -35,8 +35,8 @@ from specjet.spec_v2.eagle_drafter import EagleDrafter
 from specjet.spec_v2.grammar_guide import GrammarGuide
 from specjet.spec_v2.hybrid import HybridDrafter
 from specjet.spec_v2.ngram import NgramDrafter
-from specjet.spec_v2.prediction import TokenText
 from specjet.spec_v2.payoff import DraftPayoff
+from specjet.spec_v2.prediction import TokenText
 from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput, VerifyResult
 
 
