@@ -1,8 +1,10 @@
-"""Predicted outputs (OpenAI's ``prediction``): the prediction's index follows it in order; its
-continuation is the first branch of an n-gram tree; with NGRAM, EAGLE and DFLASH (their n-gram path),
+"""Predicted outputs (OpenAI's ``prediction``): the prediction's index follows it in order, a text one is
+matched as bytes; its continuation goes ahead of the request's own in an n-gram tree (after only its own
+spelling of forced text); with NGRAM, EAGLE and DFLASH (their n-gram path),
 overlap on and off, free and under a grammar, an exact, an edited or a useless prediction leaves the
 output exactly plain decoding's, and an exact one raises acceptance; sampling keeps the target's
-distribution; bad predictions are refused at the door."""
+distribution; a prediction lets free text draft beside others on a quantized target; retraction, stop strings
+and budgets cut where plain decoding does; bad predictions are refused at the door."""
 from __future__ import annotations
 
 import logging
