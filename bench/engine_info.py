@@ -27,7 +27,8 @@ def describe_engine(engine) -> dict:
             "device": str(worker.device),
             "max_running_requests": engine.args.max_running_requests, "page_size": engine.args.page_size,
             "overlap_schedule": engine.loop.overlap, "speculative": None}
-    spec = worker.speculator.cfg if worker.speculator is not None else None
+    speculator = worker.speculator
+    spec = speculator.cfg if speculator is not None and not speculator.predictions_only else None
     if spec is not None:  # reported under the engine arguments' names (SGLang's)
         if spec.algorithm == "EAGLE":
             desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,

@@ -1,10 +1,11 @@
 """Predicted outputs: tokens/s and accept length of speculative decoding with and without a prediction.
 
     python -m bench.prediction [--workload gsm8k|json] [--num-prompts 8] [--max-new-tokens 128]
-                               [--algorithms NGRAM DFLASH] [--result-file F] [engine flags: --dtype ...]
+                               [--algorithms none NGRAM DFLASH] [--result-file F] [engine flags: --dtype ...]
 
 Per prompt (GSM8K questions in the chat template, or the JSON dev set's prompts under their schemas),
-plain greedy decoding first gives the reply. Then each speculative algorithm decodes the prompts (alone, or
+plain greedy decoding first gives the reply. Then each speculative algorithm ("none": the engine without one,
+which drafts from predictions alone) decodes the prompts (alone, or
 ``--batch-size`` at a time), greedy, three ways: without a prediction; with the reply itself ("exact": a client regenerating a reply
 it has, or a document it expects back unchanged); and with the reply's every eighth word reversed
 ("edited": the last version of a document being revised). Every output must be plain decoding's
@@ -31,7 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workload", default="gsm8k", choices=["gsm8k", "json"])
     parser.add_argument("--num-prompts", type=_positive, default=8)
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
-    parser.add_argument("--algorithms", nargs="+", default=["NGRAM", "DFLASH"], choices=["NGRAM", "EAGLE", "DFLASH"])
+    parser.add_argument("--algorithms", nargs="+", default=["none", "NGRAM", "DFLASH"],
+                        choices=["none", "NGRAM", "EAGLE", "DFLASH"],
+                        help="none: the engine without speculative_algorithm (which drafts from predictions alone)")
     parser.add_argument("--batch-size", type=_positive, default=1,
                         help="requests sent together (each batch one generate call; its time counted once)")
     parser.add_argument("--repeats", type=_positive, default=3,
@@ -97,16 +100,19 @@ def main(argv: list[str] | None = None) -> dict:
         reference = median_round([run(plain, requests, [None] * len(requests), args.batch_size)
                                   for _ in range(args.repeats)])
         texts = [plain.tokenizer.decode(ids, skip_special_tokens=True) for ids in reference["ids"]]
+        plain.check_kv_invariant()
     predictions = {"none": [None] * len(texts), "exact": texts, "edited": [edited(t) for t in texts]}
     rows = []
     for algorithm in args.algorithms:
-        spec_kwargs = dict(engine_kwargs(args), speculative_algorithm=algorithm)
+        spec_kwargs = (without_speculation(engine_kwargs(args)) if algorithm == "none"
+                       else dict(engine_kwargs(args), speculative_algorithm=algorithm))
         with specjet.Engine(**spec_kwargs) as eng:
             eng.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4, prediction=texts[0]))  # warm-up
             rounds = {kind: [] for kind in KINDS}
             for _ in range(args.repeats):
                 for kind in KINDS:
                     rounds[kind].append(run(eng, requests, predictions[kind], args.batch_size))
+            eng.check_kv_invariant()
         for kind in KINDS:
             r = median_round(rounds[kind])
             rows.append({"algorithm": algorithm, "prediction": kind, "tok_s": round(r["tok_s"], 1),

@@ -13,7 +13,11 @@ from test_dflash_spec import dflash_engine
 
 def spec_engine(algorithm, model_dir, head, draft, overlap, path=10, **kw):
     """A speculative engine of ``algorithm`` (EAGLE with ``head``, DFLASH with ``draft``; both with an n-gram path
-    of ``path`` nodes), every iteration drafting."""
+    of ``path`` nodes), every iteration drafting; ``algorithm`` None: an engine without speculation (which drafts
+    from predictions alone)."""
+    if algorithm is None:
+        return specjet.Engine(model_path=str(model_dir), **dict(dict(max_total_tokens=4096,
+                                                                     disable_overlap_schedule=not overlap), **kw))
     common = dict(dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False),
                   **kw)
     if algorithm == "DFLASH":

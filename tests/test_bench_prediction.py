@@ -14,16 +14,19 @@ from specjet.kernels.cpu_features import describe_cpu
 def test_each_prediction_kind_against_plain(tiny_model_dir, tmp_path, capsys, workload):
     result_file = tmp_path / "prediction.jsonl"
     record = main(["--model-path", str(tiny_model_dir), "--workload", workload, "--num-prompts", "2",
-                   "--max-new-tokens", "24", "--algorithms", "NGRAM", "--max-total-tokens", "4096",
+                   "--max-new-tokens", "24", "--algorithms", "none", "NGRAM", "--max-total-tokens", "4096",
                    "--speculative-num-draft-tokens", "6", "--repeats", "2", "--result-file", str(result_file)])
     out = capsys.readouterr().out
-    rows = {r["prediction"]: r for r in record["rows"]}
-    assert set(rows) == {"none", "exact", "edited"} and all(r["algorithm"] == "NGRAM" for r in rows.values())
+    rows = {(r["algorithm"], r["prediction"]): r for r in record["rows"]}
+    assert set(rows) == {(a, k) for a in ("none", "NGRAM") for k in ("none", "exact", "edited")}
     assert all(r["identical"] for r in rows.values()) and all(len(r["tok_s_rounds"]) == 2 for r in rows.values())
     assert all(r["tok_s"] == min(r["tok_s_rounds"]) for r in rows.values())  # the lower middle of two
+    assert rows[("none", "none")]["accept"] is None  # the engine without speculation verifies predictions alone
     if workload == "gsm8k":  # (under a schema the random model spells its JSON in other pieces than the text's)
-        assert rows["exact"]["accept"] > max(3.0, rows["none"]["accept"])  # at most 6 a verify
-    assert "| NGRAM | exact |" in out and out.startswith("# command: ") and f"\n# machine: {describe_cpu()}; " in out
+        assert rows[("NGRAM", "exact")]["accept"] > max(3.0, rows[("NGRAM", "none")]["accept"])  # at most 6 a verify
+        assert rows[("none", "exact")]["accept"] > 3.0
+    assert "| NGRAM | exact |" in out and "| none | exact |" in out and out.startswith("# command: ")
+    assert f"\n# machine: {describe_cpu()}; " in out
     assert json.loads(result_file.read_text().splitlines()[-1])["rows"] == json.loads(json.dumps(record["rows"]))
 
 

@@ -1,6 +1,6 @@
 """Predicted outputs (OpenAI's ``prediction``): the prediction's index follows it in order, a text one is
 matched as bytes; its continuation goes ahead of the request's own in an n-gram tree (after only its own
-spelling of forced text); with NGRAM, EAGLE and DFLASH (their n-gram path),
+spelling of forced text); with NGRAM, EAGLE and DFLASH (their n-gram path) and without speculation,
 overlap on and off, free and under a grammar, an exact, an edited or a useless prediction leaves the
 output exactly plain decoding's, and an exact one raises acceptance; sampling keeps the target's
 distribution; a prediction lets free text draft beside others on a quantized target; retraction, stop strings
@@ -146,15 +146,17 @@ def test_a_prediction_changes_no_token_and_an_exact_one_is_taken(tiny_model_dir,
     assert mean_accept(schema) > 2.5
 
 
-def test_sampling_with_a_prediction_matches_the_target(cyclic_model_dir):
-    """1000 seeded draws of three tokens with NGRAM and a prediction of the likeliest path (so its
-    drafts are often verified): the (t1, t2) histogram matches the target's top-k distribution."""
+@pytest.mark.parametrize("algorithm", ["NGRAM", None])
+def test_sampling_with_a_prediction_matches_the_target(cyclic_model_dir, algorithm):
+    """1000 seeded draws of three tokens with a prediction of the likeliest path (so its drafts are often
+    verified), with NGRAM and without speculation: the (t1, t2) histogram matches the target's top-k
+    distribution."""
     from transformers import AutoModelForCausalLM
 
     prompt, n = PROMPTS[0], 1000
     model = AutoModelForCausalLM.from_pretrained(cyclic_model_dir, dtype=torch.float32)
-    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=8192, dtype="float32",
-                        speculative_algorithm="NGRAM", speculative_measured_payoff=False) as eng:
+    spec = {} if algorithm is None else dict(speculative_algorithm=algorithm, speculative_measured_payoff=False)
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=8192, dtype="float32", **spec) as eng:
         prompt_ids = eng.tokenizer(prompt)["input_ids"]
         first = max(biased_topk(model, prompt_ids, {}, 3).items(), key=lambda kv: kv[1])[0]
         second = max(biased_topk(model, prompt_ids + [first], {}, 3).items(), key=lambda kv: kv[1])[0]
@@ -184,8 +186,35 @@ def test_bad_predictions_are_refused(plain, prediction, error, match):
     plain.check_kv_invariant()
 
 
-def test_an_engine_that_drafts_no_ngrams_says_so_once_and_decodes_as_ever(tiny_model_dir, expected, caplog):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_engine_without_speculation_drafts_from_predictions(tiny_model_dir, expected, overlap):
+    """No ``speculative_algorithm``: a decode batch holding a request with a prediction verifies NGRAM trees for
+    it (the requests beside it verify their roots alone), any other decode batch is a plain step. Every output
+    stays plain decoding's, free and under a schema; exact predictions are taken; a request without one counts no
+    verify."""
+    free, constrained = expected
+    with engine(None, tiny_model_dir, None, None, overlap) as eng:
+        mixed = eng.generate(PROMPTS * 2, [greedy(N, prediction=ids) for ids in free] + [greedy(N)] * len(PROMPTS))
+        edits = eng.generate(PROMPTS, [greedy(N, prediction=edited(ids, i)) for i, ids in enumerate(free)])
+        schema = eng.generate(PROMPTS * 2, [greedy(N, json_schema=SCHEMA, prediction=ids) for ids in constrained]
+                              + [greedy(N, json_schema=SCHEMA)] * len(PROMPTS))
+        before = eng.get_server_info()["stats"]
+        alone = eng.generate(PROMPTS, greedy(N))
+        after = eng.get_server_info()["stats"]
+        eng.check_kv_invariant()
+    k = len(PROMPTS)
+    assert [o["output_ids"] for o in mixed + edits + alone] == free * 2 + free + free
+    assert [o["output_ids"] for o in schema] == constrained * 2
+    assert mean_accept(mixed[:k]) > 2.5 and mean_accept(schema[:k]) > 2.5, (mean_accept(mixed[:k]),
+                                                                           mean_accept(schema[:k]))
+    assert mean_accept(edits) > 1.5
+    assert not any("spec_verify_ct" in o["meta_info"] for o in mixed[k:] + schema[k:] + alone)
+    # Without a prediction in the batch, a decode batch is a plain step: no verify.
+    assert after["decode_batches"] > before["decode_batches"] and after["spec_verify_ct"] == before["spec_verify_ct"]
+
+
+def test_an_engine_that_drafts_no_ngrams_says_so_once_and_decodes_as_ever(tiny_model_dir, head, expected, caplog):
+    with engine("EAGLE", tiny_model_dir, head, None, True, path=0) as eng:
         with caplog.at_level(logging.WARNING, logger="specjet"):
             outs = eng.generate(PROMPTS, [greedy(N, prediction=ids) for ids in expected[0]])
             eng.generate(PROMPTS[0], greedy(2, prediction="some text"))
@@ -209,15 +238,15 @@ def test_free_text_with_a_prediction_drafts_beside_others_on_a_quantized_target(
     assert mean_accept(without) < 1.2 and mean_accept(exact) > 3.0, (mean_accept(without), mean_accept(exact))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_predictions_survive_retraction_and_stop_strings(tiny_model_dir, plain, expected, overlap):
+@pytest.mark.parametrize("algorithm, overlap", [("NGRAM", True), ("NGRAM", False), (None, True)])
+def test_predictions_survive_retraction_and_stop_strings(tiny_model_dir, plain, expected, algorithm, overlap):
     """A pool too small for the batch retracts requests and prefills them again (their prediction's place kept);
     a stop string and a budget cut a prediction's accepted run where plain decoding stops."""
     free = expected[0]
     text = plain.generate(PROMPTS[0], greedy(N))["text"]
     stop = text[len(text) // 2: len(text) // 2 + 3]
     ref_stop = plain.generate(PROMPTS[0], greedy(N, stop=[stop]))
-    with engine("NGRAM", tiny_model_dir, None, None, overlap, max_total_tokens=320, page_size=16) as small:
+    with engine(algorithm, tiny_model_dir, None, None, overlap, max_total_tokens=320, page_size=16) as small:
         outs = small.generate(PROMPTS * 2, [greedy(N, prediction=ids) for ids in free * 2])
         cut = small.generate(PROMPTS[0], greedy(N, stop=[stop], prediction=free[0]))
         short = small.generate(PROMPTS[0], greedy(7, prediction=free[0]))

@@ -93,10 +93,10 @@ class Engine:
         if n > ctx:
             raise ValueError(f"prediction of {n} tokens is longer than the context length {ctx}")
         speculator = self.worker.speculator
-        if not self._warned_prediction and (speculator is None or not speculator.drafts_ngrams):
+        if not self._warned_prediction and not speculator.drafts_ngrams:
             self._warned_prediction = True
             logger.warning("a request brought a prediction, which this engine does not draft from: it drafts "
-                           "n-grams with speculative_algorithm NGRAM, or EAGLE / DFLASH with their n-gram path")
+                           "n-grams without speculative_algorithm, with NGRAM, or with EAGLE / DFLASH's n-gram path")
 
     def _make_requests(self, prompt, sampling_params, input_ids, rid, return_logprob=False,
                        top_logprobs_num=0) -> tuple[list[Req], bool]:
@@ -145,14 +145,14 @@ class Engine:
         vocab = self.scheduler.vocab_size
         ctx = self.scheduler.config.context_len
         pool = self.scheduler.allocator.size
-        for ids in id_lists:
+        for ids, sp in zip(id_lists, params):
             if not ids:
                 raise ValueError("empty prompt: at least one input token is needed")
             if any((not _is_int(t)) or t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"input_ids must be ints in [0, {vocab})")
             if len(ids) >= ctx:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length {ctx}")
-            need = self.scheduler.slots_to_start(len(ids))
+            need = self.scheduler.slots_to_start(len(ids), sp.prediction)
             if need > pool:
                 raise ValueError(f"prompt of {len(ids)} tokens needs {need} KV slots to run (prompt, one "
                                  f"iteration's growth and the drafter's scratch), more than the pool holds ({pool})")

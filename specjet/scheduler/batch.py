@@ -19,3 +19,5 @@ class ScheduledBatch:
     # A prefill: where each request's computed positions end (set at launch; a chunk ends before
     # the request's fill_ids do).
     prefill_ends: list[int] = field(default_factory=list)
+    # A decode batch that runs as a speculative iteration (draft, verify, accept) rather than a plain step.
+    speculative: bool = False

@@ -165,7 +165,7 @@ class EventLoop:
     def _launch(self, batch: ScheduledBatch) -> Launched:
         work = self.scheduler.start_batch(batch)
         launched = Launched(batch, work, num_items=1)
-        if batch.kind is BatchKind.DECODE and self.worker.speculative:
+        if batch.kind is BatchKind.DECODE and batch.speculative:
             launched.result = self.stream.submit(self.worker.speculate, work)
         else:
             launched.forward = self.stream.submit(self.worker.forward, work)

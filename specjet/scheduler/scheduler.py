@@ -245,7 +245,7 @@ class Scheduler:
             return None
         self.stats["iterations"] += 1
         self.stats["decode_batches"] += 1
-        return ScheduledBatch(BatchKind.DECODE, decode)
+        return ScheduledBatch(BatchKind.DECODE, decode, speculative=any(self._drafts(r) for r in decode))
 
     def _remove_aborted(self) -> None:
         for req in [r for r in self._live() if r.to_abort]:
@@ -295,9 +295,8 @@ class Scheduler:
             # tree and the drafter's scratch with speculation) so admitting this one does not force
             # an immediate retraction of another. The whole prompt's KV is reserved now, chunked or
             # not, so a chunked prefill never waits for room half way.
-            ahead = self.spec.max_nodes if self.spec is not None else 1
             others = len(self.running) + len(chosen)
-            headroom = others * self.allocator.slots_needed(0, ahead)
+            headroom = sum(self.allocator.slots_needed(0, self._ahead(r)) for r in (*self.running, *chosen))
             if self.spec is not None:
                 headroom += self.spec.scratch_slots(others + 1)
             need = self.allocator.slots_needed(cached, num_tokens)
@@ -467,8 +466,16 @@ class Scheduler:
         """Positions that must have KV slots before this request's next decode iteration: one more,
         or a whole draft tree's worth with speculation, plus as much for each launched iteration the
         host has not processed yet (capped by the context length)."""
-        ahead = self.spec.max_nodes if self.spec is not None else 1
-        return min(req.kv_committed_len + ahead * (1 + req.inflight), self.config.context_len)
+        return min(req.kv_committed_len + self._ahead(req) * (1 + req.inflight), self.config.context_len)
+
+    def _drafts(self, req: Req) -> bool:
+        """Whether ``req`` may get a draft tree beyond its root: with speculation, and on an engine without
+        ``speculative_algorithm`` when it brings a prediction (its decode batches are then speculative)."""
+        return self.spec is not None and self.spec.drafts_for(req.sampling.prediction)
+
+    def _ahead(self, req: Req) -> int:
+        """Positions one decode iteration may write for ``req``: a draft tree's, or one."""
+        return self.spec.max_nodes if self._drafts(req) else 1
 
     def _retract(self, req: Req) -> None:
         """Free ``req``'s KV (its committed prefix stays in the cache, where its re-prefill finds it)
@@ -482,11 +489,11 @@ class Scheduler:
         self._release_kv(req)
         self.waiting.insert(0, req)
 
-    def slots_to_start(self, num_prompt_tokens: int) -> int:
-        """KV slots a request of this prompt length needs to run at all, alone in the pool: its
-        prompt and one iteration's growth (a draft tree with speculation) plus the drafter's
+    def slots_to_start(self, num_prompt_tokens: int, prediction=None) -> int:
+        """KV slots a request of this prompt length (and ``prediction``, or None) needs to run at all, alone in
+        the pool: its prompt and one iteration's growth (a draft tree where it may draft) plus the drafter's
         scratch. A prompt that needs more than the pool could never be admitted."""
-        ahead = self.spec.max_nodes if self.spec is not None else 1
+        ahead = self.spec.max_nodes if self.spec is not None and self.spec.drafts_for(prediction) else 1
         scratch = self.spec.scratch_slots(1) if self.spec is not None else 0
         return self.allocator.slots_needed(0, min(num_prompt_tokens + ahead, self.config.context_len)) + scratch
 
@@ -532,7 +539,7 @@ class Scheduler:
         reject it, and the next batch's reservation starts from it) and its requests join the
         running batch; every request counts one more batch in flight. Returns what the worker
         gets: a ``ReqInput`` per request (a speculative batch: with a fork of its grammar)."""
-        spec_decode = batch.kind is BatchKind.DECODE and self.spec is not None
+        spec_decode = batch.kind is BatchKind.DECODE and batch.speculative
         inputs = []
         for req in batch.reqs:
             if batch.kind is BatchKind.PREFILL:
@@ -623,17 +630,18 @@ class Scheduler:
                     self._cache_prompt(req, batch.prefill_ends[i], tokens[0] if tokens else None)
                     if batch.prefill_ends[i] < len(req.fill_ids):  # a chunk: no token yet
                         continue
-                self._commit_tokens(req, batch.kind, tokens, now)
+                self._commit_tokens(req, batch.kind, tokens, now, batch.speculative)
             except Exception as exc:  # this request's host work failed: it alone ends
                 self._fail_request(req, "processing its output", exc)
 
-    def _commit_tokens(self, req: Req, kind: BatchKind, tokens: list[int], now: float) -> None:
+    def _commit_tokens(self, req: Req, kind: BatchKind, tokens: list[int], now: float,
+                       speculative: bool = False) -> None:
         """Append one request's new tokens (grammar, stop checks, detokenizing), then finish or stream."""
         if kind is BatchKind.DECODE:  # plain: the input token; speculation: root + accepted nodes
             if not tokens:  # a speculative iteration that had no room for this request (it is ending)
                 return
             req.kv_committed_len += len(tokens)
-            if self.spec is not None:
+            if speculative and self._drafts(req):
                 self._count_verify(req, len(tokens))
         if req.sampling.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})

@@ -108,10 +108,6 @@ class ModelWorker:
         # row whose grammar allows few tokens then costs those columns, not the whole head (runner.head).
         self._defer_head = runner.device.type == "cpu" and runner.head_takes_masks
 
-    @property
-    def speculative(self) -> bool:
-        return self.speculator is not None
-
     # ---------------------------------------------------------------- work items (run on the stream)
     def forward(self, batch: WorkerBatch) -> ModelOutput:
         """A plain batch's forward: prefill (starting each request's compute state) or decode."""

@@ -9,7 +9,7 @@ of the learned part of it, ``hybrid_path_nodes`` the n-gram path merged into it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -150,6 +150,9 @@ class SpecConfig:
     # on CUDA unless ``cuda_graph`` is off. "auto" resolves per device in ``runner_mode``.
     draft_runner: str = "auto"
     cuda_graph: bool = True
+    # Only requests that bring a prediction draft (NGRAM trees); a decode batch without such a request is
+    # a plain one. What an engine without ``speculative_algorithm`` runs (``for_predictions``).
+    predictions_only: bool = False
     # Not part of the configuration's identity: a loaded head handed in directly (tests, tools).
     eagle_head: object = field(default=None, compare=False, repr=False)
     dflash_draft: object = field(default=None, compare=False, repr=False)
@@ -267,6 +270,15 @@ class SpecConfig:
             return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
                        min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
+
+    @classmethod
+    def for_predictions(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False) -> "SpecConfig":
+        """What an engine without ``speculative_algorithm`` runs for requests that bring a prediction: NGRAM's
+        trees (its arguments, ``speculative_num_draft_tokens`` and the n-gram windows, apply) for those requests
+        alone; every other decode batch is plain."""
+        config = cls.from_args(replace(args, speculative_algorithm="NGRAM"), quantized_cpu_target,
+                               cpu_target)
+        return replace(config, predictions_only=True)
 
 
 # The engine's speculative arguments that take a number, and the least value each may take.
