@@ -49,6 +49,7 @@ _ENGINE_FLAGS = {
     "speculative_max_verify_tokens": "speculative_max_verify_tokens",
     "speculative_draft_runner": "speculative_draft_runner",
     "disable_cuda_graph": "disable_cuda_graph",
+    "disable_guided_drafting": "disable_guided_drafting",
     "enable_deterministic_inference": "enable_deterministic_inference",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
@@ -139,7 +140,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def without_speculation(kwargs: dict) -> dict:
-    """The same Engine keywords with every ``speculative_*`` one dropped: the plain engine."""
+    """The same Engine keywords with every ``speculative_*`` one dropped and guided drafting off: the plain engine,
+    which drafts for no request."""
+    return dict(default_speculation(kwargs), disable_guided_drafting=True)
+
+
+def default_speculation(kwargs: dict) -> dict:
+    """The same Engine keywords with every ``speculative_*`` one dropped: the engine without
+    ``speculative_algorithm``, whose requests with a prediction or a grammar still draft (guided drafting)."""
     return {k: v for k, v in kwargs.items() if k not in SPECULATIVE_KWARGS}
 
 

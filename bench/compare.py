@@ -60,7 +60,7 @@ from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_js
                           command_line, compare_outputs, engine_kwargs, fmt_num, gsm8k_questions, identity_record,
                           jsonschema_prompts, machine_info, now, report_header_lines)
 from bench.decode_rate import Measurement, Prompt, SpecjetSystem, make_batches, timed_run
-from bench.engine_info import describe_engine, spec_str
+from bench.engine_info import describe_engine, speculation_str
 
 DEFAULT_CONFIGS = ["none", "NGRAM:speculative_algorithm=NGRAM", "EAGLE:speculative_algorithm=EAGLE"]
 NO_MATPLOTLIB = ("--chart needs matplotlib, which is not installed (pip install matplotlib, or "
@@ -272,7 +272,7 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
     for c in header["configs"]:
         e = c["engine"]
         loop = {True: ", overlap loop", False: ", plain loop"}.get(e.get("overlap_schedule"), "")
-        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}{loop}, speculative {spec_str(e['speculative'])}"
+        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}{loop}, speculative {speculation_str(e)}"
                      + (f"; set: {', '.join(f'{k}={v}' for k, v in c['overrides'].items())}" if c["overrides"] else ""))
     t = header["prompt_tokens"]
     lines += [

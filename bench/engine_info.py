@@ -28,7 +28,10 @@ def describe_engine(engine) -> dict:
             "max_running_requests": engine.args.max_running_requests, "page_size": engine.args.page_size,
             "overlap_schedule": engine.loop.overlap, "speculative": None}
     speculator = worker.speculator
-    spec = speculator.cfg if speculator is not None and not speculator.predictions_only else None
+    spec = speculator.cfg if speculator is not None else None
+    desc["guided_drafting"] = spec is not None and spec.guided_only
+    if desc["guided_drafting"]:  # an engine without speculative_algorithm: "speculative" is off
+        spec = None
     if spec is not None:  # reported under the engine arguments' names (SGLang's)
         if spec.algorithm == "EAGLE":
             desc["speculative"] = {"algorithm": "EAGLE", "num_steps": spec.eagle.num_steps, "topk": spec.eagle.topk,
@@ -47,6 +50,14 @@ def describe_engine(engine) -> dict:
         if spec.algorithm in ("EAGLE", "DFLASH"):
             desc["speculative"]["draft_model_quantization"] = spec.draft_quantization
     return desc
+
+
+def speculation_str(desc: dict) -> str:
+    """A ``describe_engine`` dict's speculation in one line: its algorithm, or "off" and whether guided
+    requests still draft (an engine without ``speculative_algorithm``)."""
+    guided = " (guided drafting: NGRAM trees for requests with a prediction or a grammar)" if desc.get(
+        "guided_drafting") else ""
+    return spec_str(desc["speculative"]) + guided
 
 
 def spec_str(spec: dict | None) -> str:

@@ -43,7 +43,7 @@ import time
 from bench.answer_parsing import gold_answer, last_number, number_str
 from bench.common import (GSM8K_TEST, add_engine_args, append_jsonl, command_line, engine_kwargs, generate_all,
                           gsm8k_questions, machine_info, machine_line, now)
-from bench.engine_info import accept_length, describe_engine, spec_str, spec_totals
+from bench.engine_info import accept_length, describe_engine, speculation_str, spec_totals
 
 GSM8K_DIR = pathlib.Path(GSM8K_TEST).parent  # train.jsonl (the shots) and test.jsonl (the questions)
 STOP = ["Question", "Assistant:", "<|separator|>", "\n\n\n"]  # SGLang's benchmark/gsm8k stop strings
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"# command: {command}",
         f"# date: {date}",
         machine_line(machine),
-        f"# model: {model_dir} ({setup['dtype']} on {setup['device']}); speculative {spec_str(setup['speculative'])}",
+        f"# model: {model_dir} ({setup['dtype']} on {setup['device']}); speculative {speculation_str(setup)}",
         f"# {len(questions)} questions, {args.num_shots}-shot, {form} ({min(prompt_tokens)}-{max(prompt_tokens)} "
         f"prompt tokens), greedy, at most {args.max_new_tokens} new tokens; up to {args.parallel} in flight, "
         f"the engine runs {setup['max_running_requests']} at once",

@@ -2,14 +2,16 @@
 accept length per engine configuration, beside unconstrained decoding of the same prompts.
 
     python -m bench.json [--schema-dir ../shared/data/jsonschema] [--num-schemas N] [--max-new-tokens 512]
-                         [--algorithms none EAGLE EAGLE-GA] [--overlap on off] [--batch-sizes 1 4]
+                         [--algorithms none default EAGLE EAGLE-GA] [--overlap on off] [--batch-sizes 1 4]
                          [--skip-unconstrained] [--repeats 1] [--result-file bench/out/json.jsonl]
                          [engine flags: --dtype bfloat16 --speculative-num-steps 4 ...]
 
 Configurations: every ``--algorithms`` entry with every ``--overlap`` setting, one Engine each (loaded
 in turn, warmed up once, reused for every batch size, shut down before the next is loaded):
 
-    none        no speculation
+    none        no speculation (plain decoding: disable_guided_drafting=True)
+    default     the engine without speculative_algorithm, as Engine() runs: its constrained requests draft
+                NGRAM trees of the grammar's forced text and their own n-grams (guided drafting)
     EAGLE       speculative_algorithm=EAGLE, speculative_grammar_aware=False (drafts ignore the grammar)
     EAGLE-GA    speculative_algorithm=EAGLE, speculative_grammar_aware=True (grammar-aware drafting)
     NGRAM, NGRAM-GA   the same with n-gram drafting
@@ -79,15 +81,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from bench.common import (JSONSCHEMA_DIR, add_engine_args, append_jsonl, command_line, compare_outputs, engine_kwargs,
-                          fmt_num, generate_all, identity_record, jsonschema_prompts, machine_info, now,
-                          report_header_lines, without_speculation)
+from bench.common import (JSONSCHEMA_DIR, add_engine_args, append_jsonl, command_line, compare_outputs,
+                          default_speculation, engine_kwargs, fmt_num, generate_all, identity_record,
+                          jsonschema_prompts, machine_info, now, report_header_lines)
 from bench.compare import identical_cell, identity_line
-from bench.engine_info import describe_engine, spec_str, spec_totals
+from bench.engine_info import describe_engine, speculation_str, spec_totals
 
 # --algorithms name -> the Engine keywords it sets (the other speculative flags come from the command line)
 ALGORITHMS = {
-    "none": {},
+    "none": {"disable_guided_drafting": True},
+    "default": {},
     "EAGLE": {"speculative_algorithm": "EAGLE", "speculative_grammar_aware": False},
     "EAGLE-GA": {"speculative_algorithm": "EAGLE", "speculative_grammar_aware": True},
     "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_grammar_aware": False},
@@ -115,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="only these entries (0-based positions in index.json), e.g. the schemas a draft head "
                              "never saw in training: 4 9 14 ... 49 for the packaged head")
     parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=["none", "EAGLE", "EAGLE-GA"])
+    parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS),
+                        default=["none", "default", "EAGLE", "EAGLE-GA"])
     parser.add_argument("--overlap", nargs="+", choices=list(OVERLAP), default=["on", "off"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="requests in flight at once")
     parser.add_argument("--skip-unconstrained", action="store_true", help="no unconstrained baseline runs")
@@ -152,7 +156,7 @@ class Config:
         return f"{self.algorithm}/{self.overlap}"
 
     def engine_kwargs(self, base: dict) -> dict:
-        kwargs = without_speculation(base) if self.algorithm == "none" else dict(base)
+        kwargs = default_speculation(base) if self.algorithm in ("none", "default") else dict(base)
         return dict(kwargs, **ALGORITHMS[self.algorithm], disable_overlap_schedule=OVERLAP[self.overlap])
 
 
@@ -435,7 +439,7 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
     for c in header["configs"]:
         e = c["engine"]
         ga = f", grammar-aware {e['speculative_grammar_aware']}" if e["speculative"] else ""
-        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}, speculative {spec_str(e['speculative'])}"
+        lines.append(f"# config {c['name']}: {e['dtype']} on {e['device']}, speculative {speculation_str(e)}"
                      f"{ga}, overlap {'on' if e['overlap_schedule'] else 'off'}")
     t = header["prompt_tokens"]
     lines += [

@@ -14,7 +14,7 @@ import argparse
 import time
 
 from bench import common
-from bench.engine_info import describe_engine, spec_str
+from bench.engine_info import describe_engine, speculation_str
 from bench.json import latency_figures
 
 
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
         with specjet.Engine(**kwargs, disable_overlap_schedule=not overlap) as engine:
             desc = describe_engine(engine)
             print(f"# {'overlap' if overlap else 'plain'} loop: {desc['dtype']} on {desc['device']}, "
-                  f"speculative {spec_str(desc['speculative'])}", flush=True)
+                  f"speculative {speculation_str(desc)}", flush=True)
             prompts = [common.chat_prompt(engine.tokenizer, e["prompt"]) for e in entries]
             params = [{"temperature": 0, "max_new_tokens": args.max_new_tokens,
                        **({} if args.unconstrained else {"json_schema": e["schema"]})} for e in entries]

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from bench import common
-from bench.engine_info import describe_engine, spec_str
+from bench.engine_info import describe_engine, speculation_str
 
 LOOPS = {"plain": True, "overlap": False}  # --loops value -> disable_overlap_schedule
 
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     for loop in args.loops:
         with specjet.Engine(**kwargs, disable_overlap_schedule=LOOPS[loop]) as engine:
             desc = engines[loop] = describe_engine(engine)
-            print(f"# {loop} loop: {desc['dtype']} on {desc['device']}, speculative {spec_str(desc['speculative'])}",
+            print(f"# {loop} loop: {desc['dtype']} on {desc['device']}, speculative {speculation_str(desc)}",
                   flush=True)
             requests = [(common.chat_prompt(engine.tokenizer, e["prompt"]),
                          {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,

@@ -4,8 +4,9 @@
                                [--algorithms none NGRAM DFLASH] [--result-file F] [engine flags: --dtype ...]
 
 Per prompt (GSM8K questions in the chat template, or the JSON dev set's prompts under their schemas),
-plain greedy decoding first gives the reply. Then each speculative algorithm ("none": the engine without one,
-which drafts from predictions alone) decodes the prompts (alone, or
+plain greedy decoding first gives the reply (``disable_guided_drafting``: no request drafts). Then each
+speculative algorithm ("none": the engine without one, which drafts for requests with a prediction or a grammar
+alone) decodes the prompts (alone, or
 ``--batch-size`` at a time), greedy, three ways: without a prediction; with the reply itself ("exact": a client regenerating a reply
 it has, or a document it expects back unchanged); and with the reply's every eighth word reversed
 ("edited": the last version of a document being revised). Every output must be plain decoding's
@@ -19,8 +20,9 @@ import argparse
 import json
 import time
 
-from bench.common import (add_engine_args, append_jsonl, chat_prompt, command_line, engine_kwargs, gsm8k_questions,
-                          jsonschema_prompts, machine_info, now, report_header_lines, without_speculation)
+from bench.common import (add_engine_args, append_jsonl, chat_prompt, command_line, default_speculation,
+                          engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, report_header_lines,
+                          without_speculation)
 from bench.engine_info import accept_length, spec_totals
 
 KINDS = ("none", "exact", "edited")
@@ -34,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
     parser.add_argument("--algorithms", nargs="+", default=["none", "NGRAM", "DFLASH"],
                         choices=["none", "NGRAM", "EAGLE", "DFLASH"],
-                        help="none: the engine without speculative_algorithm (which drafts from predictions alone)")
+                        help="none: the engine without speculative_algorithm (which drafts for requests with a prediction "
+                        "or a grammar alone)")
     parser.add_argument("--batch-size", type=_positive, default=1,
                         help="requests sent together (each batch one generate call; its time counted once)")
     parser.add_argument("--repeats", type=_positive, default=3,
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     predictions = {"none": [None] * len(texts), "exact": texts, "edited": [edited(t) for t in texts]}
     rows = []
     for algorithm in args.algorithms:
-        spec_kwargs = (without_speculation(engine_kwargs(args)) if algorithm == "none"
+        spec_kwargs = (default_speculation(engine_kwargs(args)) if algorithm == "none"
                        else dict(engine_kwargs(args), speculative_algorithm=algorithm))
         with specjet.Engine(**spec_kwargs) as eng:
             eng.generate(requests[0][0], dict(requests[0][1], max_new_tokens=4, prediction=texts[0]))  # warm-up

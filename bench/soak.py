@@ -44,7 +44,7 @@ import time
 import uuid
 
 from bench import common
-from bench.engine_info import describe_engine, spec_str
+from bench.engine_info import describe_engine, speculation_str
 
 # Outcome labels, per request.
 SERVED = "served"
@@ -773,7 +773,7 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
     engine = specjet.Engine(**kwargs)
     desc = describe_engine(engine)
     wl = Workload(engine, args.schema_dir)
-    print(f"# [{label}] engine: {desc['dtype']} on {desc['device']}, speculative {spec_str(desc['speculative'])}, "
+    print(f"# [{label}] engine: {desc['dtype']} on {desc['device']}, speculative {speculation_str(desc)}, "
           f"max_running_requests {desc['max_running_requests']}, KV pool {wl.pool} slots, context {wl.context}; "
           f"loaded in {time.monotonic() - started_load:.1f} s", flush=True)
     print(f"# [{label}] soak: {args.minutes:g} min, {args.threads} threads + {args.async_tasks} async tasks, "

@@ -92,6 +92,6 @@ def plain(tiny_model_dir):
     """A plain (non-speculative) engine on the tiny model: the reference of the speculative tests."""
     import specjet
 
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_guided_drafting=True) as eng:
         yield eng
         eng.check_kv_invariant()  # after every reference workload of the module

@@ -14,7 +14,7 @@ from test_dflash_spec import dflash_engine
 def spec_engine(algorithm, model_dir, head, draft, overlap, path=10, **kw):
     """A speculative engine of ``algorithm`` (EAGLE with ``head``, DFLASH with ``draft``; both with an n-gram path
     of ``path`` nodes), every iteration drafting; ``algorithm`` None: an engine without speculation (which drafts
-    from predictions alone)."""
+    for requests with a prediction or a grammar alone)."""
     if algorithm is None:
         return specjet.Engine(model_path=str(model_dir), **dict(dict(max_total_tokens=4096,
                                                                      disable_overlap_schedule=not overlap), **kw))

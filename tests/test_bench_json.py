@@ -122,13 +122,16 @@ def test_completed_accept_length_counts_finished_objects_only():
 # ---------------------------------------------------------------- configurations
 def test_configurations_and_their_engine_arguments():
     base = {"dtype": "float32", "speculative_num_steps": 2}
-    assert Config("none", "off").engine_kwargs(base) == {"dtype": "float32", "disable_overlap_schedule": True}
+    assert Config("none", "off").engine_kwargs(base) == {"dtype": "float32", "disable_guided_drafting": True,
+                                                         "disable_overlap_schedule": True}
+    assert Config("default", "on").engine_kwargs(base) == {"dtype": "float32", "disable_overlap_schedule": False}
     assert Config("EAGLE-GA", "on").engine_kwargs(base) == {
         "dtype": "float32", "speculative_num_steps": 2, "speculative_algorithm": "EAGLE",
         "speculative_grammar_aware": True, "disable_overlap_schedule": False}
     assert Config("EAGLE", "on").engine_kwargs(base)["speculative_grammar_aware"] is False
     args = parse_args([])
-    assert (args.algorithms, args.overlap, args.batch_sizes) == (["none", "EAGLE", "EAGLE-GA"], ["on", "off"], [1, 4])
+    assert (args.algorithms, args.overlap, args.batch_sizes) == (["none", "default", "EAGLE", "EAGLE-GA"], ["on", "off"],
+                                                                  [1, 4])
     for axis in (["--speculative-algorithm", "EAGLE"], ["--disable-overlap-schedule"],
                  ["--speculative-grammar-aware", "true"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
@@ -167,16 +170,16 @@ def check_record(record: dict, rows: dict, n: int) -> None:
 def test_tiny_model_ngram_overlap_on_and_off(tiny_model_dir, tmp_path, capsys):
     result_file = tmp_path / "json.jsonl"
     record = main(["--model-path", str(tiny_model_dir), "--num-schemas", "2", "--max-new-tokens", "6",
-                   "--algorithms", "none", "NGRAM-GA", "--overlap", "on", "off", "--batch-sizes", "1", "2",
+                   "--algorithms", "none", "default", "NGRAM-GA", "--overlap", "on", "off", "--batch-sizes", "1", "2",
                    "--speculative-num-draft-tokens", "4", "--result-file", str(result_file)])
     stdout = capsys.readouterr().out
     rows = table_rows(stdout)
-    configs = ["none/on", "none/off", "NGRAM-GA/on", "NGRAM-GA/off", "unconstrained"]
+    configs = ["none/on", "none/off", "default/on", "default/off", "NGRAM-GA/on", "NGRAM-GA/off", "unconstrained"]
     assert set(rows) == {(c, bs) for c in configs for bs in (1, 2)}
     assert rows[("none/on", 1)][-1] == "reference" and rows[("unconstrained", 2)][-2:] == ("-", "-")
     assert rows[("NGRAM-GA/off", 2)][-1] == "yes" and rows[("NGRAM-GA/off", 2)][-2].endswith("x")
-    assert "outputs identical: yes (none/off, NGRAM-GA/on, NGRAM-GA/off vs none/on, greedy: 12 requests compared)" \
-        in stdout
+    assert ("outputs identical: yes (none/off, default/on, default/off, NGRAM-GA/on, NGRAM-GA/off vs none/on, "
+            "greedy: 20 requests compared)") in stdout
     assert re.search(r"^goal: no-spec constrained >= 0.95x unconstrained out tok/s at batch 4", stdout, re.M) is None
     assert json.loads(result_file.read_text()) == json.loads(json.dumps(record))
     check_record(record, rows, 2)
@@ -185,7 +188,10 @@ def test_tiny_model_ngram_overlap_on_and_off(tiny_model_dir, tmp_path, capsys):
     for bs in (1, 2):
         assert [q["completion_tokens"] for q in results[("unconstrained", bs)]["per_request"]] == \
             [q["completion_tokens"] for q in results[("none/on", bs)]["per_request"]]
-    ngram = next(c for c in record["configs"] if c["name"] == "NGRAM-GA/off")["engine"]
+    engines = {c["name"]: c["engine"] for c in record["configs"]}
+    assert engines["default/on"]["guided_drafting"] and not engines["none/on"]["guided_drafting"]
+    assert engines["default/on"]["speculative"] is None
+    ngram = engines["NGRAM-GA/off"]
     assert ngram["speculative"]["num_draft_tokens"] == 4 and ngram["speculative_grammar_aware"] is True
     assert ngram["overlap_schedule"] is False
 

@@ -219,7 +219,7 @@ def test_flags_and_output_comparison():
     kwargs = engine_kwargs(args)
     assert kwargs == {"dtype": "bfloat16", "speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
                       "speculative_draft_model_path": "/x"}  # unset flags are left to the Engine
-    assert without_speculation(kwargs) == {"dtype": "bfloat16"}
+    assert without_speculation(kwargs) == {"dtype": "bfloat16", "disable_guided_drafting": True}
     assert parse_args([]).workload == ["gsm8k"] and "speculative_algorithm" not in engine_kwargs(parse_args([]))
     assert engine_kwargs(parse_args(["--quantization", "none"]))["quantization"] is None  # float weights
     assert engine_kwargs(parse_args(["--quantization", "auto"]))["quantization"] == "auto"

@@ -338,7 +338,8 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
         return real(self, reqs, share, req_to_token)
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu") as plain_cpu:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu",
+                        disable_guided_drafting=True) as plain_cpu:
         ref = plain_cpu.generate(PROMPTS[:4], MIXED)
         alone = plain_cpu.generate(PROMPTS[2], MIXED[2])
         plain_cpu.check_kv_invariant()
@@ -384,7 +385,8 @@ def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(t
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", spy_blocks)
     kw = dict(device="cpu", quantization="int8", speculative_num_draft_tokens=4)
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8") as plain_q:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu", quantization="int8",
+                        disable_guided_drafting=True) as plain_q:
         ref = [o["output_ids"] for o in plain_q.generate(PROMPTS[:4], MIXED)]
         ref_alone = plain_q.generate(PROMPTS[2], MIXED[2])["output_ids"]
         plain_q.check_kv_invariant()

@@ -69,7 +69,7 @@ def test_a_draft_method_without_a_learned_draft_is_refused(tiny_model_dir, algor
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, disable_guided_drafting=True) as eng:
         out = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
         eng.check_kv_invariant()
     return out

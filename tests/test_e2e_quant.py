@@ -78,7 +78,7 @@ def test_logits_close_to_the_float32_model(default_model_dir, fp32_runner, gguf_
 
 @pytest.fixture(scope="module")
 def plain_gguf():
-    with specjet.Engine(max_total_tokens=8192, quantization="gguf") as eng:
+    with specjet.Engine(max_total_tokens=8192, quantization="gguf", disable_guided_drafting=True) as eng:
         prompts = [eng.apply_chat_template(q) for q in QUESTIONS]
         batched = [o["output_ids"] for o in eng.generate(prompts, PARAMS)]
         alone = [eng.generate(p, PARAMS)["output_ids"] for p in prompts[:2]]

@@ -25,7 +25,7 @@ PARAMS = {"temperature": 0, "max_new_tokens": 64}
 
 @pytest.fixture(scope="module")
 def plain_outputs():
-    with specjet.Engine(max_total_tokens=8192) as eng:
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True) as eng:
         prompts = [eng.apply_chat_template(q) for q in QUESTIONS]
         return prompts, [o["output_ids"] for o in eng.generate(prompts, PARAMS)]
 
@@ -68,7 +68,7 @@ def test_json_schema_with_eagle_is_valid_and_exact():
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     params = {"temperature": 0, "max_new_tokens": 60, "json_schema": schema}
-    with specjet.Engine(max_total_tokens=8192) as eng:
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True) as eng:
         prompt = eng.apply_chat_template("Give a person's name and age as JSON.")
         expected = eng.generate([prompt, prompt], [params, PARAMS])
     with specjet.Engine(max_total_tokens=8192, speculative_algorithm="EAGLE") as eng:
@@ -99,7 +99,7 @@ def test_grammar_masked_head_keeps_speculation_exact(algorithm, monkeypatch):
                                                "landmarks": {"type": "array", "items": {"type": "string"}}},
               "required": ["city", "population", "landmarks"]}
     params = {"temperature": 0, "max_new_tokens": 80, "json_schema": schema}
-    with specjet.Engine(max_total_tokens=8192) as eng:
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True) as eng:
         prompt = eng.apply_chat_template("Describe Paris as JSON with three landmarks.")
         expected = [o["output_ids"] for o in eng.generate([prompt, prompt], [params, PARAMS])]
         alone = eng.generate(prompt, params)["output_ids"]
@@ -120,7 +120,7 @@ def test_logprobs_of_speculative_decoding_are_plain_decodings(plain_outputs):
     params = [dict(PARAMS, max_new_tokens=40, return_logprob=True, top_logprobs_num=2),
               dict(PARAMS, max_new_tokens=40, return_logprob=True, top_logprobs_num=2, json_schema=schema)]
     asks = [prompts[2], prompts[3]]
-    with specjet.Engine(max_total_tokens=8192) as eng:
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True) as eng:
         expected = [eng.generate(p, sp) for p, sp in zip(asks, params)]
         # Asking changes no token (its rows' LM head then covers every column; the grammar's rows alone otherwise).
         unasked = [eng.generate(p, {k: v for k, v in sp.items() if "logprob" not in k}) for p, sp in zip(asks, params)]
@@ -169,7 +169,7 @@ def test_a_predicted_json_object_is_found_in_a_constrained_models_own_spelling()
         "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3}},
         "required": ["city", "population", "landmarks"], "additionalProperties": False}
     params = dict(PARAMS, max_new_tokens=128, json_schema=schema)
-    with specjet.Engine(max_total_tokens=8192) as eng:
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True) as eng:
         prompt = eng.apply_chat_template("Describe Paris as JSON.")
         want = eng.generate(prompt, params)
     text = json.loads(want["text"])

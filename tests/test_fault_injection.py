@@ -35,7 +35,8 @@ class Fault:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=True) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=True,
+                        disable_guided_drafting=True) as eng:
         return ([o["output_ids"] for o in eng.generate(RUNNERS, LONG)], eng.generate(VICTIM, SHORT)["output_ids"])
 
 

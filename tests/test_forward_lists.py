@@ -414,7 +414,7 @@ def test_an_eagle3_engine_drafts_the_same_from_the_features_of_either_path(tiny_
     params = [{"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
               {"temperature": 0, "max_new_tokens": 32, "regex": "[a-z ]{4,60}"},
               {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}]
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=2048, disable_guided_drafting=True) as eng:
         expected = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     head = feature_driven_head(tmp_path, tiny_model_dir, expected)
 

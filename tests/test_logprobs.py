@@ -70,7 +70,7 @@ def cyclic_dir(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def plain_outputs(cyclic_dir):
-    with specjet.Engine(model_path=str(cyclic_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(cyclic_dir), max_total_tokens=4096, disable_guided_drafting=True) as eng:
         outs = eng.generate(input_ids=PROMPT_IDS + PROMPT_IDS[:1], sampling_params=MIXED_PARAMS)
         eng.check_kv_invariant()
     return outs

@@ -21,7 +21,8 @@ TEXT = "Describe a person as JSON with a name, an age and three tags."
 
 
 def _run(defer: bool, prompt_text: str, **engine_kwargs) -> tuple[list[list[int]], str]:
-    with specjet.Engine(max_total_tokens=8192, **engine_kwargs) as eng:
+    # Plain decode batches (the deferred head is theirs): constrained requests would otherwise draft.
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True, **engine_kwargs) as eng:
         assert eng.worker._defer_head  # the head (int8, or bf16 on the VDPBF16PS kernel) takes masks
         eng.worker._defer_head = defer
         prompt = eng.apply_chat_template(prompt_text)

@@ -51,7 +51,7 @@ def run_workload(engine) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096,
-                        disable_overlap_schedule=True) as eng:
+                        disable_overlap_schedule=True, disable_guided_drafting=True) as eng:
         yield run_workload(eng)
 
 

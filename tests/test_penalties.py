@@ -52,7 +52,7 @@ def test_out_of_range_penalties_are_refused(plain, name, value):
 
 @pytest.fixture(scope="module")
 def expected(cyclic_model_dir):
-    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096) as plain:
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, disable_guided_drafting=True) as plain:
         with_penalties = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40, **STRONG))]
         without = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(40))]
         constrained = plain.generate(PROMPTS, greedy(40, json_schema=SCHEMA, **STRONG))

@@ -187,30 +187,50 @@ def test_bad_predictions_are_refused(plain, prediction, error, match):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_an_engine_without_speculation_drafts_from_predictions(tiny_model_dir, expected, overlap):
-    """No ``speculative_algorithm``: a decode batch holding a request with a prediction verifies NGRAM trees for
-    it (the requests beside it verify their roots alone), any other decode batch is a plain step. Every output
-    stays plain decoding's, free and under a schema; exact predictions are taken; a request without one counts no
-    verify."""
+def test_an_engine_without_speculation_drafts_for_predictions_and_grammars(tiny_model_dir, expected, overlap):
+    """No ``speculative_algorithm``: a decode batch holding a request with a prediction or a grammar verifies NGRAM
+    trees for it (free text beside it verifies its root alone), any other decode batch is a plain step. Every
+    output stays plain decoding's, free and under a schema; exact predictions are taken, and the schema's forced
+    text; free text without a prediction counts no verify."""
     free, constrained = expected
     with engine(None, tiny_model_dir, None, None, overlap) as eng:
+        assert eng.worker.speculator.guided_only
         mixed = eng.generate(PROMPTS * 2, [greedy(N, prediction=ids) for ids in free] + [greedy(N)] * len(PROMPTS))
         edits = eng.generate(PROMPTS, [greedy(N, prediction=edited(ids, i)) for i, ids in enumerate(free)])
-        schema = eng.generate(PROMPTS * 2, [greedy(N, json_schema=SCHEMA, prediction=ids) for ids in constrained]
-                              + [greedy(N, json_schema=SCHEMA)] * len(PROMPTS))
+        schema = eng.generate(PROMPTS * 3, [greedy(N, json_schema=SCHEMA, prediction=ids) for ids in constrained]
+                              + [greedy(N, json_schema=SCHEMA)] * len(PROMPTS) + [greedy(N)] * len(PROMPTS))
         before = eng.get_server_info()["stats"]
         alone = eng.generate(PROMPTS, greedy(N))
         after = eng.get_server_info()["stats"]
         eng.check_kv_invariant()
     k = len(PROMPTS)
     assert [o["output_ids"] for o in mixed + edits + alone] == free * 2 + free + free
-    assert [o["output_ids"] for o in schema] == constrained * 2
+    assert [o["output_ids"] for o in schema] == constrained * 2 + free
     assert mean_accept(mixed[:k]) > 2.5 and mean_accept(schema[:k]) > 2.5, (mean_accept(mixed[:k]),
                                                                            mean_accept(schema[:k]))
     assert mean_accept(edits) > 1.5
-    assert not any("spec_verify_ct" in o["meta_info"] for o in mixed[k:] + schema[k:] + alone)
-    # Without a prediction in the batch, a decode batch is a plain step: no verify.
+    assert mean_accept(schema[k:2 * k]) > 1.3  # the schema's forced text, drafted without a prediction
+    assert not any("spec_verify_ct" in o["meta_info"] for o in mixed[k:] + schema[2 * k:] + alone)
+    # Without a guided request in the batch, a decode batch is a plain step: no verify.
     assert after["decode_batches"] > before["decode_batches"] and after["spec_verify_ct"] == before["spec_verify_ct"]
+
+
+@pytest.mark.parametrize("engine_kwargs", [dict(disable_guided_drafting=True),
+                                           dict(enable_deterministic_inference=False)])
+def test_guided_drafting_is_off_when_asked_or_when_kernels_are_not_batch_invariant(tiny_model_dir, expected,
+                                                                                   engine_kwargs):
+    """``disable_guided_drafting``, and an engine whose kernels could not verify exactly: requests with a
+    prediction or a grammar decode with plain steps like any other (no speculator, no verify)."""
+    free, constrained = expected
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, **engine_kwargs) as eng:
+        assert eng.worker.speculator is None
+        outs = eng.generate(PROMPTS * 2, [greedy(N, prediction=ids) for ids in free]
+                            + [greedy(N, json_schema=SCHEMA) for _ in PROMPTS])
+        stats = eng.get_server_info()["stats"]
+        eng.check_kv_invariant()
+    assert not any("spec_verify_ct" in o["meta_info"] for o in outs) and not stats.get("spec_verify_ct")
+    if engine_kwargs.get("enable_deterministic_inference", True):  # the same kernels as the reference
+        assert [o["output_ids"] for o in outs] == free + constrained
 
 
 def test_an_engine_that_drafts_no_ngrams_says_so_once_and_decodes_as_ever(tiny_model_dir, head, expected, caplog):

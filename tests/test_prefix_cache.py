@@ -46,7 +46,7 @@ def ids(outs):
 def reference(cyclic_model_dir):
     """Outputs of an engine with neither the cache nor chunked prefill."""
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, disable_radix_cache=True,
-                        chunked_prefill_size=-1) as eng:
+                        chunked_prefill_size=-1, disable_guided_drafting=True) as eng:
         yield eng
 
 

@@ -320,13 +320,15 @@ def masked_topk_probs(model, grammar, prompt_ids, prefix, top_k):
     return dict(zip(idx.tolist(), torch.softmax(vals, -1).tolist()))
 
 
-def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, backend):
-    """1000 seeded draws of three tokens with NGRAM: the (t1, t2) histogram matches the exact
-    grammar-masked top-k distribution (t2 and t3 come from tree verification)."""
+@pytest.mark.parametrize("algorithm", ["NGRAM", None])
+def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, backend, algorithm):
+    """1000 seeded draws of three tokens with NGRAM, and without speculation (whose constrained requests draft
+    NGRAM trees): the (t1, t2) histogram matches the exact grammar-masked top-k distribution (t2 and t3 come from
+    tree verification)."""
     regex = r"( ?[abc]){3,8}"
     prompt = PROMPTS[0]
     n = 1000
-    with spec_engine(tiny_model_dir, "NGRAM", dtype="float32") as eng:  # the oracle's dtype
+    with spec_engine(tiny_model_dir, algorithm, dtype="float32") as eng:  # the oracle's dtype
         prompt_ids = eng.tokenizer(prompt)["input_ids"]
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "regex": regex, "seed": s} for s in range(n)]
         outs = eng.generate([prompt] * n, params)
@@ -359,7 +361,7 @@ def test_constrained_requests_speculate_on_the_real_model(dev_schemas):
     grammar-aware drafting on or off, and give the plain engine's tokens exactly."""
     entries = [e for e in dev_schemas if e["file"] in ("agent_01.json", "022_Github_medium.json")]
     params = [greedy(64, json_schema=e["schema"]) for e in entries]
-    with specjet.Engine(max_total_tokens=8192) as eng:
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True) as eng:
         prompts = [eng.apply_chat_template(e["prompt"]) for e in entries]
         expected = [o["output_ids"] for o in eng.generate(prompts, params)]
     accept = {}

@@ -25,7 +25,7 @@ def greedy(n, **extra):
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir):
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_guided_drafting=True) as eng:
         yield eng
 
 

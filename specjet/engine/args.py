@@ -82,6 +82,11 @@ class EngineArgs:
     # Grammar-aware drafting: draft top-k over grammar-legal tokens only, and the grammar's forced
     # continuation enters the tree as free nodes (specjet's own knob; SGLang has none).
     speculative_grammar_aware: bool = True
+    # Without speculative_algorithm (specjet's own): requests that bring a prediction or decode under a grammar
+    # still draft, NGRAM's trees of the caller's predicted text, the grammar's forced text and the reply's own
+    # n-grams, none of which costs a model forward; every other request decodes with plain steps. True: every
+    # request does (as does enable_deterministic_inference=False, whose kernels could not verify exactly).
+    disable_guided_drafting: bool = False
     # EAGLE and DFLASH (specjet's own): a request without a grammar decoding alone drafts only while
     # drafting measures faster than plain steps at its context length (spec_v2/payoff.py); a long
     # conversation whose drafts are rarely accepted then decodes near the plain rate. Output is the same.

@@ -93,10 +93,11 @@ class Engine:
         if n > ctx:
             raise ValueError(f"prediction of {n} tokens is longer than the context length {ctx}")
         speculator = self.worker.speculator
-        if not self._warned_prediction and not speculator.drafts_ngrams:
+        if not self._warned_prediction and (speculator is None or not speculator.drafts_ngrams):
             self._warned_prediction = True
-            logger.warning("a request brought a prediction, which this engine does not draft from: it drafts "
-                           "n-grams without speculative_algorithm, with NGRAM, or with EAGLE / DFLASH's n-gram path")
+            logger.warning("a request brought a prediction, which this engine does not draft from: predictions "
+                           "draft without speculative_algorithm (unless disable_guided_drafting or "
+                           "enable_deterministic_inference=False), with NGRAM, and in EAGLE / DFLASH's n-gram path")
 
     def _make_requests(self, prompt, sampling_params, input_ids, rid, return_logprob=False,
                        top_logprobs_num=0) -> tuple[list[Req], bool]:
@@ -152,7 +153,7 @@ class Engine:
                 raise ValueError(f"input_ids must be ints in [0, {vocab})")
             if len(ids) >= ctx:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length {ctx}")
-            need = self.scheduler.slots_to_start(len(ids), sp.prediction)
+            need = self.scheduler.slots_to_start(len(ids), sp.prediction, sp.grammar_key is not None)
             if need > pool:
                 raise ValueError(f"prompt of {len(ids)} tokens needs {need} KV slots to run (prompt, one "
                                  f"iteration's growth and the drafter's scratch), more than the pool holds ({pool})")

@@ -69,22 +69,23 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     cpu = runner.device.type == "cpu"
     quantized_cpu = quantization is not None and cpu
     spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu)
-    if spec_config is None:  # requests that bring a prediction still draft from it (spec_v2/prediction.py)
-        spec_config = SpecConfig.for_predictions(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu)
+    if spec_config is None and not args.disable_guided_drafting and args.enable_deterministic_inference:
+        # requests with a prediction or a grammar still draft (NGRAM's trees), the others take plain steps
+        spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu)
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
         draft_quantization, why = choose_draft_method(args.speculative_draft_model_quantization, quantization,
                                                       runner.device)
         logger.info("draft quantization %s (%s)", draft_quantization, why)
         spec_config = replace(spec_config, draft_quantization=draft_quantization)
-    speculator = Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer,
-                            token_bytes=grammar.token_bytes)
+    speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer,
+                             token_bytes=grammar.token_bytes) if spec_config is not None else None)
     if runner.device.type == "cuda" and not args.disable_cuda_graph:
         # The target's decode and verify forwards replay CUDA graphs (models/target_graphs.py), the
         # buckets this engine's iterations take captured now.
         graphs = runner.enable_graphs(req_to_token_pool.table)
-        if speculator.predictions_only:  # its verifies run eagerly
+        if speculator is None or speculator.guided_only:  # plain decode steps
             graphs.capture_buckets()
-        else:
+        if speculator is not None:
             graphs.capture_buckets(speculator.max_nodes, speculator.target_capture)
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)
     scheduler = Scheduler(tokenizer, grammar, sched_config, allocator, req_to_token_pool, config.vocab_size,

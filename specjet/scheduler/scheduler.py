@@ -470,8 +470,10 @@ class Scheduler:
 
     def _drafts(self, req: Req) -> bool:
         """Whether ``req`` may get a draft tree beyond its root: with speculation, and on an engine without
-        ``speculative_algorithm`` when it brings a prediction (its decode batches are then speculative)."""
-        return self.spec is not None and self.spec.drafts_for(req.sampling.prediction)
+        ``speculative_algorithm`` when it brings a prediction or decodes under a grammar (its decode batches are
+        then speculative)."""
+        return self.spec is not None and self.spec.drafts_for(req.sampling.prediction,
+                                                              req.sampling.grammar_key is not None)
 
     def _ahead(self, req: Req) -> int:
         """Positions one decode iteration may write for ``req``: a draft tree's, or one."""
@@ -489,11 +491,12 @@ class Scheduler:
         self._release_kv(req)
         self.waiting.insert(0, req)
 
-    def slots_to_start(self, num_prompt_tokens: int, prediction=None) -> int:
-        """KV slots a request of this prompt length (and ``prediction``, or None) needs to run at all, alone in
-        the pool: its prompt and one iteration's growth (a draft tree where it may draft) plus the drafter's
-        scratch. A prompt that needs more than the pool could never be admitted."""
-        ahead = self.spec.max_nodes if self.spec is not None and self.spec.drafts_for(prediction) else 1
+    def slots_to_start(self, num_prompt_tokens: int, prediction=None, constrained: bool = False) -> int:
+        """KV slots a request of this prompt length (with ``prediction``, or None, and under a grammar or not)
+        needs to run at all, alone in the pool: its prompt and one iteration's growth (a draft tree where it may
+        draft) plus the drafter's scratch. A prompt that needs more than the pool could never be admitted."""
+        drafts = self.spec is not None and self.spec.drafts_for(prediction, constrained)
+        ahead = self.spec.max_nodes if drafts else 1
         scratch = self.spec.scratch_slots(1) if self.spec is not None else 0
         return self.allocator.slots_needed(0, min(num_prompt_tokens + ahead, self.config.context_len)) + scratch
 

@@ -150,9 +150,10 @@ class SpecConfig:
     # on CUDA unless ``cuda_graph`` is off. "auto" resolves per device in ``runner_mode``.
     draft_runner: str = "auto"
     cuda_graph: bool = True
-    # Only requests that bring a prediction draft (NGRAM trees); a decode batch without such a request is
-    # a plain one. What an engine without ``speculative_algorithm`` runs (``for_predictions``).
-    predictions_only: bool = False
+    # Only guided requests draft (NGRAM trees): those that bring a prediction or decode under a grammar, whose
+    # drafts cost no model forward and are often right; a decode batch without one is a plain step. What an
+    # engine without ``speculative_algorithm`` runs (``for_guided``).
+    guided_only: bool = False
     # Not part of the configuration's identity: a loaded head handed in directly (tests, tools).
     eagle_head: object = field(default=None, compare=False, repr=False)
     dflash_draft: object = field(default=None, compare=False, repr=False)
@@ -272,13 +273,13 @@ class SpecConfig:
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
     @classmethod
-    def for_predictions(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False) -> "SpecConfig":
-        """What an engine without ``speculative_algorithm`` runs for requests that bring a prediction: NGRAM's
-        trees (its arguments, ``speculative_num_draft_tokens`` and the n-gram windows, apply) for those requests
-        alone; every other decode batch is plain."""
+    def for_guided(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False) -> "SpecConfig":
+        """What an engine without ``speculative_algorithm`` runs for requests that bring a prediction or decode
+        under a grammar: NGRAM's trees (its arguments, ``speculative_num_draft_tokens``, the n-gram windows and
+        ``speculative_grammar_aware``, apply) for those requests alone; every other decode batch is plain."""
         config = cls.from_args(replace(args, speculative_algorithm="NGRAM"), quantized_cpu_target,
                                cpu_target)
-        return replace(config, predictions_only=True)
+        return replace(config, guided_only=True)
 
 
 # The engine's speculative arguments that take a number, and the least value each may take.

@@ -123,9 +123,7 @@ class Speculator:
         ngram = self.drafter if isinstance(self.drafter, NgramDrafter) else getattr(self.drafter, "ngram", None)
         if isinstance(ngram, NgramDrafter) and token_bytes is not None and tokenizer is not None:
             ngram.token_text = TokenText(token_bytes, self._tokenize)  # for predictions given as text
-        # A predictions-only speculator's verifies run eagerly: the target's graphs are the plain decode's.
-        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture,
-                                     static_nodes=None if cfg.predictions_only else cfg.max_tree_nodes)
+        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture, static_nodes=cfg.max_tree_nodes)
         # A learned drafter sees the positions of root-only trees later, in one call (catch_up.py).
         self.pending = PendingPositions() if self.drafter.feature_capture is not None else None
         self.payoff = DraftPayoff() if cfg.measured_payoff else None
@@ -148,13 +146,14 @@ class Speculator:
         return self.cfg.algorithm == "NGRAM" or self.cfg.hybrid_path_nodes > 0
 
     @property
-    def predictions_only(self) -> bool:
-        """Only requests with a prediction draft (an engine without ``speculative_algorithm``)."""
-        return self.cfg.predictions_only
+    def guided_only(self) -> bool:
+        """Only requests with a prediction or a grammar draft (an engine without ``speculative_algorithm``)."""
+        return self.cfg.guided_only
 
-    def drafts_for(self, prediction) -> bool:
-        """Whether a request with this prediction (None: none) may get a tree beyond its root."""
-        return not self.cfg.predictions_only or bool(prediction)
+    def drafts_for(self, prediction, constrained: bool) -> bool:
+        """Whether a request with this prediction (None: none), under a grammar or not, may get a tree beyond
+        its root."""
+        return not self.cfg.guided_only or bool(prediction) or constrained
 
     @property
     def max_nodes(self) -> int:
@@ -195,8 +194,8 @@ class Speculator:
         # pays) is left to draft.
         if limit is not None and len(reqs) > limit:  # free text verifies its root alone (a plain step)
             budgets = [min(n, 1) if r.grammar is None and not r.prediction else n for r, n in zip(reqs, budgets)]
-        if self.cfg.predictions_only:  # the others ride along in a batch one of them made speculative
-            budgets = [n if r.prediction else min(n, 1) for r, n in zip(reqs, budgets)]
+        if self.cfg.guided_only:  # the others ride along in a batch a guided request made speculative
+            budgets = [n if r.prediction or r.grammar is not None else min(n, 1) for r, n in zip(reqs, budgets)]
         # Alone and without a grammar, a request drafts while drafting measures faster than plain steps.
         judged = (reqs[0] if self.payoff is not None and len(reqs) == 1 and reqs[0].grammar is None
                   and not reqs[0].prediction else None)
