@@ -1,6 +1,7 @@
-"""`python -m specjet.demo`: a JSON object generated under a JSON schema with the default model, in the
-fastest exact configuration for this CPU: EAGLE speculation with the packaged head, and dtype auto
-(bf16 on a CPU with native bf16 instructions, fp32 where bf16 would be emulated)."""
+"""`python -m specjet.demo`: a JSON object generated under a JSON schema with the default model, by the engine a
+user gets with no arguments: its GGUF weights, and guided drafting (the request under a schema verifies NGRAM trees
+of the grammar's forced text and its own n-grams, no draft model), which decodes such a request at batch 1 as
+fast as the trained drafters here and faster than EAGLE (bench/RESULTS.md, session 62)."""
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ PROMPT = "Describe a pet as a JSON object with its name, species, age and toys."
 
 def main() -> None:
     started = time.perf_counter()
-    # SmolLM2-135M-Instruct, embedded; converted once, then cached. Greedy output is the plain engine's.
-    with specjet.Engine(dtype="auto", speculative_algorithm="EAGLE") as engine:
+    # SmolLM2-135M-Instruct, embedded; converted once, then cached. Greedy output is plain decoding's.
+    with specjet.Engine() as engine:
         loaded = time.perf_counter()
         prompt = engine.apply_chat_template(PROMPT)
         params = {"json_schema": SCHEMA, "temperature": 0, "max_new_tokens": 128}
@@ -38,7 +39,8 @@ def main() -> None:
         print(f"# {info['completion_tokens']} tokens in {info['e2e_latency']:.2f}s: "
               f"{info['completion_tokens'] / info['e2e_latency']:.1f} tokens/s, "
               f"accept length {info['spec_accept_length']:.2f} (finish: {info['finish_reason']['type']})")
-        print(f"# EAGLE speculation, {dtype} on {describe_cpu()}; engine start {loaded - started:.1f}s")
+        print(f"# guided drafting, {engine.worker.runner.quantization or dtype} weights on {describe_cpu()}; "
+              f"engine start {loaded - started:.1f}s")
 
 
 if __name__ == "__main__":
