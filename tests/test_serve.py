@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                             "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -531,6 +532,24 @@ def test_a_speculative_server_answers_the_same_and_reports_its_accept_length(ser
             out = chat(spec.client(), "Tell me a story", max_tokens=32, temperature=0,
                        prediction={"type": "content", "content": content})
             assert out.choices[0].message.content == reply
+        # usage.completion_tokens_details: the prediction's tokens the reply took, and the others.
+        tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+        def spec_tokenizer(text):
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        n_reply = len(spec_tokenizer(reply))
+        exact = chat(spec.client(), "Tell me a story", max_tokens=32, temperature=0,
+                     prediction={"type": "content", "content": reply}).usage.completion_tokens_details
+        assert (exact.accepted_prediction_tokens, exact.rejected_prediction_tokens) == (n_reply, 0)
+        longer = reply + " and then the end of a story nobody told"
+        extra = len(spec_tokenizer(longer)) - n_reply
+        chunks = list(chat(spec.client(), "Tell me a story", max_tokens=32, temperature=0, stream=True,
+                           stream_options={"include_usage": True}, prediction={"type": "content", "content": longer}))
+        streamed = chunks[-1].usage.completion_tokens_details
+        assert streamed.accepted_prediction_tokens >= n_reply - 2 and streamed.rejected_prediction_tokens >= extra
+        none = chat(spec.client(), "Tell me a story", max_tokens=4).usage.completion_tokens_details
+        assert (none.accepted_prediction_tokens, none.rejected_prediction_tokens) == (0, 0)
         for bad, param in (({"type": "text", "content": "x"}, "prediction.type"), ({"type": "content"},
                                                                                   "prediction.content")):
             with pytest.raises(openai.BadRequestError) as e:

@@ -303,7 +303,9 @@ def test_one_choice_ends_at_its_repeated_call_and_the_others_go_on(stream):
         choices = r.json()["choices"]
         assert [c["finish_reason"] for c in choices] == ["tool_calls", "stop"]
         assert len(choices[0]["message"]["tool_calls"]) == 1 and choices[1]["message"]["content"] == "Sure thing."
-        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 2 + 3, "total_tokens": 10}
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 2 + 3, "total_tokens": 10,
+                                         "completion_tokens_details": {"accepted_prediction_tokens": 0,
+                                                                       "rejected_prediction_tokens": 0}}
 
 
 def test_a_refused_choice_answers_a_streamed_request_and_closes_the_others():
@@ -322,3 +324,16 @@ def test_a_refused_choice_answers_a_streamed_request_and_closes_the_others():
                                                       "stream": True})
     assert r.status_code == 503 and r.json()["error"]["code"] == "kv_pool_exhausted"
     assert scripted.closed
+
+
+def test_prediction_details_count_the_predictions_tokens_found_in_order():
+    """Accepted: the prediction's tokens that appear in the completion, in order; rejected: the rest; summed over
+    the choices. A whitespace tokenizer makes the counts checkable by hand."""
+    from specjet.serve.prediction_usage import prediction_details
+
+    def words(text, add_special_tokens=False):
+        return {"input_ids": [hash(w) for w in text.split()]}
+
+    details = prediction_details(words, "a b c d e", ["a b x d e", "e d c b a", "a b c d e f"])
+    # "a b x d e": a b d e (4); "e d c b a": one token in order (1); "a b c d e f": all five
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (4 + 1 + 5, 1 + 4 + 0)

@@ -26,9 +26,11 @@ from specjet.serve import chat
 from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
 from specjet.serve.errors import ApiError, bad_request, unavailable
 from specjet.serve.metrics import Metrics
+from specjet.serve.prediction_usage import prediction_details
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                     ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta, Completion,
-                                    CompletionChoice, CompletionRequest, ModelCard, ModelList, Usage)
+                                    CompletionChoice, CompletionRequest, CompletionTokensDetails, ModelCard,
+                                    ModelList, Usage)
 
 logger = logging.getLogger("specjet.serve")
 
@@ -36,11 +38,13 @@ logger = logging.getLogger("specjet.serve")
 _DISCONNECT_POLL_S = 0.5
 
 
-def _usage(metas: list[dict[str, Any]], n: int) -> Usage:
-    """A response's usage from its choices' (``n`` a prompt, prompt-major): each prompt once, every completion."""
+def _usage(metas: list[dict[str, Any]], n: int, details: Optional[CompletionTokensDetails] = None) -> Usage:
+    """A response's usage from its choices' (``n`` a prompt, prompt-major): each prompt once, every completion;
+    ``details``: the predicted-output counts, where the request brought a prediction."""
     prompt = sum(m["prompt_tokens"] for m in metas[::n])
     completion = sum(m["completion_tokens"] for m in metas)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 completion_tokens_details=details or CompletionTokensDetails())
 
 
 def _sse(payload: Any) -> str:
@@ -265,8 +269,16 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                       logprobs=chat_logprobs(sp, result["meta_info"])))
             record(reason, result["meta_info"], i, len(sps))
-        return ChatCompletion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], len(sps)),
-                              choices=choices)
+        details = await predicted(body, [r["text"] for r in results])
+        return ChatCompletion(id=rid, model=model_name,
+                              usage=_usage([r["meta_info"] for r in results], len(sps), details), choices=choices)
+
+    async def predicted(body: ChatCompletionRequest, texts: list[str]) -> Optional[CompletionTokensDetails]:
+        """The prediction's accepted / rejected token counts over the choices' texts (None without one); off the
+        event loop: matching is quadratic in the worst case."""
+        if body.prediction is None or not body.prediction.text:
+            return None
+        return await anyio.to_thread.run_sync(prediction_details, engine.tokenizer, body.prediction.text, texts)
 
     def record(reason: Optional[str], meta: dict, index: int, n: int) -> None:
         """One choice in the metrics (of ``n`` a prompt, prompt-major: its prompt counted with its first)."""
@@ -341,8 +353,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                     item = await stream.__anext__()
                 finished = True
                 if include_usage:
+                    details = await predicted(body, list(cuts.texts))
                     yield _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
-                                                   usage=_usage(metas, n)))
+                                                   usage=_usage(metas, n, details)))
                 yield "data: [DONE]\n\n"
             except Exception as error:  # after the 200 went out: an error event, not a torn stream
                 yield stream_error(error)

@@ -144,10 +144,18 @@ class AssistantMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of the completion tokens; specjet fills in the predicted-output counts."""
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # As OpenAI's: always there; the predicted-output counts are zero without a prediction (chat ``prediction``).
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class ChatChoice(BaseModel):
