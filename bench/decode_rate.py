@@ -137,7 +137,7 @@ class Measurement:
                "requests": self.requests, "decode_tok_s": self.summary(),
                "runs_decode_tok_s": [None if math.isnan(r) else r for r in self.rates],
                "t_1_s": self.t_1, "t_n_s": self.t_n, "decode_tokens": self.decode_tokens}
-        if any(self.verify_ct):  # (an engine without speculation verifies only requests with a prediction)
+        if any(self.verify_ct):  # (an engine without speculation verifies only guided requests, if any)
             out.update(accept_length=self.accept_length, runs_accept_length=self.accept_lengths,
                        verify_ct=self.verify_ct, accepted_tokens=self.accepted,
                        accept_histogram={str(k): v for k, v in sorted(self.histogram.items())})

@@ -231,6 +231,8 @@ def test_guided_drafting_is_off_when_asked_or_when_kernels_are_not_batch_invaria
     assert not any("spec_verify_ct" in o["meta_info"] for o in outs) and not stats.get("spec_verify_ct")
     if engine_kwargs.get("enable_deterministic_inference", True):  # the same kernels as the reference
         assert [o["output_ids"] for o in outs] == free + constrained
+    with pytest.raises(TypeError, match="disable_guided_drafting must be bool"):
+        specjet.Engine(model_path=str(tiny_model_dir), disable_guided_drafting="yes")
 
 
 def test_an_engine_that_drafts_no_ngrams_says_so_once_and_decodes_as_ever(tiny_model_dir, head, expected, caplog):

@@ -182,6 +182,7 @@ class Scheduler:
         if not sp.is_greedy:  # the seed was range-checked at the door (SamplingParams)
             seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
+        req.drafts = self._may_draft(sp.prediction, sp.grammar_key is not None)
         self.waiting.append(req)
 
     # ---------------------------------------------------------------- the loop's end (event_loops.py)
@@ -245,7 +246,7 @@ class Scheduler:
             return None
         self.stats["iterations"] += 1
         self.stats["decode_batches"] += 1
-        return ScheduledBatch(BatchKind.DECODE, decode, speculative=any(self._drafts(r) for r in decode))
+        return ScheduledBatch(BatchKind.DECODE, decode, speculative=any(r.drafts for r in decode))
 
     def _remove_aborted(self) -> None:
         for req in [r for r in self._live() if r.to_abort]:
@@ -296,7 +297,7 @@ class Scheduler:
             # an immediate retraction of another. The whole prompt's KV is reserved now, chunked or
             # not, so a chunked prefill never waits for room half way.
             others = len(self.running) + len(chosen)
-            headroom = sum(self.allocator.slots_needed(0, self._ahead(r)) for r in (*self.running, *chosen))
+            headroom = sum(self.allocator.slots_needed(0, self._ahead(r.drafts)) for r in (*self.running, *chosen))
             if self.spec is not None:
                 headroom += self.spec.scratch_slots(others + 1)
             need = self.allocator.slots_needed(cached, num_tokens)
@@ -466,18 +467,17 @@ class Scheduler:
         """Positions that must have KV slots before this request's next decode iteration: one more,
         or a whole draft tree's worth with speculation, plus as much for each launched iteration the
         host has not processed yet (capped by the context length)."""
-        return min(req.kv_committed_len + self._ahead(req) * (1 + req.inflight), self.config.context_len)
+        return min(req.kv_committed_len + self._ahead(req.drafts) * (1 + req.inflight), self.config.context_len)
 
-    def _drafts(self, req: Req) -> bool:
-        """Whether ``req`` may get a draft tree beyond its root: with speculation, and on an engine without
-        ``speculative_algorithm`` when it brings a prediction or decodes under a grammar (its decode batches are
-        then speculative)."""
-        return self.spec is not None and self.spec.drafts_for(req.sampling.prediction,
-                                                              req.sampling.grammar_key is not None)
+    def _may_draft(self, prediction, constrained: bool) -> bool:
+        """Whether a request with this prediction (or None), under a grammar or not, may get a draft tree beyond
+        its root: with speculation, and on an engine without ``speculative_algorithm`` when it brings a prediction
+        or decodes under a grammar (its decode batches are then speculative)."""
+        return self.spec is not None and self.spec.drafts_for(prediction, constrained)
 
-    def _ahead(self, req: Req) -> int:
-        """Positions one decode iteration may write for ``req``: a draft tree's, or one."""
-        return self.spec.max_nodes if self._drafts(req) else 1
+    def _ahead(self, drafts: bool) -> int:
+        """Positions one decode iteration may write for a request: a draft tree's where it drafts, or one."""
+        return self.spec.max_nodes if drafts else 1
 
     def _retract(self, req: Req) -> None:
         """Free ``req``'s KV (its committed prefix stays in the cache, where its re-prefill finds it)
@@ -495,8 +495,7 @@ class Scheduler:
         """KV slots a request of this prompt length (with ``prediction``, or None, and under a grammar or not)
         needs to run at all, alone in the pool: its prompt and one iteration's growth (a draft tree where it may
         draft) plus the drafter's scratch. A prompt that needs more than the pool could never be admitted."""
-        drafts = self.spec is not None and self.spec.drafts_for(prediction, constrained)
-        ahead = self.spec.max_nodes if drafts else 1
+        ahead = self._ahead(self._may_draft(prediction, constrained))
         scratch = self.spec.scratch_slots(1) if self.spec is not None else 0
         return self.allocator.slots_needed(0, min(num_prompt_tokens + ahead, self.config.context_len)) + scratch
 
@@ -644,7 +643,7 @@ class Scheduler:
             if not tokens:  # a speculative iteration that had no room for this request (it is ending)
                 return
             req.kv_committed_len += len(tokens)
-            if speculative and self._drafts(req):
+            if speculative and req.drafts:
                 self._count_verify(req, len(tokens))
         if req.sampling.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})

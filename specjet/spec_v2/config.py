@@ -136,8 +136,9 @@ class SpecConfig:
     # Whether that cut grows with the batch for requests without a grammar (``min_draft_logp``): the
     # default on a float CPU target, where every verify row costs a fraction of a decode step.
     min_draft_prob_grows: bool = False
-    # A request without a grammar gets a tree beyond its root only in a batch of at most this many
-    # requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target.
+    # A request without a grammar or a prediction gets a tree beyond its root only in a batch of at most this
+    # many requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target; 0 (never)
+    # with ``guided_only``.
     free_text_draft_batch: int | None = None
     # A request without a grammar decoding alone drafts only while it measures that drafting pays
     # (spec_v2/payoff.py; speculative_measured_payoff: by default on a CPU target).
@@ -279,7 +280,8 @@ class SpecConfig:
         ``speculative_grammar_aware``, apply) for those requests alone; every other decode batch is plain."""
         config = cls.from_args(replace(args, speculative_algorithm="NGRAM"), quantized_cpu_target,
                                cpu_target)
-        return replace(config, guided_only=True)
+        # Free text beside a guided request verifies its root alone, whatever the batch: the free-text rule at 0.
+        return replace(config, guided_only=True, free_text_draft_batch=0)
 
 
 # The engine's speculative arguments that take a number, and the least value each may take.

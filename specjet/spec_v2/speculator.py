@@ -194,8 +194,6 @@ class Speculator:
         # pays) is left to draft.
         if limit is not None and len(reqs) > limit:  # free text verifies its root alone (a plain step)
             budgets = [min(n, 1) if r.grammar is None and not r.prediction else n for r, n in zip(reqs, budgets)]
-        if self.cfg.guided_only:  # the others ride along in a batch a guided request made speculative
-            budgets = [n if r.prediction or r.grammar is not None else min(n, 1) for r, n in zip(reqs, budgets)]
         # Alone and without a grammar, a request drafts while drafting measures faster than plain steps.
         judged = (reqs[0] if self.payoff is not None and len(reqs) == 1 and reqs[0].grammar is None
                   and not reqs[0].prediction else None)
