@@ -50,6 +50,7 @@ _ENGINE_FLAGS = {
     "speculative_draft_runner": "speculative_draft_runner",
     "disable_cuda_graph": "disable_cuda_graph",
     "disable_guided_drafting": "disable_guided_drafting",
+    "disable_free_text_drafting": "disable_free_text_drafting",
     "enable_deterministic_inference": "enable_deterministic_inference",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))

@@ -30,6 +30,7 @@ def describe_engine(engine) -> dict:
     speculator = worker.speculator
     spec = speculator.cfg if speculator is not None else None
     desc["guided_drafting"] = spec is not None and spec.guided_only
+    desc["free_text_drafting"] = spec is not None and spec.solo is not None
     if desc["guided_drafting"]:  # an engine without speculative_algorithm: "speculative" is off
         spec = None
     if spec is not None:  # reported under the engine arguments' names (SGLang's)
@@ -55,8 +56,10 @@ def describe_engine(engine) -> dict:
 def speculation_str(desc: dict) -> str:
     """A ``describe_engine`` dict's speculation in one line: its algorithm, or "off" and whether guided
     requests still draft (an engine without ``speculative_algorithm``)."""
-    guided = " (guided drafting: NGRAM trees for requests with a prediction or a grammar)" if desc.get(
-        "guided_drafting") else ""
+    guided = ""
+    if desc.get("guided_drafting"):
+        guided = " (guided drafting: NGRAM trees for requests with a prediction or a grammar" + (
+            "; DFLASH for free text decoding alone)" if desc.get("free_text_drafting") else ")")
     return spec_str(desc["speculative"]) + guided
 
 

@@ -139,13 +139,15 @@ def test_logprobs_of_speculative_decoding_are_plain_decodings(plain_outputs):
             assert out["meta_info"]["spec_verify_ct"] < len(out["output_ids"])
 
 
-@pytest.mark.parametrize("algorithm", ["DFLASH", "NGRAM", None])
+@pytest.mark.parametrize("algorithm", ["DFLASH", "NGRAM", None, "guided-only"])
 def test_a_predicted_output_keeps_plain_tokens_and_is_taken(plain_outputs, algorithm):
     """On the default model, a prediction (text: the engine tokenizes it) of the reply, exact or with a few words
     changed, gives plain decoding's tokens; an exact one is taken several tokens a verify, also by the engine
-    without speculation (which verifies predictions alone)."""
+    without speculation (None: which also drafts free text alone; guided-only: which without free-text drafting
+    verifies predictions alone)."""
     prompts, expected = plain_outputs
-    spec = {} if algorithm is None else dict(speculative_algorithm=algorithm, speculative_measured_payoff=False)
+    spec = ({} if algorithm is None else dict(disable_free_text_drafting=True) if algorithm == "guided-only"
+            else dict(speculative_algorithm=algorithm, speculative_measured_payoff=False))
     with specjet.Engine(max_total_tokens=8192, **spec) as eng:
         texts = [eng.tokenizer.decode(ids, skip_special_tokens=True) for ids in expected[:2]]
         without = [eng.generate(p, PARAMS) for p in prompts[:2]]
@@ -157,7 +159,7 @@ def test_a_predicted_output_keeps_plain_tokens_and_is_taken(plain_outputs, algor
         assert [o["output_ids"] for o in outs] == expected[:2]
     for got, base in zip(exact, without):
         assert got["meta_info"]["spec_accept_length"] > max(3.0, base["meta_info"].get("spec_accept_length", 1.0))
-    assert algorithm is not None or not any("spec_verify_ct" in o["meta_info"] for o in without)
+    assert algorithm != "guided-only" or not any("spec_verify_ct" in o["meta_info"] for o in without)
 
 
 def test_a_predicted_json_object_is_found_in_a_constrained_models_own_spelling():

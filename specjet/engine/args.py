@@ -87,6 +87,12 @@ class EngineArgs:
     # n-grams, none of which costs a model forward; every other request decodes with plain steps. True: every
     # request does (as does enable_deterministic_inference=False, whose kernels could not verify exactly).
     disable_guided_drafting: bool = False
+    # Without speculative_algorithm, on a CPU (specjet's own): a request without a grammar or a prediction that
+    # decodes alone (the agent's one call at a time) drafts too, DFLASH blocks from the draft shipped for the
+    # default model (or speculative_draft_model_path's), while drafting measures faster than plain steps
+    # (speculative_measured_payoff). Once it decodes beside others it takes plain steps to its end, which beside
+    # others cost less than any draft saves. Output is the same. True: such requests never draft.
+    disable_free_text_drafting: bool = False
     # EAGLE and DFLASH (specjet's own): a request without a grammar decoding alone drafts only while
     # drafting measures faster than plain steps at its context length (spec_v2/payoff.py); a long
     # conversation whose drafts are rarely accepted then decodes near the plain rate. Output is the same.

@@ -314,10 +314,12 @@ class Engine:
             except RuntimeError:
                 stats["spec_phases"] = {"iterations": 0}
         runner = self.worker.runner
-        learned = speculator is not None and speculator.cfg.algorithm in HYBRID_ALGORITHMS
+        draft_cfg = None  # the learned draft's configuration: the algorithm's, or free-text drafting's (DFLASH)
+        if speculator is not None:
+            draft_cfg = speculator.cfg if speculator.cfg.algorithm in HYBRID_ALGORITHMS else speculator.cfg.solo
         return {"args": self.args, "dtype": str(runner.dtype).removeprefix("torch."),  # what "auto" resolved to
                 "quantization": runner.quantization,
-                "draft_quantization": speculator.cfg.draft_quantization if learned else None,
+                "draft_quantization": draft_cfg.draft_quantization if draft_cfg is not None else None,
                 "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "overlap_schedule": self.loop.overlap,  # the loop in effect (disable_overlap_schedule, resolved)
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,

@@ -12,7 +12,7 @@ from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
 from specjet.models.quantize import choose_draft_method, choose_method
 from specjet.models.runner import ModelRunner
-from specjet.models.weights import gguf_source, load_state_dict, resolve_model_path
+from specjet.models.weights import default_gguf_path, gguf_source, load_state_dict, resolve_model_path
 from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -36,6 +36,20 @@ def use_overlap_schedule(disable_overlap_schedule: bool | None, device: torch.de
     if disable_overlap_schedule is None:
         return device.type != "cpu"
     return not disable_overlap_schedule
+
+
+def _draft_quantization(args: EngineArgs, quantization: str | None, device: torch.device) -> str | None:
+    draft_quantization, why = choose_draft_method(args.speculative_draft_model_quantization, quantization, device)
+    logger.info("draft quantization %s (%s)", draft_quantization, why)
+    return draft_quantization
+
+
+def _is_default_model(gguf_path) -> bool:
+    """Whether the model is the embedded default one, for which specjet ships a DFlash draft."""
+    try:
+        return gguf_path is not None and gguf_path.resolve() == default_gguf_path().resolve()
+    except FileNotFoundError:  # the default model's package is not installed
+        return False
 
 
 def load_components(args: EngineArgs, device: torch.device) -> Components:
@@ -70,13 +84,18 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     quantized_cpu = quantization is not None and cpu
     spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu)
     if spec_config is None and not args.disable_guided_drafting and args.enable_deterministic_inference:
-        # requests with a prediction or a grammar still draft (NGRAM's trees), the others take plain steps
-        spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu)
+        # requests with a prediction or a grammar still draft (NGRAM's trees), the others take plain steps, or on
+        # a CPU with a DFlash draft for the model draft while they decode alone
+        free_text = cpu and not args.disable_free_text_drafting and (
+            args.speculative_draft_model_path is not None or _is_default_model(gguf_path))
+        spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
+                                            free_text=free_text)
+        logger.info("guided drafting%s", " and free-text drafting alone (DFLASH)" if free_text else "")
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
-        draft_quantization, why = choose_draft_method(args.speculative_draft_model_quantization, quantization,
-                                                      runner.device)
-        logger.info("draft quantization %s (%s)", draft_quantization, why)
-        spec_config = replace(spec_config, draft_quantization=draft_quantization)
+        spec_config = replace(spec_config, draft_quantization=_draft_quantization(args, quantization, runner.device))
+    if spec_config is not None and spec_config.solo is not None:
+        spec_config = replace(spec_config, solo=replace(
+            spec_config.solo, draft_quantization=_draft_quantization(args, quantization, runner.device)))
     speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer,
                              token_bytes=grammar.token_bytes) if spec_config is not None else None)
     if runner.device.type == "cuda" and not args.disable_cuda_graph:

@@ -445,6 +445,10 @@ class Scheduler:
         """Every running request needs a slot for one more position; retract the newest requests
         (free their KV, requeue them to re-prefill later) until the rest fit. Retraction decides on
         the exact state: without it (``exact`` False), ``SETTLE_FIRST``."""
+        if self.spec is not None and self.spec.drafts_alone_only and len(self.running) > 1:
+            for req in self.running:  # beside others, for good: plain steps (the compute side drops its draft state)
+                if req.drafts and not _guided(req.sampling):
+                    req.drafts = False
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
             if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
@@ -759,3 +763,8 @@ class Scheduler:
         live_rows = sum(1 for r in live if r.req_pool_idx is not None)
         if live_rows + self.req_to_token_pool.available != self.req_to_token_pool.num_rows:
             raise AssertionError("a ReqToTokenPool row leaked")
+
+
+def _guided(sp) -> bool:
+    """Whether a request's drafts are guided: it brings a prediction or decodes under a grammar."""
+    return bool(sp.prediction) or sp.grammar_key is not None

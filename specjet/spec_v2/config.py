@@ -155,6 +155,10 @@ class SpecConfig:
     # drafts cost no model forward and are often right; a decode batch without one is a plain step. What an
     # engine without ``speculative_algorithm`` runs (``for_guided``).
     guided_only: bool = False
+    # With ``guided_only``: the configuration of a DFLASH speculator that drafts for a request without a grammar or a
+    # prediction while it decodes alone, from its prefill on (``for_guided(..., free_text=True)``); None: such a
+    # request never drafts. A request that decodes beside others once takes plain steps to its end.
+    solo: "SpecConfig | None" = None
     # Not part of the configuration's identity: a loaded head handed in directly (tests, tools).
     eagle_head: object = field(default=None, compare=False, repr=False)
     dflash_draft: object = field(default=None, compare=False, repr=False)
@@ -188,6 +192,8 @@ class SpecConfig:
         if not 1 <= n.min_window <= n.max_window:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
         _check_draft_runner(self.draft_runner)
+        if self.solo is not None and not (self.guided_only and self.solo.algorithm == "DFLASH"):
+            raise ValueError("a solo drafter is a DFLASH configuration beside guided drafting")
 
     def min_draft_logp(self, batch_size: int = 1, constrained: bool = False) -> float:
         """The confidence cut of one request's tree in a batch of ``batch_size`` as the drafters compare
@@ -274,14 +280,21 @@ class SpecConfig:
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
     @classmethod
-    def for_guided(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False) -> "SpecConfig":
+    def for_guided(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False,
+                   free_text: bool = False) -> "SpecConfig":
         """What an engine without ``speculative_algorithm`` runs for requests that bring a prediction or decode
         under a grammar: NGRAM's trees (its arguments, ``speculative_num_draft_tokens``, the n-gram windows and
-        ``speculative_grammar_aware``, apply) for those requests alone; every other decode batch is plain."""
+        ``speculative_grammar_aware``, apply) for those requests alone; every other decode batch is plain.
+        ``free_text``: a request without either also drafts while it decodes alone, with DFLASH's defaults for this
+        target (the draft at ``speculative_draft_model_path``, else the one shipped for the default model)."""
         config = cls.from_args(replace(args, speculative_algorithm="NGRAM"), quantized_cpu_target,
                                cpu_target)
+        solo = None
+        if free_text:  # speculative_num_draft_tokens sizes the NGRAM trees: the block is DFLASH's default
+            solo = cls.from_args(replace(args, speculative_algorithm="DFLASH", speculative_num_draft_tokens=None),
+                                 quantized_cpu_target, cpu_target)
         # Free text beside a guided request verifies its root alone, whatever the batch: the free-text rule at 0.
-        return replace(config, guided_only=True, free_text_draft_batch=0)
+        return replace(config, guided_only=True, free_text_draft_batch=0, solo=solo)
 
 
 # The engine's speculative arguments that take a number, and the least value each may take.

@@ -123,22 +123,32 @@ class Speculator:
         ngram = self.drafter if isinstance(self.drafter, NgramDrafter) else getattr(self.drafter, "ngram", None)
         if isinstance(ngram, NgramDrafter) and token_bytes is not None and tokenizer is not None:
             ngram.token_text = TokenText(token_bytes, self._tokenize)  # for predictions given as text
-        self.verifier = TreeVerifier(runner, capture_hidden=self.target_capture, static_nodes=cfg.max_tree_nodes)
+        self.verifier = TreeVerifier(runner, capture_hidden=self.drafter.feature_capture,
+                                     static_nodes=cfg.max_tree_nodes)
         # A learned drafter sees the positions of root-only trees later, in one call (catch_up.py).
         self.pending = PendingPositions() if self.drafter.feature_capture is not None else None
         self.payoff = DraftPayoff() if cfg.measured_payoff else None
         self.timings = PhaseTimings()
+        # Beside guided drafting: DFLASH for a request without a grammar or a prediction that has decoded alone
+        # since its prefill (``SpecConfig.solo``). Its draft state covers every position only while each of the
+        # request's iterations is one of its own; the first that is not (here, or a plain step on the host's
+        # side, which keeps it out of speculative batches from then on) makes it stale for good.
+        self.solo = None
+        if cfg.solo is not None:
+            self.solo = Speculator(cfg.solo, runner, allocator, context_len, tokenizer, token_bytes)
+            self.solo.timings = self.timings  # one account of the phases
+        self._stale: set[str] = set()
 
     # ---------------------------------------------------------------- geometry (pure: config only)
     @property
     def target_capture(self) -> CaptureHidden:
         """What the target's prefill and verify forwards capture for the drafter (None: nothing)."""
-        return self.drafter.feature_capture
+        return self.drafter.feature_capture if self.solo is None else self.solo.target_capture
 
     @property
     def draft_kv_reads_next_token(self) -> bool:
         """See ``Drafter.draft_kv_reads_next_token`` (the prefix cache's rule for a match's end)."""
-        return self.drafter.draft_kv_reads_next_token
+        return self.drafter.draft_kv_reads_next_token or (self.solo is not None and self.solo.draft_kv_reads_next_token)
 
     @property
     def drafts_ngrams(self) -> bool:
@@ -153,15 +163,23 @@ class Speculator:
     def drafts_for(self, prediction, constrained: bool) -> bool:
         """Whether a request with this prediction (None: none), under a grammar or not, may get a tree beyond
         its root."""
-        return not self.cfg.guided_only or bool(prediction) or constrained
+        return not self.cfg.guided_only or bool(prediction) or constrained or self.solo is not None
+
+    @property
+    def drafts_alone_only(self) -> bool:
+        """A request without a grammar or a prediction drafts only while it has decoded alone since its prefill
+        (``SpecConfig.solo``): the host keeps such a request out of speculative batches once it decodes beside
+        others."""
+        return self.solo is not None
 
     @property
     def max_nodes(self) -> int:
         """Positions one iteration may write beyond a request's committed length."""
-        return self.cfg.max_tree_nodes
+        return self.cfg.max_tree_nodes if self.solo is None else max(self.cfg.max_tree_nodes, self.solo.max_nodes)
 
     def scratch_slots(self, batch_size: int) -> int:
-        return self.drafter.scratch_slots(batch_size)
+        own = self.drafter.scratch_slots(batch_size)
+        return own if self.solo is None or batch_size != 1 else max(own, self.solo.scratch_slots(1))
 
     def tree_share(self, batch_size: int) -> int:
         """Nodes each tree of a batch may have: ``max_tree_nodes``, or an even share of
@@ -183,10 +201,20 @@ class Speculator:
             for r in reqs:  # a request prefilled anew (after a retraction) starts its draft state over
                 self.pending.drop(r.rid)
         self.drafter.after_prefill(reqs, hidden, first_tokens, req_to_token)
+        if self.solo is not None:  # every prompt's draft KV: a later request may find it in the prefix cache
+            self.solo.after_prefill(reqs, hidden, first_tokens, req_to_token)
 
     def run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor) -> list[list[int]]:
         """Accepted tokens per request ([] for a request with no room left: see ``tree_budget``).
         ``sampling``: the batch's sampling parameters, one row per request."""
+        if self.solo is not None:
+            alone = reqs[0] if len(reqs) == 1 else None
+            if alone is not None and alone.grammar is None and not alone.prediction and alone.rid not in self._stale:
+                return self.solo.run(reqs, sampling, req_to_token)
+            for r in reqs:  # the solo drafter does not see this iteration: its state no longer covers them
+                if r.rid not in self._stale:
+                    self._stale.add(r.rid)
+                    self.solo.release(r.rid)
         share = self.tree_share(len(reqs))
         budgets = [self.tree_budget(r, share) for r in reqs]
         limit = self.cfg.free_text_draft_batch
@@ -267,6 +295,9 @@ class Speculator:
             self.drafter.after_prefill(work.inputs, work.features, work.next_tokens, req_to_token)
 
     def release(self, rid: str) -> None:
+        if self.solo is not None:
+            self.solo.release(rid)
+            self._stale.discard(rid)
         if self.pending is not None:
             self.pending.drop(rid)
         if self.payoff is not None:

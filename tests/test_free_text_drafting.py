@@ -1,0 +1,171 @@
+"""Free-text drafting on an engine without ``speculative_algorithm`` (``SpecConfig.solo``): on a CPU, a request
+without a grammar or a prediction drafts DFLASH blocks while it has decoded alone since its prefill; once it decodes
+beside others it takes plain steps to its end, while guided requests (grammar, prediction) keep NGRAM's trees.
+Exact ids against a truly plain engine alone, batched, mixed with guided requests, for a request that gets company
+mid-way, overlap on and off; the target's distribution when sampling alone; the switch; the default model end to
+end. The KV invariant after every workload."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import specjet
+from conftest import make_tiny_model_dir
+from spec_helpers import mean_accept
+from test_dflash_spec import make_copy_draft, make_wrong_draft
+from test_penalties import SCHEMA
+from test_spec_eagle import PROMPTS, greedy
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """The cyclic tiny model (its greedy output repeats a token for long runs): the copy draft's blocks are taken."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cyclic"), default_model_dir, weight_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def copy_draft(tmp_path_factory, tiny_model_dir):
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir, root_context=True)
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(tmp_path_factory, tiny_model_dir):
+    return make_wrong_draft(tmp_path_factory.mktemp("wrong-dflash"), tiny_model_dir, 1, 8)
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    free = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(N))]
+    constrained = [o["output_ids"] for o in plain.generate(PROMPTS, greedy(N, json_schema=SCHEMA))]
+    return free, constrained
+
+
+def solo_engine(model_dir, draft, overlap=False, **kw):
+    """The engine without ``speculative_algorithm``, its free text drafting with ``draft`` on every iteration alone
+    (the measured payoff, which depends on timings, off: drafts and acceptance then compare across runs)."""
+    kw = dict(dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False),
+              **kw)
+    return specjet.Engine(model_path=str(model_dir), speculative_draft_model_path=str(draft), **kw)
+
+
+def verifies(outs) -> list[int]:
+    return [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_free_text_drafts_alone_and_takes_plain_steps_beside_others(tiny_model_dir, copy_draft, expected, overlap):
+    free, constrained = expected
+    with solo_engine(tiny_model_dir, copy_draft, overlap) as eng:
+        spec = eng.worker.speculator
+        assert spec.guided_only and spec.solo is not None and spec.solo.cfg.algorithm == "DFLASH"
+        alone = [eng.generate(p, greedy(N)) for p in PROMPTS]
+        before = eng.get_server_info()["stats"]
+        batched = eng.generate(PROMPTS, greedy(N))
+        after = eng.get_server_info()["stats"]
+        mixed = eng.generate(PROMPTS * 2, [greedy(N, json_schema=SCHEMA) for _ in PROMPTS] + [greedy(N)] * len(PROMPTS))
+        again = eng.generate(PROMPTS[1], greedy(N))
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in alone] == free
+    assert mean_accept(alone) > 1.5, [o["meta_info"] for o in alone]  # the copy draft's blocks, taken
+    # Beside each other: plain decode steps, no verify at all.
+    assert [o["output_ids"] for o in batched] == free
+    assert not any(verifies(batched)) and after["spec_verify_ct"] == before["spec_verify_ct"]
+    assert after["decode_batches"] > before["decode_batches"]
+    # Beside guided requests: their NGRAM trees are verified, the free text's roots alone (no draft of its own).
+    assert [o["output_ids"] for o in mixed] == constrained + free
+    assert not any(verifies(mixed[len(PROMPTS):])) and mean_accept(mixed[:len(PROMPTS)]) > 1.3
+    # A new request alone drafts again.
+    assert again["output_ids"] == free[1] and again["meta_info"]["spec_accept_length"] > 1.2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_gets_company_mid_way_takes_plain_steps_to_its_end(tiny_model_dir, wrong_draft, plain,
+                                                                          overlap):
+    """The first request drafts alone until a second one arrives; from then on both take plain steps (the first's
+    draft state stops covering its positions), also once the second has ended."""
+    long_params, short_params = greedy(600), greedy(30)
+    reference = plain.generate(PROMPTS[:2], [long_params, short_params])
+    with solo_engine(tiny_model_dir, wrong_draft, overlap) as eng:
+        started, out = threading.Event(), {}
+
+        def first():
+            ids = []
+            for chunk in eng.generate(PROMPTS[0], long_params, stream=True):
+                ids += chunk["output_ids"]
+                if len(ids) >= 8:  # a few iterations alone, drafting
+                    started.set()
+            out["first"], out["ids"] = chunk, ids
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        assert started.wait(60)
+        second = eng.generate(PROMPTS[1], short_params)
+        thread.join(120)
+        stats = eng.get_server_info()["stats"]
+        eng.check_kv_invariant()
+    assert [out["ids"], second["output_ids"]] == [o["output_ids"] for o in reference]
+    # It drafted alone (verifies), and took plain steps beside the second and after it: the tokens its verifies
+    # accepted fall short of its output by the second's 30 steps at least.
+    assert out["first"]["meta_info"]["spec_verify_ct"] > 0 and "spec_verify_ct" not in second["meta_info"]
+    assert stats["spec_accepted_tokens"] <= len(out["ids"]) - len(second["output_ids"]), stats
+
+
+def test_sampling_alone_matches_the_target_distribution(tiny_model_dir, copy_draft):
+    """1,000 seeded draws of three tokens, each request decoding alone (one running request at a time), through the
+    free-text drafting's DFLASH verify: the (t1, t2) histogram is within a small total variation of the exact top-k
+    distribution (HF transformers). The copy draft proposes t2 = t1, which the target gives only part of the time:
+    a sampler that took drafts too readily would fail."""
+    import collections
+
+    from test_spec_ngram import exact_two_token_distribution
+
+    prompt, n = PROMPTS[0], 1000
+    with solo_engine(tiny_model_dir, copy_draft, max_running_requests=1, dtype="float32") as eng:
+        ids = eng.tokenizer(prompt)["input_ids"]
+        outs = eng.generate([prompt] * n, [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True,
+                                            "seed": s} for s in range(n)])
+        eng.check_kv_invariant()
+    assert sum(o["meta_info"].get("spec_accept_length", 0) > 1 for o in outs) > n // 20
+    exact = exact_two_token_distribution(tiny_model_dir, ids, top_k=3)
+    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    assert tv < 0.07, tv
+
+
+def test_free_text_drafting_is_off_when_asked_or_without_a_draft(tiny_model_dir, copy_draft, expected):
+    free, constrained = expected
+    with solo_engine(tiny_model_dir, copy_draft, disable_free_text_drafting=True) as eng:
+        assert eng.worker.speculator.guided_only and eng.worker.speculator.solo is None
+        alone = eng.generate(PROMPTS[0], greedy(N))
+        schema = eng.generate(PROMPTS[0], greedy(N, json_schema=SCHEMA))
+        eng.check_kv_invariant()
+    assert alone["output_ids"] == free[0] and "spec_verify_ct" not in alone["meta_info"]
+    assert schema["output_ids"] == constrained[0] and schema["meta_info"]["spec_verify_ct"] > 0
+    # A model of the user's without speculative_draft_model_path: no draft for it, so guided drafting alone.
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        assert eng.worker.speculator.solo is None
+    with pytest.raises(TypeError, match="disable_free_text_drafting must be bool"):
+        specjet.Engine(model_path=str(tiny_model_dir), disable_free_text_drafting=1)
+
+
+def test_the_default_engine_drafts_free_text_alone_with_the_shipped_draft():
+    """The default model on the CPU, end to end: ``Engine()`` drafts a lone chat reply with the shipped DFlash draft
+    (the measured payoff on, as shipped), batched replies take plain steps; every reply is plain decoding's."""
+    params = greedy(48)
+    with specjet.Engine(disable_guided_drafting=True) as ref:
+        prompts = [ref.apply_chat_template(q) for q in ("Count from one to ten in words.",
+                                                         "Name the planets of the solar system in order.")]
+        expected = [o["output_ids"] for o in ref.generate(prompts, params)]
+    with specjet.Engine() as eng:
+        spec = eng.worker.speculator
+        assert spec.solo is not None and spec.solo.cfg.algorithm == "DFLASH" and spec.solo.payoff is not None
+        alone = [eng.generate(p, params) for p in prompts]
+        batched = eng.generate(prompts, params)
+        info = eng.get_server_info()
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in alone + batched] == expected * 2
+    assert all(v > 0 for v in verifies(alone)) and not any(verifies(batched))
+    assert info["draft_quantization"] is not None
