@@ -67,6 +67,9 @@ def test_free_text_drafts_alone_and_takes_plain_steps_beside_others(tiny_model_d
         after = eng.get_server_info()["stats"]
         mixed = eng.generate(PROMPTS * 2, [greedy(N, json_schema=SCHEMA) for _ in PROMPTS] + [greedy(N)] * len(PROMPTS))
         again = eng.generate(PROMPTS[1], greedy(N))
+        # Prefilled beside a guided request (which ends with its first token), then decoding alone: its rows of the
+        # prefill's features alone make its draft state.
+        pair = eng.generate(PROMPTS[2:4], [greedy(1, json_schema=SCHEMA), greedy(N)])
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in alone] == free
     assert mean_accept(alone) > 1.5, [o["meta_info"] for o in alone]  # the copy draft's blocks, taken
@@ -79,6 +82,9 @@ def test_free_text_drafts_alone_and_takes_plain_steps_beside_others(tiny_model_d
     assert not any(verifies(mixed[len(PROMPTS):])) and mean_accept(mixed[:len(PROMPTS)]) > 1.3
     # A new request alone drafts again.
     assert again["output_ids"] == free[1] and again["meta_info"]["spec_accept_length"] > 1.2
+    assert pair[0]["output_ids"] == constrained[2][:1] and pair[1]["output_ids"] == free[3]
+    if not overlap:  # the overlap loop builds the next decode batch before it learns that the guided one ended
+        assert pair[1]["meta_info"]["spec_accept_length"] > 1.2
 
 
 @pytest.mark.parametrize("overlap", [False, True])

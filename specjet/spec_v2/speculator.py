@@ -196,13 +196,30 @@ class Speculator:
 
     # ---------------------------------------------------------------- the iteration
     def after_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
-                      req_to_token: torch.Tensor) -> None:
+                      req_to_token: torch.Tensor, guided: list[bool] | None = None) -> None:
+        """``guided``: per request, whether it brings a prediction or decodes under a grammar (None: none does)."""
         if self.pending is not None:
             for r in reqs:  # a request prefilled anew (after a retraction) starts its draft state over
                 self.pending.drop(r.rid)
         self.drafter.after_prefill(reqs, hidden, first_tokens, req_to_token)
-        if self.solo is not None:  # every prompt's draft KV: a later request may find it in the prefix cache
+        if self.solo is not None:
+            self._solo_prefill(reqs, hidden, first_tokens, req_to_token, guided or [False] * len(reqs))
+
+    def _solo_prefill(self, reqs: list[SpecInput], hidden: torch.Tensor | None, first_tokens: list[int],
+                      req_to_token: torch.Tensor, guided: list[bool]) -> None:
+        """The solo drafter's state for the free-text requests of a prefill. A guided request never drafts with
+        it, so its prompt gets no draft KV (a later free-text request that finds that prompt in the prefix cache
+        drafts from stale draft KV there; output never depends on drafts)."""
+        keep = [i for i, g in enumerate(guided) if not g]
+        for i, g in enumerate(guided):
+            if g:
+                self._stale.add(reqs[i].rid)
+        if len(keep) == len(reqs):
             self.solo.after_prefill(reqs, hidden, first_tokens, req_to_token)
+        elif keep:
+            rows = hidden.split([len(r.token_ids) - r.committed_len for r in reqs])
+            self.solo.after_prefill([reqs[i] for i in keep], torch.cat([rows[i] for i in keep]),
+                                    [first_tokens[i] for i in keep], req_to_token)
 
     def run(self, reqs: list[SpecInput], sampling: SamplingTensors, req_to_token: torch.Tensor) -> list[list[int]]:
         """Accepted tokens per request ([] for a request with no room left: see ``tree_budget``).
