@@ -21,3 +21,6 @@ class ScheduledBatch:
     prefill_ends: list[int] = field(default_factory=list)
     # A decode batch that runs as a speculative iteration (draft, verify, accept) rather than a plain step.
     speculative: bool = False
+    # Of a speculative batch, whether each request (in ``reqs`` order) may draft in it: its verify counts. Fixed
+    # here because a request's ``drafts`` may turn off while the batch is in flight (free text that drafts alone).
+    drafting: tuple[bool, ...] = ()

@@ -244,9 +244,16 @@ class Scheduler:
         self._decode_turn = False
         if not decode:
             return None
+        if self.spec is not None and self.spec.drafts_alone_only and len(decode) > 1:
+            # Free text that may draft alone, beside others: plain steps for good (a plain step keeps no draft
+            # state). Turned off after the KV reservation, which covered a tree for a launched iteration that drafts.
+            for req in decode:
+                if req.drafts and not _guided(req.sampling):
+                    req.drafts = False
         self.stats["iterations"] += 1
         self.stats["decode_batches"] += 1
-        return ScheduledBatch(BatchKind.DECODE, decode, speculative=any(r.drafts for r in decode))
+        drafting = tuple(r.drafts for r in decode)
+        return ScheduledBatch(BatchKind.DECODE, decode, speculative=any(drafting), drafting=drafting)
 
     def _remove_aborted(self) -> None:
         for req in [r for r in self._live() if r.to_abort]:
@@ -445,10 +452,6 @@ class Scheduler:
         """Every running request needs a slot for one more position; retract the newest requests
         (free their KV, requeue them to re-prefill later) until the rest fit. Retraction decides on
         the exact state: without it (``exact`` False), ``SETTLE_FIRST``."""
-        if self.spec is not None and self.spec.drafts_alone_only and len(self.running) > 1:
-            for req in self.running:  # beside others, for good: plain steps (the compute side drops its draft state)
-                if req.drafts and not _guided(req.sampling):
-                    req.drafts = False
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
             if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
@@ -636,7 +639,7 @@ class Scheduler:
                     self._cache_prompt(req, batch.prefill_ends[i], tokens[0] if tokens else None)
                     if batch.prefill_ends[i] < len(req.fill_ids):  # a chunk: no token yet
                         continue
-                self._commit_tokens(req, batch.kind, tokens, now, batch.speculative)
+                self._commit_tokens(req, batch.kind, tokens, now, batch.speculative and batch.drafting[i])
             except Exception as exc:  # this request's host work failed: it alone ends
                 self._fail_request(req, "processing its output", exc)
 
@@ -647,7 +650,7 @@ class Scheduler:
             if not tokens:  # a speculative iteration that had no room for this request (it is ending)
                 return
             req.kv_committed_len += len(tokens)
-            if speculative and req.drafts:
+            if speculative:
                 self._count_verify(req, len(tokens))
         if req.sampling.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
