@@ -153,11 +153,16 @@ def test_gsm8k_default_model_few_shot(tmp_path):
     stdout = run_gsm8k("--num-shots", "2", "--num-questions", "3", "--parallel", "2", "--max-new-tokens", "32",
                        "--result-file", str(result_file))
     printed = figures_printed(stdout)
-    assert not ACCEPT_LINE.search(stdout)  # no speculation, no accept length
     assert "# 3 questions, 2-shot, plain text" in stdout
     record = json.loads(result_file.read_text())
     check_record(record, printed, 3)
     assert record["prompt_format"] == "few-shot" and record["engine"]["speculative"] is None
+    # No speculative_algorithm, but on the CPU free text drafts while it decodes alone (the last question here):
+    # its accept length is printed, as the record's.
+    assert record["engine"]["free_text_drafting"] == (record["engine"]["device"] == "cpu")
+    accept = ACCEPT_LINE.search(stdout)
+    assert (accept is None) == (record["figures"].get("accept_length") is None)
+    assert accept is None or float(accept[1]) == pytest.approx(record["figures"]["accept_length"], abs=5e-4)
 
 
 def test_gsm8k_tiny_model_chat_with_ngram(tiny_model_dir, tmp_path):

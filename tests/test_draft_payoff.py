@@ -27,6 +27,11 @@ def test_drafts_that_do_not_pay_pause_after_a_probe_and_drafting_resumes_to_meas
                      iterations=EXPLORE + PROBE + PAUSE + EXPLORE + 1)
     assert pattern == [True] * EXPLORE + [False] * (PROBE + PAUSE) + [True] * EXPLORE + [False]
     assert payoff.summary() == {0: {"accept": 1.0, "tree_ms": 20.0, "root_ms": 10.0, "speedup": 0.5}}
+    # The pause that follows a verdict is one (free-text drafting alone then stops for good); a probe is not.
+    assert payoff.judged_slower("a")
+    probing = DraftPayoff()
+    assert _drive(probing, "b", 300, accepted=1, tree_s=0.02, root_s=0.01, iterations=EXPLORE + 1)[-1] is False
+    assert not probing.judged_slower("b") and not probing.judged_slower("unknown")
 
 
 def test_drafts_that_pay_keep_drafting_and_the_plain_step_is_measured_once_per_bucket():

@@ -175,3 +175,26 @@ def test_the_default_engine_drafts_free_text_alone_with_the_shipped_draft():
     assert [o["output_ids"] for o in alone + batched] == expected * 2
     assert all(v > 0 for v in verifies(alone)) and not any(verifies(batched))
     assert info["draft_quantization"] is not None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_whose_drafting_measures_slower_takes_plain_steps_to_its_end(tiny_model_dir, copy_draft, expected,
+                                                                               monkeypatch, overlap):
+    """With the measured payoff on and every verdict "slower" (a margin no draft meets), a lone request explores,
+    probes a plain step, is judged, and from then on takes plain steps (no verify, no draft state); ids stay plain."""
+    from specjet.spec_v2 import payoff
+
+    free, _ = expected
+    monkeypatch.setattr(payoff, "MARGIN", 1e9)
+    with solo_engine(tiny_model_dir, copy_draft, overlap, speculative_measured_payoff=True) as eng:
+        outs = [eng.generate(p, greedy(N)) for p in PROMPTS[:2]]
+        spec = eng.worker.speculator
+        eng.check_kv_invariant()
+        assert not spec._stale and not spec.solo.drafter.learned.root_ctx  # released at their ends
+    assert [o["output_ids"] for o in outs] == free[:2]
+    # The first request explores and probes (a bucket's first plain step), the second only explores; each is
+    # then judged in one more root-only verify (the overlap loop may launch one more before the host learns).
+    first, second = (o["meta_info"]["spec_verify_ct"] for o in outs)
+    slack = 1 if overlap else 0
+    assert payoff.EXPLORE + payoff.PROBE + 1 <= first <= payoff.EXPLORE + payoff.PROBE + 1 + slack
+    assert payoff.EXPLORE + 1 <= second <= payoff.EXPLORE + 1 + slack

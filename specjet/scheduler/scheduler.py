@@ -244,11 +244,13 @@ class Scheduler:
         self._decode_turn = False
         if not decode:
             return None
-        if self.spec is not None and self.spec.drafts_alone_only and len(decode) > 1:
-            # Free text that may draft alone, beside others: plain steps for good (a plain step keeps no draft
-            # state). Turned off after the KV reservation, which covered a tree for a launched iteration that drafts.
+        if self.spec is not None and self.spec.drafts_alone_only:
+            # Free text that may draft alone, beside others or once its drafting measured slower: plain steps for
+            # good (a plain step keeps no draft state). Turned off after the KV reservation, which covered a tree
+            # for a launched iteration that drafts.
             for req in decode:
-                if req.drafts and not _guided(req.sampling):
+                if req.drafts and not _guided(req.sampling) and (len(decode) > 1
+                                                                 or self.spec.stopped_drafting(req.rid)):
                     req.drafts = False
         self.stats["iterations"] += 1
         self.stats["decode_batches"] += 1

@@ -79,6 +79,7 @@ class _Bucket:
 class _Request:
     explored: int = 0  # drafting iterations since it last paused (or started)
     root_only_left: int = 0  # iterations it still verifies its root alone
+    judged_slower: bool = False  # its current pause is a verdict (drafting measured slower), not a probe
 
 
 class DraftPayoff:
@@ -97,13 +98,18 @@ class DraftPayoff:
         if r.explored < EXPLORE or stats.tree.count < EXPLORE:
             return True
         if not stats.root.count:
-            r.root_only_left = PROBE
+            r.root_only_left, r.judged_slower = PROBE, False
             return False
         speedup = stats.speedup(optimistic=True)
         if speedup is not None and speedup < MARGIN:
-            r.root_only_left, r.explored = PAUSE, 0
+            r.root_only_left, r.explored, r.judged_slower = PAUSE, 0, True
             return False
         return True
+
+    def judged_slower(self, rid: str) -> bool:
+        """Whether the request's drafting is paused because it measured slower than plain steps (not to probe)."""
+        r = self._requests.get(rid)
+        return r is not None and r.root_only_left > 0 and r.judged_slower
 
     def record(self, rid: str, context_len: int, drafted: bool, accepted: int, seconds: float) -> None:
         """One iteration of the request alone: whether it drafted, the tokens it committed, its seconds."""

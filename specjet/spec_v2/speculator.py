@@ -172,6 +172,11 @@ class Speculator:
         others."""
         return self.solo is not None
 
+    def stopped_drafting(self, rid: str) -> bool:
+        """Whether a request that may draft alone (``drafts_alone_only``) no longer does: its drafting measured
+        slower than plain steps, or it had an iteration beside others."""
+        return rid in self._stale
+
     @property
     def max_nodes(self) -> int:
         """Positions one iteration may write beyond a request's committed length."""
@@ -227,7 +232,14 @@ class Speculator:
         if self.solo is not None:
             alone = reqs[0] if len(reqs) == 1 else None
             if alone is not None and alone.grammar is None and not alone.prediction and alone.rid not in self._stale:
-                return self.solo.run(reqs, sampling, req_to_token)
+                out = self.solo.run(reqs, sampling, req_to_token)
+                payoff = self.solo.payoff
+                if payoff is not None and payoff.judged_slower(alone.rid):
+                    # Drafting measured slower at its context: plain steps to its end (the host reads
+                    # ``stopped_drafting``), which cost less than the verify's root-only iterations of a pause.
+                    self._stale.add(alone.rid)
+                    self.solo.release(alone.rid)
+                return out
             for r in reqs:  # the solo drafter does not see this iteration: its state no longer covers them
                 if r.rid not in self._stale:
                     self._stale.add(r.rid)
