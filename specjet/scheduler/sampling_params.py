@@ -252,3 +252,8 @@ class SamplingParams:
             if value is not None:
                 return kind, value
         return None
+
+    @property
+    def guided(self) -> bool:
+        """Whether its drafts are guided (no model forward): it brings a prediction or decodes under a grammar."""
+        return bool(self.prediction) or self.grammar_key is not None

@@ -249,8 +249,7 @@ class Scheduler:
             # good (a plain step keeps no draft state). Turned off after the KV reservation, which covered a tree
             # for a launched iteration that drafts.
             for req in decode:
-                if req.drafts and not _guided(req.sampling) and (len(decode) > 1
-                                                                 or self.spec.stopped_drafting(req.rid)):
+                if req.drafts and not req.sampling.guided and (len(decode) > 1 or self.spec.stopped_drafting(req.rid)):
                     req.drafts = False
         self.stats["iterations"] += 1
         self.stats["decode_batches"] += 1
@@ -768,8 +767,3 @@ class Scheduler:
         live_rows = sum(1 for r in live if r.req_pool_idx is not None)
         if live_rows + self.req_to_token_pool.available != self.req_to_token_pool.num_rows:
             raise AssertionError("a ReqToTokenPool row leaked")
-
-
-def _guided(sp) -> bool:
-    """Whether a request's drafts are guided: it brings a prediction or decodes under a grammar."""
-    return bool(sp.prediction) or sp.grammar_key is not None

@@ -176,8 +176,7 @@ class ModelWorker:
             nexts = [inp.prefill_ids[len(s.tokens)] if t is None else t for s, inp, t in zip(states, batch.inputs, tokens)]
             spec_inputs = [SpecInput(s.rid, inp.row, inp.cached_len, s.tokens, 0) for s, inp in zip(states, batch.inputs)]
             self.speculator.after_prefill(spec_inputs, out.hidden, nexts, self.req_to_token,
-                                          [inp.sampling.grammar_key is not None or bool(inp.sampling.prediction)
-                                           for inp in batch.inputs])
+                                          [inp.sampling.guided for inp in batch.inputs])
         for state, token in zip(states, tokens):
             state.committed_len = len(state.tokens) if batch.kind is BatchKind.PREFILL else state.committed_len + 1
             if token is not None:
