@@ -92,7 +92,7 @@ def test_a_request_that_gets_company_mid_way_takes_plain_steps_to_its_end(tiny_m
                                                                           overlap):
     """The first request drafts alone until a second one arrives; from then on both take plain steps (the first's
     draft state stops covering its positions), also once the second has ended."""
-    long_params, short_params = greedy(600), greedy(30)
+    long_params, short_params = greedy(1800), greedy(30)  # long enough to be running when the second arrives
     reference = plain.generate(PROMPTS[:2], [long_params, short_params])
     with solo_engine(tiny_model_dir, wrong_draft, overlap) as eng:
         started, out = threading.Event(), {}
