@@ -12,7 +12,8 @@ import pytest
 
 import specjet
 from conftest import make_tiny_model_dir
-from spec_helpers import mean_accept
+from specjet.models.eagle import default_eagle_path
+from spec_helpers import mean_accept, total_variation
 from test_dflash_spec import make_copy_draft, make_wrong_draft
 from test_penalties import SCHEMA
 from test_spec_eagle import PROMPTS, greedy
@@ -46,8 +47,8 @@ def expected(plain):
 def solo_engine(model_dir, draft, overlap=False, **kw):
     """The engine without ``speculative_algorithm``, its free text drafting with ``draft`` on every iteration alone
     (the measured payoff, which depends on timings, off: drafts and acceptance then compare across runs)."""
-    kw = dict(dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False),
-              **kw)
+    kw = dict(dict(max_total_tokens=4096, disable_overlap_schedule=not overlap, speculative_measured_payoff=False,
+                   device="cpu"), **kw)  # a CPU engine's: free-text drafting is not built on CUDA
     return specjet.Engine(model_path=str(model_dir), speculative_draft_model_path=str(draft), **kw)
 
 
@@ -124,8 +125,6 @@ def test_sampling_alone_matches_the_target_distribution(tiny_model_dir, copy_dra
     free-text drafting's DFLASH verify: the (t1, t2) histogram is within a small total variation of the exact top-k
     distribution (HF transformers). The copy draft proposes t2 = t1, which the target gives only part of the time:
     a sampler that took drafts too readily would fail."""
-    import collections
-
     from test_spec_ngram import exact_two_token_distribution
 
     prompt, n = PROMPTS[0], 1000
@@ -135,9 +134,7 @@ def test_sampling_alone_matches_the_target_distribution(tiny_model_dir, copy_dra
                                             "seed": s} for s in range(n)])
         eng.check_kv_invariant()
     assert sum(o["meta_info"].get("spec_accept_length", 0) > 1 for o in outs) > n // 20
-    exact = exact_two_token_distribution(tiny_model_dir, ids, top_k=3)
-    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    tv = total_variation(outs, exact_two_token_distribution(tiny_model_dir, ids, top_k=3))
     assert tv < 0.07, tv
 
 
@@ -155,17 +152,23 @@ def test_free_text_drafting_is_off_when_asked_or_without_a_draft(tiny_model_dir,
         assert eng.worker.speculator.solo is None
     with pytest.raises(TypeError, match="disable_free_text_drafting must be bool"):
         specjet.Engine(model_path=str(tiny_model_dir), disable_free_text_drafting=1)
+    # speculative_draft_model_path without an algorithm names the free-text draft: what is not one says so.
+    with pytest.raises(ValueError, match="is not a specjet-dflash v1 draft"):
+        specjet.Engine(model_path=str(tiny_model_dir), device="cpu",
+                       speculative_draft_model_path=str(default_eagle_path()))
+    with pytest.raises(FileNotFoundError, match="DFlash draft model not found"):
+        specjet.Engine(model_path=str(tiny_model_dir), device="cpu", speculative_draft_model_path="/nonexistent/d")
 
 
 def test_the_default_engine_drafts_free_text_alone_with_the_shipped_draft():
     """The default model on the CPU, end to end: ``Engine()`` drafts a lone chat reply with the shipped DFlash draft
     (the measured payoff on, as shipped), batched replies take plain steps; every reply is plain decoding's."""
     params = greedy(48)
-    with specjet.Engine(disable_guided_drafting=True) as ref:
+    with specjet.Engine(disable_guided_drafting=True, device="cpu") as ref:
         prompts = [ref.apply_chat_template(q) for q in ("Count from one to ten in words.",
                                                          "Name the planets of the solar system in order.")]
         expected = [o["output_ids"] for o in ref.generate(prompts, params)]
-    with specjet.Engine() as eng:
+    with specjet.Engine(device="cpu") as eng:
         spec = eng.worker.speculator
         assert spec.solo is not None and spec.solo.cfg.algorithm == "DFLASH" and spec.solo.payoff is not None
         alone = [eng.generate(p, params) for p in prompts]

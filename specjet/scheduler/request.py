@@ -70,8 +70,9 @@ class Req:
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-    # Whether it may get a draft tree beyond its root, fixed for its life (Scheduler._admit: with speculation; on
-    # an engine without speculative_algorithm, when it brings a prediction or decodes under a grammar).
+    # Whether it may get a draft tree beyond its root (Scheduler._admit: with speculation; on an engine without
+    # speculative_algorithm, when it brings a prediction or decodes under a grammar, or on a CPU when it may draft
+    # alone). Only free text that drafts alone turns it off, for good (Scheduler._decode_batch).
     drafts: bool = False
     spec_verify_ct: int = 0  # verify forwards that served this request
     spec_accept_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per verify -> count

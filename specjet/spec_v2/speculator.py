@@ -216,9 +216,6 @@ class Speculator:
         it, so its prompt gets no draft KV (a later free-text request that finds that prompt in the prefix cache
         drafts from stale draft KV there; output never depends on drafts)."""
         keep = [i for i, g in enumerate(guided) if not g]
-        for i, g in enumerate(guided):
-            if g:
-                self._stale.add(reqs[i].rid)
         if len(keep) == len(reqs):
             self.solo.after_prefill(reqs, hidden, first_tokens, req_to_token)
         elif keep:
