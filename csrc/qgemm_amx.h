@@ -17,6 +17,19 @@
 
 constexpr int kTileRows = 16;
 
+// GCC's AMX intrinsics are asm statements that clobber all memory (tile stores) or declare none (tile loads):
+// the first makes the compiler keep every accumulator in memory around each block, the second would let it
+// move a store after the tile load that reads it. These name the memory each one reads or writes.
+struct TileBytes { char b[kTileRows * 64]; };
+struct AnyBytes { char b[1 << 30]; };
+#define SJ_TILE_LOAD(t, base, stride) \
+  asm volatile("tileloadd (%1,%2,1), %%tmm" #t : : "m"(*(const AnyBytes*)(base)), "r"(base), "r"((long)(stride)))
+#define SJ_TILE_STORE(t, base) \
+  asm volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(TileBytes*)(base)) : "r"(base), "r"(64L))
+#define SJ_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
+#define SJ_TILE_DPBSUD(c, a, b) asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define SJ_TILE_DPBSSD(c, a, b) asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
 // Tile registers are per thread: each thread of a call loads this configuration before its first product
 // and releases the tiles after its last (so a context switch does not save 8 KB of idle tile state).
 static inline void configure_tiles() {
@@ -41,7 +54,7 @@ struct AmxQ41 {
   struct Scales {
     vecf d, m;
   };
-  inline void prepare(int64_t b, int slot) {
+  inline __attribute__((always_inline)) void prepare(int64_t b, int slot) {
     prefetch_q41_block(qs, d, m, b);
     for (int c = 0; c < 4; ++c) {
       const veci raw = i_load(qs + (b * 4 + c) * 64);
@@ -81,6 +94,7 @@ template <int R, class Weights>
 static inline __attribute__((always_inline)) void finish_block(const Weights& w, const QuantizedRows& x, int64_t r0,
                                                                int64_t blk, const int32_t* sums, vecf* acc) {
   const typename Weights::Scales sc = w.scales(blk);
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const int64_t rb = (r0 + r) * x.nb + blk;
     acc[r] = Weights::add_block(acc[r], i_load(sums + r * kGroup), x.dx[rb], x.sx[rb], sc);
@@ -91,10 +105,10 @@ static inline __attribute__((always_inline)) void finish_block(const Weights& w,
 // intrinsics take literal register numbers, hence a macro).
 #define SJ_AMX_ISSUE(tc, ta, tb, blk, slot)                                              \
   do {                                                                                   \
-    _tile_loadd(ta, x.xq + r0 * x.K + (blk) * kBlock, x.K);                              \
-    _tile_loadd(tb, w.operand(blk, slot), 64);                                           \
-    _tile_zero(tc);                                                                      \
-    if constexpr (Weights::kSignedCodes) _tile_dpbssd(tc, ta, tb); else _tile_dpbsud(tc, ta, tb); \
+    SJ_TILE_LOAD(ta, x.xq + r0 * x.K + (blk) * kBlock, x.K);                             \
+    SJ_TILE_LOAD(tb, w.operand(blk, slot), 64);                                          \
+    SJ_TILE_ZERO(tc);                                                                    \
+    if constexpr (Weights::kSignedCodes) SJ_TILE_DPBSSD(tc, ta, tb); else SJ_TILE_DPBSUD(tc, ta, tb); \
   } while (0)
 
 // Rows [r0, r0 + R) of one column group, every block of K, then the bias; `valid` columns are stored. The
@@ -107,6 +121,7 @@ static inline void tile(Weights& w, const QuantizedRows& x, int64_t r0, const fl
                         int valid) {
   alignas(64) int32_t sums[2][kTileRows * kGroup];
   vecf acc[R];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = f_zero();
   const int64_t nb = x.nb;
   w.prepare(0, 0);
@@ -115,12 +130,12 @@ static inline void tile(Weights& w, const QuantizedRows& x, int64_t r0, const fl
   for (int64_t b = 0; b < nb; b += 2) {
     if (b + 1 < nb) SJ_AMX_ISSUE(3, 4, 5, b + 1, 1);
     if (b + 2 < nb) w.prepare(b + 2, 0);
-    _tile_stored(0, sums[0], 64);
+    SJ_TILE_STORE(0, sums[0]);
     if (b >= 1) finish_block<R>(w, x, r0, b - 1, sums[1], acc);
     if (b + 1 >= nb) break;
     if (b + 2 < nb) SJ_AMX_ISSUE(0, 1, 2, b + 2, 0);
     if (b + 3 < nb) w.prepare(b + 3, 1);
-    _tile_stored(3, sums[1], 64);
+    SJ_TILE_STORE(3, sums[1]);
     finish_block<R>(w, x, r0, b, sums[0], acc);
   }
   finish_block<R>(w, x, r0, nb - 1, sums[(nb - 1) & 1], acc);
