@@ -257,6 +257,10 @@ class DFlashDraftModel(HotVocabDraft):
         logits = self._shared().lm_head.project(hidden.reshape(-1, hidden.shape[-1])).float()
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
+    def head_weight_t(self) -> torch.Tensor:
+        """[h, K or vocab]: the weight of the head ``logits`` applies (frozen: the target's, or its hot columns)."""
+        return self._shared().lm_head.weight_t
+
     def target_head(self) -> Linear:
         """The target's own full-vocabulary LM head (the draft's may be a hot-vocabulary one)."""
         return self._shared().full_lm_head or self._shared().lm_head
@@ -393,7 +397,7 @@ class DFlashDraftModel(HotVocabDraft):
     # ---------------------------------------------------------------- training (whole sequences)
     def forward_train(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
                       window: int | None = None, block_ids: torch.Tensor | None = None,
-                      scored: torch.Tensor | None = None) -> torch.Tensor:
+                      scored: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
         """Many blocks per sequence in one forward, each isolated from the others.
 
         ids [B, L], features [B, L, (K + 1) h], anchors [B, A] (the root's position of each block;
@@ -406,7 +410,9 @@ class DFlashDraftModel(HotVocabDraft):
         and the loss over unscored rows would be work for nothing), followed by padding rows up to a
         multiple of ``TRAIN_ROW_BUCKET``: [n scored + padding, K or vocab]. The caller scores the padding
         with weight zero rather than slicing it off, whose backward would write a zero gradient the size
-        of the logits and copy the rest into it every step."""
+        of the logits and copy the rest into it every step. ``head=False`` (with ``scored``): those rows'
+        final normed hidden states instead of their logits, [n scored + padding, h], for a loss that applies
+        the head itself (train/head_loss.py)."""
         batch, seq_len, _ = features.shape
         size = self.shape.block_size
         num = anchors.shape[1]
@@ -461,7 +467,8 @@ class DFlashDraftModel(HotVocabDraft):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = x.reshape(batch, num, size, -1)[:, :, 1:]
         if scored is not None:
-            return self.logits(_pad_rows(self.norm(x[scored])))
+            hidden = _pad_rows(self.norm(x[scored]))
+            return self.logits(hidden) if head else hidden
         return self.logits(self.norm(x))
 
     def _train_mask(self, roots: torch.Tensor, real: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:

@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
+from specjet.train.head_loss import head_cross_entropy
 from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume, run_summary
 
 
@@ -238,19 +238,18 @@ def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlas
         valid = valid & (torch.arange(1, size)[None, None, :] > known[:, :, None])
         real = real & (known == 0)
     # Only the scored positions go through the norm, the head and the loss; the padding rows after
-    # them (forward_train) count with weight zero.
-    logits = model.forward_train(ids, feats, anchors, cfg.window, block_ids, scored=valid)  # [n + pad, K or vocab]
+    # them (forward_train) count with weight zero. The head's logits are made and consumed a chunk of rows
+    # at a time (train/head_loss.py), the loss in fp32 under autocast too.
+    hidden = model.forward_train(ids, feats, anchors, cfg.window, block_ids, scored=valid, head=False)  # [n + pad, h]
     scored = int(valid.sum())
-    weights = logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    weights = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
     weights[:scored] = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay).expand_as(valid)[valid]
-    targets = labels.new_zeros(logits.shape[0])
+    targets = labels.new_zeros(hidden.shape[0])
     targets[:scored] = labels[valid]
-    logits = logits.float()  # the loss in fp32 under autocast too
-    ce = F.cross_entropy(logits, targets, reduction="none")
-    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+    loss, predicted = head_cross_entropy(hidden, model.head_weight_t(), targets, weights)
     with torch.no_grad():
         hits = torch.zeros_like(valid)
-        hits[valid] = logits[:scored].argmax(-1) == targets[:scored]
+        hits[valid] = predicted[:scored] == targets[:scored]
         top1 = hits[:, :, 0][real].float().mean()
         accept = 1 + hits.long().cumprod(-1).sum(-1)[real].float().mean()
     return {"loss": loss, "top1": top1, "accept_length": accept}

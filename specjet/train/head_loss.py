@@ -1,0 +1,82 @@
+"""A draft's training loss through a frozen LM head, its logits made and consumed a few rows at a time.
+
+The DFlash trainer scores ~1,300 block rows a step against an 8,192-column hot head. Made whole, the logits
+are a [rows, K] float tensor (~40 MB) that the loss then reads and writes again and again: the cast to
+float, log-softmax, its output, its backward, the argmax for the step's metrics. Each pass goes through
+main memory, and on a CPU those passes cost as much as the head's product itself. Here the head's
+product, the log-sum-exp, the argmax and the logits' gradient (softmax minus one-hot, times the row's
+share of the loss) are made for a chunk of rows at a time, which stays in the core's cache; only the
+gradient is kept for the backward, in the product's dtype (the backward's product would cast it there
+anyway). The backward is one product of that gradient with the head's weight.
+
+The arithmetic is the unfused path's (``F.cross_entropy`` over ``(hidden @ weight_t).float()``, weighted
+and normalised), in another order: values agree to float rounding, not bit for bit
+(tests/test_dflash_train.py holds them to the written-out loss). The head's weight must be frozen (a
+target's head: the draft trains through it, never into it).
+"""
+from __future__ import annotations
+
+import torch
+
+from specjet.kernels.training_linear import frozen_casts
+
+# Rows per chunk: a chunk's float logits (64 x 8,192 x 4 bytes = 2 MB) stay in a core's L2. The DFlash
+# trainer pads its scored rows to a multiple of 128 (models/dflash.py), so every chunk has one shape and
+# oneDNN builds one kernel.
+CHUNK_ROWS = 64
+
+
+def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ weights_i * CE(hidden_i @ weight_t, targets_i) / Σ weights, argmax_i of hidden_i @ weight_t).
+
+    hidden [n, h] (differentiable), weight_t [h, K] frozen, targets [n] int64 column ids, weights [n] float
+    (0: a row that does not count). Under CPU autocast the product runs in its dtype, as a projection's would;
+    the loss is summed in float32 either way."""
+    if weight_t.requires_grad:
+        raise ValueError("head_cross_entropy trains through a frozen head; this weight requires a gradient")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden [n, h], targets [n] and weights [n] expected, got {tuple(hidden.shape)}, "
+                         f"{tuple(targets.shape)}, {tuple(weights.shape)}")
+    autocast = torch.is_autocast_enabled("cpu") and hidden.device.type == "cpu"
+    dtype = torch.get_autocast_dtype("cpu") if autocast else hidden.dtype
+    return _HeadCrossEntropy.apply(hidden, weight_t, targets, weights.float(), dtype)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight_t, targets, weights, dtype):
+        with torch.autocast("cpu", enabled=False):
+            rows = hidden.to(dtype)
+            in_out = frozen_casts(weight_t, dtype)[0]
+            n, columns = rows.shape[0], in_out.shape[1]
+            share = weights / weights.sum().clamp(min=1e-9)  # each row's weight in the normalised loss
+            ce = torch.empty(n, dtype=torch.float32)
+            predicted = torch.empty(n, dtype=torch.int64)
+            grad_logits = torch.empty(n, columns, dtype=dtype)
+            for lo in range(0, n, CHUNK_ROWS):
+                hi = min(lo + CHUNK_ROWS, n)
+                logits = (rows[lo:hi] @ in_out).float()
+                predicted[lo:hi] = logits.argmax(-1)
+                lse = torch.logsumexp(logits, -1)
+                ce[lo:hi] = lse - logits.gather(1, targets[lo:hi, None])[:, 0]
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs[torch.arange(hi - lo), targets[lo:hi]] -= 1.0
+                grad_logits[lo:hi] = probs.mul_(share[lo:hi, None])
+            loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+        ctx.save_for_backward(grad_logits, weight_t)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(predicted)
+        return loss, predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_predicted):
+        grad_logits, weight_t = ctx.saved_tensors
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:
+            with torch.autocast("cpu", enabled=False):
+                # The [K, h] layout: oneDNN's AMX matmul faults on a transposed second operand at this shape
+                # (kernels/training_linear.py).
+                out_in = frozen_casts(weight_t, grad_logits.dtype)[1]
+                grad_hidden = (grad_logits @ out_in).to(ctx.hidden_dtype) * grad_loss.to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None
