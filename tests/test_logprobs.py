@@ -231,3 +231,20 @@ def test_a_dflash_tree_reports_its_accepted_branches_rows(cyclic_dir, params, tm
         ref = reference_logprobs(cyclic_dir, prompt, ids)
         got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
         assert torch.allclose(got, ref.gather(1, torch.tensor(ids)[:, None])[:, 0], atol=2e-4)
+
+
+def test_tied_alternatives_list_in_ascending_id_order_as_greedy_breaks_ties():
+    """A bf16 model's logits tie often; the alternatives order equal logprobs by ascending id (greedy decoding's
+    first maximum), whatever order torch's topk gives them, and a tie at the list's end keeps the lowest ids."""
+    from specjet.kernels.logprobs import logged, top_alternatives
+
+    row = torch.full((50,), -9.0)
+    row[[41, 7, 30]] = -1.0  # three-way tie at the top
+    row[[45, 12, 3, 28]] = -2.0  # a tie that the list of 5 cuts
+    row[20] = -1.5
+    expected = sorted(((float(v), i) for i, v in enumerate(row.tolist())), key=lambda t: (-t[0], t[1]))[:5]
+    assert top_alternatives(row, 5) == expected == [(-1.0, 7), (-1.0, 30), (-1.0, 41), (-1.5, 20), (-2.0, 3)]
+    assert top_alternatives(row, 60) == sorted(((float(v), i) for i, v in enumerate(row.tolist())),
+                                               key=lambda t: (-t[0], t[1]))  # more asked for than the row has
+    out = logged([int(row.argmax())], row[None], 3)
+    assert out.tops[0][0] == (out.logprobs[0], out[0]) == (-1.0, 7)  # the greedy token heads its own list

@@ -30,9 +30,22 @@ def logged(tokens: list[int], logprobs: torch.Tensor, top_n: int) -> LoggedToken
     chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
     tops: list[list[tuple[float, int]]] = [[] for _ in tokens]
     if top_n:
-        values, ids = logprobs.topk(top_n, dim=-1)
-        tops = [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+        tops = [top_alternatives(row, top_n) for row in logprobs]
     return LoggedTokens(tokens, chosen, tops)
 
 
-__all__ = ["LoggedTokens", "log_softmax_rows", "logged"]
+def top_alternatives(row: torch.Tensor, top_n: int) -> list[tuple[float, int]]:
+    """The ``top_n`` best ``(logprob, token id)`` of one row, best first, equal logprobs in ascending id order:
+    the order greedy decoding breaks a tie in (the first maximum), so a greedy token heads its own list. (torch's
+    topk orders ties arbitrarily, and a low-precision model's logits tie often.)"""
+    top_n = min(top_n, row.shape[-1])
+    kth = row.topk(top_n).values[-1]
+    above = (row > kth).nonzero()[:, 0]  # every one of them is in the list
+    tied = (row == kth).nonzero()[:, 0][:top_n - above.shape[0]]  # the lowest ids of those tied with the last
+    ids = torch.cat([above, tied])  # ascending within each part
+    order = torch.sort(row[ids], descending=True, stable=True).indices  # ties keep ascending ids
+    ids = ids[order]
+    return list(zip(row[ids].tolist(), ids.tolist()))
+
+
+__all__ = ["LoggedTokens", "log_softmax_rows", "logged", "top_alternatives"]

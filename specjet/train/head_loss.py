@@ -51,9 +51,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
             in_out = frozen_casts(weight_t, dtype)[0]
             n, columns = rows.shape[0], in_out.shape[1]
             share = weights / weights.sum().clamp(min=1e-9)  # each row's weight in the normalised loss
-            ce = torch.empty(n, dtype=torch.float32)
-            predicted = torch.empty(n, dtype=torch.int64)
-            grad_logits = torch.empty(n, columns, dtype=dtype)
+            device = rows.device
+            ce = torch.empty(n, dtype=torch.float32, device=device)
+            predicted = torch.empty(n, dtype=torch.int64, device=device)
+            grad_logits = torch.empty(n, columns, dtype=dtype, device=device)
             for lo in range(0, n, CHUNK_ROWS):
                 hi = min(lo + CHUNK_ROWS, n)
                 logits = (rows[lo:hi] @ in_out).float()
@@ -61,7 +62,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(logits, -1)
                 ce[lo:hi] = lse - logits.gather(1, targets[lo:hi, None])[:, 0]
                 probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs[torch.arange(hi - lo), targets[lo:hi]] -= 1.0
+                probs[torch.arange(hi - lo, device=device), targets[lo:hi]] -= 1.0
                 grad_logits[lo:hi] = probs.mul_(share[lo:hi, None])
             loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
         ctx.save_for_backward(grad_logits, weight_t)
