@@ -21,7 +21,14 @@ def problem(n: int, h: int = 48, columns: int = 300, seed: int = 0):
 def unfused(hidden, weight_t, targets, weights):
     logits = (hidden @ weight_t).float()
     loss = (F.cross_entropy(logits, targets, reduction="none") * weights).sum() / weights.sum()
-    return loss, logits.argmax(-1)
+    return loss, logits.detach()
+
+
+def assert_best(predicted, logits, atol):
+    """Each predicted column holds its row's maximum logit (up to the products' rounding: a chunk's matmul may
+    block its sums otherwise than the whole one's, so a near-tie may resolve either way on some CPU)."""
+    best = logits.max(-1).values
+    assert bool((logits.gather(1, predicted[:, None])[:, 0] >= best - atol).all())
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 200])  # one chunk, a partial one, several
@@ -30,10 +37,10 @@ def test_loss_argmax_and_gradient_equal_the_unfused_loss(n, monkeypatch):
     hidden, weight_t, targets, weights = problem(n)
     loss, predicted = head_cross_entropy(hidden, weight_t, targets, weights)
     (grad,) = torch.autograd.grad(3.0 * loss, hidden)  # a scale on the loss reaches the gradient
-    ref_loss, ref_predicted = unfused(hidden, weight_t, targets, weights)
+    ref_loss, ref_logits = unfused(hidden, weight_t, targets, weights)
     (ref_grad,) = torch.autograd.grad(3.0 * ref_loss, hidden)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    assert torch.equal(predicted, ref_predicted)
+    assert_best(predicted, ref_logits, 1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
     assert bool((grad[weights == 0] == 0).all())  # a weightless row gets no gradient
 
@@ -43,13 +50,13 @@ def test_under_bf16_autocast_the_product_runs_in_bf16_as_the_unfused_path():
     hidden, weight_t, targets, weights = problem(130, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, predicted = head_cross_entropy(hidden, weight_t, targets, weights)
-        ref_loss, ref_predicted = unfused(hidden, weight_t, targets, weights)
+        ref_loss, ref_logits = unfused(hidden, weight_t, targets, weights)
     assert loss.dtype == torch.float32
     (grad,) = torch.autograd.grad(loss, hidden)
     (ref_grad,) = torch.autograd.grad(ref_loss, hidden)
     assert grad.dtype == hidden.dtype
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)  # the same bf16 logits, summed in fp32
-    assert torch.equal(predicted, ref_predicted)
+    assert_best(predicted, ref_logits, 0.05)  # bf16 logits
     torch.testing.assert_close(grad, ref_grad, rtol=2e-2, atol=2e-3 * float(ref_grad.abs().max()))
 
 
