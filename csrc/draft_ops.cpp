@@ -7,9 +7,13 @@
 // Here it is one pass over the row's columns and one over its allowed logits.
 // masked_argmax: plain greedy decoding's token under a grammar, torch.argmax of the masked row in one
 // pass, instead of writing -inf over the forbidden logits and reading the whole row again.
+// argmax_rows: torch.argmax of unmasked rows by the same vectorised pass: torch's CPU argmax is a generic
+// reduction that carries an index through every column, several times slower.
 #include "cpu_ops.h"
 #include "exp_float.h"
 #include "token_bitmask.h"
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -270,6 +274,69 @@ std::tuple<std::vector<std::pair<int64_t, double>>, int64_t> masked_topk_row(
   return {best, allowed};
 }
 
+namespace {
+
+// torch.argmax of ``row`` [cols] with, where ``use_mask``, the columns below ``covered`` that ``words`` forbids read
+// as -inf. ``maxima``: scratch for (cols + 63) / 64 floats.
+int64_t argmax_row(const float* row, int64_t cols, const uint32_t* words, int64_t covered, bool use_mask,
+                   float* maxima) {
+  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
+  // Masks allowing at most this many columns are walked bit by bit; denser rows go by blocks.
+  constexpr int64_t kSparse = 1024;
+  auto value = [&](int64_t c) {
+    return (!use_mask || c >= covered || token_allowed(words, c)) ? row[c] : minus_inf;
+  };
+  // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins). A column the
+  // mask forbids is -inf, which neither beats a value nor is a NaN.
+  int64_t best = 0;
+  float best_value = value(0);
+  auto visit = [&](int64_t c) {  // false: a NaN ends the search
+    const float v = value(c);
+    if (std::isnan(v)) {
+      best = c;
+      return false;
+    }
+    if (v > best_value) {
+      best_value = v;
+      best = c;
+    }
+    return true;
+  };
+  bool sparse = false;  // a mask allowing at most kSparse columns
+  if (use_mask) {
+    int64_t allowed = 0;
+    for (int64_t w = 0; w * 32 < covered; ++w) allowed += __builtin_popcount(words[w]);
+    sparse = allowed <= kSparse;
+  }
+  if (std::isnan(best_value)) {
+  } else if (sparse) {
+    // A grammar often allows a handful of the vocabulary: visit its columns alone (in increasing order; a
+    // forbidden NaN is -inf), then those past the mask's width.
+    bool going = true;
+    for (int64_t w = 0; going && w * 32 < covered; ++w) {
+      uint32_t bits = words[w] & (w == 0 ? ~1u : ~0u);  // column 0 is taken
+      while (bits != 0) {
+        const int64_t c = w * 32 + __builtin_ctz(bits);
+        bits &= bits - 1;
+        if (c >= covered || !(going = visit(c))) break;
+      }
+    }
+    for (int64_t c = std::max<int64_t>(covered, 1); going && c < cols; ++c) going = visit(c);
+  } else if (!block_maxima_or_nan(row, cols, maxima)) {
+    // No NaN: a block of 64 columns can hold the answer only if its largest value (mask aside) beats the
+    // best so far, so the vectorised block maxima leave a handful of blocks to visit column by column.
+    for (int64_t b = 0; b * kBlock < cols; ++b)
+      if (maxima[b] > best_value)
+        for (int64_t c = std::max<int64_t>(b * kBlock, 1); c < std::min(cols, (b + 1) * kBlock); ++c) visit(c);
+  } else {
+    for (int64_t c = 1; c < cols && visit(c); ++c) {
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
               "masked_argmax: logits must be a CPU float32 [R, V] tensor");
@@ -279,71 +346,35 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
   TORCH_CHECK(masked.dim() == 1 && masked.scalar_type() == torch::kBool && masked.size(0) == logits.size(0),
               "masked_argmax: masked must be bool [R]");
   const int64_t rows = logits.size(0), cols = logits.size(1), words_per_row = bitmask.size(1);
+  TORCH_CHECK(cols > 0, "masked_argmax: rows of no columns have no argmax");
   // As xgrammar's apply_token_bitmask_inplace: columns past the mask's 32 W tokens are left as they are.
   const int64_t covered = std::min(cols, 32 * words_per_row);
   const torch::Tensor x = logits.contiguous(), mask = bitmask.contiguous(), flags = masked.contiguous();
   torch::Tensor out = torch::zeros({rows}, torch::kInt64);
-  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
   std::vector<float> maxima((cols + kBlock - 1) / kBlock);
-  // Masks allowing at most this many columns are walked bit by bit; denser rows go by blocks.
-  constexpr int64_t kSparse = 1024;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x.data_ptr<float>() + r * cols;
-    const uint32_t* words = bitmask_row(mask.data_ptr<int32_t>(), r, words_per_row);
-    const bool use_mask = flags.data_ptr<bool>()[r];
-    auto value = [&](int64_t c) {
-      return (!use_mask || c >= covered || token_allowed(words, c)) ? row[c] : minus_inf;
-    };
-    // torch.argmax's rule: the first maximal value; a NaN is the maximum (the first NaN wins). A column the
-    // mask forbids is -inf, which neither beats a value nor is a NaN.
-    int64_t best = 0;
-    float best_value = value(0);
-    auto visit = [&](int64_t c) {  // false: a NaN ends the search
-      const float v = value(c);
-      if (std::isnan(v)) {
-        best = c;
-        return false;
-      }
-      if (v > best_value) {
-        best_value = v;
-        best = c;
-      }
-      return true;
-    };
-    bool sparse = false;  // a mask allowing at most kSparse columns
-    if (use_mask) {
-      int64_t allowed = 0;
-      for (int64_t w = 0; w < words_per_row; ++w) allowed += __builtin_popcount(words[w]);
-      sparse = allowed <= kSparse;
-    }
-    if (std::isnan(best_value)) {
-    } else if (sparse) {
-      // A grammar often allows a handful of the vocabulary: visit its columns alone (in increasing order; a
-      // forbidden NaN is -inf), then those past the mask's width.
-      bool going = true;
-      for (int64_t w = 0; going && w * 32 < covered; ++w) {
-        uint32_t bits = words[w] & (w == 0 ? ~1u : ~0u);  // column 0 is taken
-        while (bits != 0) {
-          const int64_t c = w * 32 + __builtin_ctz(bits);
-          bits &= bits - 1;
-          if (c >= covered || !(going = visit(c))) break;
-        }
-      }
-      for (int64_t c = std::max<int64_t>(covered, 1); going && c < cols; ++c) going = visit(c);
-    } else {
-      if (!block_maxima_or_nan(row, cols, maxima.data())) {
-        // No NaN: a block of 64 columns can hold the answer only if its largest value (mask aside) beats the
-        // best so far, so the vectorised block maxima leave a handful of blocks to visit column by column.
-        for (int64_t b = 0; b * kBlock < cols; ++b)
-          if (maxima[b] > best_value)
-            for (int64_t c = std::max<int64_t>(b * kBlock, 1); c < std::min(cols, (b + 1) * kBlock); ++c) visit(c);
-      } else {
-        for (int64_t c = 1; c < cols && visit(c); ++c) {
-        }
-      }
-    }
-    out.data_ptr<int64_t>()[r] = best;
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    out.data_ptr<int64_t>()[r] = argmax_row(x.data_ptr<float>() + r * cols, cols,
+                                            bitmask_row(mask.data_ptr<int32_t>(), r, words_per_row), covered,
+                                            flags.data_ptr<bool>()[r], maxima.data());
+  return out;
+}
+
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
+              "argmax_rows: logits must be a CPU float32 [R, V] tensor");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  TORCH_CHECK(cols > 0, "argmax_rows: rows of no columns have no argmax");
+  const torch::Tensor x = logits.contiguous();
+  torch::Tensor out = torch::empty({rows}, torch::kInt64);
+  const float* data = x.data_ptr<float>();
+  int64_t* best = out.data_ptr<int64_t>();
+  // Rows split between the threads only where each gets at least ~64k columns (a decode step's one row
+  // stays on the calling thread).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / cols);
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> maxima((cols + kBlock - 1) / kBlock);
+    for (int64_t r = r0; r < r1; ++r) best[r] = argmax_row(data + r * cols, cols, nullptr, 0, false, maxima.data());
+  });
   return out;
 }
 

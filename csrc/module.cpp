@@ -38,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "masked_topk_logp of one row as host values: ([(token, log-prob)] best first, allowed count)");
   module.def("masked_argmax", &masked_argmax,
              "per row: torch.argmax of the row with the columns its token bitmask forbids at -inf (masked rows only)");
+  module.def("argmax_rows", &argmax_rows,
+             "per row: torch.argmax of the row (the first maximal value, the first NaN where there is one), one "
+             "vectorised pass a row, rows split between threads where they are many");
   module.def("sample_rows_lists", &sample_rows_lists,
              "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
              "or the argmax where T <= 0; the parameters as host lists (no tensors to build a step), the rows "

@@ -424,6 +424,41 @@ def test_training_forward_equals_the_dense_oracle(runner, features, root_context
             torch.testing.assert_close(logits[0, j], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_training_attention_is_sdpas(heads, kv_heads, autocast):
+    """The training forward's written-out attention (grouped query heads, float32 scores) against torch's SDPA
+    with the same boolean mask: outputs and the gradients of q, k and v, in float32 and under bf16 autocast on
+    bf16 inputs (there within bf16's rounding: the two round the weights at different points)."""
+    from specjet.models.dflash import _masked_attention
+
+    gen = torch.Generator().manual_seed(heads)
+    batch, rows, keys, dim = 3, 16, 40, 64
+    dtype = torch.bfloat16 if autocast else torch.float32
+    q = torch.randn(batch, heads, rows, dim, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(batch, kv_heads, keys, dim, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(batch, kv_heads, keys, dim, generator=gen).to(dtype).requires_grad_()
+    visible = torch.rand(batch, rows, keys, generator=gen) < 0.6
+    visible[:, :, -1] = True  # every row sees a key (as a block sees itself)
+    visible[0, 3] = False
+    visible[0, 3, 7] = True  # a row that sees one key
+    grad_out = torch.randn(batch, heads, rows, dim, generator=gen).to(dtype)
+    results = []
+    for attend in (lambda: _masked_attention(q, k, v, visible, 0.125),
+                   lambda: torch.nn.functional.scaled_dot_product_attention(
+                       q, k, v, attn_mask=visible[:, None], scale=0.125, enable_gqa=heads != kv_heads)):
+        q.grad = k.grad = v.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = attend()
+        out.backward(grad_out)
+        results.append([out.detach().float()] + [t.grad.float() for t in (q, k, v)])
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, **tol)
+    torch.testing.assert_close(results[0][0][0, :, 3], v[0, :, 7].detach().float().repeat_interleave(heads // kv_heads, 0),
+                               rtol=0, atol=1e-6)  # one visible key: its value
+
+
 def test_static_buffers_give_the_eager_logits(runner, features):
     """The draft runner's path (a batch padded to its bucket on static buffers, table widths
     rounded up) gives the eager forward's logits bit for bit, for batches of 1 to 3 (buckets 1, 2,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.argmax import argmax_rows
 
 
 @dataclass
@@ -115,7 +116,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, uniforms: torch.Tensor | N
     same inverse-CDF rule over the kept tokens in id order, its weights from its own exp, so a token at the edge
     of two tokens' shares may differ from the reference's; tested against the reference's distribution); on
     other devices the torch reference (a partial selection and a cumulative sum a step)."""
-    if st.all_greedy or uniforms is None or not cpu_sampler_serves(logits):
+    if st.all_greedy:
+        return argmax_rows(logits)
+    if uniforms is None or not cpu_sampler_serves(logits):
         return sample_reference(logits, st, uniforms)
     lists = [t.tolist() for t in (st.temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms.to(torch.float32))]
     return torch.tensor(sample_lists(logits, *lists), dtype=torch.int64)

@@ -461,8 +461,7 @@ class DFlashDraftModel(HotVocabDraft):
 
             out = _grouped_block_attention(
                 heads_first(q, num * size), heads_first(k_ctx, seq_len), heads_first(v_ctx, seq_len),
-                heads_first(k_blk, num * size), heads_first(v_blk, num * size), mask, groups, size, attn.scale,
-                attn.num_kv_heads != attn.num_heads)
+                heads_first(k_blk, num * size), heads_first(v_blk, num * size), mask, groups, size, attn.scale)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(-1, attn.q_size))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = x.reshape(batch, num, size, -1)[:, :, 1:]
@@ -492,8 +491,7 @@ TRAIN_ROW_BUCKET = 128
 TRAIN_ATTENTION_GROUP = 8  # anchors whose blocks share one attention call in forward_train
 
 
-def _grouped_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, groups, size: int, scale: float, gqa: bool
-                             ) -> torch.Tensor:
+def _grouped_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, groups, size: int, scale: float) -> torch.Tensor:
     """The blocks' attention over [context ; blocks] under ``mask`` ([B, A*S, L + A*S]), one call per group
     of anchors ``(first, end, context seen)``: a group's rows see context only before its last root and
     of the A*S block keys only their own block's S, so each call leaves out keys the mask would hide
@@ -506,9 +504,29 @@ def _grouped_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, groups, size: 
         keys = torch.cat([k_ctx[:, :, :seen], k_blk[:, :, r0:r1]], dim=2)
         values = torch.cat([v_ctx[:, :, :seen], v_blk[:, :, r0:r1]], dim=2)
         visible = torch.cat([mask[:, r0:r1, :seen], mask[:, r0:r1, seq_len + r0:seq_len + r1]], dim=-1)
-        out.append(F.scaled_dot_product_attention(q[:, :, r0:r1], keys, values, attn_mask=visible[:, None],
-                                                  scale=scale, enable_gqa=gqa))
+        out.append(_masked_attention(q[:, :, r0:r1], keys, values, visible, scale))
     return torch.cat(out, dim=2)
+
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale over the ``visible`` keys) v, written out: q [B, H, R, D], keys / values [B, KV, S, D]
+    (a key head serves H / KV query heads, as SDPA's ``enable_gqa``), visible [B, R, S] bool; returns [B, H, R, D].
+
+    The query heads sharing a key head go through one product of [H / KV * R] rows; scores and softmax are
+    float32 (from the inputs' values, whatever autocast would make of them), the weights meet the values in
+    their dtype. On the CPU this runs forward and backward in a fraction of SDPA's time at these shapes: SDPA's
+    flash kernel with a mask and grouped heads is slow to differentiate there (bench/RESULTS.md, session 65)."""
+    batch, heads, rows, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    with torch.autocast(q.device.type, enabled=False):
+        grouped = q.reshape(batch, kv_heads, group * rows, dim).float() * scale
+        scores = (grouped @ keys.float().transpose(-1, -2)).view(batch, kv_heads, group, rows, -1)
+        hidden = torch.zeros(visible.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~visible, float("-inf"))
+        probs = torch.softmax(scores + hidden[:, None, None], dim=-1).to(values.dtype)
+        out = probs.view(batch, kv_heads, group * rows, -1) @ values
+    return out.view(batch, heads, rows, dim)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:

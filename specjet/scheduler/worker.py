@@ -22,6 +22,7 @@ import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
 from specjet.kernels.logprobs import LoggedTokens, log_softmax_rows, logged
+from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample, sample_lists
@@ -293,7 +294,7 @@ class ModelWorker:
 
     def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
         if all(inp.sampling.is_greedy for inp in inputs):  # no sampling tensors to build: one argmax
-            return logits.argmax(-1).tolist()
+            return argmax_rows(logits).tolist()
         drawn = self._draw_on_host(inputs, logits, None)  # on the CPU: no tensors, straight from the lists
         if drawn is not None:
             return drawn

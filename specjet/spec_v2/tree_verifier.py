@@ -14,6 +14,7 @@ import torch
 from specjet.grammar import apply_token_bitmask_, empty_token_bitmask
 from specjet.kernels.logprobs import log_softmax_rows
 from specjet.kernels.logprobs import logged as _logged
+from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import Penalties, add_bias_, apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sampling_rows
@@ -110,7 +111,7 @@ class TreeVerifier:
         if sampling.all_greedy:
             # The one read-back of a greedy verify; under a grammar the masked argmax reads only the columns
             # each node's mask allows (the logits stay unmasked: nothing reads them after the walk).
-            argmax = (logits.argmax(-1) if grammar is None else masked_argmax(logits, *grammar)).tolist()
+            argmax = (argmax_rows(logits) if grammar is None else masked_argmax(logits, *grammar)).tolist()
             paths = [_greedy_path(r.tokens, r.parents, argmax[off:off + len(r.tokens)]) for r, off in zip(reqs, offsets)]
         else:
             if grammar is not None:
@@ -151,7 +152,7 @@ class TreeVerifier:
         node_rows = torch.tensor([i for i, n in zip(rest, sizes) for _ in range(n)], device=on)
         per_node = sampling_rows(sampling, node_rows)
         probs = filtered_probs(logits, per_node)
-        argmax = logits.argmax(-1)
+        argmax = argmax_rows(logits)
         for i, r, n, off in zip(rest, reqs, sizes, offsets):
             tokens = torch.tensor([r.tokens], dtype=torch.int64, device=device)
             tree = build_tree(torch.tensor([r.parents], dtype=torch.int64, device=device),

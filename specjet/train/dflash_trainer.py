@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
@@ -153,7 +154,7 @@ def target_greedy(model: DFlashDraftModel):
     @torch.no_grad()
     def greedy(hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", enabled=False):
-            return packed(hidden.to(head.weight_t.dtype)).argmax(-1)
+            return argmax_rows(packed(hidden.to(head.weight_t.dtype)))
     return greedy
 
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.training_linear import frozen_casts
 
-# Rows per chunk: a chunk's float logits (64 x 8,192 x 4 bytes = 2 MB) stay in a core's L2. The DFlash
-# trainer pads its scored rows to a multiple of 128 (models/dflash.py), so every chunk has one shape and
-# oneDNN builds one kernel.
-CHUNK_ROWS = 64
+# Rows per chunk: enough rows for the head's product to run near oneDNN's full rate (a 64-row product runs well
+# below it), few enough that a chunk's float logits (128 x 8,192 x 4 bytes = 4 MB) stay in the caches; 256 rows
+# measured slower again (bench/RESULTS.md, session 65). The DFlash trainer pads its scored rows to a multiple of
+# 128 (models/dflash.py), so every chunk has one shape and oneDNN builds one kernel.
+CHUNK_ROWS = 128
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
@@ -58,7 +60,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             for lo in range(0, n, CHUNK_ROWS):
                 hi = min(lo + CHUNK_ROWS, n)
                 logits = (rows[lo:hi] @ in_out).float()
-                predicted[lo:hi] = logits.argmax(-1)
+                predicted[lo:hi] = argmax_rows(logits)
                 lse = torch.logsumexp(logits, -1)
                 ce[lo:hi] = lse - logits.gather(1, targets[lo:hi, None])[:, 0]
                 probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
