@@ -68,6 +68,25 @@ def test_features_are_the_runners_final_hidden_state(runner, samples, sequences)
     assert sequences[5].features.dtype == torch.float16
 
 
+def test_unchunked_projections_give_the_same_features(tiny_model_dir, runner, samples, sequences):
+    """The feature runner's projections as one call whatever the rows (``unchunk_projections``, the trainers'
+    float32 features): every float projection's plan reaches any row count, the C++ stack is rebuilt with them,
+    and a pack's features are those of the chunked runner."""
+    from specjet.kernels.linear import PackedLinear
+    from specjet.models.llama import UNCHUNKED_ROWS
+
+    whole = load_runner(tiny_model_dir, tokens=1024)
+    stack_before = whole.model.layer_stack
+    whole.model.unchunk_projections()
+    plans = [m.packed for m in whole.model.modules() if isinstance(getattr(m, "packed", None), PackedLinear)]
+    assert plans and all(p.max_rows == UNCHUNKED_ROWS for p in plans)
+    assert (whole.model.layer_stack is None) == (stack_before is None)
+    assert whole.model.layer_stack is not stack_before or stack_before is None
+    together = target_features(whole, samples)
+    for seq, f in zip(sequences, together):
+        torch.testing.assert_close(f.float(), seq.features.float(), rtol=2e-3, atol=2e-3)
+
+
 def test_few_shot_form_is_the_benchmarks(tokenizer):
     from bench import gsm8k as bench_gsm8k
 

@@ -20,6 +20,8 @@ from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
 
+UNCHUNKED_ROWS = 1 << 30  # a projection plan's max_rows that no call reaches (``unchunk_projections``)
+
 
 class Linear(nn.Module):
     """y = x W^T + b, with W stored transposed ([in, out]). After loading, ``pack_for_decode`` prepares a
@@ -423,6 +425,17 @@ class LlamaForCausalLM(nn.Module):
         self._native_norm = (self.norm.weight, self.norm.eps) if on else None
         self.layer_stack = native_layer_stack(self.layers) if on else None
         return on
+
+    def unchunk_projections(self) -> None:
+        """Every float projection as one oneDNN call whatever its rows, the C++ attention and layer stack kept:
+        for a model that only extracts features from long packs (train/), where no batch invariance is asked
+        and one product of a pack's rows runs faster than the invariant plan's chunks of them. A row's bits
+        then depend on its call's rows: never for a model that decodes, speculatively or not."""
+        for module in self.modules():
+            if isinstance(module, Linear) and isinstance(module.packed, PackedLinear):
+                module.packed.max_rows = UNCHUNKED_ROWS
+        if self.layer_stack is not None:
+            self.use_native_ops()  # the stack holds the operands' plans
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; oneDNN projections in their

@@ -230,6 +230,9 @@ def feature_target(args, config, state_dict, float_runner):
         return (ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1,
                             quantization=quantization, gguf_path=gguf_source(args.model_path)), f"-{quantization}")
     if args.feature_dtype == "float32":
+        # The float runner's layers serve only this extraction (training reads the target's embedding and head):
+        # its packs' projections go as one call each.
+        float_runner.model.unchunk_projections()
         return float_runner, ""
     return (ModelRunner(config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1),
             f"-{args.feature_dtype}")

@@ -3,8 +3,9 @@
 
 The feature is what specjet's runner gives at inference (``ModelOutput.hidden`` of a forward with
 the head's ``feature_capture``), so the head trains on what it will be fed. The trainers' runners keep
-the engine's batch-invariant kernels (the C++ attention and layer stack): on ~2,000-token packs they ran
-faster than SDPA with unchunked projections (bench/RESULTS.md, session 46). Features are
+the engine's C++ attention and layer stack: on ~2,000-token packs they ran faster than SDPA with unchunked
+projections (bench/RESULTS.md, session 46); a float32 target's projections then run as one call a pack
+(``LlamaForCausalLM.unchunk_projections``, train/eagle.py's ``feature_target``: session 65). Features are
 stored in fp16 shards of ``shard_size`` samples beside the token ids; a shard that exists is not
 computed again, so extraction resumes after an interruption and training reruns for free.
 """
