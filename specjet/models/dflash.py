@@ -523,8 +523,8 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     with torch.autocast(q.device.type, enabled=False):
         grouped = q.reshape(batch, kv_heads, group * rows, dim).float() * scale
         scores = (grouped @ keys.float().transpose(-1, -2)).view(batch, kv_heads, group, rows, -1)
-        hidden = torch.zeros(visible.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(scores + hidden[:, None, None], dim=-1).to(values.dtype)
+        bias = torch.zeros(visible.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~visible, float("-inf"))
+        probs = torch.softmax(scores + bias[:, None, None], dim=-1).to(values.dtype)
         out = probs.view(batch, kv_heads, group * rows, -1) @ values
     return out.view(batch, heads, rows, dim)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
-from specjet.kernels.logprobs import LoggedTokens, log_softmax_rows, logged
 from specjet.kernels.argmax import argmax_rows
+from specjet.kernels.logprobs import LoggedTokens, log_softmax_rows, logged
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
 from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample, sample_lists
