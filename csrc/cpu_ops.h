@@ -90,6 +90,8 @@ std::tuple<std::vector<std::pair<int64_t, double>>, int64_t> masked_topk_row(
     const c10::optional<torch::Tensor>& token_ids, int64_t k);
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+// argmax_rows of one row of cols > 0 floats (sampling.cpp's greedy rows).
+int64_t argmax_float_row(const float* row, int64_t cols);
 
 // sampling.cpp
 std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,

@@ -359,6 +359,12 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bi
   return out;
 }
 
+int64_t argmax_float_row(const float* row, int64_t cols) {
+  thread_local std::vector<float> maxima;
+  maxima.resize((cols + kBlock - 1) / kBlock);
+  return argmax_row(row, cols, nullptr, 0, false, maxima.data());
+}
+
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
               "argmax_rows: logits must be a CPU float32 [R, V] tensor");

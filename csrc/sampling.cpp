@@ -30,15 +30,9 @@ namespace {
 // (kernels/sampling.py's TOP_CANDIDATES: a nucleus rarely holds more than a few dozen tokens).
 constexpr int64_t kCandidates = 64;
 
-// torch.argmax's rule: the first maximal value, a NaN counting as the maximum (the first NaN wins).
-int64_t argmax_row(const float* row, int64_t n) {
-  int64_t best = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    if (std::isnan(row[c])) return c;
-    if (row[c] > row[best]) best = c;
-  }
-  return best;
-}
+// torch.argmax's rule: the first maximal value, a NaN counting as the maximum (the first NaN wins); the greedy
+// rows of a mixed batch take it over the whole vocabulary, by draft_ops.cpp's vectorised block pass.
+int64_t argmax_row(const float* row, int64_t n) { return specjet_cpu::argmax_float_row(row, n); }
 
 struct RowParams {
   float temperature, top_p, min_p, uniform;
