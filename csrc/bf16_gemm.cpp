@@ -284,15 +284,17 @@ inline void prefetch_block(const uint16_t* b) {
     _tile_dpbf16ps(J, 4, B);                                        \
   } while (0)
 
-// One 16-row tile of x (xt) against groups g .. g + G: sums[j] = that tile's float sums for group g + j.
+// One 16-row tile of x (xt) against groups g .. g + G: sums[j] = that tile's float sums for group g + j; `l2`: lines
+// of the next groups' weights to fetch into L2 as it goes (prefetch.h's L2Ahead; none by default).
 template <int G>
 inline void pass(const uint16_t* xt, int64_t K, const uint16_t* wg, int64_t group_size, bool prefetch,
-                 float (*sums)[kTileRows * kCols]) {
+                 float (*sums)[kTileRows * kCols], L2Stream l2 = {}) {
   _tile_zero(0);
   if constexpr (G > 1) _tile_zero(1);
   if constexpr (G > 2) _tile_zero(2);
   if constexpr (G > 3) _tile_zero(3);
   for (int64_t k = 0; k < K; k += kDepth) {
+    l2.step();
     _tile_loadd(4, xt + k, K * 2);
     SJ_PRODUCT(0, 5, wg);
     if constexpr (G > 1) SJ_PRODUCT(1, 6, wg + group_size);
@@ -306,6 +308,20 @@ inline void pass(const uint16_t* xt, int64_t K, const uint16_t* wg, int64_t grou
   if constexpr (G > 3) _tile_stored(3, sums[3], 64);
 }
 
+// The next pass's weights (groups [next, end), at most four) for the `passes` tile passes after a pass's first
+// tile to fetch into L2 (nothing when there is no next group or no later tile): those passes read the current
+// groups from cache and would leave the memory idle, so the next groups' first tile then finds its weights in L2.
+inline L2Ahead next_groups_ahead(const uint16_t* w, int64_t next, int64_t end, int64_t group_size, int64_t passes,
+                                 int64_t K) {
+  L2Ahead ahead;
+  if (next >= end || passes <= 0) return ahead;
+  ahead.base = reinterpret_cast<const char*>(w + next * group_size);
+  ahead.lines = std::min<int64_t>(kGroupsPerPass, end - next) * group_size * 2 / 64;
+  ahead.passes = passes;
+  ahead.steps = K / kDepth;
+  return ahead;
+}
+
 // Column groups [g0, g1) of every row; xp: the rows padded with zero rows to `tiles` whole 16-row tiles.
 void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
           uint16_t* y, int64_t N, int64_t g0, int64_t g1) {
@@ -315,14 +331,16 @@ void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint
   for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
     const int64_t groups = std::min<int64_t>(kGroupsPerPass, g1 - g);
     const uint16_t* wg = w + g * group_size;
+    const L2Ahead ahead = next_groups_ahead(w, g + kGroupsPerPass, g1, group_size, tiles - 1, K);
     for (int64_t t = 0; t < tiles; ++t) {
       const uint16_t* xt = xp + t * kTileRows * K;
-      const bool prefetch = t == 0;  // later tiles find the groups' weights in cache
+      const bool prefetch = t == 0;  // later tiles find the groups' weights in cache, and fetch the next groups'
+      const L2Stream l2 = ahead.part(t - 1);
       switch (groups) {
-        case 4: pass<4>(xt, K, wg, group_size, prefetch, sums); break;
-        case 3: pass<3>(xt, K, wg, group_size, prefetch, sums); break;
-        case 2: pass<2>(xt, K, wg, group_size, prefetch, sums); break;
-        default: pass<1>(xt, K, wg, group_size, prefetch, sums); break;
+        case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2); break;
+        case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2); break;
+        case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2); break;
+        default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2); break;
       }
       const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
       for (int64_t j = 0; j < groups; ++j) {
@@ -334,6 +352,65 @@ void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint
     }
   }
   _tile_release();
+}
+
+// gemm's passes with float32 outputs (+ bias), the rows in blocks whose activations (~1 MB) stay in L2 while
+// every column group of [g0, g1) passes over them: bf16x3_gemm's activations are three times K wide and its
+// calls thousands of rows long, where gemm's order would fetch all of them once per four column groups. A
+// row's sums are its tile's passes over the whole of K in any case, so the blocking changes no bits.
+void gemm_float(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
+                float* y, int64_t N, int64_t g0, int64_t g1) {
+  configure_tiles();
+  alignas(64) float sums[kGroupsPerPass][kTileRows * kCols];
+  const int64_t group_size = K * kCols;
+  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 20) / (kTileRows * K * 2));
+  for (int64_t t0 = 0; t0 < tiles; t0 += block) {
+    const int64_t t1 = std::min(tiles, t0 + block);
+    for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
+      const int64_t groups = std::min<int64_t>(kGroupsPerPass, g1 - g);
+      const uint16_t* wg = w + g * group_size;
+      const L2Ahead ahead = next_groups_ahead(w, g + kGroupsPerPass, g1, group_size, t1 - t0 - 1, K);
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint16_t* xt = xp + t * kTileRows * K;
+        const bool prefetch = t == t0;  // the block's later tiles find the groups' weights in cache
+        const L2Stream l2 = ahead.part(t - t0 - 1);
+        switch (groups) {
+          case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2); break;
+          case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2); break;
+          case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2); break;
+          default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2); break;
+        }
+        const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
+        for (int64_t j = 0; j < groups; ++j) {
+          const int64_t col = (g + j) * kCols;
+          const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
+          for (int64_t r = 0; r < valid; ++r)
+            _mm512_storeu_ps(y + (t * kTileRows + r) * N + col, _mm512_add_ps(_mm512_load_ps(sums[j] + r * kCols), b));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// bf16x3's activations: row i of x (K floats) as [hi | hi | lo] (3K bf16), hi = x rounded to bf16 (to nearest
+// even) and lo = x - hi rounded to bf16; lo is 0 where x - hi is not a number (x infinite or NaN: hi carries it).
+void split_rows(const float* x, int64_t K, uint16_t* out, int64_t r0, int64_t r1) {
+  for (int64_t i = r0; i < r1; ++i) {
+    const float* xr = x + i * K;
+    uint16_t* o = out + i * 3 * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + k);
+      const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+      const __m512 diff = _mm512_sub_ps(v, back);
+      const __m512 rest = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(diff, diff, _CMP_ORD_Q), diff);
+      const __m256i lo = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + K + k), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * K + k), lo);
+    }
+  }
 }
 
 }  // namespace bf16_amx
@@ -424,6 +501,44 @@ void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::o
   gemm_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bias ? bias->data_ptr<float>() : nullptr,
             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), groups, isa);
+}
+
+void bf16x3_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                      torch::Tensor& y) {
+  TORCH_CHECK(isa_supported(kAmx), "bf16x3_gemm: needs AMX tiles, which this CPU (or this process) does not have");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "bf16x3_gemm: x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.is_contiguous() && w.size(2) == kCols &&
+                  w.size(3) == 2, "bf16x3_gemm: w must be a contiguous bfloat16 [N / 16, 3K / 2, 16, 2] tensor");
+  const int64_t rows = x.size(0), K = x.size(1), groups = w.size(0), N = groups * kCols;
+  TORCH_CHECK(K % kDepth == 0 && w.size(1) * 2 == 3 * K, "bf16x3_gemm: x has ", K, " columns (a multiple of ",
+              kDepth, " is needed), the weight takes ", w.size(1) * 2 / 3);
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bf16x3_gemm: bias must be a contiguous float32 tensor of ", N, " elements");
+  }
+  fit_output(y, {rows, N}, x.options());
+  if (rows == 0) return;
+  const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows, K3 = 3 * K;
+  std::unique_ptr<uint16_t[]> split(new uint16_t[tiles * bf16_amx::kTileRows * K3]);
+  std::memset(split.get() + rows * K3, 0, (tiles * bf16_amx::kTileRows - rows) * K3 * sizeof(uint16_t));
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / K), [&](int64_t r0, int64_t r1) {
+    bf16_amx::split_rows(xp, K, split.get(), r0, r1);
+  });
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K3));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    bf16_amx::gemm_float(split.get(), rows, tiles, K3, wp, bp, yp, N, g0, g1);
+  });
+}
+
+torch::Tensor bf16x3_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  torch::Tensor y;
+  bf16x3_gemm_into(x, w, bias, y);
+  return y;
 }
 
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,

@@ -81,6 +81,11 @@ void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::o
 torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                                int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
                                int64_t max_allowed);
+// y[rows, N] (float32) = x[rows, K] (float32) @ W to about 2^-16 of each product (three bf16 tile products:
+// hi(x) hi(W) + hi(x) lo(W) + lo(x) hi(W)); w: kernels/bf16_gemm.py's Bf16x3Linear packing. AMX only.
+torch::Tensor bf16x3_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+void bf16x3_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                      torch::Tensor& y);
 
 // draft_ops.cpp
 std::vector<torch::Tensor> masked_topk_logp(const torch::Tensor& logits, const c10::optional<torch::Tensor>& bitmask,

@@ -27,6 +27,7 @@ using specjet_cpu::kInt8;
 using specjet_cpu::kOneDnn;
 using specjet_cpu::kDense;
 using specjet_cpu::kBf16;
+using specjet_cpu::kBf16x3;
 using specjet_cpu::onednn_linear_op;
 using specjet_cpu::rows_of;
 
@@ -268,6 +269,14 @@ Projection bf16_projection(torch::Tensor weight, c10::optional<torch::Tensor> bi
   return p;
 }
 
+Projection bf16x3_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(specjet_cpu::bf16_gemm_isa_supported(2), "layer stack: a bf16x3 projection needs AMX tiles");
+  Projection p;
+  p.kind = kBf16x3;
+  p.a = std::move(weight), p.bias = std::move(bias);
+  return p;
+}
+
 Projection float_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias, bool blocked, int64_t min_rows,
                             int64_t max_rows) {
   TORCH_CHECK(min_rows >= 1 && max_rows >= min_rows, "layer stack: bad row plan ", min_rows, "..", max_rows);
@@ -287,6 +296,8 @@ void register_layer_stack(pybind11::module& module) {
   module.def("quantized_projection", &quantized_projection,
              "a packed Q4_1 (kind 0: qs, d, m) or int8 (kind 1: q, s, wsum) weight of n columns");
   module.def("bf16_projection", &bf16_projection, "a packed bf16 weight (kernels/bf16_gemm.py) on instruction set isa");
+  module.def("bf16x3_projection", &bf16x3_projection,
+             "a float weight as three bf16 tile products (kernels/bf16_gemm.py's Bf16x3Linear; AMX)");
   module.def("float_projection", &float_projection,
              "a float weight: oneDNN-blocked (blocked) or weight_t, run in chunks of min_rows..max_rows rows");
   pybind11::class_<LayerStack>(module, "LayerStack")

@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("bf16_gemm_isa_supported", &bf16_gemm_isa_supported,
              "whether this CPU runs the bf16 GEMM's instruction set (1 AVX-512 BF16, 2 AMX tiles)");
   module.def("bf16_gemm", &bf16_gemm, "y = x @ W (+ bias) for bf16 x and a packed bf16 weight, rounded to bf16");
+  module.def("bf16x3_gemm", &bf16x3_gemm,
+             "y = x @ W (+ bias) for float32 x and a Bf16x3Linear weight: three bf16 tile products, float32 out (AMX)");
   module.def("bf16_gemm_masked", &bf16_gemm_masked,
              "bf16_gemm's float32 logits of grammar-masked rows: a row allowing at most max_allowed columns gets "
              "those alone (the bits bf16_gemm gives them), -inf elsewhere; the other rows bf16_gemm's");

@@ -204,6 +204,22 @@ def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     assert torch.equal(labels[first:], greedy[first:len(seq.ids)]) and torch.equal(labels[:first], seq.ids[:first])
 
 
+def test_the_label_pass_takes_the_tiles_where_the_cpu_has_them(runner, sequences, monkeypatch):
+    """On a CPU with AMX tiles the head's products are three bf16 tile products each (Bf16x3Linear): the labels
+    are float32's (no tie on this model is that narrow); elsewhere oneDNN's float32."""
+    from specjet.kernels.bf16_gemm import bf16x3_available
+
+    draft = new_draft(runner)
+    tiles = bf16x3_available()
+    assert T.label_kernel(draft) == ("bf16x3" if tiles else "float32")
+    if not tiles:
+        return
+    seqs = sequences[:4]
+    with_tiles = T.target_labels(draft, seqs)
+    monkeypatch.setattr(T, "label_kernel", lambda model: "float32")
+    assert all(torch.equal(a, b) for a, b in zip(with_tiles, T.target_labels(draft, seqs)))
+
+
 def test_target_labels_are_kept_beside_the_features_for_the_next_run(runner, sequences, tmp_path, monkeypatch):
     """A run's label pass is saved (training writes it beside its checkpoint) and read back by the next
     run over the same sequences; other sequences get their own labels, not the file's."""

@@ -287,8 +287,9 @@ def test_the_target_to_learn_follows_the_engines_default_weights(tiny_model_dir,
     from specjet.models.weights import default_gguf_path, load_state_dict
     from specjet.train.eagle import feature_target, target_quantization
 
-    def args(model_path, choice, feature_dtype="float32"):
-        return Namespace(model_path=model_path, target_quantization=choice, feature_dtype=feature_dtype)
+    def args(model_path, choice, feature_dtype="float32", feature_gemm="float32"):
+        return Namespace(model_path=model_path, target_quantization=choice, feature_dtype=feature_dtype,
+                         feature_gemm=feature_gemm)
 
     # auto: the GGUF blocks for a GGUF model (the engine's CPU default), float weights for a directory
     assert target_quantization(args(None, "auto")) == "gguf"
@@ -301,3 +302,12 @@ def test_the_target_to_learn_follows_the_engines_default_weights(tiny_model_dir,
     other, tag = feature_target(args(str(tiny_model_dir), "none", "bfloat16"), runner.config,
                                 load_state_dict(tiny_model_dir), runner)
     assert other.dtype == torch.bfloat16 and other.quantization is None and tag == "-bfloat16"
+    # --feature-gemm auto: the layers as three bf16 tile products where the CPU has tiles (a tag of their own)
+    from model_harness import load_runner as fresh_runner
+    from specjet.kernels.bf16_gemm import Bf16x3Linear, bf16x3_available
+
+    fresh = fresh_runner(tiny_model_dir, tokens=256)
+    same, tag = feature_target(args(str(tiny_model_dir), "auto", feature_gemm="auto"), fresh.config, None, fresh)
+    tiles = bf16x3_available()
+    assert same is fresh and tag == ("-bf16x3" if tiles else "")
+    assert isinstance(fresh.model.layers[0].mlp.down_proj.packed, Bf16x3Linear) == tiles

@@ -12,7 +12,12 @@ where it has AVX-512 BF16 alone, oneDNN's plans elsewhere (``default_isa``), or 
 of the supported models); other shapes and a missing extension keep oneDNN.
 
 The weight is packed once, [N / 16, K / 2, 16, 2]: a 16-column group's k-pairs one 64-byte line each. The
-torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a tolerance, not bits).
+torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a tolerance, not bits). On AMX, a
+call of several 16-row tiles fetches the next column groups' weights into L2 during its later tiles (which read
+the current groups from cache), so the weights' stream runs beside the products.
+
+``Bf16x3Linear`` (feature extraction only) runs a float32 weight on the same tiles as three bf16 products each,
+float32 to ~2^-16 a product (``bf16x3_gemm_reference`` is its float64 emulation).
 """
 from __future__ import annotations
 
@@ -124,11 +129,69 @@ class Bf16Linear:
         return y.to(dtype).reshape(*lead, y.shape[-1])
 
 
+def bf16x3_available() -> bool:
+    """Whether this CPU (and the built extension) runs ``Bf16x3Linear``: AMX tiles."""
+    ext = cpu_ops.extension()
+    return ext is not None and hasattr(ext, "bf16x3_gemm") and ext.bf16_gemm_isa_supported(ISAS["amx"])
+
+
+def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``t`` as hi + lo, both bf16: hi = t rounded to bf16 (to nearest even), lo = the rest rounded
+    to bf16 (zero where t is not finite), so hi + lo holds ~16 of t's 24 significant bits."""
+    hi = t.to(torch.bfloat16)
+    rest = t - hi.float()
+    return hi, torch.where(torch.isfinite(rest), rest, torch.zeros_like(rest)).to(torch.bfloat16)
+
+
+def bf16x3_gemm_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What ``Bf16x3Linear`` computes, in float64: hi(x) hi(W) + hi(x) lo(W) + lo(x) hi(W) (+ bias)."""
+    xh, xl = (t.double() for t in split_bf16(x.float()))
+    wh, wl = (t.double() for t in split_bf16(weight_t.float()))
+    y = xh @ wh + xh @ wl + xl @ wh
+    return (y if bias is None else y + bias.double()).float()
+
+
+@dataclass
+class Bf16x3Linear:
+    """A float32 weight computed on AMX tiles as three bf16 products (csrc/bf16_gemm.cpp's ``bf16x3_gemm``):
+    x @ W ~ hi(x) hi(W) + hi(x) lo(W) + lo(x) hi(W), summed in float32, where hi + lo splits a float into two
+    bf16 (``split_bf16``). Each product is then within ~2^-16 of its float32 value (the lo(x) lo(W) term
+    left out and the bits past lo's), against bf16's 2^-8: float32 features for a draft's training (which
+    keeps them in fp16, 2^-11) at several times oneDNN's float32 speed on a CPU with tiles. One bf16 GEMM
+    over [hi(x) | hi(x) | lo(x)] and [hi(W); lo(W); hi(W)], so the weight is packed once with K tripled.
+    Not batch-invariant by contract (no decoding model uses it), though each row is its own tile's sums."""
+
+    weight: torch.Tensor  # [N / 16, 3K / 2, 16, 2] bf16: pack([hi(W); lo(W); hi(W)])
+    bias: torch.Tensor | None  # float32
+
+    @staticmethod
+    def applies(weight_t: torch.Tensor) -> bool:
+        """Whether a [in, out] weight runs on this kernel here (a float32 CPU weight of the tiles' shape)."""
+        return (weight_t.device.type == "cpu" and weight_t.dtype == torch.float32 and weight_t.dim() == 2
+                and weight_t.shape[0] % DEPTH == 0 and weight_t.shape[1] % COLS == 0 and bf16x3_available())
+
+    @classmethod
+    def build(cls, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> "Bf16x3Linear":
+        if not cls.applies(weight_t):
+            raise ValueError(f"bf16x3 GEMM: weight {tuple(weight_t.shape)} {weight_t.dtype} does not apply here")
+        hi, lo = split_bf16(weight_t.detach())
+        return cls(pack(torch.cat([hi, lo, hi])), None if bias is None else bias.detach().float().contiguous())
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0] * COLS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        y = cpu_ops.extension().bf16x3_gemm(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight, self.bias)
+        return y.to(dtype).reshape(*lead, y.shape[-1])
+
+
 def describe_kernels() -> str:
     isa = default_isa()
     return ("bf16 projections: oneDNN's measured row plans" if isa == "onednn"
             else f"bf16 projections: specjet's {isa} GEMM (where K % 32 == 0 and N % 16 == 0)")
 
 
-__all__ = ["Bf16Linear", "applies", "bf16_gemm_reference", "default_isa", "describe_kernels", "pack",
-           "supported_isas"]
+__all__ = ["Bf16Linear", "Bf16x3Linear", "applies", "bf16_gemm_reference", "bf16x3_available", "bf16x3_gemm_reference",
+           "default_isa", "describe_kernels", "pack", "split_bf16", "supported_isas"]

@@ -17,7 +17,7 @@ import torch
 from specjet.kernels import cpu_ops, qgemm
 from specjet.kernels.attention import native_whole_batch_args
 from specjet.kernels.attention_metadata import AttentionMetadata
-from specjet.kernels.bf16_gemm import Bf16Linear
+from specjet.kernels.bf16_gemm import Bf16Linear, Bf16x3Linear
 from specjet.kernels.dot_layout import DotQ41
 from specjet.kernels.linear import PackedLinear
 
@@ -41,7 +41,7 @@ class StackLayer:
 
 def stack_projection(packed, ext=None):
     """The C++ form (a StackProjection) of an inference operand (``PackedLinear``, ``Bf16Linear``,
-    ``QuantizedLinear``), or None: no C++ form, or no extension."""
+    ``Bf16x3Linear``, ``QuantizedLinear``), or None: no C++ form, or no extension."""
     ext = ext or cpu_ops.extension()
     if ext is None or not hasattr(ext, "LayerStack"):
         return None
@@ -54,6 +54,8 @@ def stack_projection(packed, ext=None):
         return ext.quantized_projection(INT8, w.q, w.s, w.wsum, w.n, w.group, packed.bias, code)
     if isinstance(packed, Bf16Linear):
         return ext.bf16_projection(packed.weight, packed.bias, packed.isa)
+    if isinstance(packed, Bf16x3Linear):
+        return ext.bf16x3_projection(packed.weight, packed.bias)
     if isinstance(packed, PackedLinear):
         return ext.float_projection(packed.weight, packed.bias, packed.blocked, packed.min_rows, packed.max_rows)
     return None

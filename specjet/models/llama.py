@@ -14,6 +14,7 @@ from torch import nn
 
 from specjet.kernels import cpu_ops
 from specjet.kernels.attention import native_whole_batch, paged_attention
+from specjet.kernels.bf16_gemm import Bf16x3Linear
 from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
 from specjet.models.config import ModelConfig
@@ -436,6 +437,20 @@ class LlamaForCausalLM(nn.Module):
                 module.packed.max_rows = UNCHUNKED_ROWS
         if self.layer_stack is not None:
             self.use_native_ops()  # the stack holds the operands' plans
+
+    def bf16x3_projections(self) -> bool:
+        """The decoder layers' float32 projections as three bf16 tile products each (kernels/bf16_gemm.py's
+        ``Bf16x3Linear``: each product within ~2^-16 of float32's, several times oneDNN's float32 speed) where
+        the CPU has AMX tiles; returns whether they are. For a model that only extracts features (train/), as
+        ``unchunk_projections``: neither float32's bits nor batch invariance is asked of it. The LM head keeps
+        its operand (the label pass's float32 argmax reads it)."""
+        modules = [m for layer in self.layers for m in layer.modules()
+                   if isinstance(m, Linear) and isinstance(m.packed, PackedLinear) and Bf16x3Linear.applies(m.weight_t)]
+        for m in modules:
+            m.packed = Bf16x3Linear.build(m.weight_t.data, None if m.bias is None else m.bias.data)
+        if modules and self.layer_stack is not None:
+            self.use_native_ops()  # the stack holds the operands
+        return bool(modules)
 
     def set_batch_invariant(self, flag: bool) -> None:
         """Batch-invariant attention on CPU (kernels/attention.py) or SDPA; oneDNN projections in their

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="dtype of the target whose features the draft learns from (bfloat16: half the "
                             "stage's time where bf16 is native, but a draft worse held out, bench/RESULTS.md session 43)")
+    model.add_argument("--feature-gemm", default="auto", choices=["auto", "float32"],
+                       help="how the float32 target's layers multiply: auto: on a CPU with AMX tiles as three bf16 "
+                            "tile products each (within ~2^-16 of float32 a product, the features kept in fp16 anyway; "
+                            "the stage ~2x faster: kernels/bf16_gemm.py's Bf16x3Linear), else oneDNN's float32; "
+                            "float32: oneDNN's float32 everywhere")
     model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                        help="train with bf16 matmuls (fp32 weights and loss); auto: where the CPU has native bf16")
     model.add_argument("--steps", type=int, default=6000)
@@ -247,7 +252,7 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
                 "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
                 "warmup_steps", "known_prefix_rate", "weight_decay",
-                "generate_dtype", "feature_dtype", "target_quantization", "seed"):
+                "generate_dtype", "feature_dtype", "feature_gemm", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
                     "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",

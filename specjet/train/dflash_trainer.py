@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specjet.kernels.argmax import argmax_rows
+from specjet.kernels.bf16_gemm import Bf16x3Linear
 from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
@@ -143,19 +144,28 @@ def target_greedy_ids(model: DFlashDraftModel, ids: torch.Tensor, feats: torch.T
 
 def target_greedy(model: DFlashDraftModel):
     """hidden [T, h] -> the target's greedy ids [T]: the argmax of its own full-vocabulary head, in fp32
-    (under bf16 training too). The head is packed once for inference and run in one oneDNN call: the
-    training head has no packed form, and torch's matmul is MKL's AVX2 path on AMD CPUs, half the
-    speed (kernels/linear.py)."""
+    (under bf16 training too). Where the CPU has AMX tiles the head's products are three bf16 tile products
+    each (kernels/bf16_gemm.py's Bf16x3Linear: a logit within ~2^-16 of float32's, a tie's width, at ~2.5x the
+    speed); elsewhere the head is packed once for inference and run in one oneDNN call: the training head has
+    no packed form, and torch's matmul is MKL's AVX2 path on AMD CPUs, half the speed (kernels/linear.py)."""
     head = model.target_head()
-    packed = pack_weight(head.weight_t, head.bias)
-    if isinstance(packed, PackedLinear):
-        packed.invariant = False
+    if label_kernel(model) == "bf16x3":
+        packed = Bf16x3Linear.build(head.weight_t.detach(), None if head.bias is None else head.bias.detach())
+    else:
+        packed = pack_weight(head.weight_t, head.bias)
+        if isinstance(packed, PackedLinear):
+            packed.invariant = False
 
     @torch.no_grad()
     def greedy(hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", enabled=False):
             return argmax_rows(packed(hidden.to(head.weight_t.dtype)))
     return greedy
+
+
+def label_kernel(model: DFlashDraftModel) -> str:
+    """The head product ``target_greedy`` takes here: "bf16x3" (AMX tiles, a float32 head) or "float32"."""
+    return "bf16x3" if Bf16x3Linear.applies(model.target_head().weight_t) else "float32"
 
 
 def to_columns(model: DFlashDraftModel, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +210,8 @@ def cached_target_labels(model: DFlashDraftModel, seqs: list[Sequence], path: pa
 
     head = model.target_head()
     digest = hashlib.sha256(head.weight_t.detach().float().contiguous().numpy().tobytes())
+    if label_kernel(model) != "float32":  # labels of another product are another file (float32's keys unchanged)
+        digest.update(label_kernel(model).encode())
     for s in seqs:
         digest.update(s.ids.numpy().tobytes())
         digest.update(f"{len(s.ids)},{s.prompt_len};".encode())

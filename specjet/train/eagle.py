@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="dtype of the target whose features the head learns from (bf16 features drafted no "
                             "better in a bf16 engine: bench/RESULTS.md)")
+    model.add_argument("--feature-gemm", default="auto", choices=["auto", "float32"],
+                       help="how the float32 target's layers multiply: auto: on a CPU with AMX tiles as three bf16 "
+                            "tile products each (within ~2^-16 of float32 a product, the features kept in fp16 anyway; "
+                            "the stage ~2x faster: kernels/bf16_gemm.py's Bf16x3Linear), else oneDNN's float32; "
+                            "float32: oneDNN's float32 everywhere")
     model.add_argument("--steps", type=int, default=800)
     model.add_argument("--batch-tokens", type=int, default=2048)
     model.add_argument("--max-prompt", type=int, default=256,
@@ -231,8 +236,11 @@ def feature_target(args, config, state_dict, float_runner):
                             quantization=quantization, gguf_path=gguf_source(args.model_path)), f"-{quantization}")
     if args.feature_dtype == "float32":
         # The float runner's layers serve only this extraction (training reads the target's embedding and head):
-        # its packs' projections go as one call each.
+        # its packs' projections go as one call each, or as three bf16 tile products each where the CPU has tiles
+        # (tagged: such features are not float32's bits).
         float_runner.model.unchunk_projections()
+        if getattr(args, "feature_gemm", "float32") == "auto" and float_runner.model.bf16x3_projections():
+            return float_runner, "-bf16x3"
         return float_runner, ""
     return (ModelRunner(config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1),
             f"-{args.feature_dtype}")
@@ -331,6 +339,6 @@ def _argv_for_summary(args) -> list[str]:
                 "json_per_schema", "max_new_tokens",
                 "json_max_new_tokens", "max_len",
                 "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight",
-                "depths", "depth_decay", "generate_dtype", "feature_dtype", "target_quantization", "seed"):
+                "depths", "depth_decay", "generate_dtype", "feature_dtype", "feature_gemm", "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--feature-layers", *map(str, args.feature_layers)]

@@ -5,7 +5,9 @@ The feature is what specjet's runner gives at inference (``ModelOutput.hidden`` 
 the head's ``feature_capture``), so the head trains on what it will be fed. The trainers' runners keep
 the engine's C++ attention and layer stack: on ~2,000-token packs they ran faster than SDPA with unchunked
 projections (bench/RESULTS.md, session 46); a float32 target's projections then run as one call a pack
-(``LlamaForCausalLM.unchunk_projections``, train/eagle.py's ``feature_target``: session 65). Features are
+(``LlamaForCausalLM.unchunk_projections``, train/eagle.py's ``feature_target``: session 65), and where the CPU
+has AMX tiles as three bf16 tile products each (``bf16x3_projections``, ``--feature-gemm auto``: float32 to
+~2^-16 a product, below the fp16 the features are kept in). Features are
 stored in fp16 shards of ``shard_size`` samples beside the token ids; a shard that exists is not
 computed again, so extraction resumes after an interruption and training reruns for free.
 """
