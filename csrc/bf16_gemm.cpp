@@ -279,23 +279,27 @@ inline void prefetch_block(const uint16_t* b) {
 // literals).
 #define SJ_PRODUCT(J, B, wg)                                        \
   do {                                                              \
-    if (prefetch) prefetch_block((wg) + (k + kAheadK) * kCols);     \
-    _tile_loadd(B, (wg) + k * kCols, 64);                           \
+    if (prefetch) prefetch_block((wg) + (kb + kAheadK) * kCols);    \
+    _tile_loadd(B, (wg) + kb * kCols, 64);                          \
     _tile_dpbf16ps(J, 4, B);                                        \
   } while (0)
 
 // One 16-row tile of x (xt) against groups g .. g + G: sums[j] = that tile's float sums for group g + j; `l2`: lines
-// of the next groups' weights to fetch into L2 as it goes (prefetch.h's L2Ahead; none by default).
+// of the next groups' weights to fetch into L2 as it goes (prefetch.h's L2Ahead; none by default). Step k of the K
+// the tile sums over reads column k of xt (rows `lda` apart), or k - wrap_a from k = wrap_a on, and the weight's
+// k, or k - wrap_b from k = wrap_b on: bf16x3's [hi | lo] activations and [hi; lo] weights read as [hi | hi | lo]
+// and [hi; lo; hi]. A plain call has lda = wrap_a = wrap_b = K.
 template <int G>
 inline void pass(const uint16_t* xt, int64_t K, const uint16_t* wg, int64_t group_size, bool prefetch,
-                 float (*sums)[kTileRows * kCols], L2Stream l2 = {}) {
+                 float (*sums)[kTileRows * kCols], L2Stream l2, int64_t lda, int64_t wrap_a, int64_t wrap_b) {
   _tile_zero(0);
   if constexpr (G > 1) _tile_zero(1);
   if constexpr (G > 2) _tile_zero(2);
   if constexpr (G > 3) _tile_zero(3);
   for (int64_t k = 0; k < K; k += kDepth) {
     l2.step();
-    _tile_loadd(4, xt + k, K * 2);
+    const int64_t kb = k < wrap_b ? k : k - wrap_b;
+    _tile_loadd(4, xt + (k < wrap_a ? k : k - wrap_a), lda * 2);
     SJ_PRODUCT(0, 5, wg);
     if constexpr (G > 1) SJ_PRODUCT(1, 6, wg + group_size);
     if constexpr (G > 2) SJ_PRODUCT(2, 7, wg + 2 * group_size);
@@ -337,10 +341,10 @@ void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint
       const bool prefetch = t == 0;  // later tiles find the groups' weights in cache, and fetch the next groups'
       const L2Stream l2 = ahead.part(t - 1);
       switch (groups) {
-        case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2); break;
-        case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2); break;
-        case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2); break;
-        default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2); break;
+        case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
+        case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
+        case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
+        default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
       }
       const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
       for (int64_t j = 0; j < groups; ++j) {
@@ -354,16 +358,18 @@ void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint
   _tile_release();
 }
 
-// gemm's passes with float32 outputs (+ bias), the rows in blocks whose activations (~1 MB) stay in L2 while
-// every column group of [g0, g1) passes over them: bf16x3_gemm's activations are three times K wide and its
-// calls thousands of rows long, where gemm's order would fetch all of them once per four column groups. A
-// row's sums are its tile's passes over the whole of K in any case, so the blocking changes no bits.
+// bf16x3_gemm's product: gemm's passes over K = 3 K0 with float32 outputs (+ bias). xp: each row's [hi | lo]
+// (2 K0 bf16) and w: each group's [hi; lo] (2 K0 k), read as [hi | hi | lo] against [hi; lo; hi], so that neither
+// holds a copy (a third fewer bytes to write and to stream). The rows go in blocks whose activations
+// (~1 MB) stay in L2 while every column group of [g0, g1) passes over them: these calls are thousands of rows
+// long, where gemm's order would fetch all of them once per four column groups. A row's sums are its tile's
+// passes over the whole of K in any case, so the blocking changes no bits.
 void gemm_float(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
                 float* y, int64_t N, int64_t g0, int64_t g1) {
   configure_tiles();
   alignas(64) float sums[kGroupsPerPass][kTileRows * kCols];
-  const int64_t group_size = K * kCols;
-  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 20) / (kTileRows * K * 2));
+  const int64_t wrap = K / 3, lda = 2 * wrap, group_size = lda * kCols;
+  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 20) / (kTileRows * lda * 2));
   for (int64_t t0 = 0; t0 < tiles; t0 += block) {
     const int64_t t1 = std::min(tiles, t0 + block);
     for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
@@ -371,14 +377,14 @@ void gemm_float(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, cons
       const uint16_t* wg = w + g * group_size;
       const L2Ahead ahead = next_groups_ahead(w, g + kGroupsPerPass, g1, group_size, t1 - t0 - 1, K);
       for (int64_t t = t0; t < t1; ++t) {
-        const uint16_t* xt = xp + t * kTileRows * K;
+        const uint16_t* xt = xp + t * kTileRows * lda;
         const bool prefetch = t == t0;  // the block's later tiles find the groups' weights in cache
         const L2Stream l2 = ahead.part(t - t0 - 1);
         switch (groups) {
-          case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2); break;
-          case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2); break;
-          case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2); break;
-          default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2); break;
+          case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2, lda, wrap, 2 * wrap); break;
+          case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2, lda, wrap, 2 * wrap); break;
+          case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2, lda, wrap, 2 * wrap); break;
+          default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2, lda, wrap, 2 * wrap); break;
         }
         const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
         for (int64_t j = 0; j < groups; ++j) {
@@ -393,12 +399,12 @@ void gemm_float(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, cons
   _tile_release();
 }
 
-// bf16x3's activations: row i of x (K floats) as [hi | hi | lo] (3K bf16), hi = x rounded to bf16 (to nearest
-// even) and lo = x - hi rounded to bf16; lo is 0 where x - hi is not a number (x infinite or NaN: hi carries it).
+// bf16x3's activations: row i of x (K floats) as [hi | lo] (2K bf16), hi = x rounded to bf16 (to nearest even)
+// and lo = x - hi rounded to bf16; lo is 0 where x - hi is not a number (x infinite or NaN: hi carries it).
 void split_rows(const float* x, int64_t K, uint16_t* out, int64_t r0, int64_t r1) {
   for (int64_t i = r0; i < r1; ++i) {
     const float* xr = x + i * K;
-    uint16_t* o = out + i * 3 * K;
+    uint16_t* o = out + i * 2 * K;
     for (int64_t k = 0; k < K; k += 16) {
       const __m512 v = _mm512_loadu_ps(xr + k);
       const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
@@ -407,8 +413,7 @@ void split_rows(const float* x, int64_t K, uint16_t* out, int64_t r0, int64_t r1
       const __m512 rest = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(diff, diff, _CMP_ORD_Q), diff);
       const __m256i lo = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + K + k), hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * K + k), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + K + k), lo);
     }
   }
 }
@@ -509,19 +514,19 @@ void bf16x3_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10:
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "bf16x3_gemm: x must be a contiguous 2-D float32 CPU tensor");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.is_contiguous() && w.size(2) == kCols &&
-                  w.size(3) == 2, "bf16x3_gemm: w must be a contiguous bfloat16 [N / 16, 3K / 2, 16, 2] tensor");
+                  w.size(3) == 2, "bf16x3_gemm: w must be a contiguous bfloat16 [N / 16, K, 16, 2] tensor");
   const int64_t rows = x.size(0), K = x.size(1), groups = w.size(0), N = groups * kCols;
-  TORCH_CHECK(K % kDepth == 0 && w.size(1) * 2 == 3 * K, "bf16x3_gemm: x has ", K, " columns (a multiple of ",
-              kDepth, " is needed), the weight takes ", w.size(1) * 2 / 3);
+  TORCH_CHECK(K % kDepth == 0 && w.size(1) == K, "bf16x3_gemm: x has ", K, " columns (a multiple of ", kDepth,
+              " is needed), the weight takes ", w.size(1));
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
                 "bf16x3_gemm: bias must be a contiguous float32 tensor of ", N, " elements");
   }
   fit_output(y, {rows, N}, x.options());
   if (rows == 0) return;
-  const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows, K3 = 3 * K;
-  std::unique_ptr<uint16_t[]> split(new uint16_t[tiles * bf16_amx::kTileRows * K3]);
-  std::memset(split.get() + rows * K3, 0, (tiles * bf16_amx::kTileRows - rows) * K3 * sizeof(uint16_t));
+  const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows, K2 = 2 * K, K3 = 3 * K;
+  std::unique_ptr<uint16_t[]> split(new uint16_t[tiles * bf16_amx::kTileRows * K2]);
+  std::memset(split.get() + rows * K2, 0, (tiles * bf16_amx::kTileRows - rows) * K2 * sizeof(uint16_t));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / K), [&](int64_t r0, int64_t r1) {
     bf16_amx::split_rows(xp, K, split.get(), r0, r1);

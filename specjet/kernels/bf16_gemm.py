@@ -157,11 +157,12 @@ class Bf16x3Linear:
     x @ W ~ hi(x) hi(W) + hi(x) lo(W) + lo(x) hi(W), summed in float32, where hi + lo splits a float into two
     bf16 (``split_bf16``). Each product is then within ~2^-16 of its float32 value (the lo(x) lo(W) term
     left out and the bits past lo's), against bf16's 2^-8: float32 features for a draft's training (which
-    keeps them in fp16, 2^-11) at several times oneDNN's float32 speed on a CPU with tiles. One bf16 GEMM
-    over [hi(x) | hi(x) | lo(x)] and [hi(W); lo(W); hi(W)], so the weight is packed once with K tripled.
-    Not batch-invariant by contract (no decoding model uses it), though each row is its own tile's sums."""
+    keeps them in fp16, 2^-11) at ~1.1-1.4x oneDNN's float32 speed here (bench/RESULTS.md, session 66). One bf16
+    GEMM over [hi(x) | hi(x) | lo(x)] and [hi(W); lo(W); hi(W)], K tripled, read from [hi | lo] copies of both
+    (the weight packed once as [hi(W); lo(W)]: float32's bytes). Not batch-invariant by contract (no decoding
+    model uses it), though each row is its own tile's sums."""
 
-    weight: torch.Tensor  # [N / 16, 3K / 2, 16, 2] bf16: pack([hi(W); lo(W); hi(W)])
+    weight: torch.Tensor  # [N / 16, K, 16, 2] bf16: pack([hi(W); lo(W)])
     bias: torch.Tensor | None  # float32
 
     @staticmethod
@@ -175,7 +176,7 @@ class Bf16x3Linear:
         if not cls.applies(weight_t):
             raise ValueError(f"bf16x3 GEMM: weight {tuple(weight_t.shape)} {weight_t.dtype} does not apply here")
         hi, lo = split_bf16(weight_t.detach())
-        return cls(pack(torch.cat([hi, lo, hi])), None if bias is None else bias.detach().float().contiguous())
+        return cls(pack(torch.cat([hi, lo])), None if bias is None else bias.detach().float().contiguous())
 
     @property
     def out_features(self) -> int:
