@@ -16,8 +16,8 @@ torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a t
 call of several 16-row tiles fetches the next column groups' weights into L2 during its later tiles (which read
 the current groups from cache), so the weights' stream runs beside the products.
 
-``Bf16x3Linear`` (feature extraction only) runs a float32 weight on the same tiles as three bf16 products each,
-float32 to ~2^-16 a product (``bf16x3_gemm_reference`` is its float64 emulation).
+``Bf16x3Linear`` (feature extraction and the DFlash label pass only) runs a float32 weight on the same tiles as three
+bf16 products each, float32 to ~2^-16 a product (``bf16x3_gemm_reference`` is its float64 emulation).
 """
 from __future__ import annotations
 

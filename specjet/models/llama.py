@@ -440,7 +440,7 @@ class LlamaForCausalLM(nn.Module):
 
     def bf16x3_projections(self) -> bool:
         """The decoder layers' float32 projections as three bf16 tile products each (kernels/bf16_gemm.py's
-        ``Bf16x3Linear``: each product within ~2^-16 of float32's, several times oneDNN's float32 speed) where
+        ``Bf16x3Linear``: each product within ~2^-16 of float32's, faster than oneDNN's float32 on packs) where
         the CPU has AMX tiles; returns whether they are. For a model that only extracts features (train/), as
         ``unchunk_projections``: neither float32's bits nor batch invariance is asked of it. The LM head keeps
         its operand (the label pass's float32 argmax reads it)."""

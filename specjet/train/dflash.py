@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--feature-gemm", default="auto", choices=["auto", "float32"],
                        help="how the float32 target's layers multiply: auto: on a CPU with AMX tiles as three bf16 "
                             "tile products each (within ~2^-16 of float32 a product, the features kept in fp16 anyway; "
-                            "the stage ~2x faster: kernels/bf16_gemm.py's Bf16x3Linear), else oneDNN's float32; "
+                            "the stage 1.1-1.4x faster: kernels/bf16_gemm.py's Bf16x3Linear), else oneDNN's float32; "
                             "float32: oneDNN's float32 everywhere")
     model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                        help="train with bf16 matmuls (fp32 weights and loss); auto: where the CPU has native bf16")

@@ -145,8 +145,8 @@ def target_greedy_ids(model: DFlashDraftModel, ids: torch.Tensor, feats: torch.T
 def target_greedy(model: DFlashDraftModel):
     """hidden [T, h] -> the target's greedy ids [T]: the argmax of its own full-vocabulary head, in fp32
     (under bf16 training too). Where the CPU has AMX tiles the head's products are three bf16 tile products
-    each (kernels/bf16_gemm.py's Bf16x3Linear: a logit within ~2^-16 of float32's, a tie's width, at ~2.5x the
-    speed); elsewhere the head is packed once for inference and run in one oneDNN call: the training head has
+    each (kernels/bf16_gemm.py's Bf16x3Linear: a logit within ~2^-16 of float32's, a tie's width, in ~0.9x the
+    time); elsewhere the head is packed once for inference and run in one oneDNN call: the training head has
     no packed form, and torch's matmul is MKL's AVX2 path on AMD CPUs, half the speed (kernels/linear.py)."""
     head = model.target_head()
     if label_kernel(model) == "bf16x3":
