@@ -204,6 +204,18 @@ def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     assert torch.equal(labels[first:], greedy[first:len(seq.ids)]) and torch.equal(labels[:first], seq.ids[:first])
 
 
+def test_bf16_collation_keeps_the_fp16_features_values(sequences):
+    """Collated in bf16 (the training loop under autocast): float32's collation rounded to bf16, bit for bit,
+    zero past each sequence's end."""
+    batch = sequences[:3]
+    ids, bf, lengths = T.collate(batch, torch.bfloat16)
+    ids32, f32, lengths32 = T.collate(batch, torch.float32)
+    assert bf.dtype == torch.bfloat16 and torch.equal(ids, ids32) and torch.equal(lengths, lengths32)
+    assert torch.equal(bf.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16))
+    assert all((bf[i, n:] == 0).all() for i, n in enumerate(lengths.tolist()))
+    assert torch.equal(f32[0, :len(batch[0].ids)], batch[0].features.float())
+
+
 def test_the_label_pass_takes_the_tiles_where_the_cpu_has_them(runner, sequences, monkeypatch):
     """On a CPU with AMX tiles the head's products are three bf16 tile products each (Bf16x3Linear): the labels
     are float32's (no tie on this model is that narrow); elsewhere oneDNN's float32."""

@@ -110,13 +110,15 @@ def collate(seqs: list[Sequence], feature_dtype: torch.dtype = torch.float32
     """Right-padded ids [B, L], features [B, L, F] in ``feature_dtype`` (zero past each end) and lengths [B].
     Under bf16 autocast the context projection reads its input in bf16 whatever it is given, so the
     training loop collates bf16 features: the same values (fp16 -> bf16 rounds as fp16 -> fp32 -> bf16
-    does) at half the bytes to write and read each step."""
+    does) at half the bytes to write and read each step. A sequence's fp16 features go through float32 on
+    the way: torch's direct fp16 -> bf16 copy is a slower, unvectorised loop."""
     max_len = max(len(s.ids) for s in seqs)
     ids = torch.zeros(len(seqs), max_len, dtype=torch.int64)
     feats = torch.zeros(len(seqs), max_len, seqs[0].features.shape[1], dtype=feature_dtype)
     for i, s in enumerate(seqs):
         ids[i, :len(s.ids)] = s.ids
-        feats[i, :len(s.ids)] = s.features
+        f = s.features
+        feats[i, :len(s.ids)] = f.float() if f.dtype != feature_dtype and feature_dtype == torch.bfloat16 else f
     return ids, feats, torch.tensor([len(s.ids) for s in seqs])
 
 
