@@ -303,10 +303,9 @@ def test_the_target_to_learn_follows_the_engines_default_weights(tiny_model_dir,
                                 load_state_dict(tiny_model_dir), runner)
     assert other.dtype == torch.bfloat16 and other.quantization is None and tag == "-bfloat16"
     # --feature-gemm auto: the layers as three bf16 tile products where the CPU has tiles (a tag of their own)
-    from model_harness import load_runner as fresh_runner
     from specjet.kernels.bf16_gemm import Bf16x3Linear, bf16x3_available
 
-    fresh = fresh_runner(tiny_model_dir, tokens=256)
+    fresh = load_runner(tiny_model_dir, tokens=256)
     same, tag = feature_target(args(str(tiny_model_dir), "auto", feature_gemm="auto"), fresh.config, None, fresh)
     tiles = bf16x3_available()
     assert same is fresh and tag == ("-bf16x3" if tiles else "")

@@ -212,8 +212,9 @@ def cached_target_labels(model: DFlashDraftModel, seqs: list[Sequence], path: pa
 
     head = model.target_head()
     digest = hashlib.sha256(head.weight_t.detach().float().contiguous().numpy().tobytes())
-    if label_kernel(model) != "float32":  # labels of another product are another file (float32's keys unchanged)
-        digest.update(label_kernel(model).encode())
+    kernel = label_kernel(model)
+    if kernel != "float32":  # labels of another product are another file (float32's keys unchanged)
+        digest.update(kernel.encode())
     for s in seqs:
         digest.update(s.ids.numpy().tobytes())
         digest.update(f"{len(s.ids)},{s.prompt_len};".encode())

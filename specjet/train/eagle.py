@@ -239,7 +239,7 @@ def feature_target(args, config, state_dict, float_runner):
         # its packs' projections go as one call each, or as three bf16 tile products each where the CPU has tiles
         # (tagged: such features are not float32's bits).
         float_runner.model.unchunk_projections()
-        if getattr(args, "feature_gemm", "float32") == "auto" and float_runner.model.bf16x3_projections():
+        if args.feature_gemm == "auto" and float_runner.model.bf16x3_projections():
             return float_runner, "-bf16x3"
         return float_runner, ""
     return (ModelRunner(config, state_dict, args.feature_dtype, "cpu", 2048 + 64, 0.0, 1),
