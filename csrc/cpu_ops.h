@@ -98,6 +98,12 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 // argmax_rows of one row of cols > 0 floats (sampling.cpp's greedy rows).
 int64_t argmax_float_row(const float* row, int64_t cols);
 
+// head_loss.cpp
+// Per row of LM-head logits [R, K] (float32 or bf16): (cross-entropy against targets [R] in float32, argmax [R]),
+// with grad [R, K] (float32 or bf16, written) = (softmax - one-hot(target)) * share [R].
+std::vector<torch::Tensor> head_cross_entropy_rows(const torch::Tensor& logits, const torch::Tensor& targets,
+                                                   const torch::Tensor& share, torch::Tensor& grad);
+
 // sampling.cpp
 std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,
                                        const std::vector<int64_t>& top_ks, const std::vector<double>& top_ps,

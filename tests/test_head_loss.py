@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specjet.kernels import cpu_ops
 from specjet.kernels.cpu_features import has_native_bf16
 from specjet.train import head_loss
 from specjet.train.head_loss import head_cross_entropy
@@ -66,3 +67,69 @@ def test_refuses_a_trainable_head_and_mismatched_shapes():
         head_cross_entropy(hidden, weight_t.clone().requires_grad_(), targets, weights)
     with pytest.raises(ValueError, match=r"targets \[n\]"):
         head_cross_entropy(hidden, weight_t, targets[:5], weights)
+
+
+requires_fused = pytest.mark.skipif(
+    cpu_ops.extension() is None or not hasattr(cpu_ops.extension(), "head_cross_entropy_rows"),
+    reason="the C++ extension is not built")
+
+
+def chunk_problem(rows: int, columns: int, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, columns, generator=gen) * 4.0).to(dtype)
+    logits[0] += 1000.0  # a shift far past exp's range: the row's maximum is taken out first
+    if rows > 2:
+        logits[2, 7] = logits[2, 3] = logits[2].max() + 1.0  # a tie: the first maximal column
+    targets = torch.randint(0, columns, (rows,), generator=gen)
+    targets[1] = int(logits[1].float().argmax())  # a target at the row's own argmax
+    share = torch.rand(rows, generator=gen) / rows
+    return logits, targets, share
+
+
+@requires_fused
+@pytest.mark.parametrize("columns", [300, 1024, 8192 + 5])  # a tail past the 16 x 64 sums, whole blocks, both
+@pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_rows_give_the_torch_chunks_loss_argmax_and_gradient(columns, logit_dtype, grad_dtype):
+    logits, targets, share = chunk_problem(9, columns, logit_dtype)
+    grad = torch.empty(9, columns, dtype=grad_dtype)
+    ref_grad = torch.empty(9, columns, dtype=grad_dtype)
+    ce, predicted = head_loss.chunk_cross_entropy(logits, targets, share, grad)
+    ref_ce, ref_predicted = head_loss.chunk_cross_entropy_reference(logits.clone(), targets, share, ref_grad)
+    assert predicted.tolist() == ref_predicted.tolist()  # the same float values, the same first-maximum rule
+    assert int(predicted[2]) == 3
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-5)
+    # float32: the exponentials' rounding, and in row 0 that of x - max against x - lse at 1,000's float step
+    # (6e-5); bf16: at most one step of the stored value's rounding apart.
+    rtol, atol = (1e-4, 1e-9) if grad_dtype == torch.float32 else (2 ** -7, 1e-12)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=rtol, atol=atol)
+    # softmax - one-hot sums to zero over a row: each row's gradient sums to ~0 times its share (up to the
+    # rounding of its largest entry, the target's)
+    assert float(grad.float().sum(-1).abs().max()) < rtol * float(share.max())
+    assert bool((grad.float()[torch.arange(9), targets] <= 0).all())
+
+
+@requires_fused
+def test_the_fused_rows_refuse_what_their_tensors_cannot_hold():
+    logits, targets, share = chunk_problem(4, 64, torch.float32)
+    grad = torch.empty(4, 64)
+    bad_targets = targets.clone()
+    bad_targets[3] = 64
+    with pytest.raises(RuntimeError, match="target 64 of row 3 outside the 64 columns"):
+        head_loss.chunk_cross_entropy(logits, bad_targets, share, grad)
+    with pytest.raises(RuntimeError, match="grad must be"):
+        head_loss.chunk_cross_entropy(logits, targets, share, torch.empty(4, 63))
+    with pytest.raises(RuntimeError, match="logits must be"):
+        head_loss.chunk_cross_entropy(logits.double(), targets, share, grad)
+    with pytest.raises(RuntimeError, match="share must be"):
+        head_loss.chunk_cross_entropy(logits, targets, share[:3], grad)
+
+
+def test_the_torch_chunks_serve_where_the_extension_is_missing(monkeypatch):
+    """Without the C++ op the loss takes the torch chunks, and agrees with the unfused loss all the same."""
+    monkeypatch.setattr(head_loss, "_fused_rows", lambda rows: False)
+    hidden, weight_t, targets, weights = problem(70, seed=2)
+    loss, predicted = head_cross_entropy(hidden, weight_t, targets, weights)
+    ref_loss, ref_logits = unfused(hidden, weight_t, targets, weights)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_best(predicted, ref_logits, 1e-5)

@@ -9,6 +9,11 @@ share of the loss) are made for a chunk of rows at a time, which stays in the co
 gradient is kept for the backward, in the product's dtype (the backward's product would cast it there
 anyway). The backward is one product of that gradient with the head's weight.
 
+Where the C++ extension is built, a chunk's rows after the product go through ``head_cross_entropy_rows``
+(csrc/head_loss.cpp): each row widened once into a buffer in the core's cache, its argmax, one exponential a
+column and their sum, and the scaled store, where torch's ops walk the whole chunk a dozen times
+(``chunk_cross_entropy_reference`` is that torch form, the fallback and the tests' reference).
+
 The arithmetic is the unfused path's (``F.cross_entropy`` over ``(hidden @ weight_t).float()``, weighted
 and normalised), in another order: values agree to float rounding, not bit for bit
 (tests/test_dflash_train.py holds them to the written-out loss). The head's weight must be frozen (a
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specjet.kernels import cpu_ops
 from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.training_linear import frozen_casts
 
@@ -45,6 +51,33 @@ def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: to
     return _HeadCrossEntropy.apply(hidden, weight_t, targets, weights.float(), dtype)
 
 
+def chunk_cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, share: torch.Tensor,
+                                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's (cross-entropy [r] float32, argmax [r]) of logits [r, K] against ``targets`` [r], writing
+    ``grad_out`` [r, K] (its dtype) = (softmax - one-hot(target)) * ``share`` [r]; in torch ops."""
+    logits = logits.float()
+    predicted = argmax_rows(logits)
+    lse = torch.logsumexp(logits, -1)
+    ce = lse - logits.gather(1, targets[:, None])[:, 0]
+    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    probs[torch.arange(logits.shape[0], device=logits.device), targets] -= 1.0
+    grad_out.copy_(probs.mul_(share[:, None]))
+    return ce, predicted
+
+
+def chunk_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, share: torch.Tensor, grad_out: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_cross_entropy_reference`` in one C++ pass a row (csrc/head_loss.cpp): the logits float32 or bf16,
+    ``grad_out`` a contiguous float32 or bf16 tensor."""
+    return tuple(cpu_ops.extension().head_cross_entropy_rows(logits.contiguous(), targets.contiguous(),
+                                                             share.contiguous(), grad_out))
+
+
+def _fused_rows(rows: torch.Tensor) -> bool:
+    ext = cpu_ops.extension()
+    return ext is not None and hasattr(ext, "head_cross_entropy_rows") and rows.device.type == "cpu"
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight_t, targets, weights, dtype):
@@ -53,19 +86,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
             in_out = frozen_casts(weight_t, dtype)[0]
             n, columns = rows.shape[0], in_out.shape[1]
             share = weights / weights.sum().clamp(min=1e-9)  # each row's weight in the normalised loss
-            device = rows.device
-            ce = torch.empty(n, dtype=torch.float32, device=device)
-            predicted = torch.empty(n, dtype=torch.int64, device=device)
-            grad_logits = torch.empty(n, columns, dtype=dtype, device=device)
+            ce = torch.empty(n, dtype=torch.float32, device=rows.device)
+            predicted = torch.empty(n, dtype=torch.int64, device=rows.device)
+            grad_logits = torch.empty(n, columns, dtype=dtype, device=rows.device)
+            chunk_loss = chunk_cross_entropy if _fused_rows(rows) else chunk_cross_entropy_reference
             for lo in range(0, n, CHUNK_ROWS):
                 hi = min(lo + CHUNK_ROWS, n)
-                logits = (rows[lo:hi] @ in_out).float()
-                predicted[lo:hi] = argmax_rows(logits)
-                lse = torch.logsumexp(logits, -1)
-                ce[lo:hi] = lse - logits.gather(1, targets[lo:hi, None])[:, 0]
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs[torch.arange(hi - lo, device=device), targets[lo:hi]] -= 1.0
-                grad_logits[lo:hi] = probs.mul_(share[lo:hi, None])
+                ce[lo:hi], predicted[lo:hi] = chunk_loss(rows[lo:hi] @ in_out, targets[lo:hi], share[lo:hi],
+                                                         grad_logits[lo:hi])
             loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
         ctx.save_for_backward(grad_logits, weight_t)
         ctx.hidden_dtype = hidden.dtype
