@@ -12,6 +12,14 @@ from __future__ import annotations
 import torch
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x in float32, r = rsqrt(mean(x^2) + eps) per row, (x * r) in x's dtype): RMSNorm's normalisation in float32,
+    as the reference implementations do, cast back; the plain forward and the training one alike."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf, rstd, (xf * rstd).to(x.dtype)
+
+
 def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`` with the backward written out."""
     return _RMSNormTrain.apply(x, weight, eps)
@@ -20,9 +28,7 @@ def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 class _RMSNormTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        normed = (xf * rstd).to(x.dtype)
+        xf, rstd, normed = rms_normalize(x, eps)
         ctx.save_for_backward(xf, rstd, normed, weight)
         ctx.x_dtype = x.dtype
         return weight * normed

@@ -17,7 +17,7 @@ from specjet.kernels.attention import native_whole_batch, paged_attention
 from specjet.kernels.bf16_gemm import Bf16x3Linear
 from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
 from specjet.kernels.linear import PackedLinear, linear, pack_weight
-from specjet.kernels.training_norm import rms_norm_train
+from specjet.kernels.training_norm import rms_norm_train, rms_normalize
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch, ModelOutput
 from specjet.models.kv_cache import KVCache
@@ -85,10 +85,7 @@ class RMSNorm(nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             # Training: the same forward, its backward written out (kernels/training_norm.py).
             return rms_norm_train(x, self.weight, self.eps)
-        # Normalise in fp32 as the reference implementations do, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)[2]
 
 
 class Rotary:
