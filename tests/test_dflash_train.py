@@ -39,9 +39,9 @@ def sequences(runner, tiny_model_dir, tmp_path_factory):
     return load_sequences(out)
 
 
-def new_draft(runner, seed=0, root_context=False) -> DFlashDraftModel:
+def new_draft(runner, seed=0, root_context=False, layers=1) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    shape = DFlashShape(1, (0,), BLOCK, runner.config.vocab_size - 1, root_context)
+    shape = DFlashShape(layers, (0,), BLOCK, runner.config.vocab_size - 1, root_context)
     return DFlashDraftModel(runner.config, shape).bind_target(runner.model)
 
 
@@ -97,11 +97,13 @@ def test_known_prefixes_are_drawn_within_the_block_and_not_scored(runner, sequen
     assert loss(changed) != base
 
 
-def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(runner, sequences):
-    """``batch_loss`` sends only the scored positions through the head; its loss, top-1 and accept
-    length equal the position-weighted cross-entropy written here over every block row's logits,
-    with known, padded and past-the-end positions weighted 0 (and the same gradient)."""
-    draft = new_draft(runner, seed=5, root_context=True)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(runner, sequences, layers):
+    """``batch_loss`` sends only the scored positions past the last layer's attention (its output projection,
+    MLP, the norm and the head); its loss, top-1 and accept length equal the position-weighted cross-entropy
+    written here over every block row's logits, with known, padded and past-the-end positions weighted 0
+    (and the same gradient). Two layers: the first one's every row feeds the second's keys and values."""
+    draft = new_draft(runner, seed=5, root_context=True, layers=layers)
     batch = sequences[:3]
     ids, feats, lengths = T.collate(batch)
     anchors = T.sample_anchors(batch, 6, torch.Generator().manual_seed(3))
@@ -113,7 +115,8 @@ def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(run
     source = ids.roll(1, dims=1)  # labels other than the block's own tokens
 
     got = T.batch_loss(draft, ids, feats, lengths, anchors, cfg, source, known)
-    grad = torch.autograd.grad(got["loss"], draft.fc.weight_t)[0]
+    params = [draft.fc.weight_t, draft.layers[-1].mlp.down_proj.weight_t, draft.layers[0].self_attn.qkv_proj.weight_t]
+    grads = torch.autograd.grad(got["loss"], params)
 
     block_ids = T.known_block_ids(ids, anchors, known, BLOCK, draft.shape.mask_token_id)
     logits = draft.forward_train(ids, feats, anchors, None, block_ids)  # [B, A, S - 1, V], every row
@@ -140,7 +143,9 @@ def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(run
                 accepted += run
     expected = total / weight
     torch.testing.assert_close(got["loss"].detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, torch.autograd.grad(expected, draft.fc.weight_t)[0], rtol=1e-4, atol=1e-7)
+    for grad, want in zip(grads, torch.autograd.grad(expected, params)):
+        assert grad.abs().max() > 0
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
     assert float(got["top1"]) == pytest.approx(first / blocks)
     assert float(got["accept_length"]) == pytest.approx(1 + accepted / blocks)
 

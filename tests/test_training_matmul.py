@@ -91,3 +91,41 @@ def test_a_frozen_weight_keeps_its_casts_that_follow_its_changes():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         changed = L.linear(x, weight_t, None, None)
     assert torch.equal(changed, trained_twin()[0]) and not torch.equal(changed, first)
+
+
+def test_a_frozen_weights_products_match_torch_and_follow_its_changes():
+    """``frozen_products`` (a draft's loss through a target's head): the product and the input's gradient
+    through a frozen weight equal torch's bf16 products of its casts to bf16 rounding (on a CPU with AMX
+    tiles they run on specjet's GEMM, packed once a weight version), and an in-place change of the weight
+    is seen by the next call."""
+    import torch
+
+    from specjet.kernels import bf16_gemm
+    from specjet.kernels.training_linear import frozen_casts, frozen_products
+
+    gen = torch.Generator().manual_seed(1)
+    weight_t = torch.randn(576, 8192, generator=gen) / 24  # a hot head's shape, frozen
+    x = torch.randn(37, 576, generator=gen).bfloat16()
+    g = torch.randn(37, 8192, generator=gen).bfloat16()
+
+    def check():
+        forward, backward = frozen_products(weight_t, torch.bfloat16)
+        in_out, out_in = frozen_casts(weight_t, torch.bfloat16)
+        y, gx = forward(x), backward(g)
+        assert y.dtype == gx.dtype == torch.bfloat16 and y.shape == (37, 8192) and gx.shape == (37, 576)
+        for got, a, b in ((y, x, in_out), (gx, g, out_in)):
+            exact = a.double() @ b.double()
+            scale = (a.double().abs() @ b.double().abs())
+            assert ((got.double() - exact).abs() <= 2 ** -7 * scale + 1e-30).all()
+        return forward, backward
+
+    forward, backward = check()
+    tiles = bf16_gemm.default_isa() == "amx"
+    assert isinstance(forward, bf16_gemm.Bf16Linear) == tiles and isinstance(backward, bf16_gemm.Bf16Linear) == tiles
+    if tiles:
+        assert frozen_products(weight_t, torch.bfloat16)[0] is forward  # packed once, kept
+    before = forward(x)
+    with torch.no_grad():
+        weight_t.mul_(2)
+    check()
+    assert torch.equal(frozen_products(weight_t, torch.bfloat16)[0](x), before * 2)  # a power of two: exact

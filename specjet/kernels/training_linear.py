@@ -15,16 +15,25 @@ Two facts shape it:
   the target's features).
 
 A frozen weight (a target's LM head under a draft being trained) has both casts made once per weight
-version and kept while the weight lives.
+version and kept while the weight lives. Its two products (``frozen_products``: the head's logits and the
+input's gradient through it) run on specjet's AMX bf16 GEMM (kernels/bf16_gemm.py) where the CPU has tiles:
+its packed operands are made once too, and at a DFlash step's shapes ([1,152, 8,192] x [8,192, 576] and
+128-row chunks of [576, 8,192]) it runs steadily at about oneDNN's best rate, where oneDNN's own calls of the
+same shape swing between one and three times that (bench/RESULTS.md, session 68).
 """
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 
+from specjet.kernels import bf16_gemm
+
 # id -> (weak reference, version, dtype, [in, out] cast, [out, in] cast) of frozen weights.
 _FROZEN: dict[int, tuple[weakref.ref, int, torch.dtype, torch.Tensor, torch.Tensor]] = {}
+# id -> (weak reference, version, (x -> x @ weight_t, g -> g @ weight_t.T)) of frozen bf16 weights on AMX.
+_PACKED: dict[int, tuple[weakref.ref, int, tuple[Callable, Callable]]] = {}
 
 
 def autocast_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,6 +53,25 @@ def frozen_casts(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     _FROZEN[key] = (weakref.ref(weight_t, lambda _ref, key=key: _FROZEN.pop(key, None)), weight_t._version,
                     dtype, in_out, out_in)
     return in_out, out_in
+
+
+def frozen_products(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """(x -> x @ weight_t, g -> g @ weight_t.T) in ``dtype`` for a frozen [in, out] weight, each taking a 2-D
+    input of that dtype: specjet's AMX bf16 GEMM on packed operands made once a weight version (bf16 on a CPU
+    with tiles, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float rounding
+    (another order of the same sums), not by the result's dtype."""
+    in_out, out_in = frozen_casts(weight_t, dtype)
+    if not (dtype == torch.bfloat16 and bf16_gemm.default_isa() == "amx" and bf16_gemm.applies(in_out, "amx")
+            and bf16_gemm.applies(out_in, "amx")):
+        return in_out.__rmatmul__, out_in.__rmatmul__
+    key = id(weight_t)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is weight_t and hit[1] == weight_t._version:
+        return hit[2]
+    forward, backward = bf16_gemm.Bf16Linear.build(in_out, isa="amx"), bf16_gemm.Bf16Linear.build(out_in, isa="amx")
+    _PACKED[key] = (weakref.ref(weight_t, lambda _ref, key=key: _PACKED.pop(key, None)), weight_t._version,
+                    (forward, backward))
+    return forward, backward
 
 
 class _AutocastLinear(torch.autograd.Function):

@@ -406,11 +406,12 @@ class DFlashDraftModel(HotVocabDraft):
         positions a - window .. a - 1 (all of 0 .. a - 1 without a window) and its own block,
         exactly what a drafting forward with the root at a sees. Returns the logits of block
         positions 1 .. S - 1: [B, A, S - 1, K or vocab] float32 (the drafts of ids[b, a + 1 ..]);
-        with ``scored`` ([B, A, S - 1] bool) only those positions' logits, in row-major order (the head
-        and the loss over unscored rows would be work for nothing), followed by padding rows up to a
-        multiple of ``TRAIN_ROW_BUCKET``: [n scored + padding, K or vocab]. The caller scores the padding
-        with weight zero rather than slicing it off, whose backward would write a zero gradient the size
-        of the logits and copy the rest into it every step. ``head=False`` (with ``scored``): those rows'
+        with ``scored`` ([B, A, S - 1] bool) only those positions' logits, in row-major order (the last
+        layer past its attention, the head and the loss over unscored rows would be work for nothing),
+        followed by padding rows (the first block row's again) up to a multiple of ``TRAIN_ROW_BUCKET``:
+        [n scored + padding, K or vocab]. The caller scores the padding with weight zero rather than slicing
+        it off, whose backward would write a zero gradient the size of the logits and copy the rest into it
+        every step. ``head=False`` (with ``scored``): those rows'
         final normed hidden states instead of their logits, [n scored + padding, h], for a loss that applies
         the head itself (train/head_loss.py)."""
         batch, seq_len, _ = features.shape
@@ -443,7 +444,16 @@ class DFlashDraftModel(HotVocabDraft):
         # Anchors in groups, each with the context length its blocks can see (up to its last root).
         groups = [(a, min(a + TRAIN_ATTENTION_GROUP, num), int(roots[:, a:a + TRAIN_ATTENTION_GROUP].max()))
                   for a in range(0, num, TRAIN_ATTENTION_GROUP)]
-        for layer in self.layers:
+        # Past its attention, the last layer's rows only matter where a position is scored (not a root, a known
+        # token or a short sequence's tail: about a third of the rows); those rows alone go on to its output
+        # projection, its MLP, the norm and the head. Every row's keys and values are still made: the scored
+        # rows attend to them. The kept rows are padded to a multiple of TRAIN_ROW_BUCKET with copies of the
+        # first block row (see _pad_rows: oneDNN builds a kernel for every new row count).
+        keep = None
+        if scored is not None:
+            keep = torch.cat([scored.new_zeros(batch, num, 1), scored], dim=2).reshape(-1).nonzero().squeeze(1)
+            keep = torch.cat([keep, keep.new_zeros(-keep.shape[0] % TRAIN_ROW_BUCKET)])
+        for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = (h @ attn.qkv_proj.weight_t[:, :attn.q_size])
@@ -462,13 +472,15 @@ class DFlashDraftModel(HotVocabDraft):
             out = _grouped_block_attention(
                 heads_first(q, num * size), heads_first(k_ctx, seq_len), heads_first(v_ctx, seq_len),
                 heads_first(k_blk, num * size), heads_first(v_blk, num * size), mask, groups, size, attn.scale)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(-1, attn.q_size))
+            out = out.transpose(1, 2).reshape(-1, attn.q_size)
+            if keep is not None and index == len(self.layers) - 1:
+                x, out = x[keep], out[keep]
+            x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = x.reshape(batch, num, size, -1)[:, :, 1:]
-        if scored is not None:
-            hidden = _pad_rows(self.norm(x[scored]))
+        if keep is not None:
+            hidden = self.norm(x)
             return self.logits(hidden) if head else hidden
-        return self.logits(self.norm(x))
+        return self.logits(self.norm(x.reshape(batch, num, size, -1)[:, :, 1:]))
 
     def _train_mask(self, roots: torch.Tensor, real: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
         """[B, A*S, L + A*S] bool: a block's rows see its visible context and its own block. A padded

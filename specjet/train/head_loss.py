@@ -25,7 +25,7 @@ import torch
 
 from specjet.kernels import cpu_ops
 from specjet.kernels.argmax import argmax_rows
-from specjet.kernels.training_linear import frozen_casts
+from specjet.kernels.training_linear import frozen_products
 
 # Rows per chunk: enough rows for the head's product to run near oneDNN's full rate (a 64-row product runs well
 # below it), few enough that a chunk's float logits (128 x 8,192 x 4 bytes = 4 MB) stay in the caches; 256 rows
@@ -83,8 +83,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight_t, targets, weights, dtype):
         with torch.autocast("cpu", enabled=False):
             rows = hidden.to(dtype)
-            in_out = frozen_casts(weight_t, dtype)[0]
-            n, columns = rows.shape[0], in_out.shape[1]
+            product = frozen_products(weight_t, dtype)[0]
+            n, columns = rows.shape[0], weight_t.shape[1]
             share = weights / weights.sum().clamp(min=1e-9)  # each row's weight in the normalised loss
             ce = torch.empty(n, dtype=torch.float32, device=rows.device)
             predicted = torch.empty(n, dtype=torch.int64, device=rows.device)
@@ -92,7 +92,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             chunk_loss = chunk_cross_entropy if _fused_rows(rows) else chunk_cross_entropy_reference
             for lo in range(0, n, CHUNK_ROWS):
                 hi = min(lo + CHUNK_ROWS, n)
-                ce[lo:hi], predicted[lo:hi] = chunk_loss(rows[lo:hi] @ in_out, targets[lo:hi], share[lo:hi],
+                ce[lo:hi], predicted[lo:hi] = chunk_loss(product(rows[lo:hi]), targets[lo:hi], share[lo:hi],
                                                          grad_logits[lo:hi])
             loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
         ctx.save_for_backward(grad_logits, weight_t)
@@ -106,8 +106,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_hidden = None
         if ctx.needs_input_grad[0]:
             with torch.autocast("cpu", enabled=False):
-                # The [K, h] layout: oneDNN's AMX matmul faults on a transposed second operand at this shape
-                # (kernels/training_linear.py).
-                out_in = frozen_casts(weight_t, grad_logits.dtype)[1]
-                grad_hidden = (grad_logits @ out_in).to(ctx.hidden_dtype) * grad_loss.to(ctx.hidden_dtype)
+                # The [K, h] layout (frozen_products): oneDNN's AMX matmul faults on a transposed second operand
+                # at this shape (kernels/training_linear.py).
+                product = frozen_products(weight_t, grad_logits.dtype)[1]
+                grad_hidden = product(grad_logits).to(ctx.hidden_dtype) * grad_loss.to(ctx.hidden_dtype)
         return grad_hidden, None, None, None, None
