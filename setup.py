@@ -22,7 +22,7 @@ else:
          "csrc/draft_ops.cpp", "csrc/dflash_block.cpp", "csrc/head_loss.cpp", "csrc/sampling.cpp", "csrc/thread_pinning.cpp"],
         depends=["csrc/cpu_ops.h", "csrc/attention_body.h", "csrc/exp_float.h", "csrc/qgemm_body.h", "csrc/qgemm_amx.h",
                  "csrc/amx_tile_config.h", "csrc/stack_projection.h",
-                 "csrc/token_bitmask.h", "csrc/cost_shares.h", "csrc/bf16_bits.h", "csrc/prefetch.h"],
+                 "csrc/token_bitmask.h", "csrc/cost_shares.h", "csrc/bf16_bits.h", "csrc/prefetch.h", "csrc/isa_clones.h"],
         # No -march: each file compiles each instruction set's kernels under its own target pragma (or
         # target_clones) and picks one at run time, so one build runs on any x86-64 CPU.
         # -fopenmp: at::parallel_for.

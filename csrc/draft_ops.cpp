@@ -11,6 +11,7 @@
 // reduction that carries an index through every column, several times slower.
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "isa_clones.h"
 #include "token_bitmask.h"
 
 #include <ATen/Parallel.h>
@@ -24,26 +25,12 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kFlush = 64;  // terms per lane summed in float before they go into the double total
+constexpr int64_t kLanes = 16;  // float lanes of the block maxima's vectors
 
-// sum of exp(v[i] - shift) over n floats: 16 float lanes, each flushed into a double total every 64 of
-// its terms (a sequential float sum over tens of thousands of terms drifts by ~1e-4; the lanes let GCC
-// vectorise the exp). The additions' order is fixed by the lanes, not by the instruction set.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+// sum of exp(v[i] - shift) over n floats, in exp_float.h's fixed lane order.
+SJ_ISA_CLONES
 double sum_exp(const float* __restrict v, int64_t n, float shift) {
-  double total = 0.0;
-  int64_t i = 0;
-  for (; i + kLanes * kFlush <= n; i += kLanes * kFlush) {
-    float lane[kLanes] = {};
-    for (int64_t j = 0; j < kFlush; ++j) {
-      const float* x = v + i + j * kLanes;
-      for (int64_t l = 0; l < kLanes; ++l) lane[l] += exp_float(x[l] - shift);
-    }
-    for (int64_t l = 0; l < kLanes; ++l) total += lane[l];
-  }
-  for (; i < n; ++i) total += exp_float(v[i] - shift);
-  return total;
+  return sum_exp_lanes<false>(v, nullptr, n, shift);
 }
 
 constexpr int64_t kBlock = 64;  // values per block of the top-k scan
@@ -51,7 +38,7 @@ constexpr int64_t kBlock = 64;  // values per block of the top-k scan
 // out[b]: the largest of v[b * 64 .. b * 64 + 63] (NaN ignored; -inf for a block of none), so a scan reads only
 // the blocks that may hold a candidate; returns whether any value may be a NaN (true also for an infinity: the
 // masked argmax then takes its exact path). One pass in explicit 16-lane vectors (GCC leaves the loop form scalar).
-__attribute__((target_clones("avx512f", "avx2", "default")))
+SJ_ISA_CLONES
 bool block_maxima_or_nan(const float* __restrict v, int64_t n, float* __restrict out) {
   typedef float v16f __attribute__((vector_size(64)));
   constexpr float minus_inf = -std::numeric_limits<float>::infinity();

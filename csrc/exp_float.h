@@ -41,3 +41,32 @@ static inline __attribute__((always_inline)) float exp_float(float x) {
   x = x < -87.0f ? -87.0f : x;
   return exp_float_in_range(x);
 }
+
+// The sum of exp(v[i] - shift) over n floats (shift a row's maximum), with kStore also each term into e[i]:
+// 16 float lanes, each flushed into a double total every 64 of its terms (a sequential float sum over tens of
+// thousands of terms drifts by ~1e-4; the lanes let GCC vectorise the exponential). The additions' order is
+// fixed by the lanes, not by the instruction set. Inlined into each caller's per-instruction-set clones.
+template <bool kStore>
+static inline __attribute__((always_inline)) double sum_exp_lanes(const float* __restrict v, float* __restrict e,
+                                                                  int64_t n, float shift) {
+  constexpr int64_t kLanes = 16, kFlush = 64;
+  double total = 0.0;
+  int64_t i = 0;
+  for (; i + kLanes * kFlush <= n; i += kLanes * kFlush) {
+    float lane[kLanes] = {};
+    for (int64_t j = 0; j < kFlush; ++j)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t c = i + j * kLanes + l;
+        const float x = exp_float(v[c] - shift);
+        if constexpr (kStore) e[c] = x;
+        lane[l] += x;
+      }
+    for (int64_t l = 0; l < kLanes; ++l) total += lane[l];
+  }
+  for (; i < n; ++i) {
+    const float x = exp_float(v[i] - shift);
+    if constexpr (kStore) e[i] = x;
+    total += x;
+  }
+  return total;
+}

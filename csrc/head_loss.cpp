@@ -6,10 +6,11 @@
 // exponential and sum, the argmax, the softmax again, the one-hot, the scale, the cast back), each a dispatch
 // and a walk through a 4 MB chunk; here a row is widened once into a buffer that stays in L1/L2, then gives its
 // argmax (the maximum, so no second scan), one exponential per column with their sum, and the scaled store.
-// The sums' order is fixed (16 float lanes flushed into a double every 64 terms), not the instruction set's.
+// The sums' order is fixed (exp_float.h's sum_exp_lanes), not the instruction set's.
 #include "bf16_bits.h"
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "isa_clones.h"
 
 #include <ATen/Parallel.h>
 
@@ -20,56 +21,25 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-constexpr int64_t kFlush = 64;  // terms per lane summed in float before they go into the double total
-
-#define SJ_LOSS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-
-SJ_LOSS_CLONES
+SJ_ISA_CLONES
 void widen_bf16(const uint16_t* __restrict b, float* __restrict f, int64_t n) {
   for (int64_t i = 0; i < n; ++i) f[i] = bf16_to_float(b[i]);
 }
 
 // e[i] = exp(x[i] - shift) (shift the row's maximum, so every argument is <= 0); returns the sum of the e[i].
-SJ_LOSS_CLONES
+SJ_ISA_CLONES
 double exp_and_sum(const float* __restrict x, float* __restrict e, int64_t n, float shift) {
-  double total = 0.0;
-  int64_t i = 0;
-  for (; i + kLanes * kFlush <= n; i += kLanes * kFlush) {
-    float lane[kLanes] = {};
-    for (int64_t j = 0; j < kFlush; ++j)
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const int64_t c = i + j * kLanes + l;
-        const float v = exp_float(x[c] - shift);
-        e[c] = v;
-        lane[l] += v;
-      }
-    for (int64_t l = 0; l < kLanes; ++l) total += lane[l];
-  }
-  for (; i < n; ++i) {
-    e[i] = exp_float(x[i] - shift);
-    total += e[i];
-  }
-  return total;
+  return sum_exp_lanes<true>(x, e, n, shift);
 }
 
-SJ_LOSS_CLONES
+SJ_ISA_CLONES
 void scale_into_float(const float* __restrict e, float scale, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = e[i] * scale;
 }
 
-// float -> bf16 bits, rounded to nearest even (torch's conversion; a NaN stays a quiet NaN), branch-free.
-inline __attribute__((always_inline)) uint16_t bf16_bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
-
-SJ_LOSS_CLONES
+SJ_ISA_CLONES
 void scale_into_bf16(const float* __restrict e, float scale, uint16_t* __restrict out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_of(e[i] * scale);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bf16_rounded_bits(e[i] * scale) >> 16);
 }
 
 }  // namespace
@@ -127,7 +97,7 @@ std::vector<torch::Tensor> head_cross_entropy_rows(const torch::Tensor& logits, 
       if (bf16_out) {
         uint16_t* g = reinterpret_cast<uint16_t*>(out) + r * cols;
         scale_into_bf16(exps.data(), scale, g, cols);
-        g[t] = bf16_bits_of(at_target);
+        g[t] = static_cast<uint16_t>(bf16_rounded_bits(at_target) >> 16);
       } else {
         float* g = reinterpret_cast<float*>(out) + r * cols;
         scale_into_float(exps.data(), scale, g, cols);

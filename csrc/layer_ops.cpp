@@ -21,20 +21,9 @@
 #include "bf16_bits.h"
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "isa_clones.h"
 
 namespace {
-
-// f rounded to bf16, as float bits (the bf16 in the high half, zeros below), as c10::BFloat16 converts (round
-// to nearest even, NaN -> 0x7FC0) but branch-free: loops over it vectorise, loops over c10's conversions do not.
-// (bf16_bits.h widens back.)
-inline __attribute__((always_inline)) uint32_t bf16_rounded_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  // A signed comparison (both sides are below 2^31): SSE2 and AVX2 have no unsigned one.
-  const uint32_t nan = 0u - static_cast<uint32_t>(static_cast<int32_t>(bits & 0x7FFFFFFFu) > 0x7F800000);
-  return (rounded & ~nan) | (0x7FC00000u & nan);
-}
 
 inline __attribute__((always_inline)) float round_bf16(float f) {
   const uint32_t bits = bf16_rounded_bits(f);
@@ -79,15 +68,13 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, ": expected a contiguous 2-D float32 or bfloat16 CPU tensor");
 }
 
-// The row functions below are cloned per instruction set (the widest the CPU runs is picked at load):
-// the same IEEE operations in each (no fused products: -ffp-contract=off) in the same order, so the
-// same bits; bf16 rows, converted and rounded element by element, were several times slower than float
-// rows in the baseline build's four lanes. bf16 rows are widened into float scratch (``xf``, ``of``: n
-// floats each) and rounded to bf16 wherever torch's ops would store a bf16 tensor.
-#define SJ_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// The row functions below are cloned per instruction set (isa_clones.h): bf16 rows, converted and rounded
+// element by element, were several times slower than float rows in the baseline build's four lanes. bf16 rows
+// are widened into float scratch (``xf``, ``of``: n floats each) and rounded to bf16 wherever torch's ops would
+// store a bf16 tensor.
 
 // out = w * (x * rsqrt(mean(x^2) + eps)); with `residual`, x + residual first, written to sum_out.
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void rms_norm_float_row(const float* x, const float* __restrict residual, const float* __restrict w,
                         float* __restrict sum_out, float* __restrict out, int64_t n, double eps) {
   if (residual) {
@@ -98,7 +85,7 @@ void rms_norm_float_row(const float* x, const float* __restrict residual, const 
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void rms_norm_bf16_row(const uint16_t* __restrict x, const uint16_t* __restrict residual, const float* __restrict w,
                        uint16_t* __restrict sum_out, uint16_t* __restrict out, float* __restrict xf,
                        float* __restrict of, int64_t n, double eps) {
@@ -185,7 +172,7 @@ namespace {
 
 // One head of neox RoPE (rotate its two halves): y = x1 c - x2 s | x2 c + x1 s, each product and sum
 // rounded to float on its own.
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void rotate_float_head(const float* __restrict x, const float* __restrict c, const float* __restrict s,
                        float* __restrict y, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
@@ -195,7 +182,7 @@ void rotate_float_head(const float* __restrict x, const float* __restrict c, con
   }
 }
 
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void rotate_bf16_head(const uint16_t* __restrict x, const float* __restrict c, const float* __restrict s,
                       uint16_t* __restrict y, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
@@ -207,7 +194,7 @@ void rotate_bf16_head(const uint16_t* __restrict x, const float* __restrict c, c
 
 // A float row stored in a bf16 pool: each value rounded to the nearest bf16 (ties to even), as torch's
 // .to(torch.bfloat16) rounds it.
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void store_float_as_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint16_t>(bf16_rounded_bits(x[i]) >> 16);
 }
@@ -307,7 +294,7 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
 namespace {
 
 // silu(g) * u; the bf16 row rounds silu(g) to bf16 before the product, as torch's silu(g) * u does.
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void silu_mul_float_row(const float* __restrict g, const float* __restrict u, float* __restrict o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
@@ -317,7 +304,7 @@ void silu_mul_float_row(const float* __restrict g, const float* __restrict u, fl
 
 // ``gf``, ``uf``: scratch of n floats each (one loop with the exp and the conversions together does
 // not vectorise).
-SJ_ROW_CLONES
+SJ_ISA_CLONES
 void silu_mul_bf16_row(const uint16_t* __restrict g, const uint16_t* __restrict u, uint16_t* __restrict o,
                        float* __restrict gf, float* __restrict uf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gf[i] = bf16_to_float(g[i]);

@@ -10,6 +10,7 @@
 // row first, a dozen ops each).
 #include "cpu_ops.h"
 #include "exp_float.h"
+#include "isa_clones.h"
 #include "token_bitmask.h"
 
 #include <ATen/Parallel.h>
@@ -43,7 +44,7 @@ constexpr int64_t kBlock = 64;  // columns per block of the weights' maxima and 
 
 // The largest of row[0 .. n) and whether the row holds a NaN. Explicit 16-lane vectors: the loop form stays
 // scalar.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+SJ_ISA_CLONES
 float row_max(const float* __restrict row, int64_t n, bool* nan_out) {
   typedef float v16f __attribute__((vector_size(64)));
   typedef int32_t v16i __attribute__((vector_size(64)));
@@ -74,7 +75,7 @@ float row_max(const float* __restrict row, int64_t n, bool* nan_out) {
 // w[c] = exp(row[c] / t - top), 0 below the floor (and more than 87 under the maximum: under 2e-38 of the
 // largest weight); per block of 64 columns its largest weight and the sum of its weights (16 lanes, then the
 // lanes in order). The weights' loop has no sum in it, so it vectorises; the blocks' sums go by explicit vectors.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+SJ_ISA_CLONES
 void row_weights(const float* __restrict row, int64_t n, float t, float top, float floor_w, float* __restrict w,
                  float* __restrict block_max, double* __restrict block_sum) {
   for (int64_t c = 0; c < n; ++c) {
