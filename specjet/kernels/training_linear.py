@@ -24,16 +24,28 @@ same shape swing between one and three times that (bench/RESULTS.md, session 68)
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from specjet.kernels import bf16_gemm
 
-# id -> (weak reference, version, dtype, [in, out] cast, [out, in] cast) of frozen weights.
-_FROZEN: dict[int, tuple[weakref.ref, int, torch.dtype, torch.Tensor, torch.Tensor]] = {}
-# id -> (weak reference, version, (x -> x @ weight_t, g -> g @ weight_t.T)) of frozen bf16 weights on AMX.
-_PACKED: dict[int, tuple[weakref.ref, int, tuple[Callable, Callable]]] = {}
+
+@dataclass
+class _Frozen:
+    """What a frozen weight's products need, made once a weight version and dtype: its casts and, made when first
+    asked for, the products themselves (``frozen_products``)."""
+
+    ref: weakref.ref
+    version: int
+    dtype: torch.dtype
+    in_out: torch.Tensor  # [in, out] cast
+    out_in: torch.Tensor  # its contiguous [out, in] transpose
+    products: tuple[Callable, Callable] | None = None
+
+
+_FROZEN: dict[int, _Frozen] = {}  # id of the weight -> its entry
 
 
 def autocast_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -41,37 +53,40 @@ def autocast_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor 
     return _AutocastLinear.apply(x, weight_t, bias, torch.get_autocast_dtype("cpu"))
 
 
+def _frozen(weight_t: torch.Tensor, dtype: torch.dtype) -> _Frozen:
+    """The entry of a weight without a gradient, kept until the weight changes in place (a new version) or dies."""
+    key = id(weight_t)
+    hit = _FROZEN.get(key)
+    if hit is not None and hit.ref() is weight_t and hit.version == weight_t._version and hit.dtype == dtype:
+        return hit
+    in_out = weight_t.detach().to(dtype).contiguous()
+    entry = _Frozen(weakref.ref(weight_t, lambda _ref, key=key: _FROZEN.pop(key, None)), weight_t._version, dtype,
+                    in_out, in_out.t().contiguous())
+    _FROZEN[key] = entry
+    return entry
+
+
 def frozen_casts(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(``weight_t`` in ``dtype``, its contiguous [out, in] transpose) of a weight without a gradient,
     made once and kept until the weight changes in place (a new version) or dies."""
-    key = id(weight_t)
-    hit = _FROZEN.get(key)
-    if hit is not None and hit[0]() is weight_t and hit[1] == weight_t._version and hit[2] == dtype:
-        return hit[3], hit[4]
-    in_out = weight_t.detach().to(dtype).contiguous()
-    out_in = in_out.t().contiguous()
-    _FROZEN[key] = (weakref.ref(weight_t, lambda _ref, key=key: _FROZEN.pop(key, None)), weight_t._version,
-                    dtype, in_out, out_in)
-    return in_out, out_in
+    entry = _frozen(weight_t, dtype)
+    return entry.in_out, entry.out_in
 
 
 def frozen_products(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[Callable, Callable]:
     """(x -> x @ weight_t, g -> g @ weight_t.T) in ``dtype`` for a frozen [in, out] weight, each taking a 2-D
-    input of that dtype: specjet's AMX bf16 GEMM on packed operands made once a weight version (bf16 on a CPU
-    with tiles, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float rounding
+    input of that dtype: specjet's AMX bf16 GEMM on operands packed once a weight version (bf16 on a CPU with
+    tiles, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float rounding
     (another order of the same sums), not by the result's dtype."""
-    in_out, out_in = frozen_casts(weight_t, dtype)
-    if not (dtype == torch.bfloat16 and bf16_gemm.default_isa() == "amx" and bf16_gemm.applies(in_out, "amx")
-            and bf16_gemm.applies(out_in, "amx")):
-        return in_out.__rmatmul__, out_in.__rmatmul__
-    key = id(weight_t)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is weight_t and hit[1] == weight_t._version:
-        return hit[2]
-    forward, backward = bf16_gemm.Bf16Linear.build(in_out, isa="amx"), bf16_gemm.Bf16Linear.build(out_in, isa="amx")
-    _PACKED[key] = (weakref.ref(weight_t, lambda _ref, key=key: _PACKED.pop(key, None)), weight_t._version,
-                    (forward, backward))
-    return forward, backward
+    entry = _frozen(weight_t, dtype)
+    if entry.products is None:
+        if (dtype == torch.bfloat16 and bf16_gemm.default_isa() == "amx" and bf16_gemm.applies(entry.in_out, "amx")
+                and bf16_gemm.applies(entry.out_in, "amx")):
+            entry.products = (bf16_gemm.Bf16Linear.build(entry.in_out, isa="amx"),
+                              bf16_gemm.Bf16Linear.build(entry.out_in, isa="amx"))
+        else:
+            entry.products = (entry.in_out.__rmatmul__, entry.out_in.__rmatmul__)
+    return entry.products
 
 
 class _AutocastLinear(torch.autograd.Function):

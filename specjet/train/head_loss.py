@@ -29,7 +29,8 @@ from specjet.kernels.training_linear import frozen_products
 
 # Rows per chunk: enough rows for the head's product to run near oneDNN's full rate (a 64-row product runs well
 # below it), few enough that a chunk's float logits (128 x 8,192 x 4 bytes = 4 MB) stay in the caches; 256 rows
-# measured slower again (bench/RESULTS.md, session 65). The DFlash trainer pads its scored rows to a multiple of
+# measured slower again (bench/RESULTS.md, session 65); on specjet's AMX GEMM 128, 256 and 384 rows run alike
+# (session 68). The DFlash trainer pads its scored rows to a multiple of
 # 128 (models/dflash.py), so every chunk has one shape and oneDNN builds one kernel.
 CHUNK_ROWS = 128
 
