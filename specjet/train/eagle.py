@@ -25,6 +25,7 @@ import time
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+GENERATE_PAGE_SIZE = 16  # the generation engine's KV page (see get_engine in collect_samples)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,9 +287,13 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
 
             # At a batch of 64 the float weights and the C++ (batch-invariant) attention compute a
             # decode step faster than the quantized kernels and SDPA (bench.step; bench/RESULTS.md),
-            # but a quantized target's replies must come from that target.
+            # but a quantized target's replies must come from that target. KV pages of 16 slots: with
+            # one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
+            # each cached token's key and value from a line of its own (a step ~1.15x slower at 300 cached
+            # tokens; the replies are the same either way, bench/RESULTS.md session 69).
             engine = Engine(model_path=args.model_path, quantization=quantization,
                             dtype=args.generate_dtype if quantization is None else "auto",
+                            page_size=GENERATE_PAGE_SIZE,
                             max_running_requests=args.max_running_requests,
                             max_total_tokens=args.max_running_requests * (args.max_len + args.max_new_tokens),
                             random_seed=args.seed)
