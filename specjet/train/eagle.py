@@ -289,8 +289,8 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
             # decode step faster than the quantized kernels and SDPA (bench.step; bench/RESULTS.md),
             # but a quantized target's replies must come from that target. KV pages of 16 slots: with
             # one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
-            # each cached token's key and value from a line of its own (a step ~1.15x slower at 300 cached
-            # tokens; the replies are the same either way, bench/RESULTS.md session 69).
+            # each cached token's key and value from a line of its own, where 16 positions side by side
+            # stream; the replies are the same either way (bench/RESULTS.md, session 69).
             engine = Engine(model_path=args.model_path, quantization=quantization,
                             dtype=args.generate_dtype if quantization is None else "auto",
                             page_size=GENERATE_PAGE_SIZE,
