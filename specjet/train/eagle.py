@@ -291,11 +291,13 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
             # one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
             # each cached token's key and value from a line of its own, where 16 positions side by side
             # stream; the replies are the same either way (bench/RESULTS.md, session 69).
+            # Room for every running request's longest sequence in whole pages, so none waits or is retracted.
+            request_slots = -(-(args.max_len + args.max_new_tokens) // GENERATE_PAGE_SIZE) * GENERATE_PAGE_SIZE
             engine = Engine(model_path=args.model_path, quantization=quantization,
                             dtype=args.generate_dtype if quantization is None else "auto",
                             page_size=GENERATE_PAGE_SIZE,
                             max_running_requests=args.max_running_requests,
-                            max_total_tokens=args.max_running_requests * (args.max_len + args.max_new_tokens),
+                            max_total_tokens=args.max_running_requests * request_slots,
                             random_seed=args.seed)
         return engine
 
