@@ -10,9 +10,15 @@
 // lanes' rounding stays far below the rounding to the model's dtype at the end (bf16), or near the
 // float32 model's own (the torch path, specjet/kernels/attention.py, sums in float64; the tests hold
 // the two close). Float64 lanes did twice the work, and attention is a third of a decode step.
+//
+// The `amx` build (CPUs with AMX-BF16; kernels/cpu_ops.py takes it only when asked for) scores a bf16 pool's keys on
+// tiles (attention_body.h score_chunk_amx): q split into bf16 hi + lo, each score one key's and one row's sum, so the
+// invariance holds as above; its bits differ from the other builds' for bf16 pools (float32 pools take the same
+// lanes as the avx512 build).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cpuid.h>
 
 #include <cmath>
 #include <cstdint>
@@ -24,6 +30,7 @@
 
 #include "cost_shares.h"
 #include "cpu_ops.h"
+#include "bf16_bits.h"
 #include "exp_float.h"
 #include "prefetch.h"
 
@@ -62,6 +69,18 @@ namespace isa_avx2 {
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,amx-tile,amx-bf16")
+namespace isa_amx {
+#define SJ_VEC_BYTES 64
+#define SJ_AMX_SCORES 1
+#include "amx_tile_config.h"
+#include "attention_body.h"
+#undef SJ_AMX_SCORES
+#undef SJ_VEC_BYTES
+}  // namespace isa_amx
+#pragma GCC pop_options
+
 namespace isa_base {
 #define SJ_VEC_BYTES 16
 #include "attention_body.h"
@@ -70,7 +89,7 @@ namespace isa_base {
 
 namespace {
 
-enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 bool isa_supported(int64_t isa) {
   switch (isa) {
@@ -79,13 +98,23 @@ bool isa_supported(int64_t isa) {
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
+    case kAmx: {  // AMX-BF16 (CPUID leaf 7: EDX bit 22), AVX512-BF16 and the tile state this process may use; asked once (a
+                  // CPUID in a virtual machine traps to the host: microseconds on every call)
+      static const bool amx = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0, a1 = 0, b1 = 0, c1 = 0, d1 = 0;  // AVX512-BF16: leaf 7.1 EAX bit 5
+        return isa_supported(kAvx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) &&
+               __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1) && specjet_cpu::amx_permitted();
+      }();
+      return amx;
+    }
     default: return false;
   }
 }
 
 template <class T, class C>
 void dispatch(int64_t isa, const Batch& bt, const T* q, const C* k, const C* v, T* out, int64_t batch) {
-  if (isa == kAvx512) isa_avx512::attend_all(bt, q, k, v, out, batch);
+  if (isa == kAmx) isa_amx::attend_all(bt, q, k, v, out, batch);
+  else if (isa == kAvx512) isa_avx512::attend_all(bt, q, k, v, out, batch);
   else if (isa == kAvx2) isa_avx2::attend_all(bt, q, k, v, out, batch);
   else isa_base::attend_all(bt, q, k, v, out, batch);
 }

@@ -451,7 +451,172 @@ struct Workspace {
   int64_t kept_kvh = -1, kept_lo = -1, kept_blocks = 0, kept_values = 0;
   bool kept_transposed = false;
   std::vector<float> keys;
+  // The AMX scores' buffers (score_chunk_amx): q's bf16 pairs, gathered blocks of keys, a block of scores.
+  std::vector<uint32_t> q_pairs;
+  std::vector<uint16_t> key_rows;
+  std::vector<float> tile_scores;
 };
+
+#ifdef SJ_AMX_SCORES
+// Scores from AMX tiles (the `amx` build, bf16 pools only; float32 pools take the lanes below): a block of 16 keys is a tile's 16 rows (A: 32 dimensions a step, read
+// from the pool where the 16 slots follow each other, else from a gathered copy), the rows' q a tile's columns (B:
+// each q split into bf16 hi + lo, q - hi rounded again, so the pair carries q to ~16 bits). Every score
+// accumulates, in this order, step 0's hi and lo products, step 1's, ..: the sum of one key and one q row, whatever
+// else shares the tiles, so how rows and keys are grouped changes no bit.
+constexpr int64_t kAmxKeys = 16, kAmxDepth = 32, kAmxBlocks = 3;
+
+inline void configure_score_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  load_tile_config(cfg);
+}
+
+// q_pairs for group g (rows 16 g ..), step s, part (0 hi, 1 lo): a B tile, row kp = dimensions 2 kp and 2 kp + 1 of
+// step s, column n = row 16 g + n (zero past the rows and past D).
+inline void pack_q_pairs(const float* qd, int64_t Dp, int64_t D, int64_t rows, int64_t steps, uint32_t* out) {
+  const int64_t groups = (rows + 15) / 16;
+  std::memset(out, 0, groups * steps * 2 * 256 * sizeof(uint32_t));
+  alignas(64) uint32_t hi_pairs[16], lo_pairs[16];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = r / 16, n = r % 16;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t d0 = s * kAmxDepth, left = std::min<int64_t>(kAmxDepth, D - d0);
+      const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      const __m512 x0 = _mm512_maskz_loadu_ps(m0, qd + r * Dp + d0), x1 = _mm512_maskz_loadu_ps(m1, qd + r * Dp + d0 + 16);
+      const __m512bh hi = _mm512_cvtne2ps_pbh(x1, x0);  // bf16 of x0 in the low half, x1 in the high
+      const __m512i hb = (__m512i)hi;
+      const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hb)), 16));
+      const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hb, 1)), 16));
+      const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+      _mm512_store_si512(hi_pairs, hb);
+      _mm512_store_si512(lo_pairs, (__m512i)lo);
+      uint32_t* tile_hi = out + ((g * steps + s) * 2) * 256;
+      for (int64_t kp = 0; kp < 16; ++kp) tile_hi[kp * 16 + n] = hi_pairs[kp], tile_hi[256 + kp * 16 + n] = lo_pairs[kp];
+    }
+  }
+}
+
+// The 16 x 16 floats at `in` (rows 16 apart) transposed: out_rows[j][i] = in[i * 16 + j], rows j < R stored.
+inline void store_transposed(const float* in, float* out, int64_t ld_out, int64_t R) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * 16);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+  for (int j = 0; j < R; ++j) _mm512_storeu_ps(out + j * ld_out, r[j]);
+}
+
+// Step s of block B (tiles: sums B, keys A = 3 + B): its keys loaded, then its product with the group's hi pairs (6);
+// SJ_SCORE_LO adds the lo pairs (7). The blocks' products interleave, so no product waits on the one before it.
+#define SJ_SCORE_HI(B, A)                              \
+  do {                                                 \
+    _tile_loadd(A, a[B] + s * kAmxDepth, a_stride[B]); \
+    _tile_dpbf16ps(B, A, 6);                           \
+  } while (0)
+#define SJ_SCORE_LO(B, A) _tile_dpbf16ps(B, A, 7)
+
+// scores[r * ld_scores + p - c_lo] = q_r . k_p for every row r < rows and key c_lo <= p < c_end (qd: the rows'
+// scaled q, Dp floats apart). Three blocks of keys go at once: a tile product waits for the one before it into
+// the same sums, so one block's chain alone would leave the tile unit idle most of the time.
+inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_t rows, const at::BFloat16* k_cache,
+                            const int64_t* slots, int64_t kvh, int64_t c_lo, int64_t c_end, float* scores,
+                            int64_t ld_scores, Workspace& ws) {
+  const int64_t D = bt.head_dim, steps = (D + kAmxDepth - 1) / kAmxDepth, Dk = steps * kAmxDepth;
+  const int64_t groups = (rows + 15) / 16;
+  ws.q_pairs.resize(groups * steps * 2 * 256);
+  ws.key_rows.resize(kAmxBlocks * kAmxKeys * Dk);
+  ws.tile_scores.resize(kAmxKeys * 16);
+  uint32_t* q_pairs = ws.q_pairs.data();
+  float* tile = ws.tile_scores.data();
+  pack_q_pairs(qd, Dp, D, rows, steps, q_pairs);
+  configure_score_tiles();
+  const auto* pool = reinterpret_cast<const uint16_t*>(k_cache);
+  auto key_row = [&](int64_t p) { return pool + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const uint16_t* a[kAmxBlocks];
+  int64_t a_stride[kAmxBlocks];
+  for (int64_t p0 = c_lo; p0 < c_end; p0 += kAmxBlocks * kAmxKeys) {
+    const int64_t blocks = std::min(kAmxBlocks, (c_end - p0 + kAmxKeys - 1) / kAmxKeys);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t q0 = p0 + b * kAmxKeys, n = std::min(kAmxKeys, c_end - q0);
+      bool in_place = n == kAmxKeys && D == Dk;
+      for (int64_t j = 1; in_place && j < n; ++j) in_place = slots[q0 + j] == slots[q0] + j;
+      if (in_place) {
+        a[b] = key_row(q0), a_stride[b] = bt.slot_stride * 2;
+        continue;
+      }
+      uint16_t* rows_b = ws.key_rows.data() + b * kAmxKeys * Dk;
+      for (int64_t j = 0; j < kAmxKeys; ++j) {
+        uint16_t* dst = rows_b + j * Dk;
+        if (j < n) {
+          std::memcpy(dst, key_row(q0 + j), D * sizeof(uint16_t));
+          std::fill(dst + D, dst + Dk, uint16_t{0});
+        } else {
+          std::fill(dst, dst + Dk, uint16_t{0});
+        }
+      }
+      a[b] = rows_b, a_stride[b] = Dk * 2;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      _tile_zero(0);
+      if (blocks > 1) _tile_zero(1);
+      if (blocks > 2) _tile_zero(2);
+      for (int64_t s = 0; s < steps; ++s) {
+        const uint32_t* qp = q_pairs + ((g * steps + s) * 2) * 256;
+        _tile_loadd(6, qp, 64);
+        _tile_loadd(7, qp + 256, 64);
+        if (blocks == 3) {
+          SJ_SCORE_HI(0, 3); SJ_SCORE_HI(1, 4); SJ_SCORE_HI(2, 5);
+          SJ_SCORE_LO(0, 3); SJ_SCORE_LO(1, 4); SJ_SCORE_LO(2, 5);
+        } else if (blocks == 2) {
+          SJ_SCORE_HI(0, 3); SJ_SCORE_HI(1, 4);
+          SJ_SCORE_LO(0, 3); SJ_SCORE_LO(1, 4);
+        } else {
+          SJ_SCORE_HI(0, 3);
+          SJ_SCORE_LO(0, 3);
+        }
+      }
+      const int64_t r0 = 16 * g, r1 = std::min(rows, r0 + 16);
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (b == 0) _tile_stored(0, tile, 64);
+        else if (b == 1) _tile_stored(1, tile, 64);
+        else _tile_stored(2, tile, 64);
+        // tile[key * 16 + n]: key p0 + 16 b + key, row r0 + n; a row's 16 scores are a column of it.
+        float* dst = scores + (p0 - c_lo) + b * kAmxKeys;
+        if (r1 - r0 >= 4) {
+          store_transposed(tile, dst + r0 * ld_scores, ld_scores, r1 - r0);
+        } else {
+          for (int64_t r = r0; r < r1; ++r)
+            _mm512_storeu_ps(dst + r * ld_scores, _mm512_i32gather_ps(column, tile + (r - r0), 4));
+        }
+      }
+    }
+  }
+}
+#undef SJ_SCORE_HI
+#undef SJ_SCORE_LO
+#endif
 
 // Keys are taken in chunks of kKeyChunk positions (0 .. kKeyChunk - 1, then the next ..), the same chunks for
 // every row whatever the batch, so a long context's chunks can go to different threads without changing a
@@ -526,6 +691,12 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     ws.kept_slots = slots, ws.kept_kvh = kvh, ws.kept_lo = c_lo;
     ws.kept_blocks = ws.kept_values = 0;
   }
+#ifdef SJ_AMX_SCORES
+  if constexpr (std::is_same<C, at::BFloat16>::value) {
+    score_chunk_amx(bt, qd, Dp, rows, k_cache, slots, kvh, c_lo, c_end, scores, ld_scores, ws);
+  } else
+#endif
+  {
   const int64_t whole_blocks = SJ_VEC_BYTES >= 32 ? (c_end - c_lo) / kKeyBlock : 0;  // the base build goes key by key
 #if SJ_VEC_BYTES == 64
   const bool transposed = rows >= kTransposedRows;
@@ -593,6 +764,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
       case 1: score_key<1>(qd + r * Dp, Dp, kd, sp + r * ld_scores, ld_scores); break;
       default: break;
     }
+  }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = scores + r * ld_scores;  // position p at s[p - c_lo]

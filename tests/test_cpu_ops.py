@@ -38,6 +38,16 @@ def scattered_table(kv_lens: list[int], gen) -> torch.Tensor:
     return table
 
 
+def supported_isas(pool_dtype=torch.bfloat16) -> list[str]:
+    """The builds this CPU runs that give the lanes' bits for a pool of pool_dtype: every one for a float32 pool; for
+    a bf16 pool all but ``amx``, which scores it on AMX tiles (its own bits: test_amx_scores_*)."""
+    return [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)
+            and (name != "amx" or pool_dtype == torch.float32)]
+
+
+AMX = cpu_ops.extension() is not None and cpu_ops.extension().isa_supported(cpu_ops.ISAS["amx"])
+
+
 def native(q, k, v, meta, isa=None):
     if isa is None:
         return cpu_ops.native_attention(q, k, v, meta, 0.25)
@@ -237,7 +247,7 @@ def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
                                                   (torch.float32, torch.bfloat16, 64),
                                                   (torch.float32, torch.bfloat16, 80)])
 def test_every_instruction_set_build_gives_the_same_bits(dtype, pool_dtype, dim):
-    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    isas = supported_isas(pool_dtype)
     assert "base" in isas
     kv_lens, q_lens = [130, 33], [1, 20]
     k, v, gen = pool(sum(kv_lens) + 1, pool_dtype, seed=2, dim=dim)
@@ -258,7 +268,7 @@ def test_tiles_scored_from_transposed_keys_give_every_build_the_same_bits(tree, 
     of whole blocks (2, 6 and 3: the last of an odd number is scored alone), and a tree mask hides some new
     tokens; every build gives the bits of the base one, which scores key by key. One thread: with more, a
     few units are split by query head and the tiles would be too small for the transposed path."""
-    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    isas = supported_isas()
     kv_lens, q_lens = [40, 100, 57], [3, 5, 7]
     k, v, gen = pool(sum(kv_lens) + 1, torch.bfloat16, seed=11, dim=dim)
     q = torch.randn(sum(q_lens), HEADS, dim, generator=gen)
@@ -288,9 +298,9 @@ def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_
     (or transposed) instead of reading them again: 5 new tokens of a 3-head group split by query head on 2
     threads (5 rows scored key-block by key-block, then 10 from transposed blocks), 9 and 17 tokens in tiles of
     8 (24 transposed rows, then 3 rows key-block by key-block; causal tiles see more keys than the one before),
-    80 dims (keys padded to 96). Every build and thread count gives the base build's bits on one thread, and the
-    torch path's values."""
-    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    80 dims (keys padded to 96). Every build and thread count gives the base build's bits on one thread (the amx
+    build its own bits on one thread), and the torch path's values."""
+    isas = supported_isas(torch.float32)
     heads, kv_heads = 9, 3
     kv_lens, q_lens = [61, 140, 300], [5, 9, 17]
     gen = torch.Generator().manual_seed(dim + tree)
@@ -311,9 +321,12 @@ def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_
                     outs[isa, n] = native(q, k, v, meta, isa)
             first = outs["base", 1]
             for key, out in outs.items():
-                assert torch.equal(out, first), (b, key)
+                assert torch.equal(out, outs["amx", 1] if key[0] == "amx" else first), (b, key)
             torch.set_num_threads(threads)
-            torch.testing.assert_close(first, A._attention_float64(q, k, v, meta, 0.25).float(), rtol=1e-5, atol=1e-5)
+            for isa, tol in {"base": 1e-5, "amx": 3e-5}.items():  # amx: q to ~16 bits, the tiles' own sums
+                if isa in isas:
+                    torch.testing.assert_close(outs[isa, 1], A._attention_float64(q, k, v, meta, 0.25).float(),
+                                               rtol=tol, atol=tol)
     finally:
         torch.set_num_threads(threads)
 
@@ -324,7 +337,7 @@ def test_nothing_is_kept_from_one_call_to_the_next(q_len):
     layer's pool. Two pools read through the same table one after the other (one KV head, so a thread's first tile
     of the second call has the tag of its last of the first) give each its own result, on every build and 1-2
     threads."""
-    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    isas = supported_isas(torch.float32)
     ext = cpu_ops.extension()
     kv_len, dim = 90, 64
     gen = torch.Generator().manual_seed(q_len)
@@ -356,8 +369,8 @@ def test_nothing_is_kept_from_one_call_to_the_next(q_len):
 def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(group):
     """Tiles of as few rows as a build's value blocks hold (decode rows of a small GQA group: 1 in the base
     build, 2 in the AVX2 one, up to 4 in the AVX-512 one) widen a bf16 pool's values in registers: the
-    bits of a float32 pool holding the same values, in every build."""
-    isas = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    bits of a float32 pool holding the same values, in every build (but amx, whose bf16 pools are scored on tiles)."""
+    isas = supported_isas()
     kv_heads, dim, kv_lens, q_lens = 2, 64, [90, 37], [1, 1]
     gen = torch.Generator().manual_seed(5)
     k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
@@ -367,6 +380,70 @@ def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(gro
                                     torch.tensor(q_lens))
     for isa in isas:
         assert torch.equal(native(q, k, v, meta, isa), native(q, k.float(), v.float(), meta, isa)), isa
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16 tiles (or this process may not use them)")
+@pytest.mark.parametrize("dim", [64, 80])
+def test_amx_scores_keep_every_invariance_and_the_lanes_values(dim):
+    """The amx build scores a bf16 pool's keys on tiles, 16 keys a tile (read in place where their slots follow each
+    other, else gathered; 80 dims padded to 96), q split into bf16 hi + lo. Each score is one key's and one row's
+    sum, so: a 16-node tree's rows (two tiles of 8 tokens x 3 heads, a context of 300 and one past a key chunk) give
+    the bits of each token alone with its keys contiguous; the same keys in scattered slots give the same bits;
+    requests batched give their bits alone, on 1-3 threads; the values stay within 2e-5 of the lanes' build and of
+    the torch path; and a float32 pool takes the avx512 build's lanes, bit for bit."""
+    heads, kv_heads, nodes = 9, 3, 16
+    gen = torch.Generator().manual_seed(dim)
+    amx = cpu_ops.ISAS["amx"]
+    ext = cpu_ops.extension()
+
+    def attend(q, k, v, table, kv_lens, q_lens, mask=None, isa=amx):
+        meta = build_attention_metadata(table, torch.arange(len(kv_lens)), torch.tensor(kv_lens), torch.tensor(q_lens),
+                                        mask)
+        cm = None if meta.custom_mask is None else meta.custom_mask.contiguous()
+        out = ext.paged_attention(q, k, v, meta.kv_indices.contiguous(), meta.kv_lens, meta.q_lens, meta.q_starts, cm,
+                                  0.125, isa)
+        return out, meta
+
+    threads = torch.get_num_threads()
+    try:
+        for prefix in (300, 600):
+            n = prefix + nodes
+            k = torch.randn(2 * n + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+            v = torch.randn(2 * n + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+            q = torch.randn(nodes, heads, dim, generator=gen)
+            mask = tree_mask(1, nodes, gen)
+            table = torch.arange(1, n + 1).view(1, n)  # contiguous: whole blocks read in place
+            out, meta = attend(q, k, v, table, [n], [nodes], mask)
+            # the same keys and values in shuffled slots of the pool's second half: every block gathered
+            shuffled = torch.randperm(n, generator=gen) + n + 1
+            k[shuffled], v[shuffled] = k[1:n + 1].clone(), v[1:n + 1].clone()
+            assert torch.equal(attend(q, k, v, shuffled.view(1, n), [n], [nodes], mask)[0], out)
+            for i in range(nodes):
+                seen = list(range(1, prefix + 1)) + [prefix + 1 + j for j in range(nodes) if mask[0, i, j]]
+                alone, _ = attend(q[i:i + 1].contiguous(), k, v, torch.tensor([seen]), [len(seen)], [1])
+                assert torch.equal(alone[0], out[i]), (prefix, i)
+            for t in (1, 3):
+                torch.set_num_threads(t)
+                assert torch.equal(attend(q, k, v, table, [n], [nodes], mask)[0], out), (prefix, t)
+            torch.set_num_threads(threads)
+            lanes, _ = attend(q, k, v, table, [n], [nodes], mask, isa=cpu_ops.ISAS["avx512"])
+            torch.testing.assert_close(out, lanes, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(out, A._attention_float64(q, k, v, meta, 0.125).float(), rtol=2e-5, atol=2e-5)
+            floats = attend(q, k.float(), v.float(), table, [n], [nodes], mask)[0]
+            assert torch.equal(floats, attend(q, k.float(), v.float(), table, [n], [nodes], mask,
+                                              isa=cpu_ops.ISAS["avx512"])[0])
+        # decode rows of two requests (3 rows a KV head, or 1-2 when split by query head) batched and alone
+        kv_lens = [37, 300]
+        k = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(sum(kv_lens) + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        table = scattered_table(kv_lens, gen)
+        q = torch.randn(2, heads, dim, generator=gen)
+        both, _ = attend(q, k, v, table, kv_lens, [1, 1])
+        for b in range(2):
+            alone, _ = attend(q[b:b + 1].contiguous(), k, v, table[b:b + 1, :kv_lens[b]], kv_lens[b:b + 1], [1])
+            assert torch.equal(alone[0], both[b]), b
+    finally:
+        torch.set_num_threads(threads)
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:

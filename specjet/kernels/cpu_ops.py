@@ -8,8 +8,11 @@ query row is computed by one thread from its own q and the keys it may see, read
 KV pool in position order. It replaces the torch path's per-layer gather, float64 copy of every
 visible key and dozen small ops, which dominate a decode step at small batches.
 
-Every instruction set's build gives the same bits (csrc/attention_body.h), so the widest one this CPU
-runs is used; ``SPECJET_ATTENTION_ISA=avx512|avx2|base`` forces one. The layer ops are batch-invariant
+Every instruction set's lanes build gives the same bits (csrc/attention_body.h), so the widest one this CPU
+runs is used; ``SPECJET_ATTENTION_ISA=amx|avx512|avx2|base`` forces one. ``amx`` (CPUs with AMX-BF16; only when
+asked for) is avx512 with a bf16 pool's scores on AMX tiles (q split into bf16 hi + lo, ~16 bits of it): its own
+bits for bf16 pools, as invariant as the others' (each score is one key's and one row's sum); a verify's attention
+at long contexts ~0.85x, a decode step's the same or slower (bench/RESULTS.md session 70), so not the default. The layer ops are batch-invariant
 the same way (one row, one thread, a fixed order). ``SPECJET_CPU_OPS=torch`` turns the extension off
 (the torch ops then run everything). Built at install by setup.py; without it
 the torch path runs and a line in the log says so.
@@ -26,7 +29,7 @@ from specjet.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-ISAS = {"base": 0, "avx2": 1, "avx512": 2}
+ISAS = {"base": 0, "avx2": 1, "avx512": 2, "amx": 3}
 BACKEND_ENV = "SPECJET_CPU_OPS"
 ISA_ENV = "SPECJET_ATTENTION_ISA"
 
@@ -57,7 +60,7 @@ def isa() -> int:
         if forced not in ISAS or ext is None or not ext.isa_supported(ISAS[forced]):
             raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)} that this CPU runs")
         return ISAS[forced]
-    return max(code for code in ISAS.values() if ext is not None and ext.isa_supported(code))
+    return max(code for name, code in ISAS.items() if name != "amx" and ext is not None and ext.isa_supported(code))
 
 
 def native_attention_available(q: torch.Tensor | None = None, k_cache: torch.Tensor | None = None) -> bool:
