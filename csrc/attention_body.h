@@ -462,7 +462,9 @@ struct Workspace {
 // from the pool where the 16 slots follow each other, else from a gathered copy), the rows' q a tile's columns (B:
 // each q split into bf16 hi + lo, q - hi rounded again, so the pair carries q to ~16 bits). Every score
 // accumulates, in this order, step 0's hi and lo products, step 1's, ..: the sum of one key and one q row, whatever
-// else shares the tiles, so how rows and keys are grouped changes no bit.
+// else shares the tiles, so how rows and keys are grouped changes no bit. Tiles 0-2: three blocks' scores (16 keys
+// x 16 rows each); 3-5: their keys; 6, 7: a group of 16 rows' hi and lo pairs. A subnormal bf16 key or q part is
+// taken as zero by the tile products, as in every AMX kernel.
 constexpr int64_t kAmxKeys = 16, kAmxDepth = 32, kAmxBlocks = 3;
 
 inline void configure_score_tiles() {
