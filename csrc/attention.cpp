@@ -30,7 +30,6 @@
 
 #include "cost_shares.h"
 #include "cpu_ops.h"
-#include "bf16_bits.h"
 #include "exp_float.h"
 #include "prefetch.h"
 

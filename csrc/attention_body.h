@@ -451,7 +451,8 @@ struct Workspace {
   int64_t kept_kvh = -1, kept_lo = -1, kept_blocks = 0, kept_values = 0;
   bool kept_transposed = false;
   std::vector<float> keys;
-  // The AMX scores' buffers (score_chunk_amx): q's bf16 pairs, gathered blocks of keys, a block of scores.
+  // The AMX scores' buffers (score_chunk_amx): q's bf16 pairs, gathered blocks of keys, a block of scores and its
+  // transpose.
   std::vector<uint32_t> q_pairs;
   std::vector<uint16_t> key_rows;
   std::vector<float> tile_scores;
@@ -487,45 +488,15 @@ inline void pack_q_pairs(const float* qd, int64_t Dp, int64_t D, int64_t rows, i
       const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
       const __m512 x0 = _mm512_maskz_loadu_ps(m0, qd + r * Dp + d0), x1 = _mm512_maskz_loadu_ps(m1, qd + r * Dp + d0 + 16);
       const __m512bh hi = _mm512_cvtne2ps_pbh(x1, x0);  // bf16 of x0 in the low half, x1 in the high
-      const __m512i hb = (__m512i)hi;
-      const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hb)), 16));
-      const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hb, 1)), 16));
+      _mm512_store_si512(hi_pairs, (__m512i)hi);
+      const auto* hi_values = reinterpret_cast<const c10::BFloat16*>(hi_pairs);
+      const __m512 h0 = (__m512)widen_lanes(hi_values).part[0], h1 = (__m512)widen_lanes(hi_values + 16).part[0];
       const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
-      _mm512_store_si512(hi_pairs, hb);
       _mm512_store_si512(lo_pairs, (__m512i)lo);
       uint32_t* tile_hi = out + ((g * steps + s) * 2) * 256;
       for (int64_t kp = 0; kp < 16; ++kp) tile_hi[kp * 16 + n] = hi_pairs[kp], tile_hi[256 + kp * 16 + n] = lo_pairs[kp];
     }
   }
-}
-
-// The 16 x 16 floats at `in` (rows 16 apart) transposed: out_rows[j][i] = in[i * 16 + j], rows j < R stored.
-inline void store_transposed(const float* in, float* out, int64_t ld_out, int64_t R) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * 16);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-  for (int j = 0; j < R; ++j) _mm512_storeu_ps(out + j * ld_out, r[j]);
 }
 
 // Step s of block B (tiles: sums B, keys A = 3 + B): its keys loaded, then its product with the group's hi pairs (6);
@@ -547,15 +518,13 @@ inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_
   const int64_t groups = (rows + 15) / 16;
   ws.q_pairs.resize(groups * steps * 2 * 256);
   ws.key_rows.resize(kAmxBlocks * kAmxKeys * Dk);
-  ws.tile_scores.resize(kAmxKeys * 16);
+  ws.tile_scores.resize(2 * kAmxKeys * 16);
   uint32_t* q_pairs = ws.q_pairs.data();
-  float* tile = ws.tile_scores.data();
+  float *tile = ws.tile_scores.data(), *by_row = tile + kAmxKeys * 16;
   pack_q_pairs(qd, Dp, D, rows, steps, q_pairs);
   configure_score_tiles();
   const auto* pool = reinterpret_cast<const uint16_t*>(k_cache);
   auto key_row = [&](int64_t p) { return pool + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(16));
   const uint16_t* a[kAmxBlocks];
   int64_t a_stride[kAmxBlocks];
   for (int64_t p0 = c_lo; p0 < c_end; p0 += kAmxBlocks * kAmxKeys) {
@@ -604,14 +573,10 @@ inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_
         if (b == 0) _tile_stored(0, tile, 64);
         else if (b == 1) _tile_stored(1, tile, 64);
         else _tile_stored(2, tile, 64);
-        // tile[key * 16 + n]: key p0 + 16 b + key, row r0 + n; a row's 16 scores are a column of it.
+        // tile[key * 16 + n]: key p0 + 16 b + key, row r0 + n; transposed, a row's 16 scores side by side
+        transpose_keys(tile, 16, by_row);
         float* dst = scores + (p0 - c_lo) + b * kAmxKeys;
-        if (r1 - r0 >= 4) {
-          store_transposed(tile, dst + r0 * ld_scores, ld_scores, r1 - r0);
-        } else {
-          for (int64_t r = r0; r < r1; ++r)
-            _mm512_storeu_ps(dst + r * ld_scores, _mm512_i32gather_ps(column, tile + (r - r0), 4));
-        }
+        for (int64_t r = r0; r < r1; ++r) std::memcpy(dst + r * ld_scores, by_row + (r - r0) * 16, 16 * sizeof(float));
       }
     }
   }

@@ -58,8 +58,9 @@ def test_attention_over_a_bf16_pool_is_the_float_pool_of_its_values(q_lens, tree
     floats = cpu_ops.native_attention(q, k.float(), v.float(), meta, 0.25)
     # the float32 lanes' builds read a bf16 pool as its float values, bit for bit; the amx build scores a bf16 pool on
     # tiles with q to ~16 bits (tests/test_cpu_ops.py test_amx_scores_*), within a few float32 roundings of them
-    tol = 3e-5 if cpu_ops.isa() == cpu_ops.ISAS["amx"] else 1e-5
-    if cpu_ops.isa() == cpu_ops.ISAS["amx"]:
+    amx = cpu_ops.isa() == cpu_ops.ISAS["amx"]
+    tol = 3e-5 if amx else 1e-5
+    if amx:
         torch.testing.assert_close(out, floats, rtol=tol, atol=tol)
     else:
         assert torch.equal(out, floats)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import specjet
+from specjet.kernels import cpu_ops
 
 PROMPTS = [
     "a b c a b c a b c a b",
@@ -47,6 +48,32 @@ def test_greedy_equals_plain(tiny_model_dir, plain, page_size, num_draft_tokens,
     assert [o["output_ids"] for o in single] == expected
     # the speculative path really ran and accepted drafts (not a root-only tree every time)
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["amx"]),
+                    reason="this CPU has no AMX-BF16 tiles (or this process may not use them)")
+def test_greedy_equals_plain_with_the_attentions_amx_scores(tiny_model_dir, monkeypatch):
+    """SPECJET_ATTENTION_ISA=amx (a bf16 pool's scores on AMX tiles, bits of its own): NGRAM trees verified with it give
+    the ids plain decoding gives with it, batched and alone, and leak no KV."""
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "amx")
+    cpu_ops.isa.cache_clear()
+    try:
+        assert cpu_ops.isa() == cpu_ops.ISAS["amx"]
+        with specjet.Engine(model_path=str(tiny_model_dir), dtype="bfloat16", max_total_tokens=4096,
+                            disable_guided_drafting=True) as eng:
+            expected = [o["output_ids"] for o in eng.generate(PROMPTS, greedy(48))]
+            eng.check_kv_invariant()
+        with ngram_engine(tiny_model_dir, dtype="bfloat16") as eng:
+            outs = eng.generate(PROMPTS, greedy(48))
+            single = [eng.generate(p, greedy(48)) for p in PROMPTS]
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+    finally:
+        monkeypatch.delenv(cpu_ops.ISA_ENV)
+        cpu_ops.isa.cache_clear()
+    assert [o["output_ids"] for o in outs] == expected
+    assert [o["output_ids"] for o in single] == expected
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
