@@ -647,3 +647,26 @@ def test_the_models_native_path_matches_its_torch_path(tiny_model_dir):
             seen.append(runner.forward(batch).logits[-1])
         logits.append(torch.stack(seen))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_forced_attention_instruction_set_is_checked(monkeypatch):
+    """SPECJET_ATTENTION_ISA names a build: an unknown name, or one this CPU cannot run (amx without AMX-BF16), is a
+    clear error; amx runs only when asked for, never as the default."""
+    try:
+        monkeypatch.setenv(cpu_ops.ISA_ENV, "avx1024")
+        cpu_ops.isa.cache_clear()
+        with pytest.raises(ValueError, match="SPECJET_ATTENTION_ISA='avx1024'"):
+            cpu_ops.isa()
+        monkeypatch.setenv(cpu_ops.ISA_ENV, "amx")
+        cpu_ops.isa.cache_clear()
+        if AMX:
+            assert cpu_ops.isa() == cpu_ops.ISAS["amx"]
+        else:
+            with pytest.raises(ValueError, match="SPECJET_ATTENTION_ISA='amx'"):
+                cpu_ops.isa()
+        monkeypatch.delenv(cpu_ops.ISA_ENV)
+        cpu_ops.isa.cache_clear()
+        assert cpu_ops.isa() == max(cpu_ops.ISAS[name] for name in supported_isas())
+    finally:
+        monkeypatch.delenv(cpu_ops.ISA_ENV, raising=False)
+        cpu_ops.isa.cache_clear()
