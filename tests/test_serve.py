@@ -599,6 +599,13 @@ def test_errors_are_openai_shaped_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "nope" in error_of(e)["message"]
+    for wrong in ({"max_tokens": True}, {"temperature": "0.5"}):  # strict types, as OpenAI's API
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "hi", extra_body=wrong)
+        assert error_of(e)["param"] == next(iter(wrong)), error_of(e)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[True, False], max_tokens=2)  # not token ids 1 and 0
+    assert error_of(e)["param"].startswith("prompt")
     with pytest.raises(openai.BadRequestError) as e:  # a stream refused before its first byte
         chat(client, "hi", stream=True, extra_body={"regex": "(unclosed"})
     assert error_of(e)["param"] == "regex"

@@ -101,15 +101,39 @@ def test_dead_engine_is_503_and_api_key_is_checked():
         assert r.status_code == 404 and "error" in r.json()
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": HI, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, "response_format.type"),
+    # Strict types: pydantic's lax default read each of these as a valid value.
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": "4"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 4.5}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "temperature": True}, "temperature"),
+    ("/v1/chat/completions", {"messages": HI, "temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2.0]}, "stop_token_ids.0"),
 ])
-def test_malformed_bodies_are_400s(body, param):
+def test_malformed_bodies_are_400s(path, body, param):
     with TestClient(create_app(stand_in_engine(True), "m")) as client:
-        r = client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.json()
+
+
+def test_an_integer_field_takes_a_whole_number_written_as_a_float():
+    """JSON Schema's integer: 4.0 is the number 4 (a client that computed it as a float is not refused)."""
+    from specjet.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"messages": HI, "max_tokens": 4.0, "n": 2.0, "seed": 7.0})
+    assert (req.max_tokens, req.n, req.seed) == (4, 2, 7) and all(type(v) is int for v in (req.max_tokens, req.n, req.seed))
+    assert ChatCompletionRequest.model_validate({"messages": HI, "temperature": 1}).temperature == 1.0
+    assert CompletionRequest.model_validate({"prompt": [1, 2], "logprobs": 2.0}).logprobs == 2
 
 
 def test_a_real_engine_in_process_then_shut_down(tiny_model_dir):

@@ -9,17 +9,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+# Request bodies are validated strictly, as OpenAI's API does: a JSON true is not the number 1 (max_tokens,
+# temperature, a token id of a prompt), a string is not a number ("4"), and 1 is not true. Pydantic's lax
+# default converted each of those into a valid-looking value and served a request nobody asked for.
+
+
+def _integral(value: Any) -> Any:
+    """A number without a fractional part as an int (JSON Schema's integer: 4.0 is 4); anything else as it
+    came, for the strict check to accept or refuse."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 # ---------------------------------------------------------------- shared request parts
@@ -34,7 +47,7 @@ class JsonSchemaFormat(_Request):
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
 
 class ResponseFormat(_Request):
@@ -69,8 +82,8 @@ class _SamplingFields(_Request):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    n: Optional[int] = None
+    seed: Optional[Int] = None
+    n: Optional[Int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: Optional[float] = None
@@ -78,7 +91,7 @@ class _SamplingFields(_Request):
     logit_bias: Optional[dict[str, float]] = None  # token id (a decimal string) -> bias in [-100, 100]
     user: Optional[str] = None
     # SGLang's extras
-    top_k: Optional[int] = None
+    top_k: Optional[Int] = None
     repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     ignore_eos: Optional[bool] = None
@@ -114,8 +127,8 @@ class ChatMessage(_Open):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int] = None
+    max_completion_tokens: Optional[Int] = None
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
@@ -123,7 +136,7 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int] = None
     prediction: Optional[Prediction] = None
 
 
@@ -203,11 +216,11 @@ class ChatCompletionChunk(BaseModel):
 # ---------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[Int] = 16
     echo: Optional[bool] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
-    logprobs: Optional[int] = None  # the legacy layout: this many alternatives a token (0-5)
+    best_of: Optional[Int] = None
+    logprobs: Optional[Int] = None  # the legacy layout: this many alternatives a token (0-5)
 
 
 class CompletionChoice(BaseModel):
