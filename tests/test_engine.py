@@ -188,6 +188,18 @@ def test_invalid_schema_fails_alone(engine):
     assert outs[2]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
 
 
+def test_a_grammar_that_allows_no_token_fails_alone_and_says_so(engine):
+    """A regex that compiles but matches no text masks every logit at its first step: that request ends with an
+    abort that says why, its batch mates get what they get alone, and nothing leaks."""
+    alone = engine.generate(PROMPTS[1], GREEDY)
+    outs = engine.generate([PROMPTS[0], PROMPTS[1]], [dict(GREEDY, regex="[^\\x00-\\U0010FFFF]"), GREEDY])
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "the grammar allows no token" in reason["message"], reason
+    assert outs[0]["text"] == ""
+    assert outs[1]["output_ids"] == alone["output_ids"]
+    engine.check_kv_invariant()
+
+
 def test_regex_constrains_a_random_model(engine):
     import re
 

@@ -37,6 +37,16 @@ class RequestGrammar:
         """
         return self._matcher.fill_next_token_bitmask(bitmask, index)
 
+    def allows_a_token(self) -> bool:
+        """Whether any token may come next: False where the grammar matches no text from here (a regex such as
+        ``[^\x00-\U0010FFFF]`` compiles, then masks every logit). Allocates a bitmask: for an error path only."""
+        vocab_size = self.compiled.tokenizer_info.vocab_size
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        if not self.fill_next_token_bitmask(bitmask):
+            return True
+        ids = torch.arange(vocab_size)
+        return bool(((bitmask[0, ids // 32] >> (ids % 32)) & 1).any())
+
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it, or has ended (xgrammar
         would log a warning for every token offered after the stop token: drafts run past it routinely)."""

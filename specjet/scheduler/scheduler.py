@@ -691,6 +691,9 @@ class Scheduler:
         sp = req.sampling
         if req.grammar is not None:
             if not req.grammar.accept_token(token):
+                if not req.grammar.is_terminated() and not req.grammar.allows_a_token():
+                    return {"type": "abort", "message": "the grammar allows no token after the text so far "
+                                                        "(it matches no text from here)"}
                 return {"type": "abort", "message": f"grammar rejected token {token}"}
             if req.grammar.is_terminated():
                 update_text(req, self.tokenizer)
