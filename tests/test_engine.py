@@ -195,7 +195,7 @@ def test_a_grammar_that_allows_no_token_fails_alone_and_says_so(engine):
     outs = engine.generate([PROMPTS[0], PROMPTS[1]], [dict(GREEDY, regex="[^\\x00-\\U0010FFFF]"), GREEDY])
     reason = outs[0]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "the grammar allows no token" in reason["message"], reason
-    assert outs[0]["text"] == ""
+    assert outs[0]["text"] == "" and outs[0]["output_ids"] == [] and outs[0]["meta_info"]["completion_tokens"] == 0
     assert outs[1]["output_ids"] == alone["output_ids"]
     engine.check_kv_invariant()
 

@@ -606,6 +606,9 @@ def test_errors_are_openai_shaped_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[True, False], max_tokens=2)  # not token ids 1 and 0
     assert error_of(e)["param"].startswith("prompt")
+    with pytest.raises(openai.BadRequestError) as e:  # compiles, then allows no token: refused, not a 200
+        chat(client, "hi", extra_body={"regex": "[^\\x00-\\U0010FFFF]"})
+    assert error_of(e)["param"] == "regex" and "allows no token" in error_of(e)["message"], error_of(e)
     with pytest.raises(openai.BadRequestError) as e:  # a stream refused before its first byte
         chat(client, "hi", stream=True, extra_body={"regex": "(unclosed"})
     assert error_of(e)["param"] == "regex"

@@ -691,6 +691,11 @@ class Scheduler:
         sp = req.sampling
         if req.grammar is not None:
             if not req.grammar.accept_token(token):
+                # A token the grammar refused is no part of the output (under the mask only an empty mask lets
+                # one be sampled), so a request refused at its first token has written nothing.
+                del req.output_ids[-1]
+                if len(req.output_logprobs) > len(req.output_ids):
+                    del req.output_logprobs[-1], req.output_top_logprobs[-1]
                 if not req.grammar.is_terminated() and not req.grammar.allows_a_token():
                     return {"type": "abort", "message": "the grammar allows no token after the text so far "
                                                         "(it matches no text from here)"}
