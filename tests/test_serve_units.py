@@ -117,6 +117,8 @@ HI = [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", {"messages": HI, "logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": None}]}, "messages.1"),
     ("/v1/completions", {"prompt": [True, False]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2.0]}, "stop_token_ids.0"),
 ])

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # Request bodies are validated strictly, as OpenAI's API does: a JSON true is not the number 1 (max_tokens,
 # temperature, a token id of a prompt), a string is not a number ("4"), and 1 is not true. Pydantic's lax
@@ -123,6 +123,16 @@ class ChatMessage(_Open):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        """OpenAI's rule: every message has content, except an assistant's that carries tool calls instead (a
+        message without either would reach the template as an empty turn nobody wrote)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            needs = "an assistant message needs content or tool_calls" if self.role == "assistant" else \
+                f"a {self.role} message needs content"
+            raise ValueError(needs)
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
