@@ -1,5 +1,5 @@
-// The AMX tile configuration both tile kernels load (qgemm_amx.h, bf16_gemm.cpp), included inside a region
-// compiled for amx-tile.
+// The AMX tile configuration the tile kernels load (qgemm_amx.h, bf16_gemm.cpp, attention_body.h's amx build),
+// included inside a region compiled for amx-tile.
 #pragma once
 
 struct alignas(64) TileConfig {
@@ -13,4 +13,11 @@ struct alignas(64) TileConfig {
 inline void load_tile_config(const TileConfig& cfg) {
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
+}
+
+// Every tile 16 rows of 64 bytes (the bf16 GEMM's and the attention's AMX scores' shape).
+inline void configure_full_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  load_tile_config(cfg);
 }

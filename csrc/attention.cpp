@@ -18,7 +18,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cpuid.h>
 
 #include <cmath>
 #include <cstdint>
@@ -97,15 +96,8 @@ bool isa_supported(int64_t isa) {
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
-    case kAmx: {  // AMX-BF16 (CPUID leaf 7: EDX bit 22), AVX512-BF16 and the tile state this process may use; asked once (a
-                  // CPUID in a virtual machine traps to the host: microseconds on every call)
-      static const bool amx = [] {
-        unsigned a = 0, b = 0, c = 0, d = 0, a1 = 0, b1 = 0, c1 = 0, d1 = 0;  // AVX512-BF16: leaf 7.1 EAX bit 5
-        return isa_supported(kAvx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) &&
-               __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1) && specjet_cpu::amx_permitted();
-      }();
-      return amx;
-    }
+    case kAmx:  // the bf16 GEMM's check (asked once: a CPUID in a virtual machine traps to the host)
+      return isa_supported(kAvx512) && specjet_cpu::amx_bf16_supported();
     default: return false;
   }
 }

@@ -468,12 +468,6 @@ struct Workspace {
 // taken as zero by the tile products, as in every AMX kernel.
 constexpr int64_t kAmxKeys = 16, kAmxDepth = 32, kAmxBlocks = 3;
 
-inline void configure_score_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  load_tile_config(cfg);
-}
-
 // q_pairs for group g (rows 16 g ..), step s, part (0 hi, 1 lo): a B tile, row kp = dimensions 2 kp and 2 kp + 1 of
 // step s, column n = row 16 g + n (zero past the rows and past D).
 inline void pack_q_pairs(const float* qd, int64_t Dp, int64_t D, int64_t rows, int64_t steps, uint32_t* out) {
@@ -522,7 +516,7 @@ inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_
   uint32_t* q_pairs = ws.q_pairs.data();
   float *tile = ws.tile_scores.data(), *by_row = tile + kAmxKeys * 16;
   pack_q_pairs(qd, Dp, D, rows, steps, q_pairs);
-  configure_score_tiles();
+  configure_full_tiles();
   const auto* pool = reinterpret_cast<const uint16_t*>(k_cache);
   auto key_row = [&](int64_t p) { return pool + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
   const uint16_t* a[kAmxBlocks];

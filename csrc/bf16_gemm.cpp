@@ -262,11 +262,6 @@ constexpr int64_t kTileRows = 16;
 // step's call); 4: 16 rows x 32 k of activations; 5-7: the groups' 32 k (the fourth group reuses 5).
 // Every tile is 16 rows of 64 bytes.
 constexpr int kGroupsPerPass = 4;
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
-  load_tile_config(cfg);
-}
 
 // The 16 lines of a B tile, fetched two tile products ahead of its load (past a group's end: the next group's
 // first lines, or beyond the weight, where a prefetch does nothing).
@@ -329,7 +324,7 @@ inline L2Ahead next_groups_ahead(const uint16_t* w, int64_t next, int64_t end, i
 // Column groups [g0, g1) of every row; xp: the rows padded with zero rows to `tiles` whole 16-row tiles.
 void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
           uint16_t* y, int64_t N, int64_t g0, int64_t g1) {
-  configure_tiles();
+  configure_full_tiles();
   alignas(64) float sums[kGroupsPerPass][kTileRows * kCols];
   const int64_t group_size = K * kCols;
   for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
@@ -366,7 +361,7 @@ void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint
 // passes over the whole of K in any case, so the blocking changes no bits.
 void gemm_float(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
                 float* y, int64_t N, int64_t g0, int64_t g1) {
-  configure_tiles();
+  configure_full_tiles();
   alignas(64) float sums[kGroupsPerPass][kTileRows * kCols];
   const int64_t wrap = K / 3, lda = 2 * wrap, group_size = lda * kCols;
   const int64_t block = std::max<int64_t>(1, (int64_t{1} << 20) / (kTileRows * lda * 2));
@@ -447,6 +442,8 @@ bool isa_supported(int64_t isa) {
 namespace specjet_cpu {
 
 bool bf16_gemm_isa_supported(int64_t isa) { return isa_supported(isa); }
+
+bool amx_bf16_supported() { return isa_supported(kAmx); }
 
 namespace {
 

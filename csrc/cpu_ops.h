@@ -74,6 +74,7 @@ bool amx_permitted();  // the CPU has AMX tiles and this process may use them (a
 
 // bf16_gemm.cpp
 bool bf16_gemm_isa_supported(int64_t isa);
+bool amx_bf16_supported();  // AMX-BF16 tiles with AVX-512 BF16, usable by this process (asked once)
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
 void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,

@@ -41,11 +41,9 @@ class RequestGrammar:
         """Whether any token may come next: False where the grammar matches no text from here (a regex such as
         ``[^\x00-\U0010FFFF]`` compiles, then masks every logit). Allocates a bitmask: for an error path only."""
         vocab_size = self.compiled.tokenizer_info.vocab_size
-        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        if not self.fill_next_token_bitmask(bitmask):
-            return True
-        ids = torch.arange(vocab_size)
-        return bool(((bitmask[0, ids // 32] >> (ids % 32)) & 1).any())
+        bitmask = allocate_token_bitmask(1, vocab_size)
+        # bitmask_allows over the vocabulary's ids: the last word's bits past it are not tokens
+        return not self.fill_next_token_bitmask(bitmask) or bool(bitmask_allows(bitmask, torch.arange(vocab_size)).any())
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it, or has ended (xgrammar
