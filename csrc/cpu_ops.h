@@ -2,8 +2,10 @@
 // (specjet.kernels._cpu_ops): module.cpp binds them for Python, layer_stack.cpp calls them directly.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <functional>
 #include <vector>
 
 namespace specjet_cpu {
@@ -29,6 +31,27 @@ inline torch::Tensor& fit_output(torch::Tensor& out, c10::IntArrayRef sizes, con
   return out;
 }
 
+// A per-row op, checked and its outputs sized, to run on rows r0 .. r1 - 1 at a time. Each output row comes from its
+// own input rows alone, in a fixed order, so any split of the rows among threads gives the same bits. `grain`: the
+// rows a thread of its own takes at least (enough work to pay for waking one).
+struct RowOp {
+  std::function<void(int64_t, int64_t)> rows;
+  int64_t grain = 1;
+};
+
+// Every row of `op` on at::parallel_for's threads (the ops' own calls).
+inline void run_rows(const RowOp& op, int64_t rows) {
+  if (rows > 0) at::parallel_for(0, rows, op.grain, op.rows);
+}
+
+// Row ops run inside a quantized projection's team of threads (qgemm.cpp): `before` writes the rows of its input
+// (each thread its own rows, which it then quantizes), `after` reads the rows of its output once every column is
+// computed. Without a team (a call of a few rows) they run on the calling thread around the GEMM.
+struct FusedRows {
+  const RowOp* before = nullptr;
+  const RowOp* after = nullptr;
+};
+
 // attention.cpp
 bool attention_isa_supported(int64_t isa);
 void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -44,14 +67,20 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                                     const c10::optional<torch::Tensor>& residual);
 // With `residual`, sum = x + residual too (else `sum` is left alone).
+RowOp rms_norm_op(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
+                  torch::Tensor& sum, torch::Tensor& out);
 void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
                    torch::Tensor& sum, torch::Tensor& out);
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads);
+RowOp rope_store_op(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                    int64_t num_heads, torch::Tensor& q);
 void rope_store_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                      const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
                      int64_t num_heads, torch::Tensor& q);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+RowOp silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out);
 void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 
 // qgemm.cpp
@@ -61,10 +90,14 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& wsum, int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+// `fused`: row ops run in the call's team around the GEMM (x and y must then have their shapes already: y as this
+// call sizes it, so it is kept).
 void q4_1_gemm_into(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
-                    int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y);
+                    int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y,
+                    const FusedRows& fused = {});
 void int8_gemm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& wsum,
-                    int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y);
+                    int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y,
+                    const FusedRows& fused = {});
 torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                                const torch::Tensor& wsum, int64_t group, int64_t N,
                                const c10::optional<torch::Tensor>& bias, int64_t isa, const torch::Tensor& bitmask,

@@ -114,33 +114,32 @@ const float* as_float(const T* p, int64_t n, std::vector<float>& buf) {
   }
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)) per row; with `residual`, x + residual first, returned too.
+// out = weight * (x * rsqrt(mean(x^2) + eps)) for rows r0 .. r1 - 1; with `residual`, x + residual first, returned
+// too.
 template <class T>
-void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out, int64_t rows, int64_t n,
+void rms_norm_rows(const T* x, const T* residual, const T* w, T* sum_out, T* out, int64_t r0, int64_t r1, int64_t n,
                    double eps) {
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
-    std::vector<float> w_buf, xf(std::is_same_v<T, float> ? 0 : n), of(std::is_same_v<T, float> ? 0 : n);  // bf16 rows
-    const float* wf = as_float(w, n, w_buf);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t at = r * n;
-      if constexpr (std::is_same_v<T, float>) {
-        rms_norm_float_row(x + at, residual ? residual + at : nullptr, wf, residual ? sum_out + at : nullptr,
-                           out + at, n, eps);
-      } else {
-        rms_norm_bf16_row(bf16_bits(x + at), residual ? bf16_bits(residual + at) : nullptr, wf,
-                          residual ? bf16_bits(sum_out + at) : nullptr, bf16_bits(out + at), xf.data(), of.data(),
-                          n, eps);
-      }
+  std::vector<float> w_buf, xf(std::is_same_v<T, float> ? 0 : n), of(std::is_same_v<T, float> ? 0 : n);  // bf16 rows
+  const float* wf = as_float(w, n, w_buf);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t at = r * n;
+    if constexpr (std::is_same_v<T, float>) {
+      rms_norm_float_row(x + at, residual ? residual + at : nullptr, wf, residual ? sum_out + at : nullptr, out + at,
+                         n, eps);
+    } else {
+      rms_norm_bf16_row(bf16_bits(x + at), residual ? bf16_bits(residual + at) : nullptr, wf,
+                        residual ? bf16_bits(sum_out + at) : nullptr, bf16_bits(out + at), xf.data(), of.data(), n,
+                        eps);
     }
-  });
+  }
 }
 
 }  // namespace
 
 namespace specjet_cpu {
 
-void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
-                   torch::Tensor& sum, torch::Tensor& out) {
+RowOp rms_norm_op(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
+                  torch::Tensor& sum, torch::Tensor& out) {
   check_rows(x, "rms_norm");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
               "rms_norm: weight must be contiguous [hidden] of x's dtype");
@@ -151,11 +150,20 @@ void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double e
     fit_output(sum, x.sizes(), x.options());
   }
   fit_output(out, x.sizes(), x.options());
+  const int64_t n = x.size(1);
+  RowOp op{{}, row_grain(n)};
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_rows<T>(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
-                     residual ? sum.data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), x.size(1), eps);
+    const T *xp = x.data_ptr<T>(), *rp = residual ? residual->data_ptr<T>() : nullptr, *wp = weight.data_ptr<T>();
+    T *sp = residual ? sum.data_ptr<T>() : nullptr, *outp = out.data_ptr<T>();
+    op.rows = [=](int64_t r0, int64_t r1) { rms_norm_rows<T>(xp, rp, wp, sp, outp, r0, r1, n, eps); };
   });
+  return op;
+}
+
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor* residual,
+                   torch::Tensor& sum, torch::Tensor& out) {
+  run_rows(rms_norm_op(x, weight, eps, residual, sum, out), x.size(0));
 }
 
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
@@ -199,51 +207,50 @@ void store_float_as_bf16(const float* __restrict x, uint16_t* __restrict y, int6
   for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint16_t>(bf16_rounded_bits(x[i]) >> 16);
 }
 
-// qkv [T, (H + 2 KV) D] -> q [T, H, D] rotated; k rotated and v written to the pool at slots[t] (a pool of
-// type C: T's, or bf16 beside float rows, each value rounded once after the rotation).
+// Rows r0 .. r1 - 1 of qkv [T, (H + 2 KV) D] -> q [T, H, D] rotated; k rotated and v written to the pool at
+// slots[t] (a pool of type C: T's, or bf16 beside float rows, each value rounded once after the rotation).
 // Neox-style RoPE (rotate the two halves of each head); cos, sin [T, D / 2].
 template <class T, class C>
 void rope_rows(const T* qkv, const T* cos, const T* sin, C* k_cache, C* v_cache, int64_t slot_stride,
-               int64_t head_stride, const int64_t* slots, T* q_out, int64_t rows, int64_t H, int64_t KV, int64_t D) {
+               int64_t head_stride, const int64_t* slots, T* q_out, int64_t r0, int64_t r1, int64_t H, int64_t KV,
+               int64_t D) {
   const int64_t half = D / 2, width = (H + 2 * KV) * D;
-  at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
-    std::vector<float> c_buf, s_buf, k_buf(std::is_same_v<T, C> ? 0 : D);  // a rotated key before its rounding
-    for (int64_t t = r0; t < r1; ++t) {
-      const float* c = as_float(cos + t * half, half, c_buf);
-      const float* s = as_float(sin + t * half, half, s_buf);
-      auto rotate = [&](const T* x, T* y) {
-        if constexpr (std::is_same_v<T, float>) {
-          rotate_float_head(x, c, s, y, half);
-        } else {
-          rotate_bf16_head(bf16_bits(x), c, s, bf16_bits(y), half);
-        }
-      };
-      const T* src = qkv + t * width;
-      for (int64_t h = 0; h < H; ++h) rotate(src + h * D, q_out + (t * H + h) * D);
-      for (int64_t h = 0; h < KV; ++h) {
-        C* k_dst = k_cache + slots[t] * slot_stride + h * head_stride;
-        C* v_dst = v_cache + slots[t] * slot_stride + h * head_stride;
-        if constexpr (std::is_same_v<T, C>) {
-          rotate(src + (H + h) * D, k_dst);
-          std::memcpy(v_dst, src + (H + KV + h) * D, D * sizeof(T));
-        } else {
-          static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::BFloat16>);
-          rotate(src + (H + h) * D, k_buf.data());
-          store_float_as_bf16(k_buf.data(), bf16_bits(k_dst), D);
-          store_float_as_bf16(src + (H + KV + h) * D, bf16_bits(v_dst), D);
-        }
+  std::vector<float> c_buf, s_buf, k_buf(std::is_same_v<T, C> ? 0 : D);  // a rotated key before its rounding
+  for (int64_t t = r0; t < r1; ++t) {
+    const float* c = as_float(cos + t * half, half, c_buf);
+    const float* s = as_float(sin + t * half, half, s_buf);
+    auto rotate = [&](const T* x, T* y) {
+      if constexpr (std::is_same_v<T, float>) {
+        rotate_float_head(x, c, s, y, half);
+      } else {
+        rotate_bf16_head(bf16_bits(x), c, s, bf16_bits(y), half);
+      }
+    };
+    const T* src = qkv + t * width;
+    for (int64_t h = 0; h < H; ++h) rotate(src + h * D, q_out + (t * H + h) * D);
+    for (int64_t h = 0; h < KV; ++h) {
+      C* k_dst = k_cache + slots[t] * slot_stride + h * head_stride;
+      C* v_dst = v_cache + slots[t] * slot_stride + h * head_stride;
+      if constexpr (std::is_same_v<T, C>) {
+        rotate(src + (H + h) * D, k_dst);
+        std::memcpy(v_dst, src + (H + KV + h) * D, D * sizeof(T));
+      } else {
+        static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::BFloat16>);
+        rotate(src + (H + h) * D, k_buf.data());
+        store_float_as_bf16(k_buf.data(), bf16_bits(k_dst), D);
+        store_float_as_bf16(src + (H + KV + h) * D, bf16_bits(v_dst), D);
       }
     }
-  });
+  }
 }
 
 }  // namespace
 
 namespace specjet_cpu {
 
-void rope_store_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                     const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
-                     int64_t num_heads, torch::Tensor& q) {
+RowOp rope_store_op(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                    int64_t num_heads, torch::Tensor& q) {
   check_rows(qkv, "rope_store");
   const int64_t rows = qkv.size(0), KV = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * KV) * D, "rope_store: qkv width ", qkv.size(1),
@@ -267,19 +274,32 @@ void rope_store_into(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rope_store: slot ", sp[t], " outside the cache");
   fit_output(q, {rows, num_heads, D}, qkv.options());
+  const int64_t slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1), H = num_heads;
+  RowOp op{{}, row_grain(qkv.size(1))};
   if (qkv.scalar_type() == torch::kFloat32 && cache_dtype == torch::kBFloat16) {
-    rope_rows<float, c10::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-                                    k_cache.stride(0), k_cache.stride(1), sp,
-                                    q.data_ptr<float>(), rows, num_heads, KV, D);
-    return;
+    const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+    c10::BFloat16 *kp = k_cache.data_ptr<c10::BFloat16>(), *vp = v_cache.data_ptr<c10::BFloat16>();
+    float* qp = q.data_ptr<float>();
+    op.rows = [=](int64_t r0, int64_t r1) {
+      rope_rows<float, c10::BFloat16>(xp, cp, snp, kp, vp, slot_stride, head_stride, sp, qp, r0, r1, H, KV, D);
+    };
+    return op;
   }
   dispatch(qkv, [&](auto tag) {
     using T = decltype(tag);
-    rope_rows<T, T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), k_cache.data_ptr<T>(),
-                    v_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), sp, q.data_ptr<T>(), rows, num_heads,
-                    KV, D);
+    const T *xp = qkv.data_ptr<T>(), *cp = cos.data_ptr<T>(), *snp = sin.data_ptr<T>();
+    T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>(), *qp = q.data_ptr<T>();
+    op.rows = [=](int64_t r0, int64_t r1) {
+      rope_rows<T, T>(xp, cp, snp, kp, vp, slot_stride, head_stride, sp, qp, r0, r1, H, KV, D);
+    };
   });
+  return op;
+}
+
+void rope_store_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
+                     int64_t num_heads, torch::Tensor& q) {
+  run_rows(rope_store_op(qkv, cos, sin, k_cache, v_cache, slots, num_heads, q), qkv.size(0));
 }
 
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -316,35 +336,42 @@ void silu_mul_bf16_row(const uint16_t* __restrict g, const uint16_t* __restrict 
   for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bf16_rounded_bits(gf[i]) >> 16);
 }
 
-// gate_up [T, 2 I] -> silu(gate) * up [T, I].
+// Rows r0 .. r1 - 1 of gate_up [T, 2 I] -> silu(gate) * up [T, I].
 template <class T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t r0, int64_t r1) {
-    std::vector<float> scratch(std::is_same_v<T, float> ? 0 : 2 * inter);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gu + r * 2 * inter;
-      if constexpr (std::is_same_v<T, float>) {
-        silu_mul_float_row(g, g + inter, out + r * inter, inter);
-      } else {
-        silu_mul_bf16_row(bf16_bits(g), bf16_bits(g + inter), bf16_bits(out + r * inter), scratch.data(),
-                          scratch.data() + inter, inter);
-      }
+void silu_mul_rows(const T* gu, T* out, int64_t r0, int64_t r1, int64_t inter) {
+  std::vector<float> scratch(std::is_same_v<T, float> ? 0 : 2 * inter);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* g = gu + r * 2 * inter;
+    if constexpr (std::is_same_v<T, float>) {
+      silu_mul_float_row(g, g + inter, out + r * inter, inter);
+    } else {
+      silu_mul_bf16_row(bf16_bits(g), bf16_bits(g + inter), bf16_bits(out + r * inter), scratch.data(),
+                        scratch.data() + inter, inter);
     }
-  });
+  }
 }
 
 }  // namespace
 
 namespace specjet_cpu {
 
-void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+RowOp silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
-  fit_output(out, {gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  const int64_t inter = gate_up.size(1) / 2;
+  fit_output(out, {gate_up.size(0), inter}, gate_up.options());
+  RowOp op{{}, row_grain(2 * inter)};
   dispatch(gate_up, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), gate_up.size(0), gate_up.size(1) / 2);
+    const T* gp = gate_up.data_ptr<T>();
+    T* outp = out.data_ptr<T>();
+    op.rows = [=](int64_t r0, int64_t r1) { silu_mul_rows<T>(gp, outp, r0, r1, inter); };
   });
+  return op;
+}
+
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+  run_rows(silu_mul_op(gate_up, out), gate_up.size(0));
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {

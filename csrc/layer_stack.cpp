@@ -77,25 +77,44 @@ class LayerStack {
     for (int64_t l = 0; l < size(); ++l) {
       const Layer& layer = layers_[l];
       torch::Tensor k = k_cache.select(0, l), v = v_cache.select(0, l);
+      // The input norm (of x + down where pending) and, after q|k|v, RoPE with the KV write: on a quantized weight
+      // both run in the projection's team of threads, each thread on its own rows (the same bits as apart).
+      const torch::Tensor* residual = pending ? &down : nullptr;
+      torch::Tensor& sum = pending ? sums[which] : unused;
+      if (layer.qkv.fuses_rows(x)) {
+        const specjet_cpu::RowOp norm = specjet_cpu::rms_norm_op(x, layer.norm1, layer.eps1, residual, sum, h);
+        specjet_cpu::fit_output(qkv, {tokens, layer.qkv.n}, x.options());
+        const specjet_cpu::RowOp rope = specjet_cpu::rope_store_op(qkv, cos, sin, k, v, slots, num_heads_, q);
+        layer.qkv.fused_into(h, qkv, {&norm, &rope});
+      } else {
+        specjet_cpu::rms_norm_into(x, layer.norm1, layer.eps1, residual, sum, h);
+        layer.qkv.into(h, qkv);
+        specjet_cpu::rope_store_into(qkv, cos, sin, k, v, slots, num_heads_, q);
+      }
       if (pending) {
-        specjet_cpu::rms_norm_into(x, layer.norm1, layer.eps1, &down, sums[which], h);  // x + down, its norm
         x = sums[which];
         which ^= 1;
-      } else {
-        specjet_cpu::rms_norm_into(x, layer.norm1, layer.eps1, nullptr, unused, h);
       }
-      layer.qkv.into(h, qkv);
-      specjet_cpu::rope_store_into(qkv, cos, sin, k, v, slots, num_heads_, q);
       specjet_cpu::paged_attention_into(q, k, v, kv_indices, kv_lens, q_lens, q_starts, mask, scale_, attention_isa,
                                         attended);
       if (!flat.defined() || !flat.is_alias_of(attended)) flat = attended.view({tokens, num_heads_ * head_dim_});
       layer.o.into(flat, o);
-      specjet_cpu::rms_norm_into(x, layer.norm2, layer.eps2, &o, sums[which], h);  // x + o, its norm
+      if (layer.gate_up.fuses_rows(x)) {  // x + o, its norm, in gate|up's team
+        const specjet_cpu::RowOp norm = specjet_cpu::rms_norm_op(x, layer.norm2, layer.eps2, &o, sums[which], h);
+        layer.gate_up.fused_into(h, gate_up, {&norm, nullptr});
+      } else {
+        specjet_cpu::rms_norm_into(x, layer.norm2, layer.eps2, &o, sums[which], h);
+        layer.gate_up.into(h, gate_up);
+      }
       x = sums[which];
       which ^= 1;
-      layer.gate_up.into(h, gate_up);
-      specjet_cpu::silu_mul_into(gate_up, act);
-      layer.down.into(act, down);
+      if (layer.down.fuses_rows(gate_up)) {  // SiLU(gate) * up in down's team
+        const specjet_cpu::RowOp silu = specjet_cpu::silu_mul_op(gate_up, act);
+        layer.down.fused_into(act, down, {&silu, nullptr});
+      } else {
+        specjet_cpu::silu_mul_into(gate_up, act);
+        layer.down.into(act, down);
+      }
       pending = true;
       if (next < capture.size() && capture[next] == l) {
         x = x + down;  // a tensor of its own: the run's sums are written again

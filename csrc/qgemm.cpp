@@ -24,6 +24,7 @@
 #include <limits>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -326,25 +327,51 @@ constexpr int64_t kSharedQuantizationBlocks = 64;
 // Quantizes x's rows into prepared buffers and runs fn(g0, g1) over the 16-column groups: on one team of
 // threads, each quantizing its share of the row blocks, then after a barrier computing its share of the groups
 // (~64k weights per thread at least; at::parallel_for's split), so no thread waits while one quantizes a
-// verify's rows alone.
+// verify's rows alone. With fused row ops (cpu_ops.h) each thread takes whole rows: it computes its rows of x
+// (`before`) and quantizes them, and after the groups and a barrier runs `after` on its rows of y; the ops' other
+// waits (a region each, or a thread idle while the caller computes them alone) go.
 template <class Fn>
 void quantize_and_run(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t isa, int64_t groups,
-                      const Fn& fn) {
-  const int64_t blocks = rows * (K / kBlock), grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
+                      const specjet_cpu::FusedRows& fused, const Fn& fn) {
+  const int64_t nb = K / kBlock, blocks = rows * nb, grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
   const int64_t team = std::min<int64_t>(at::get_num_threads(), (groups + grain - 1) / grain);
   if (team <= 1 || blocks < kSharedQuantizationBlocks || at::in_parallel_region()) {
+    if (fused.before) specjet_cpu::run_rows(*fused.before, rows);
     quantize_blocks(x, 0, blocks, buf, isa);
     at::parallel_for(0, groups, grain, fn);
+    if (fused.after) specjet_cpu::run_rows(*fused.after, rows);
     return;
   }
+  // No exception may leave an OpenMP region: a row op's is kept and rethrown after it (the kernels throw none).
+  std::exception_ptr failed;
+  auto run_op = [&](const specjet_cpu::RowOp& op, int64_t r0, int64_t r1) {
+    if (r0 >= r1) return;
+    try {
+      op.rows(r0, r1);
+    } catch (...) {
+#pragma omp critical(specjet_qgemm_row_op)
+      if (!failed) failed = std::current_exception();
+    }
+  };
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    quantize_blocks(x, blocks * t / n, blocks * (t + 1) / n, buf, isa);
+    const int64_t r0 = rows * t / n, r1 = rows * (t + 1) / n;
+    if (fused.before) {
+      run_op(*fused.before, r0, r1);
+      quantize_blocks(x, r0 * nb, r1 * nb, buf, isa);
+    } else {
+      quantize_blocks(x, blocks * t / n, blocks * (t + 1) / n, buf, isa);
+    }
 #pragma omp barrier
     const int64_t chunk = (groups + n - 1) / n, g0 = t * chunk;
     if (g0 < groups) fn(g0, std::min(groups, g0 + chunk));
+    if (fused.after) {
+#pragma omp barrier
+      run_op(*fused.after, r0, r1);
+    }
   }
+  if (failed) std::rethrow_exception(failed);
 }
 
 // int8_gemm's argument checks; returns the weight's column groups.
@@ -363,7 +390,7 @@ int64_t check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::
 // y[rows, N] = x[rows, K] @ W^T (+ bias) for a checked int8 weight, on the instruction set's kernels.
 void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, const torch::Tensor& s,
                const torch::Tensor& wsum, int64_t group, const float* bias, float* y, int64_t N, int64_t groups,
-               int64_t isa) {
+               int64_t isa, const specjet_cpu::FusedRows& fused) {
   CallBuffers call(rows, K);
   RowBuffers& buf = *call.buf;
   prepare(buf, rows, K);
@@ -371,7 +398,7 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const int32_t* wp = wsum.data_ptr<int32_t>();
   const bool amx = use_amx(isa, false, buf, rows, K);
-  quantize_and_run(x, rows, K, buf, isa, groups, [&](int64_t g0, int64_t g1) {
+  quantize_and_run(x, rows, K, buf, isa, groups, fused, [&](int64_t g0, int64_t g1) {
     if (amx) qgemm_amx::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx2) qgemm_avx2::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
@@ -384,7 +411,8 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
 namespace specjet_cpu {
 
 void q4_1_gemm_into(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
-                    int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y) {
+                    int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y,
+                    const FusedRows& fused) {
   const int64_t K = qs.dim() == 4 ? qs.size(1) * kBlock : -1;
   const int64_t groups = check_common(x, N, K, bias, isa), rows = x.size(0);
   check_packed(qs, torch::kUInt8, {groups, K / kBlock, 4, 64}, "qs");
@@ -401,7 +429,7 @@ void q4_1_gemm_into(const torch::Tensor& x, const torch::Tensor& qs, const torch
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx(isa, true, buf, rows, K);
-  quantize_and_run(x.data_ptr<float>(), rows, K, buf, isa, groups, [&](int64_t g0, int64_t g1) {
+  quantize_and_run(x.data_ptr<float>(), rows, K, buf, isa, groups, fused, [&](int64_t g0, int64_t g1) {
     if (amx) qgemm_amx::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
     else if (isa == kAvx2) qgemm_avx2::q4_1(buf.view, qp, dp, mp, bp, yp, N, g0, g1);
@@ -417,12 +445,13 @@ torch::Tensor q4_1_gemm(const torch::Tensor& x, const torch::Tensor& qs, const t
 }
 
 void int8_gemm_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& wsum,
-                    int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y) {
+                    int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y,
+                    const FusedRows& fused) {
   const int64_t groups = check_int8(x, q, s, wsum, group, N, bias, isa), rows = x.size(0);
   fit_output(y, {rows, N}, x.options());
   if (rows == 0) return;
   int8_rows(x.data_ptr<float>(), rows, x.size(1), q, s, wsum, group, bias ? bias->data_ptr<float>() : nullptr,
-            y.data_ptr<float>(), N, groups, isa);
+            y.data_ptr<float>(), N, groups, isa, fused);
 }
 
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
@@ -451,7 +480,7 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
   // The other rows through int8_gemm's kernels: a row's result does not depend on which rows share a call.
   dense_rows_through<float, float>(
       split.dense, xp, K, N, yp,
-      [&](const float* xs, int64_t n, float* ys) { int8_rows(xs, n, K, q, s, wsum, group, bp, ys, N, groups, isa); },
+      [&](const float* xs, int64_t n, float* ys) { int8_rows(xs, n, K, q, s, wsum, group, bp, ys, N, groups, isa, {}); },
       [](float v) { return v; });
   if (!split.sparse.empty()) {
     // Each allowed element as the scalar kernel computes it (the bits of every build's kernels); the rest -inf.

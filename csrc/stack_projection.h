@@ -76,9 +76,9 @@ struct __attribute__((visibility("hidden"))) Projection {
     quantized_into(x, y);
     return y;
   }
-  void quantized_into(const torch::Tensor& x, torch::Tensor& y) const {
-    if (kind == kQ41) specjet_cpu::q4_1_gemm_into(x, a, b, c, n, bias, isa, y);
-    else specjet_cpu::int8_gemm_into(x, a, b, c, group, n, bias, isa, y);
+  void quantized_into(const torch::Tensor& x, torch::Tensor& y, const FusedRows& fused = {}) const {
+    if (kind == kQ41) specjet_cpu::q4_1_gemm_into(x, a, b, c, n, bias, isa, y, fused);
+    else specjet_cpu::int8_gemm_into(x, a, b, c, group, n, bias, isa, y, fused);
   }
 
   // x [rows, K] (a layer's activations: 2-D, contiguous) -> [rows, N] in x's dtype.
@@ -107,8 +107,20 @@ struct __attribute__((visibility("hidden"))) Projection {
   void into(const torch::Tensor& x, torch::Tensor& y) const {
     if (kind == kBf16 && x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
     if (kind == kBf16x3 && x.scalar_type() == torch::kFloat32) return specjet_cpu::bf16x3_gemm_into(x, a, bias, y);
-    if ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) return quantized_into(x, y);
+    if (fuses_rows(x)) return quantized_into(x, y);
     y = (*this)(x);
+  }
+
+  // Whether fused_into runs row ops in this projection's kernel team: a quantized weight on float32 rows.
+  bool fuses_rows(const torch::Tensor& x) const {
+    return (kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32;
+  }
+
+  // into(x, y) with `fused` row ops (cpu_ops.h) around it in the kernel's team, where fuses_rows(x): x [rows, K]
+  // already shaped (`before` writes it), y already [rows, n] float32 (`after` reads it).
+  void fused_into(const torch::Tensor& x, torch::Tensor& y, const FusedRows& fused) const {
+    TORCH_CHECK(fuses_rows(x), "layer stack: fused row ops need a quantized weight on float32 rows");
+    quantized_into(x, y, fused);
   }
 };
 

@@ -33,7 +33,8 @@ def default_model_dir() -> pathlib.Path:
 
 
 def make_tiny_model_dir(path: pathlib.Path, tokenizer_dir: pathlib.Path, model_type: str = "llama", seed: int = 0,
-                        tie: bool = True, weight_std: float = 0.15) -> pathlib.Path:
+                        tie: bool = True, weight_std: float = 0.15, hidden_size: int = 64,
+                        intermediate_size: int = 128) -> pathlib.Path:
     """A 2-layer random-weight model of the given family that shares the default model's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -42,8 +43,8 @@ def make_tiny_model_dir(path: pathlib.Path, tokenizer_dir: pathlib.Path, model_t
     config = AutoConfig.for_model(
         model_type,
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

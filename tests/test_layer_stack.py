@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import make_tiny_model_dir
 from model_harness import count_stack_runs
 
 from specjet.kernels import cpu_ops
@@ -94,6 +95,33 @@ def test_the_stack_gives_the_python_loops_bits(tiny_model_dir, stack_calls, dtyp
     assert stack_calls == {"ran": 4, "aside": 0, "lists": 0}
     assert_same(with_stack, workload(runner, False))
     assert with_stack[0].abs().sum() > 0 and with_stack[8].abs().sum() > 0  # something was computed and written
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory, default_model_dir):
+    """Projections wide enough that a verify's quantized GEMMs run on a team of threads (csrc/qgemm.cpp's
+    quantize_and_run: hidden 256, so a 15-row call has 120 activation blocks and q|k|v's 32 column groups are two
+    threads' worth), where the stack runs its norms, RoPE and SiLU inside the projections' teams."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("wide-llama"), default_model_dir, hidden_size=256,
+                               intermediate_size=1024, weight_std=0.05)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_row_ops_in_a_quantized_projections_team_give_the_python_loops_bits(wide_model_dir, stack_calls,
+                                                                            quantization, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = make_runner(wide_model_dir, "float32", quantization)
+        with_stack = workload(runner, True)
+        assert stack_calls == {"ran": 4, "aside": 0, "lists": 0}
+        assert_same(with_stack, workload(runner, False))
+        torch.set_num_threads(1)  # every call on the calling thread: no team
+        assert_same(with_stack, workload(runner, True))
+    finally:
+        torch.set_num_threads(previous)
+    assert with_stack[0].abs().sum() > 0 and with_stack[8].abs().sum() > 0
 
 
 @pytest.mark.parametrize("bf16_gemm_isa", ["onednn", "avx512_bf16", "amx"])
