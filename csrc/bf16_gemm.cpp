@@ -465,13 +465,27 @@ int64_t check_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::op
   return groups;
 }
 
-// y[rows, N] (bf16) = x[rows, K] @ W (+ bias) for checked operands, on the instruction set's kernel.
+// y[rows, N] (bf16) = x[rows, K] @ W (+ bias) for checked operands, on the instruction set's kernel; `fused` row ops
+// in the VDPBF16PS kernel's team (cpu_ops.h's run_team: each thread its rows of x before, its rows of y after), or
+// on the calling thread around a call of fewer rows than threads or on AMX tiles (whose call pads x first).
 void gemm_rows(const uint16_t* xp, int64_t rows, int64_t K, const uint16_t* wp, const float* bp, uint16_t* yp,
-               int64_t groups, int64_t isa) {
+               int64_t groups, int64_t isa, const FusedRows& fused = {}) {
   const int64_t N = groups * kCols;
   // ~64k weights per thread at least; a thread's groups run four at a time (split by group, not by four: 36
   // groups are 18 and 18, not 20 and 16).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K));
+  if (fused.before || fused.after) {
+    const int64_t team = std::min<int64_t>(at::get_num_threads(), (groups + grain - 1) / grain);
+    if (isa == kAvx512Bf16 && team > 1 && rows >= team && !at::in_parallel_region()) {
+      run_team(team, rows, groups, fused, [](int64_t, int64_t, int64_t, int64_t) {},
+               [&](int64_t g0, int64_t g1) { bf16_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1); });
+      return;
+    }
+    if (fused.before) run_rows(*fused.before, rows);
+    gemm_rows(xp, rows, K, wp, bp, yp, groups, isa);
+    if (fused.after) run_rows(*fused.after, rows);
+    return;
+  }
   if (isa == kAmx) {
     // A tile reads 16 rows: a call whose rows are not whole tiles gets a copy with zero rows after them.
     const int64_t tiles = (rows + bf16_amx::kTileRows - 1) / bf16_amx::kTileRows, padded_rows = tiles * bf16_amx::kTileRows;
@@ -496,13 +510,13 @@ void gemm_rows(const uint16_t* xp, int64_t rows, int64_t K, const uint16_t* wp, 
 }  // namespace
 
 void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                    int64_t isa, torch::Tensor& y) {
+                    int64_t isa, torch::Tensor& y, const FusedRows& fused) {
   const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0);
   fit_output(y, {rows, groups * kCols}, x.options());
   if (rows == 0) return;
   gemm_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bias ? bias->data_ptr<float>() : nullptr,
-            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), groups, isa);
+            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), groups, isa, fused);
 }
 
 void bf16x3_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,

@@ -3,8 +3,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <exception>
 #include <functional>
 #include <vector>
 
@@ -51,6 +54,41 @@ struct FusedRows {
   const RowOp* before = nullptr;
   const RowOp* after = nullptr;
 };
+
+// A GEMM call on one team of `team` threads with fused row ops: thread t of n runs `before` on its rows [rows t / n,
+// rows (t + 1) / n), then prepare(t, n, r0, r1) (its share of the call's own preparation, e.g. quantizing), waits for
+// the team, computes its share of the column groups (columns(g0, g1): ceil(groups / n) each, as at::parallel_for
+// splits them) and, with `after`, waits again and runs `after` on its rows. No exception may leave an OpenMP region:
+// a row op's is kept and rethrown after it (the kernels throw none).
+template <class Prepare, class Columns>
+void run_team(int64_t team, int64_t rows, int64_t groups, const FusedRows& fused, const Prepare& prepare,
+              const Columns& columns) {
+  std::exception_ptr failed;
+  auto run_op = [&](const RowOp* op, int64_t r0, int64_t r1) {
+    if (op == nullptr || r0 >= r1) return;
+    try {
+      op->rows(r0, r1);
+    } catch (...) {
+#pragma omp critical(specjet_team_row_op)
+      if (!failed) failed = std::current_exception();
+    }
+  };
+#pragma omp parallel num_threads(team)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t r0 = rows * t / n, r1 = rows * (t + 1) / n;
+    run_op(fused.before, r0, r1);
+    prepare(t, n, r0, r1);
+#pragma omp barrier
+    const int64_t chunk = (groups + n - 1) / n, g0 = t * chunk;
+    if (g0 < groups) columns(g0, std::min(groups, g0 + chunk));
+    if (fused.after) {
+#pragma omp barrier
+      run_op(fused.after, r0, r1);
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+}
 
 // attention.cpp
 bool attention_isa_supported(int64_t isa);
@@ -110,8 +148,9 @@ bool bf16_gemm_isa_supported(int64_t isa);
 bool amx_bf16_supported();  // AMX-BF16 tiles with AVX-512 BF16, usable by this process (asked once)
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+// `fused`: row ops in the call's team, as q4_1_gemm_into's (the VDPBF16PS kernel; on AMX tiles around the call).
 void bf16_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                    int64_t isa, torch::Tensor& y);
+                    int64_t isa, torch::Tensor& y, const FusedRows& fused = {});
 torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                                int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
                                int64_t max_allowed);

@@ -77,13 +77,13 @@ class LayerStack {
     for (int64_t l = 0; l < size(); ++l) {
       const Layer& layer = layers_[l];
       torch::Tensor k = k_cache.select(0, l), v = v_cache.select(0, l);
-      // The input norm (of x + down where pending) and, after q|k|v, RoPE with the KV write: on a quantized weight
-      // both run in the projection's team of threads, each thread on its own rows (the same bits as apart).
+      // The input norm (of x + down where pending) and, after q|k|v, RoPE with the KV write: on a quantized or bf16
+      // weight both run in the projection's team of threads, each thread on its own rows (the same bits as apart).
       const torch::Tensor* residual = pending ? &down : nullptr;
       torch::Tensor& sum = pending ? sums[which] : unused;
       if (layer.qkv.fuses_rows(x)) {
         const specjet_cpu::RowOp norm = specjet_cpu::rms_norm_op(x, layer.norm1, layer.eps1, residual, sum, h);
-        specjet_cpu::fit_output(qkv, {tokens, layer.qkv.n}, x.options());
+        specjet_cpu::fit_output(qkv, {tokens, layer.qkv.out_columns()}, x.options());
         const specjet_cpu::RowOp rope = specjet_cpu::rope_store_op(qkv, cos, sin, k, v, slots, num_heads_, q);
         layer.qkv.fused_into(h, qkv, {&norm, &rope});
       } else {

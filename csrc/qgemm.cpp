@@ -24,7 +24,6 @@
 #include <limits>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -342,36 +341,10 @@ void quantize_and_run(const float* x, int64_t rows, int64_t K, RowBuffers& buf, 
     if (fused.after) specjet_cpu::run_rows(*fused.after, rows);
     return;
   }
-  // No exception may leave an OpenMP region: a row op's is kept and rethrown after it (the kernels throw none).
-  std::exception_ptr failed;
-  auto run_op = [&](const specjet_cpu::RowOp& op, int64_t r0, int64_t r1) {
-    if (r0 >= r1) return;
-    try {
-      op.rows(r0, r1);
-    } catch (...) {
-#pragma omp critical(specjet_qgemm_row_op)
-      if (!failed) failed = std::current_exception();
-    }
-  };
-#pragma omp parallel num_threads(team)
-  {
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t r0 = rows * t / n, r1 = rows * (t + 1) / n;
-    if (fused.before) {
-      run_op(*fused.before, r0, r1);
-      quantize_blocks(x, r0 * nb, r1 * nb, buf, isa);
-    } else {
-      quantize_blocks(x, blocks * t / n, blocks * (t + 1) / n, buf, isa);
-    }
-#pragma omp barrier
-    const int64_t chunk = (groups + n - 1) / n, g0 = t * chunk;
-    if (g0 < groups) fn(g0, std::min(groups, g0 + chunk));
-    if (fused.after) {
-#pragma omp barrier
-      run_op(*fused.after, r0, r1);
-    }
-  }
-  if (failed) std::rethrow_exception(failed);
+  specjet_cpu::run_team(team, rows, groups, fused, [&](int64_t t, int64_t n, int64_t r0, int64_t r1) {
+    if (fused.before) quantize_blocks(x, r0 * nb, r1 * nb, buf, isa);  // the rows it just computed
+    else quantize_blocks(x, blocks * t / n, blocks * (t + 1) / n, buf, isa);
+  }, fn);
 }
 
 // int8_gemm's argument checks; returns the weight's column groups.

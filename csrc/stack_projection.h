@@ -107,21 +107,31 @@ struct __attribute__((visibility("hidden"))) Projection {
   void into(const torch::Tensor& x, torch::Tensor& y) const {
     if (kind == kBf16 && x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
     if (kind == kBf16x3 && x.scalar_type() == torch::kFloat32) return specjet_cpu::bf16x3_gemm_into(x, a, bias, y);
-    if (fuses_rows(x)) return quantized_into(x, y);
+    if ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) return quantized_into(x, y);
     y = (*this)(x);
   }
 
-  // Whether fused_into runs row ops in this projection's kernel team: a quantized weight on float32 rows.
+  // Whether fused_into runs row ops in this projection's kernel team: a quantized weight on float32 rows, a bf16
+  // weight on bf16 rows.
   bool fuses_rows(const torch::Tensor& x) const {
-    return (kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32;
+    return ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) ||
+           (kind == kBf16 && x.scalar_type() == torch::kBFloat16);
   }
 
   // into(x, y) with `fused` row ops (cpu_ops.h) around it in the kernel's team, where fuses_rows(x): x [rows, K]
-  // already shaped (`before` writes it), y already [rows, n] float32 (`after` reads it).
+  // already shaped (`before` writes it), y already [rows, out_columns()] of x's dtype (`after` reads it: the kernel
+  // keeps y, so the op's pointers into it hold).
   void fused_into(const torch::Tensor& x, torch::Tensor& y, const FusedRows& fused) const {
-    TORCH_CHECK(fuses_rows(x), "layer stack: fused row ops need a quantized weight on float32 rows");
-    quantized_into(x, y, fused);
+    TORCH_CHECK(fuses_rows(x), "layer stack: fused row ops need a quantized weight on float32 rows or bf16 on bf16");
+    TORCH_CHECK(!fused.after || (y.defined() && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == out_columns() &&
+                                 y.scalar_type() == x.scalar_type() && y.is_contiguous()),
+                "layer stack: a fused op after the projection needs its output sized beforehand");
+    if (kind == kBf16) specjet_cpu::bf16_gemm_into(x, a, bias, isa, y, fused);
+    else quantized_into(x, y, fused);
   }
+
+  // The columns the kernel writes: n, or a bf16 weight's whole 16-column groups.
+  int64_t out_columns() const { return kind == kBf16 ? a.size(0) * 16 : n; }
 };
 
 }  // namespace specjet_cpu

@@ -99,21 +99,30 @@ def test_the_stack_gives_the_python_loops_bits(tiny_model_dir, stack_calls, dtyp
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory, default_model_dir):
-    """Projections wide enough that a verify's quantized GEMMs run on a team of threads (csrc/qgemm.cpp's
-    quantize_and_run: hidden 256, so a 15-row call has 120 activation blocks and q|k|v's 32 column groups are two
-    threads' worth), where the stack runs its norms, RoPE and SiLU inside the projections' teams."""
+    """Projections wide enough that a verify's GEMMs run on a team of threads (csrc/qgemm.cpp's quantize_and_run,
+    csrc/cpu_ops.h's run_team: hidden 256, so a 15-row call has 120 activation blocks and q|k|v's 32 column groups
+    are two threads' worth), where the stack runs its norms, RoPE and SiLU inside the projections' teams."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("wide-llama"), default_model_dir, hidden_size=256,
                                intermediate_size=1024, weight_std=0.05)
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "int4"), ("float32", "int8"), ("bfloat16", None)])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_row_ops_in_a_quantized_projections_team_give_the_python_loops_bits(wide_model_dir, stack_calls,
-                                                                            quantization, threads):
+def test_row_ops_in_a_projections_team_give_the_python_loops_bits(wide_model_dir, stack_calls, monkeypatch, request,
+                                                                  dtype, quantization, threads):
+    """Quantized weights on float32 rows and bf16 weights on specjet's VDPBF16PS kernel (bf16 rows)."""
+    if quantization is None:
+        from specjet.kernels import bf16_gemm
+
+        if "avx512_bf16" not in bf16_gemm.supported_isas():
+            pytest.skip("this CPU does not run the avx512_bf16 bf16 GEMM")
+        request.addfinalizer(bf16_gemm.default_isa.cache_clear)
+        monkeypatch.setenv(bf16_gemm.ISA_ENV, "avx512_bf16")
+        bf16_gemm.default_isa.cache_clear()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runner = make_runner(wide_model_dir, "float32", quantization)
+        runner = make_runner(wide_model_dir, dtype, quantization)
         with_stack = workload(runner, True)
         assert stack_calls == {"ran": 4, "aside": 0, "lists": 0}
         assert_same(with_stack, workload(runner, False))
