@@ -481,9 +481,7 @@ void gemm_rows(const uint16_t* xp, int64_t rows, int64_t K, const uint16_t* wp, 
                [&](int64_t g0, int64_t g1) { bf16_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1); });
       return;
     }
-    if (fused.before) run_rows(*fused.before, rows);
-    gemm_rows(xp, rows, K, wp, bp, yp, groups, isa);
-    if (fused.after) run_rows(*fused.after, rows);
+    run_around(rows, fused, [&] { gemm_rows(xp, rows, K, wp, bp, yp, groups, isa); });
     return;
   }
   if (isa == kAmx) {

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <exception>
-#include <functional>
+#include <cstddef>
+#include <new>
+#include <type_traits>
 #include <vector>
 
 namespace specjet_cpu {
@@ -36,15 +38,34 @@ inline torch::Tensor& fit_output(torch::Tensor& out, c10::IntArrayRef sizes, con
 
 // A per-row op, checked and its outputs sized, to run on rows r0 .. r1 - 1 at a time. Each output row comes from its
 // own input rows alone, in a fixed order, so any split of the rows among threads gives the same bits. `grain`: the
-// rows a thread of its own takes at least (enough work to pay for waking one).
+// rows a thread of its own takes at least (enough work to pay for waking one). The op's function (a lambda of
+// pointers and sizes) lives inside the RowOp: the layer stack makes four a layer on every forward, decode steps
+// included, and a std::function of that many captures would allocate each one.
 struct RowOp {
-  std::function<void(int64_t, int64_t)> rows;
+  template <class F>
+  static RowOp of(int64_t grain, const F& f) {
+    static_assert(sizeof(F) <= kStorage && alignof(F) <= alignof(std::max_align_t) &&
+                      std::is_trivially_copyable<F>::value && std::is_trivially_destructible<F>::value,
+                  "a RowOp holds a small lambda of plain values");
+    RowOp op;
+    new (op.storage_) F(f);
+    op.call_ = [](const void* fn, int64_t r0, int64_t r1) { (*static_cast<const F*>(fn))(r0, r1); };
+    op.grain = grain;
+    return op;
+  }
+  void operator()(int64_t r0, int64_t r1) const { call_(storage_, r0, r1); }
+
   int64_t grain = 1;
+
+ private:
+  static constexpr size_t kStorage = 128;
+  alignas(std::max_align_t) unsigned char storage_[kStorage];
+  void (*call_)(const void*, int64_t, int64_t) = nullptr;
 };
 
 // Every row of `op` on at::parallel_for's threads (the ops' own calls).
 inline void run_rows(const RowOp& op, int64_t rows) {
-  if (rows > 0) at::parallel_for(0, rows, op.grain, op.rows);
+  if (rows > 0) at::parallel_for(0, rows, op.grain, [&op](int64_t r0, int64_t r1) { op(r0, r1); });
 }
 
 // Row ops run inside a quantized projection's team of threads (qgemm.cpp): `before` writes the rows of its input
@@ -55,6 +76,10 @@ struct FusedRows {
   const RowOp* after = nullptr;
 };
 
+// How many calls ran a team of two threads or more (tests check that a workload reached the team path).
+int64_t team_runs();
+void count_team_run();
+
 // A GEMM call on one team of `team` threads with fused row ops: thread t of n runs `before` on its rows [rows t / n,
 // rows (t + 1) / n), then prepare(t, n, r0, r1) (its share of the call's own preparation, e.g. quantizing), waits for
 // the team, computes its share of the column groups (columns(g0, g1): ceil(groups / n) each, as at::parallel_for
@@ -63,11 +88,12 @@ struct FusedRows {
 template <class Prepare, class Columns>
 void run_team(int64_t team, int64_t rows, int64_t groups, const FusedRows& fused, const Prepare& prepare,
               const Columns& columns) {
+  count_team_run();
   std::exception_ptr failed;
   auto run_op = [&](const RowOp* op, int64_t r0, int64_t r1) {
     if (op == nullptr || r0 >= r1) return;
     try {
-      op->rows(r0, r1);
+      (*op)(r0, r1);
     } catch (...) {
 #pragma omp critical(specjet_team_row_op)
       if (!failed) failed = std::current_exception();
@@ -88,6 +114,15 @@ void run_team(int64_t team, int64_t rows, int64_t groups, const FusedRows& fused
     }
   }
   if (failed) std::rethrow_exception(failed);
+}
+
+// The same call without a team (a call of a few rows, or where the kernel has no team): the row ops on the calling
+// thread's own team around it.
+template <class Call>
+void run_around(int64_t rows, const FusedRows& fused, const Call& call) {
+  if (fused.before) run_rows(*fused.before, rows);
+  call();
+  if (fused.after) run_rows(*fused.after, rows);
 }
 
 // attention.cpp

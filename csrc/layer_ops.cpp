@@ -151,12 +151,12 @@ RowOp rms_norm_op(const torch::Tensor& x, const torch::Tensor& weight, double ep
   }
   fit_output(out, x.sizes(), x.options());
   const int64_t n = x.size(1);
-  RowOp op{{}, row_grain(n)};
+  RowOp op;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     const T *xp = x.data_ptr<T>(), *rp = residual ? residual->data_ptr<T>() : nullptr, *wp = weight.data_ptr<T>();
     T *sp = residual ? sum.data_ptr<T>() : nullptr, *outp = out.data_ptr<T>();
-    op.rows = [=](int64_t r0, int64_t r1) { rms_norm_rows<T>(xp, rp, wp, sp, outp, r0, r1, n, eps); };
+    op = RowOp::of(row_grain(n), [=](int64_t r0, int64_t r1) { rms_norm_rows<T>(xp, rp, wp, sp, outp, r0, r1, n, eps); });
   });
   return op;
 }
@@ -275,23 +275,23 @@ RowOp rope_store_op(const torch::Tensor& qkv, const torch::Tensor& cos, const to
     TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rope_store: slot ", sp[t], " outside the cache");
   fit_output(q, {rows, num_heads, D}, qkv.options());
   const int64_t slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1), H = num_heads;
-  RowOp op{{}, row_grain(qkv.size(1))};
+  const int64_t grain = row_grain(qkv.size(1));
   if (qkv.scalar_type() == torch::kFloat32 && cache_dtype == torch::kBFloat16) {
     const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
     c10::BFloat16 *kp = k_cache.data_ptr<c10::BFloat16>(), *vp = v_cache.data_ptr<c10::BFloat16>();
     float* qp = q.data_ptr<float>();
-    op.rows = [=](int64_t r0, int64_t r1) {
+    return RowOp::of(grain, [=](int64_t r0, int64_t r1) {
       rope_rows<float, c10::BFloat16>(xp, cp, snp, kp, vp, slot_stride, head_stride, sp, qp, r0, r1, H, KV, D);
-    };
-    return op;
+    });
   }
+  RowOp op;
   dispatch(qkv, [&](auto tag) {
     using T = decltype(tag);
     const T *xp = qkv.data_ptr<T>(), *cp = cos.data_ptr<T>(), *snp = sin.data_ptr<T>();
     T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>(), *qp = q.data_ptr<T>();
-    op.rows = [=](int64_t r0, int64_t r1) {
+    op = RowOp::of(grain, [=](int64_t r0, int64_t r1) {
       rope_rows<T, T>(xp, cp, snp, kp, vp, slot_stride, head_stride, sp, qp, r0, r1, H, KV, D);
-    };
+    });
   });
   return op;
 }
@@ -360,12 +360,12 @@ RowOp silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
   const int64_t inter = gate_up.size(1) / 2;
   fit_output(out, {gate_up.size(0), inter}, gate_up.options());
-  RowOp op{{}, row_grain(2 * inter)};
+  RowOp op;
   dispatch(gate_up, [&](auto tag) {
     using T = decltype(tag);
     const T* gp = gate_up.data_ptr<T>();
     T* outp = out.data_ptr<T>();
-    op.rows = [=](int64_t r0, int64_t r1) { silu_mul_rows<T>(gp, outp, r0, r1, inter); };
+    op = RowOp::of(row_grain(2 * inter), [=](int64_t r0, int64_t r1) { silu_mul_rows<T>(gp, outp, r0, r1, inter); });
   });
   return op;
 }

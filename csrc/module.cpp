@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("silu_mul", &silu_mul, "silu(gate) * up per row");
   module.def("qgemm_isa_supported", &qgemm_isa_supported,
              "whether this CPU runs the quantized GEMM's instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 VNNI + AMX tiles)");
+  module.def("team_runs", &team_runs,
+             "how many quantized or bf16 GEMM calls so far ran on one team of two threads or more (cpu_ops.h run_team)");
   module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");
   module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
   module.def("int8_gemm_masked", &int8_gemm_masked,

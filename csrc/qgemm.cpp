@@ -20,6 +20,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <cstdint>
@@ -335,10 +336,10 @@ void quantize_and_run(const float* x, int64_t rows, int64_t K, RowBuffers& buf, 
   const int64_t nb = K / kBlock, blocks = rows * nb, grain = std::max<int64_t>(1, (1 << 16) / (kGroup * K));
   const int64_t team = std::min<int64_t>(at::get_num_threads(), (groups + grain - 1) / grain);
   if (team <= 1 || blocks < kSharedQuantizationBlocks || at::in_parallel_region()) {
-    if (fused.before) specjet_cpu::run_rows(*fused.before, rows);
-    quantize_blocks(x, 0, blocks, buf, isa);
-    at::parallel_for(0, groups, grain, fn);
-    if (fused.after) specjet_cpu::run_rows(*fused.after, rows);
+    specjet_cpu::run_around(rows, fused, [&] {
+      quantize_blocks(x, 0, blocks, buf, isa);
+      at::parallel_for(0, groups, grain, fn);
+    });
     return;
   }
   specjet_cpu::run_team(team, rows, groups, fused, [&](int64_t t, int64_t n, int64_t r0, int64_t r1) {
@@ -382,6 +383,13 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
 }  // namespace
 
 namespace specjet_cpu {
+
+namespace {
+std::atomic<int64_t> team_calls{0};
+}  // namespace
+
+int64_t team_runs() { return team_calls.load(std::memory_order_relaxed); }
+void count_team_run() { team_calls.fetch_add(1, std::memory_order_relaxed); }
 
 void q4_1_gemm_into(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
                     int64_t N, const c10::optional<torch::Tensor>& bias, int64_t isa, torch::Tensor& y,
