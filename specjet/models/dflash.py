@@ -56,7 +56,6 @@ checkpoint holds fc, the norms, the layers, the mask embedding and the hot ids.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import asdict, dataclass
 
@@ -70,7 +69,7 @@ from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.eagle import (FOLLOW_TARGET, TARGET_SHAPE_FIELDS, HotVocabDraft, SharedTarget, check_hot_token_ids,
-                                  draft_method, hot_lm_head, read_draft_config, target_identity)
+                                  check_target_shape, draft_method, hot_lm_head, read_draft_config, write_draft)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.quantize import quantize_linears
@@ -170,10 +169,7 @@ class DFlashDraftModel(HotVocabDraft):
     def bind_target(self, target: LlamaForCausalLM, quantization: str | None = FOLLOW_TARGET) -> "DFlashDraftModel":
         """Share ``target``'s embedding and LM head; ``quantization`` as an EAGLE head's
         (``FOLLOW_TARGET``: a quantized target's draft computes like it; ``gguf``: 4-bit blocks)."""
-        for name in TARGET_SHAPE_FIELDS:
-            if getattr(target.config, name) != getattr(self.config, name):
-                raise ValueError(f"DFlash draft and target differ in {name}: "
-                                 f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
+        check_target_shape(self.config, target.config, "DFlash draft")
         method = draft_method(target, quantization)
         if method is not None:
             quantize_linears(self, method)
@@ -561,30 +557,13 @@ def save_dflash(model: DFlashDraftModel, directory, target_gguf: str | None = No
                 dtype: torch.dtype = torch.float16) -> pathlib.Path:
     """Write ``model.safetensors`` (the draft's own tensors only) and ``config.json`` (format, its
     shape, the target's identity, the training summary)."""
-    from safetensors.torch import save_file
-
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
-    if model.hot_token_ids is not None:
-        tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
-    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a draft is package data
     shape = asdict(model.shape)
     shape["target_layers"] = list(model.shape.target_layers)
-    config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+    return write_draft(model, directory, FORMAT, FORMAT_VERSION, dtype, target_gguf, training, {
         "architecture": "DFlashDraftModel",
         "context": "residual stream after target_layers, then the final normed hidden state (FeatureLayers capture)",
         **shape,
-        "hot_vocab_size": model.draft_vocab_size if model.hot_token_ids is not None else None,
-        "weights_dtype": str(dtype).removeprefix("torch."),
-        "target": target_identity(model.config, target_gguf),
-        "training": training or {},
-    }
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    return directory
+    })
 
 
 def read_dflash_config(directory) -> dict:

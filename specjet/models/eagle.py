@@ -163,10 +163,7 @@ class EagleDraftModel(HotVocabDraft):
         ``quantization``: the method of the head's own weights (``FOLLOW_TARGET``: the target's, so a
         quantized target's head computes like it; ``gguf`` takes the 4-bit format, the file holding no
         draft weights), or None for float."""
-        for name in TARGET_SHAPE_FIELDS:
-            if getattr(target.config, name) != getattr(self.config, name):
-                raise ValueError(f"draft head and target differ in {name}: "
-                                 f"{getattr(self.config, name)} vs {getattr(target.config, name)}")
+        check_target_shape(self.config, target.config, "draft head")
         method = draft_method(target, quantization)
         if method is not None:
             quantize_linears(self, method)
@@ -329,6 +326,29 @@ def save_eagle(model: EagleDraftModel, directory, target_gguf: str | None = None
                dtype: torch.dtype = torch.float16) -> pathlib.Path:
     """Write ``model.safetensors`` (fc, the layer, the hot ids; never the target's tensors) and
     ``config.json`` (format, target identity, hot vocabulary size, training summary)."""
+    return write_draft(model, directory, FORMAT, FORMAT_VERSION, dtype, target_gguf, training, {
+        "architecture": "EagleDraftModel",
+        "feature": ("target final normed hidden state (ModelOutput.hidden, capture_hidden='last')"
+                    if not model.feature_layers else
+                    "residual stream after feature_layers, then the final normed hidden state (FeatureLayers capture)"),
+        "feature_layers": list(model.feature_layers),
+        "num_layers": 1,
+    })
+
+
+def check_target_shape(draft: ModelConfig, target: ModelConfig, what: str) -> None:
+    """A draft (``what``: "draft head", "DFlash draft") runs on its target's embedding and head: refused unless the
+    two agree in every TARGET_SHAPE_FIELDS."""
+    for name in TARGET_SHAPE_FIELDS:
+        if getattr(target, name) != getattr(draft, name):
+            raise ValueError(f"{what} and target differ in {name}: {getattr(draft, name)} vs {getattr(target, name)}")
+
+
+def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torch.dtype, target_gguf: str | None,
+                training: dict | None, fields: dict) -> pathlib.Path:
+    """A draft's directory: ``model.safetensors`` (the draft's own parameters in ``dtype`` and its hot ids; never the
+    target's tensors) and ``config.json`` (format ``fmt`` v``version``, the draft's ``fields``, its hot vocabulary's
+    size, the target's identity, the training summary)."""
     from safetensors.torch import save_file
 
     directory = pathlib.Path(directory)
@@ -336,17 +356,12 @@ def save_eagle(model: EagleDraftModel, directory, target_gguf: str | None = None
     tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
     if model.hot_token_ids is not None:
         tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
-    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a head is package data
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": fmt})
+    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a draft is package data
     config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "architecture": "EagleDraftModel",
-        "feature": ("target final normed hidden state (ModelOutput.hidden, capture_hidden='last')"
-                    if not model.feature_layers else
-                    "residual stream after feature_layers, then the final normed hidden state (FeatureLayers capture)"),
-        "feature_layers": list(model.feature_layers),
-        "num_layers": 1,
+        "format": fmt,
+        "format_version": version,
+        **fields,
         "hot_vocab_size": model.draft_vocab_size if model.hot_token_ids is not None else None,
         "weights_dtype": str(dtype).removeprefix("torch."),
         "target": target_identity(model.config, target_gguf),

@@ -25,12 +25,11 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import time
 
-from specjet.train.eagle import (_gguf_name, add_data_arguments, collect_samples, default_threads, describe,
-                                 feature_target, fingerprint)
+from specjet.train.eagle import (_gguf_name, add_data_arguments, cli_main, describe, frozen_target, target_features,
+                                 timed_samples)
 
 
 EVAL_KNOWN = 2  # known tokens of the held-out report's second table
@@ -105,14 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    torch.set_num_threads(args.threads or default_threads())
-    print(f"specjet.train dflash: {torch.get_num_threads()} torch thread(s)")
-    summary = run(args)
-    print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
+    cli_main("dflash", build_parser, run, argv)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -122,11 +114,9 @@ def run(args: argparse.Namespace) -> dict:
     from specjet.models.config import ModelConfig
     from specjet.models.dflash import DFlashDraftModel, DFlashShape, default_target_layers, save_dflash
     from specjet.models.forward_batch import FeatureLayers
-    from specjet.models.runner import ModelRunner
-    from specjet.models.weights import load_state_dict, resolve_model_path, specjet_cache_dir
+    from specjet.models.weights import resolve_model_path, specjet_cache_dir
     from specjet.train import data as D
     from specjet.train.dflash_trainer import DFlashTrainConfig, evaluate, format_report, train
-    from specjet.train.features import extract_features, load_sequences
 
     model_dir = resolve_model_path(args.model_path)
     work = args.work_dir or specjet_cache_dir() / "train" / f"dflash-{model_dir.name}"
@@ -143,34 +133,16 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
 
     # ---- 1. data (the EAGLE trainer's samples and cache)
-    t0 = time.perf_counter()
-    train_samples, eval_samples = collect_samples(args, tokenizer, data_dir)
-    timings["data"] = round(time.perf_counter() - t0, 1)
-    for name, samples in (("train", train_samples), ("eval", eval_samples)):
-        print(f"{name}: {describe(samples)}")
+    train_samples, eval_samples = timed_samples(args, tokenizer, data_dir, timings)
 
     # ---- 2. features: the draft's context at every position
-    state_dict = load_state_dict(model_dir)
-    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1)
-    feature_runner, target_tag = feature_target(args, config, state_dict, runner)
-    tag = "-L" + "-".join(map(str, target_layers)) + target_tag
-    train_dir = work / "features" / f"train-{fingerprint(train_samples)}{tag}"
-    eval_dir = work / "features" / f"eval-{fingerprint(eval_samples)}{tag}"
-    capture = FeatureLayers(target_layers)
-    timings["features"] = round(
-        extract_features(feature_runner, train_samples, train_dir, "features (train)", capture=capture)
-        + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
-    del feature_runner
-    train_seqs, eval_seqs = load_sequences(train_dir), load_sequences(eval_dir)
+    tag = "-L" + "-".join(map(str, target_layers))
+    runner, train_dir, train_seqs, eval_seqs = target_features(args, config, model_dir, work,
+                                                               FeatureLayers(target_layers), tag, train_samples,
+                                                               eval_samples, timings)
 
     # ---- 3. train (fp32, against the fp32 target's embedding and LM head)
-    eos = tuple(config.eos_token_ids) + (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),)
-    hot = D.hot_token_ids(train_samples, args.hot_vocab, config.vocab_size, eos) if args.hot_vocab else None
-    if hot is not None:
-        print(f"hot vocabulary: {len(hot)} ids, covering {D.coverage(eval_samples, hot):.2%} of held-out reply tokens")
-    target = runner.model
-    target.requires_grad_(False)
-    target.lm_head.packed = None  # the packed matmul has no backward; the draft's logits train through it
+    target, hot = frozen_target(args, config, tokenizer, runner, train_samples, eval_samples)
     torch.manual_seed(args.seed)
     draft = DFlashDraftModel(config, shape, hot_token_ids=hot).bind_target(target)
     cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt,

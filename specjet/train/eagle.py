@@ -112,13 +112,19 @@ def default_threads() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    cli_main("eagle", build_parser, run, argv)
+
+
+def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
+    """A draft trainer's command (``python -m specjet.train <name>``): its arguments parsed, the torch threads set,
+    the run, and its data and timings printed."""
+    args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     torch.set_num_threads(args.threads or default_threads())
-    print(f"specjet.train eagle: {torch.get_num_threads()} torch thread(s)")
-    summary = run(args)
+    print(f"specjet.train {name}: {torch.get_num_threads()} torch thread(s)")
+    summary = run_args(args)
     print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
 
 
@@ -129,11 +135,9 @@ def run(args: argparse.Namespace) -> dict:
     from specjet.models.config import ModelConfig
     from specjet.models.eagle import EagleDraftModel, save_eagle
     from specjet.models.forward_batch import FeatureLayers
-    from specjet.models.runner import ModelRunner
-    from specjet.models.weights import load_state_dict, resolve_model_path, specjet_cache_dir
+    from specjet.models.weights import resolve_model_path, specjet_cache_dir
     from specjet.train import data as D
     from specjet.train.evaluate import evaluate, format_report
-    from specjet.train.features import extract_features, load_sequences
     from specjet.train.trainer import TrainConfig, train
 
     model_dir = resolve_model_path(args.model_path)
@@ -145,38 +149,19 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
 
     # ---- 1. data
-    t0 = time.perf_counter()
-    train_samples, eval_samples = collect_samples(args, tokenizer, work / "data")
-    timings["data"] = round(time.perf_counter() - t0, 1)
-    for name, samples in (("train", train_samples), ("eval", eval_samples)):
-        print(f"{name}: {describe(samples)}")
+    train_samples, eval_samples = timed_samples(args, tokenizer, work / "data", timings)
 
     # ---- 2. features
     # The head trains in fp32 against an fp32 target (its embedding and LM head); the features it
     # reads come from a target in --feature-dtype, the dtype it will draft for.
-    state_dict = load_state_dict(model_dir)
-    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1)
-    feature_runner, target_tag = feature_target(args, config, state_dict, runner)
-    features_dir = work / "features"
     feature_layers = tuple(args.feature_layers)
     capture = FeatureLayers(feature_layers) if feature_layers else "last"
-    tag = ("-L" + "-".join(map(str, feature_layers)) if feature_layers else "") + target_tag
-    train_dir = features_dir / f"train-{fingerprint(train_samples)}{tag}"
-    eval_dir = features_dir / f"eval-{fingerprint(eval_samples)}{tag}"
-    timings["features"] = round(
-        extract_features(feature_runner, train_samples, train_dir, "features (train)", capture=capture)
-        + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
-    del feature_runner
-    train_seqs, eval_seqs = load_sequences(train_dir), load_sequences(eval_dir)
+    tag = "-L" + "-".join(map(str, feature_layers)) if feature_layers else ""
+    runner, train_dir, train_seqs, eval_seqs = target_features(args, config, model_dir, work, capture, tag,
+                                                               train_samples, eval_samples, timings)
 
     # ---- 3. train
-    eos = tuple(config.eos_token_ids) + (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),)
-    hot = D.hot_token_ids(train_samples, args.hot_vocab, config.vocab_size, eos) if args.hot_vocab else None
-    if hot is not None:
-        print(f"hot vocabulary: {len(hot)} ids, covering {D.coverage(eval_samples, hot):.2%} of held-out reply tokens")
-    target = runner.model
-    target.requires_grad_(False)
-    target.lm_head.packed = None  # the packed matmul has no backward; the full-vocab head trains through it
+    target, hot = frozen_target(args, config, tokenizer, runner, train_samples, eval_samples)
     torch.manual_seed(args.seed)
     head = EagleDraftModel(config, hot_token_ids=hot, feature_layers=feature_layers).bind_target(target)
     cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_prompt=args.max_prompt, lr=args.lr,
@@ -212,6 +197,53 @@ def run(args: argparse.Namespace) -> dict:
     save_eagle(head, out, target_gguf=_gguf_name(args.model_path), training=summary)
     print(f"wrote {out}")
     return summary
+
+
+def timed_samples(args, tokenizer, data_dir: pathlib.Path, timings: dict) -> tuple[list, list]:
+    """A draft trainer's stage 1: the (train, eval) samples (``collect_samples``), timed and described."""
+    t0 = time.perf_counter()
+    train_samples, eval_samples = collect_samples(args, tokenizer, data_dir)
+    timings["data"] = round(time.perf_counter() - t0, 1)
+    for name, samples in (("train", train_samples), ("eval", eval_samples)):
+        print(f"{name}: {describe(samples)}")
+    return train_samples, eval_samples
+
+
+def target_features(args, config, model_dir, work: pathlib.Path, capture, tag: str, train_samples, eval_samples,
+                    timings: dict):
+    """A draft trainer's stage 2: the target's features of both sample sets (``capture``d from the target
+    ``feature_target`` picks), cached under ``work``/features in folders named by the samples, ``tag`` and the
+    target. Returns (the float32 runner the draft trains against, the train features' folder, the train and the
+    eval sequences)."""
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict
+    from specjet.train.features import extract_features, load_sequences
+
+    state_dict = load_state_dict(model_dir)
+    runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1)
+    feature_runner, target_tag = feature_target(args, config, state_dict, runner)
+    train_dir = work / "features" / f"train-{fingerprint(train_samples)}{tag}{target_tag}"
+    eval_dir = work / "features" / f"eval-{fingerprint(eval_samples)}{tag}{target_tag}"
+    timings["features"] = round(
+        extract_features(feature_runner, train_samples, train_dir, "features (train)", capture=capture)
+        + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
+    del feature_runner
+    return runner, train_dir, load_sequences(train_dir), load_sequences(eval_dir)
+
+
+def frozen_target(args, config, tokenizer, runner, train_samples, eval_samples):
+    """A draft trainer's target, frozen, and the draft's hot vocabulary (``--hot-vocab`` ids of the train replies
+    and EOS, or None): (target model, hot ids)."""
+    from specjet.train import data as D
+
+    eos = tuple(config.eos_token_ids) + (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),)
+    hot = D.hot_token_ids(train_samples, args.hot_vocab, config.vocab_size, eos) if args.hot_vocab else None
+    if hot is not None:
+        print(f"hot vocabulary: {len(hot)} ids, covering {D.coverage(eval_samples, hot):.2%} of held-out reply tokens")
+    target = runner.model
+    target.requires_grad_(False)
+    target.lm_head.packed = None  # the packed matmul has no backward; the draft's logits train through the head
+    return target, hot
 
 
 def target_quantization(args) -> str | None:
