@@ -68,8 +68,9 @@ from specjet.kernels.layer_stack import stack_projection
 from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
-from specjet.models.eagle import (FOLLOW_TARGET, TARGET_SHAPE_FIELDS, HotVocabDraft, SharedTarget, check_hot_token_ids,
-                                  check_target_shape, draft_method, hot_lm_head, read_draft_config, write_draft)
+from specjet.models.eagle import (FOLLOW_TARGET, HotVocabDraft, SharedTarget, check_hot_token_ids, check_target_shape,
+                                  check_trained_for, draft_method, fill_draft, hot_lm_head, read_draft_config,
+                                  write_draft)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.quantize import quantize_linears
@@ -577,11 +578,7 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
 
     directory = pathlib.Path(directory)
     config = read_dflash_config(directory)
-    trained_for = config["target"]
-    for name in TARGET_SHAPE_FIELDS + ("num_layers",):
-        if trained_for.get(name) != getattr(target_config, name):
-            raise ValueError(f"DFlash draft {directory} was trained for a target with {name}={trained_for.get(name)}, "
-                             f"this target has {getattr(target_config, name)}")
+    check_trained_for(config, target_config, directory, "DFlash draft")
     shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
                         block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                         root_context=config.get("root_context", False),
@@ -590,10 +587,4 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
                         position_masks=config.get("position_masks", False))
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"DFlash draft {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model = model.to(device=device, dtype=dtype).eval()
-    model.pack_for_decode()
-    return model
+    return fill_draft(model, tensors, dtype, device, directory, "DFlash draft")

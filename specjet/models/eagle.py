@@ -395,18 +395,29 @@ def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, devic
 
     directory = pathlib.Path(directory)
     config = read_eagle_config(directory)
-    trained_for = config["target"]
-    for name in TARGET_SHAPE_FIELDS + ("num_layers",):
-        if trained_for.get(name) != getattr(target_config, name):
-            raise ValueError(f"EAGLE head {directory} was trained for a target with {name}={trained_for.get(name)}, "
-                             f"this target has {getattr(target_config, name)}")
+    check_trained_for(config, target_config, directory, "EAGLE head")
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"),
                             feature_layers=tuple(config.get("feature_layers", ())))
+    return fill_draft(model, tensors, dtype, device, directory, "EAGLE head")
+
+
+def check_trained_for(config: dict, target_config: ModelConfig, directory, what: str) -> None:
+    """A saved draft (``config``: its config.json) refused unless it was trained for a target of this shape."""
+    trained_for = config["target"]
+    for name in TARGET_SHAPE_FIELDS + ("num_layers",):
+        if trained_for.get(name) != getattr(target_config, name):
+            raise ValueError(f"{what} {directory} was trained for a target with {name}={trained_for.get(name)}, "
+                             f"this target has {getattr(target_config, name)}")
+
+
+def fill_draft(model: nn.Module, tensors: dict, dtype, device, directory, what: str):
+    """``model`` with its saved ``tensors`` (every one of its parameters, nothing else), on ``device`` in ``dtype``,
+    packed for inference."""
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
-        raise ValueError(f"EAGLE head {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"{what} {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model = model.to(device=device, dtype=dtype).eval()
     model.pack_for_decode()
     return model
