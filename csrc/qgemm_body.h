@@ -211,9 +211,101 @@ static void lane_group(Lanes& lanes, const QuantizedRows& x, const float* bias, 
   }
 }
 
+#if SJ_VEC == 16
+// A verify's Q4_1 call (kMultiMinRows rows or more) goes kMultiGroups column groups x kMultiRows rows a tile: each
+// activation broadcast then feeds a VPDPBUSD per group, where `tile` gives each its own, and the groups' codes stay in
+// L1 for the call's later row tiles. Per output element the same integer sums and the same float operations in the
+// same order as `tile`: the same bits. Calls of fewer rows measured slower this way (bench/RESULTS.md, session 73).
+constexpr int kMultiGroups = 3, kMultiRows = 4;
+constexpr int64_t kMultiMinRows = 12;
+// With `fetch_next` (a triple's first row tile) the next kMultiGroups groups, next in memory, are fetched a block of
+// each per block: `tile`'s per-group prefetch runs past a group's end into the next group, which here is this tile's.
+static inline void q4_1_multi_tile(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                                   const float* bias, float* y, int64_t N, int64_t g, int64_t r0, bool fetch_next) {
+  constexpr int C = kMultiGroups, RR = kMultiRows;
+  vecf acc[C][RR];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < RR; ++r) acc[c][r] = f_zero();
+  const uint8_t* gq[C];
+  const uint16_t *gd[C], *gm[C];
+  for (int c = 0; c < C; ++c) {
+    gq[c] = qs + (g + c) * x.nb * kGroup * 16;
+    gd[c] = d + (g + c) * x.nb * kGroup;
+    gm[c] = m + (g + c) * x.nb * kGroup;
+  }
+  for (int64_t b = 0; b < x.nb; ++b) {
+    if (fetch_next) {  // the next tile's groups (they follow these in memory), a block of each per block
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* nq = gq[c] + C * x.nb * kGroup * 16 + b * 256;
+        for (int line = 0; line < 4; ++line) prefetch_l1(nq + line * 64);
+        if ((b & 1) == 0) {
+          prefetch_l1(gd[c] + C * x.nb * kGroup + b * kGroup);
+          prefetch_l1(gm[c] + C * x.nb * kGroup + b * kGroup);
+        }
+      }
+    }
+    veci isum[C][RR];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < RR; ++r) isum[c][r] = i_zero();
+    const int64_t at = r0 * x.K + b * kBlock;
+    for (int ch = 0; ch < 4; ++ch) {
+      veci lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const veci raw = i_load(gq[c] + (b * 4 + ch) * 64);
+        lo[c] = i_low_nibbles(raw);
+        hi[c] = i_high_nibbles(raw);
+      }
+      for (int r = 0; r < RR; ++r) {
+        const veci xl = i_bcast4(x.xq + at + r * x.K + 4 * ch);
+        for (int c = 0; c < C; ++c) isum[c][r] = _mm512_dpbusd_epi32(isum[c][r], lo[c], xl);
+        const veci xh = i_bcast4(x.xq + at + r * x.K + 4 * (ch + 4));
+        for (int c = 0; c < C; ++c) isum[c][r] = _mm512_dpbusd_epi32(isum[c][r], hi[c], xh);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const vecf dv = f_from_half(gd[c] + b * kGroup), mv = f_from_half(gm[c] + b * kGroup);
+      for (int r = 0; r < RR; ++r) {
+        const int64_t rb = (r0 + r) * x.nb + b;
+        acc[c][r] = f_fma(f_from_int(isum[c][r]), f_mul(dv, f_set1(x.dx[rb])), acc[c][r]);
+        acc[c][r] = f_fma(mv, f_set1(x.sx[rb]), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (g + c) * kGroup;
+    store_rows<RR>(acc[c], bias ? bias + col : nullptr, y + col, r0, N, static_cast<int>(std::min<int64_t>(kVec, N - col)));
+  }
+}
+#endif
+
 // Columns [g0 * 16, g1 * 16) of y (those below N), every row.
 static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias,
                  float* y, int64_t N, int64_t g0, int64_t g1) {
+#if SJ_VEC == 16
+  if (x.rows >= kMultiMinRows) {
+    // whole tiles of 3 groups x 4 rows; then the leftover rows of those groups, and the leftover groups, as before
+    const int64_t whole_rows = x.rows / kMultiRows * kMultiRows;
+    int64_t g = g0;
+    for (; g + kMultiGroups <= g1 && (g + kMultiGroups) * kGroup <= N; g += kMultiGroups) {
+      for (int64_t r = 0; r < whole_rows; r += kMultiRows) q4_1_multi_tile(x, qs, d, m, bias, y, N, g, r, r == 0);
+      if (whole_rows < x.rows) {
+        const QuantizedRows rest{x.rows - whole_rows, x.K, x.nb, x.xq + whole_rows * x.K, x.xu + whole_rows * x.K,
+                                 x.dx + whole_rows * x.nb, x.sx + whole_rows * x.nb};
+        for (int64_t gg = g; gg < g + kMultiGroups; ++gg) {
+          Q41Lanes lanes;
+          lanes.qs = qs + gg * x.nb * kGroup * 16;
+          lanes.d = d + gg * x.nb * kGroup;
+          lanes.m = m + gg * x.nb * kGroup;
+          lanes.half = 0;
+          const int64_t col = gg * kGroup;
+          lane_group(lanes, rest, bias ? bias + col : nullptr, y + whole_rows * N + col, N,
+                     static_cast<int>(std::min<int64_t>(kVec, N - col)));
+        }
+      }
+    }
+    g0 = g;
+  }
+#endif
   for (int64_t g = g0; g < g1; ++g) {
     for (int h = 0; h < kLaneGroups; ++h) {
       const int64_t col = g * kGroup + h * kVec;
