@@ -333,20 +333,22 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
   }
 }
 
-// acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_lo, p_lo + 1, .. p_end - 1 of
-// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)); keys
-// before seen_by_all are seen by every row, the others by the rows `visible` says. With kSums, also
-// row_sum[r]: the softmax denominator, the same weights added in the same position order (a float chain per
-// row, riding along the multiply-adds instead of a pass of its own over the scores).
+// acc[r][c0 .. c0 + kPvDims) for rows r0 .. r0 + R: the sums over keys p = p_from, p_from + 1, .. p_end - 1 of
+// w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)), started
+// from zero, or with `resume` from the sums that acc (and row_sum) hold for the keys before p_from; keys before
+// seen_by_all are seen by every row, the others by the rows `visible` says. With kSums, also row_sum[r]: the
+// softmax denominator, the same weights added in the same position order (a float chain per row, riding along the
+// multiply-adds instead of a pass of its own over the scores).
 template <int R, bool kSums, class ValueRow, class Visible>
-SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D,
-                            int64_t r0, int64_t c0, const float* scores, int64_t ld_scores, const Visible& visible,
-                            float* acc, float* row_sum) {
+SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end, bool resume,
+                            int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0, const float* scores,
+                            int64_t ld_scores, const Visible& visible, float* acc, float* row_sum) {
   lanes_d sum[R][kPvVecs];
   float weights[R];
   for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < kPvVecs; ++i) sum[r][i] = zero_lanes();
-    weights[r] = 0.0f;
+    for (int i = 0; i < kPvVecs; ++i)
+      sum[r][i] = resume ? load_lanes(acc + (r0 + r) * D + c0 + i * kLanes) : zero_lanes();
+    weights[r] = resume && kSums ? row_sum[r0 + r] : 0.0f;
   }
   // Key p's value times each row's weight; the keys every row sees (before seen_by_all) go without a test per row.
   auto add_key = [&](int64_t p, auto all) {
@@ -360,8 +362,8 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
       for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
     }
   };
-  const int64_t shared_end = std::max(p_lo, std::min(p_end, seen_by_all));
-  int64_t p = p_lo;
+  const int64_t shared_end = std::max(p_from, std::min(p_end, seen_by_all));
+  int64_t p = p_from;
   for (; p < shared_end; ++p) add_key(p, std::true_type{});
   for (; p < p_end; ++p) add_key(p, std::false_type{});
   for (int r = 0; r < R; ++r) {
@@ -371,14 +373,23 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_e
 }
 
 template <int R, class ValueRow, class Visible>
-SJ_INLINE void weigh_values_of_chunk(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all,
-                                     int64_t D, int64_t r0, int64_t c0, const float* scores, int64_t ld_scores,
-                                     const Visible& visible, float* acc, float* row_sum) {
+SJ_INLINE void weigh_values_of_chunk(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end,
+                                     bool resume, int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0,
+                                     const float* scores, int64_t ld_scores, const Visible& visible, float* acc,
+                                     float* row_sum) {
   if (c0 == 0)  // the first block of dims also makes the rows' denominators
-    weigh_values<R, true>(value_row, p_lo, p_end, seen_by_all, D, r0, c0, scores, ld_scores, visible, acc, row_sum);
+    weigh_values<R, true>(value_row, p_lo, p_from, p_end, resume, seen_by_all, D, r0, c0, scores, ld_scores, visible,
+                          acc, row_sum);
   else
-    weigh_values<R, false>(value_row, p_lo, p_end, seen_by_all, D, r0, c0, scores, ld_scores, visible, acc, row_sum);
+    weigh_values<R, false>(value_row, p_lo, p_from, p_end, resume, seen_by_all, D, r0, c0, scores, ld_scores, visible,
+                           acc, row_sum);
 }
+
+// Several blocks of rows take the keys kPvKeyChunk at a time, every block through a chunk before the next chunk, their
+// sums parked in acc and row_sum in between: the chunk's values (kPvKeyChunk x kPvDims floats) then stay in L1 for
+// all the blocks, where each block's pass over the whole range read them from L2 (or further) again. Each sum still
+// adds its keys in position order: the same bits.
+constexpr int64_t kPvKeyChunk = 64;
 
 // The weights x V sums of every row (acc[r][0 .. D)) and its softmax denominator (row_sum[r], zero on entry),
 // the values' rows at value_row(p): up to kPvRows rows and kPvDims dims at a time in registers (each value
@@ -387,23 +398,31 @@ template <class ValueRow, class Visible>
 void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D, int64_t rows,
                       const float* scores, int64_t ld_scores, const Visible& visible, float* acc, float* row_sum,
                       float* scratch) {
+  const int64_t chunk = rows > kPvRows ? kPvKeyChunk : std::max<int64_t>(1, p_end - p_lo);
   int64_t c0 = 0;
   for (; c0 + kPvDims <= D; c0 += kPvDims) {
-    int64_t r = 0;
-    for (; r + kPvRows <= rows; r += kPvRows)
-      weigh_values_of_chunk<kPvRows>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc,
-                                     row_sum);
-    if constexpr (kPvRows >= 4) {
-      if (rows - r == 3) {
-        weigh_values_of_chunk<3>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc, row_sum);
-        r += 3;
-      } else if (rows - r == 2) {
-        weigh_values_of_chunk<2>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc, row_sum);
-        r += 2;
+    int64_t from = p_lo;
+    do {  // at least once: an empty range still writes its zero sums
+      const int64_t to = std::min(p_end, from + chunk);
+      const bool resume = from > p_lo;
+      auto block = [&](auto rows_of_block, int64_t r) {
+        weigh_values_of_chunk<decltype(rows_of_block)::value>(value_row, p_lo, from, to, resume, seen_by_all, D, r, c0,
+                                                              scores, ld_scores, visible, acc, row_sum);
+      };
+      int64_t r = 0;
+      for (; r + kPvRows <= rows; r += kPvRows) block(std::integral_constant<int, kPvRows>{}, r);
+      if constexpr (kPvRows >= 4) {
+        if (rows - r == 3) {
+          block(std::integral_constant<int, 3>{}, r);
+          r += 3;
+        } else if (rows - r == 2) {
+          block(std::integral_constant<int, 2>{}, r);
+          r += 2;
+        }
       }
-    }
-    for (; r < rows; ++r)
-      weigh_values_of_chunk<1>(value_row, p_lo, p_end, seen_by_all, D, r, c0, scores, ld_scores, visible, acc, row_sum);
+      for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+      from = to;
+    } while (from < p_end);
   }
   if (c0 < D) {
     const bool sums = c0 == 0;  // no whole block of dims made the denominators

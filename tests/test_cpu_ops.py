@@ -331,6 +331,34 @@ def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_verify_tiles_value_sums_in_key_chunks_give_each_token_its_decode_bits(dim):
+    """A tile of more rows than one register block of the weights x V sums takes the keys 64 at a time, every block
+    of rows through a chunk before the next, the sums parked in memory between chunks (attention_body.h
+    kPvKeyChunk); a lone decode step's 3 rows take the whole range in one pass. 16 causal tokens after 203 cached
+    ones (chunk boundaries inside the cached keys and inside the new ones; 128 dims: a second block of dims, which
+    makes no denominators) must give each token's row the bits of that token decoded alone, on every build."""
+    heads, kv_heads, prefix, n = 9, 3, 203, 16
+    gen = torch.Generator().manual_seed(dim)
+    k = torch.randn(prefix + n + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(prefix + n + 1, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    table = scattered_table([prefix + n], gen)
+    q = torch.randn(n, heads, dim, generator=gen)
+    extend = build_attention_metadata(table, torch.arange(1), torch.tensor([prefix + n]), torch.tensor([n]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # whole tiles of 8 tokens (24 rows), not split by query head
+        for isa in supported_isas():
+            out = native(q, k, v, extend, isa)
+            for j in range(n):
+                alone = build_attention_metadata(table[:, :prefix + j + 1], torch.arange(1), torch.tensor([prefix + j + 1]),
+                                                 torch.tensor([1]))
+                assert torch.equal(out[j:j + 1], native(q[j:j + 1].contiguous(), k, v, alone, isa)), (isa, j)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, A._attention_float64(q, k, v, extend, 0.25).float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("q_len", [1, 16])
 def test_nothing_is_kept_from_one_call_to_the_next(q_len):
     """The keys a thread keeps between tiles live for one call: a layer stack passes the same slot table to every
