@@ -65,10 +65,9 @@ SJ_INLINE vec_d splat(float x) {
   return (vec_d)_mm_set1_ps(x);
 #endif
 }
-// acc += w * x lane by lane; w is a softmax weight, never -0, so its plain broadcast gives what vec_d{} + w did.
-SJ_INLINE void scale_add(lanes_d& acc, float w, const lanes_d& x) {
-  const vec_d wv = splat(w);
-  for (int i = 0; i < kParts; ++i) acc.part[i] = fused(wv, x.part[i], acc.part[i]);
+// acc += w * x lane by lane, w a softmax weight's broadcast (never -0, so splat gives what vec_d{} + w did).
+SJ_INLINE void scale_add(lanes_d& acc, vec_d w, const lanes_d& x) {
+  for (int i = 0; i < kParts; ++i) acc.part[i] = fused(w, x.part[i], acc.part[i]);
 }
 SJ_INLINE float lane(const lanes_d& a, int i) { return a.part[i / kVecLanes][i % kVecLanes]; }
 // Lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3): a halving tree, so each step is one
@@ -337,18 +336,20 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 // w[r][p] * v_p (a row's weights at scores[r * ld_scores + p - p_lo]; v_p's D values at value_row(p)), started
 // from zero, or with `resume` from the sums that acc (and row_sum) hold for the keys before p_from; keys before
 // seen_by_all are seen by every row, the others by the rows `visible` says. With kSums, also row_sum[r]: the
-// softmax denominator, the same weights added in the same position order (a float chain per row, riding along the
-// multiply-adds instead of a pass of its own over the scores).
+// softmax denominator, the same weights added in the same position order (a chain per row, riding along the
+// multiply-adds instead of a pass of its own over the scores). The chain adds the weight's broadcast, every lane the
+// same sum, in a register of its own: kept as floats, the compiler packed the rows' sums into one vector that it
+// parked on the stack, a store and a reload on every key's path.
 template <int R, bool kSums, class ValueRow, class Visible>
 SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end, bool resume,
                             int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0, const float* scores,
                             int64_t ld_scores, const Visible& visible, float* acc, float* row_sum) {
   lanes_d sum[R][kPvVecs];
-  float weights[R];
+  vec_d weights[R];
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < kPvVecs; ++i)
       sum[r][i] = resume ? load_lanes(acc + (r0 + r) * D + c0 + i * kLanes) : zero_lanes();
-    weights[r] = resume && kSums ? row_sum[r0 + r] : 0.0f;
+    weights[r] = splat(resume && kSums ? row_sum[r0 + r] : 0.0f);
   }
   // Key p's value times each row's weight; the keys every row sees (before seen_by_all) go without a test per row.
   auto add_key = [&](int64_t p, auto all) {
@@ -357,8 +358,8 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_f
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
     for (int r = 0; r < R; ++r) {
       if (!decltype(all)::value && !visible(r0 + r, p)) continue;
-      const float w = scores[(r0 + r) * ld_scores + p - p_lo];
-      if constexpr (kSums) weights[r] += w;
+      const vec_d w = splat(scores[(r0 + r) * ld_scores + p - p_lo]);
+      if constexpr (kSums) weights[r] = weights[r] + w;
       for (int i = 0; i < kPvVecs; ++i) scale_add(sum[r][i], w, vl[i]);
     }
   };
@@ -368,7 +369,7 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_f
   for (; p < p_end; ++p) add_key(p, std::false_type{});
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < kPvVecs; ++i) store_lanes(acc + (r0 + r) * D + c0 + i * kLanes, sum[r][i]);
-    if constexpr (kSums) row_sum[r0 + r] = weights[r];
+    if constexpr (kSums) row_sum[r0 + r] = weights[r][0];
   }
 }
 
