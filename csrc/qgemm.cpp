@@ -47,6 +47,11 @@ struct QuantizedRows {
   const float* sx;    // [rows, nb] dx * Σ xq: the quantized block's sum (for Q4_1's minimum)
 };
 
+// The rows past `from` as a QuantizedRows of their own (a kernel's leftover rows after its wide tiles).
+inline QuantizedRows rows_from(const QuantizedRows& x, int64_t from) {
+  return {x.rows - from, x.K, x.nb, x.xq + from * x.K, x.xu + from * x.K, x.dx + from * x.nb, x.sx + from * x.nb};
+}
+
 struct RowBuffers {
   std::vector<int8_t> xq;
   std::vector<uint8_t> xu;

@@ -172,11 +172,6 @@ inline int64_t tiled_rows(int64_t rows, int64_t min_rows) {
   return rows - whole >= min_rows ? rows : whole;
 }
 
-// The rows past `from` as a QuantizedRows of their own (for the VNNI kernel).
-inline QuantizedRows rows_from(const QuantizedRows& x, int64_t from) {
-  return {x.rows - from, x.K, x.nb, x.xq + from * x.K, x.xu + from * x.K, x.dx + from * x.nb, x.sx + from * x.nb};
-}
-
 // Columns [g0 * 16, g1 * 16) of y (those below N), every row; x.xq padded to a whole number of 16-row tiles.
 static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias,
                  float* y, int64_t N, int64_t g0, int64_t g1) {

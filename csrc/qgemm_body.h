@@ -133,6 +133,16 @@ struct Q41Lanes {
   }
 };
 
+// Column group g's lanes `half` of a packed Q4_1 weight of nb blocks a group.
+static inline Q41Lanes q41_lanes(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, int64_t g, int half) {
+  Q41Lanes lanes;
+  lanes.qs = qs + g * nb * kGroup * 16;
+  lanes.d = d + g * nb * kGroup;
+  lanes.m = m + g * nb * kGroup;
+  lanes.half = half;
+  return lanes;
+}
+
 // One lane group of a packed int8 weight: 8 steps of 64 bytes per block, one fp16 scale per column
 // and group of `blocks_per_group` blocks.
 struct Int8Lanes {
@@ -273,7 +283,7 @@ static inline void q4_1_multi_tile(const QuantizedRows& x, const uint8_t* qs, co
   }
   for (int c = 0; c < C; ++c) {
     const int64_t col = (g + c) * kGroup;
-    store_rows<RR>(acc[c], bias ? bias + col : nullptr, y + col, r0, N, static_cast<int>(std::min<int64_t>(kVec, N - col)));
+    store_rows<RR>(acc[c], bias ? bias + col : nullptr, y + col, r0, N, kVec);  // whole groups below N only
   }
 }
 #endif
@@ -289,17 +299,11 @@ static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, c
     for (; g + kMultiGroups <= g1 && (g + kMultiGroups) * kGroup <= N; g += kMultiGroups) {
       for (int64_t r = 0; r < whole_rows; r += kMultiRows) q4_1_multi_tile(x, qs, d, m, bias, y, N, g, r, r == 0);
       if (whole_rows < x.rows) {
-        const QuantizedRows rest{x.rows - whole_rows, x.K, x.nb, x.xq + whole_rows * x.K, x.xu + whole_rows * x.K,
-                                 x.dx + whole_rows * x.nb, x.sx + whole_rows * x.nb};
-        for (int64_t gg = g; gg < g + kMultiGroups; ++gg) {
-          Q41Lanes lanes;
-          lanes.qs = qs + gg * x.nb * kGroup * 16;
-          lanes.d = d + gg * x.nb * kGroup;
-          lanes.m = m + gg * x.nb * kGroup;
-          lanes.half = 0;
+        const QuantizedRows rest = rows_from(x, whole_rows);
+        for (int64_t gg = g; gg < g + kMultiGroups; ++gg) {  // whole groups below N: every column stored
+          Q41Lanes lanes = q41_lanes(qs, d, m, x.nb, gg, 0);
           const int64_t col = gg * kGroup;
-          lane_group(lanes, rest, bias ? bias + col : nullptr, y + whole_rows * N + col, N,
-                     static_cast<int>(std::min<int64_t>(kVec, N - col)));
+          lane_group(lanes, rest, bias ? bias + col : nullptr, y + whole_rows * N + col, N, kVec);
         }
       }
     }
@@ -310,11 +314,7 @@ static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, c
     for (int h = 0; h < kLaneGroups; ++h) {
       const int64_t col = g * kGroup + h * kVec;
       if (col >= N) break;
-      Q41Lanes lanes;
-      lanes.qs = qs + g * x.nb * kGroup * 16;
-      lanes.d = d + g * x.nb * kGroup;
-      lanes.m = m + g * x.nb * kGroup;
-      lanes.half = h;
+      Q41Lanes lanes = q41_lanes(qs, d, m, x.nb, g, h);
       lane_group(lanes, x, bias ? bias + col : nullptr, y + col, N, static_cast<int>(std::min<int64_t>(kVec, N - col)));
     }
   }
