@@ -105,18 +105,21 @@ struct __attribute__((visibility("hidden"))) Projection {
   // operator()(x) into y (cpu_ops.h's fit_output: y is reused when it fits) where the kernel writes in place: a
   // quantized, bf16 or bf16x3 weight on rows of its kernel's dtype. Elsewhere y becomes the tensor operator() returns.
   void into(const torch::Tensor& x, torch::Tensor& y) const {
-    if (kind == kBf16 && x.scalar_type() == torch::kBFloat16) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
+    if (bf16_on(x)) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
     if (kind == kBf16x3 && x.scalar_type() == torch::kFloat32) return specjet_cpu::bf16x3_gemm_into(x, a, bias, y);
-    if ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) return quantized_into(x, y);
+    if (quantized_on(x)) return quantized_into(x, y);
     y = (*this)(x);
   }
 
-  // Whether fused_into runs row ops in this projection's kernel team: a quantized weight on float32 rows, a bf16
-  // weight on bf16 rows.
-  bool fuses_rows(const torch::Tensor& x) const {
-    return ((kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32) ||
-           (kind == kBf16 && x.scalar_type() == torch::kBFloat16);
+  // Whether the kernel of this weight takes x's rows as they are (no conversion): a quantized weight on float32
+  // rows, a bf16 weight on bf16 rows.
+  bool quantized_on(const torch::Tensor& x) const {
+    return (kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32;
   }
+  bool bf16_on(const torch::Tensor& x) const { return kind == kBf16 && x.scalar_type() == torch::kBFloat16; }
+
+  // Whether fused_into runs row ops in this projection's kernel team: where its kernel takes the rows as they are.
+  bool fuses_rows(const torch::Tensor& x) const { return quantized_on(x) || bf16_on(x); }
 
   // into(x, y) with `fused` row ops (cpu_ops.h) around it in the kernel's team, where fuses_rows(x): x [rows, K]
   // already shaped (`before` writes it), y already [rows, out_columns()] of x's dtype (`after` reads it: the kernel
