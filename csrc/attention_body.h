@@ -340,10 +340,13 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 // multiply-adds instead of a pass of its own over the scores). The chain adds the weight's broadcast, every lane the
 // same sum, in a register of its own: kept as floats, the compiler packed the rows' sums into one vector that it
 // parked on the stack, a store and a reload on every key's path.
+// Values read from the pool (a decode step's rows) are fetched this many keys ahead: like the keys, one row of
+// num_kv_heads a slot, which the hardware's prefetchers left the loads waiting for on a long context.
+constexpr int64_t kValuesAhead = 32;
 template <int R, bool kSums, class ValueRow, class Visible>
 SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end, bool resume,
                             int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0, const float* scores,
-                            int64_t ld_scores, const Visible& visible, float* acc, float* row_sum) {
+                            int64_t ld_scores, const Visible& visible, float* acc, float* row_sum, bool fetch_ahead) {
   lanes_d sum[R][kPvVecs];
   vec_d weights[R];
   for (int r = 0; r < R; ++r) {
@@ -353,6 +356,7 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_f
   }
   // Key p's value times each row's weight; the keys every row sees (before seen_by_all) go without a test per row.
   auto add_key = [&](int64_t p, auto all) {
+    if (fetch_ahead && p + kValuesAhead < p_end) prefetch_row(value_row(p + kValuesAhead) + c0, kPvDims);
     const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
@@ -377,13 +381,13 @@ template <int R, class ValueRow, class Visible>
 SJ_INLINE void weigh_values_of_chunk(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end,
                                      bool resume, int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0,
                                      const float* scores, int64_t ld_scores, const Visible& visible, float* acc,
-                                     float* row_sum) {
+                                     float* row_sum, bool fetch_ahead) {
   if (c0 == 0)  // the first block of dims also makes the rows' denominators
     weigh_values<R, true>(value_row, p_lo, p_from, p_end, resume, seen_by_all, D, r0, c0, scores, ld_scores, visible,
-                          acc, row_sum);
+                          acc, row_sum, fetch_ahead);
   else
     weigh_values<R, false>(value_row, p_lo, p_from, p_end, resume, seen_by_all, D, r0, c0, scores, ld_scores, visible,
-                           acc, row_sum);
+                           acc, row_sum, fetch_ahead);
 }
 
 // Several blocks of rows take the keys kPvKeyChunk at a time, every block through a chunk before the next chunk, their
@@ -395,10 +399,11 @@ constexpr int64_t kPvKeyChunk = 64;
 // The weights x V sums of every row (acc[r][0 .. D)) and its softmax denominator (row_sum[r], zero on entry),
 // the values' rows at value_row(p): up to kPvRows rows and kPvDims dims at a time in registers (each value
 // loaded once for them); a head_dim tail that does not fill kPvDims goes through memory (`scratch`: D floats).
+// `from_pool`: value_row reads the pool (fetched ahead), not a widened copy already in the caches.
 template <class ValueRow, class Visible>
 void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D, int64_t rows,
                       const float* scores, int64_t ld_scores, const Visible& visible, float* acc, float* row_sum,
-                      float* scratch) {
+                      float* scratch, bool from_pool) {
   const int64_t chunk = rows > kPvRows ? kPvKeyChunk : std::max<int64_t>(1, p_end - p_lo);
   int64_t c0 = 0;
   for (; c0 + kPvDims <= D; c0 += kPvDims) {
@@ -408,7 +413,7 @@ void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, in
       const bool resume = from > p_lo;
       auto block = [&](auto rows_of_block, int64_t r) {
         weigh_values_of_chunk<decltype(rows_of_block)::value>(value_row, p_lo, from, to, resume, seen_by_all, D, r, c0,
-                                                              scores, ld_scores, visible, acc, row_sum);
+                                                              scores, ld_scores, visible, acc, row_sum, from_pool);
       };
       int64_t r = 0;
       for (; r + kPvRows <= rows; r += kPvRows) block(std::integral_constant<int, kPvRows>{}, r);
@@ -689,16 +694,22 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   if (ws.keys.size() < static_cast<size_t>(whole_blocks * kKeyBlock * Dp))
     ws.keys.resize(whole_blocks * kKeyBlock * Dp);  // a larger vector keeps the blocks already in it
   float* kept_keys = ws.keys.data();
-  constexpr int64_t kAhead = 8;
+  constexpr int64_t kAhead = 8;  // keys fetched ahead where they go one by one
+  // Whole blocks of keys are fetched kKeyBlocksAhead blocks ahead of the one widened: a KV head's key is one row of
+  // num_kv_heads in each slot (the default model: 2 of every 6 cache lines), which the hardware's prefetchers alone
+  // did not fetch early enough (a long context's decode step and verify waited on the widening's loads).
+  constexpr int64_t kKeyBlocksAhead = 4;
   const int64_t fresh_from = c_lo + kept_blocks * kKeyBlock;  // the first key not kept from the previous tile
-  for (int64_t p = fresh_from; p < std::min(c_end, fresh_from + kAhead); ++p) prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
+  const int64_t fetched_first = std::max(kAhead, whole_blocks > kept_blocks ? kKeyBlocksAhead * kKeyBlock : 0);
+  for (int64_t p = fresh_from; p < std::min(c_end, fresh_from + fetched_first); ++p)
+    prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
   int64_t p0 = c_lo;
 #if SJ_VEC_BYTES >= 32
   for (; p0 + kKeyBlock <= c_end; p0 += kKeyBlock) {  // whole blocks of keys, then key by key
     const int64_t block = (p0 - c_lo) / kKeyBlock;
     float* kept_block = kept_keys + block * kKeyBlock * Dp;
     if (block >= kept_blocks) {
-      for (int64_t p = p0 + kKeyBlock; p < std::min(c_end, p0 + 2 * kKeyBlock); ++p)
+      for (int64_t p = p0 + kKeyBlocksAhead * kKeyBlock; p < std::min(c_end, p0 + (kKeyBlocksAhead + 1) * kKeyBlock); ++p)
         prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
       // Widened into kd (its padding zeroed above) and transposed into the kept block, or widened there.
       float* dst = transposed ? kd : kept_block;
@@ -776,9 +787,9 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     for (int64_t p = c_lo + ws.kept_values; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
     ws.kept_values = std::max(ws.kept_values, c_end - c_lo);
     weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, seen_by_all, D, rows,
-                     scores, ld_scores, visible, acc, row_sum, kd);
+                     scores, ld_scores, visible, acc, row_sum, kd, false);
   } else {
-    weigh_all_values(pool_row, c_lo, c_end, seen_by_all, D, rows, scores, ld_scores, visible, acc, row_sum, kd);
+    weigh_all_values(pool_row, c_lo, c_end, seen_by_all, D, rows, scores, ld_scores, visible, acc, row_sum, kd, true);
   }
   if (partial != nullptr) {
     const int64_t width = partial_width(D);

@@ -30,6 +30,9 @@ KERNELS = {
     "AVX-512 bf16 GEMM": r"^bf16_avx512::",
     "AVX-512 attention (bf16 pool)": r"^isa_avx512::attend_tile<float, c10::BFloat16>",
     "AVX2 attention (bf16 pool)": r"^isa_avx2::attend_tile<float, c10::BFloat16>",
+    # A decode step's weights x V read the pool's values in place, fetched ahead (kValuesAhead).
+    "AVX-512 attention values (bf16 pool)": r"^(auto )?isa_avx512::weigh_all_values<isa_avx512::attend_tile<float, c10::BFloat16>",
+    "AVX2 attention values (bf16 pool)": r"^(auto )?isa_avx2::weigh_all_values<isa_avx2::attend_tile<float, c10::BFloat16>",
 }
 
 
