@@ -343,6 +343,8 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 // Values read from the pool (a decode step's rows) are fetched this many keys ahead: like the keys, one row of
 // num_kv_heads a slot, which the hardware's prefetchers left the loads waiting for on a long context.
 constexpr int64_t kValuesAhead = 32;
+// A verify's tile widens its chunk's values into its scratch in one tight loop: those rows are fetched this far ahead.
+constexpr int64_t kWidenAhead = 64;
 template <int R, bool kSums, class ValueRow, class Visible>
 SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end, bool resume,
                             int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0, const float* scores,
@@ -784,7 +786,11 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   if (!std::is_same<C, float>::value && rows > kPvRows) {
     if (ws.vd.size() < static_cast<size_t>((c_end - c_lo) * D)) ws.vd.resize((c_end - c_lo) * D);
     float* vd = ws.vd.data();
-    for (int64_t p = c_lo + ws.kept_values; p < c_end; ++p) widen(pool_row(p), vd + (p - c_lo) * D, D);
+    // A value row's widening is a few instructions, so its loads are fetched far ahead (kWidenAhead keys).
+    for (int64_t p = c_lo + ws.kept_values; p < c_end; ++p) {
+      if (p + kWidenAhead < c_end) prefetch_row(pool_row(p + kWidenAhead), D);
+      widen(pool_row(p), vd + (p - c_lo) * D, D);
+    }
     ws.kept_values = std::max(ws.kept_values, c_end - c_lo);
     weigh_all_values([&](int64_t p) -> const float* { return vd + (p - c_lo) * D; }, c_lo, c_end, seen_by_all, D, rows,
                      scores, ld_scores, visible, acc, row_sum, kd, false);
