@@ -414,8 +414,10 @@ void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, in
       const int64_t to = std::min(p_end, from + chunk);
       const bool resume = from > p_lo;
       auto block = [&](auto rows_of_block, int64_t r) {
+        // The first block of rows fetches the chunk's values ahead; the later blocks find them in the caches.
         weigh_values_of_chunk<decltype(rows_of_block)::value>(value_row, p_lo, from, to, resume, seen_by_all, D, r, c0,
-                                                              scores, ld_scores, visible, acc, row_sum, from_pool);
+                                                              scores, ld_scores, visible, acc, row_sum,
+                                                              from_pool && r == 0);
       };
       int64_t r = 0;
       for (; r + kPvRows <= rows; r += kPvRows) block(std::integral_constant<int, kPvRows>{}, r);
