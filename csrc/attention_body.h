@@ -340,15 +340,18 @@ SJ_INLINE lanes_d widen_lanes(const T* src) {
 // multiply-adds instead of a pass of its own over the scores). The chain adds the weight's broadcast, every lane the
 // same sum, in a register of its own: kept as floats, the compiler packed the rows' sums into one vector that it
 // parked on the stack, a store and a reload on every key's path.
-// Values read from the pool (a decode step's rows) are fetched this many keys ahead: like the keys, one row of
-// num_kv_heads a slot, which the hardware's prefetchers left the loads waiting for on a long context.
+// Values read from the pool (a decode step's rows, a float32 pool's verify) are fetched this many keys ahead
+// (`fetch_ahead`; up to `fetch_end`, the whole range's end, so a chunk's last keys fetch the next chunk's first):
+// like the keys, one row of num_kv_heads a slot, which the hardware's prefetchers left the loads waiting for on a
+// long context.
 constexpr int64_t kValuesAhead = 32;
 // A verify's tile widens its chunk's values into its scratch in one tight loop: those rows are fetched this far ahead.
 constexpr int64_t kWidenAhead = 64;
 template <int R, bool kSums, class ValueRow, class Visible>
 SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end, bool resume,
                             int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0, const float* scores,
-                            int64_t ld_scores, const Visible& visible, float* acc, float* row_sum, bool fetch_ahead) {
+                            int64_t ld_scores, const Visible& visible, float* acc, float* row_sum, bool fetch_ahead,
+                            int64_t fetch_end) {
   lanes_d sum[R][kPvVecs];
   vec_d weights[R];
   for (int r = 0; r < R; ++r) {
@@ -358,7 +361,7 @@ SJ_INLINE void weigh_values(const ValueRow& value_row, int64_t p_lo, int64_t p_f
   }
   // Key p's value times each row's weight; the keys every row sees (before seen_by_all) go without a test per row.
   auto add_key = [&](int64_t p, auto all) {
-    if (fetch_ahead && p + kValuesAhead < p_end) prefetch_row(value_row(p + kValuesAhead) + c0, kPvDims);
+    if (fetch_ahead && p + kValuesAhead < fetch_end) prefetch_row(value_row(p + kValuesAhead) + c0, kPvDims);
     const auto* v = value_row(p) + c0;
     lanes_d vl[kPvVecs];
     for (int i = 0; i < kPvVecs; ++i) vl[i] = widen_lanes(v + i * kLanes);
@@ -383,13 +386,13 @@ template <int R, class ValueRow, class Visible>
 SJ_INLINE void weigh_values_of_chunk(const ValueRow& value_row, int64_t p_lo, int64_t p_from, int64_t p_end,
                                      bool resume, int64_t seen_by_all, int64_t D, int64_t r0, int64_t c0,
                                      const float* scores, int64_t ld_scores, const Visible& visible, float* acc,
-                                     float* row_sum, bool fetch_ahead) {
+                                     float* row_sum, bool fetch_ahead, int64_t fetch_end) {
   if (c0 == 0)  // the first block of dims also makes the rows' denominators
     weigh_values<R, true>(value_row, p_lo, p_from, p_end, resume, seen_by_all, D, r0, c0, scores, ld_scores, visible,
-                          acc, row_sum, fetch_ahead);
+                          acc, row_sum, fetch_ahead, fetch_end);
   else
     weigh_values<R, false>(value_row, p_lo, p_from, p_end, resume, seen_by_all, D, r0, c0, scores, ld_scores, visible,
-                           acc, row_sum, fetch_ahead);
+                           acc, row_sum, fetch_ahead, fetch_end);
 }
 
 // Several blocks of rows take the keys kPvKeyChunk at a time, every block through a chunk before the next chunk, their
@@ -417,7 +420,7 @@ void weigh_all_values(const ValueRow& value_row, int64_t p_lo, int64_t p_end, in
         // The first block of rows fetches the chunk's values ahead; the later blocks find them in the caches.
         weigh_values_of_chunk<decltype(rows_of_block)::value>(value_row, p_lo, from, to, resume, seen_by_all, D, r, c0,
                                                               scores, ld_scores, visible, acc, row_sum,
-                                                              from_pool && r == 0);
+                                                              from_pool && r == 0, p_end);
       };
       int64_t r = 0;
       for (; r + kPvRows <= rows; r += kPvRows) block(std::integral_constant<int, kPvRows>{}, r);
