@@ -79,6 +79,17 @@ namespace isa_amx {
 }  // namespace isa_amx
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2")
+namespace isa_bf16dp {
+#define SJ_VEC_BYTES 64
+#define SJ_BF16_SCORES 1
+#include "attention_body.h"
+#undef SJ_BF16_SCORES
+#undef SJ_VEC_BYTES
+}  // namespace isa_bf16dp
+#pragma GCC pop_options
+
 namespace isa_base {
 #define SJ_VEC_BYTES 16
 #include "attention_body.h"
@@ -87,7 +98,7 @@ namespace isa_base {
 
 namespace {
 
-enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3, kBf16Dp = 4 };
 
 bool isa_supported(int64_t isa) {
   switch (isa) {
@@ -98,6 +109,7 @@ bool isa_supported(int64_t isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
     case kAmx:  // the bf16 GEMM's check (asked once: a CPUID in a virtual machine traps to the host)
       return isa_supported(kAvx512) && specjet_cpu::amx_bf16_supported();
+    case kBf16Dp: return isa_supported(kAvx512) && specjet_cpu::bf16_gemm_isa_supported(1);  // AVX-512 BF16
     default: return false;
   }
 }
@@ -105,6 +117,10 @@ bool isa_supported(int64_t isa) {
 template <class T, class C>
 void dispatch(int64_t isa, const Batch& bt, const T* q, const C* k, const C* v, T* out, int64_t batch) {
   if (isa == kAmx) isa_amx::attend_all(bt, q, k, v, out, batch);
+  // bf16dp words are pairs of dimensions, 16 a step: another head_dim takes the avx512 lanes (every call of a model
+  // has the same head_dim, so all its forwards still compute alike).
+  else if (isa == kBf16Dp && bt.head_dim % 32 == 0) isa_bf16dp::attend_all(bt, q, k, v, out, batch);
+  else if (isa == kBf16Dp) isa_avx512::attend_all(bt, q, k, v, out, batch);
   else if (isa == kAvx512) isa_avx512::attend_all(bt, q, k, v, out, batch);
   else if (isa == kAvx2) isa_avx2::attend_all(bt, q, k, v, out, batch);
   else isa_base::attend_all(bt, q, k, v, out, batch);

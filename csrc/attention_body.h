@@ -1,7 +1,8 @@
 // The kernels of attention.cpp, compiled once per instruction set: attention.cpp includes this file
 // inside a namespace under `#pragma GCC target(...)`. Lanes stay independent and every product-and-sum is
 // one explicit fused multiply-add (nothing else is fused: -ffp-contract=off), so every build gives the same
-// bits; only the speed differs.
+// bits; only the speed differs. (Two builds give a bf16 pool's scores their own bits, asked for by name: `amx`,
+// SJ_AMX_SCORES, and `bf16dp`, SJ_BF16_SCORES; within each, every path still computes alike.)
 
 // Query tokens of one request handled together, with all the query heads of one KV head: each key is
 // loaded and widened once for all of them.
@@ -259,6 +260,61 @@ SJ_INLINE void score_key_pairs_transposed(const float* q, int64_t Dp, const floa
       const vec_d sum = (u[0][r][b] + u[2][r][b]) + (u[1][r][b] + u[3][r][b]);
       std::memcpy(out + r * ld_out + b * kKeyBlock, &sum, sizeof sum);
     }
+}
+#endif
+
+#ifdef SJ_BF16_SCORES
+// The bf16dp build: a bf16 pool's scores from VDPBF16PS on q rounded to bf16 (RNE). A key and a q row are read as
+// words, pairs of dimensions (2w, 2w + 1); lane l of a score adds the steps of words l, l + 16, l + 32, .. in order,
+// each step the instruction's (the odd dimension's exact product added, then the even one's), then the lanes go
+// through sum_lanes' tree. Half the products' instructions of the float lanes, no widening of the keys.
+// W: words a row (head_dim / 2, a multiple of 16).
+SJ_INLINE lanes_d word_lanes(const uint32_t* qw, const void* key, int64_t W) {
+  const auto* k = static_cast<const char*>(key);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < W; c += 16)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + c * 4), (__m512bh)_mm512_loadu_si512(qw + c));
+  lanes_d a;
+  a.part[0] = (vec_d)acc;
+  return a;
+}
+
+// out[r * ld_out + 0 .. 2 * kKeyBlock) for R rows from two blocks of keys transposed as words (kt[w * kKeyBlock + j]:
+// word w of key j; kt2 the second block): score_key_pairs_transposed's order of lane sums, words for dimensions.
+template <int R>
+SJ_INLINE void score_word_pairs_transposed(const uint32_t* qw, int64_t W, const float* kt, const float* kt2, float* out,
+                                           int64_t ld_out) {
+  auto add_word = [&](int64_t w, __m512 (*a)[2]) {
+    const __m512bh k = (__m512bh)_mm512_loadu_ps(kt + w * kKeyBlock), kb = (__m512bh)_mm512_loadu_ps(kt2 + w * kKeyBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * W + w]));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], k, qb);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], kb, qb);
+    }
+  };
+  auto half = [&](int64_t i, int64_t o0, int64_t o1, __m512 (*t)[2]) {  // t[r][b] = L_(i+o0) + L_(i+o1), block b
+    __m512 a0[R][2], a1[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 2; ++b) a0[r][b] = a1[r][b] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < W; c += 16) {
+      add_word(c + i + o0, a0);
+      add_word(c + i + o1, a1);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 2; ++b) t[r][b] = _mm512_add_ps(a0[r][b], a1[r][b]);
+  };
+  __m512 u[4][R][2];
+  for (int64_t i = 0; i < 4; ++i) {
+    __m512 t0[R][2], t1[R][2];
+    half(i, 0, 8, t0);
+    half(i, 4, 12, t1);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 2; ++b) u[i][r][b] = _mm512_add_ps(t0[r][b], t1[r][b]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 2; ++b)
+      _mm512_storeu_ps(out + r * ld_out + b * kKeyBlock,
+                       _mm512_add_ps(_mm512_add_ps(u[0][r][b], u[2][r][b]), _mm512_add_ps(u[1][r][b], u[3][r][b])));
 }
 #endif
 
@@ -678,6 +734,24 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     widen(q + (t * H + h) * D, qd + r * Dp, D);
     for (int64_t d = 0; d < D; ++d) qd[r * Dp + d] *= static_cast<float>(bt.scale);
   }
+#ifdef SJ_BF16_SCORES
+  constexpr bool kWords = std::is_same<C, at::BFloat16>::value;  // a bf16 pool: scores by VDPBF16PS (word_lanes)
+  const int64_t W = D / 2;
+  const uint32_t* qw = nullptr;
+  if constexpr (kWords) {
+    ws.q_pairs.resize(rows * W);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qd + r * Dp + c + 16), _mm512_loadu_ps(qd + r * Dp + c));
+        _mm512_storeu_si512(ws.q_pairs.data() + r * W + c / 2, (__m512i)h);
+      }
+    qw = ws.q_pairs.data();
+  }
+#else
+  constexpr bool kWords = false;
+  constexpr int64_t W = 0;
+  const uint32_t* qw = nullptr;
+#endif
   // The thread's previous tile may have left this tile's keys and values (Workspace): the blocks it kept are not
   // read from the pool again. The same floats, so the same bits.
   if (ws.kept_slots != slots || ws.kept_kvh != kvh || ws.kept_lo != c_lo) {
@@ -718,15 +792,26 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     if (block >= kept_blocks) {
       for (int64_t p = p0 + kKeyBlocksAhead * kKeyBlock; p < std::min(c_end, p0 + (kKeyBlocksAhead + 1) * kKeyBlock); ++p)
         prefetch_row(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, D);
-      // Widened into kd (its padding zeroed above) and transposed into the kept block, or widened there.
+      // Widened into kd (its padding zeroed above) and transposed into the kept block, or widened there. (bf16dp:
+      // a tile of many rows transposes the keys' words, unwidened; a decode step's rows read the keys in place.)
       float* dst = transposed ? kd : kept_block;
-      for (int64_t j = 0; j < kKeyBlock; ++j) {
-        widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, dst + j * Dp, D);
-        if (!transposed) std::fill(dst + j * Dp + D, dst + (j + 1) * Dp, 0.0f);
-      }
+      if constexpr (kWords) {
 #if SJ_VEC_BYTES == 64
-      if (transposed) transpose_keys(kd, Dp, kept_block);
+        if (transposed) {
+          for (int64_t j = 0; j < kKeyBlock; ++j)
+            std::memcpy(kd + j * W, k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, W * 4);
+          transpose_keys(kd, W, kept_block);
+        }
 #endif
+      } else {
+        for (int64_t j = 0; j < kKeyBlock; ++j) {
+          widen(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, dst + j * Dp, D);
+          if (!transposed) std::fill(dst + j * Dp + D, dst + (j + 1) * Dp, 0.0f);
+        }
+#if SJ_VEC_BYTES == 64
+        if (transposed) transpose_keys(kd, Dp, kept_block);
+#endif
+      }
     }
 #if SJ_VEC_BYTES == 64
     if (transposed) {  // blocks scored in pairs once both are ready (an even block waits for its partner)
@@ -736,6 +821,23 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
       const float* kt = pair ? kept_block - kKeyBlock * Dp : kept_block;
       float* sp = scores + first - c_lo;
       int64_t r = 0;
+#ifdef SJ_BF16_SCORES
+      if constexpr (kWords) {
+        const float* kt2 = pair ? kt + kKeyBlock * Dp : kt;  // a lone block is scored twice, its 16 scores kept
+        alignas(64) float lone[kTransposedRowBlock * 2 * kKeyBlock];
+        for (; r < rows; r += kTransposedRowBlock) {
+          const int64_t n = std::min<int64_t>(kTransposedRowBlock, rows - r);
+          float* o = pair ? sp + r * ld_scores : lone;
+          const int64_t ld = pair ? ld_scores : 2 * kKeyBlock;
+          if (n == kTransposedRowBlock) score_word_pairs_transposed<kTransposedRowBlock>(qw + r * W, W, kt, kt2, o, ld);
+          else
+            for (int64_t i = 0; i < n; ++i) score_word_pairs_transposed<1>(qw + (r + i) * W, W, kt, kt2, o + i * ld, ld);
+          if (!pair)
+            for (int64_t i = 0; i < n; ++i) std::memcpy(sp + (r + i) * ld_scores, lone + i * ld, kKeyBlock * sizeof(float));
+        }
+        continue;
+      }
+#endif
       for (; r + kTransposedRowBlock <= rows; r += kTransposedRowBlock) {
         if (pair) score_key_pairs_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
         else score_keys_transposed<kTransposedRowBlock>(qd + r * Dp, Dp, kt, sp + r * ld_scores, ld_scores);
@@ -746,12 +848,30 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
       continue;
     }
 #endif
+#ifdef SJ_BF16_SCORES
+    if constexpr (kWords) {
+      for (int64_t r = 0; r < rows; ++r) {
+        lanes_d a[kKeyBlock];
+        for (int64_t j = 0; j < kKeyBlock; ++j)
+          a[j] = word_lanes(qw + r * W, k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, W);
+        sum_lanes_of_keys(a, scores + r * ld_scores + p0 - c_lo);
+      }
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) score_keys(qd + r * Dp, Dp, kept_block, scores + r * ld_scores + p0 - c_lo);
   }
 #endif
   ws.kept_blocks = std::max(kept_blocks, whole_blocks);
   for (int64_t p = p0; p < c_end; ++p) {
     if (p + kAhead < c_end) prefetch_row(k_cache + slots[p + kAhead] * bt.slot_stride + kvh * bt.head_stride, D);
+#ifdef SJ_BF16_SCORES
+    if constexpr (kWords) {
+      for (int64_t r = 0; r < rows; ++r)
+        scores[r * ld_scores + p - c_lo] = sum_lanes(word_lanes(qw + r * W, k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, W));
+      continue;
+    }
+#endif
     widen(k_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride, kd, D);  // kd[D .. Dp) stay zero
     int64_t r = 0;
     float* sp = scores + p - c_lo;

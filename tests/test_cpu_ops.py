@@ -40,12 +40,16 @@ def scattered_table(kv_lens: list[int], gen) -> torch.Tensor:
 
 def supported_isas(pool_dtype=torch.bfloat16) -> list[str]:
     """The builds this CPU runs that give the lanes' bits for a pool of pool_dtype: every one for a float32 pool; for
-    a bf16 pool all but ``amx``, which scores it on AMX tiles (its own bits: test_amx_scores_*)."""
+    a bf16 pool all but ``amx`` (AMX tiles) and ``bf16dp`` (VDPBF16PS), which score it their own way (their own
+    bits: test_builds_of_their_own_bits_*)."""
     return [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)
-            and (name != "amx" or pool_dtype == torch.float32)]
+            and (name not in cpu_ops.OWN_BITS or pool_dtype == torch.float32)]
 
 
-AMX = cpu_ops.extension() is not None and cpu_ops.extension().isa_supported(cpu_ops.ISAS["amx"])
+def runs(isa: str) -> bool:
+    return cpu_ops.extension() is not None and cpu_ops.extension().isa_supported(cpu_ops.ISAS[isa])
+
+
 
 
 def native(q, k, v, meta, isa=None):
@@ -298,8 +302,8 @@ def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_
     (or transposed) instead of reading them again: 5 new tokens of a 3-head group split by query head on 2
     threads (5 rows scored key-block by key-block, then 10 from transposed blocks), 9 and 17 tokens in tiles of
     8 (24 transposed rows, then 3 rows key-block by key-block; causal tiles see more keys than the one before),
-    80 dims (keys padded to 96). Every build and thread count gives the base build's bits on one thread (the amx
-    build its own bits on one thread), and the torch path's values."""
+    80 dims (keys padded to 96). Every build and thread count gives the base build's bits on one thread (the amx and
+    bf16dp builds their own bits on one thread), and the torch path's values."""
     isas = supported_isas(torch.float32)
     heads, kv_heads = 9, 3
     kv_lens, q_lens = [61, 140, 300], [5, 9, 17]
@@ -321,9 +325,10 @@ def test_tiles_that_share_a_kv_heads_keys_give_every_build_and_thread_count_the_
                     outs[isa, n] = native(q, k, v, meta, isa)
             first = outs["base", 1]
             for key, out in outs.items():
-                assert torch.equal(out, outs["amx", 1] if key[0] == "amx" else first), (b, key)
+                assert torch.equal(out, outs[key[0], 1] if key[0] in cpu_ops.OWN_BITS else first), (b, key)
             torch.set_num_threads(threads)
-            for isa, tol in {"base": 1e-5, "amx": 3e-5}.items():  # amx: q to ~16 bits, the tiles' own sums
+            # amx: q to ~16 bits, the tiles' own sums; bf16dp: q to bf16
+            for isa, tol in {"base": 1e-5, "amx": 3e-5, "bf16dp": 1e-2}.items():
                 if isa in isas:
                     torch.testing.assert_close(outs[isa, 1], A._attention_float64(q, k, v, meta, 0.25).float(),
                                                rtol=tol, atol=tol)
@@ -410,18 +415,23 @@ def test_a_bf16_pool_read_by_few_rows_gives_every_build_the_float_pools_bits(gro
         assert torch.equal(native(q, k, v, meta, isa), native(q, k.float(), v.float(), meta, isa)), isa
 
 
-@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16 tiles (or this process may not use them)")
-@pytest.mark.parametrize("dim", [64, 80])
-def test_amx_scores_keep_every_invariance_and_the_lanes_values(dim):
+@pytest.mark.parametrize("build,dim", [("amx", 64), ("amx", 80), ("bf16dp", 64), ("bf16dp", 128)])
+def test_builds_of_their_own_bits_keep_every_invariance_and_the_lanes_values(build, dim):
     """The amx build scores a bf16 pool's keys on tiles, 16 keys a tile (read in place where their slots follow each
-    other, else gathered; 80 dims padded to 96), q split into bf16 hi + lo. Each score is one key's and one row's
-    sum, so: a 16-node tree's rows (two tiles of 8 tokens x 3 heads, a context of 300 and one past a key chunk) give
-    the bits of each token alone with its keys contiguous; the same keys in scattered slots give the same bits;
-    requests batched give their bits alone, on 1-3 threads; the values stay within 2e-5 of the lanes' build and of
-    the torch path; and a float32 pool takes the avx512 build's lanes, bit for bit."""
+    other, else gathered; 80 dims padded to 96), q split into bf16 hi + lo; the bf16dp build by VDPBF16PS on q rounded
+    to bf16 (a tile of 8+ rows from blocks of keys transposed as pairs of dimensions, a decode step's rows and the
+    keys past the last whole block from the keys in place; a head_dim not a multiple of 32 takes the avx512 lanes).
+    Each score is one key's and one row's sum, so: a 16-node
+    tree's rows (two tiles of 8 tokens x 3 heads, a context of 300 and one past a key chunk) give the bits of each
+    token alone with its keys contiguous; the same keys in scattered slots give the same bits; requests batched give
+    their bits alone, on 1-3 threads; the values stay close to the lanes' build and the torch path (amx 2e-5; bf16dp
+    1e-2: q to bf16's 8 bits); and a float32 pool takes the avx512 build's lanes, bit for bit."""
+    if not runs(build):
+        pytest.skip(f"this CPU does not run the {build} build (AMX-BF16 tiles, or AVX-512 BF16)")
     heads, kv_heads, nodes = 9, 3, 16
+    tol = 2e-5 if build == "amx" else 1e-2
     gen = torch.Generator().manual_seed(dim)
-    amx = cpu_ops.ISAS["amx"]
+    amx = cpu_ops.ISAS[build]
     ext = cpu_ops.extension()
 
     def attend(q, k, v, table, kv_lens, q_lens, mask=None, isa=amx):
@@ -455,8 +465,10 @@ def test_amx_scores_keep_every_invariance_and_the_lanes_values(dim):
                 assert torch.equal(attend(q, k, v, table, [n], [nodes], mask)[0], out), (prefix, t)
             torch.set_num_threads(threads)
             lanes, _ = attend(q, k, v, table, [n], [nodes], mask, isa=cpu_ops.ISAS["avx512"])
-            torch.testing.assert_close(out, lanes, rtol=2e-5, atol=2e-5)
-            torch.testing.assert_close(out, A._attention_float64(q, k, v, meta, 0.125).float(), rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(out, lanes, rtol=tol, atol=tol)
+            torch.testing.assert_close(out, A._attention_float64(q, k, v, meta, 0.125).float(), rtol=tol, atol=tol)
+            if build == "bf16dp":  # not the lanes' bits: the products are bf16's
+                assert not torch.equal(out, lanes)
             floats = attend(q, k.float(), v.float(), table, [n], [nodes], mask)[0]
             assert torch.equal(floats, attend(q, k.float(), v.float(), table, [n], [nodes], mask,
                                               isa=cpu_ops.ISAS["avx512"])[0])
@@ -470,6 +482,12 @@ def test_amx_scores_keep_every_invariance_and_the_lanes_values(dim):
         for b in range(2):
             alone, _ = attend(q[b:b + 1].contiguous(), k, v, table[b:b + 1, :kv_lens[b]], kv_lens[b:b + 1], [1])
             assert torch.equal(alone[0], both[b]), b
+        if build == "bf16dp":  # pairs of dimensions 16 words a step: another head_dim takes the avx512 lanes
+            k80 = torch.randn(301, kv_heads, 80, generator=gen).to(torch.bfloat16)
+            q80 = torch.randn(nodes, heads, 80, generator=gen)
+            table80, mask80 = torch.arange(1, 301).view(1, 300), tree_mask(1, nodes, gen)
+            assert torch.equal(attend(q80, k80, k80, table80, [300], [nodes], mask80)[0],
+                               attend(q80, k80, k80, table80, [300], [nodes], mask80, isa=cpu_ops.ISAS["avx512"])[0])
     finally:
         torch.set_num_threads(threads)
 
@@ -678,20 +696,21 @@ def test_the_models_native_path_matches_its_torch_path(tiny_model_dir):
 
 
 def test_a_forced_attention_instruction_set_is_checked(monkeypatch):
-    """SPECJET_ATTENTION_ISA names a build: an unknown name, or one this CPU cannot run (amx without AMX-BF16), is a
-    clear error; amx runs only when asked for, never as the default."""
+    """SPECJET_ATTENTION_ISA names a build: an unknown name, or one this CPU cannot run (amx without AMX-BF16, bf16dp
+    without AVX-512 BF16), is a clear error; amx and bf16dp run only when asked for, never as the default."""
     try:
         monkeypatch.setenv(cpu_ops.ISA_ENV, "avx1024")
         cpu_ops.isa.cache_clear()
         with pytest.raises(ValueError, match="SPECJET_ATTENTION_ISA='avx1024'"):
             cpu_ops.isa()
-        monkeypatch.setenv(cpu_ops.ISA_ENV, "amx")
-        cpu_ops.isa.cache_clear()
-        if AMX:
-            assert cpu_ops.isa() == cpu_ops.ISAS["amx"]
-        else:
-            with pytest.raises(ValueError, match="SPECJET_ATTENTION_ISA='amx'"):
-                cpu_ops.isa()
+        for own in cpu_ops.OWN_BITS:
+            monkeypatch.setenv(cpu_ops.ISA_ENV, own)
+            cpu_ops.isa.cache_clear()
+            if runs(own):
+                assert cpu_ops.isa() == cpu_ops.ISAS[own]
+            else:
+                with pytest.raises(ValueError, match=f"SPECJET_ATTENTION_ISA='{own}'"):
+                    cpu_ops.isa()
         monkeypatch.delenv(cpu_ops.ISA_ENV)
         cpu_ops.isa.cache_clear()
         assert cpu_ops.isa() == max(cpu_ops.ISAS[name] for name in supported_isas())

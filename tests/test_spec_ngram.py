@@ -77,6 +77,36 @@ def test_greedy_equals_plain_with_the_attentions_amx_scores(tiny_model_dir, monk
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
+@pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["bf16dp"]),
+                    reason="this CPU has no AVX-512 BF16")
+def test_greedy_equals_plain_with_the_attentions_bf16_products(tmp_path, default_model_dir, monkeypatch):
+    """SPECJET_ATTENTION_ISA=bf16dp (a bf16 pool's scores by VDPBF16PS on q rounded to bf16, bits of its own) on a
+    model whose head_dim it takes (32): NGRAM trees verified with it give the ids plain decoding gives with it,
+    batched and alone, and leak no KV."""
+    from conftest import make_tiny_model_dir
+
+    model_dir = str(make_tiny_model_dir(tmp_path / "wide", default_model_dir, weight_std=0.05, hidden_size=128,
+                                         intermediate_size=256))
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "bf16dp")
+    cpu_ops.isa.cache_clear()
+    try:
+        assert cpu_ops.isa() == cpu_ops.ISAS["bf16dp"]
+        with specjet.Engine(model_path=model_dir, max_total_tokens=4096, disable_guided_drafting=True) as eng:
+            expected = [o["output_ids"] for o in eng.generate(PROMPTS, greedy(48))]
+            eng.check_kv_invariant()
+        with specjet.Engine(model_path=model_dir, speculative_algorithm="NGRAM", max_total_tokens=4096) as eng:
+            outs = eng.generate(PROMPTS, greedy(48))
+            single = [eng.generate(p, greedy(48)) for p in PROMPTS]
+            eng.check_kv_invariant()
+            stats = eng.get_server_info()["stats"]
+    finally:
+        monkeypatch.delenv(cpu_ops.ISA_ENV)
+        cpu_ops.isa.cache_clear()
+    assert [o["output_ids"] for o in outs] == expected
+    assert [o["output_ids"] for o in single] == expected
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
+
+
 def test_cuts_at_max_new_tokens_and_stops_mid_run(tiny_model_dir, plain):
     full = plain.generate(PROMPTS[0], greedy(60))
     text, ids = full["text"], full["output_ids"]
