@@ -218,31 +218,19 @@ SJ_INLINE void score_keys_transposed(const float* q, int64_t Dp, const float* kt
   }
 }
 
-// score_keys_transposed for two blocks of keys side by side (kt and kt + kKeyBlock * Dp; scores to out[r * ld_out
-// + 0 .. 2 * kKeyBlock)): each broadcast q element serves both blocks. With one block the broadcast loads, one per
-// multiply-add, bound the loop well below the multiply-add rate; here one serves two. The same operations on every
-// score as score_keys_transposed: lane chains L_l from 0, T = L_i + L_(i+8) and L_(i+4) + L_(i+12), U_i their sum,
-// then (U_0 + U_2) + (U_1 + U_3). A quarter's four lanes go in two halves, so 2 x R x 2 chains are alive at once.
-template <int R>
-SJ_INLINE void score_key_pairs_transposed(const float* q, int64_t Dp, const float* kt, float* out, int64_t ld_out) {
-  const float* kt2 = kt + kKeyBlock * Dp;
-  auto add_dim = [&](int64_t d, vec_d (*a)[2]) {  // lane chains of dimension d, both blocks, every row
-    vec_d k, kb;
-    std::memcpy(&k, kt + d * kKeyBlock, sizeof k);
-    std::memcpy(&kb, kt2 + d * kKeyBlock, sizeof kb);
-    for (int r = 0; r < R; ++r) {
-      const vec_d qb = splat(q[r * Dp + d]);
-      a[r][0] = fused(qb, k, a[r][0]);
-      a[r][1] = fused(qb, kb, a[r][1]);
-    }
-  };
+// The lane tree of two blocks' scores side by side, over n steps (dimensions, or bf16dp's pairs of them): lane chains
+// L_l adding steps l, l + 16, .. from 0 (add(s, a): step s into the chains a[r][b] of every row and block), T =
+// L_i + L_(i+8) and L_(i+4) + L_(i+12), U_i their sum, then (U_0 + U_2) + (U_1 + U_3): sum_lanes' additions for each
+// score. A quarter's four lanes go in two halves, so 2 x R x 2 chains are alive at once.
+template <int R, class AddStep>
+SJ_INLINE void lane_tree_of_pairs(int64_t n, const AddStep& add, float* out, int64_t ld_out) {
   auto half = [&](int64_t i, int64_t o0, int64_t o1, vec_d (*t)[2]) {  // t[r][b] = L_(i+o0) + L_(i+o1), block b
     vec_d a0[R][2], a1[R][2];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < 2; ++b) a0[r][b] = a1[r][b] = vec_d{};
-    for (int64_t c = 0; c < Dp; c += kLanes) {
-      add_dim(c + i + o0, a0);
-      add_dim(c + i + o1, a1);
+    for (int64_t c = 0; c < n; c += kLanes) {
+      add(c + i + o0, a0);
+      add(c + i + o1, a1);
     }
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < 2; ++b) t[r][b] = a0[r][b] + a1[r][b];
@@ -260,6 +248,26 @@ SJ_INLINE void score_key_pairs_transposed(const float* q, int64_t Dp, const floa
       const vec_d sum = (u[0][r][b] + u[2][r][b]) + (u[1][r][b] + u[3][r][b]);
       std::memcpy(out + r * ld_out + b * kKeyBlock, &sum, sizeof sum);
     }
+}
+
+// score_keys_transposed for two blocks of keys side by side (kt and kt + kKeyBlock * Dp; scores to out[r * ld_out
+// + 0 .. 2 * kKeyBlock)): each broadcast q element serves both blocks. With one block the broadcast loads, one per
+// multiply-add, bound the loop well below the multiply-add rate; here one serves two. The same operations on every
+// score as score_keys_transposed (lane_tree_of_pairs).
+template <int R>
+SJ_INLINE void score_key_pairs_transposed(const float* q, int64_t Dp, const float* kt, float* out, int64_t ld_out) {
+  const float* kt2 = kt + kKeyBlock * Dp;
+  auto add_dim = [&](int64_t d, vec_d (*a)[2]) {  // lane chains of dimension d, both blocks, every row
+    vec_d k, kb;
+    std::memcpy(&k, kt + d * kKeyBlock, sizeof k);
+    std::memcpy(&kb, kt2 + d * kKeyBlock, sizeof kb);
+    for (int r = 0; r < R; ++r) {
+      const vec_d qb = splat(q[r * Dp + d]);
+      a[r][0] = fused(qb, k, a[r][0]);
+      a[r][1] = fused(qb, kb, a[r][1]);
+    }
+  };
+  lane_tree_of_pairs<R>(Dp, add_dim, out, ld_out);
 }
 #endif
 
@@ -284,37 +292,15 @@ SJ_INLINE lanes_d word_lanes(const uint32_t* qw, const void* key, int64_t W) {
 template <int R>
 SJ_INLINE void score_word_pairs_transposed(const uint32_t* qw, int64_t W, const float* kt, const float* kt2, float* out,
                                            int64_t ld_out) {
-  auto add_word = [&](int64_t w, __m512 (*a)[2]) {
+  auto add_word = [&](int64_t w, vec_d (*a)[2]) {
     const __m512bh k = (__m512bh)_mm512_loadu_ps(kt + w * kKeyBlock), kb = (__m512bh)_mm512_loadu_ps(kt2 + w * kKeyBlock);
     for (int r = 0; r < R; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * W + w]));
-      a[r][0] = _mm512_dpbf16_ps(a[r][0], k, qb);
-      a[r][1] = _mm512_dpbf16_ps(a[r][1], kb, qb);
+      a[r][0] = (vec_d)_mm512_dpbf16_ps((__m512)a[r][0], k, qb);
+      a[r][1] = (vec_d)_mm512_dpbf16_ps((__m512)a[r][1], kb, qb);
     }
   };
-  auto half = [&](int64_t i, int64_t o0, int64_t o1, __m512 (*t)[2]) {  // t[r][b] = L_(i+o0) + L_(i+o1), block b
-    __m512 a0[R][2], a1[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < 2; ++b) a0[r][b] = a1[r][b] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < W; c += 16) {
-      add_word(c + i + o0, a0);
-      add_word(c + i + o1, a1);
-    }
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < 2; ++b) t[r][b] = _mm512_add_ps(a0[r][b], a1[r][b]);
-  };
-  __m512 u[4][R][2];
-  for (int64_t i = 0; i < 4; ++i) {
-    __m512 t0[R][2], t1[R][2];
-    half(i, 0, 8, t0);
-    half(i, 4, 12, t1);
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < 2; ++b) u[i][r][b] = _mm512_add_ps(t0[r][b], t1[r][b]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < 2; ++b)
-      _mm512_storeu_ps(out + r * ld_out + b * kKeyBlock,
-                       _mm512_add_ps(_mm512_add_ps(u[0][r][b], u[2][r][b]), _mm512_add_ps(u[1][r][b], u[3][r][b])));
+  lane_tree_of_pairs<R>(W, add_word, out, ld_out);
 }
 #endif
 

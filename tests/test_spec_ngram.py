@@ -3,6 +3,7 @@ target's distribution under sampling, and no KV leak. Tiny random-weight model."
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import pytest
@@ -51,60 +52,48 @@ def test_greedy_equals_plain(tiny_model_dir, plain, page_size, num_draft_tokens,
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
-@pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["amx"]),
-                    reason="this CPU has no AMX-BF16 tiles (or this process may not use them)")
-def test_greedy_equals_plain_with_the_attentions_amx_scores(tiny_model_dir, monkeypatch):
-    """SPECJET_ATTENTION_ISA=amx (a bf16 pool's scores on AMX tiles, bits of its own): NGRAM trees verified with it give
-    the ids plain decoding gives with it, batched and alone, and leak no KV."""
-    monkeypatch.setenv(cpu_ops.ISA_ENV, "amx")
+def _greedy_equals_plain_under(isa: str, model_dir: str, **engine_kw) -> None:
+    """With SPECJET_ATTENTION_ISA=isa: NGRAM trees give the ids plain decoding gives (both under isa), batched and
+    alone, drafts accepted, no KV leaked."""
+    os.environ[cpu_ops.ISA_ENV] = isa
     cpu_ops.isa.cache_clear()
     try:
-        assert cpu_ops.isa() == cpu_ops.ISAS["amx"]
-        with specjet.Engine(model_path=str(tiny_model_dir), dtype="bfloat16", max_total_tokens=4096,
-                            disable_guided_drafting=True) as eng:
+        assert cpu_ops.isa() == cpu_ops.ISAS[isa]
+        with specjet.Engine(model_path=model_dir, max_total_tokens=4096, disable_guided_drafting=True,
+                            **engine_kw) as eng:
             expected = [o["output_ids"] for o in eng.generate(PROMPTS, greedy(48))]
             eng.check_kv_invariant()
-        with ngram_engine(tiny_model_dir, dtype="bfloat16") as eng:
+        with specjet.Engine(model_path=model_dir, speculative_algorithm="NGRAM", max_total_tokens=4096,
+                            **engine_kw) as eng:
             outs = eng.generate(PROMPTS, greedy(48))
             single = [eng.generate(p, greedy(48)) for p in PROMPTS]
             eng.check_kv_invariant()
             stats = eng.get_server_info()["stats"]
     finally:
-        monkeypatch.delenv(cpu_ops.ISA_ENV)
+        del os.environ[cpu_ops.ISA_ENV]
         cpu_ops.isa.cache_clear()
     assert [o["output_ids"] for o in outs] == expected
     assert [o["output_ids"] for o in single] == expected
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
+
+
+@pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["amx"]),
+                    reason="this CPU has no AMX-BF16 tiles (or this process may not use them)")
+def test_greedy_equals_plain_with_the_attentions_amx_scores(tiny_model_dir):
+    """SPECJET_ATTENTION_ISA=amx (a bf16 pool's scores on AMX tiles, bits of its own)."""
+    _greedy_equals_plain_under("amx", str(tiny_model_dir), dtype="bfloat16")
 
 
 @pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["bf16dp"]),
                     reason="this CPU has no AVX-512 BF16")
-def test_greedy_equals_plain_with_the_attentions_bf16_products(tmp_path, default_model_dir, monkeypatch):
+def test_greedy_equals_plain_with_the_attentions_bf16_products(tmp_path, default_model_dir):
     """SPECJET_ATTENTION_ISA=bf16dp (a bf16 pool's scores by VDPBF16PS on q rounded to bf16, bits of its own) on a
-    model whose head_dim it takes (32): NGRAM trees verified with it give the ids plain decoding gives with it,
-    batched and alone, and leak no KV."""
+    model whose head_dim it takes (32; smaller weights, so the greedy text repeats and n-grams get drafted)."""
     from conftest import make_tiny_model_dir
 
-    model_dir = str(make_tiny_model_dir(tmp_path / "wide", default_model_dir, weight_std=0.05, hidden_size=128,
-                                         intermediate_size=256))
-    monkeypatch.setenv(cpu_ops.ISA_ENV, "bf16dp")
-    cpu_ops.isa.cache_clear()
-    try:
-        assert cpu_ops.isa() == cpu_ops.ISAS["bf16dp"]
-        with specjet.Engine(model_path=model_dir, max_total_tokens=4096, disable_guided_drafting=True) as eng:
-            expected = [o["output_ids"] for o in eng.generate(PROMPTS, greedy(48))]
-            eng.check_kv_invariant()
-        with specjet.Engine(model_path=model_dir, speculative_algorithm="NGRAM", max_total_tokens=4096) as eng:
-            outs = eng.generate(PROMPTS, greedy(48))
-            single = [eng.generate(p, greedy(48)) for p in PROMPTS]
-            eng.check_kv_invariant()
-            stats = eng.get_server_info()["stats"]
-    finally:
-        monkeypatch.delenv(cpu_ops.ISA_ENV)
-        cpu_ops.isa.cache_clear()
-    assert [o["output_ids"] for o in outs] == expected
-    assert [o["output_ids"] for o in single] == expected
-    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
+    model_dir = make_tiny_model_dir(tmp_path / "wide", default_model_dir, weight_std=0.05, hidden_size=128,
+                                    intermediate_size=256)
+    _greedy_equals_plain_under("bf16dp", str(model_dir))
 
 
 def test_cuts_at_max_new_tokens_and_stops_mid_run(tiny_model_dir, plain):
