@@ -838,8 +838,17 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
     if constexpr (kWords) {
       for (int64_t r = 0; r < rows; ++r) {
         lanes_d a[kKeyBlock];
-        for (int64_t j = 0; j < kKeyBlock; ++j)
-          a[j] = word_lanes(qw + r * W, k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, W);
+        if (W == 32) {  // head_dim 64: the row's two steps of q held in registers across the block's keys
+          const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qw + r * W), q1 = (__m512bh)_mm512_loadu_si512(qw + r * W + 16);
+          for (int64_t j = 0; j < kKeyBlock; ++j) {
+            const auto* k = reinterpret_cast<const char*>(k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride);
+            const __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), q0);
+            a[j].part[0] = (vec_d)_mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(k + 64), q1);
+          }
+        } else {
+          for (int64_t j = 0; j < kKeyBlock; ++j)
+            a[j] = word_lanes(qw + r * W, k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, W);
+        }
         sum_lanes_of_keys(a, scores + r * ld_scores + p0 - c_lo);
       }
       continue;
