@@ -52,9 +52,9 @@ def test_greedy_equals_plain(tiny_model_dir, plain, page_size, num_draft_tokens,
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
-def _greedy_equals_plain_under(isa: str, model_dir: str, **engine_kw) -> None:
-    """With SPECJET_ATTENTION_ISA=isa: NGRAM trees give the ids plain decoding gives (both under isa), batched and
-    alone, drafts accepted, no KV leaked."""
+def _plain_and_ngram_under(isa: str, model_dir: str, **engine_kw) -> tuple[list, list, list, dict]:
+    """With SPECJET_ATTENTION_ISA=isa: plain decoding's ids, then NGRAM's outputs batched and alone and its stats (each
+    engine's KV invariant checked after its workload)."""
     os.environ[cpu_ops.ISA_ENV] = isa
     cpu_ops.isa.cache_clear()
     try:
@@ -72,28 +72,34 @@ def _greedy_equals_plain_under(isa: str, model_dir: str, **engine_kw) -> None:
     finally:
         del os.environ[cpu_ops.ISA_ENV]
         cpu_ops.isa.cache_clear()
-    assert [o["output_ids"] for o in outs] == expected
-    assert [o["output_ids"] for o in single] == expected
-    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
+    return expected, outs, single, stats
 
 
 @pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["amx"]),
                     reason="this CPU has no AMX-BF16 tiles (or this process may not use them)")
 def test_greedy_equals_plain_with_the_attentions_amx_scores(tiny_model_dir):
-    """SPECJET_ATTENTION_ISA=amx (a bf16 pool's scores on AMX tiles, bits of its own)."""
-    _greedy_equals_plain_under("amx", str(tiny_model_dir), dtype="bfloat16")
+    """SPECJET_ATTENTION_ISA=amx (a bf16 pool's scores on AMX tiles, bits of its own): NGRAM trees verified with it
+    give plain decoding's ids under it, batched and alone, with drafts accepted."""
+    expected, outs, single, stats = _plain_and_ngram_under("amx", str(tiny_model_dir), dtype="bfloat16")
+    assert [o["output_ids"] for o in outs] == expected
+    assert [o["output_ids"] for o in single] == expected
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
 @pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["bf16dp"]),
                     reason="this CPU has no AVX-512 BF16")
 def test_greedy_equals_plain_with_the_attentions_bf16_products(tmp_path, default_model_dir):
     """SPECJET_ATTENTION_ISA=bf16dp (a bf16 pool's scores by VDPBF16PS on q rounded to bf16, bits of its own) on a
-    model whose head_dim it takes (32; smaller weights, so the greedy text repeats and n-grams get drafted)."""
+    model whose head_dim it takes (32; smaller weights, so the greedy text repeats and n-grams get drafted): NGRAM
+    trees verified with it give plain decoding's ids under it, batched and alone, with drafts accepted."""
     from conftest import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "wide", default_model_dir, weight_std=0.05, hidden_size=128,
                                     intermediate_size=256)
-    _greedy_equals_plain_under("bf16dp", str(model_dir))
+    expected, outs, single, stats = _plain_and_ngram_under("bf16dp", str(model_dir))
+    assert [o["output_ids"] for o in outs] == expected
+    assert [o["output_ids"] for o in single] == expected
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
 def test_cuts_at_max_new_tokens_and_stops_mid_run(tiny_model_dir, plain):
