@@ -514,7 +514,7 @@ SJ_INLINE float max_of(const float* s, int64_t n, float m) {
 // so a call allocates and zero-fills nothing its thread's earlier calls already sized.
 struct Workspace {
   std::vector<float> qd, scores, acc, kd, vd, row_max, row_sum;
-  std::vector<int64_t> row_end;
+  std::vector<int64_t> row_start, row_end;
   std::vector<const bool*> row_mask;
   // What a tile leaves for the thread's next tile when that reads the same keys and values (a KV head's next query
   // tile, or its other query heads): whose they are (the request's slot table, the KV head, the chunk's first
@@ -653,10 +653,13 @@ inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_
 #undef SJ_SCORE_LO
 #endif
 
-// Keys are taken in chunks of kKeyChunk positions (0 .. kKeyChunk - 1, then the next ..), the same chunks for
-// every row whatever the batch, so a long context's chunks can go to different threads without changing a
-// bit: a chunk's softmax is taken against its own maximum, and the chunks are merged in position order
-// (merge_chunks). A row that sees kKeyChunk keys or fewer has one chunk, and the arithmetic of a single pass.
+// Keys are taken in chunks of kKeyChunk of the keys a row sees, by their rank among them (0 .. kKeyChunk - 1, then
+// the next ..), the same chunks for every row whatever the batch, so a long context's chunks can go to different
+// threads without changing a bit: a chunk's softmax is taken against its own maximum, and the chunks are merged in
+// position order (merge_chunks). A row that sees kKeyChunk keys or fewer has one chunk, and the arithmetic of a
+// single pass. The rank is the position, except among a masked request's new tokens: a tree node skips its
+// non-ancestors there, so it is chunked as the same token decoded after its ancestors alone (a chunk whose
+// boundary fell between a tree's nodes by position gave such a row other bits).
 constexpr int64_t kKeyChunk = 512;
 // What a chunk leaves for the merge, per row: its maximum, its weights' sum, its weights x V ([D]).
 inline int64_t partial_width(int64_t D) { return D + 2; }
@@ -680,17 +683,33 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   const bool* mask = bt.mask ? bt.mask + b * bt.max_q * bt.max_q : nullptr;
   // Keys before `prefix` are seen by every row; a new token's key by the rows its mask (or causality) allows:
   // a causal row sees nothing from row_end on; a masked row, what its mask row allows.
+  ws.row_start.resize(rows);
   ws.row_end.resize(rows);
   ws.row_mask.resize(rows);
-  int64_t* row_end = ws.row_end.data();
+  int64_t *row_start = ws.row_start.data(), *row_end = ws.row_end.data();
   const bool** row_mask = ws.row_mask.data();
+  // A chunk holds the keys a row sees with rank c_lo .. c_lo + kKeyChunk - 1 among those it sees (attend_all). Under
+  // a mask a new token's rank is not its position: a tree node skips its non-ancestors, and must be chunked as the
+  // same token decoded after its ancestors, where they are contiguous. So a masked row's new keys in this chunk are
+  // those of ranks [c_lo, rank_hi), found on its mask row; causal rows see every key, so rank == position.
+  const int64_t rank_hi = partial != nullptr ? c_lo + kKeyChunk : std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t j = j0 + r / heads;
+    row_start[r] = c_lo;
     row_end[r] = std::min(mask ? kv_end : prefix + j + 1, c_end);
     row_mask[r] = mask ? mask + j * bt.max_q - prefix : nullptr;  // indexed by key position p >= prefix
+    if (mask && (c_lo > prefix || rank_hi < kv_end)) {
+      int64_t rank = prefix, p = prefix;
+      if (c_lo > prefix) {
+        for (; p < kv_end && rank < c_lo; ++p) rank += row_mask[r][p];
+        row_start[r] = p;  // the next key this row sees has rank c_lo
+      }
+      for (; p < kv_end && rank < rank_hi; ++p) rank += row_mask[r][p];
+      row_end[r] = std::min(row_end[r], p);
+    }
   }
   auto visible = [&](int64_t r, int64_t p) {
-    return p < row_end[r] && (p < prefix || row_mask[r] == nullptr || row_mask[r][p]);
+    return p >= row_start[r] && p < row_end[r] && (p < prefix || row_mask[r] == nullptr || row_mask[r][p]);
   };
   // Keys every row of the tile sees, so their sums skip the per-row test: the cached ones, and under causality
   // also the new tokens' up to the tile's first (a prefill chunk's tile sees most of its keys so).
@@ -1022,7 +1041,10 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
         const Merge& m = groups[g];
         if (c >= m.chunks) continue;
         const int64_t keys = keys_seen(m.b, m.j1), rows = (m.j1 - m.j0) * (m.h1 - m.h0);
-        const int64_t c_lo = c * kKeyChunk, c_hi = m.chunks > 1 ? std::min(keys, c_lo + kKeyChunk) : keys;
+        // A masked request's chunk that ends among its new tokens spans them all: its rows' ranks, not positions,
+        // say which of them it holds (attend_tile).
+        const int64_t prefix = bt.kv_lens[m.b] - bt.q_lens[m.b], c_lo = c * kKeyChunk;
+        const int64_t c_hi = m.chunks > 1 && !(bt.mask && c_lo + kKeyChunk > prefix) ? std::min(keys, c_lo + kKeyChunk) : keys;
         units.push_back({m.b, m.kvh, m.j0, m.j1, m.h0, m.h1, c_lo, c_hi,
                          m.partial < 0 ? -1 : m.partial + c * rows * partial_width(D)});
         total += static_cast<double>(rows) * static_cast<double>(c_hi - c_lo) + 1.0;

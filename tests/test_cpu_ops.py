@@ -242,6 +242,35 @@ def test_a_tree_node_gets_the_bits_of_its_path_decoded_contiguously():
     assert torch.equal(tree[2], chain[1])
 
 
+@pytest.mark.parametrize("q_dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                (torch.float32, torch.float32)])
+def test_a_tree_across_a_key_chunk_boundary_gives_each_node_the_bits_of_its_decode_step(q_dtype, pool_dtype):
+    """A row's keys go in chunks of 512 of the keys it sees (attention_body.h kKeyChunk). A tree node's
+    non-ancestors lie between its ancestors by position, so where a chunk boundary falls among the tree's nodes
+    the node must still be chunked as its decode step is, its ancestors contiguous after the prefix: by rank, not
+    by position (by position, nodes past the boundary whose rank was before it took other bits, ~1e-8). Every
+    build this CPU runs, its own bits against its own; boundaries 512 and 1,024 inside the tree, at its first
+    node and just past it."""
+    nodes, dim = 12, 64
+    gen = torch.Generator().manual_seed(29)
+    builds = [name for name, code in cpu_ops.ISAS.items() if cpu_ops.extension().isa_supported(code)]
+    for prefix in (500, 505, 509, 510, 511, 512, 1015, 1020):
+        n = prefix + nodes
+        k = torch.randn(n + 1, KV_HEADS, dim, generator=gen).to(pool_dtype)
+        v = torch.randn(n + 1, KV_HEADS, dim, generator=gen).to(pool_dtype)
+        q = torch.randn(nodes, HEADS, dim, generator=gen).to(q_dtype)
+        mask = tree_mask(1, nodes, gen)
+        table = scattered_table([n], gen)
+        tree_meta = build_attention_metadata(table, torch.tensor([0]), torch.tensor([n]), torch.tensor([nodes]), mask)
+        for isa in builds:
+            tree = native(q, k, v, tree_meta, isa)
+            for i in range(nodes):
+                seen = table[0, :prefix].tolist() + [table[0, prefix + j].item() for j in range(nodes) if mask[0, i, j]]
+                alone = native(q[i:i + 1].contiguous(), k, v, build_attention_metadata(
+                    torch.tensor([seen]), torch.tensor([0]), torch.tensor([len(seen)]), torch.tensor([1])), isa)
+                assert torch.equal(alone[0], tree[i]), (isa, prefix, i)
+
+
 # Head dims: one lane group; several, with a tail past the value sums' register block (64); key counts
 # that are not whole blocks of the wider builds' scoring (16 and 8 keys at a time). A bf16 pool beside
 # float32 rows (the default beside quantized weights): its values widened in registers, or once for a
