@@ -528,6 +528,8 @@ struct Workspace {
   // The AMX scores' buffers (score_chunk_amx): q's bf16 pairs, gathered blocks of keys, a block of scores and its
   // transpose.
   std::vector<uint32_t> q_pairs;
+  // bf16dp's weights x V (weigh_value_pairs): every row's weight words, and a group of 16 rows' transposed.
+  std::vector<uint32_t> pair_weights, pair_rows;
   std::vector<uint16_t> key_rows;
   std::vector<float> tile_scores;
 };
@@ -651,6 +653,170 @@ inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_
 }
 #undef SJ_SCORE_HI
 #undef SJ_SCORE_LO
+#endif
+
+#ifdef SJ_BF16_SCORES
+// The bf16dp build's weights x V for a bf16 pool: each softmax weight rounded to bf16 (RNE) and the values' bf16
+// dims taken by VDPBF16PS two keys a step. A word (pair of keys, dim) holds key p's value in its high half and key
+// p + 1's in its low half, the weights' words alike; the instruction adds the high half's exact product, then the
+// low half's, each step rounded once (subnormal inputs and results as zero). So each dim's sum adds the row's keys
+// in position order, one rounding a key, and a key the row does not see adds an exact zero (weight 0): how keys pair
+// up changes no bit, and a tree node's row gets its decode step's bits. The denominator is the same sum of the
+// rounded weights (times 1.0), 16 rows a vector. Half the products' instructions of the float lanes, no widening.
+constexpr uint32_t kOnePair = 0x3F803F80u;  // bf16 1.0 in both halves
+constexpr int64_t kPairChunk = 32;          // pairs of keys a tile's rows go through together (values in L1)
+
+// Word j: bf16(x[2j]) << 16 | bf16(x[2j + 1]), 16 words from the first n of 32 floats (the rest as 0).
+SJ_INLINE __m512i weight_pairs(const float* x, int64_t n) {
+  const __mmask16 m0 = n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
+  // cvtne2ps: elements 0-15 from its second operand, so word j holds key 2j low, 2j + 1 high; the rotation swaps them.
+  const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, x + 16), _mm512_maskz_loadu_ps(m0, x));
+  return _mm512_ror_epi32((__m512i)w, 16);
+}
+
+// The words of keys a (high halves) and b (low) for 32 dims: out[0] dims 0-15, out[1] dims 16-31.
+SJ_INLINE void value_pairs(const void* a, const void* b, __m512i* out) {
+  alignas(64) static const uint16_t kIndex[2][32] = {
+      {32, 0, 33, 1, 34, 2, 35, 3, 36, 4, 37, 5, 38, 6, 39, 7, 40, 8, 41, 9, 42, 10, 43, 11, 44, 12, 45, 13, 46, 14, 47, 15},
+      {48, 16, 49, 17, 50, 18, 51, 19, 52, 20, 53, 21, 54, 22, 55, 23, 56, 24, 57, 25, 58, 26, 59, 27, 60, 28, 61, 29, 62,
+       30, 63, 31}};
+  const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
+  out[0] = _mm512_permutex2var_epi16(va, _mm512_load_si512(kIndex[0]), vb);
+  out[1] = _mm512_permutex2var_epi16(va, _mm512_load_si512(kIndex[1]), vb);
+}
+
+// acc[r][c0 .. c0 + 16 NV) for rows r0 .. r0 + R over pairs j0 .. j1 (from zero when j0 == 0, else resumed from acc):
+// values(j, c0, v) gives pair j's NV vectors of words; wp[r * ldw + j] row r's weight word. kSums: also row_sum[r],
+// the weights times 1.0 by the same instruction (all lanes alike), riding along the products.
+template <int R, int NV, bool kSums, class Values>
+SJ_INLINE void weigh_pairs_block(const Values& values, const uint32_t* wp, int64_t ldw, int64_t j0, int64_t j1,
+                                 int64_t r0, int64_t c0, int64_t D, float* acc, float* row_sum) {
+  __m512 sum[R][NV], weights[R];
+  const __m512bh ones = (__m512bh)_mm512_set1_epi32(static_cast<int>(kOnePair));
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) sum[r][v] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (r0 + r) * D + c0 + 16 * v);
+    weights[r] = _mm512_setzero_ps();
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512i vals[NV];
+    values(j, c0, vals);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[(r0 + r) * ldw + j]));
+      for (int v = 0; v < NV; ++v) sum[r][v] = _mm512_dpbf16_ps(sum[r][v], (__m512bh)vals[v], w);
+      if constexpr (kSums) weights[r] = _mm512_dpbf16_ps(weights[r], ones, w);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (r0 + r) * D + c0 + 16 * v, sum[r][v]);
+    if constexpr (kSums) row_sum[r0 + r] = _mm512_cvtss_f32(weights[r]);
+  }
+}
+
+// Every row's weights x V (acc[r][0 .. D)) and denominator (row_sum[r]) over keys p_lo .. p_end - 1, value_row(p)
+// their bf16 values; scores[r * ld_scores + p - p_lo] the row's softmax weights where visible(r, p) (garbage
+// elsewhere: zeroed here). A tile of more than kPvRows rows interleaves the keys' values once into its scratch
+// (kept for the thread's next tile of them, as the widened values are) and sums 16 rows' weights a vector from their
+// words transposed; a decode step's rows read the pool in place and sum their weights beside the products.
+template <class ValueRow, class Visible>
+void weigh_value_pairs(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D,
+                       int64_t rows, float* scores, int64_t ld_scores, const Visible& visible, const float* row_max,
+                       float* acc, float* row_sum, Workspace& ws) {
+  const int64_t n = p_end - p_lo, pairs = (n + 1) / 2, ldw = std::max<int64_t>(16, (pairs + 15) / 16 * 16);
+  const bool tile = rows > kPvRows;
+  const int64_t padded_rows = tile ? (rows + 15) / 16 * 16 : rows;  // whole groups of 16 for the transposed sums
+  ws.pair_weights.resize(padded_rows * ldw);
+  uint32_t* wp = ws.pair_weights.data();
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    uint32_t* dst = wp + r * ldw;
+    if (r >= rows || row_max[r] == -std::numeric_limits<float>::infinity()) {
+      std::fill(dst, dst + ldw, 0u);
+      continue;
+    }
+    float* s = scores + r * ld_scores;
+    for (int64_t p = std::max(p_lo, seen_by_all); p < p_end; ++p)
+      if (!visible(r, p)) s[p - p_lo] = 0.0f;
+    for (int64_t j = 0; j < ldw; j += 16) _mm512_storeu_si512(dst + j, weight_pairs(s + 2 * j, n - 2 * j));
+  }
+  auto pair_keys = [&](int64_t j) {
+    const int64_t p = p_lo + 2 * j;
+    const auto* a = value_row(p);
+    return std::make_pair(a, p + 1 < p_end ? value_row(p + 1) : a);  // a lone last key pairs with itself, weight 0
+  };
+  auto blocks_of_rows = [&](auto values, auto sums, int64_t j0, int64_t j1) {
+    constexpr bool kSums = decltype(sums)::value;
+    for (int64_t r = 0; r < rows; r += kPvRows) {
+      const int64_t left = std::min<int64_t>(kPvRows, rows - r);
+      for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        auto run = [&](auto nv, auto with_sums) {
+          constexpr int NV = decltype(nv)::value;
+          constexpr bool S = decltype(with_sums)::value;
+          if (left == 4) weigh_pairs_block<4, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
+          else if (left == 3) weigh_pairs_block<3, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
+          else if (left == 2) weigh_pairs_block<2, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
+          else weigh_pairs_block<1, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
+        };
+        const bool first = kSums && c0 == 0;  // the first block of dims also makes the denominators
+        if (c0 + 64 <= D) {
+          if (first) run(std::integral_constant<int, 4>{}, std::true_type{});
+          else run(std::integral_constant<int, 4>{}, std::false_type{});
+        } else {  // D is a multiple of 32
+          if (first) run(std::integral_constant<int, 2>{}, std::true_type{});
+          else run(std::integral_constant<int, 2>{}, std::false_type{});
+        }
+      }
+    }
+  };
+  if (tile) {
+    ws.pair_rows.resize(16 * ldw);
+    float* by_pair = reinterpret_cast<float*>(ws.pair_rows.data());
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(static_cast<int>(kOnePair));
+    for (int64_t g = 0; g < padded_rows; g += 16) {  // lane l: row g + l, the same steps as kSums' sums
+      transpose_keys(reinterpret_cast<const float*>(wp + g * ldw), ldw, by_pair);
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t j = 0; j < pairs; ++j) sums = _mm512_dpbf16_ps(sums, (__m512bh)_mm512_loadu_ps(by_pair + j * 16), ones);
+      alignas(64) float lane_sums[16];
+      _mm512_store_ps(lane_sums, sums);
+      for (int64_t l = 0; l < 16 && g + l < rows; ++l) row_sum[g + l] = lane_sums[l];
+    }
+    // The keys' words in scratch, pair j's D words at vp[j * D]; the pairs a previous tile made are kept (a lone
+    // last key's pair is made again once its partner has come).
+    if (ws.vd.size() < static_cast<size_t>(pairs * D)) ws.vd.resize(pairs * D);
+    uint32_t* vp = reinterpret_cast<uint32_t*>(ws.vd.data());
+    for (int64_t j = ws.kept_values / 2; j < pairs; ++j) {
+      const int64_t p = p_lo + 2 * j;
+      if (p + kWidenAhead + 1 < p_end) {
+        prefetch_row(value_row(p + kWidenAhead), D);
+        prefetch_row(value_row(p + kWidenAhead + 1), D);
+      }
+      const auto keys = pair_keys(j);
+      for (int64_t c = 0; c < D; c += 32) {
+        __m512i words[2];
+        value_pairs(keys.first + c, keys.second + c, words);
+        _mm512_storeu_si512(vp + j * D + c, words[0]);
+        _mm512_storeu_si512(vp + j * D + c + 16, words[1]);
+      }
+    }
+    ws.kept_values = std::max(ws.kept_values, n);
+    auto from_scratch = [&](int64_t j, int64_t c0, __m512i* out) {
+      for (int v = 0; v < 4 && c0 + 16 * v < D; ++v) out[v] = _mm512_loadu_si512(vp + j * D + c0 + 16 * v);
+    };
+    for (int64_t j0 = 0; j0 < pairs; j0 += kPairChunk)
+      blocks_of_rows(from_scratch, std::false_type{}, j0, std::min(pairs, j0 + kPairChunk));
+  } else {
+    auto from_pool = [&](int64_t j, int64_t c0, __m512i* out) {
+      const int64_t p = p_lo + 2 * j;
+      if (c0 == 0 && p + kValuesAhead + 1 < p_end) {
+        prefetch_row(value_row(p + kValuesAhead), D);
+        prefetch_row(value_row(p + kValuesAhead + 1), D);
+      }
+      const auto keys = pair_keys(j);
+      value_pairs(keys.first + c0, keys.second + c0, out);
+      if (c0 + 32 < D) value_pairs(keys.first + c0 + 32, keys.second + c0 + 32, out + 2);
+    };
+    blocks_of_rows(from_pool, std::true_type{}, 0, pairs);
+  }
+}
 #endif
 
 // Keys are taken in chunks of kKeyChunk of the keys a row sees, by their rank among them (0 .. kKeyChunk - 1, then
@@ -922,6 +1088,11 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   // pool's values are widened to float once for the chunk where several blocks of rows read them (a verify's
   // or a prefill's tile), not once per block: the same floats, so the same bits.
   auto pool_row = [&](int64_t p) { return v_cache + slots[p] * bt.slot_stride + kvh * bt.head_stride; };
+#ifdef SJ_BF16_SCORES
+  if constexpr (kWords) {
+    weigh_value_pairs(pool_row, c_lo, c_end, seen_by_all, D, rows, scores, ld_scores, visible, row_max, acc, row_sum, ws);
+  } else
+#endif
   if (!std::is_same<C, float>::value && rows > kPvRows) {
     if (ws.vd.size() < static_cast<size_t>((c_end - c_lo) * D)) ws.vd.resize((c_end - c_lo) * D);
     float* vd = ws.vd.data();

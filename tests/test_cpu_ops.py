@@ -726,7 +726,8 @@ def test_the_models_native_path_matches_its_torch_path(tiny_model_dir):
 
 def test_a_forced_attention_instruction_set_is_checked(monkeypatch):
     """SPECJET_ATTENTION_ISA names a build: an unknown name, or one this CPU cannot run (amx without AMX-BF16, bf16dp
-    without AVX-512 BF16), is a clear error; amx and bf16dp run only when asked for, never as the default."""
+    without AVX-512 BF16), is a clear error; amx runs only when asked for, never as the default; the default is
+    bf16dp on a CPU that runs it (VDPBF16PS products), else the widest lanes build."""
     try:
         monkeypatch.setenv(cpu_ops.ISA_ENV, "avx1024")
         cpu_ops.isa.cache_clear()
@@ -742,7 +743,9 @@ def test_a_forced_attention_instruction_set_is_checked(monkeypatch):
                     cpu_ops.isa()
         monkeypatch.delenv(cpu_ops.ISA_ENV)
         cpu_ops.isa.cache_clear()
-        assert cpu_ops.isa() == max(cpu_ops.ISAS[name] for name in supported_isas())
+        lanes = max(cpu_ops.ISAS[name] for name in supported_isas())
+        assert cpu_ops.isa() == (cpu_ops.ISAS["bf16dp"] if runs("bf16dp") else lanes)
+        assert cpu_ops.isa() != cpu_ops.ISAS["amx"]
     finally:
         monkeypatch.delenv(cpu_ops.ISA_ENV, raising=False)
         cpu_ops.isa.cache_clear()

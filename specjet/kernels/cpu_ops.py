@@ -9,14 +9,16 @@ KV pool in position order. It replaces the torch path's per-layer gather, float6
 visible key and dozen small ops, which dominate a decode step at small batches.
 
 Every instruction set's lanes build gives the same bits (csrc/attention_body.h), so the widest one this CPU
-runs is used; ``SPECJET_ATTENTION_ISA=amx|avx512|avx2|base`` forces one. ``amx`` (CPUs with AMX-BF16; only when
-asked for) is avx512 with a bf16 pool's scores on AMX tiles (q split into bf16 hi + lo, ~16 bits of it): its own
-bits for bf16 pools, as invariant as the others' (each score is one key's and one row's sum); a verify's attention
-at long contexts ~0.85x, a decode step's the same or slower (bench/RESULTS.md session 70), so not the default.
-``bf16dp`` (CPUs with AVX-512 BF16; only when asked for) is avx512 with a bf16 pool's scores by VDPBF16PS on q
-rounded to bf16: its own bits for bf16 pools whose head_dim is a multiple of 32 (every path of it the same: a verify's
-rows are their decode steps'; other head_dims take the avx512 lanes), an error of the order of the bf16 pool's own
-(bench/RESULTS.md session 76). The layer ops are batch-invariant
+runs is used; ``SPECJET_ATTENTION_ISA=bf16dp|amx|avx512|avx2|base`` forces one. On a CPU with AVX-512 BF16 (Zen 4/5,
+Xeons since Cooper Lake) the default is ``bf16dp``: avx512 with a bf16 pool's products by VDPBF16PS, the scores on q
+rounded to bf16 and the weights x V on the softmax weights rounded to bf16 (as llama.cpp's CPU attention rounds
+them to f16), for bf16 pools whose head_dim is a multiple of 32 (float32 pools and other head_dims take the avx512
+lanes). Its own bits, as invariant as the lanes' (every path of it the same: a verify's rows are their decode
+steps'), an error of the order of the bf16 pool's own; long-context verifies ~0.86x, decode steps ~0.9-1.0x
+(bench/RESULTS.md sessions 76-77). ``amx`` (CPUs with AMX-BF16; only when asked for) is avx512 with a bf16 pool's
+scores on AMX tiles (q split into bf16 hi + lo, ~16 bits of it): its own bits for bf16 pools, as invariant; a
+verify's attention at long contexts ~0.85x, a decode step's the same or slower (session 70), so not the default.
+The layer ops are batch-invariant
 the same way (one row, one thread, a fixed order). ``SPECJET_CPU_OPS=torch`` turns the extension off
 (the torch ops then run everything). Built at install by setup.py; without it
 the torch path runs and a line in the log says so.
@@ -34,8 +36,10 @@ from specjet.kernels.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 ISAS = {"base": 0, "avx2": 1, "avx512": 2, "amx": 3, "bf16dp": 4}
-# Builds with their own bits for bf16 pools: taken only when asked for (ISA_ENV).
+# Builds with their own bits for bf16 pools (not the lanes' bits).
 OWN_BITS = ("amx", "bf16dp")
+# Builds taken only when asked for (ISA_ENV); the widest of the others this CPU runs is the default.
+ASKED_FOR_ONLY = ("amx",)
 BACKEND_ENV = "SPECJET_CPU_OPS"
 ISA_ENV = "SPECJET_ATTENTION_ISA"
 
@@ -66,7 +70,8 @@ def isa() -> int:
         if forced not in ISAS or ext is None or not ext.isa_supported(ISAS[forced]):
             raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)} that this CPU runs")
         return ISAS[forced]
-    return max(code for name, code in ISAS.items() if name not in OWN_BITS and ext is not None and ext.isa_supported(code))
+    return max(code for name, code in ISAS.items()
+               if name not in ASKED_FOR_ONLY and ext is not None and ext.isa_supported(code))
 
 
 def native_attention_available(q: torch.Tensor | None = None, k_cache: torch.Tensor | None = None) -> bool:
