@@ -14,7 +14,9 @@
 // The `amx` build (CPUs with AMX-BF16; kernels/cpu_ops.py takes it only when asked for) scores a bf16 pool's keys on
 // tiles (attention_body.h score_chunk_amx): q split into bf16 hi + lo, each score one key's and one row's sum, so the
 // invariance holds as above; its bits differ from the other builds' for bf16 pools (float32 pools take the same
-// lanes as the avx512 build).
+// lanes as the avx512 build). The `bf16dp` build (CPUs with AVX-512 BF16: the default there) computes a bf16 pool's
+// products by VDPBF16PS, q and the softmax weights rounded to bf16, each score and each weights x V sum still one
+// row's sum in a fixed order (attention_body.h word_lanes, weigh_value_pairs): as invariant, with bits of its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,8 +1,9 @@
 // The kernels of attention.cpp, compiled once per instruction set: attention.cpp includes this file
 // inside a namespace under `#pragma GCC target(...)`. Lanes stay independent and every product-and-sum is
 // one explicit fused multiply-add (nothing else is fused: -ffp-contract=off), so every build gives the same
-// bits; only the speed differs. (Two builds give a bf16 pool's scores their own bits, asked for by name: `amx`,
-// SJ_AMX_SCORES, and `bf16dp`, SJ_BF16_SCORES; within each, every path still computes alike.)
+// bits; only the speed differs. (Two builds give a bf16 pool their own bits: `amx`, SJ_AMX_SCORES, its scores on AMX
+// tiles, asked for by name; `bf16dp`, SJ_BF16_SCORES, its scores and weights x V by VDPBF16PS, the default on CPUs
+// with AVX-512 BF16. Within each, every path still computes alike.)
 
 // Query tokens of one request handled together, with all the query heads of one KV head: each key is
 // loaded and widened once for all of them.

@@ -449,7 +449,9 @@ def test_builds_of_their_own_bits_keep_every_invariance_and_the_lanes_values(bui
     """The amx build scores a bf16 pool's keys on tiles, 16 keys a tile (read in place where their slots follow each
     other, else gathered; 80 dims padded to 96), q split into bf16 hi + lo; the bf16dp build by VDPBF16PS on q rounded
     to bf16 (a tile of 8+ rows from blocks of keys transposed as pairs of dimensions, a decode step's rows and the
-    keys past the last whole block from the keys in place; a head_dim not a multiple of 32 takes the avx512 lanes).
+    keys past the last whole block from the keys in place; a head_dim not a multiple of 32 takes the avx512 lanes),
+    and its weights x V on the weights rounded to bf16, two keys a step (a tile's values interleaved in scratch, a
+    decode step's from the pool; the denominators 16 rows a vector, or beside a decode step's products).
     Each score is one key's and one row's sum, so: a 16-node
     tree's rows (two tiles of 8 tokens x 3 heads, a context of 300 and one past a key chunk) give the bits of each
     token alone with its keys contiguous; the same keys in scattered slots give the same bits; requests batched give

@@ -89,7 +89,8 @@ def test_greedy_equals_plain_with_the_attentions_amx_scores(tiny_model_dir):
 @pytest.mark.skipif(cpu_ops.extension() is None or not cpu_ops.extension().isa_supported(cpu_ops.ISAS["bf16dp"]),
                     reason="this CPU has no AVX-512 BF16")
 def test_greedy_equals_plain_with_the_attentions_bf16_products(tmp_path, default_model_dir):
-    """SPECJET_ATTENTION_ISA=bf16dp (a bf16 pool's scores by VDPBF16PS on q rounded to bf16, bits of its own) on a
+    """SPECJET_ATTENTION_ISA=bf16dp (a bf16 pool's products by VDPBF16PS on q and the softmax weights rounded to bf16,
+    bits of its own; the default where the CPU runs it) on a
     model whose head_dim it takes (32; smaller weights, so the greedy text repeats and n-grams get drafted): NGRAM
     trees verified with it give plain decoding's ids under it, batched and alone, with drafts accepted."""
     from conftest import make_tiny_model_dir
