@@ -726,6 +726,27 @@ def test_the_models_native_path_matches_its_torch_path(tiny_model_dir):
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
+def test_the_start_up_log_names_the_attention_build_and_its_products(monkeypatch):
+    """describe_attention (the runner logs it): the default build, and whether a pool gets bf16 products (bf16dp on a
+    bf16 pool whose head_dim is a multiple of 32) or the float32 lanes; a forced build is named as forced."""
+    try:
+        cpu_ops.isa.cache_clear()
+        default = cpu_ops.describe_attention(torch.bfloat16, 64)
+        if runs("bf16dp"):
+            assert default.startswith("attention: bf16dp build (auto)") and "bf16 products" in default
+            assert "float32 lanes" in cpu_ops.describe_attention(torch.bfloat16, 80)
+        else:
+            assert "float32 lanes" in default and "bf16dp" not in default
+        assert "float32 lanes" in cpu_ops.describe_attention(torch.float32, 64)
+        monkeypatch.setenv(cpu_ops.ISA_ENV, "avx2" if runs("avx2") else "base")
+        cpu_ops.isa.cache_clear()
+        forced = cpu_ops.describe_attention(torch.bfloat16, 64)
+        assert f"({cpu_ops.ISA_ENV})" in forced and "float32 lanes" in forced
+    finally:
+        monkeypatch.delenv(cpu_ops.ISA_ENV, raising=False)
+        cpu_ops.isa.cache_clear()
+
+
 def test_a_forced_attention_instruction_set_is_checked(monkeypatch):
     """SPECJET_ATTENTION_ISA names a build: an unknown name, or one this CPU cannot run (amx without AMX-BF16, bf16dp
     without AVX-512 BF16), is a clear error; amx runs only when asked for, never as the default; the default is

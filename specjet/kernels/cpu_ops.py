@@ -74,6 +74,18 @@ def isa() -> int:
                if name not in ASKED_FOR_ONLY and ext is not None and ext.isa_supported(code))
 
 
+def describe_attention(kv_dtype: torch.dtype, head_dim: int) -> str:
+    """The CPU attention this process runs over a pool of ``kv_dtype`` and ``head_dim`` (the start-up log says it: on
+    a CPU with AVX-512 BF16 the default build's bf16 products move every output by about the bf16 pool's own error)."""
+    if extension() is None:
+        return "attention: torch ops (the C++ ops are not built)"
+    name = next(n for n, code in ISAS.items() if code == isa())
+    own = name in OWN_BITS and kv_dtype == torch.bfloat16 and (name != "bf16dp" or head_dim % 32 == 0)
+    how = {"amx": "bf16 scores on AMX tiles", "bf16dp": "bf16 products (q and the softmax weights rounded to bf16)"}
+    forced = f"{ISA_ENV}" if os.environ.get(ISA_ENV, "").strip() else "auto"
+    return f"attention: {name} build ({forced}), {how[name] if own else 'float32 lanes'}"
+
+
 def native_attention_available(q: torch.Tensor | None = None, k_cache: torch.Tensor | None = None) -> bool:
     """Whether the kernel is built (and, given tensors, takes them: CPU, float32 or bfloat16)."""
     if extension() is None:

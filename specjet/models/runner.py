@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from specjet.kernels import bf16_gemm
+from specjet.kernels import bf16_gemm, cpu_ops
 from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
@@ -133,6 +133,8 @@ class ModelRunner:
                                 self.kv_dtype, self.device)
         logger.info("KV cache: %d tokens (%.1f MiB, %s)", max_total_tokens, num_pages * page_size * per_token / 2**20,
                     str(self.kv_dtype).removeprefix("torch."))
+        if self.device.type == "cpu":
+            logger.info("%s", cpu_ops.describe_attention(self.kv_dtype, config.head_dim))
         self.graphs: TargetGraphs | None = None  # decode and verify on static buffers (enable_graphs)
 
     def enable_graphs(self, req_to_token: torch.Tensor, capture: bool | None = None) -> TargetGraphs:
