@@ -87,6 +87,7 @@ namespace isa_bf16dp {
 #define SJ_VEC_BYTES 64
 #define SJ_BF16_SCORES 1
 #include "attention_body.h"
+#include "dpbf16_order.h"
 #undef SJ_BF16_SCORES
 #undef SJ_VEC_BYTES
 }  // namespace isa_bf16dp
@@ -102,6 +103,16 @@ namespace {
 
 enum Isa : int64_t { kBase = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3, kBf16Dp = 4 };
 
+bool isa_supported(int64_t isa);
+
+bool avx512_bf16_supported() { return isa_supported(kAvx512) && specjet_cpu::bf16_gemm_isa_supported(1); }
+
+// bf16dp needs AVX-512 BF16 and VDPBF16PS's order of adding a word's products (dpbf16_order.h), checked once.
+bool dpbf16_in_order() {
+  static const bool ok = avx512_bf16_supported() && isa_bf16dp::dpbf16_adds_in_order();
+  return ok;
+}
+
 bool isa_supported(int64_t isa) {
   switch (isa) {
     case kBase: return true;
@@ -111,7 +122,7 @@ bool isa_supported(int64_t isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && isa_supported(kAvx2);
     case kAmx:  // the bf16 GEMM's check (asked once: a CPUID in a virtual machine traps to the host)
       return isa_supported(kAvx512) && specjet_cpu::amx_bf16_supported();
-    case kBf16Dp: return isa_supported(kAvx512) && specjet_cpu::bf16_gemm_isa_supported(1);  // AVX-512 BF16
+    case kBf16Dp: return dpbf16_in_order();
     default: return false;
   }
 }
@@ -212,5 +223,19 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 }
 
 bool attention_isa_supported(int64_t isa) { return isa_supported(isa); }
+
+torch::Tensor dpbf16_words(const torch::Tensor& acc, const torch::Tensor& hi_a, const torch::Tensor& hi_b,
+                           const torch::Tensor& lo_a, const torch::Tensor& lo_b) {
+  TORCH_CHECK(avx512_bf16_supported(), "dpbf16_words: this CPU has no AVX-512 BF16");
+  for (const auto* t : {&acc, &hi_a, &hi_b, &lo_a, &lo_b})
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->dim() == 1 && t->is_contiguous() && t->numel() == acc.numel() &&
+                    t->numel() % 16 == 0,
+                "dpbf16_words: five contiguous 1-D float32 tensors of one length, a multiple of 16");
+  auto out = torch::empty_like(acc);
+  for (int64_t s = 0; s < acc.numel(); s += 16)
+    isa_bf16dp::dpbf16_words(acc.data_ptr<float>() + s, hi_a.data_ptr<float>() + s, hi_b.data_ptr<float>() + s,
+                             lo_a.data_ptr<float>() + s, lo_b.data_ptr<float>() + s, out.data_ptr<float>() + s);
+  return out;
+}
 
 }  // namespace specjet_cpu

@@ -127,6 +127,10 @@ void run_around(int64_t rows, const FusedRows& fused, const Call& call) {
 
 // attention.cpp
 bool attention_isa_supported(int64_t isa);
+// acc + hi_a * hi_b + lo_a * lo_b per lane by VDPBF16PS (factors: bf16 values in float32), for the tests of the order
+// the bf16dp build relies on (dpbf16_order.h).
+torch::Tensor dpbf16_words(const torch::Tensor& acc, const torch::Tensor& hi_a, const torch::Tensor& hi_b,
+                           const torch::Tensor& lo_a, const torch::Tensor& lo_b);
 void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           const torch::Tensor& kv_indices, const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
                           const torch::Tensor& q_starts, const c10::optional<torch::Tensor>& custom_mask, double scale,

@@ -7,7 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using namespace specjet_cpu;
   module.doc() = "specjet's batch-invariant CPU ops: paged attention, layer ops, quantized GEMM, the layer stack";
   module.def("isa_supported", &attention_isa_supported,
-             "whether this CPU runs the attention's instruction set (0 base, 1 AVX2, 2 AVX-512)");
+             "whether this CPU runs the attention's instruction set (0 base, 1 AVX2, 2 AVX-512, 3 AMX scores, 4 bf16 "
+             "products: AVX-512 BF16 whose VDPBF16PS adds a word's products in the order Intel defines)");
+  module.def("dpbf16_words", &dpbf16_words,
+             "acc + hi_a * hi_b + lo_a * lo_b per lane by one VDPBF16PS a 16 lanes (bf16 factors given as float32)");
   // The kernels keep the GIL while they compute. Letting it go lets the overlap loop's host thread run
   // its Python beside them, but on a CPU whose cores the kernels' threads all use, that thread then takes
   // a core from a kernel thread, and every thread of the parallel region waits for the slowed one:

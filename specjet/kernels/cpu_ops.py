@@ -15,7 +15,8 @@ rounded to bf16 and the weights x V on the softmax weights rounded to bf16 (llam
 to f16, 11 bits to bf16's 8; over 3,200 positions of text the GGUF model's top-1 agreement with the float32 model
 moved from 95.37% to 95.22%), for bf16 pools whose head_dim is a multiple of 32 (float32 pools and other head_dims take the avx512
 lanes). Its own bits, as invariant as the lanes' (every path of it the same: a verify's rows are their decode
-steps'), an error of the order of the bf16 pool's own; long-context verifies ~0.86x, decode steps ~0.9-1.0x
+steps', on a CPU whose VDPBF16PS adds a word's two products in Intel's order, which the extension checks once:
+csrc/dpbf16_order.h; a CPU that does not gets the avx512 lanes), an error of the order of the bf16 pool's own; long-context verifies ~0.86x, decode steps ~0.9-1.0x
 (bench/RESULTS.md sessions 76-77). ``amx`` (CPUs with AMX-BF16; only when asked for) is avx512 with a bf16 pool's
 scores on AMX tiles (q split into bf16 hi + lo, ~16 bits of it): its own bits for bf16 pools, as invariant; a
 verify's attention at long contexts ~0.85x, a decode step's the same or slower (session 70), so not the default.
@@ -69,7 +70,11 @@ def isa() -> int:
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced:
         if forced not in ISAS or ext is None or not ext.isa_supported(ISAS[forced]):
-            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)} that this CPU runs")
+            why = ""
+            if forced == "bf16dp" and ext is not None and ext.bf16_gemm_isa_supported(1):
+                why = (" (this CPU has AVX-512 BF16, but its VDPBF16PS does not add a word's two products in the "
+                       "order the bf16dp build's invariance needs: csrc/dpbf16_order.h)")
+            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)} that this CPU runs{why}")
         return ISAS[forced]
     return max(code for name, code in ISAS.items()
                if name not in ASKED_FOR_ONLY and ext is not None and ext.isa_supported(code))
