@@ -665,8 +665,8 @@ inline void score_chunk_amx(const Batch& bt, const float* qd, int64_t Dp, int64_
 // up changes no bit, and a tree node's row gets its decode step's bits. The denominator is the same sum of the
 // rounded weights (times 1.0), 16 rows a vector. Half the products' instructions of the float lanes, no widening.
 // (The pairing rests on the instruction's definition, two fused steps, the odd half's first: attention.cpp runs this
-// build only on a CPU whose instruction passes dpbf16_order.h's check, once per process. An unseen key's value is multiplied by 0: a non-finite one, which only a model that overflowed writes,
-// would reach the row.)
+// build only on a CPU whose instruction passes dpbf16_order.h's check, once per process. An unseen key's value is
+// multiplied by 0: a non-finite one, which only a model that overflowed writes, would reach the row.)
 constexpr uint32_t kOnePair = 0x3F803F80u;  // bf16 1.0 in both halves
 constexpr int64_t kPairChunk = 32;          // pairs of keys a tile's rows go through together (values in L1)
 

@@ -19,7 +19,8 @@ inline void dpbf16_words(const float* acc, const float* hi_a, const float* hi_b,
     a[i] = (ha & 0xFFFF0000u) | (la >> 16);
     b[i] = (hb & 0xFFFF0000u) | (lb >> 16);
   }
-  const __m512 r = _mm512_dpbf16_ps(_mm512_loadu_ps(acc), (__m512bh)_mm512_load_si512(a), (__m512bh)_mm512_load_si512(b));
+  const __m512 r =
+      _mm512_dpbf16_ps(_mm512_loadu_ps(acc), (__m512bh)_mm512_load_si512(a), (__m512bh)_mm512_load_si512(b));
   _mm512_storeu_ps(out, r);
 }
 

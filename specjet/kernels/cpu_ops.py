@@ -13,11 +13,12 @@ runs is used; ``SPECJET_ATTENTION_ISA=bf16dp|amx|avx512|avx2|base`` forces one. 
 Xeons since Cooper Lake) the default is ``bf16dp``: avx512 with a bf16 pool's products by VDPBF16PS, the scores on q
 rounded to bf16 and the weights x V on the softmax weights rounded to bf16 (llama.cpp's CPU attention rounds them
 to f16, 11 bits to bf16's 8; over 3,200 positions of text the GGUF model's top-1 agreement with the float32 model
-moved from 95.37% to 95.22%), for bf16 pools whose head_dim is a multiple of 32 (float32 pools and other head_dims take the avx512
-lanes). Its own bits, as invariant as the lanes' (every path of it the same: a verify's rows are their decode
-steps', on a CPU whose VDPBF16PS adds a word's two products in Intel's order, which the extension checks once:
-csrc/dpbf16_order.h; a CPU that does not gets the avx512 lanes), an error of the order of the bf16 pool's own; long-context verifies ~0.86x, decode steps ~0.9-1.0x
-(bench/RESULTS.md sessions 76-77). ``amx`` (CPUs with AMX-BF16; only when asked for) is avx512 with a bf16 pool's
+moved from 95.37% to 95.22%), for bf16 pools whose head_dim is a multiple of 32 (float32 pools and other head_dims
+take the avx512 lanes). Its own bits, as invariant as the lanes' (every path of it the same: a verify's rows are
+their decode steps', on a CPU whose VDPBF16PS adds a word's two products in Intel's order, which the extension
+checks once: csrc/dpbf16_order.h; a CPU that does not gets the avx512 lanes), an error of the order of the bf16
+pool's own; long-context verifies ~0.86x, decode steps ~0.9-1.0x (bench/RESULTS.md sessions 76-77). ``amx``
+(CPUs with AMX-BF16; only when asked for) is avx512 with a bf16 pool's
 scores on AMX tiles (q split into bf16 hi + lo, ~16 bits of it): its own bits for bf16 pools, as invariant; a
 verify's attention at long contexts ~0.85x, a decode step's the same or slower (session 70), so not the default.
 The layer ops are batch-invariant
