@@ -77,3 +77,41 @@ def test_a_model_without_batch_invariance_runs_each_projection_in_one_call(monke
         runner.model.set_batch_invariant(True)
         assert torch.equal(proj.project(x), chunked)
         assert torch.equal(proj.project(x[7:8]), chunked[7:8])  # a row alone: the invariant plan's bits
+
+
+def bf16_products_summed(x, weight_t, bias, single_rows_apart: bool):
+    """bf16 ``x @ weight_t`` summed in fp32 and rounded to bf16, a row at a time (a row's bits its own).
+    With ``single_rows_apart`` a call of one row sums the two halves of its products apart and then adds
+    them, as a one-row kernel may: its outputs round apart from the same row's among others only where an
+    fp32 sum lies near a bf16 rounding edge, a few in 10^4 outputs."""
+    xf, wf = x.float(), weight_t.float()
+    if single_rows_apart and x.shape[0] == 1:
+        half = xf.shape[1] // 2
+        return (xf[:, :half] @ wf[:half] + xf[:, half:] @ wf[half:]).to(x.dtype)
+    return torch.stack([row @ wf for row in xf]).to(x.dtype)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_check_finds_a_single_row_kernel_that_rounds_bf16_outputs_apart(monkeypatch, seed):
+    """A narrow bf16 weight (64 -> 192) exposes another order in few of its rounded outputs; a check of
+    128 normal rows passed such a kernel (session 79). Plans that run a row alone must be refused."""
+    weight_t = (0.05 * torch.randn(64, 192, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
+    monkeypatch.setattr(L, "linear_reference",
+                        lambda x, w, b: bf16_products_summed(x, w, b, single_rows_apart=True))
+    plan, packed = L.choose_plan(weight_t, None, False, L.PLAIN_PLANS)
+    assert plan == (None, 2, 32)
+    x = (torch.randn(300, 64, generator=torch.Generator().manual_seed(100 + seed)) * 8).to(torch.bfloat16)
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(300)])
+    assert torch.equal(packed(x), alone)
+    # The refusal is right: the kernel's single rows do round apart (in few outputs).
+    single = torch.cat([bf16_products_summed(x[i:i + 1], weight_t, None, True) for i in range(300)])
+    apart = (single != bf16_products_summed(x, weight_t, None, True)).sum().item()
+    assert 0 < apart < single.numel() // 100
+
+
+def test_a_kernel_whose_rows_keep_their_bits_keeps_single_row_calls(monkeypatch):
+    weight_t = (0.05 * torch.randn(64, 192, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
+    monkeypatch.setattr(L, "linear_reference",
+                        lambda x, w, b: bf16_products_summed(x, w, b, single_rows_apart=False))
+    plan, _ = L.choose_plan(weight_t, None, False, L.PLAIN_PLANS)
+    assert plan == (None, 1, 32)

@@ -19,10 +19,11 @@ hint is part of a weight's plan; the plans that cover the most rows per call com
 Every weight gets a **plan** (hint, ``min_rows``, ``max_rows``): a call of M rows runs as chunks of
 at most ``max_rows`` rows, and a chunk below ``min_rows`` is padded with zero rows. The plan is not
 assumed but measured once per (shape, dtype, bias, thread count, device type) on the weight itself: a
-random input is run at every chunk size in the range and each row must equal the same row run alone
-(padded to ``min_rows``); the first plan that passes wins (GPU weights also try calls padded to one
-fixed row count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is exact by
-construction. So any device gets an exact plan. Plans hold for the torch thread count they were
+random input (elements of widely spread magnitudes; many rows for a narrow bf16 weight, whose rounded
+outputs hide most order differences) is run at every chunk size in the range and each row must equal
+the same row run alone (padded to ``min_rows``); the first plan that passes wins (GPU weights also try
+calls padded to one fixed row count, ``FIXED_ROW_PLANS``), falling back to one row per call, which is
+exact by construction. So any device gets an exact plan. Plans hold for the torch thread count they were
 measured under (the one at load; nothing in specjet changes it later). The torch reference (also the
 path for training, where ``packed`` is None) is ``x @ weight_t + bias``; under CPU bf16 autocast
 ``linear`` trains through kernels/training_linear.py instead (a oneDNN crash, see there).
@@ -129,19 +130,46 @@ def _make(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool, plan
 
 # Row counts checked: every count up to 17, then the usual blocking edges up to 128.
 CHECK_ROWS = tuple(range(1, 18)) + (24, 31, 32, 33, 40, 47, 48, 63, 64, 65, 80, 96, 112, 127, 128)
-# Distinct input rows, repeated down the call. A kernel that differs by one rounding in a few
-# outputs passes a small sample (16 rows missed the single-row bf16 case above), so a full call's worth.
+# Distinct input rows at least (a full call's worth), each run alone once.
 CHECK_DISTINCT = 128
+# Outputs compared at each row count. Another summation order changes most elements of an fp32 output
+# but an element of a bf16 (or fp16) output only where its fp32 sum lies near a rounding edge, a few in
+# 10^4 of them: a check of 128 rows x 192 outputs passed a oneDNN bf16 kernel whose single rows round
+# apart from the same rows among others, which then changed a model's rows (bench/RESULTS.md, session
+# 79). So a narrow low-precision weight is checked on many more rows.
+CHECK_OUTPUTS_FP32 = 1 << 15
+CHECK_OUTPUTS_LOW_PRECISION = 1 << 18
+CHECK_MAX_DISTINCT = 4096
+# The check's inputs span 2^0..2^15 in magnitude: products of very different sizes, whose sums another
+# order rounds apart more often than those of normal inputs (about 1.5x as often in bf16).
+CHECK_EXPONENT_SPREAD = 16
 
 
-def _is_exact(packed: PackedLinear, x: torch.Tensor) -> bool:
-    """Each row of calls of min_rows..max_rows rows (CHECK_ROWS among them) equals that row run alone."""
-    alone = torch.cat([packed.run_chunk(x[i:i + 1]) for i in range(CHECK_DISTINCT)])
+def check_rows_per_count(weight_t: torch.Tensor) -> int:
+    """How many rows each row count of the check covers: enough for its outputs to expose another order."""
+    target = CHECK_OUTPUTS_FP32 if weight_t.element_size() >= 4 else CHECK_OUTPUTS_LOW_PRECISION
+    return min(CHECK_MAX_DISTINCT, -(-target // weight_t.shape[1]))
+
+
+def check_input(rows: int, in_features: int, weight_t: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=gen)
+    x = x * torch.exp2(torch.randint(0, CHECK_EXPONENT_SPREAD, (rows, in_features), generator=gen).float())
+    return x.to(device=weight_t.device, dtype=weight_t.dtype)
+
+
+def _is_exact(packed: PackedLinear, x: torch.Tensor, covered: int) -> bool:
+    """Each row of calls of min_rows..max_rows rows (CHECK_ROWS among them) equals that row run alone;
+    each row count is checked on ``covered`` rows of ``x`` (or one call's worth), as calls of that count."""
+    alone = torch.cat([packed.run_chunk(x[i:i + 1]) for i in range(x.shape[0])])
     rows_list = [r for r in CHECK_ROWS if packed.min_rows <= r <= packed.max_rows]
     for rows in sorted(set(rows_list) | {packed.max_rows}, reverse=True):  # wide calls fail first
-        reps = -(-rows // CHECK_DISTINCT)
-        if not torch.equal(packed.kernel(x.repeat(reps, 1)[:rows]), alone.repeat(reps, 1)[:rows]):
-            return False
+        total = -(-max(rows, covered) // rows) * rows
+        index = torch.arange(total, device=x.device) % x.shape[0]
+        for start in range(0, total, rows):
+            chunk = index[start:start + rows]
+            if not torch.equal(packed.kernel(x[chunk]), alone[chunk]):
+                return False
     return True
 
 
@@ -177,12 +205,12 @@ def plan_candidates(weight_t: torch.Tensor, blocked: bool) -> list[tuple[int | N
 def choose_plan(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool,
                 candidates) -> tuple[tuple[int | None, int, int], PackedLinear]:
     """The first candidate measured exact on ``weight_t``, else one row per call (exact by construction)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(CHECK_DISTINCT, weight_t.shape[0], generator=gen).to(device=weight_t.device, dtype=weight_t.dtype)
+    covered = check_rows_per_count(weight_t)
+    x = check_input(max(CHECK_DISTINCT, covered), weight_t.shape[0], weight_t)
     with torch.inference_mode():
         for plan in candidates:
             packed = _make(weight_t, bias, blocked, plan)
-            if _is_exact(packed, x):
+            if _is_exact(packed, x, covered):
                 return plan, packed
     plan = (None, 1, 1)
     return plan, _make(weight_t, bias, blocked, plan)
