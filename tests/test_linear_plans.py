@@ -115,3 +115,15 @@ def test_a_kernel_whose_rows_keep_their_bits_keeps_single_row_calls(monkeypatch)
                         lambda x, w, b: bf16_products_summed(x, w, b, single_rows_apart=False))
     plan, _ = L.choose_plan(weight_t, None, False, L.PLAIN_PLANS)
     assert plan == (None, 1, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_check_input_is_finite_in_every_weight_dtype(dtype):
+    """Spread magnitudes, but none that overflows the weight's dtype (fp16 ends at 65504): an infinite
+    input would fail every plan and leave the weight at one row per call."""
+    weight_t = torch.zeros(1536, 64, dtype=dtype)
+    x = L.check_input(256, 1536, weight_t)
+    assert x.dtype == dtype and torch.isfinite(x).all()
+    magnitudes = x.abs().float()
+    assert magnitudes.max() / magnitudes[magnitudes > 0].median() > 30  # normal rows: ~6
+    assert torch.isfinite(x.float() @ torch.full((1536, 64), 0.05)).all()
