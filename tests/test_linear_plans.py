@@ -127,3 +127,24 @@ def test_the_check_input_is_finite_in_every_weight_dtype(dtype):
     magnitudes = x.abs().float()
     assert magnitudes.max() / magnitudes[magnitudes > 0].median() > 30  # normal rows: ~6
     assert torch.isfinite(x.float() @ torch.full((1536, 64), 0.05)).all()
+
+
+@pytest.mark.parametrize("in_out, weights", [((576, 576), 2), ((576, 192), 8), ((576, 3072), 2), ((1536, 576), 2)])
+def test_bf16_projections_of_the_default_models_shapes_keep_each_rows_bits(monkeypatch, in_out, weights):
+    """Whatever kernel a bf16 weight of the default model's shapes gets on this CPU (specjet's bf16 GEMM,
+    or oneDNN under a plan measured afresh for each weight), a row's bits do not depend on the call's rows.
+    Inputs of spread magnitudes on 600 rows, another seed than the plan check's. On oneDNN's emulated bf16
+    (an AVX-512 CPU without BF16) the check of 128 normal rows gave one of these eight k|v weights (576 ->
+    192) an unpadded plan, whose lone rows round apart (session 79)."""
+    k, n = in_out
+    for seed in range(weights):
+        monkeypatch.setattr(L, "_PLANS", {})
+        gen = torch.Generator().manual_seed(seed)
+        packed = L.pack_weight((0.05 * torch.randn(k, n, generator=gen)).to(torch.bfloat16))
+        x = torch.randn(600, k, generator=gen) * torch.exp2(torch.randint(0, 12, (600, k), generator=gen).float())
+        x = x.to(torch.bfloat16)
+        with torch.inference_mode():
+            alone = torch.cat([packed(x[i:i + 1]) for i in range(600)])
+            for m in (2, 3, 16, 33, 128, 600):
+                calls = torch.cat([packed(x[i:i + m]) for i in range(0, 600, m)])
+                assert torch.equal(calls, alone), f"{k} -> {n}: rows changed with {m} rows per call"
