@@ -152,11 +152,13 @@ def check_rows_per_count(weight_t: torch.Tensor) -> int:
     return min(CHECK_MAX_DISTINCT, -(-target // weight_t.shape[1]))
 
 
-def check_input(rows: int, in_features: int, weight_t: torch.Tensor) -> torch.Tensor:
+def check_input(rows: int, weight_t: torch.Tensor) -> torch.Tensor:
+    """``rows`` seeded input rows for ``weight_t`` ([in, out]), on its device in its dtype."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, in_features, generator=gen)
+    shape = (rows, weight_t.shape[0])
+    x = torch.randn(shape, generator=gen)
     spread = CHECK_EXPONENT_SPREAD_FP16 if weight_t.dtype == torch.float16 else CHECK_EXPONENT_SPREAD
-    x = x * torch.exp2(torch.randint(0, spread, (rows, in_features), generator=gen).float())
+    x = x * torch.exp2(torch.randint(0, spread, shape, generator=gen).float())
     return x.to(device=weight_t.device, dtype=weight_t.dtype)
 
 
@@ -208,7 +210,7 @@ def choose_plan(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool
                 candidates) -> tuple[tuple[int | None, int, int], PackedLinear]:
     """The first candidate measured exact on ``weight_t``, else one row per call (exact by construction)."""
     covered = check_rows_per_count(weight_t)
-    x = check_input(max(CHECK_DISTINCT, covered), weight_t.shape[0], weight_t)
+    x = check_input(max(CHECK_DISTINCT, covered), weight_t)
     with torch.inference_mode():
         for plan in candidates:
             packed = _make(weight_t, bias, blocked, plan)
