@@ -84,11 +84,14 @@ def bf16_products_summed(x, weight_t, bias, single_rows_apart: bool):
     With ``single_rows_apart`` a call of one row sums the two halves of its products apart and then adds
     them, as a one-row kernel may: its outputs round apart from the same row's among others only where an
     fp32 sum lies near a bf16 rounding edge, a few in 10^4 outputs."""
-    xf, wf = x.float(), weight_t.float()
+    # Sums taken in float64 are exact here (bf16 products, 64 of them), so neither order depends on the
+    # BLAS torch calls on this CPU (an AVX2 fp32 GEMV summed a row's halves exactly as the split does): a
+    # row's sum is rounded to float32 once, a lone row's two half sums each and then their sum.
+    xd, wd = x.double(), weight_t.double()
     if single_rows_apart and x.shape[0] == 1:
-        half = xf.shape[1] // 2
-        return (xf[:, :half] @ wf[:half] + xf[:, half:] @ wf[half:]).to(x.dtype)
-    return torch.stack([row @ wf for row in xf]).to(x.dtype)
+        half = xd.shape[1] // 2
+        return ((xd[:, :half] @ wd[:half]).float() + (xd[:, half:] @ wd[half:]).float()).to(x.dtype)
+    return (xd @ wd).float().to(x.dtype)
 
 
 @pytest.mark.parametrize("seed", range(4))
