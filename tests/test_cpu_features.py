@@ -68,3 +68,19 @@ def test_runner_logs_its_dtype_and_the_cpu(tiny_model_dir, caplog):
     assert runner.dtype == auto_dtype("cpu")
     dtype = str(runner.dtype).removeprefix("torch.")
     assert f"dtype {dtype} (auto) on {cpu_features.describe_cpu()}" in caplog.text
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_bf16_asked_for_without_native_bf16_is_warned(monkeypatch, tiny_model_dir, caplog, native):
+    """An explicit bf16 model on a CPU that emulates bf16 runs several times slower than float32: the
+    runner says so (auto would have picked float32); with native bf16 it does not."""
+    monkeypatch.setenv(cpu_features.NATIVE_BF16_ENV, native)
+    with caplog.at_level(logging.WARNING, logger="specjet.models.runner"):
+        runner = load_runner(tiny_model_dir, dtype="bfloat16", tokens=64)
+    assert runner.dtype == torch.bfloat16
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "without native bf16" in r.getMessage()]
+    assert len(warned) == (1 if native == "0" else 0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specjet.models.runner"):
+        load_runner(tiny_model_dir, dtype="float32", tokens=64)
+    assert "without native bf16" not in caplog.text
