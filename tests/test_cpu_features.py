@@ -8,7 +8,10 @@ import torch
 
 from model_harness import load_runner
 from specjet.kernels import cpu_features
-from specjet.models.runner import auto_dtype, resolve_dtype
+from specjet.models.config import ModelConfig
+from specjet.models.runner import ModelRunner, auto_dtype, resolve_dtype
+from specjet.models.weights import load_state_dict
+from transformers import AutoConfig
 
 
 def test_model_name_and_description():
@@ -83,4 +86,7 @@ def test_bf16_asked_for_without_native_bf16_is_warned(monkeypatch, tiny_model_di
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specjet.models.runner"):
         load_runner(tiny_model_dir, dtype="float32", tokens=64)
+        # quantized weights run on the integer kernels: nothing emulated to warn of
+        ModelRunner(ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir)), load_state_dict(tiny_model_dir),
+                    "bfloat16", "cpu", 64, 0.0, 1, quantization="int8")
     assert "without native bf16" not in caplog.text

@@ -84,9 +84,9 @@ def bf16_products_summed(x, weight_t, bias, single_rows_apart: bool):
     With ``single_rows_apart`` a call of one row sums the two halves of its products apart and then adds
     them, as a one-row kernel may: its outputs round apart from the same row's among others only where an
     fp32 sum lies near a bf16 rounding edge, a few in 10^4 outputs."""
-    # Sums taken in float64 are exact here (bf16 products, 64 of them), so neither order depends on the
-    # BLAS torch calls on this CPU (an AVX2 fp32 GEMV summed a row's halves exactly as the split does): a
-    # row's sum is rounded to float32 once, a lone row's two half sums each and then their sum.
+    # Float64 sums of these bf16 products (64 of them) are exact to far below float32's rounding, so neither
+    # order depends on the BLAS torch calls on this CPU (an AVX2 fp32 GEMV summed a row's halves exactly as
+    # the split does): a row's sum is rounded to float32 once, a lone row's two half sums each and then their sum.
     xd, wd = x.double(), weight_t.double()
     if single_rows_apart and x.shape[0] == 1:
         half = xd.shape[1] // 2

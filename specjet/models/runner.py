@@ -118,7 +118,9 @@ class ModelRunner:
         where = describe_cpu() if self.device.type == "cpu" else str(self.device)
         logger.info("dtype %s (%s) on %s", str(self.dtype).removeprefix("torch."),
                     "auto" if dtype in (None, "auto") else "asked for", where)
-        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not has_native_bf16():
+        # (quantized weights compute on the integer kernels, whatever the activations' dtype)
+        emulated = self.device.type == "cpu" and quantization is None and not has_native_bf16()
+        if self.dtype == torch.bfloat16 and emulated:
             logger.warning("dtype bfloat16 on a CPU without native bf16 instructions (AVX-512 BF16, AMX): its "
                            "matmuls are emulated, several times slower than float32 ones, and checking each "
                            "weight shape's row plan at load takes seconds; dtype='auto' picks float32 here")
