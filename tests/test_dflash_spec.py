@@ -77,11 +77,13 @@ def copy_draft_hot(tmp_path_factory, tiny_model_dir, expected):
     return make_copy_draft(tmp_path_factory.mktemp("copy-dflash-hot"), tiny_model_dir, hot)
 
 
-def make_copy_draft(path, tiny_model_dir, hot=None, root_context=False):
+def make_copy_draft(path, tiny_model_dir, hot=None, root_context=False, sharpness=1.0):
     """Every block position predicts the root. With the context, the mask embedding and every query
     zero, attention is uniform and only the root's value is non-zero, so each mask position gets
     the root's normed embedding, half of its coordinates per layer (a value is half as wide as the
-    hidden state here); the tied LM head then ranks the root first."""
+    hidden state here); the tied LM head then ranks the root first. ``sharpness`` scales the final
+    norm, so the logits: at 1 the root's probability is tiny beside a random model's vocabulary (every
+    node under a confidence cut), at 10 close to 1 (the blocks pass the engine's default cut)."""
     cfg = _config(tiny_model_dir)
     draft = DFlashDraftModel(cfg, DFlashShape(2, (0,), 16, 0, root_context), hot_token_ids=hot)
     d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -98,6 +100,7 @@ def make_copy_draft(path, tiny_model_dir, hot=None, root_context=False):
             for g in range(cfg.num_kv_heads):  # the first query head of each group writes it back
                 for j in range(d):
                     o[g * group * d + j, layer_id * kv + g * d + j] = 1.0
+        draft.norm.weight.mul_(sharpness)
     return save_dflash(draft, path, dtype=torch.float32)
 
 

@@ -30,7 +30,9 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def copy_draft(tmp_path_factory, tiny_model_dir):
-    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir, root_context=True)
+    # Sharp enough that its blocks pass the free-text drafting's confidence cut: its own nodes are verified, not
+    # only the n-gram path merged beside them.
+    return make_copy_draft(tmp_path_factory.mktemp("copy-dflash"), tiny_model_dir, root_context=True, sharpness=10.0)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,11 @@ def test_a_request_that_gets_company_mid_way_takes_plain_steps_to_its_end(tiny_m
     # accepted fall short of its output by the second's 30 steps at least.
     assert out["first"]["meta_info"]["spec_verify_ct"] > 0 and "spec_verify_ct" not in second["meta_info"]
     assert stats["spec_accepted_tokens"] <= len(out["ids"]) - len(second["output_ids"]), stats
+    # Its accept length counts what its verifies committed, not the plain steps' tokens (the second verified
+    # nothing, so the engine's counts are the first's alone).
+    info = out["first"]["meta_info"]
+    assert info["spec_verify_ct"] == stats["spec_verify_ct"]
+    assert info["spec_accept_length"] == stats["spec_accepted_tokens"] / stats["spec_verify_ct"], (info, stats)
 
 
 def test_sampling_alone_matches_the_target_distribution(tiny_model_dir, copy_draft):

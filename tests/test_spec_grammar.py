@@ -324,9 +324,10 @@ def masked_topk_probs(model, grammar, prompt_ids, prefix, top_k):
 def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, backend, algorithm):
     """1000 seeded draws of three tokens with NGRAM, and without speculation (whose constrained requests draft
     NGRAM trees): the (t1, t2) histogram matches the exact grammar-masked top-k distribution (t2 and t3 come from
-    tree verification)."""
+    tree verification). The prompt holds the pieces this target favours under the regex ("acc", "cb"), so the
+    n-gram tree after t1 proposes a t2 that the target samples part of the time: most draws take a draft."""
     regex = r"( ?[abc]){3,8}"
-    prompt = PROMPTS[0]
+    prompt = "a b c a b c accacc cbacc accacc"
     n = 1000
     with spec_engine(tiny_model_dir, algorithm, dtype="float32") as eng:  # the oracle's dtype
         prompt_ids = eng.tokenizer(prompt)["input_ids"]

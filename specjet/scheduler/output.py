@@ -26,7 +26,9 @@ def meta_info(req: Req) -> dict[str, Any]:
             info["json_schema_message"] = req.output_check.message
     if req.spec_verify_ct:
         info["spec_verify_ct"] = req.spec_verify_ct
-        info["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct
+        # Tokens the verifies committed, per verify (as the engine's stats): the output also holds the prefill's
+        # first token and any plain steps (a default engine's request that paused drafting or got company).
+        info["spec_accept_length"] = sum(n * c for n, c in req.spec_accept_hist.items()) / req.spec_verify_ct
         info["spec_accept_histogram"] = dict(sorted(req.spec_accept_hist.items()))
     return info
 
