@@ -1,6 +1,6 @@
-"""Helpers the logit-bias and prediction tests share: a speculative engine of each algorithm, the mean accept
-length of a set of outputs, and the exact two-token top-k distribution of a transformers model (with a logit
-bias) with its total variation from seeded draws."""
+"""Helpers the speculative sampling tests share: a speculative engine of each algorithm, the mean accept length of
+a set of outputs, a prompt after which n-gram drafts are taken, and the exact two-token top-k distribution of a
+transformers model (with a logit bias) with its total variation from seeded draws."""
 from __future__ import annotations
 
 import collections
@@ -29,6 +29,15 @@ def spec_engine(algorithm, model_dir, head, draft, overlap, path=10, **kw):
                               speculative_hybrid_ngram_tokens=path, **common)
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm="NGRAM",
                           speculative_num_draft_tokens=10, **common)
+
+
+def repeating_prompt(engine, prompt: str, tokens: int = 24) -> str:
+    """``prompt`` followed by ``engine``'s own greedy continuation. A small random model's output repeats its
+    pieces, so a token sampled next most likely occurred in that continuation, and an n-gram tree proposes what
+    followed it there: a draw of a few tokens then verifies drafts the target takes part of the time (after a
+    prompt without the model's pieces every tree is its root alone, and a sampling test checks no acceptance)."""
+    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True})
+    return prompt + out["text"]
 
 
 def mean_accept(outs) -> float:

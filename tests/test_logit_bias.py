@@ -11,7 +11,7 @@ import torch
 
 import specjet
 from specjet.kernels.penalties import Penalties, apply_penalties_, context_rows
-from spec_helpers import biased_topk, total_variation, two_token_distribution
+from spec_helpers import biased_topk, repeating_prompt, total_variation, two_token_distribution
 from spec_helpers import spec_engine as engine
 from test_dflash_spec import make_copy_draft, make_wrong_draft
 from test_penalties import PROMPTS, SCHEMA, greedy
@@ -119,10 +119,11 @@ def test_sampling_with_a_bias_matches_the_biased_target(cyclic_model_dir):
     verification, where every node's row is biased)."""
     from transformers import AutoModelForCausalLM
 
-    prompt, n = PROMPTS[0], 1000
+    n = 1000
     model = AutoModelForCausalLM.from_pretrained(cyclic_model_dir, dtype=torch.float32)
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=8192, dtype="float32",
                         speculative_algorithm="NGRAM") as eng:
+        prompt = repeating_prompt(eng, PROMPTS[0])
         prompt_ids = eng.tokenizer(prompt)["input_ids"]
         plain_top = biased_topk(model, prompt_ids, {}, 3)
         # Lift the third most likely token to about even with the first: a sampler that ignored the bias fails.

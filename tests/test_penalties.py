@@ -100,20 +100,26 @@ def penalised_topk(model, prompt_ids, output, top_k):
 
 
 def test_sampling_with_penalties_matches_the_penalised_target(cyclic_model_dir):
-    """1000 seeded draws of three tokens with NGRAM on a model whose output repeats (so drafts are
-    taken): the (t1, t2) histogram matches the penalised top-k distribution (t2 and t3 come from
-    tree verification, where each node is penalised by its own path)."""
+    """1000 seeded draws of three tokens with NGRAM: the (t1, t2) histogram matches the penalised top-k
+    distribution (t2 and t3 come from tree verification, where each node is penalised by its own path). The
+    penalties break the cycles an n-gram tree would draft, so the request's prediction (the penalised target's
+    likeliest three tokens) drafts instead: its t2 is taken part of the time."""
     from transformers import AutoModelForCausalLM
 
     prompt, n = PROMPTS[0], 1000
+    model = AutoModelForCausalLM.from_pretrained(cyclic_model_dir, dtype=torch.float32)
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=8192, dtype="float32",
                         speculative_algorithm="NGRAM") as eng:
         prompt_ids = eng.tokenizer(prompt)["input_ids"]
-        params = [dict(PENALTIES, temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+        likeliest: list[int] = []
+        for _ in range(3):
+            top = penalised_topk(model, prompt_ids, likeliest, 3)
+            likeliest.append(max(top, key=top.get))
+        params = [dict(PENALTIES, temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True, seed=s,
+                       prediction=likeliest) for s in range(n)]
         outs = eng.generate([prompt] * n, params)
         eng.check_kv_invariant()
     assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs) > n // 20  # drafts were accepted
-    model = AutoModelForCausalLM.from_pretrained(cyclic_model_dir, dtype=torch.float32)
     exact = {}
     for t1, p1 in penalised_topk(model, prompt_ids, [], 3).items():
         for t2, p2 in penalised_topk(model, prompt_ids, [t1], 3).items():

@@ -81,7 +81,7 @@ def attending_head(tmp_path_factory, cyclic_model_dir, expected):
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory, cyclic_model_dir):
     # A root-context draft: a prefix hit or a chunk must still leave it the last verified context.
-    return make_copy_draft(tmp_path_factory.mktemp("prefix-dflash"), cyclic_model_dir, root_context=True)
+    return make_copy_draft(tmp_path_factory.mktemp("prefix-dflash"), cyclic_model_dir, root_context=True, sharpness=10.0)
 
 
 def engine(model_dir, algorithm=None, head=None, **kw):

@@ -24,7 +24,7 @@ def head(tmp_path_factory, tiny_model_dir):
 def copy_draft(tmp_path_factory, cyclic_model_dir):
     """A DFlash draft whose blocks the cyclic target accepts whole: the compute side reaches the
     context's end fast, where a block no longer fits in the request's own slots (it borrows scratch)."""
-    return make_copy_draft(tmp_path_factory.mktemp("limits-dflash"), cyclic_model_dir, root_context=True)
+    return make_copy_draft(tmp_path_factory.mktemp("limits-dflash"), cyclic_model_dir, root_context=True, sharpness=10.0)
 
 
 def spec_kwargs(algorithm, head, copy_draft=None):
