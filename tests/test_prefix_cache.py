@@ -88,7 +88,10 @@ def engine(model_dir, algorithm=None, head=None, **kw):
     """``head``: the EAGLE head or the DFlash draft."""
     kw.setdefault("max_total_tokens", 4096)
     if algorithm == "EAGLE":
-        kw.update(speculative_draft_model_path=str(head), speculative_hybrid_ngram_tokens=0)
+        # The whole tree, uncut: the attending head's nodes fall below the default confidence cut, and a tree of its
+        # root alone would never read the draft KV that a prefix hit or a chunk leaves.
+        kw.update(speculative_draft_model_path=str(head), speculative_hybrid_ngram_tokens=0,
+                  speculative_draft_min_prob=0.0)
     if algorithm == "DFLASH":
         kw.update(speculative_draft_model_path=str(head))
     return specjet.Engine(model_path=str(model_dir), speculative_algorithm=algorithm, **kw)

@@ -104,22 +104,27 @@ def test_greedy_equals_plain_with_the_attentions_bf16_products(tmp_path, default
     assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"]
 
 
-def test_cuts_at_max_new_tokens_and_stops_mid_run(tiny_model_dir, plain):
-    full = plain.generate(PROMPTS[0], greedy(60))
-    text, ids = full["text"], full["output_ids"]
-    stop = text[len(text) // 2: len(text) // 2 + 2]
-    with ngram_engine(tiny_model_dir) as eng:
+def test_cuts_at_max_new_tokens_and_stops_mid_run(cyclic_model_dir):
+    """The cyclic model, whose output repeats: n-gram runs are taken, so they are cut mid-run."""
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, disable_guided_drafting=True,
+                        disable_free_text_drafting=True) as plain:
+        full = plain.generate(PROMPTS[0], greedy(60))
+        text, ids = full["text"], full["output_ids"]
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        ref_stop = plain.generate(PROMPTS[0], greedy(60, stop=[stop]))
+    with ngram_engine(cyclic_model_dir) as eng:
         for n in (1, 2, 7, 13):  # accepted runs are longer than what is left: they must be cut
             out = eng.generate(PROMPTS[0], greedy(n))
             assert out["output_ids"] == ids[:n]
             assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
         with_stop = eng.generate(PROMPTS[0], greedy(60, stop=[stop]))
-        ref_stop = plain.generate(PROMPTS[0], greedy(60, stop=[stop]))
         assert with_stop["output_ids"] == ref_stop["output_ids"] and with_stop["text"] == ref_stop["text"]
         target = ids[20]
         with_tok = eng.generate(PROMPTS[0], greedy(60, stop_token_ids=[target]))
         assert with_tok["output_ids"] == ids[: ids.index(target) + 1]
         eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert stats["spec_accepted_tokens"] > 2 * stats["spec_verify_ct"], stats  # long runs were taken
 
 
 def test_retraction_under_kv_pressure_keeps_outputs(tiny_model_dir, plain):
