@@ -216,7 +216,8 @@ def test_prompt_logprob_parameters_fail_at_the_door(tiny_model_dir):
 
 @pytest.mark.parametrize("params", [
     {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
-    {"temperature": 0.8, "seed": 5, "max_new_tokens": 24, "ignore_eos": True, "presence_penalty": 0.3},
+    # top_k: over the cyclic model's flat full vocabulary a sampled token is almost never the copy draft's
+    {"temperature": 0.8, "top_k": 3, "seed": 5, "max_new_tokens": 24, "ignore_eos": True, "presence_penalty": 0.3},
 ])
 def test_a_dflash_tree_reports_its_accepted_branches_rows(cyclic_dir, params, tmp_path):
     """DFLASH's lattice trees (3 candidates a position) accept paths through nodes that are not consecutive rows:
@@ -225,7 +226,7 @@ def test_a_dflash_tree_reports_its_accepted_branches_rows(cyclic_dir, params, tm
     with dflash_engine(cyclic_dir, draft, dtype="float32", speculative_eagle_topk=3) as eng:
         outs = eng.generate(input_ids=PROMPT_IDS, sampling_params=with_logprobs(params))
         eng.check_kv_invariant()
-    assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) < sum(len(o["output_ids"]) for o in outs)
+    assert any(max(o["meta_info"]["spec_accept_histogram"]) > 1 for o in outs)  # a verify took drafts
     for prompt, out in zip(PROMPT_IDS, outs):
         ids = out["output_ids"]
         ref = reference_logprobs(cyclic_dir, prompt, ids)
