@@ -98,11 +98,9 @@ def test_engine_with_a_bf16_kv_cache_speculates_losslessly_in_half_the_bytes(cyc
     kept in the bf16 cache and read by later steps."""
     from test_spec_eagle import random_head
 
-    tiny_model_dir = cyclic_model_dir
-
     prompts = ["The cat sat on the mat. The cat", "1 2 3 4 1 2", "Hello there"]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    kw = dict(model_path=str(tiny_model_dir), dtype="float32", quantization=quantization, max_total_tokens=4096)
+    kw = dict(model_path=str(cyclic_model_dir), dtype="float32", quantization=quantization, max_total_tokens=4096)
     with specjet.Engine(kv_cache_dtype="float32", **kw) as eng:
         f32_bytes = eng.worker.runner.kv_cache.k.element_size()
         float_kv = [o["output_ids"] for o in eng.generate(prompts, params)]
@@ -117,16 +115,16 @@ def test_engine_with_a_bf16_kv_cache_speculates_losslessly_in_half_the_bytes(cyc
         with specjet.Engine(**kw) as eng:
             assert eng.worker.runner.kv_cache.k.dtype == torch.float32
             eng.check_kv_invariant()
-    head = random_head(tmp_path / "head", tiny_model_dir)
+    head = random_head(tmp_path / "head", cyclic_model_dir)
+    # Every iteration drafts (the measured payoff, which depends on timings, off).
     with specjet.Engine(kv_cache_dtype="bfloat16", speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
-                        **kw) as eng:
+                        speculative_measured_payoff=False, **kw) as eng:
         spec = [o["output_ids"] for o in eng.generate(prompts, params)]
-        alone = eng.generate(prompts[0], params)["output_ids"]
+        alone = eng.generate(prompts[0], params)
         eng.check_kv_invariant()
-        stats = eng.get_server_info()["stats"]
-    assert spec == plain and alone == plain[0]
-    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"], stats  # drafts were taken (int8: alone only)
-    # Rounding the cache moves logits a little: most greedy tokens of this peaked tiny model stay.
+    assert spec == plain and alone["output_ids"] == plain[0]
+    assert alone["meta_info"]["spec_accept_length"] > 1.5, alone["meta_info"]  # drafts were taken (int8: alone only)
+    # Rounding the cache moves logits a little: most greedy tokens stay.
     same = sum(a == b for x, y in zip(plain, float_kv) for a, b in zip(x, y))
     assert same >= 0.5 * sum(len(x) for x in plain)
 

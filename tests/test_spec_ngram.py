@@ -112,6 +112,7 @@ def test_cuts_at_max_new_tokens_and_stops_mid_run(cyclic_model_dir):
         text, ids = full["text"], full["output_ids"]
         stop = text[len(text) // 2: len(text) // 2 + 2]
         ref_stop = plain.generate(PROMPTS[0], greedy(60, stop=[stop]))
+        plain.check_kv_invariant()
     with ngram_engine(cyclic_model_dir) as eng:
         for n in (1, 2, 7, 13):  # accepted runs are longer than what is left: they must be cut
             out = eng.generate(PROMPTS[0], greedy(n))
