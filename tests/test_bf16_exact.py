@@ -145,10 +145,11 @@ def test_linear_rows_are_invariant_at_the_default_models_shapes(shape, dtype, de
     weight_t = (0.05 * torch.randn(*shape, generator=gen)).to(dtype).to(device)
     packed = pack_weight(weight_t)
     x = torch.randn(256, shape[0], generator=gen).to(dtype).to(device)
-    rows = 256 if shape[1] < 10000 else 40  # the LM head: fewer rows, same property
+    # The LM head: fewer rows, same property (its 24 rows still end a 17-row call with a short one).
+    rows = 256 if shape[1] < 10000 else 24
     with torch.inference_mode():
         alone = torch.cat([packed(x[i:i + 1]) for i in range(rows)])
-        for m in (2, 3, 17, 64, 128, 256):
+        for m in sorted({min(m, rows) for m in (2, 3, 17, 64, 128, 256)}):
             calls = torch.cat([packed(x[i:min(i + m, rows)]) for i in range(0, rows, m)])
             assert torch.equal(calls, alone), f"{shape} {dtype}: rows changed with {m} rows per call"
 

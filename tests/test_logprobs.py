@@ -34,25 +34,29 @@ def reference_logprobs(model_dir, prompt: list[int], output: list[int]) -> torch
 @pytest.mark.parametrize("algorithm", [None, "NGRAM"])
 @pytest.mark.parametrize("params", [
     {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True},
-    {"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_new_tokens": 10, "ignore_eos": True, "frequency_penalty": 0.5},
-    {"temperature": 0.9, "seed": 4, "max_new_tokens": 10, "ignore_eos": True},
+    {"temperature": 0.7, "top_p": 0.9, "top_k": 3, "seed": 3, "max_new_tokens": 10, "ignore_eos": True,
+     "frequency_penalty": 0.1},
+    {"temperature": 0.9, "top_k": 3, "seed": 4, "max_new_tokens": 10, "ignore_eos": True},
     {"temperature": 0, "max_new_tokens": 24, "json_schema": SCHEMA},
 ])
-def test_logprobs_are_the_models_own_distribution(tiny_model_dir, params, algorithm):
+def test_logprobs_are_the_models_own_distribution(tiny_model_dir, cyclic_dir, params, algorithm):
     """Whatever the sampling, the mask or the penalties, plain or speculative (a verify takes a greedy walk's rows
     after it, a sampled or penalised one's before the walk changes them): the reported numbers are the model's
     log-softmax at the token's position (transformers computes it here), best alternatives first; greedy picks the
-    best."""
-    with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", max_total_tokens=4096,
-                        speculative_algorithm=algorithm) as eng:
+    best. NGRAM runs on the cyclic model, whose outputs repeat, so that its verifies take drafts."""
+    model_dir = cyclic_dir if algorithm else tiny_model_dir
+    with specjet.Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096,
+                        speculative_algorithm=algorithm, speculative_measured_payoff=False) as eng:
         outs = eng.generate(input_ids=PROMPT_IDS, sampling_params=with_logprobs(params))
         eng.check_kv_invariant()
+    if algorithm:  # some verify took a draft (a penalty or a sample rejects many on this small a run)
+        assert any(max(o["meta_info"]["spec_accept_histogram"]) >= 2 for o in outs)
     for prompt, out in zip(PROMPT_IDS, outs):
         ids, meta = out["output_ids"], out["meta_info"]
         pairs, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
         assert len(pairs) == len(tops) == len(ids) > 0
         assert [t for _, t, text in pairs] == ids and all(text is None for _, _, text in pairs)
-        ref = reference_logprobs(tiny_model_dir, prompt, ids)
+        ref = reference_logprobs(model_dir, prompt, ids)
         chosen = ref.gather(1, torch.tensor(ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor([lp for lp, _, _ in pairs]), chosen, atol=2e-4), (pairs, chosen)
         ref_top = ref.topk(3, dim=-1)
