@@ -310,3 +310,33 @@ def test_the_target_to_learn_follows_the_engines_default_weights(tiny_model_dir,
     tiles = bf16x3_available()
     assert same is fresh and tag == ("-bf16x3" if tiles else "")
     assert isinstance(fresh.model.layers[0].mlp.down_proj.packed, Bf16x3Linear) == tiles
+
+
+@pytest.mark.e2e
+def test_replies_can_be_written_by_the_gguf_engine_for_a_float_target(tmp_path):
+    """--generate-quantization gguf: the GGUF file's blocks write the replies (cached apart), while the
+    target the draft learns stays --target-quantization's; the replies are that engine's greedy ones."""
+    from transformers import AutoTokenizer
+
+    import specjet
+    from specjet.models.weights import resolve_model_path
+    from specjet.train.eagle import build_parser, collect_samples, generate_quantization, target_quantization
+
+    flags = ["--num-target-replies", "2", "--num-few-shot-replies", "0", "--num-human-replies", "0",
+             "--num-eval", "1", "--num-few-shot-eval", "0", "--json-per-schema", "0", "--max-new-tokens", "8",
+             "--target-quantization", "none"]
+    args = build_parser().parse_args(flags + ["--generate-quantization", "gguf"])
+    assert generate_quantization(args) == "gguf" and target_quantization(args) is None
+    assert generate_quantization(build_parser().parse_args(flags)) is None  # "target": the target's weights
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    train, evaluation = collect_samples(args, tokenizer, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gsm8k_fewshot_eval-s0-n8-gguf.jsonl", "gsm8k_fewshot_train-s0-n8-gguf.jsonl",
+        "gsm8k_target_eval-s0-n8-gguf.jsonl", "gsm8k_target_train-s0-n8-gguf.jsonl"]
+    samples = [s for s in train + evaluation if s.source in ("gsm8k", "gsm8k_target")]
+    assert len(samples) == 3
+    with specjet.Engine(quantization="gguf", max_total_tokens=4096) as eng:
+        outs = eng.generate(input_ids=[s.ids[:s.prompt_len] for s in samples],
+                            sampling_params={"temperature": 0, "max_new_tokens": 8})
+        eng.check_kv_invariant()
+    assert [s.ids[s.prompt_len:] for s in samples] == [o["output_ids"] for o in outs]

@@ -224,7 +224,8 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
                 "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
                 "warmup_steps", "known_prefix_rate", "weight_decay",
-                "generate_dtype", "feature_dtype", "feature_gemm", "target_quantization", "seed"):
+                "generate_dtype", "generate_quantization", "feature_dtype", "feature_gemm", "target_quantization",
+                "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
                     "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",

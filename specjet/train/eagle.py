@@ -98,6 +98,11 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
     data.add_argument("--max-len", type=int, default=1024, help="longest sequence (prompt and reply), in tokens")
     data.add_argument("--max-running-requests", type=int, default=64, help="generation batch")
+    data.add_argument("--generate-quantization", default="target", choices=["target", "none", "gguf"],
+                      help="weights of the engine that writes the target's replies (the text the draft reads; its "
+                           "features and labels still come from --target-quantization's target); target: the same. "
+                           "gguf: the GGUF file's 4-bit blocks, a batch's decode step ~2.7x faster than float32 where "
+                           "bf16 is emulated (bench/RESULTS.md, session 83)")
     data.add_argument("--generate-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                       help="dtype of the engine that writes the target's replies; auto: bf16 where the CPU has native "
                            "bf16 (a batch decodes ~2x faster than fp32), fp32 where bf16 is emulated (~8x slower)")
@@ -256,6 +261,14 @@ def target_quantization(args) -> str | None:
     return None if choice == "none" else choice
 
 
+def generate_quantization(args) -> str | None:
+    """What ``--generate-quantization`` resolves to: the weights that write the replies, "gguf" or None."""
+    choice = getattr(args, "generate_quantization", "target")
+    if choice == "target":
+        return target_quantization(args)
+    return None if choice == "none" else choice
+
+
 def feature_target(args, config, state_dict, float_runner):
     """(the runner whose hidden states the draft reads, a tag naming it in cache paths): the target
     with the weights the draft will draft for (``--target-quantization``; a quantized target computes
@@ -290,7 +303,7 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         train += D.extra_samples(tokenizer, path, args.max_len)
 
     mnt = args.max_new_tokens
-    quantization = target_quantization(args)
+    quantization = generate_quantization(args)
     q = f"-{quantization}" if quantization else ""  # replies of a quantized target are cached apart
     jobs = {  # cache file -> requests, in a fixed order
         f"gsm8k_target_eval-s{args.seed}-n{mnt}{q}.jsonl": gsm8k_requests(tokenizer, eval_records, mnt, "gsm8k"),
@@ -378,6 +391,7 @@ def _argv_for_summary(args) -> list[str]:
                 "json_per_schema", "max_new_tokens",
                 "json_max_new_tokens", "max_len",
                 "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight",
-                "depths", "depth_decay", "generate_dtype", "feature_dtype", "feature_gemm", "target_quantization", "seed"):
+                "depths", "depth_decay", "generate_dtype", "generate_quantization", "feature_dtype", "feature_gemm",
+                "target_quantization", "seed"):
         flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return flags + ["--feature-layers", *map(str, args.feature_layers)]
