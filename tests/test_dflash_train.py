@@ -295,8 +295,8 @@ def test_bf16_autocast_and_root_context_train(runner, sequences, autocast, root_
     autocast the labels are still the fp32 target's greedy tokens. Half the steps under autocast: a step's bf16
     products are emulated on a CPU without bf16 instructions (~2 s a step on AVX2), and 20 steps already take the
     loss ~20% down."""
-    cfg = T.DFlashTrainConfig(steps=20 if autocast else 40, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3, seed=0,
-                              autocast_bf16=autocast)
+    cfg = T.DFlashTrainConfig(steps=20 if autocast else 40, batch_tokens=400, blocks_per_seq=6, lr=5e-3, warmup_steps=3,
+                              seed=0, autocast_bf16=autocast)
     draft = new_draft(runner, root_context=root_context)
     ids, feats, _ = T.collate(sequences[:2])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

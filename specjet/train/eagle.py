@@ -101,7 +101,7 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--generate-quantization", default="target", choices=["target", "none", "gguf"],
                       help="weights of the engine that writes the target's replies (the text the draft reads; its "
                            "features and labels still come from --target-quantization's target); target: the same. "
-                           "gguf: the GGUF file's 4-bit blocks, a batch's decode step ~2.7x faster than float32 where "
+                           "gguf: the GGUF file's 4-bit blocks, which write a batch of 64 ~3x faster than float32 where "
                            "bf16 is emulated (bench/RESULTS.md, session 83)")
     data.add_argument("--generate-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                       help="dtype of the engine that writes the target's replies; auto: bf16 where the CPU has native "
@@ -263,7 +263,7 @@ def target_quantization(args) -> str | None:
 
 def generate_quantization(args) -> str | None:
     """What ``--generate-quantization`` resolves to: the weights that write the replies, "gguf" or None."""
-    choice = getattr(args, "generate_quantization", "target")
+    choice = args.generate_quantization
     if choice == "target":
         return target_quantization(args)
     return None if choice == "none" else choice
@@ -331,8 +331,9 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
             from specjet import Engine
 
             # At a batch of 64 the float weights and the C++ (batch-invariant) attention compute a
-            # decode step faster than the quantized kernels and SDPA (bench.step; bench/RESULTS.md),
-            # but a quantized target's replies must come from that target. KV pages of 16 slots: with
+            # decode step faster than the quantized kernels and SDPA where bf16 is native (bench.step;
+            # bench/RESULTS.md); where it is emulated the GGUF blocks are ~3x faster than float32
+            # (--generate-quantization gguf, session 83). A quantized target's replies come from that target. KV pages of 16 slots: with
             # one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
             # each cached token's key and value from a line of its own, where 16 positions side by side
             # stream; the replies are the same either way (bench/RESULTS.md, session 69).
