@@ -331,10 +331,10 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
             from specjet import Engine
 
             # At a batch of 64 the float weights and the C++ (batch-invariant) attention compute a
-            # decode step faster than the quantized kernels and SDPA where bf16 is native (bench.step;
-            # bench/RESULTS.md); where it is emulated the GGUF blocks are ~3x faster than float32
-            # (--generate-quantization gguf, session 83). A quantized target's replies come from that target. KV pages of 16 slots: with
-            # one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
+            # decode step faster than the quantized kernels and SDPA where bf16 is native; where it is
+            # emulated the GGUF blocks are faster than float32 (--generate-quantization gguf; both in
+            # bench/RESULTS.md). A quantized target's replies come from that target. KV pages of 16
+            # slots: with one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
             # each cached token's key and value from a line of its own, where 16 positions side by side
             # stream; the replies are the same either way (bench/RESULTS.md, session 69).
             # Room for every running request's longest sequence in whole pages, so none waits or is retracted.
