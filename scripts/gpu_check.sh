@@ -5,13 +5,15 @@
 #          compute stream, grammars, failures), in one pytest run (TEST_FILES: other test files);
 #   split: a plain decode iteration against its CUDA graph's GPU time (scripts/gpu_split.py, random weights
 #          of the default model's shape: only .gpu/tok needed);
-#   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH, CUDA graphs on and
+#   bench: the default model on the GPU: bench.compare of plain / EAGLE / DFLASH (JSON: also the engine's default,
+#          which drafts NGRAM trees under a grammar), CUDA graphs on and
 #          off, on GSM8K prompts and on JSON schemas (greedy outputs compared between configurations);
 #          TREE=old: the same on an older commit's code (.gpu/old), for an A/B of two commits on one host;
 #          GSM8K_EXTRA: more configurations, e.g. E-pay:speculative_algorithm=EAGLE,speculative_measured_payoff=true
 #          (the payoff controller on CUDA, where it is not on by default);
 #   heldout: after bench (which unpacks the GGUF), bench.json on the ten JSON schemas the drafts never saw
 #          in training (issue 15's unseen-schema acceptance): plain, EAGLE-GA and DFLASH-GA;
+#   prediction: after bench, bench.prediction on GSM8K chat prompts (plain decoding's reply as the prediction);
 #   profile: after bench, where a host-bound GPU iteration's time goes (scripts/gpu_profile.py: torch.profiler
 #          on the scheduler thread; CUDA launches, copies and syncs per iteration), free text and JSON.
 # The machine has its own python3 with CUDA torch and triton but not this project's other packages,
@@ -20,7 +22,7 @@
 # .gpu/part2 sent by two calls to one warm machine, and the data in .gpu/data/, all made here by
 # scripts/gpu_prepare.sh (whose header gives the two calls). Results go to $OUT.
 set -u -o pipefail
-phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench|heldout|profile}
+phase=${1:?usage: scripts/gpu_check.sh stage|tests|split|bench|heldout|prediction|profile}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -89,7 +91,7 @@ if [ "$phase" = bench ]; then
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 \
     D-tree:speculative_algorithm=DFLASH ${GSM8K_EXTRA:-} 2>&1 | tee "$OUT/gsm8k.log" | tail -30
   timeout "${JSON_TIMEOUT:-200}" python3 -m bench.compare --workload json --json-constrained --num-prompts 6 --max-new-tokens 256 $common \
-    --json-path $data/jsonschema $(records gpu-json) --configs none: E:speculative_algorithm=EAGLE \
+    --json-path $data/jsonschema $(records gpu-json) --configs none:disable_guided_drafting=true default: E:speculative_algorithm=EAGLE \
     D-chain:speculative_algorithm=DFLASH,speculative_eagle_topk=1 D-tree:speculative_algorithm=DFLASH \
     2>&1 | tee "$OUT/json.log" | tail -30
   exit 0
@@ -100,13 +102,23 @@ if [ "$phase" = heldout ]; then
   timeout "${HELDOUT_TIMEOUT:-150}" python3 -m bench.json --schema-dir .gpu/data/jsonschema \
     --schema-indices 4 9 14 19 24 29 34 39 44 49 --max-new-tokens 256 --batch-sizes 1 --repeats 1 \
     --dtype ${DTYPE:-bfloat16} --quantization none --device cuda --skip-unconstrained --overlap on \
-    --algorithms none EAGLE-GA DFLASH-GA 2>&1 | tee "$OUT/heldout.log" | tail -30
+    --algorithms none default EAGLE-GA DFLASH-GA 2>&1 | tee "$OUT/heldout.log" | tail -30
   # DFLASH-GA 4 wide under the grammar (a lattice; the default there is the chain): on a GPU a verify's
   # extra rows cost little, so the width's acceptance may come free (HELDOUT_WIDE=0 leaves it out).
   [ "${HELDOUT_WIDE:-1}" = 1 ] && timeout "${HELDOUT_TIMEOUT:-150}" python3 -m bench.json --schema-dir .gpu/data/jsonschema \
     --schema-indices 4 9 14 19 24 29 34 39 44 49 --max-new-tokens 256 --batch-sizes 1 --repeats 1 \
     --dtype ${DTYPE:-bfloat16} --quantization none --device cuda --skip-unconstrained --overlap on \
     --algorithms DFLASH-GA --speculative-eagle-topk 4 2>&1 | tee "$OUT/heldout-wide.log" | tail -4
+  exit 0
+fi
+if [ "$phase" = prediction ]; then
+  # Predicted outputs (OpenAI's prediction) on CUDA: plain decoding's reply given back as the prediction, exact and
+  # edited, with the engine's default drafting and with NGRAM / DFLASH (every output checked against plain decoding).
+  [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
+  mkdir -p ../shared/data/gsm8k && cp .gpu/data/gsm8k.jsonl ../shared/data/gsm8k/test.jsonl
+  timeout "${PREDICTION_TIMEOUT:-150}" python3 -m bench.prediction --workload gsm8k --num-prompts 4 --max-new-tokens 128 \
+    --algorithms none NGRAM DFLASH --repeats 1 --dtype ${DTYPE:-bfloat16} --quantization none --device cuda \
+    2>&1 | tee "$OUT/prediction.log" | tail -20
   exit 0
 fi
 if [ "$phase" = profile ]; then

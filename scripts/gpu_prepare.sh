@@ -61,5 +61,5 @@ if [ -n "${OLD:-}" ]; then
   mkdir -p .gpu/old && git archive "$OLD" specjet bench | tar -x -C .gpu/old
   rm -rf .gpu/old/specjet/assets .gpu/old/bench/RESULTS.md
 fi
-xz -T0 -9e -c "$gguf" | split -b 50000000 -a 1 --numeric-suffixes=1 - .gpu/part
+xz -T0 -9e -c "$gguf" | split -b 51000000 -a 1 --numeric-suffixes=1 - .gpu/part
 du -sh .whl .gpu/tok .gpu/data .gpu/part1 .gpu/part2 $( [ -d .gpu/old ] && echo .gpu/old )
