@@ -54,7 +54,7 @@ if [ "$phase" = tests ]; then
   paths=$(for f in $files; do printf 'tests/%s.py ' "$f"; done)
   # The projections' batch-invariant row plans on this GPU at the default model's shapes, and their cost.
   python3 scripts/gpu_linear_plans.py 2>&1 | tee "$OUT/plans.log"
-  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -n 12 --dist loadfile --max-worker-restart=1 -m "not e2e" \
+  timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -n 12 --dist loadfile --max-worker-restart=1 -m "not e2e" \
     --timeout 200 -rfE --durations=12 $paths 2>&1 | tee "$OUT/tests.log" | tail -80
   exit 0
 fi

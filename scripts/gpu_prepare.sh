@@ -14,10 +14,12 @@
 #
 # The calls, back to back (a machine stays warm 30 s; a carried path does not outlive its call, so
 # the first call copies the first half to /tmp there):
-#   1. hide-assets; run `bash scripts/gpu_check.sh tests`, carry .whl .gpu/tok .gpu/data .gpu/part1
+#   1. hide-assets; run `bash scripts/gpu_check.sh tests`, carry .whl .gpu/tok .gpu/data .gpu/part1 (~4.5 min of
+#      tests after the machine's start: give the call a timeout_s of 420 or more)
 #   2. show-assets; run `bash scripts/gpu_check.sh bench`, carry .gpu/part2 .gpu/data; more phases in the same call
 #      (at most 8 files come back from $OUT), e.g. `O=$OUT; OUT=$O/bf16 JSONL=0 BATCH_SIZES="1 4" EAGER=0 REPEATS=1
-#      bash scripts/gpu_check.sh bench; OUT=$O bash scripts/gpu_check.sh heldout; OUT=$O bash scripts/gpu_check.sh profile`
+#      bash scripts/gpu_check.sh bench; OUT=$O bash scripts/gpu_check.sh heldout; OUT=$O bash scripts/gpu_check.sh prediction`
+#      (~3.5 min; the profile phase adds ~1 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
