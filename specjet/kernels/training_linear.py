@@ -16,10 +16,11 @@ Two facts shape it:
 
 A frozen weight (a target's LM head under a draft being trained) has both casts made once per weight
 version and kept while the weight lives. Its two products (``frozen_products``: the head's logits and the
-input's gradient through it) run on specjet's AMX bf16 GEMM (kernels/bf16_gemm.py) where the CPU has tiles:
-its packed operands are made once too, and at a DFlash step's shapes ([1,152, 8,192] x [8,192, 576] and
-128-row chunks of [576, 8,192]) it runs steadily at about oneDNN's best rate, where oneDNN's own calls of the
-same shape swing between one and three times that (bench/RESULTS.md, session 68).
+input's gradient through it) run on specjet's bf16 GEMM (kernels/bf16_gemm.py) where the CPU has AMX tiles or
+AVX-512 BF16: its packed operands are made once too, and at a DFlash step's shapes ([1,152, 8,192] x [8,192,
+576] and 128-row chunks of [576, 8,192]) it runs steadily at about oneDNN's best rate or above it, where
+oneDNN's own calls of the same shape swing between one and three times that with AMX and run below it at the
+128-row chunks without (bench/RESULTS.md, sessions 68 and 85).
 """
 from __future__ import annotations
 
@@ -75,15 +76,16 @@ def frozen_casts(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
 
 def frozen_products(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[Callable, Callable]:
     """(x -> x @ weight_t, g -> g @ weight_t.T) in ``dtype`` for a frozen [in, out] weight, each taking a 2-D
-    input of that dtype: specjet's AMX bf16 GEMM on operands packed once a weight version (bf16 on a CPU with
-    tiles, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float rounding
+    input of that dtype: specjet's bf16 GEMM on operands packed once a weight version (bf16 on a CPU with AMX
+    tiles or AVX-512 BF16, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float rounding
     (another order of the same sums), not by the result's dtype."""
     entry = _frozen(weight_t, dtype)
     if entry.products is None:
-        if (dtype == torch.bfloat16 and bf16_gemm.default_isa() == "amx" and bf16_gemm.applies(entry.in_out, "amx")
-                and bf16_gemm.applies(entry.out_in, "amx")):
-            entry.products = (bf16_gemm.Bf16Linear.build(entry.in_out, isa="amx"),
-                              bf16_gemm.Bf16Linear.build(entry.out_in, isa="amx"))
+        isa = bf16_gemm.default_isa()
+        if (dtype == torch.bfloat16 and isa != "onednn" and bf16_gemm.applies(entry.in_out, isa)
+                and bf16_gemm.applies(entry.out_in, isa)):
+            entry.products = (bf16_gemm.Bf16Linear.build(entry.in_out, isa=isa),
+                              bf16_gemm.Bf16Linear.build(entry.out_in, isa=isa))
         else:
             entry.products = (entry.in_out.__rmatmul__, entry.out_in.__rmatmul__)
     return entry.products
