@@ -1,6 +1,6 @@
 """Predicted outputs: tokens/s and accept length of speculative decoding with and without a prediction.
 
-    python -m bench.prediction [--workload gsm8k|json] [--num-prompts 8] [--max-new-tokens 128]
+    python -m bench.prediction [--workload gsm8k|json] [--num-prompts 8] [--data-path F] [--max-new-tokens 128]
                                [--algorithms none NGRAM DFLASH] [--result-file F] [engine flags: --dtype ...]
 
 Per prompt (GSM8K questions in the chat template, or the JSON dev set's prompts under their schemas),
@@ -20,7 +20,7 @@ import argparse
 import json
 import time
 
-from bench.common import (add_engine_args, append_jsonl, chat_prompt, command_line, default_speculation,
+from bench.common import (GSM8K_TEST, add_engine_args, append_jsonl, chat_prompt, command_line, default_speculation,
                           engine_kwargs, gsm8k_questions, jsonschema_prompts, machine_info, now, report_header_lines,
                           without_speculation)
 from bench.engine_info import accept_length, spec_totals
@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="gsm8k", choices=["gsm8k", "json"])
     parser.add_argument("--num-prompts", type=_positive, default=8)
+    parser.add_argument("--data-path", default=str(GSM8K_TEST), help="GSM8K-style JSONL (field `question`)")
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
     parser.add_argument("--algorithms", nargs="+", default=["none", "NGRAM", "DFLASH"],
                         choices=["none", "NGRAM", "EAGLE", "DFLASH"],
@@ -64,7 +65,7 @@ def workload(args, tokenizer) -> list[tuple[str, dict]]:
     """(prompt, sampling params) per request, greedy."""
     base = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     if args.workload == "gsm8k":
-        return [(chat_prompt(tokenizer, q["question"]), dict(base)) for q in gsm8k_questions(args.num_prompts)]
+        return [(chat_prompt(tokenizer, q["question"]), dict(base)) for q in gsm8k_questions(args.num_prompts, args.data_path)]
     return [(chat_prompt(tokenizer, e["prompt"]), dict(base, json_schema=json.loads(e["schema"])))
             for e in jsonschema_prompts(args.num_prompts)]
 

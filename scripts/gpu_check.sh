@@ -114,9 +114,8 @@ fi
 if [ "$phase" = prediction ]; then
   # Predicted outputs (OpenAI's prediction) on CUDA: plain decoding's reply given back as the prediction, exact and
   # edited, with the engine's default drafting and with NGRAM / DFLASH (every output checked against plain decoding).
-  [ -e ../shared/data ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data; }
-  mkdir -p ../shared/data/gsm8k && cp .gpu/data/gsm8k.jsonl ../shared/data/gsm8k/test.jsonl
   timeout "${PREDICTION_TIMEOUT:-150}" python3 -m bench.prediction --workload gsm8k --num-prompts 4 --max-new-tokens 128 \
+    --data-path .gpu/data/gsm8k.jsonl \
     --algorithms none NGRAM DFLASH --repeats 1 --dtype ${DTYPE:-bfloat16} --quantization none --device cuda \
     2>&1 | tee "$OUT/prediction.log" | tail -20
   exit 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.prediction import edited, main, parse_args
+from bench.prediction import edited, main, parse_args, workload
 from specjet.kernels.cpu_features import describe_cpu
 
 
@@ -44,3 +44,18 @@ def test_an_edited_prediction_reverses_every_eighth_word():
 def test_bad_arguments_are_refused(flags):
     with pytest.raises(SystemExit):
         parse_args(flags)
+
+
+def test_gsm8k_questions_come_from_data_path(tiny_model_dir, tmp_path):
+    """``--data-path`` names the GSM8K-style file (a lent GPU machine has no ../shared/data)."""
+    from transformers import AutoTokenizer
+
+    questions = ["How many legs have 3 spiders?", "What is 17 plus 25?"]
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 0"}) + "\n" for q in questions))
+    args = parse_args(["--num-prompts", "2", "--max-new-tokens", "5", "--data-path", str(path)])
+    requests = workload(args, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    assert [q in prompt for q, (prompt, _) in zip(questions, requests)] == [True, True]
+    assert all(params == {"temperature": 0, "max_new_tokens": 5} for _, params in requests)
+    with pytest.raises(ValueError, match="only 2 items"):
+        workload(parse_args(["--num-prompts", "3", "--data-path", str(path)]), None)

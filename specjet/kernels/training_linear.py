@@ -18,9 +18,9 @@ A frozen weight (a target's LM head under a draft being trained) has both casts 
 version and kept while the weight lives. Its two products (``frozen_products``: the head's logits and the
 input's gradient through it) run on specjet's bf16 GEMM (kernels/bf16_gemm.py) where the CPU has AMX tiles or
 AVX-512 BF16: its packed operands are made once too, and at a DFlash step's shapes ([1,152, 8,192] x [8,192,
-576] and 128-row chunks of [576, 8,192]) it runs steadily at about oneDNN's best rate or above it, where
-oneDNN's own calls of the same shape swing between one and three times that with AMX and run below it at the
-128-row chunks without (bench/RESULTS.md, sessions 68 and 85).
+576] and 128-row chunks of [576, 8,192]) it runs at oneDNN's best rate or faster: with AMX oneDNN's own calls of
+these shapes swing between one and three times that, and with VDPBF16PS alone they run 10-15% slower
+(bench/RESULTS.md, sessions 68 and 85).
 """
 from __future__ import annotations
 
@@ -77,13 +77,12 @@ def frozen_casts(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
 def frozen_products(weight_t: torch.Tensor, dtype: torch.dtype) -> tuple[Callable, Callable]:
     """(x -> x @ weight_t, g -> g @ weight_t.T) in ``dtype`` for a frozen [in, out] weight, each taking a 2-D
     input of that dtype: specjet's bf16 GEMM on operands packed once a weight version (bf16 on a CPU with AMX
-    tiles or AVX-512 BF16, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float rounding
-    (another order of the same sums), not by the result's dtype."""
+    tiles or AVX-512 BF16, the shapes it takes), else torch products of ``frozen_casts``. The two differ by float
+    rounding (another order of the same sums), not by the result's dtype."""
     entry = _frozen(weight_t, dtype)
     if entry.products is None:
-        isa = bf16_gemm.default_isa()
-        if (dtype == torch.bfloat16 and isa != "onednn" and bf16_gemm.applies(entry.in_out, isa)
-                and bf16_gemm.applies(entry.out_in, isa)):
+        isa = bf16_gemm.default_isa()  # applies() is False for "onednn"
+        if dtype == torch.bfloat16 and bf16_gemm.applies(entry.in_out, isa) and bf16_gemm.applies(entry.out_in, isa):
             entry.products = (bf16_gemm.Bf16Linear.build(entry.in_out, isa=isa),
                               bf16_gemm.Bf16Linear.build(entry.out_in, isa=isa))
         else:
