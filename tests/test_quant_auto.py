@@ -48,7 +48,8 @@ def test_auto_takes_the_default_models_blocks():
     assert choose_method("auto", torch.device("cuda"), default_gguf_path(), config)[0] is None
 
 
-def test_auto_keeps_float_weights_without_usable_blocks(tmp_path):
+def test_auto_keeps_float_weights_without_usable_blocks(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJET_CACHE_DIR", str(tmp_path / "cache"))  # what is kept of these files goes there
     assert choose_method("auto", torch.device("cpu"), None, ONE_LAYER)[0] is None  # not a GGUF
     all_q8 = _write_gguf(tmp_path / "q8.gguf", quantize_names=["token_embd.weight"] + [f"blk.0.{p}.weight" for p in PARTS])
     assert choose_method("auto", torch.device("cpu"), all_q8, ONE_LAYER)[0] == "gguf"

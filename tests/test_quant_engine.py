@@ -79,3 +79,39 @@ def test_quantized_needs_cpu_and_known_method(cyclic_model_dir):
 
 def test_kernels_are_in_use():
     assert qgemm.extension() is not None, "the C++ extension should be built by the package's set-up"
+
+
+def test_only_projections_that_stay_float_get_float_operands(tmp_path, default_model_dir, monkeypatch):
+    """A quantized model's load skips the float packing of the projections it quantizes (each float shape's row plan
+    is checked by running it: seconds of an engine's start); a projection whose input width is not whole 32-weight
+    blocks stays float and is packed as without quantization, and the model still answers as one that was packed
+    in full first."""
+    from transformers import AutoConfig
+
+    from conftest import make_tiny_model_dir
+    from specjet.kernels import linear
+    from specjet.kernels.linear import PackedLinear
+    from specjet.models.config import ModelConfig
+    from specjet.models.llama import Linear, LlamaForCausalLM
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict
+    from model_harness import OneRequest
+
+    model_dir = make_tiny_model_dir(tmp_path / "m", default_model_dir, intermediate_size=80)  # down_proj: 80 inputs
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    checked = []
+    choose_plan = linear.choose_plan
+    monkeypatch.setattr(linear, "choose_plan", lambda w, *a: checked.append(tuple(w.shape)) or choose_plan(w, *a))
+    monkeypatch.setattr(linear, "_PLANS", {})  # every shape's plan checked anew here
+    runner = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 1024, 0.0, 1, quantization="int8")
+    assert set(checked) <= {(80, 64)}  # no quantized projection's float plan was checked
+    kinds = {name: type(m.packed).__name__ for name, m in runner.model.named_modules() if isinstance(m, Linear)}
+    assert {n for n, k in kinds.items() if k == "PackedLinear"} == {f"layers.{i}.mlp.down_proj" for i in range(2)}
+    assert all(k == "QuantizedLinear" for n, k in kinds.items() if not n.endswith("down_proj"))
+
+    load_weights = LlamaForCausalLM.load_weights  # as before: every projection packed as float, then quantized
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", lambda model, sd, pack=True: load_weights(model, sd, True))
+    reference = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 1024, 0.0, 1, quantization="int8")
+    assert isinstance(reference.model.layers[0].mlp.down_proj.packed, PackedLinear)
+    ids = [1, 17, 923, 42, 7]
+    assert torch.equal(OneRequest(runner).extend(ids).logits, OneRequest(reference).extend(ids).logits)

@@ -5,11 +5,21 @@ the default model) instead of the float32 weights they were dequantized into (mo
 Two things change on the way: llama.cpp's converter permutes the rows of the q and k projections
 for its RoPE layout, which is undone here row by row (a row's blocks move whole); and q|k|v and
 gate|up are concatenated along the output dimension as Llama's fused projections expect.
+
+gguf's reader parses every metadata field in Python before it lists a tensor (the tokenizer's
+vocabulary and merges: seconds of each engine's start), so the blocks are read from the GGUF once and
+kept in specjet's cache (``gguf-linears/<stem>-<content hash>.safetensors``, keyed by the file's content as the
+converted model is): later starts read that file (or only its header, for ``blocks_supported``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import logging
+import os
 import pathlib
+import threading
 
 import numpy as np
 import torch
@@ -17,9 +27,15 @@ import torch
 from specjet.kernels.quant_formats import BLOCK, Int8Weight, Q41Weight, QuantWeight
 from specjet.models.config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 # bytes of one 32-weight block
 _Q4_1_BYTES, _Q8_0_BYTES = 20, 34
 SUPPORTED_TYPES = ("Q4_1", "Q8_0")
+# The cache of GGUFs' linear blocks (a file per GGUF content, under specjet's cache directory), and the
+# version of the layout ``read_gguf_linears`` gives them: a file of another version is written again.
+CACHE_DIR = "gguf-linears"
+CACHE_LAYOUT = "1"
 
 
 def _blocks(tensor) -> QuantWeight:
@@ -49,7 +65,7 @@ def _unpermute_rows(weight: QuantWeight, num_heads: int) -> QuantWeight:
 def _cat(weights: list[QuantWeight]) -> QuantWeight:
     first = weights[0]
     if not all(type(w) is type(first) for w in weights):
-        raise ValueError("a fused projection's parts must share one GGUF block type")
+        raise ValueError("a fused projection's parts are in more than one GGUF block type")
     if isinstance(first, Q41Weight):
         return Q41Weight(*(torch.cat([getattr(w, f) for w in weights]).contiguous() for f in ("qs", "d", "m")))
     return Int8Weight(torch.cat([w.q for w in weights]).contiguous(), torch.cat([w.s for w in weights]).contiguous(),
@@ -78,8 +94,8 @@ def _head_name(tensors: dict, config: ModelConfig) -> str:
     return "token_embd.weight" if config.tie_word_embeddings or "output.weight" not in tensors else "output.weight"
 
 
-def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
-    """{specjet Linear module name: its [out, in] blocks} for every projection and the LM head."""
+def _linears_from_file(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
+    """``read_gguf_linears`` from the GGUF itself."""
     tensors = _tensors(path)
     out = {"lm_head": _blocks(tensors[_head_name(tensors, config)])}
     for i in range(config.num_layers):
@@ -93,10 +109,114 @@ def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str
     return out
 
 
-def blocks_supported(path: str | pathlib.Path, config: ModelConfig) -> bool:
-    """Whether every weight ``read_gguf_linears`` keeps is in a block type the kernels compute with
-    (reads the file's tensor table only)."""
+def _unsupported(path: str | pathlib.Path, config: ModelConfig) -> str | None:
+    """Why the GGUF's blocks cannot serve (a weight missing or of another type), or None (reads its tensor table)."""
     tensors = _tensors(path)
     names = [_head_name(tensors, config)] + [f"blk.{i}.{part}.weight" for i in range(config.num_layers)
                                              for part in _LAYER_PARTS]
-    return all(name in tensors and tensors[name].tensor_type.name in SUPPORTED_TYPES for name in names)
+    for name in names:
+        if name not in tensors:
+            return f"GGUF tensor {name} is missing"
+        if tensors[name].tensor_type.name not in SUPPORTED_TYPES:
+            return f"GGUF tensor {name} is {tensors[name].tensor_type.name}"
+    return None
+
+
+def cache_path(path: str | pathlib.Path) -> pathlib.Path:
+    """Where the GGUF's blocks are kept: ``<specjet cache>/gguf-linears/<its content key>.safetensors``."""
+    from specjet.models.weights import gguf_content_key, specjet_cache_dir
+
+    return specjet_cache_dir() / CACHE_DIR / f"{gguf_content_key(pathlib.Path(path))}.safetensors"
+
+
+def _cached_header(file: pathlib.Path) -> dict | None:
+    """The cache file's metadata, or None where it is absent, unreadable or of another layout."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata() or {}
+    except (OSError, SafetensorError):  # absent, truncated or not safetensors: written again
+        return None
+    return meta if meta.get("layout") == CACHE_LAYOUT and {"unsupported", "kinds"} <= meta.keys() else None
+
+
+def _save(file: pathlib.Path, tensors: dict[str, torch.Tensor], why: str | None, kinds: dict[str, str]) -> dict:
+    """Keep ``tensors`` in ``file`` with what ``read_gguf_linears`` needs to rebuild them (or why they cannot serve);
+    returns the metadata. Written under a temporary name and renamed, so a reader sees no file or a whole one; a
+    cache that cannot be written (a read-only directory) is skipped: the next start reads the GGUF again."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    meta = {"layout": CACHE_LAYOUT, "unsupported": why or "", "kinds": json.dumps(kinds)}
+    tmp = file.with_name(f"{file.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.chmod(0o644)  # safetensors writes it owner-only; the cache's converted models are readable by all
+        os.replace(tmp, file)
+    except (OSError, SafetensorError) as exc:
+        logger.debug("GGUF blocks not cached in %s: %s", file, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return meta
+
+
+def _write_cache(path: str | pathlib.Path, config: ModelConfig, file: pathlib.Path) -> dict:
+    """Read the GGUF's blocks and keep them in ``file`` (or why they cannot serve); returns its metadata."""
+    why = _unsupported(path, config)
+    linears = {}
+    if why is None:
+        try:
+            linears = _linears_from_file(path, config)
+        except ValueError as exc:  # e.g. a fused projection's parts in two block types
+            why = str(exc)
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, weight in linears.items():
+        if isinstance(weight, Q41Weight):
+            kinds[name] = "Q4_1"
+            tensors.update({f"{name}.qs": weight.qs, f"{name}.d": weight.d, f"{name}.m": weight.m})
+        else:
+            kinds[name] = f"Q8_0:{weight.group}"
+            tensors.update({f"{name}.q": weight.q, f"{name}.s": weight.s})
+    return _save(file, tensors, why, kinds)
+
+
+def read_gguf_linears(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
+    """{specjet Linear module name: its [out, in] blocks} for every projection and the LM head."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = cache_path(path)
+    meta = _cached_header(file)
+    if meta is None:
+        meta = _write_cache(path, config, file)
+    if meta["unsupported"]:
+        raise ValueError(f"quantization='gguf' computes with {' and '.join(SUPPORTED_TYPES)} blocks; "
+                         f"{meta['unsupported']} (use quantization='int8' or 'int4', which quantize the float weights)")
+    try:
+        tensors = load_file(str(file))
+    except (OSError, SafetensorError):  # the cache could not be written (or went away): the GGUF itself
+        return _linears_from_file(path, config)
+    out: dict[str, QuantWeight] = {}
+    for name, kind in json.loads(meta["kinds"]).items():
+        if kind == "Q4_1":
+            out[name] = Q41Weight(tensors[f"{name}.qs"], tensors[f"{name}.d"], tensors[f"{name}.m"])
+        else:
+            out[name] = Int8Weight(tensors[f"{name}.q"], tensors[f"{name}.s"], int(kind.split(":")[1]))
+    return out
+
+
+def blocks_supported(path: str | pathlib.Path, config: ModelConfig) -> bool:
+    """Whether every weight ``read_gguf_linears`` keeps is in a block type the kernels compute with: the cache's
+    header, else the GGUF's tensor table (an answer of no is kept in the cache; the blocks are kept by
+    ``read_gguf_linears``)."""
+    file = cache_path(path)
+    meta = _cached_header(file)
+    if meta is not None:
+        return not meta["unsupported"]
+    why = _unsupported(path, config)
+    if why is not None:
+        _save(file, {}, why, {})
+    return why is None

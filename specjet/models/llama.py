@@ -463,9 +463,10 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Linear) and isinstance(module.packed, PackedLinear):
                 module.packed.invariant = flag
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], pack: bool = True) -> None:
         """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch. The
-        projections are packed anew: call ``use_native_ops`` afterwards (build_model does)."""
+        projections are packed anew (``pack``; False leaves them to the caller, as build_model does for weights
+        it quantizes next): call ``use_native_ops`` afterwards (build_model does)."""
         self.layer_stack = None  # it holds the old packed operands
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
         params = dict(self.named_parameters())
@@ -503,4 +504,6 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_decode()
+                module.packed = None  # the old operand, for other weights
+                if pack:
+                    module.pack_for_decode()

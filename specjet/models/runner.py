@@ -11,7 +11,7 @@ from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
 from specjet.models.kv_cache import KVCache
-from specjet.models.llama import LlamaForCausalLM, Rotary
+from specjet.models.llama import Linear, LlamaForCausalLM, Rotary
 from specjet.models.operand_arena import gather_operands
 from specjet.models.quantize import check_method, quantize_model
 from specjet.models.target_graphs import TargetGraphs
@@ -78,9 +78,13 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype,
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(config, device)
-    model.load_weights(state_dict)
+    # Projections about to be quantized skip the float packing (its row plans are checked by running them).
+    model.load_weights(state_dict, pack=quantization is None)
     if quantization is not None:
         quantize_model(model, quantization, gguf_path)
+        for module in model.modules():
+            if isinstance(module, Linear) and module.packed is None:  # stayed float (quantize_linears says why)
+                module.pack_for_decode()
     if torch.device(device).type == "cpu":
         gather_operands(model)  # before the layer stack takes references to the operands
     model.use_native_ops()

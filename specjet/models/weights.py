@@ -147,6 +147,11 @@ def _cache_key(gguf: pathlib.Path, models: pathlib.Path) -> str:
     return key
 
 
+def gguf_content_key(gguf: pathlib.Path) -> str:
+    """``<stem>-<hash of the file's bytes>``, the key of `gguf`'s converted directory and of what else is kept of it."""
+    return _cache_key(gguf.resolve(), specjet_cache_dir() / "models")
+
+
 _CONTENT_KEYS: dict[str, str] = {}
 _KEY_PATTERN = re.compile(r".+-[0-9a-f]{16}")
 
