@@ -85,7 +85,7 @@ def test_only_projections_that_stay_float_get_float_operands(tmp_path, default_m
     """A quantized model's load skips the float packing of the projections it quantizes (each float shape's row plan
     is checked by running it: seconds of an engine's start); a projection whose input width is not whole 32-weight
     blocks stays float and is packed as without quantization, and the model still answers as one that was packed
-    in full first."""
+    in full first. The quantized projections' float weights are then freed."""
     from transformers import AutoConfig
 
     from conftest import make_tiny_model_dir
@@ -108,6 +108,9 @@ def test_only_projections_that_stay_float_get_float_operands(tmp_path, default_m
     kinds = {name: type(m.packed).__name__ for name, m in runner.model.named_modules() if isinstance(m, Linear)}
     assert {n for n, k in kinds.items() if k == "PackedLinear"} == {f"layers.{i}.mlp.down_proj" for i in range(2)}
     assert all(k == "QuantizedLinear" for n, k in kinds.items() if not n.endswith("down_proj"))
+    # The quantized projections' float weights are freed (nothing computes with them), the float ones' kept.
+    float_weights = {n: m.weight_t for n, m in runner.model.named_modules() if isinstance(m, Linear)}
+    assert all(w.is_meta == (kinds[n] == "QuantizedLinear") for n, w in float_weights.items())
 
     load_weights = LlamaForCausalLM.load_weights  # as before: every projection packed as float, then quantized
     monkeypatch.setattr(LlamaForCausalLM, "load_weights", lambda model, sd, pack=True: load_weights(model, sd, True))

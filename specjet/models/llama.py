@@ -41,6 +41,11 @@ class Linear(nn.Module):
     def pack_for_decode(self) -> None:
         self.packed = pack_weight(self.weight_t.data, None if self.bias is None else self.bias.data)
 
+    def drop_float_weight(self) -> None:
+        """Free the float weight of a projection whose quantized operand does all its computing: a meta tensor of
+        its shape and dtype takes its place, so a use of its values fails loudly rather than reading stale numbers."""
+        self.weight_t = nn.Parameter(self.weight_t.detach().to("meta"), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight_t, self.bias, self.packed)
 
