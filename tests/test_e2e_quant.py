@@ -35,6 +35,17 @@ def gguf_runner(default_model_dir):
                        quantization="gguf", gguf_path=default_gguf_path())
 
 
+def test_the_gguf_runner_holds_blocks_alone(gguf_runner):
+    """Every projection and the head compute with the file's blocks; their float weights were never read (meta)."""
+    from specjet.kernels.qgemm import QuantizedLinear
+    from specjet.models.llama import Linear
+
+    linears = [m for m in gguf_runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * gguf_runner.config.num_layers + 1
+    assert all(isinstance(m.packed, QuantizedLinear) and m.weight_t.is_meta for m in linears)
+    assert not gguf_runner.model.embed_tokens.weight.is_meta  # the embedding lookup stays float
+
+
 def test_blocks_equal_the_float32_conversion(default_model_dir, fp32_runner):
     blocks = read_gguf_linears(default_gguf_path(), fp32_runner.config)
     sd = {k.removeprefix("model."): v for k, v in load_state_dict(default_model_dir).items()}

@@ -113,8 +113,20 @@ def test_only_projections_that_stay_float_get_float_operands(tmp_path, default_m
     assert all(w.is_meta == (kinds[n] == "QuantizedLinear") for n, w in float_weights.items())
 
     load_weights = LlamaForCausalLM.load_weights  # as before: every projection packed as float, then quantized
-    monkeypatch.setattr(LlamaForCausalLM, "load_weights", lambda model, sd, pack=True: load_weights(model, sd, True))
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", lambda model, sd, pack=True, **kw: load_weights(model, sd, True, **kw))
     reference = ModelRunner(config, load_state_dict(model_dir), "float32", "cpu", 1024, 0.0, 1, quantization="int8")
     assert isinstance(reference.model.layers[0].mlp.down_proj.packed, PackedLinear)
     ids = [1, 17, 923, 42, 7]
     assert torch.equal(OneRequest(runner).extend(ids).logits, OneRequest(reference).extend(ids).logits)
+
+
+def test_a_projection_without_blocks_or_weight_is_refused(tiny_model_dir):
+    """A projection left without its float weight (blocks were to replace it) and given no blocks fails loudly
+    rather than quantizing an empty weight."""
+    from specjet.models.quantize import quantize_linears
+    from model_harness import load_runner
+
+    model = load_runner(tiny_model_dir).model
+    model.layers[1].mlp.down_proj.drop_float_weight()
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj has neither blocks of its own nor a float weight"):
+        quantize_linears(model, "int8")

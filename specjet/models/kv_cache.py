@@ -8,18 +8,38 @@ memory ([layers, H_kv, slots, D]): a KV head's keys lie side by side in slot ord
 reads a request's (mostly consecutive) slots as one stream instead of one row every H_kv rows; the C++
 kernels take either layout by its strides (kernels never index the memory any other way). On CUDA the
 pool stays slot-major, the layout its Triton kernels were written and measured for.
+
+On the CPU the pool lies in its own anonymous memory map, whose pages the OS hands out zeroed when they are first
+written: a pool sized for the whole token budget takes memory as far as requests have filled it (``torch.zeros``
+would write, and so keep resident, every page up front).
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU zero tensor whose pages become resident as they are written (an anonymous private map, page-aligned;
+    the tensor keeps the map alive). ``torch.zeros`` where the platform has no such map."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
         if torch.device(device).type == "cpu":
             shape = (num_layers, num_kv_heads, num_slots, head_dim)
-            self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
-            self.v = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+            self.k = zeroed_cpu(shape, dtype).transpose(1, 2)
+            self.v = zeroed_cpu(shape, dtype).transpose(1, 2)
         else:
             shape = (num_layers, num_slots, num_kv_heads, head_dim)
             self.k = torch.zeros(shape, dtype=dtype, device=device)

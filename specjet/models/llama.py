@@ -468,10 +468,12 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Linear) and isinstance(module.packed, PackedLinear):
                 module.packed.invariant = flag
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], pack: bool = True) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], pack: bool = True, projections: bool = True) -> None:
         """Copy Hugging Face-named weights into the fused parameters; fail loudly on a mismatch. The
         projections are packed anew (``pack``; False leaves them to the caller, as build_model does for weights
-        it quantizes next): call ``use_native_ops`` afterwards (build_model does)."""
+        it quantizes next): call ``use_native_ops`` afterwards (build_model does). ``projections`` False reads
+        no projection's (nor the head's) weight: each is left a meta tensor, for blocks that replace it whole
+        (the GGUF's own)."""
         self.layer_stack = None  # it holds the old packed operands
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
         params = dict(self.named_parameters())
@@ -487,21 +489,29 @@ class LlamaForCausalLM(nn.Module):
                 param.copy_(tensor.to(param.dtype))
             loaded.add(name)
 
+        def put_projection(name: str, *parts: str) -> None:  # parts: [out, in] tensors, concatenated along out
+            if not projections:
+                linear = self.get_submodule(name.removesuffix(".weight"))
+                linear.drop_float_weight()
+                loaded.add(name + "_t")
+                return
+            put(name, sd[parts[0]] if len(parts) == 1 else torch.cat([sd[part] for part in parts]))
+
         put("embed_tokens.weight", sd["embed_tokens.weight"])
         put("norm.weight", sd["norm.weight"])
-        put("lm_head.weight", sd["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
+        put_projection("lm_head.weight", "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
         for i in range(self.config.num_layers):
             p = f"layers.{i}."
             attn = p + "self_attn."
-            put(attn + "qkv_proj.weight", torch.cat([sd[attn + f"{n}_proj.weight"] for n in "qkv"]))
+            put_projection(attn + "qkv_proj.weight", *(attn + f"{n}_proj.weight" for n in "qkv"))
             if self.config.attention_bias:
                 put(attn + "qkv_proj.bias", torch.cat([sd[attn + f"{n}_proj.bias"] for n in "qkv"]))
-            put(attn + "o_proj.weight", sd[attn + "o_proj.weight"])
+            put_projection(attn + "o_proj.weight", attn + "o_proj.weight")
             if self.config.qk_norm:
                 put(attn + "q_norm.weight", sd[attn + "q_norm.weight"])
                 put(attn + "k_norm.weight", sd[attn + "k_norm.weight"])
-            put(p + "mlp.gate_up_proj.weight", torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
-            put(p + "mlp.down_proj.weight", sd[p + "mlp.down_proj.weight"])
+            put_projection(p + "mlp.gate_up_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put_projection(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight")
             put(p + "input_layernorm.weight", sd[p + "input_layernorm.weight"])
             put(p + "post_attention_layernorm.weight", sd[p + "post_attention_layernorm.weight"])
         missing = set(params) - loaded

@@ -107,6 +107,8 @@ def quantize_linears(model: torch.nn.Module, method: str, given: dict[str, Quant
         if not isinstance(module, Linear):
             continue
         weight = given.get(name)
+        if weight is None and module.weight_t.is_meta:
+            raise ValueError(f"{name} has neither blocks of its own nor a float weight to quantize")
         if weight is None:
             weight = quantize_weight(module.weight_t, method, is_head=name.endswith("lm_head"))
         elif weight.shape != (module.weight_t.shape[1], module.weight_t.shape[0]):

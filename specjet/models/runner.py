@@ -78,8 +78,9 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype,
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(config, device)
-    # Projections about to be quantized skip the float packing (its row plans are checked by running them).
-    model.load_weights(state_dict, pack=quantization is None)
+    # Projections about to be quantized skip the float packing (its row plans are checked by running them), and
+    # with the GGUF's own blocks, which replace every projection and the head, their float weights are not read.
+    model.load_weights(state_dict, pack=quantization is None, projections=quantization != "gguf")
     if quantization is not None:
         quantize_model(model, quantization, gguf_path)
         for module in model.modules():
