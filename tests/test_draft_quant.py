@@ -130,3 +130,43 @@ def test_a_float_draft_beside_a_quantized_target_stays_float(cyclic_model_dir, t
         projections, head = _operands(eng.worker.speculator.drafter)
     assert got == expected and info["draft_quantization"] is None and info["quantization"] == "int8"
     assert all(isinstance(p, FLOAT_OPERANDS) for p in projections) and isinstance(head, QuantizedLinear)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "DFLASH"])
+def test_a_draft_for_a_quantized_target_is_loaded_quantized(algorithm, cyclic_model_dir, tmp_path, monkeypatch):
+    """The speculator loads a draft already quantized with the method it computes with: no float row plan of the
+    draft's projections is checked (a part of an engine's start), ``bind_target`` does not quantize it again, and
+    its operands compute as those of a draft packed as float first and quantized by ``bind_target``."""
+    from specjet.kernels import linear
+    from specjet.models import dflash, eagle
+    from specjet.models.llama import Linear
+    from specjet.models.quantize import quantize_model
+    from model_harness import load_runner
+
+    target = load_runner(cyclic_model_dir).model
+    quantize_model(target, "int8")
+    if algorithm == "EAGLE":
+        path, load = copy_head(tmp_path, cyclic_model_dir, [[1, 2, 3]]), eagle.load_eagle
+    else:
+        path, load = make_copy_draft(tmp_path / "draft", cyclic_model_dir), dflash.load_dflash
+    config = target.config
+    before = load(path, config).bind_target(target)  # packed as float, then quantized by bind_target
+
+    checked = []
+    choose_plan = linear.choose_plan
+    monkeypatch.setattr(linear, "choose_plan", lambda w, *a: checked.append(tuple(w.shape)) or choose_plan(w, *a))
+    monkeypatch.setattr(linear, "_PLANS", {})
+    draft = load(path, config, quantization=eagle.draft_method(target, eagle.FOLLOW_TARGET))
+    module = eagle if algorithm == "EAGLE" else dflash
+
+    def quantized_again(*_args):
+        raise AssertionError("quantized again")
+    monkeypatch.setattr(module, "quantize_linears", quantized_again)
+    draft.bind_target(target)
+    assert checked == [] and draft.packed_quantization == "int8"
+    pairs = [(a, b) for (_, a), (_, b) in zip(draft.named_modules(), before.named_modules()) if isinstance(a, Linear)]
+    assert pairs and all(isinstance(a.packed, QuantizedLinear) for a, _ in pairs)
+    gen = torch.Generator().manual_seed(0)
+    for a, b in pairs:
+        x = torch.randn(5, a.weight_t.shape[0], generator=gen)
+        assert torch.equal(a.packed(x), b.packed(x))

@@ -84,8 +84,8 @@ def test_a_damaged_or_outdated_cache_is_written_again(config, from_file, cache_d
 def test_an_unwritable_cache_costs_only_time(config, from_file, tmp_path, monkeypatch):
     blocked = tmp_path / "a file, not a directory"
     blocked.write_text("")
-    monkeypatch.setenv("SPECJET_CACHE_DIR", str(blocked))  # nothing can be created below it
-    monkeypatch.setattr("specjet.models.weights.gguf_content_key", lambda path: "key")  # no pointer file either
+    monkeypatch.setenv("SPECJET_CACHE_DIR", str(blocked))  # nothing can be created below it, not even a key's pointer
+    monkeypatch.setattr("specjet.models.weights._CONTENT_KEYS", {})
     assert gguf_blocks.blocks_supported(default_gguf_path(), config)
     _assert_same(gguf_blocks.read_gguf_linears(default_gguf_path(), config), from_file)
 
@@ -93,10 +93,14 @@ def test_an_unwritable_cache_costs_only_time(config, from_file, tmp_path, monkey
 def test_unusable_blocks_are_remembered(tmp_path, cache_dir, monkeypatch):
     mixed = _write_gguf(tmp_path / "mixed.gguf", quantize_names=["token_embd.weight"])  # float32 projections
     assert not gguf_blocks.blocks_supported(mixed, ONE_LAYER)
-    _no_gguf_parsing(monkeypatch)
-    assert not gguf_blocks.blocks_supported(mixed, ONE_LAYER)  # from the cache's header
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight is F32.*int8"):
-        gguf_blocks.read_gguf_linears(mixed, ONE_LAYER)
+    with monkeypatch.context() as patch:
+        _no_gguf_parsing(patch)
+        assert not gguf_blocks.blocks_supported(mixed, ONE_LAYER)  # from the cache's header
+        with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight is F32.*int8"):
+            gguf_blocks.read_gguf_linears(mixed, ONE_LAYER)
+    # A specjet that computes with more block types does not take an older one's "no" for its answer.
+    monkeypatch.setattr(gguf_blocks, "SUPPORTED_TYPES", gguf_blocks.SUPPORTED_TYPES + ("F32",))
+    assert gguf_blocks.blocks_supported(mixed, ONE_LAYER)
 
 
 def test_a_small_q8_file_round_trips(tmp_path, cache_dir, monkeypatch):

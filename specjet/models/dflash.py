@@ -69,8 +69,8 @@ from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.eagle import (FOLLOW_TARGET, HotVocabDraft, SharedTarget, check_hot_token_ids, check_target_shape,
-                                  check_trained_for, draft_method, fill_draft, hot_lm_head, read_draft_config,
-                                  write_draft)
+                                  check_trained_for, draft_method, fill_draft, hot_lm_head, pack_linears,
+                                  read_draft_config, write_draft)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.quantize import quantize_linears
@@ -172,7 +172,7 @@ class DFlashDraftModel(HotVocabDraft):
         (``FOLLOW_TARGET``: a quantized target's draft computes like it; ``gguf``: 4-bit blocks)."""
         check_target_shape(self.config, target.config, "DFlash draft")
         method = draft_method(target, quantization)
-        if method is not None:
+        if method is not None and getattr(self, "packed_quantization", None) != method:
             quantize_linears(self, method)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method),
                                    full_lm_head=target.lm_head)
@@ -180,12 +180,11 @@ class DFlashDraftModel(HotVocabDraft):
         self._pack_context_kv()
         return self
 
-    def pack_for_decode(self) -> None:
-        """Pack the projections for inference (kernels/linear.py) and run the layers' drafting
-        forward through the C++ CPU ops where they apply; never while training."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_decode()
+    def pack_for_decode(self, quantization: str | None = None) -> None:
+        """Pack the projections for inference (kernels/linear.py; ``pack_linears``: quantized with ``quantization``
+        where given) and run the layers' drafting forward through the C++ CPU ops where they apply; never while
+        training."""
+        pack_linears(self, quantization)
         set_native_ops(self.layers, self.config, self.mask_embedding)
         self._pack_context_kv()
 
@@ -571,8 +570,10 @@ def read_dflash_config(directory) -> dict:
     return read_draft_config(directory, FORMAT, FORMAT_VERSION, "DFlash draft")
 
 
-def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu") -> DFlashDraftModel:
-    """Load a draft saved by ``save_dflash``; fails loudly if it was trained for another target
+def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu",
+                quantization: str | None = None) -> DFlashDraftModel:
+    """Load a draft saved by ``save_dflash``, its projections packed for inference (quantized with
+    ``quantization``, a method ``draft_method`` resolved); fails loudly if it was trained for another target
     shape. Call ``bind_target`` on the result before running it."""
     from safetensors.torch import load_file
 
@@ -587,4 +588,4 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
                         position_masks=config.get("position_masks", False))
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
-    return fill_draft(model, tensors, dtype, device, directory, "DFlash draft")
+    return fill_draft(model, tensors, dtype, device, directory, "DFlash draft", quantization)

@@ -83,6 +83,22 @@ def draft_method(target: LlamaForCausalLM, quantization: str | None) -> str | No
     return getattr(target, "quantization", None) if quantization == FOLLOW_TARGET else quantization
 
 
+def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
+    """A loaded draft's projections made ready for inference: quantized with ``quantization`` where their widths
+    allow and packed as float otherwise (every one, for None). A projection about to be quantized is never packed
+    as float first (its row plan is checked by running it: a large part of an engine's start). The method is kept
+    as ``model.packed_quantization``, so that ``bind_target`` does not quantize the same weights again."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for module in linears:
+        module.packed = None
+    if quantization is not None:
+        quantize_linears(model, quantization)
+    for module in linears:
+        if module.packed is None:
+            module.pack_for_decode()
+    model.packed_quantization = quantization
+
+
 def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None, method: str | None = None) -> Linear:
     """The target's LM head, or a [hidden, K] copy of its hot columns: packed like the target's, or,
     beside a float target's head, quantized with the draft's ``method`` (never while training)."""
@@ -165,20 +181,18 @@ class EagleDraftModel(HotVocabDraft):
         draft weights), or None for float."""
         check_target_shape(self.config, target.config, "draft head")
         method = draft_method(target, quantization)
-        if method is not None:
+        if method is not None and getattr(self, "packed_quantization", None) != method:
             quantize_linears(self, method)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method))
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         self.layer_stack = native_layer_stack([self.layer])  # holds the (now final) operands
         return self
 
-    def pack_for_decode(self) -> None:
-        """Pack the projections for inference (see kernels/linear.py) and run the layer through the
-        C++ CPU ops where they apply (as one call: ``native_layer_stack``). Training must not call it:
-        the packed copy would go stale as the weights change."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_decode()
+    def pack_for_decode(self, quantization: str | None = None) -> None:
+        """Pack the projections for inference (see kernels/linear.py; ``pack_linears``: quantized with
+        ``quantization`` where given) and run the layer through the C++ CPU ops where they apply (as one call:
+        ``native_layer_stack``). Training must not call it: the packed copy would go stale as the weights change."""
+        pack_linears(self, quantization)
         set_native_ops([self.layer], self.config, self.fc.weight_t)
         self.layer_stack = native_layer_stack([self.layer])
 
@@ -388,9 +402,11 @@ def read_eagle_config(directory) -> dict:
     return read_draft_config(directory, FORMAT, FORMAT_VERSION, "EAGLE head")
 
 
-def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu") -> EagleDraftModel:
-    """Load a head saved by ``save_eagle``; fails loudly if it was trained for another target shape.
-    Call ``bind_target`` on the result before running it."""
+def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, device="cpu",
+               quantization: str | None = None) -> EagleDraftModel:
+    """Load a head saved by ``save_eagle``, its projections packed for inference (quantized with ``quantization``,
+    a method ``draft_method`` resolved); fails loudly if it was trained for another target shape. Call
+    ``bind_target`` on the result before running it."""
     from safetensors.torch import load_file
 
     directory = pathlib.Path(directory)
@@ -399,7 +415,7 @@ def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, devic
     tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
     model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"),
                             feature_layers=tuple(config.get("feature_layers", ())))
-    return fill_draft(model, tensors, dtype, device, directory, "EAGLE head")
+    return fill_draft(model, tensors, dtype, device, directory, "EAGLE head", quantization)
 
 
 def check_trained_for(config: dict, target_config: ModelConfig, directory, what: str) -> None:
@@ -411,13 +427,13 @@ def check_trained_for(config: dict, target_config: ModelConfig, directory, what:
                              f"this target has {getattr(target_config, name)}")
 
 
-def fill_draft(model: nn.Module, tensors: dict, dtype, device, directory, what: str):
+def fill_draft(model: nn.Module, tensors: dict, dtype, device, directory, what: str, quantization: str | None = None):
     """``model`` with its saved ``tensors`` (every one of its parameters, nothing else), on ``device`` in ``dtype``,
-    packed for inference."""
+    packed for inference (``pack_for_decode(quantization)``)."""
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(f"{what} {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model = model.to(device=device, dtype=dtype).eval()
-    model.pack_for_decode()
+    model.pack_for_decode(quantization)
     return model

@@ -138,7 +138,9 @@ def _cached_header(file: pathlib.Path) -> dict | None:
             meta = f.metadata() or {}
     except (OSError, SafetensorError):  # absent, truncated or not safetensors: written again
         return None
-    return meta if meta.get("layout") == CACHE_LAYOUT and {"unsupported", "kinds"} <= meta.keys() else None
+    # A file written where other block types were supported (an older specjet's "no") is written again.
+    current = meta.get("layout") == CACHE_LAYOUT and meta.get("supported") == ",".join(SUPPORTED_TYPES)
+    return meta if current and {"unsupported", "kinds"} <= meta.keys() else None
 
 
 def _save(file: pathlib.Path, tensors: dict[str, torch.Tensor], why: str | None, kinds: dict[str, str]) -> dict:
@@ -148,7 +150,8 @@ def _save(file: pathlib.Path, tensors: dict[str, torch.Tensor], why: str | None,
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    meta = {"layout": CACHE_LAYOUT, "unsupported": why or "", "kinds": json.dumps(kinds)}
+    meta = {"layout": CACHE_LAYOUT, "supported": ",".join(SUPPORTED_TYPES), "unsupported": why or "",
+            "kinds": json.dumps(kinds)}
     tmp = file.with_name(f"{file.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)

@@ -139,10 +139,14 @@ def _cache_key(gguf: pathlib.Path, models: pathlib.Path) -> str:
             while chunk := handle.read(1 << 22):
                 digest.update(chunk)
         key = f"{gguf.stem}-{digest.hexdigest()[:16]}"
-        pointer.parent.mkdir(parents=True, exist_ok=True)
         tmp = pointer.with_name(f"{pointer.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(key)
-        os.replace(tmp, pointer)  # readers see the old pointer or the whole new one
+        try:
+            pointer.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(key)
+            os.replace(tmp, pointer)  # readers see the old pointer or the whole new one
+        except OSError:  # a cache it cannot write to: the key is hashed again by the next process
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     _CONTENT_KEYS[identity] = key
     return key
 

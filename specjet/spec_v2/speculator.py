@@ -24,7 +24,7 @@ import torch
 
 from specjet.kernels.sampling import SamplingTensors
 from specjet.models.dflash import default_dflash_path, load_dflash
-from specjet.models.eagle import default_eagle_path, load_eagle
+from specjet.models.eagle import default_eagle_path, draft_method, load_eagle
 from specjet.models.forward_batch import CaptureHidden
 from specjet.models.runner import ModelRunner
 from specjet.spec_v2.catch_up import CatchUp, PendingPositions
@@ -62,7 +62,8 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
             head_dir = draft_model_dir(cfg)
             if not pathlib.Path(head_dir).exists():
                 raise FileNotFoundError(f"EAGLE draft head not found at {head_dir}")
-            head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device)
+            head = load_eagle(head_dir, runner.config, dtype=runner.dtype, device=runner.device,
+                              quantization=draft_method(runner.model, cfg.draft_quantization))
         eagle = EagleDrafter(runner, head, cfg.eagle, allocator, *cfg.runner_mode(runner.device),
                              quantization=cfg.draft_quantization)
         if not cfg.hybrid_path_nodes:
@@ -78,7 +79,8 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
             if not pathlib.Path(draft_dir).exists():
                 raise FileNotFoundError(f"DFlash draft model not found at {draft_dir} "
                                         "(train one with `python -m specjet.train dflash`)")
-            draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device)
+            draft = load_dflash(draft_dir, runner.config, dtype=runner.dtype, device=runner.device,
+                                quantization=draft_method(runner.model, cfg.draft_quantization))
         dflash = DFlashDrafter(runner, draft, cfg.dflash.block_size, cfg.dflash.window, allocator, cfg.dflash.topk,
                                *cfg.runner_mode(runner.device),
                                quantization=cfg.draft_quantization, grammar_topk=cfg.dflash.grammar_topk,
