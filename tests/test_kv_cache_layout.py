@@ -6,11 +6,10 @@ head's keys lie side by side in slot order, and the torch-side writes and moves 
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
+from bench.soak import rss_mb
 from specjet.models.kv_cache import KVCache
 
 
@@ -36,19 +35,15 @@ def test_a_cpu_pool_keeps_a_heads_keys_side_by_side_and_writes_through_its_view(
     assert KVCache.bytes_per_token(layers, kv_heads, dim, torch.float32) == 2 * layers * kv_heads * dim * 4
 
 
-def _resident_mb() -> float:
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process's resident size in /proc")
+@pytest.mark.skipif(rss_mb() is None, reason="reads the process's resident size in /proc")
 def test_a_cpu_pool_takes_memory_as_requests_fill_it():
     """The pool is sized for the engine's whole token budget, most of which an agent's few requests never reach: its
     pages become resident as they are written (a pool of ~1.1 GB costs a few MB until then), and read as zeros."""
     layers, slots, kv_heads, dim = 30, 50_000, 3, 64
     pool_mb = 2 * layers * slots * kv_heads * dim * 2 / 2**20  # ~1.1 GB
-    before = _resident_mb()
+    before = rss_mb()
     cache = KVCache(layers, slots, kv_heads, dim, torch.bfloat16, "cpu")
-    assert _resident_mb() - before < pool_mb / 8  # (torch.zeros: the whole pool)
+    assert rss_mb() - before < pool_mb / 8  # (torch.zeros: the whole pool)
     assert cache.k.shape == (layers, slots, kv_heads, dim) and cache.k.data_ptr() % 4096 == 0
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, kv_heads, dim, generator=gen), torch.randn(2, kv_heads, dim, generator=gen)
@@ -57,4 +52,4 @@ def test_a_cpu_pool_takes_memory_as_requests_fill_it():
         cache.write(layer, where, k, v)
     assert torch.equal(cache.k[29, where], k.to(torch.bfloat16)) and torch.equal(cache.v[0, where], v.to(torch.bfloat16))
     assert not cache.k[:, 2:1000].any() and not cache.v[7, 40_001:].any()
-    assert _resident_mb() - before < pool_mb / 8  # two slots in every layer and head: a page or two each
+    assert rss_mb() - before < pool_mb / 8  # two slots in every layer and head: a page or two each
