@@ -86,7 +86,8 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
     result_file, chart = tmp_path / "compare.jsonl", tmp_path / "chart" / "compare.png"
     head = random_eagle_head(tmp_path / "head", tiny_model_dir)
     eagle = f"EAGLE:speculative_algorithm=EAGLE,speculative_draft_model_path={head},speculative_num_steps=2"
-    # 64 tokens: with 16 a loaded host (CI's two workers) saw t_N <= t_1 once, a row the report gives as "n/a".
+    # 64 tokens: with 16 a loaded host (CI's two workers) saw t_N <= t_1 more often, a row the report gives as "n/a"
+    # (it still did once at 64, session 86): such a row must say so, and only such a row.
     proc = run_compare("--model-path", str(tiny_model_dir), "--configs", "none:", "NGRAM:speculative_algorithm=NGRAM",
                        eagle, "--batch-sizes", "1", "2", "--num-prompts", "2", "--max-new-tokens", "64",
                        "--repeats", "1", "--chart", str(chart), "--result-file", str(result_file))
@@ -95,7 +96,10 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
     rows = table_rows(stdout)
     assert set(rows) == {(name, bs) for name in ("none", "NGRAM", "EAGLE") for bs in (1, 2)}
     for (name, _), (median, low, high, t_1, t_n, accept, speedup, identical) in rows.items():
-        assert 0 < float(low) <= float(median) <= float(high) and 0 < float(t_1) < float(t_n)
+        if median == "n/a":  # the host stalled the one-token run: no decode rate to give
+            assert 0 < float(t_n) <= float(t_1)
+        else:
+            assert 0 < float(low) <= float(median) <= float(high) and 0 < float(t_1) < float(t_n)
         assert identical == ("reference" if name == "none" else "yes")
         assert (accept == "n/a") == (name == "none")
     assert "outputs identical: yes (NGRAM, EAGLE vs none, greedy: 8 requests compared)" in stdout
