@@ -369,6 +369,7 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     assert training["eval_after_known"]["known"] == 2 and set(training["eval_after_known"]["all"]["accept_length"]) == {"1"}
     assert training["steps"] == 4 and training["data"]["train"]["gsm8k_human"]["sequences"] == 4
     assert training["train_config"]["weight_decay"] == 0.1 and "--weight-decay 0.1" in training["command"]
+    assert "--target-quantization none" in training["command"]  # "auto", resolved: a float model's own weights
     assert training["data"]["train"]["gsm8k_target"]["sequences"] == 2
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
     main(argv)  # everything cached: no generation, no features, the finished checkpoint reused
@@ -408,6 +409,9 @@ def test_parser_defaults_are_the_shipped_drafts_recipe():
             assert defaults[name.removeprefix("no_")] == (not name.startswith("no_"))
             continue
         expected = derived[name] if defaults[name] is None and name in derived else str(defaults[name])
+        if name == "target_quantization":  # recorded as resolved: "auto" is the GGUF's blocks for the default model
+            assert defaults[name] == "auto"
+            expected = "gguf"
         assert " ".join(values) == expected, name
         checked.add(name)
     assert {"num_layers", "steps", "num_target_replies", "json_per_schema", "block_size"} <= checked

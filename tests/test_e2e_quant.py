@@ -133,3 +133,29 @@ def test_speculative_equals_plain(plain_gguf, algorithm):
                 assert draft().context_kv and all(isinstance(op, QuantizedLinear) for op in draft().context_kv)
     assert outs == expected and alone == expected_alone
     assert stats["spec_accepted_tokens"] - batched["spec_accepted_tokens"] > stats["spec_verify_ct"] - batched["spec_verify_ct"]
+
+
+def test_the_dflash_recipe_learns_the_gguf_target_the_engine_runs(default_model_dir, fp32_runner):
+    """`python -m specjet.train dflash` without flags takes its features from the GGUF file's blocks (the
+    engine's default weights): at every reply position the features' final hidden state, through that
+    target's own head, gives the token a default engine's greedy reply wrote there."""
+    from specjet.models.forward_batch import FeatureLayers
+    from specjet.train.data import Sample, prompt_ids
+    from specjet.train.dflash import build_parser
+    from specjet.train.eagle import feature_target, target_quantization
+    from specjet.train.features import target_features
+
+    args = build_parser().parse_args([])
+    assert target_quantization(args) == "gguf"
+    runner, tag = feature_target(args, fp32_runner.config, load_state_dict(default_model_dir), fp32_runner)
+    assert runner is not fp32_runner and runner.quantization == "gguf" and tag == "-gguf"
+    with specjet.Engine(max_total_tokens=2048) as eng:  # the default engine: the same GGUF blocks
+        prompt = prompt_ids(eng.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])  # as the recipe prompts
+        reply = eng.generate(input_ids=prompt, sampling_params=PARAMS)["output_ids"]
+        eng.check_kv_invariant()
+    h = fp32_runner.config.hidden_size
+    (features,) = target_features(runner, [Sample(prompt + reply, len(prompt), "test")], FeatureLayers((1, 8)))
+    assert features.shape == (len(prompt) + len(reply), 3 * h)
+    with torch.inference_mode():
+        logits = runner.model.lm_head(features[len(prompt) - 1:-1, -h:].float())
+    assert logits.argmax(-1).tolist() == reply

@@ -13,11 +13,11 @@ done:
   5. save      the draft (its own weights, fp16) and a config.json with this run's summary.
 
 The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
-18, 32, 33 and 34: one layer, 2,800 target replies, 6,000 steps, each block row reading the token before
-it, 30% of the blocks with known tokens, AdamW weight decay 0.3; 53.4 min from nothing, measured, on a
-2-core AMD EPYC Zen 5 (session 46; session 37's run there wrote the shipped draft bit for bit, and the
-training step's arithmetic has changed since, sessions 42 to 44, so a run now trains other bits), ~98 min
-summed stage by stage on a 2-core Intel Xeon with AMX (sessions 43 to 45, before session 46's feature stage).
+18, 32, 33, 34 and 87: one layer, 2,800 target replies, 6,000 steps, each block row reading the token before
+it, 30% of the blocks with known tokens, AdamW weight decay 0.3, and for a GGUF model the GGUF file's own
+blocks as the target that writes the replies and gives the features, as the engine runs it by default: that
+feature stage runs at over twice float32's rate on a CPU without AMX tiles, which brought the recipe from
+nothing under the hour on a 2-core AMD EPYC Zen 4 too, with a draft as good in the engine).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import pathlib
 import time
 
 from specjet.train.eagle import (_gguf_name, add_data_arguments, cli_main, describe, frozen_target, target_features,
-                                 timed_samples)
+                                 target_quantization, timed_samples)
 
 
 EVAL_KNOWN = 2  # known tokens of the held-out report's second table
@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(p)
     # More target replies than the EAGLE trainer's default: the shipped draft's recipe (each doubling
     # lifted held-out acceptance and narrowed the train/held-out gap; bench/RESULTS.md, sessions 16, 18, 34).
-    p.set_defaults(num_target_replies=2800, json_per_schema=4)
+    # The target the draft learns is the one the engine runs by default: a GGUF model's own blocks write its
+    # replies and give its features (the feature stage ~2.2x float32's rate where the CPU has no AMX tiles, and a
+    # draft as good in the engine; bench/RESULTS.md, session 87).
+    p.set_defaults(num_target_replies=2800, json_per_schema=4, target_quantization="auto")
     model = p.add_argument_group("draft and training")
     model.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
@@ -226,7 +229,10 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
                 "warmup_steps", "known_prefix_rate", "weight_decay",
                 "generate_dtype", "generate_quantization", "feature_dtype", "feature_gemm", "target_quantization",
                 "seed"):
-        flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        value = getattr(args, key)
+        if key == "target_quantization":  # as resolved for this model: "auto" alone would not say which target
+            value = target_quantization(args) or "none"
+        flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
                     "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",
                     "--position-masks" if args.position_masks else "--no-position-masks",
