@@ -332,10 +332,10 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         if engine is None:
             from specjet import Engine
 
-            # At a batch of 64 the float weights and the C++ (batch-invariant) attention compute a
-            # decode step faster than the quantized kernels and SDPA where bf16 is native; where it is
-            # emulated the GGUF blocks are faster than float32 (--generate-quantization gguf; both in
-            # bench/RESULTS.md). A quantized target's replies come from that target. KV pages of 16
+            # A quantized target's replies come from that target (the DFlash trainer's default for a GGUF
+            # model): its blocks write a batch of 64 faster than float32 on the CPUs measured, and than bf16
+            # on a Zen 4 (bench/RESULTS.md, sessions 79, 83, 85). A float target's come from
+            # --generate-dtype (bf16 where it is native) or --generate-quantization gguf. KV pages of 16
             # slots: with one-slot pages the 64 requests' decode steps interleave their slots, so the attention reads
             # each cached token's key and value from a line of its own, where 16 positions side by side
             # stream; the replies are the same either way (bench/RESULTS.md, session 69).
