@@ -15,9 +15,9 @@ done:
 The defaults are the recipe of the draft shipped in specjet/assets/dflash (bench/RESULTS.md, sessions
 18, 32, 33, 34 and 87: one layer, 2,800 target replies, 6,000 steps, each block row reading the token before
 it, 30% of the blocks with known tokens, AdamW weight decay 0.3, and for a GGUF model the GGUF file's own
-blocks as the target that writes the replies and gives the features, as the engine runs it by default: that
-feature stage runs at over twice float32's rate on a CPU without AMX tiles, which brought the recipe from
-nothing under the hour on a 2-core AMD EPYC Zen 4 too, with a draft as good in the engine).
+blocks as the target that writes the replies and gives the features, as the engine runs it by default: its
+int8 products make the feature stage faster than the float32 target's, which brought the recipe from nothing
+under the hour on a 2-core AMD EPYC Zen 4 too, with a draft as good in the engine).
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     # More target replies than the EAGLE trainer's default: the shipped draft's recipe (each doubling
     # lifted held-out acceptance and narrowed the train/held-out gap; bench/RESULTS.md, sessions 16, 18, 34).
     # The target the draft learns is the one the engine runs by default: a GGUF model's own blocks write its
-    # replies and give its features (the feature stage ~2.2x float32's rate where the CPU has no AMX tiles, and a
-    # draft as good in the engine; bench/RESULTS.md, session 87).
+    # replies and give its features (a faster feature stage than the float32 target's on every CPU measured, and a
+    # draft as good in the engine; bench/RESULTS.md, sessions 71 and 87).
     p.set_defaults(num_target_replies=2800, json_per_schema=4, target_quantization="auto")
     model = p.add_argument_group("draft and training")
     model.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")

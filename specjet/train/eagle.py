@@ -84,8 +84,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                       help="the target the draft learns: its replies and features come from the model with these "
                            "weights; auto: gguf for a GGUF model (the engine's default on CPU), else none. Default "
                            "%(default)s (the EAGLE trainer's none: a head trained on the GGUF target drafted no "
-                           "better for it; the DFlash trainer's auto: its feature stage over twice as fast without "
-                           "AMX tiles, its draft as good; bench/RESULTS.md, sessions 15 and 87)")
+                           "better for it; the DFlash trainer's auto: a faster feature stage and a draft as good; "
+                           "bench/RESULTS.md, sessions 15 and 87)")
     data.add_argument("--num-target-replies", type=int, default=617,
                       help="GSM8K train questions the target answers greedily for training")
     data.add_argument("--num-few-shot-replies", type=int, default=64,
