@@ -157,11 +157,11 @@ def test_a_draft_for_a_quantized_target_is_loaded_quantized(algorithm, cyclic_mo
     monkeypatch.setattr(linear, "choose_plan", lambda w, *a: checked.append(tuple(w.shape)) or choose_plan(w, *a))
     monkeypatch.setattr(linear, "_PLANS", {})
     draft = load(path, config, quantization=eagle.draft_method(target, eagle.FOLLOW_TARGET))
-    module = eagle if algorithm == "EAGLE" else dflash
 
-    def quantized_again(*_args):
-        raise AssertionError("quantized again")
-    monkeypatch.setattr(module, "quantize_linears", quantized_again)
+    def packed_again(*_args):
+        raise AssertionError("packed or quantized again")
+    monkeypatch.setattr(eagle, "quantize_linears", packed_again)  # bind_target's compute_with calls these
+    monkeypatch.setattr(eagle, "pack_linears", packed_again)
     draft.bind_target(target)
     assert checked == [] and draft.packed_quantization == "int8"
     pairs = [(a, b) for (_, a), (_, b) in zip(draft.named_modules(), before.named_modules()) if isinstance(a, Linear)]
@@ -170,3 +170,34 @@ def test_a_draft_for_a_quantized_target_is_loaded_quantized(algorithm, cyclic_mo
     for a, b in pairs:
         x = torch.randn(5, a.weight_t.shape[0], generator=gen)
         assert torch.equal(a.packed(x), b.packed(x))
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "DFLASH"])
+def test_bind_target_repacks_a_loaded_draft_for_another_method(algorithm, cyclic_model_dir, tmp_path):
+    """A draft loaded for one method and bound with another computes with the one it is bound with, float
+    included: loaded int8 and bound as float, its projections compute as a draft loaded float; loaded float and
+    bound int8, as one loaded int8."""
+    from specjet.models import dflash, eagle
+    from specjet.models.llama import Linear
+    from model_harness import load_runner
+
+    target = load_runner(cyclic_model_dir).model
+    if algorithm == "EAGLE":
+        path, load = copy_head(tmp_path, cyclic_model_dir, [[1, 2, 3]]), eagle.load_eagle
+    else:
+        path, load = make_copy_draft(tmp_path / "draft", cyclic_model_dir), dflash.load_dflash
+    config = target.config
+
+    def linears(model):
+        return [m for m in model.modules() if isinstance(m, Linear)]
+
+    gen = torch.Generator().manual_seed(0)
+    for loaded, bound in (("int8", None), (None, "int8")):
+        draft = load(path, config, quantization=loaded).bind_target(target, quantization=bound)
+        reference = load(path, config, quantization=bound)
+        assert draft.packed_quantization == bound
+        pairs = list(zip(linears(draft), linears(reference)))
+        assert pairs and all(isinstance(a.packed, QuantizedLinear) == (bound is not None) for a, _ in pairs)
+        for a, b in pairs:
+            x = torch.randn(5, a.weight_t.shape[0], generator=gen)
+            assert torch.equal(a.packed(x), b.packed(x))

@@ -69,11 +69,10 @@ from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.eagle import (FOLLOW_TARGET, HotVocabDraft, SharedTarget, check_hot_token_ids, check_target_shape,
-                                  check_trained_for, draft_method, fill_draft, hot_lm_head, pack_linears,
+                                  check_trained_for, compute_with, draft_method, fill_draft, hot_lm_head, pack_linears,
                                   read_draft_config, write_draft)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
-from specjet.models.quantize import quantize_linears
 from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
                                   native_layer_stack, run_layers_deferred, set_native_ops)
 
@@ -172,8 +171,7 @@ class DFlashDraftModel(HotVocabDraft):
         (``FOLLOW_TARGET``: a quantized target's draft computes like it; ``gguf``: 4-bit blocks)."""
         check_target_shape(self.config, target.config, "DFlash draft")
         method = draft_method(target, quantization)
-        if method is not None and getattr(self, "packed_quantization", None) != method:
-            quantize_linears(self, method)
+        compute_with(self, method)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method),
                                    full_lm_head=target.lm_head)
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)

@@ -99,6 +99,17 @@ def pack_linears(model: nn.Module, quantization: str | None = None) -> None:
     model.packed_quantization = quantization
 
 
+def compute_with(model: nn.Module, method: str | None) -> None:
+    """``bind_target``'s part for a draft's own projections: they compute with ``method`` (None: float). A draft
+    loaded for inference (``pack_linears`` recorded its method) is packed again only for another method, float
+    included; a draft that never was packed (a trainer's) is quantized where a method is asked."""
+    if hasattr(model, "packed_quantization"):
+        if model.packed_quantization != method:
+            pack_linears(model, method)
+    elif method is not None:
+        quantize_linears(model, method)
+
+
 def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None, method: str | None = None) -> Linear:
     """The target's LM head, or a [hidden, K] copy of its hot columns: packed like the target's, or,
     beside a float target's head, quantized with the draft's ``method`` (never while training)."""
@@ -181,8 +192,7 @@ class EagleDraftModel(HotVocabDraft):
         draft weights), or None for float."""
         check_target_shape(self.config, target.config, "draft head")
         method = draft_method(target, quantization)
-        if method is not None and getattr(self, "packed_quantization", None) != method:
-            quantize_linears(self, method)
+        compute_with(self, method)
         self.target = SharedTarget(embed=target.embed_tokens, lm_head=hot_lm_head(target, self.hot_token_ids, method))
         self.rotary = Rotary(self.config, target.embed_tokens.weight.device)
         self.layer_stack = native_layer_stack([self.layer])  # holds the (now final) operands

@@ -86,8 +86,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype,
         for module in model.modules():
             if isinstance(module, Linear) and module.packed is None:  # stayed float (quantize_linears says why)
                 module.pack_for_decode()
-            elif isinstance(module, Linear):  # the quantized operand computes alone: its float weight is dead weight
-                module.drop_float_weight()
+            elif isinstance(module, Linear) and not module.weight_t.is_meta:  # (GGUF blocks: never read)
+                module.drop_float_weight()  # the quantized operand computes alone: its float weight is dead weight
     if torch.device(device).type == "cpu":
         gather_operands(model)  # before the layer stack takes references to the operands
     model.use_native_ops()
