@@ -209,6 +209,57 @@ def test_target_labels_are_the_targets_greedy_tokens(runner, sequences):
     assert torch.equal(labels[first:], greedy[first:len(seq.ids)]) and torch.equal(labels[:first], seq.ids[:first])
 
 
+def test_a_reply_the_target_wrote_greedily_is_its_own_labels(runner, sequences, tmp_path):
+    """A ``target_reply`` (the features' own target wrote it greedily) takes its tokens as labels with no pass of
+    the head; any other sequence the head's greedy tokens, here reference text they differ from. The kept
+    labels are keyed by which sequences are their own: a file of the head's labels is not read for them."""
+    import dataclasses
+
+    draft = new_draft(runner)
+    seq = sequences[1]
+    own = dataclasses.replace(seq, target_reply=True)
+    (head,) = T.target_labels(draft, [seq])
+    (labels,) = T.target_labels(draft, [own])
+    first = seq.prompt_len + 1
+    assert torch.equal(labels, seq.ids) and not torch.equal(head[first:], seq.ids[first:])
+    path = tmp_path / "labels.safetensors"
+    assert torch.equal(T.cached_target_labels(draft, [seq], path)[0], head)
+    assert torch.equal(T.cached_target_labels(draft, [own], path)[0], seq.ids)
+    assert torch.equal(T.cached_target_labels(draft, [seq], path)[0], head)
+
+
+def test_only_greedy_unconstrained_requests_write_their_models_greedy_tokens():
+    from specjet.train.generate import writes_greedy_choices
+
+    assert writes_greedy_choices({"temperature": 0, "max_new_tokens": 8})
+    assert writes_greedy_choices({"temperature": 0.0, "max_new_tokens": 8, "stop": ["Question"], "seed": 3})
+    for params in ({"max_new_tokens": 8}, {"temperature": 0.7, "max_new_tokens": 8},
+                   {"temperature": 0, "json_schema": {"type": "object"}}, {"temperature": 0, "logit_bias": {"5": 1.0}},
+                   {"temperature": 0, "ignore_eos": True}, {"temperature": 0, "regex": "[a-z]+"}):
+        assert not writes_greedy_choices(params), params
+
+
+def test_generated_samples_say_whether_the_engine_wrote_them_greedily(tiny_model_dir, tmp_path):
+    """From the request, for a reply just generated and for one read back from the reply cache (which keeps only
+    ids, prompt length and source, as before)."""
+    import json
+
+    import specjet
+
+    from specjet.train.generate import generate_cached
+
+    prompt = [1, 2, 3, 4]
+    cache = tmp_path / "replies.jsonl"
+    jobs = {cache: [(prompt, {"temperature": 0, "max_new_tokens": 6}, "a"),
+                    (prompt, {"temperature": 0.8, "max_new_tokens": 6, "seed": 1}, "b")]}
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024) as engine:
+        (fresh,) = generate_cached(lambda: engine, jobs).values()
+        engine.check_kv_invariant()
+    (cached,) = generate_cached(lambda: pytest.fail("every reply is cached"), jobs).values()
+    assert [s.greedy for s in fresh] == [True, False] and cached == fresh
+    assert all(set(json.loads(line)) == {"index", "ids", "prompt_len", "source"} for line in cache.read_text().splitlines())
+
+
 def test_bf16_collation_keeps_the_fp16_features_values(sequences):
     """Collated in bf16 (the training loop under autocast): float32's collation rounded to bf16, bit for bit,
     zero past each sequence's end."""

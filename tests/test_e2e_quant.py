@@ -138,15 +138,18 @@ def test_speculative_equals_plain(plain_gguf, algorithm):
 def test_the_dflash_recipe_learns_the_gguf_target_the_engine_runs(default_model_dir, fp32_runner):
     """`python -m specjet.train dflash` without flags takes its features from the GGUF file's blocks (the
     engine's default weights): at every reply position the features' final hidden state, through that
-    target's own head, gives the token a default engine's greedy reply wrote there."""
+    target's own head, gives the token a default engine's greedy reply wrote there. So the recipe's greedy
+    replies, written by those blocks, are their own labels (``replies_written_by_the_feature_target``)."""
     from specjet.models.forward_batch import FeatureLayers
     from specjet.train.data import Sample, prompt_ids
     from specjet.train.dflash import build_parser
-    from specjet.train.eagle import feature_target, target_quantization
+    from specjet.train.eagle import feature_target, replies_written_by_the_feature_target, target_quantization
     from specjet.train.features import target_features
 
     args = build_parser().parse_args([])
-    assert target_quantization(args) == "gguf"
+    assert target_quantization(args) == "gguf" and replies_written_by_the_feature_target(args)
+    for other in (["--generate-quantization", "none"], ["--target-quantization", "none"]):  # another engine writes
+        assert not replies_written_by_the_feature_target(build_parser().parse_args(other))
     runner, tag = feature_target(args, fp32_runner.config, load_state_dict(default_model_dir), fp32_runner)
     assert runner is not fp32_runner and runner.quantization == "gguf" and tag == "-gguf"
     # The features are kept in fp16, as the recipe keeps them; this reply's two best logits lie far apart at every

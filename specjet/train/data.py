@@ -26,6 +26,9 @@ class Sample:
     ids: list[int]
     prompt_len: int
     source: str
+    # The generating engine wrote every reply token as its greedy choice, unconstrained (generate.py): the reply is
+    # that engine's own labels. Taken from the request, never from the reply cache.
+    greedy: bool = False
 
 
 def read_jsonl(path) -> list[dict]:

@@ -13,8 +13,9 @@ exp(-(k - 1) / decay) and normalised (DFlash's weighting): an early position cou
 a chain is accepted only up to its first miss, so a later position's token is worth something only
 if everything before it was right. The label (``labels="target"``) is the target's own greedy
 choice after the sequence's prefix, the argmax of its LM head over the final normed hidden state
-the features end with: on the target's replies that is the sequence's token, on reference text
-(written by people, not the target) it is what greedy verification will accept there.
+the features end with: on the target's replies that is the sequence's token (a reply the features'
+own target wrote greedily is taken as it is, ``Sequence.target_reply``), on reference text (written
+by people, not the target) and sampled replies it is what greedy verification will accept there.
 ``labels="sequence"`` trains on the sequence's tokens as they are.
 
 Known prefixes (``known_prefix_rate``): some blocks hold the text's next tokens after the root in
@@ -186,12 +187,17 @@ def target_labels(model: DFlashDraftModel, seqs: list[Sequence], chunk: int = 51
     """Per sequence, ``target_greedy_ids`` at its reply positions (position t >= prompt_len + 1,
     the only ones a block is scored on) and the sequence's own ids elsewhere. Computed once before
     training: the target's full-vocabulary head over every position of every batch would cost far
-    more than the draft's own step."""
+    more than the draft's own step. A ``target_reply`` (the target wrote it greedily) is its own labels:
+    every reply token is the target's greedy choice there, as the engine that verifies computes it, and
+    the head's pass over fp16 features would only move a near-tie."""
     out = []
     h = model.config.hidden_size
     greedy = target_greedy(model)
     for s in seqs:
         labels = s.ids.clone()
+        if s.target_reply:
+            out.append(labels)
+            continue
         first = s.prompt_len + 1
         for lo in range(first, len(s.ids), chunk):
             hi = min(lo + chunk, len(s.ids))
@@ -217,7 +223,7 @@ def cached_target_labels(model: DFlashDraftModel, seqs: list[Sequence], path: pa
         digest.update(kernel.encode())
     for s in seqs:
         digest.update(s.ids.numpy().tobytes())
-        digest.update(f"{len(s.ids)},{s.prompt_len};".encode())
+        digest.update(f"{len(s.ids)},{s.prompt_len}{',own' if s.target_reply else ''};".encode())
     key = digest.hexdigest()
     lengths = [len(s.ids) for s in seqs]
     if path.is_file():

@@ -221,7 +221,7 @@ def target_features(args, config, model_dir, work: pathlib.Path, capture, tag: s
     """A draft trainer's stage 2: the target's features of both sample sets (``capture``d from the target
     ``feature_target`` picks), cached under ``work``/features in folders named by the samples, ``tag`` and the
     target. Returns (the float32 runner the draft trains against, the train features' folder, the train and the
-    eval sequences)."""
+    eval sequences; a train sequence is a ``target_reply`` where the feature target wrote it greedily)."""
     from specjet.models.runner import ModelRunner
     from specjet.models.weights import load_state_dict
     from specjet.train.features import extract_features, load_sequences
@@ -235,7 +235,22 @@ def target_features(args, config, model_dir, work: pathlib.Path, capture, tag: s
         extract_features(feature_runner, train_samples, train_dir, "features (train)", capture=capture)
         + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
     del feature_runner
-    return runner, train_dir, load_sequences(train_dir), load_sequences(eval_dir)
+    train_seqs = load_sequences(train_dir)
+    if len(train_seqs) != len(train_samples):
+        raise ValueError(f"{train_dir} holds {len(train_seqs)} sequences, not the {len(train_samples)} samples")
+    own = replies_written_by_the_feature_target(args)
+    for seq, sample in zip(train_seqs, train_samples):
+        seq.target_reply = own and sample.greedy
+    return runner, train_dir, train_seqs, load_sequences(eval_dir)
+
+
+def replies_written_by_the_feature_target(args) -> bool:
+    """Whether the engine writing the replies computes what the features' target does: a quantized target
+    (``--target-quantization``, a GGUF model's default in the DFlash trainer) whose own blocks write them, on the
+    same batch-invariant kernels. A float target's replies come from ``--generate-dtype``'s engine and its
+    features from another runner (``--feature-dtype``, its own GEMMs): not one computation."""
+    quantization = target_quantization(args)
+    return quantization is not None and generate_quantization(args) == quantization
 
 
 def frozen_target(args, config, tokenizer, runner, train_samples, eval_samples):
@@ -357,7 +372,7 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
             engine.shutdown()
     evaluation = []
     for cache, samples in generated.items():
-        samples = [D.Sample(s.ids[:args.max_len], s.prompt_len, s.source) for s in samples]
+        samples = [D.Sample(s.ids[:args.max_len], s.prompt_len, s.source, s.greedy) for s in samples]
         (evaluation if "_eval" in cache.name else train).extend(samples)
     return train, evaluation
 

@@ -31,6 +31,9 @@ class Sequence:
     features: torch.Tensor  # [L, feature width] float16: feature t predicts ids[t + 1]
     prompt_len: int
     source: str
+    # Every reply token is the feature target's greedy choice after the tokens before it (the target wrote the reply
+    # greedily): the sequence is its own target labels (dflash_trainer.target_labels). Not kept in the shards.
+    target_reply: bool = False
 
 
 @torch.inference_mode()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-from dataclasses import asdict
-
 import anyio
 from tqdm.auto import tqdm
 
@@ -40,9 +38,11 @@ def generate_cached(get_engine, jobs: dict[pathlib.Path, list[tuple[list[int], d
             ids, params, source = jobs[cache][i]
             out = await engine.async_generate(input_ids=ids, sampling_params=params)
             aborted = out["meta_info"]["finish_reason"]["type"] == "abort"
-            sample = Sample(ids=ids + ([] if aborted else list(out["output_ids"])), prompt_len=len(ids), source=source)
+            sample = Sample(ids=ids + ([] if aborted else list(out["output_ids"])), prompt_len=len(ids), source=source,
+                            greedy=writes_greedy_choices(params))
             done[cache][i] = sample
-            files[cache].write(json.dumps({"index": i, **asdict(sample)}) + "\n")
+            record = {"index": i, "ids": sample.ids, "prompt_len": sample.prompt_len, "source": sample.source}
+            files[cache].write(json.dumps(record) + "\n")
             files[cache].flush()
             new_tokens += len(out["output_ids"])
             bar.update()
@@ -65,6 +65,16 @@ def generate_cached(get_engine, jobs: dict[pathlib.Path, list[tuple[list[int], d
     return {cache: [s for i, s in sorted(done[cache].items()) if len(s.ids) > s.prompt_len] for cache in jobs}
 
 
+# Sampling parameters that leave every token the engine's argmax over the model's logits (a stop string only ends
+# the reply); anything else (a grammar, logit_bias, ignore_eos, a temperature) may make a token another one.
+_GREEDY_KEYS = frozenset({"temperature", "max_new_tokens", "stop", "seed"})
+
+
+def writes_greedy_choices(params: dict) -> bool:
+    """Whether a request with these sampling parameters writes the model's greedy token at every position."""
+    return params.get("temperature") == 0 and set(params) <= _GREEDY_KEYS
+
+
 def _read_cache(cache: pathlib.Path, requests: list[tuple]) -> dict[int, Sample]:
     """The cached replies whose request (index and prompt) is still asked for."""
     done: dict[int, Sample] = {}
@@ -76,8 +86,9 @@ def _read_cache(cache: pathlib.Path, requests: list[tuple]) -> dict[int, Sample]
                 except json.JSONDecodeError:  # a line torn by an interrupted write: generate it again
                     continue
                 index = record.pop("index")
-                sample = Sample(**record)
+                sample = Sample(ids=record["ids"], prompt_len=record["prompt_len"], source=record["source"])
                 if index < len(requests) and sample.ids[:sample.prompt_len] == requests[index][0]:
+                    sample.greedy = writes_greedy_choices(requests[index][1])
                     done[index] = sample
     return done
 

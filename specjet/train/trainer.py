@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import pathlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +62,7 @@ def crop_prompt(seq: Sequence, max_prompt: int) -> Sequence:
     cut = max(0, seq.prompt_len - max_prompt)
     if cut == 0:
         return seq
-    return Sequence(ids=seq.ids[cut:], features=seq.features[cut:], prompt_len=seq.prompt_len - cut, source=seq.source)
+    return replace(seq, ids=seq.ids[cut:], features=seq.features[cut:], prompt_len=seq.prompt_len - cut)
 
 
 def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
