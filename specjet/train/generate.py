@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+
 import anyio
 from tqdm.auto import tqdm
 
