@@ -124,6 +124,19 @@ def test_crop_prompt_keeps_the_reply():
     assert T.crop_prompt(seq, 7) is seq
 
 
+def test_target_replies_are_the_greedy_samples_of_the_feature_target():
+    from specjet.train.features import mark_target_replies
+
+    samples = [D.Sample([1, 2, 3], 1, "a", greedy=True), D.Sample([1, 2, 4], 1, "b", greedy=False)]
+    seqs = [Sequence(torch.tensor(s.ids), torch.zeros(3, 1), 1, s.source) for s in samples]
+    mark_target_replies(seqs, samples, written_by_the_target=True)
+    assert [s.target_reply for s in seqs] == [True, False]
+    mark_target_replies(seqs, samples, written_by_the_target=False)  # another engine wrote them: none is its own
+    assert [s.target_reply for s in seqs] == [False, False]
+    with pytest.raises(ValueError, match="not these samples"):
+        mark_target_replies(seqs, samples[:1], written_by_the_target=True)
+
+
 def test_hot_token_ids_are_the_most_frequent(samples):
     hot = D.hot_token_ids(samples, 64, 49152, always=(2,))
     assert len(hot) == 64 and torch.equal(hot, hot.sort().values) and 2 in hot.tolist()

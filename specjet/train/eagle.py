@@ -224,7 +224,7 @@ def target_features(args, config, model_dir, work: pathlib.Path, capture, tag: s
     eval sequences; a train sequence is a ``target_reply`` where the feature target wrote it greedily)."""
     from specjet.models.runner import ModelRunner
     from specjet.models.weights import load_state_dict
-    from specjet.train.features import extract_features, load_sequences
+    from specjet.train.features import extract_features, load_sequences, mark_target_replies
 
     state_dict = load_state_dict(model_dir)
     runner = ModelRunner(config, state_dict, "float32", "cpu", 2048 + 64, 0.0, 1)
@@ -236,11 +236,7 @@ def target_features(args, config, model_dir, work: pathlib.Path, capture, tag: s
         + extract_features(feature_runner, eval_samples, eval_dir, "features (eval)", capture=capture), 1)
     del feature_runner
     train_seqs = load_sequences(train_dir)
-    if len(train_seqs) != len(train_samples):
-        raise ValueError(f"{train_dir} holds {len(train_seqs)} sequences, not the {len(train_samples)} samples")
-    own = replies_written_by_the_feature_target(args)
-    for seq, sample in zip(train_seqs, train_samples):
-        seq.target_reply = own and sample.greedy
+    mark_target_replies(train_seqs, train_samples, replies_written_by_the_feature_target(args))
     return runner, train_dir, train_seqs, load_sequences(eval_dir)
 
 

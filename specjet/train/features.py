@@ -155,5 +155,14 @@ def load_sequences(out_dir: pathlib.Path) -> list[Sequence]:
     return out
 
 
+def mark_target_replies(seqs: list[Sequence], samples: list[Sample], written_by_the_target: bool) -> None:
+    """Set each sequence's ``target_reply`` from the sample its features were computed from (the shards keep
+    samples' order): a greedy sample's reply where the engine that wrote the replies ran the features' target."""
+    if len(seqs) != len(samples):
+        raise ValueError(f"{len(seqs)} sequences for {len(samples)} samples: the features are not these samples'")
+    for seq, sample in zip(seqs, samples):
+        seq.target_reply = written_by_the_target and sample.greedy
+
+
 def _shard_path(out_dir: pathlib.Path, k: int) -> pathlib.Path:
     return out_dir / f"shard_{k:04d}.safetensors"
