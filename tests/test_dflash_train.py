@@ -400,18 +400,24 @@ def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
 
 def test_cli_end_to_end(tiny_model_dir, tmp_path):
     """Generation through the Engine, features, training, evaluation, the saved draft; a rerun finds
-    it all cached; the draft drafts in a DFLASH engine with the plain engine's ids."""
+    it all cached; a run from nothing in other caches writes the same draft; the draft drafts in a
+    DFLASH engine with the plain engine's ids."""
     import specjet
     from specjet.train.__main__ import main
 
+    flags = ["--json-per-schema", "0",
+             "--num-target-replies", "2", "--num-human-replies", "4", "--num-eval", "2", "--num-few-shot-replies", "0",
+             "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
+             "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
+             "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5",
+             "--prev-token-input", "--weight-decay", "0.1"]
+
+    def recipe(root):
+        return ["dflash", "--model-path", str(tiny_model_dir), "--work-dir", str(root / "work"),
+                "--data-dir", str(root / "data"), "--out", str(root / "draft"), *flags]
+
     out = tmp_path / "draft"
-    argv = ["dflash", "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"),
-            "--data-dir", str(tmp_path / "data"), "--out", str(out), "--json-per-schema", "0",
-            "--num-target-replies", "2", "--num-human-replies", "4", "--num-eval", "2", "--num-few-shot-replies", "0",
-            "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
-            "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
-            "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5", "--prev-token-input",
-            "--weight-decay", "0.1"]
+    argv = recipe(tmp_path)
     main(argv)
     meta = read_dflash_config(out)
     assert (meta["block_size"], meta["num_layers"], meta["target_layers"], meta["hot_vocab_size"]) == (4, 1, [0], 300)
@@ -425,6 +431,11 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
     main(argv)  # everything cached: no generation, no features, the finished checkpoint reused
     assert read_dflash_config(out)["training"]["timings_s"]["features"] < 1.0
+    # From nothing again, in empty caches: the same draft, byte for byte (the shipped draft is what its
+    # recorded command writes; every stage is seeded and greedy).
+    again = tmp_path / "again"
+    main(recipe(again))
+    assert (again / "draft" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     prompts = ["The cat sat on the mat. The cat", "1 2 3 4 1 2"]
