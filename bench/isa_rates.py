@@ -1,0 +1,166 @@
+"""The issue rate of the CPU's product instructions, each alone and two interleaved: what a kernel built
+on them can reach at most, per core.
+
+    python -m bench.isa_rates [--iters 20000000] [--cpu 0] [--chains 12]
+
+For each instruction the CPU has (FMA ``VFMADD231PS``, AVX-512 VNNI ``VPDPBUSD``, AVX-VNNI's VEX form,
+AVX-512 BF16 ``VDPBF16PS``), in ymm and zmm: a loop of ``--chains`` independent accumulators written as
+one asm block (so the compiler adds no moves or loads), compiled with gcc, run pinned to one CPU, the
+best of 7 runs. Prints instructions per ns and multiply-adds per ns (VPDPBUSD: 4 int8 products a 32-bit
+lane; VDPBF16PS: 2; FMA: 1); ``--mix`` also runs each pair of instructions interleaved, which says whether
+they share execution ports. Kernel bounds in bench/RESULTS.md are quoted from this tool, not from a
+datasheet: what a core issues can differ from what its documentation implies.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+from bench.common import command_line, machine_info, now, report_header_lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str  # what the report calls it
+    mnemonic: str  # as the assembler takes it, register form: op src2, src1, acc
+    cpu_flag: str  # /proc/cpuinfo flag the instruction needs
+    products_per_lane: int  # multiply-adds into one 32-bit lane per instruction
+    widths: tuple[str, ...] = ("ymm", "zmm")
+
+
+INSTRUCTIONS = (
+    Instruction("fma_fp32", "vfmadd231ps", "fma", 1),
+    Instruction("vnni_int8", "vpdpbusd", "avx512_vnni", 4),
+    Instruction("avxvnni_int8", "{vex} vpdpbusd", "avx_vnni", 4, ("ymm",)),
+    Instruction("bf16_pairs", "vdpbf16ps", "avx512_bf16", 2),
+)
+LANES = {"ymm": 8, "zmm": 16}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def widths(ins: Instruction, flags: set[str]) -> tuple[str, ...]:
+    """The register widths ``ins`` runs in on a CPU with ``flags`` (zmm needs AVX-512)."""
+    return tuple(w for w in ins.widths if w != "zmm" or "avx512f" in flags)
+
+
+def loop_source(parts: list[tuple[Instruction, int]], width: str) -> str:
+    """C source of a program that times one asm loop holding ``count`` independent accumulator chains of
+    each instruction in ``parts``, interleaved, on ``width`` registers; it prints one line per
+    instruction: ``<name> <instructions per ns>``. The accumulators are registers 0 .. total - 1 and the
+    two operands the next two (below 16 for 14 chains or fewer: an AVX2-only CPU has 16 vector registers)."""
+    total = sum(count for _, count in parts)
+    if not 0 < total <= 30:
+        raise ValueError(f"{total} chains: 1 to 30 fit beside the two operand registers")
+    a, b = total, total + 1
+    # chain k of instruction i sits at position (k + 0.5) / count in the loop, so the kinds alternate
+    slots = sorted(((k + 0.5) / count, i, k) for i, (_, count) in enumerate(parts) for k in range(count))
+    body = "".join(f'"{parts[i][0].mnemonic} %%{width}{a}, %%{width}{b}, %%{width}{n}\\n"\n'
+                   for n, (_, i, _) in enumerate(slots))
+    clobbers = ", ".join(f'"xmm{n}"' for n in range(total + 2))
+    prints = "".join(f'  printf("{ins.name} %.4f\\n", (double)iters * {count} / ns);\n' for ins, count in parts)
+    return f"""#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static double now(void) {{ struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }}
+int main(int argc, char **argv) {{
+  long iters = atol(argv[1]);
+  double best = 1e30;
+  for (int rep = 0; rep < 7; rep++) {{
+    long n = iters;
+    double t0 = now();
+    asm volatile("mov $0x7f3c19a5, %%eax\\n vmovd %%eax, %%xmm{a}\\n vpbroadcastd %%xmm{a}, %%{width}{a}\\n"
+                 "mov $0x01f02d3b, %%eax\\n vmovd %%eax, %%xmm{b}\\n vpbroadcastd %%xmm{b}, %%{width}{b}\\n"
+                 "1:\\n"
+{body}                 "dec %0\\n jnz 1b\\n"
+                 : "+r"(n) : : "eax", {clobbers}, "cc");
+    double dt = now() - t0;
+    if (dt < best) best = dt;
+  }}
+  double ns = best * 1e9;
+{prints}  return 0;
+}}
+"""
+
+
+def run_loop(parts: list[tuple[Instruction, int]], width: str, iters: int, cpu: int, workdir: pathlib.Path) -> dict:
+    """{instruction name: instructions per ns} of one compiled loop."""
+    stem = "_".join(f"{ins.name}{count}" for ins, count in parts) + f"_{width}"
+    src, exe = workdir / f"{stem}.c", workdir / stem
+    src.write_text(loop_source(parts, width))
+    total = sum(count for _, count in parts)
+    # gcc names registers 16-31 in a clobber list only when it targets AVX-512
+    wide = ["-mavx512f"] if total + 2 > 16 else []
+    built = subprocess.run(["gcc", "-O2", *wide, "-o", str(exe), str(src)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"gcc could not build {src.name}:\n{built.stderr}")
+    cmd = [str(exe), str(iters)]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return {name: float(rate) for name, rate in (line.split() for line in out.splitlines())}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.isa_rates", description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=20_000_000, help="loop iterations a run (7 runs, the best kept)")
+    p.add_argument("--cpu", type=int, default=0, help="the CPU the loops run on")
+    p.add_argument("--chains", type=int, default=12,
+                   help="independent accumulators an instruction (enough to cover its latency)")
+    p.add_argument("--mix", action="store_true", help="also each pair of instructions interleaved, in zmm")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.cpu < 0 or not 1 <= args.chains <= 15:
+        p.error("--iters >= 1, --cpu >= 0, --chains 1 to 15")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if shutil.which("gcc") is None:
+        raise SystemExit("bench.isa_rates needs gcc")
+    flags = cpu_flags()
+    present = [ins for ins in INSTRUCTIONS if ins.cpu_flag in flags]
+    machine, date = machine_info(), now()
+    for line in report_header_lines(command_line(), date, machine):
+        print(line)
+    absent = [ins.name for ins in INSTRUCTIONS if ins.cpu_flag not in flags]
+    print(f"# one core (CPU {args.cpu}), {args.chains} chains an instruction, best of 7 runs of {args.iters:,} "
+          f"iterations" + (f"; not on this CPU: {', '.join(absent)}" if absent else ""))
+    print(f"{'instructions':34s} {'width':5s} {'per ns':>22s} {'multiply-adds/ns':>16s}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="isa_rates_") as tmp:
+        workdir = pathlib.Path(tmp)
+        plans = [([(ins, args.chains)], width) for ins in present for width in widths(ins, flags)]
+        if args.mix:
+            zmm = [ins for ins in present if "zmm" in widths(ins, flags)]
+            plans += [([(a, args.chains), (b, args.chains)], "zmm")
+                      for i, a in enumerate(zmm) for b in zmm[i + 1:]]
+        for parts, width in plans:
+            rates = run_loop(parts, width, args.iters, args.cpu, workdir)
+            macs = sum(rates[ins.name] * ins.products_per_lane * LANES[width] for ins, _ in parts)
+            names = " + ".join(ins.name for ins, _ in parts)
+            per_ns = " + ".join(f"{rates[ins.name]:.2f}" for ins, _ in parts)
+            print(f"{names:34s} {width:5s} {per_ns:>22s} {macs:16.1f}")
+            rows.append({"instructions": [ins.name for ins, _ in parts], "width": width,
+                         "per_ns": rates, "multiply_adds_per_ns": macs})
+    print(f"# cores usable: {len(os.sched_getaffinity(0))}; a kernel's bound is the multiply-adds per ns of its "
+          "instruction times the cores it runs on")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
