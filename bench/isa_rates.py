@@ -1,14 +1,15 @@
 """The issue rate of the CPU's product instructions, each alone and two interleaved: what a kernel built
 on them can reach at most, per core.
 
-    python -m bench.isa_rates [--iters 20000000] [--cpu 0] [--chains 12]
+    python -m bench.isa_rates [--iters 20000000] [--cpu 0] [--chains 12] [--mix] [--blocks]
 
 For each instruction the CPU has (FMA ``VFMADD231PS``, AVX-512 VNNI ``VPDPBUSD``, AVX-VNNI's VEX form,
 AVX-512 BF16 ``VDPBF16PS``), in ymm and zmm: a loop of ``--chains`` independent accumulators written as
 one asm block (so the compiler adds no moves or loads), compiled with gcc, run pinned to one CPU, the
 best of 7 runs. Prints instructions per ns and multiply-adds per ns (VPDPBUSD: 4 int8 products a 32-bit
 lane; VDPBF16PS: 2; FMA: 1); ``--mix`` also runs each pair of instructions interleaved, which says whether
-they share execution ports. Kernel bounds in bench/RESULTS.md are quoted from this tool, not from a
+they share execution ports; ``--blocks`` times VPDPBUSD beside the float work specjet's quantized GEMM
+does per Q8_0 or Q4_1 block and row (the bound that format puts on a kernel). Kernel bounds in bench/RESULTS.md are quoted from this tool, not from a
 datasheet: what a core issues can differ from what its documentation implies.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ INSTRUCTIONS = (
     Instruction("bf16_pairs", "vdpbf16ps", "avx512_bf16", 2),
 )
 LANES = {"ymm": 8, "zmm": 16}
+BY_NAME = {ins.name: ins for ins in INSTRUCTIONS}
 
 
 def cpu_flags() -> set[str]:
@@ -97,14 +99,60 @@ int main(int argc, char **argv) {{
 """
 
 
-def run_loop(parts: list[tuple[Instruction, int]], width: str, iters: int, cpu: int, workdir: pathlib.Path) -> dict:
+# The float work a quantized block adds per row in specjet's GEMM (csrc/qgemm_body.h), after its 8
+# integer steps: convert the sum, scale (d x dx), add; Q4_1 also adds its minimum's term.
+BLOCK_WORK = {
+    "int8 steps alone": (),
+    "q8_0 block": ("vcvtdq2ps %%zmm{r}, %%zmm{t}", "vmulps %%zmm29, %%zmm28, %%zmm24",
+                   "vfmadd231ps %%zmm{t}, %%zmm24, %%zmm{a}"),
+    "q4_1 block": ("vcvtdq2ps %%zmm{r}, %%zmm{t}", "vmulps %%zmm29, %%zmm28, %%zmm24",
+                   "vfmadd231ps %%zmm{t}, %%zmm24, %%zmm{a}", "vfmadd231ps %%zmm27, %%zmm26, %%zmm{a}"),
+}
+BLOCK_ROWS = 6
+
+
+def block_loop_source(work: tuple[str, ...], rows: int = BLOCK_ROWS) -> str:
+    """C source timing a block of ``rows`` rows as the zmm kernel computes it: each row's sum zeroed,
+    8 VPDPBUSD steps a row (rows inner, so the rows' chains interleave), then ``work`` per row
+    (``{r}`` the row's integer sum, ``{t}`` a temporary, ``{a}`` the row's float accumulator). Prints
+    ``vnni_int8 <instructions per ns>``. The weights' nibble unpacking is left out."""
+    if not 1 <= rows <= 6:
+        raise ValueError("1 to 6 rows: each takes three registers beside the operands")
+    lines = [f"vpxord %%zmm{r}, %%zmm{r}, %%zmm{r}" for r in range(rows)]
+    lines += [f"vpdpbusd %%zmm30, %%zmm31, %%zmm{r}" for _ in range(8) for r in range(rows)]
+    lines += [op.format(r=r, t=12 + r, a=6 + r) for r in range(rows) for op in work]
+    body = "".join(f'"{line}\\n"\n' for line in lines)
+    zero = "".join(f"vpxord %%zmm{k}, %%zmm{k}, %%zmm{k}\\n " for k in (26, 27, 28, 29, 30, 31))
+    clobbers = ", ".join(f'"xmm{k}"' for k in range(32))
+    return f"""#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+static double now(void) {{ struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }}
+int main(int argc, char **argv) {{
+  long iters = atol(argv[1]);
+  double best = 1e30;
+  for (int rep = 0; rep < 7; rep++) {{
+    long n = iters;
+    double t0 = now();
+    asm volatile("{zero}\\n"
+                 "1:\\n"
+{body}                 "dec %0\\n jnz 1b\\n"
+                 : "+r"(n) : : {clobbers}, "cc");
+    double dt = now() - t0;
+    if (dt < best) best = dt;
+  }}
+  printf("vnni_int8 %.4f\\n", (double)iters * {8 * rows} / (best * 1e9));
+  return 0;
+}}
+"""
+
+
+def run_loop(source: str, stem: str, iters: int, cpu: int, workdir: pathlib.Path) -> dict:
     """{instruction name: instructions per ns} of one compiled loop."""
-    stem = "_".join(f"{ins.name}{count}" for ins, count in parts) + f"_{width}"
     src, exe = workdir / f"{stem}.c", workdir / stem
-    src.write_text(loop_source(parts, width))
-    total = sum(count for _, count in parts)
+    src.write_text(source)
     # gcc names registers 16-31 in a clobber list only when it targets AVX-512
-    wide = ["-mavx512f"] if total + 2 > 16 else []
+    wide = ["-mavx512f"] if "zmm" in source or "xmm16" in source else []
     built = subprocess.run(["gcc", "-O2", *wide, "-o", str(exe), str(src)], capture_output=True, text=True)
     if built.returncode != 0:
         raise RuntimeError(f"gcc could not build {src.name}:\n{built.stderr}")
@@ -122,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chains", type=int, default=12,
                    help="independent accumulators an instruction (enough to cover its latency)")
     p.add_argument("--mix", action="store_true", help="also each pair of instructions interleaved, in zmm")
+    p.add_argument("--blocks", action="store_true",
+                   help="also VPDPBUSD's rate beside the float work of a Q8_0 and a Q4_1 block (AVX-512 VNNI)")
     args = p.parse_args(argv)
     if args.iters < 1 or args.cpu < 0 or not 1 <= args.chains <= 15:
         p.error("--iters >= 1, --cpu >= 0, --chains 1 to 15")
@@ -150,13 +200,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
             plans += [([(a, args.chains), (b, args.chains)], "zmm")
                       for i, a in enumerate(zmm) for b in zmm[i + 1:]]
         for parts, width in plans:
-            rates = run_loop(parts, width, args.iters, args.cpu, workdir)
+            stem = "_".join(f"{ins.name}{count}" for ins, count in parts) + f"_{width}"
+            rates = run_loop(loop_source(parts, width), stem, args.iters, args.cpu, workdir)
             macs = sum(rates[ins.name] * ins.products_per_lane * LANES[width] for ins, _ in parts)
             names = " + ".join(ins.name for ins, _ in parts)
             per_ns = " + ".join(f"{rates[ins.name]:.2f}" for ins, _ in parts)
             print(f"{names:34s} {width:5s} {per_ns:>22s} {macs:16.1f}")
             rows.append({"instructions": [ins.name for ins, _ in parts], "width": width,
                          "per_ns": rates, "multiply_adds_per_ns": macs})
+        vnni = BY_NAME["vnni_int8"]
+        if args.blocks and "zmm" in widths(vnni, flags) and vnni in present:
+            print(f"# a quantized block's work, {BLOCK_ROWS} rows interleaved (the kernel's zmm tile, weights' "
+                  "unpacking left out): VPDPBUSD per ns and its share of the instruction alone")
+            alone = None
+            for name, work in BLOCK_WORK.items():
+                stem = "block_" + name.split()[0]
+                rate = run_loop(block_loop_source(work), stem, max(1, args.iters // 8), args.cpu, workdir)[vnni.name]
+                alone = alone or rate
+                macs = rate * vnni.products_per_lane * LANES["zmm"]
+                print(f"{name:34s} {'zmm':5s} {rate:22.2f} {macs:16.1f}  ({100 * rate / alone:.0f}%)")
+                rows.append({"instructions": [vnni.name], "block": name, "width": "zmm",
+                             "per_ns": {vnni.name: rate}, "multiply_adds_per_ns": macs})
     print(f"# cores usable: {len(os.sched_getaffinity(0))}; a kernel's bound is the multiply-adds per ns of its "
           "instruction times the cores it runs on")
     return rows

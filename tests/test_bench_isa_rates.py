@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from bench.isa_rates import INSTRUCTIONS, cpu_flags, loop_source, main, widths
+from bench.isa_rates import BLOCK_WORK, INSTRUCTIONS, block_loop_source, cpu_flags, loop_source, main, widths
 
 BY_NAME = {ins.name: ins for ins in INSTRUCTIONS}
 
@@ -29,9 +29,26 @@ def test_a_loop_holds_each_instructions_chains_interleaved_on_their_own_accumula
         loop_source([(fma, 16), (vnni, 15)], "zmm")
 
 
+def test_a_block_loop_holds_each_rows_steps_then_its_float_work():
+    src = block_loop_source(BLOCK_WORK["q4_1 block"], rows=4)
+    loop = src.split('"1:')[1].split('"dec %0')[0]
+    ops = re.findall(r'"(v\w+) [^"]*\\n"', loop)
+    assert ops[:4] == ["vpxord"] * 4 and ops[4:36] == ["vpdpbusd"] * 32
+    assert ops[36:] == ["vcvtdq2ps", "vmulps", "vfmadd231ps", "vfmadd231ps"] * 4
+    assert "%%zmm13, %%zmm24, %%zmm7" in src  # row 1: its temporary and its float accumulator
+    assert block_loop_source(BLOCK_WORK["int8 steps alone"], rows=6).count("vpdpbusd") == 48
+    with pytest.raises(ValueError, match="1 to 6 rows"):
+        block_loop_source((), rows=7)
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None or "fma" not in cpu_flags(), reason="needs gcc and an x86 CPU with FMA")
 def test_isa_rates_measures_every_instruction_the_cpu_has(capsys):
-    rows = main(["--iters", "20000", "--chains", "4", "--mix"])
+    rows = main(["--iters", "20000", "--chains", "4", "--mix", "--blocks"])
+    blocks = [r for r in rows if "block" in r]
+    rows = [r for r in rows if "block" not in r]
+    vnni_zmm = "avx512_vnni" in cpu_flags() and "avx512f" in cpu_flags()
+    assert [r["block"] for r in blocks] == (list(BLOCK_WORK) if vnni_zmm else [])
+    assert all(r["per_ns"]["vnni_int8"] > 0 for r in blocks)
     flags = cpu_flags()
     present = [ins for ins in INSTRUCTIONS if ins.cpu_flag in flags]
     singles = [(r["instructions"][0], r["width"]) for r in rows if len(r["instructions"]) == 1]
