@@ -9,8 +9,9 @@ one asm block (so the compiler adds no moves or loads), compiled with gcc, run p
 best of 7 runs. Prints instructions per ns and multiply-adds per ns (VPDPBUSD: 4 int8 products a 32-bit
 lane; VDPBF16PS: 2; FMA: 1); ``--mix`` also runs each pair of instructions interleaved, which says whether
 they share execution ports; ``--blocks`` times VPDPBUSD beside the float work specjet's quantized GEMM
-does per Q8_0 or Q4_1 block and row (the bound that format puts on a kernel). Kernel bounds in bench/RESULTS.md are quoted from this tool, not from a
-datasheet: what a core issues can differ from what its documentation implies.
+does per Q8_0 or Q4_1 block and row (the bound that format puts on a kernel). Kernel bounds in
+bench/RESULTS.md are quoted from this tool, not from a datasheet: what a core issues can differ from
+what its documentation implies.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class Instruction:
 INSTRUCTIONS = (
     Instruction("fma_fp32", "vfmadd231ps", "fma", 1),
     Instruction("vnni_int8", "vpdpbusd", "avx512_vnni", 4),
-    Instruction("avxvnni_int8", "{vex} vpdpbusd", "avx_vnni", 4, ("ymm",)),
+    # braces in an asm template are written %{ %}
+    Instruction("avxvnni_int8", "%{vex%} vpdpbusd", "avx_vnni", 4, ("ymm",)),
     Instruction("bf16_pairs", "vdpbf16ps", "avx512_bf16", 2),
 )
 LANES = {"ymm": 8, "zmm": 16}

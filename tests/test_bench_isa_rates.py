@@ -62,3 +62,22 @@ def test_isa_rates_measures_every_instruction_the_cpu_has(capsys):
     assert sum(len(r["instructions"]) == 2 for r in rows) == len(zmm) * (len(zmm) - 1) // 2
     out = capsys.readouterr().out
     assert out.startswith("# command: ") and "multiply-adds/ns" in out
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_every_loop_assembles(tmp_path):
+    """Each instruction's loop in each of its widths builds, whether or not this CPU could run it (the
+    assembler takes any x86 instruction): AVX-VNNI's {vex} prefix, the zmm registers past 15."""
+    import subprocess
+
+    for ins in INSTRUCTIONS:
+        for width in ins.widths:
+            src = tmp_path / f"{ins.name}_{width}.c"
+            src.write_text(loop_source([(ins, 12)], width))
+            built = subprocess.run(["gcc", "-O2", "-mavx512f", "-c", "-o", str(src.with_suffix(".o")), str(src)],
+                                   capture_output=True, text=True)
+            assert built.returncode == 0, built.stderr
+    objdump = shutil.which("objdump")
+    if objdump:
+        text = subprocess.run([objdump, "-d", str(tmp_path / "avxvnni_int8_ymm.o")], capture_output=True, text=True).stdout
+        assert text.count("{vex} vpdpbusd") == 12
