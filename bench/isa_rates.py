@@ -62,21 +62,13 @@ def widths(ins: Instruction, flags: set[str]) -> tuple[str, ...]:
     return tuple(w for w in ins.widths if w != "zmm" or "avx512f" in flags)
 
 
-def loop_source(parts: list[tuple[Instruction, int]], width: str) -> str:
-    """C source of a program that times one asm loop holding ``count`` independent accumulator chains of
-    each instruction in ``parts``, interleaved, on ``width`` registers; it prints one line per
-    instruction: ``<name> <instructions per ns>``. The accumulators are registers 0 .. total - 1 and the
-    two operands the next two (below 16 for 14 chains or fewer: an AVX2-only CPU has 16 vector registers)."""
-    total = sum(count for _, count in parts)
-    if not 0 < total <= 30:
-        raise ValueError(f"{total} chains: 1 to 30 fit beside the two operand registers")
-    a, b = total, total + 1
-    # chain k of instruction i sits at position (k + 0.5) / count in the loop, so the kinds alternate
-    slots = sorted(((k + 0.5) / count, i, k) for i, (_, count) in enumerate(parts) for k in range(count))
-    body = "".join(f'"{parts[i][0].mnemonic} %%{width}{a}, %%{width}{b}, %%{width}{n}\\n"\n'
-                   for n, (_, i, _) in enumerate(slots))
-    clobbers = ", ".join(f'"xmm{n}"' for n in range(total + 2))
-    prints = "".join(f'  printf("{ins.name} %.4f\\n", (double)iters * {count} / ns);\n' for ins, count in parts)
+def timed_asm_program(setup: list[str], loop: list[str], clobbers: list[str], counts: dict[str, int]) -> str:
+    """C source of a program that runs the asm ``loop`` lines (after ``setup``) argv[1] times, 7 times
+    over, and prints ``<name> <per ns>`` for each of ``counts`` (that name's instructions an iteration)
+    from the best run. Lines are asm template text: registers written %%zmm0."""
+    asm = "".join(f'"{line}\\n"\n' for line in [*setup, "1:", *loop, "dec %0", "jnz 1b"])
+    prints = "".join(f'  printf("{name} %.4f\\n", (double)iters * {n} / ns);\n' for name, n in counts.items())
+    clobber_list = ", ".join(f'"{c}"' for c in clobbers)
     return f"""#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -87,11 +79,8 @@ int main(int argc, char **argv) {{
   for (int rep = 0; rep < 7; rep++) {{
     long n = iters;
     double t0 = now();
-    asm volatile("mov $0x7f3c19a5, %%eax\\n vmovd %%eax, %%xmm{a}\\n vpbroadcastd %%xmm{a}, %%{width}{a}\\n"
-                 "mov $0x01f02d3b, %%eax\\n vmovd %%eax, %%xmm{b}\\n vpbroadcastd %%xmm{b}, %%{width}{b}\\n"
-                 "1:\\n"
-{body}                 "dec %0\\n jnz 1b\\n"
-                 : "+r"(n) : : "eax", {clobbers}, "cc");
+    asm volatile(
+{asm}      : "+r"(n) : : {clobber_list}, "cc");
     double dt = now() - t0;
     if (dt < best) best = dt;
   }}
@@ -99,6 +88,24 @@ int main(int argc, char **argv) {{
 {prints}  return 0;
 }}
 """
+
+
+def loop_source(parts: list[tuple[Instruction, int]], width: str) -> str:
+    """C source timing one asm loop holding ``count`` independent accumulator chains of each instruction
+    in ``parts``, interleaved, on ``width`` registers; it prints ``<name> <instructions per ns>`` per
+    instruction. The accumulators are registers 0 .. total - 1 and the two operands the next two (below
+    16 for 14 chains or fewer: an AVX2-only CPU has 16 vector registers)."""
+    total = sum(count for _, count in parts)
+    if not 0 < total <= 30:
+        raise ValueError(f"{total} chains: 1 to 30 fit beside the two operand registers")
+    a, b = total, total + 1
+    setup = ["mov $0x7f3c19a5, %%eax", f"vmovd %%eax, %%xmm{a}", f"vpbroadcastd %%xmm{a}, %%{width}{a}",
+             "mov $0x01f02d3b, %%eax", f"vmovd %%eax, %%xmm{b}", f"vpbroadcastd %%xmm{b}, %%{width}{b}"]
+    # chain k of instruction i sits at position (k + 0.5) / count in the loop, so the kinds alternate
+    slots = sorted(((k + 0.5) / count, i, k) for i, (_, count) in enumerate(parts) for k in range(count))
+    loop = [f"{parts[i][0].mnemonic} %%{width}{a}, %%{width}{b}, %%{width}{n}" for n, (_, i, _) in enumerate(slots)]
+    clobbers = ["eax", *(f"xmm{n}" for n in range(total + 2))]
+    return timed_asm_program(setup, loop, clobbers, {ins.name: count for ins, count in parts})
 
 
 # The float work a quantized block adds per row in specjet's GEMM (csrc/qgemm_body.h), after its 8
@@ -120,33 +127,11 @@ def block_loop_source(work: tuple[str, ...], rows: int = BLOCK_ROWS) -> str:
     ``vnni_int8 <instructions per ns>``. The weights' nibble unpacking is left out."""
     if not 1 <= rows <= 6:
         raise ValueError("1 to 6 rows: each takes three registers beside the operands")
-    lines = [f"vpxord %%zmm{r}, %%zmm{r}, %%zmm{r}" for r in range(rows)]
-    lines += [f"vpdpbusd %%zmm30, %%zmm31, %%zmm{r}" for _ in range(8) for r in range(rows)]
-    lines += [op.format(r=r, t=12 + r, a=6 + r) for r in range(rows) for op in work]
-    body = "".join(f'"{line}\\n"\n' for line in lines)
-    zero = "".join(f"vpxord %%zmm{k}, %%zmm{k}, %%zmm{k}\\n " for k in (26, 27, 28, 29, 30, 31))
-    clobbers = ", ".join(f'"xmm{k}"' for k in range(32))
-    return f"""#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-static double now(void) {{ struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }}
-int main(int argc, char **argv) {{
-  long iters = atol(argv[1]);
-  double best = 1e30;
-  for (int rep = 0; rep < 7; rep++) {{
-    long n = iters;
-    double t0 = now();
-    asm volatile("{zero}\\n"
-                 "1:\\n"
-{body}                 "dec %0\\n jnz 1b\\n"
-                 : "+r"(n) : : {clobbers}, "cc");
-    double dt = now() - t0;
-    if (dt < best) best = dt;
-  }}
-  printf("vnni_int8 %.4f\\n", (double)iters * {8 * rows} / (best * 1e9));
-  return 0;
-}}
-"""
+    setup = [f"vpxord %%zmm{k}, %%zmm{k}, %%zmm{k}" for k in (26, 27, 28, 29, 30, 31)]
+    loop = [f"vpxord %%zmm{r}, %%zmm{r}, %%zmm{r}" for r in range(rows)]
+    loop += [f"vpdpbusd %%zmm30, %%zmm31, %%zmm{r}" for _ in range(8) for r in range(rows)]
+    loop += [op.format(r=r, t=12 + r, a=6 + r) for r in range(rows) for op in work]
+    return timed_asm_program(setup, loop, [f"xmm{k}" for k in range(32)], {"vnni_int8": 8 * rows})
 
 
 def run_loop(source: str, stem: str, iters: int, cpu: int, workdir: pathlib.Path) -> dict:

@@ -79,5 +79,6 @@ def test_every_loop_assembles(tmp_path):
             assert built.returncode == 0, built.stderr
     objdump = shutil.which("objdump")
     if objdump:
-        text = subprocess.run([objdump, "-d", str(tmp_path / "avxvnni_int8_ymm.o")], capture_output=True, text=True).stdout
+        obj = tmp_path / "avxvnni_int8_ymm.o"
+        text = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True).stdout
         assert text.count("{vex} vpdpbusd") == 12
