@@ -112,12 +112,12 @@ def loop_source(parts: list[tuple[Instruction, int]], width: str) -> str:
 # integer steps: convert the sum, scale (d x dx), add; Q4_1 also adds its minimum's term.
 BLOCK_WORK = {
     "int8 steps alone": (),
-    "q8_0 block": ("vcvtdq2ps %%zmm{r}, %%zmm{t}", "vmulps %%zmm29, %%zmm28, %%zmm24",
-                   "vfmadd231ps %%zmm{t}, %%zmm24, %%zmm{a}"),
-    "q4_1 block": ("vcvtdq2ps %%zmm{r}, %%zmm{t}", "vmulps %%zmm29, %%zmm28, %%zmm24",
-                   "vfmadd231ps %%zmm{t}, %%zmm24, %%zmm{a}", "vfmadd231ps %%zmm27, %%zmm26, %%zmm{a}"),
+    "q8_0 block": ("vcvtdq2ps %%zmm{r}, %%zmm{t}", "vmulps %%zmm29, %%zmm28, %%zmm25",
+                   "vfmadd231ps %%zmm{t}, %%zmm25, %%zmm{a}"),
+    "q4_1 block": ("vcvtdq2ps %%zmm{r}, %%zmm{t}", "vmulps %%zmm29, %%zmm28, %%zmm25",
+                   "vfmadd231ps %%zmm{t}, %%zmm25, %%zmm{a}", "vfmadd231ps %%zmm27, %%zmm26, %%zmm{a}"),
 }
-BLOCK_ROWS = 6
+BLOCK_ROWS = 8  # the AVX-512 kernel's tile (csrc/qgemm.cpp, kRows)
 
 
 def block_loop_source(work: tuple[str, ...], rows: int = BLOCK_ROWS) -> str:
@@ -125,12 +125,12 @@ def block_loop_source(work: tuple[str, ...], rows: int = BLOCK_ROWS) -> str:
     8 VPDPBUSD steps a row (rows inner, so the rows' chains interleave), then ``work`` per row
     (``{r}`` the row's integer sum, ``{t}`` a temporary, ``{a}`` the row's float accumulator). Prints
     ``vnni_int8 <instructions per ns>``. The weights' nibble unpacking is left out."""
-    if not 1 <= rows <= 6:
-        raise ValueError("1 to 6 rows: each takes three registers beside the operands")
+    if not 1 <= rows <= 8:
+        raise ValueError("1 to 8 rows: each takes three registers beside the operands")
     setup = [f"vpxord %%zmm{k}, %%zmm{k}, %%zmm{k}" for k in (26, 27, 28, 29, 30, 31)]
     loop = [f"vpxord %%zmm{r}, %%zmm{r}, %%zmm{r}" for r in range(rows)]
     loop += [f"vpdpbusd %%zmm30, %%zmm31, %%zmm{r}" for _ in range(8) for r in range(rows)]
-    loop += [op.format(r=r, t=12 + r, a=6 + r) for r in range(rows) for op in work]
+    loop += [op.format(r=r, t=16 + r, a=8 + r) for r in range(rows) for op in work]
     return timed_asm_program(setup, loop, [f"xmm{k}" for k in range(32)], {"vnni_int8": 8 * rows})
 
 
