@@ -116,7 +116,8 @@ def test_shared_prefix_runs_once_with_the_same_features(runner):
 
 
 def test_crop_prompt_keeps_the_reply():
-    seq = Sequence(ids=torch.arange(10), features=torch.arange(10.0)[:, None], prompt_len=7, source="x", target_reply=True)
+    seq = Sequence(ids=torch.arange(10), features=torch.arange(10.0)[:, None], prompt_len=7, source="x",
+                   target_reply=True)
     cropped = T.crop_prompt(seq, 3)
     assert cropped.ids.tolist() == list(range(4, 10)) and cropped.prompt_len == 3
     assert cropped.source == "x" and cropped.target_reply  # still the target's own reply: its own labels
