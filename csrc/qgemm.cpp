@@ -57,6 +57,10 @@ struct RowBuffers {
   std::vector<uint8_t> xu;
   std::vector<float> dx, sx;
   QuantizedRows view;
+  // Which codes the call's kernel reads: xu (the AVX-512 int8 kernel's) or xq (every other kernel's). Only those
+  // are written: with a team of threads, every line a thread quantizes into was last read by the other threads,
+  // so each line written costs a transfer between cores.
+  bool unsigned_codes = false;
 };
 
 // A call's quantized activations: the calling thread's buffers, kept from call to call, where they are small (a
@@ -77,16 +81,21 @@ void set_view(RowBuffers& buf, int64_t rows, int64_t K) {
   buf.view = {rows, K, K / kBlock, buf.xq.data(), buf.xu.data(), buf.dx.data(), buf.sx.data()};
 }
 
-void resize(RowBuffers& buf, int64_t rows, int64_t K) {
-  buf.xq.resize(rows * K);
-  buf.xu.resize(rows * K);
-  buf.dx.resize(rows * (K / kBlock));
-  buf.sx.resize(rows * (K / kBlock));
+// Grows, never shrinks: a step's calls alternate between K = hidden and K = intermediate, and a vector resized
+// down and up again would zero its elements on every call (the kept buffers' contents are written before use).
+template <class T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
-// Sizes a call's buffers for `rows` rows (before any block is quantized: the threads then write their blocks in place).
-void prepare(RowBuffers& buf, int64_t rows, int64_t K) {
-  resize(buf, rows, K);
+// Sizes a call's buffers for `rows` rows (before any block is quantized: the threads then write their blocks in
+// place) and says which codes its kernel reads.
+void prepare(RowBuffers& buf, int64_t rows, int64_t K, bool unsigned_codes = false) {
+  grow(buf.xq, rows * K);
+  grow(buf.xu, rows * K);
+  grow(buf.dx, rows * (K / kBlock));
+  grow(buf.sx, rows * (K / kBlock));
+  buf.unsigned_codes = unsigned_codes;
   set_view(buf, rows, K);
 }
 
@@ -105,8 +114,8 @@ void quantize_blocks_scalar(const float* x, int64_t rb0, int64_t rb1, RowBuffers
     int32_t qsum = 0;
     for (int i = 0; i < kBlock; ++i) {
       const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * inv)));
-      buf.xq[rb * kBlock + i] = static_cast<int8_t>(q);
-      buf.xu[rb * kBlock + i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+      if (buf.unsigned_codes) buf.xu[rb * kBlock + i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+      else buf.xq[rb * kBlock + i] = static_cast<int8_t>(q);
       qsum += static_cast<int32_t>(q);
     }
     buf.dx[rb] = amax / 127.0f;
@@ -138,9 +147,11 @@ static void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers
     };
     const __m512i q0 = codes(v0), q1 = codes(v1);
     const __m256i q8 = _mm256_set_m128i(_mm512_cvtsepi32_epi8(q1), _mm512_cvtsepi32_epi8(q0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
-                        _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    if (buf.unsigned_codes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
+                          _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
     buf.dx[rb] = amax / 127.0f;
     buf.sx[rb] = buf.dx[rb] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
@@ -186,9 +197,11 @@ static void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers
     // packs work per 128-bit half: the permutation puts the 32 bytes back in element order.
     const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
     const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
-                        _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    if (buf.unsigned_codes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
+                          _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
     const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -320,7 +333,8 @@ void quantize(const float* x, int64_t rows, int64_t K, RowBuffers& buf, int64_t 
 bool use_amx(int64_t isa, bool q4_1, RowBuffers& buf, int64_t rows, int64_t K) {
   if (isa != kAmx || !qgemm_amx::worth_tiles(q4_1, rows)) return false;
   const int64_t tiles = (rows + qgemm_amx::kTileRows - 1) / qgemm_amx::kTileRows;
-  buf.xq.resize(tiles * qgemm_amx::kTileRows * K, 0);
+  grow(buf.xq, tiles * qgemm_amx::kTileRows * K);
+  std::fill(buf.xq.begin() + rows * K, buf.xq.begin() + tiles * qgemm_amx::kTileRows * K, 0);
   set_view(buf, rows, K);
   return true;
 }
@@ -377,6 +391,7 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const int32_t* wp = wsum.data_ptr<int32_t>();
   const bool amx = use_amx(isa, false, buf, rows, K);
+  buf.unsigned_codes = (isa == kAvx512 || isa == kAmx) && !amx;  // the AVX-512 kernel's int8_step reads xu
   quantize_and_run(x, rows, K, buf, isa, groups, fused, [&](int64_t g0, int64_t g1) {
     if (amx) qgemm_amx::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);

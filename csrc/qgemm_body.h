@@ -156,9 +156,12 @@ struct Int8Lanes {
   vecf sv;
   inline void load(int64_t b) {
     prefetch_int8_block(q, b);
+    prefetch_l1(wsum + (b + kAhead) * kGroup);  // a line of block sums a block, a stream of its own
     for (int st = 0; st < 8; ++st) w[st] = i_load(q + (b * 8 + st) * 64 + half * kVec * 4);
     wsum128 = i_wsum128(wsum + b * kGroup + half * kVec);
-    sv = f_from_half(s + (b / blocks_per_group) * kGroup + half * kVec);
+    // GGUF's Q8_0 has a scale a block: no 64-bit division a block then (it stalled the tile's issue).
+    const int64_t scale_group = blocks_per_group == 1 ? b : b / blocks_per_group;
+    sv = f_from_half(s + scale_group * kGroup + half * kVec);
   }
   inline veci step(veci acc, int s, const int8_t* xq, const uint8_t* xu) const { return int8_step(acc, w[s], xq, xu); }
   inline vecf add_block(vecf acc, veci isum, float dx, float) const {
