@@ -181,6 +181,10 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
                                const torch::Tensor& masked, int64_t max_allowed);
 
 bool amx_permitted();  // the CPU has AMX tiles and this process may use them (asked once)
+// Whether the AVX-512 Q4_1 kernel gives calls of 12+ rows its 3-group x 4-row tiles (qgemm.cpp: by CPU, once);
+// the setter (-1: the CPU's choice, 0 off, 1 on) returns the setting it replaced, for tests of both tilings.
+bool q4_1_wide_tiles();
+bool set_q4_1_wide_tiles(int64_t mode);
 
 // bf16_gemm.cpp
 bool bf16_gemm_isa_supported(int64_t isa);

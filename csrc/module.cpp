@@ -25,6 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("silu_mul", &silu_mul, "silu(gate) * up per row");
   module.def("qgemm_isa_supported", &qgemm_isa_supported,
              "whether this CPU runs the quantized GEMM's instruction set (0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 VNNI + AMX tiles)");
+  module.def("q4_1_wide_tiles", &q4_1_wide_tiles,
+             "whether the AVX-512 Q4_1 kernel runs calls of 12+ rows in 3-group x 4-row tiles (chosen by CPU)");
+  module.def("set_q4_1_wide_tiles", &set_q4_1_wide_tiles,
+             "-1: the CPU's choice, 0: one-group tiles, 1: 3-group tiles; returns the setting replaced");
   module.def("team_runs", &team_runs,
              "how many quantized or bf16 GEMM calls so far ran on one team of two threads or more (cpu_ops.h run_team)");
   module.def("q4_1_gemm", &q4_1_gemm, "y = x @ W^T (+ bias) for a packed Q4_1 weight of N columns");

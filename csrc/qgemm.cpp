@@ -24,6 +24,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -37,6 +38,33 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;  // columns per packed group
 // kAmx: the AVX-512 VNNI kernels, and AMX tile products for calls of enough rows (qgemm_amx.h; the same bits).
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// Whether a Q4_1 call of many rows takes the AVX-512 kernel's tiles of 3 column groups x 4 rows (qgemm_body.h
+// q4_1_multi_tile) or the one-group tiles of 8 rows; the same bits either way. The wide tile shares each
+// broadcast among three groups and measured faster on a Zen 5, but slower on a Zen 4 (AMD family 25), which
+// splits every 512-bit instruction into two 256-bit halves (bench/RESULTS.md, sessions 73 and 90). CPUs not
+// measured keep the wide tile. SPECJET_QGEMM_WIDE_TILES=0 or 1 overrides the choice.
+bool wide_tiles_by_cpu() {
+  if (const char* forced = std::getenv("SPECJET_QGEMM_WIDE_TILES"); forced && *forced) return forced[0] == '1';
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
+  const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return true;
+  const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+  return !(amd && family == 25);
+}
+
+// -1 until first asked: CPUID is a trap to the hypervisor on a virtual machine, so it is asked once.
+std::atomic<int> wide_tiles_setting{-1};
+
+bool wide_tiles() {
+  int on = wide_tiles_setting.load(std::memory_order_relaxed);
+  if (on < 0) {
+    on = wide_tiles_by_cpu() ? 1 : 0;
+    wide_tiles_setting.store(on, std::memory_order_relaxed);
+  }
+  return on == 1;
+}
 
 // The activations of one call, quantized once before the columns are split across threads.
 struct QuantizedRows {
@@ -504,6 +532,15 @@ torch::Tensor int8_gemm_masked(const torch::Tensor& x, const torch::Tensor& q, c
 }
 
 bool qgemm_isa_supported(int64_t isa) { return isa_supported(isa); }
+
+bool q4_1_wide_tiles() { return wide_tiles(); }
+
+bool set_q4_1_wide_tiles(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "set_q4_1_wide_tiles: mode must be -1 (the CPU's choice), 0 or 1, got ", mode);
+  const bool before = wide_tiles();
+  wide_tiles_setting.store(mode < 0 ? (wide_tiles_by_cpu() ? 1 : 0) : static_cast<int>(mode), std::memory_order_relaxed);
+  return before;
+}
 
 // AMX tiles need the CPU's AMX-TILE (CPUID leaf 7: EDX bit 24) and, on Linux, the process's permission to use
 // the tile data state, asked for once (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18): without it

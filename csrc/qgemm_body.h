@@ -295,7 +295,7 @@ static inline void q4_1_multi_tile(const QuantizedRows& x, const uint8_t* qs, co
 static void q4_1(const QuantizedRows& x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias,
                  float* y, int64_t N, int64_t g0, int64_t g1) {
 #if SJ_VEC == 16
-  if (x.rows >= kMultiMinRows) {
+  if (x.rows >= kMultiMinRows && wide_tiles()) {
     // whole tiles of 3 groups x 4 rows; then the leftover rows of those groups, and the leftover groups, as before
     const int64_t whole_rows = x.rows / kMultiRows * kMultiRows;
     int64_t g = g0;

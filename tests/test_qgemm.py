@@ -74,6 +74,54 @@ def test_every_isa_matches_the_reference_and_the_others_and_is_batch_invariant(w
         assert torch.equal(full, first), isa
 
 
+@pytest.fixture
+def wide_tiles(request):
+    """The extension's Q4_1 tiling switch, put back to the CPU's choice after the test."""
+    ext = qgemm.extension()
+    request.addfinalizer(lambda: ext.set_q4_1_wide_tiles(-1))
+    return ext
+
+
+@pytest.mark.skipif("avx512" not in (qgemm.supported_isas() if qgemm.extension() else []),
+                    reason="the 3-group x 4-row tiles are the AVX-512 kernel's")
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (13 * 16 + 5, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_q4_1_wide_and_one_group_tiles_give_the_same_bits(shape, wide_tiles):
+    """A Q4_1 call of 12 rows or more runs 3-group x 4-row tiles or one-group 8-row tiles, by CPU: each row's
+    bits are the same either way, and the same as that row alone (13 x 16 + 5 columns: whole triples, a
+    leftover group and a partial one)."""
+    n, k = shape
+    packed = pack(quantize_q4_1(0.05 * torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(10))
+    for isa in [i for i in ("avx512", "amx") if i in qgemm.supported_isas()]:
+        alone = torch.cat([qgemm.gemm(x[i:i + 1], packed, bias, isa) for i in range(x.shape[0])])
+        for rows in (12, 13, 15, 16, 17, 24, 31, 40):
+            got = {}
+            for wide in (0, 1):
+                wide_tiles.set_q4_1_wide_tiles(wide)
+                assert wide_tiles.q4_1_wide_tiles() == bool(wide)
+                got[wide] = qgemm.gemm(x[:rows], packed, bias, isa)
+            assert torch.equal(got[0], got[1]), (isa, rows)
+            assert torch.equal(got[1], alone[:rows]), (isa, rows)
+
+
+def test_q4_1_wide_tiles_are_off_on_a_zen_4_alone(monkeypatch, wide_tiles):
+    """The CPU's choice: every CPU but AMD's family 25 (Zen 4, whose 512-bit instructions issue as two halves)
+    keeps the 3-group tiles; SPECJET_QGEMM_WIDE_TILES=0 or 1 overrides it."""
+    from specjet.kernels import cpu_features
+    info = cpu_features._cpuinfo()
+    zen4 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+    monkeypatch.delenv("SPECJET_QGEMM_WIDE_TILES", raising=False)
+    wide_tiles.set_q4_1_wide_tiles(-1)
+    assert wide_tiles.q4_1_wide_tiles() == (not zen4)
+    for forced in ("0", "1"):
+        monkeypatch.setenv("SPECJET_QGEMM_WIDE_TILES", forced)
+        wide_tiles.set_q4_1_wide_tiles(-1)
+        assert wide_tiles.q4_1_wide_tiles() == (forced == "1")
+    with pytest.raises(RuntimeError, match="mode must be"):
+        wide_tiles.set_q4_1_wide_tiles(2)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packing_round_trips(fmt):
     weight = torch.randn(37, 128, generator=torch.Generator().manual_seed(2))  # 37: a partial group
