@@ -117,13 +117,13 @@ void grow(std::vector<T>& v, int64_t n) {
 }
 
 // Sizes a call's buffers for `rows` rows (before any block is quantized: the threads then write their blocks in
-// place) and says which codes its kernel reads.
-void prepare(RowBuffers& buf, int64_t rows, int64_t K, bool unsigned_codes = false) {
+// place), for signed codes (a kernel reading xu sets unsigned_codes after).
+void prepare(RowBuffers& buf, int64_t rows, int64_t K) {
   grow(buf.xq, rows * K);
   grow(buf.xu, rows * K);
   grow(buf.dx, rows * (K / kBlock));
   grow(buf.sx, rows * (K / kBlock));
-  buf.unsigned_codes = unsigned_codes;
+  buf.unsigned_codes = false;
   set_view(buf, rows, K);
 }
 
