@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 
 from bench.common import command_line, machine_info, now, report_header_lines
+from specjet.kernels.cpu_features import cpu_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +47,7 @@ LANES = {"ymm": 8, "zmm": 16}
 BY_NAME = {ins.name: ins for ins in INSTRUCTIONS}
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def widths(ins: Instruction, flags: set[str]) -> tuple[str, ...]:
+def widths(ins: Instruction, flags: frozenset[str] | set[str]) -> tuple[str, ...]:
     """The register widths ``ins`` runs in on a CPU with ``flags`` (zmm needs AVX-512)."""
     return tuple(w for w in ins.widths if w != "zmm" or "avx512f" in flags)
 

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from bench.isa_rates import (BLOCK_WORK, BY_NAME, INSTRUCTIONS, LANES, block_loop_source, cpu_flags, loop_source,
-                              main, widths)
+from bench.isa_rates import BLOCK_WORK, BY_NAME, INSTRUCTIONS, LANES, block_loop_source, loop_source, main, widths
+from specjet.kernels.cpu_features import cpu_flags
 
 
 def test_a_loop_holds_each_instructions_chains_interleaved_on_their_own_accumulators():
