@@ -21,7 +21,9 @@ every engine: GSM8K test questions (``--workload gsm8k``) or the prompts of
 ``--json-constrained``); with ``--history-tokens N`` each after the same N-odd tokens of earlier chat
 turns (a long context, as an agent's conversation has; the prefix cache holds it after the first
 request, so the decode rate measures decoding over it). Every request generates exactly N = ``--max-new-tokens`` tokens greedily, EOS
-ignored (under a schema a request ends where its object does, so decode tokens are counted).
+ignored (under a schema a request ends where its object does, so decode tokens are counted). With
+``--stop-at-eos`` a reply ends at EOS (or at N): tokens/s and acceptance over what the model answers, not
+over the text a model writes past its own end, which no draft was trained on.
 
 Decode tokens/s is measured as bench.latency measures it: the prompts are cycled up to a multiple of
 the batch size B and cut into batches of B (one ``Engine.generate`` call each); a pass runs all
@@ -125,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64, help="N, tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration and batch size")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="a reply ends at EOS or at N (default: exactly N tokens, EOS ignored)")
     parser.add_argument("--data-path", default=str(GSM8K_TEST), help="GSM8K-style JSONL (field `question`)")
     parser.add_argument("--json-path", default=str(JSONSCHEMA_DIR), help="folder with the schemas' index.json")
     sampling = parser.add_argument_group("sampling (default: greedy, whose outputs every configuration must match)")
@@ -277,7 +281,8 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
     t = header["prompt_tokens"]
     lines += [
         f"# {t['count']} {header['workload_description']} ({t['min']}-{t['max']} prompt tokens, mean {t['mean']:.0f}); "
-        f"N={header['max_new_tokens']} new tokens per request, {decoding_str(header.get('sampling'))}, EOS ignored; "
+        f"N={header['max_new_tokens']} new tokens per request, {decoding_str(header.get('sampling'))}, "
+        f"{'each reply ending at EOS or N' if header.get('stop_at_eos') else 'EOS ignored'}; "
         f"median of {header['repeats']} runs",
         "# decode tok/s = decode tokens / (t_N - t_1), wall clock of the same batches with N and 1 new tokens; "
         "accept = accepted tokens / verify forwards; speed-up and identical: against "
@@ -363,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"loading {config.name}: Engine({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) ...",
                   file=sys.stderr)
             try:
-                systems[config.name] = SpecjetSystem(config.name, kwargs, args.sampling)
+                systems[config.name] = SpecjetSystem(config.name, kwargs, args.sampling, args.stop_at_eos)
             except (TypeError, ValueError, NotImplementedError, FileNotFoundError) as exc:
                 raise SystemExit(f"bench.compare: configuration {config.name!r} cannot be loaded: {exc}") from None
         first = systems[args.config_list[0].name]
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
               "prompt_tokens": {"count": len(lengths), "min": min(lengths), "max": max(lengths),
                                 "mean": sum(lengths) / len(lengths)},
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_sizes": args.batch_sizes,
-              "sampling": args.sampling}
+              "sampling": args.sampling, "stop_at_eos": args.stop_at_eos}
     print(format_report(header, rows, identity), flush=True)
     if not identity["identical"]:
         print(identity_line(identity, [c["name"] for c in configs]), file=sys.stderr)

@@ -34,15 +34,17 @@ def make_batches(prompts: list, batch_size: int) -> list[list]:
 
 
 class SpecjetSystem:
-    """A specjet engine as a timed system: exactly N tokens per request, EOS ignored; greedy, or drawn with
-    ``sampling`` (temperature, top_p, top_k, min_p, and a seed: request i of a batch gets seed + i)."""
+    """A specjet engine as a timed system: exactly N tokens per request, EOS ignored (``stop_at_eos``: a reply
+    ends at EOS or at N); greedy, or drawn with ``sampling`` (temperature, top_p, top_k, min_p, and a seed:
+    request i of a batch gets seed + i)."""
 
-    def __init__(self, name: str, kwargs: dict, sampling: dict | None = None):
+    def __init__(self, name: str, kwargs: dict, sampling: dict | None = None, stop_at_eos: bool = False):
         import specjet
 
         self.name = name
         self.kwargs = kwargs
         self.sampling = dict(sampling or {})
+        self.stop_at_eos = stop_at_eos
         self.algorithm = kwargs.get("speculative_algorithm")
         self.engine = specjet.Engine(**kwargs)
 
@@ -52,16 +54,18 @@ class SpecjetSystem:
     def generate(self, batch: list[Prompt], max_new_tokens: int) -> list[dict]:
         seed = self.sampling.get("seed")
         sampling = {k: v for k, v in self.sampling.items() if k != "seed"}
-        params = [dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}, **sampling,
+        params = [dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": not self.stop_at_eos},
+                       **sampling,
                        **({"seed": seed + i} if seed is not None else {}),
                        **({"json_schema": p.json_schema} if p.json_schema is not None else {}))
                   for i, p in enumerate(batch)]
         outs = self.engine.generate(input_ids=[p.ids for p in batch], sampling_params=params)
         for prompt, out in zip(batch, outs):  # a short or aborted request would make the figure meaningless
             got, reason = out["meta_info"]["completion_tokens"], out["meta_info"]["finish_reason"]
-            # Under a schema a request stops when its object is complete, but never aborts.
-            ok = got == max_new_tokens if prompt.json_schema is None else (
-                1 <= got <= max_new_tokens and reason["type"] != "abort")
+            # Under a schema a request stops when its object is complete, and at EOS where EOS ends a reply,
+            # but never aborts.
+            ends_early = prompt.json_schema is not None or self.stop_at_eos
+            ok = 1 <= got <= max_new_tokens and reason["type"] != "abort" if ends_early else got == max_new_tokens
             if not ok:
                 raise RuntimeError(f"{self.name} returned {got} tokens, not {max_new_tokens}: {reason}")
         return outs

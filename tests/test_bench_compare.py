@@ -222,3 +222,37 @@ def test_history_tokens_put_the_same_long_context_before_every_prompt(tiny_model
         main(["--history-tokens", "-1"])  # refused by the parser, before any engine
     last = gsm8k_questions(None, GSM8K_TEST)[-1]["question"]
     assert last in tokenizer.decode(long[0].ids) and last not in tokenizer.decode(short[0].ids)
+
+
+@pytest.mark.e2e
+def test_stop_at_eos_ends_each_reply_where_the_model_does(tmp_path):
+    """--stop-at-eos: the default model's GSM8K replies end at its EOS before N, as the same greedy tokens the
+    EOS-ignoring run starts with; the report counts those replies' tokens and says how the replies ended."""
+    from bench.common import chat_prompt, gsm8k_questions
+    from bench.decode_rate import Prompt, SpecjetSystem
+
+    n = 400
+    stopping, running = SpecjetSystem("eos", {}, stop_at_eos=True), SpecjetSystem("n", {})
+    try:
+        tokenizer = stopping.engine.tokenizer
+        prompts = [Prompt(tokenizer(chat_prompt(tokenizer, q["question"]))["input_ids"]) for q in gsm8k_questions(2)]
+        ended, full = stopping.generate(prompts, n), running.generate(prompts, n)
+        for short, whole in zip(ended, full):
+            got = short["meta_info"]["completion_tokens"]
+            assert short["meta_info"]["finish_reason"]["type"] == "stop" and 1 < got < n
+            assert whole["meta_info"]["completion_tokens"] == n
+            assert short["output_ids"] == whole["output_ids"][:len(short["output_ids"])]
+        reply_tokens = sum(o["meta_info"]["completion_tokens"] - 1 for o in ended)
+        for system in (stopping, running):
+            system.engine.check_kv_invariant()
+    finally:
+        stopping.close()
+        running.close()
+
+    result_file = tmp_path / "compare.jsonl"
+    proc = run_compare("--configs", "none", "--batch-sizes", "1", "--num-prompts", "2", "--max-new-tokens", str(n),
+                       "--repeats", "1", "--stop-at-eos", "--result-file", str(result_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"N={n} new tokens per request, greedy, each reply ending at EOS or N; " in proc.stdout
+    record = json.loads(result_file.read_text())
+    assert record["stop_at_eos"] is True and record["results"][0]["decode_tokens"] == [reply_tokens]
