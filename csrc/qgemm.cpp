@@ -85,9 +85,11 @@ struct RowBuffers {
   std::vector<uint8_t> xu;
   std::vector<float> dx, sx;
   QuantizedRows view;
-  // Which codes the call's kernel reads: xu (the AVX-512 int8 kernel's) or xq (every other kernel's). Only those
-  // are written: with a team of threads, every line a thread quantizes into was last read by the other threads,
-  // so each line written costs a transfer between cores.
+  // Which codes the call's kernels read: xq (signed), xu (unsigned: the AVX-512 int8 kernel's), or both (an AMX
+  // int8 call whose rows past its tiles go to the AVX-512 kernel). Only those are written: with a team of threads,
+  // every line a thread quantizes into was last read by the other threads, so each line written costs a transfer
+  // between cores.
+  bool signed_codes = true;
   bool unsigned_codes = false;
 };
 
@@ -117,12 +119,13 @@ void grow(std::vector<T>& v, int64_t n) {
 }
 
 // Sizes a call's buffers for `rows` rows (before any block is quantized: the threads then write their blocks in
-// place), for signed codes (a kernel reading xu sets unsigned_codes after).
+// place), for signed codes (a kernel reading xu sets the codes after).
 void prepare(RowBuffers& buf, int64_t rows, int64_t K) {
   grow(buf.xq, rows * K);
   grow(buf.xu, rows * K);
   grow(buf.dx, rows * (K / kBlock));
   grow(buf.sx, rows * (K / kBlock));
+  buf.signed_codes = true;
   buf.unsigned_codes = false;
   set_view(buf, rows, K);
 }
@@ -143,7 +146,7 @@ void quantize_blocks_scalar(const float* x, int64_t rb0, int64_t rb1, RowBuffers
     for (int i = 0; i < kBlock; ++i) {
       const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * inv)));
       if (buf.unsigned_codes) buf.xu[rb * kBlock + i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
-      else buf.xq[rb * kBlock + i] = static_cast<int8_t>(q);
+      if (buf.signed_codes) buf.xq[rb * kBlock + i] = static_cast<int8_t>(q);
       qsum += static_cast<int32_t>(q);
     }
     buf.dx[rb] = amax / 127.0f;
@@ -178,8 +181,7 @@ static void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers
     if (buf.unsigned_codes)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
                           _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
+    if (buf.signed_codes) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
     buf.dx[rb] = amax / 127.0f;
     buf.sx[rb] = buf.dx[rb] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
@@ -228,8 +230,7 @@ static void quantize_blocks(const float* x, int64_t rb0, int64_t rb1, RowBuffers
     if (buf.unsigned_codes)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xu.data() + rb * kBlock),
                           _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
+    if (buf.signed_codes) _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.xq.data() + rb * kBlock), q8);
     const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -419,7 +420,11 @@ void int8_rows(const float* x, int64_t rows, int64_t K, const torch::Tensor& q, 
   const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const int32_t* wp = wsum.data_ptr<int32_t>();
   const bool amx = use_amx(isa, false, buf, rows, K);
-  buf.unsigned_codes = (isa == kAvx512 || isa == kAmx) && !amx;  // the AVX-512 kernel's int8_step reads xu
+  // The AVX-512 kernel's int8_step reads xu: every row of a call without tiles, and an AMX call's rows past its
+  // tiles (qgemm_amx::int8 hands them to that kernel); the tiles read xq.
+  const bool avx512 = isa == kAvx512 || isa == kAmx;
+  buf.signed_codes = !avx512 || amx;
+  buf.unsigned_codes = avx512 && (!amx || qgemm_amx::tiled_rows(rows, qgemm_amx::kInt8MinRows) < rows);
   quantize_and_run(x, rows, K, buf, isa, groups, fused, [&](int64_t g0, int64_t g1) {
     if (amx) qgemm_amx::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
     else if (isa == kAvx512 || isa == kAmx) qgemm_avx512::int8(buf.view, qp, sp, wp, group, bias, y, N, g0, g1);
