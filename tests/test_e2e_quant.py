@@ -103,6 +103,19 @@ def test_batched_equals_alone(plain_gguf):
     assert batched[:2] == alone
 
 
+def test_a_batch_past_one_amx_tile_equals_alone():
+    """17 requests decode in 17-row steps: on AMX the rows past a 16-row tile go to another kernel (the Q8_0
+    head's 17th row once read activation codes no one wrote); every request equals itself alone."""
+    params = {"temperature": 0, "max_new_tokens": 6}
+    with specjet.Engine(max_total_tokens=8192, quantization="gguf", disable_guided_drafting=True,
+                        disable_free_text_drafting=True) as eng:
+        prompts = [eng.apply_chat_template(f"Name a colour that rhymes with the number {i}.") for i in range(17)]
+        batched = [o["output_ids"] for o in eng.generate(prompts, params)]
+        alone = [eng.generate(p, params)["output_ids"] for p in prompts]
+        eng.check_kv_invariant()
+    assert batched == alone
+
+
 @pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM", "DFLASH"])
 def test_speculative_equals_plain(plain_gguf, algorithm):
     from specjet.kernels.qgemm import QuantizedLinear
