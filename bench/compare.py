@@ -374,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
         first = systems[args.config_list[0].name]
         prompts, description = load_prompts(args, first.engine.tokenizer)
         cells = measure(systems, prompts, args)
+        for system in systems.values():  # every workload ends with no KV slot leaked
+            system.engine.check_kv_invariant()
         configs = [{"name": c.name, "overrides": c.overrides, "engine_kwargs": dict(base, **c.overrides),
                     "engine": describe_engine(systems[c.name].engine)} for c in args.config_list]
     finally:
