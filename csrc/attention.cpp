@@ -23,9 +23,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -107,9 +110,24 @@ bool isa_supported(int64_t isa);
 
 bool avx512_bf16_supported() { return isa_supported(kAvx512) && specjet_cpu::bf16_gemm_isa_supported(1); }
 
+// How the bf16dp build computes a tile's products (attention_body.h tile_products_by_fma): by two FMAs for each
+// VDPBF16PS on Intel's cores, whose VDPBF16PS issues at half their FMAs' multiply-add rate (bench/RESULTS.md,
+// session 93), by the instruction elsewhere; the same bits either way, which dpbf16_order.h's fma_matches_dpbf16
+// checks on this CPU before the FMAs are taken. SPECJET_BF16DP_TILE_PRODUCTS=fma|dpbf16 forces one.
+void choose_tile_products() {
+  const char* forced = std::getenv("SPECJET_BF16DP_TILE_PRODUCTS");
+  const std::string name = forced ? forced : "";
+  TORCH_CHECK(name.empty() || name == "fma" || name == "dpbf16", "SPECJET_BF16DP_TILE_PRODUCTS=", name,
+              ": use fma or dpbf16");
+  TORCH_CHECK(name != "fma" || isa_bf16dp::fma_matches_dpbf16(), "SPECJET_BF16DP_TILE_PRODUCTS=fma: on this CPU two "
+              "FMAs do not give VDPBF16PS's bits (csrc/dpbf16_order.h fma_matches_dpbf16)");
+  isa_bf16dp::tile_products_by_fma = name.empty() ? __builtin_cpu_is("intel") && isa_bf16dp::fma_matches_dpbf16()
+                                                  : name == "fma";
+}
+
 // bf16dp needs AVX-512 BF16 and VDPBF16PS's order of adding a word's products (dpbf16_order.h), checked once.
 bool dpbf16_in_order() {
-  static const bool ok = avx512_bf16_supported() && isa_bf16dp::dpbf16_adds_in_order();
+  static const bool ok = avx512_bf16_supported() && isa_bf16dp::dpbf16_adds_in_order() && (choose_tile_products(), true);
   return ok;
 }
 
@@ -223,6 +241,17 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 }
 
 bool attention_isa_supported(int64_t isa) { return isa_supported(isa); }
+
+// Sets or asks how the bf16dp build computes a tile's products (choose_tile_products); the mode before the call.
+int64_t bf16dp_tile_products(int64_t mode) {
+  TORCH_CHECK(dpbf16_in_order(), "bf16dp_tile_products: this CPU does not run the bf16dp build");
+  TORCH_CHECK(mode >= -1 && mode <= 1, "bf16dp_tile_products: mode -1 (ask), 0 (VDPBF16PS) or 1 (FMAs)");
+  TORCH_CHECK(mode != 1 || isa_bf16dp::fma_matches_dpbf16(),
+              "bf16dp_tile_products: on this CPU two FMAs do not give VDPBF16PS's bits (fma_matches_dpbf16)");
+  const int64_t before = isa_bf16dp::tile_products_by_fma;
+  if (mode >= 0) isa_bf16dp::tile_products_by_fma = static_cast<int>(mode);
+  return before;
+}
 
 torch::Tensor dpbf16_words(const torch::Tensor& acc, const torch::Tensor& hi_a, const torch::Tensor& hi_b,
                            const torch::Tensor& lo_a, const torch::Tensor& lo_b) {

@@ -303,6 +303,48 @@ SJ_INLINE void score_word_pairs_transposed(const uint32_t* qw, int64_t W, const 
   };
   lane_tree_of_pairs<R>(W, add_word, out, ld_out);
 }
+
+// Whether a tile's products (its scores from the transposed keys, its weights x V from scratch) take two fused
+// multiply-adds in place of each VDPBF16PS: acc + high(a) high(b), rounded, then + low(a) low(b), rounded, as the
+// instruction adds them, each product of two bf16 values exact in float32. With subnormals as zero, as the
+// instruction takes them (attend_all sets that for every float operation on a bf16 pool: SubnormalsAsZero), the
+// same bits, so a tile's rows keep their decode steps' bits, whose few rows stay with the instruction. Where
+// VDPBF16PS issues at half the FMAs' multiply-add rate (Intel's cores), the FMAs take half its time. Chosen once per
+// process (attention.cpp choose_tile_products), or by a test.
+inline int tile_products_by_fma = 0;
+
+SJ_INLINE __m512 high_halves(__m512i words) {
+  return _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+SJ_INLINE __m512 low_halves(__m512i words) { return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)); }
+
+// score_word_pairs_transposed by fused multiply-adds: kt[(2 w + {0, 1}) * 16 + j] word w of key j's high and low halves
+// as float32 (the block kept so), qh[r * 2 W + w] and qh[r * 2 W + W + w] row r's; the same lane chains and tree, the
+// same bits.
+template <int R>
+SJ_INLINE void score_word_pairs_transposed_fma(const float* qh, int64_t W, const float* kt, const float* kt2,
+                                               float* out, int64_t ld_out) {
+  auto add_word = [&](int64_t w, vec_d (*a)[2]) {
+    const __m512 kh = _mm512_loadu_ps(kt + w * 2 * kKeyBlock), kl = _mm512_loadu_ps(kt + (w * 2 + 1) * kKeyBlock);
+    const __m512 kbh = _mm512_loadu_ps(kt2 + w * 2 * kKeyBlock), kbl = _mm512_loadu_ps(kt2 + (w * 2 + 1) * kKeyBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qhi = _mm512_set1_ps(qh[r * 2 * W + w]), qlo = _mm512_set1_ps(qh[r * 2 * W + W + w]);
+      a[r][0] = (vec_d)_mm512_fmadd_ps(kl, qlo, _mm512_fmadd_ps(kh, qhi, (__m512)a[r][0]));
+      a[r][1] = (vec_d)_mm512_fmadd_ps(kbl, qlo, _mm512_fmadd_ps(kbh, qhi, (__m512)a[r][1]));
+    }
+  };
+  lane_tree_of_pairs<R>(W, add_word, out, ld_out);
+}
+
+// Subnormal inputs and results of every float operation as zero (MXCSR DAZ and FTZ) while it lives, as VDPBF16PS
+// takes them: on this thread, for one call's work on a bf16 pool.
+struct SubnormalsAsZero {
+  unsigned saved = _mm_getcsr();
+  SubnormalsAsZero() { _mm_setcsr(saved | 0x8040u); }
+  ~SubnormalsAsZero() { _mm_setcsr(saved); }
+  SubnormalsAsZero(const SubnormalsAsZero&) = delete;
+  SubnormalsAsZero& operator=(const SubnormalsAsZero&) = delete;
+};
 #endif
 
 // out[r * ld_out] = q_r . k for rows r0 .. r0 + R; q rows and k zero-padded to Dp, a multiple of kLanes.
@@ -529,8 +571,13 @@ struct Workspace {
   // The AMX scores' buffers (score_chunk_amx): q's bf16 pairs, gathered blocks of keys, a block of scores and its
   // transpose.
   std::vector<uint32_t> q_pairs;
+  // bf16dp's q words as float32 halves for a tile's scores by fused multiply-adds: a row's W high halves, then its
+  // W low ones.
+  std::vector<float> q_halves;
   // bf16dp's weights x V (weigh_value_pairs): every row's weight words, and a group of 16 rows' transposed.
   std::vector<uint32_t> pair_weights, pair_rows;
+  // ... and, for a tile's products by FMAs, each row's weights rounded to bf16, as float32 ([row][key]).
+  std::vector<float> weight_halves;
   std::vector<uint16_t> key_rows;
   std::vector<float> tile_scores;
 };
@@ -717,6 +764,103 @@ SJ_INLINE void weigh_pairs_block(const Values& values, const uint32_t* wp, int64
   }
 }
 
+// A tile's weights x V by FMAs (tile_products_by_fma): acc[r][c0 .. c0 + 16 NV) for rows r0 .. r0 + R over pairs j0 ..
+// j1, each pair's first key (vf[2j]: its D values widened) times the row's weight of it (wf[r * ldk + 2j], rounded to
+// bf16), then its second key times its weight: VDPBF16PS's two steps a word, one FMA each, the same bits. kSums: also
+// the denominators row_sum[r], the same weights added in the same order (the instruction's products with 1.0).
+template <int R, int NV, bool kSums>
+SJ_INLINE void weigh_keys_block_fma(const float* vf, const float* wf, int64_t ldk, int64_t j0, int64_t j1, int64_t r0,
+                                    int64_t c0, int64_t D, float* acc, float* row_sum) {
+  __m512 sum[R][NV];
+  float weights[R];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) sum[r][v] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (r0 + r) * D + c0 + 16 * v);
+    weights[r] = j0 == 0 ? 0.0f : row_sum[r0 + r];
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* first = vf + 2 * j * D + c0;
+    const float* second = first + D;
+    __m512 va[NV], vb[NV];
+    for (int v = 0; v < NV; ++v) va[v] = _mm512_loadu_ps(first + 16 * v), vb[v] = _mm512_loadu_ps(second + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const float wa = wf[(r0 + r) * ldk + 2 * j], wb = wf[(r0 + r) * ldk + 2 * j + 1];
+      const __m512 a = _mm512_set1_ps(wa), b = _mm512_set1_ps(wb);
+      for (int v = 0; v < NV; ++v) sum[r][v] = _mm512_fmadd_ps(vb[v], b, _mm512_fmadd_ps(va[v], a, sum[r][v]));
+      if constexpr (kSums) weights[r] = (weights[r] + wa) + wb;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (r0 + r) * D + c0 + 16 * v, sum[r][v]);
+    if constexpr (kSums) row_sum[r0 + r] = weights[r];
+  }
+}
+
+// weigh_value_pairs for a tile whose products take FMAs (tile_products_by_fma), with its bits: each row's weights
+// rounded to bf16 as weight_pairs rounds them (0 past the last key: a lone last key's partner is the key again with
+// weight 0, as in the pairs), the keys' values widened into scratch key by key (the keys an earlier tile of the
+// thread widened kept, as the pairs are), then the pairs in chunks as weigh_value_pairs takes them, the
+// denominators riding along the first block of dims.
+template <class ValueRow, class Visible>
+void weigh_tile_by_fma(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D,
+                       int64_t rows, float* scores, int64_t ld_scores, const Visible& visible, const float* row_max,
+                       float* acc, float* row_sum, Workspace& ws) {
+  const int64_t n = p_end - p_lo, pairs = (n + 1) / 2, ldk = (2 * pairs + 15) / 16 * 16;
+  ws.weight_halves.resize(rows * ldk);
+  float* wf = ws.weight_halves.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = wf + r * ldk;
+    if (row_max[r] == -std::numeric_limits<float>::infinity()) {
+      std::fill(dst, dst + ldk, 0.0f);
+      continue;
+    }
+    float* s = scores + r * ld_scores;
+    for (int64_t p = std::max(p_lo, seen_by_all); p < p_end; ++p)
+      if (!visible(r, p)) s[p - p_lo] = 0.0f;
+    for (int64_t i = 0; i < ldk; i += 16) {
+      const int64_t left = n - i;
+      const __mmask16 m = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + i));  // weight_pairs' rounding
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+    }
+  }
+  if (ws.vd.size() < static_cast<size_t>(2 * pairs * D)) ws.vd.resize(2 * pairs * D);
+  float* vf = ws.vd.data();
+  for (int64_t p = p_lo + ws.kept_values; p < p_end; ++p) {
+    if (p + kWidenAhead < p_end) prefetch_row(value_row(p + kWidenAhead), D);
+    const auto* src = value_row(p);
+    float* out = vf + (p - p_lo) * D;
+    for (int64_t d = 0; d < D; d += 16)  // bf16 to float32: the bits moved up (D is a multiple of 32)
+      _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))), 16)));
+  }
+  ws.kept_values = std::max(ws.kept_values, n);
+  if (n % 2 == 1) std::memcpy(vf + n * D, vf + (n - 1) * D, D * sizeof(float));  // made again by each tile
+  for (int64_t j0 = 0; j0 < pairs; j0 += kPairChunk) {
+    const int64_t j1 = std::min(pairs, j0 + kPairChunk);
+    for (int64_t r = 0; r < rows; r += kPvRows) {
+      const int64_t left = std::min<int64_t>(kPvRows, rows - r);
+      for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        auto run = [&](auto nv, auto with_sums) {
+          constexpr int NV = decltype(nv)::value;
+          constexpr bool S = decltype(with_sums)::value;
+          if (left == 4) weigh_keys_block_fma<4, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
+          else if (left == 3) weigh_keys_block_fma<3, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
+          else if (left == 2) weigh_keys_block_fma<2, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
+          else weigh_keys_block_fma<1, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
+        };
+        const bool first = c0 == 0;  // the first block of dims also makes the denominators
+        if (c0 + 64 <= D) {
+          if (first) run(std::integral_constant<int, 4>{}, std::true_type{});
+          else run(std::integral_constant<int, 4>{}, std::false_type{});
+        } else {  // D is a multiple of 32
+          if (first) run(std::integral_constant<int, 2>{}, std::true_type{});
+          else run(std::integral_constant<int, 2>{}, std::false_type{});
+        }
+      }
+    }
+  }
+}
+
 // Every row's weights x V (acc[r][0 .. D)) and denominator (row_sum[r]) over keys p_lo .. p_end - 1, value_row(p)
 // their bf16 values; scores[r * ld_scores + p - p_lo] the row's softmax weights where visible(r, p) (garbage
 // elsewhere: zeroed here). A tile of more than kPvRows rows interleaves the keys' values once into its scratch
@@ -728,6 +872,11 @@ void weigh_value_pairs(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
                        float* acc, float* row_sum, Workspace& ws) {
   const int64_t n = p_end - p_lo, pairs = (n + 1) / 2, ldw = std::max<int64_t>(16, (pairs + 15) / 16 * 16);
   const bool tile = rows > kPvRows;
+  if (tile && tile_products_by_fma) {
+    weigh_tile_by_fma(value_row, p_lo, p_end, seen_by_all, D, rows, scores, ld_scores, visible, row_max, acc, row_sum,
+                      ws);
+    return;
+  }
   const int64_t padded_rows = tile ? (rows + 15) / 16 * 16 : rows;  // whole groups of 16 for the transposed sums
   ws.pair_weights.resize(padded_rows * ldw);
   uint32_t* wp = ws.pair_weights.data();
@@ -911,6 +1060,7 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
   }
 #ifdef SJ_BF16_SCORES
   constexpr bool kWords = std::is_same<C, at::BFloat16>::value;  // a bf16 pool: scores by VDPBF16PS (word_lanes)
+  const bool tiles_by_fma = tile_products_by_fma != 0;
   const int64_t W = D / 2;
   const uint32_t* qw = nullptr;
   if constexpr (kWords) {
@@ -921,6 +1071,15 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
         _mm512_storeu_si512(ws.q_pairs.data() + r * W + c / 2, (__m512i)h);
       }
     qw = ws.q_pairs.data();
+    if (tiles_by_fma && rows >= kTransposedRows) {  // the transposed scores' rows, by FMAs
+      ws.q_halves.resize(rows * W * 2);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t w = 0; w < W; w += 16) {  // row r's W high halves, then its W low ones
+          const __m512i words = _mm512_loadu_si512(qw + r * W + w);
+          _mm512_storeu_ps(ws.q_halves.data() + r * 2 * W + w, high_halves(words));
+          _mm512_storeu_ps(ws.q_halves.data() + r * 2 * W + W + w, low_halves(words));
+        }
+    }
   }
 #else
   constexpr bool kWords = false;
@@ -975,6 +1134,17 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
         if (transposed) {
           for (int64_t j = 0; j < kKeyBlock; ++j)
             std::memcpy(kd + j * W, k_cache + slots[p0 + j] * bt.slot_stride + kvh * bt.head_stride, W * 4);
+#ifdef SJ_BF16_SCORES
+          if (tiles_by_fma) {  // kept as each word's high and low halves in float32, 16 keys each
+            alignas(64) float words[kKeyBlock * 64];
+            transpose_keys(kd, W, words);
+            for (int64_t w = 0; w < W; ++w) {
+              const __m512i k = _mm512_load_si512(words + w * kKeyBlock);
+              _mm512_storeu_ps(kept_block + w * 2 * kKeyBlock, high_halves(k));
+              _mm512_storeu_ps(kept_block + (w * 2 + 1) * kKeyBlock, low_halves(k));
+            }
+          } else
+#endif
           transpose_keys(kd, W, kept_block);
         }
 #endif
@@ -1004,9 +1174,16 @@ void attend_tile(const Batch& bt, const T* q, const C* k_cache, const C* v_cache
           const int64_t n = std::min<int64_t>(kTransposedRowBlock, rows - r);
           float* o = pair ? sp + r * ld_scores : lone;
           const int64_t ld = pair ? ld_scores : 2 * kKeyBlock;
-          if (n == kTransposedRowBlock) score_word_pairs_transposed<kTransposedRowBlock>(qw + r * W, W, kt, kt2, o, ld);
-          else
-            for (int64_t i = 0; i < n; ++i) score_word_pairs_transposed<1>(qw + (r + i) * W, W, kt, kt2, o + i * ld, ld);
+          const float* qh = ws.q_halves.data();
+          if (n == kTransposedRowBlock) {
+            if (tiles_by_fma) score_word_pairs_transposed_fma<kTransposedRowBlock>(qh + r * W * 2, W, kt, kt2, o, ld);
+            else score_word_pairs_transposed<kTransposedRowBlock>(qw + r * W, W, kt, kt2, o, ld);
+          } else {
+            for (int64_t i = 0; i < n; ++i) {
+              if (tiles_by_fma) score_word_pairs_transposed_fma<1>(qh + (r + i) * W * 2, W, kt, kt2, o + i * ld, ld);
+              else score_word_pairs_transposed<1>(qw + (r + i) * W, W, kt, kt2, o + i * ld, ld);
+            }
+          }
           if (!pair)
             for (int64_t i = 0; i < n; ++i) std::memcpy(sp + (r + i) * ld_scores, lone + i * ld, kKeyBlock * sizeof(float));
         }
@@ -1233,6 +1410,10 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
   const std::vector<int64_t> starts = specjet_cpu::cost_share_starts(cost_end, shares);
   auto share_start = [&](int64_t s) -> int64_t { return starts[std::clamp<int64_t>(s, 0, shares)]; };
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+#ifdef SJ_BF16_SCORES
+    std::optional<SubnormalsAsZero> flush;  // a bf16 pool's every operation, decode rows and tiles alike
+    if constexpr (std::is_same<C, at::BFloat16>::value) flush.emplace();
+#endif
     static thread_local Workspace thread_ws;  // looked up once a call, then passed by reference
     Workspace& ws = thread_ws;
     ws.kept_slots = nullptr;  // nothing kept from the last call: the pools may have changed since
@@ -1244,6 +1425,10 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
   });
   if (merges.empty()) return;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t m0, int64_t m1) {
+#ifdef SJ_BF16_SCORES
+    std::optional<SubnormalsAsZero> flush;
+    if constexpr (std::is_same<C, at::BFloat16>::value) flush.emplace();
+#endif
     std::vector<float> acc;
     for (int64_t i = m0; i < m1; ++i) {
       const Merge& m = merges[i];

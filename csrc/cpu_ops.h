@@ -127,6 +127,7 @@ void run_around(int64_t rows, const FusedRows& fused, const Call& call) {
 
 // attention.cpp
 bool attention_isa_supported(int64_t isa);
+int64_t bf16dp_tile_products(int64_t mode);
 // acc + hi_a * hi_b + lo_a * lo_b per lane by VDPBF16PS (factors: bf16 values in float32), for the tests of the order
 // the bf16dp build relies on (dpbf16_order.h).
 torch::Tensor dpbf16_words(const torch::Tensor& acc, const torch::Tensor& hi_a, const torch::Tensor& hi_b,

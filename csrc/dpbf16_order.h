@@ -64,3 +64,39 @@ inline bool dpbf16_adds_in_order() {
   }
   return true;
 }
+
+// Whether two fused multiply-adds under SubnormalsAsZero give this CPU's VDPBF16PS bits (attention_body.h
+// tile_products_by_fma): over lanes of every kind the products meet (normal values; bf16 subnormals, products and
+// accumulators below float32's normal range, exact zeros of either sign, cancellations), the instruction against the
+// FMAs on the words' halves, bit for bit. The FMAs are used for a tile's products only on a CPU that passes.
+inline bool fma_matches_dpbf16() {
+  uint32_t state = 987654321u;
+  auto next = [&state]() { return state = state * 1664525u + 1013904223u; };
+  auto word_part = [&](int kind) -> uint32_t {  // a bf16's 16 bits: normal, tiny, subnormal or zero
+    const uint32_t r = next(), sign = (r >> 31) << 15, mantissa = (r >> 8) & 0x7Fu;
+    switch (kind % 4) {
+      case 0: return sign | ((120u + (r >> 16) % 16u) << 7) | mantissa;  // around 1
+      case 1: return sign | ((1u + (r >> 16) % 40u) << 7) | mantissa;     // products below 2^-126
+      case 2: return sign | mantissa;                                     // a subnormal (or zero)
+      default: return sign;                                               // +0 or -0
+    }
+  };
+  const SubnormalsAsZero flush;
+  for (int round = 0; round < 256; ++round) {
+    alignas(64) uint32_t a[16], b[16], acc[16];
+    for (int i = 0; i < 16; ++i) {
+      const int kind = static_cast<int>(next() >> 29);
+      a[i] = (word_part(kind) << 16) | word_part(kind + i);
+      b[i] = (word_part(kind + 1) << 16) | word_part(kind + 2 * i);
+      const uint32_t r = next();
+      acc[i] = (kind % 3 == 0) ? (r & 0x807FFFFFu) : (kind % 3 == 1) ? ((r & 0x80000000u) | ((r >> 8) % 0x00800000u))
+                                                                       : ((r & 0x807FFFFFu) | (127u << 23));
+    }
+    const __m512i va = _mm512_load_si512(a), vb = _mm512_load_si512(b);
+    const __m512 c = _mm512_castsi512_ps(_mm512_load_si512(acc));
+    const __m512 by_instruction = _mm512_dpbf16_ps(c, (__m512bh)va, (__m512bh)vb);
+    const __m512 by_fma = _mm512_fmadd_ps(low_halves(va), low_halves(vb), _mm512_fmadd_ps(high_halves(va), high_halves(vb), c));
+    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(by_instruction), _mm512_castps_si512(by_fma)) != 0) return false;
+  }
+  return true;
+}

@@ -9,6 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("isa_supported", &attention_isa_supported,
              "whether this CPU runs the attention's instruction set (0 base, 1 AVX2, 2 AVX-512, 3 AMX scores, 4 bf16 "
              "products: AVX-512 BF16 whose VDPBF16PS adds a word's products in the order Intel defines)");
+  module.def("bf16dp_tile_products", &bf16dp_tile_products, py::arg("mode") = -1,
+             "how the bf16dp build computes a tile's products: 1 two FMAs a VDPBF16PS (the same bits; the default on "
+             "Intel's cores), 0 the instruction; mode -1 asks, 0 / 1 sets; returns the mode before the call");
   module.def("dpbf16_words", &dpbf16_words,
              "acc + hi_a * hi_b + lo_a * lo_b per lane by one VDPBF16PS a 16 lanes (bf16 factors given as float32)");
   // The kernels keep the GIL while they compute. Letting it go lets the overlap loop's host thread run
