@@ -764,6 +764,30 @@ SJ_INLINE void weigh_pairs_block(const Values& values, const uint32_t* wp, int64
   }
 }
 
+// Rows in blocks of kPvRows and dims in blocks of 64 (32 for a last half block: D is a multiple of 32), each block
+// given its row count R, vector count NV and whether it makes the denominators S (the first block of dims, where
+// `sums`) as constants: block(R, NV, S, r, c0).
+template <class Block>
+SJ_INLINE void for_each_pv_block(int64_t rows, int64_t D, bool sums, const Block& block) {
+  for (int64_t r = 0; r < rows; r += kPvRows) {
+    const int64_t left = std::min<int64_t>(kPvRows, rows - r);
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+      auto with_rows = [&](auto nv, auto s) {
+        if (left == 4) block(std::integral_constant<int, 4>{}, nv, s, r, c0);
+        else if (left == 3) block(std::integral_constant<int, 3>{}, nv, s, r, c0);
+        else if (left == 2) block(std::integral_constant<int, 2>{}, nv, s, r, c0);
+        else block(std::integral_constant<int, 1>{}, nv, s, r, c0);
+      };
+      auto with_dims = [&](auto s) {
+        if (c0 + 64 <= D) with_rows(std::integral_constant<int, 4>{}, s);
+        else with_rows(std::integral_constant<int, 2>{}, s);
+      };
+      if (sums && c0 == 0) with_dims(std::true_type{});
+      else with_dims(std::false_type{});
+    }
+  }
+}
+
 // A tile's weights x V by FMAs (tile_products_by_fma): acc[r][c0 .. c0 + 16 NV) for rows r0 .. r0 + R over pairs j0 ..
 // j1, each pair's first key (vf[2j]: its D values widened) times the row's weight of it (wf[r * ldk + 2j], rounded to
 // bf16), then its second key times its weight: VDPBF16PS's two steps a word, one FMA each, the same bits. kSums: also
@@ -837,27 +861,10 @@ void weigh_tile_by_fma(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
   if (n % 2 == 1) std::memcpy(vf + n * D, vf + (n - 1) * D, D * sizeof(float));  // made again by each tile
   for (int64_t j0 = 0; j0 < pairs; j0 += kPairChunk) {
     const int64_t j1 = std::min(pairs, j0 + kPairChunk);
-    for (int64_t r = 0; r < rows; r += kPvRows) {
-      const int64_t left = std::min<int64_t>(kPvRows, rows - r);
-      for (int64_t c0 = 0; c0 < D; c0 += 64) {
-        auto run = [&](auto nv, auto with_sums) {
-          constexpr int NV = decltype(nv)::value;
-          constexpr bool S = decltype(with_sums)::value;
-          if (left == 4) weigh_keys_block_fma<4, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
-          else if (left == 3) weigh_keys_block_fma<3, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
-          else if (left == 2) weigh_keys_block_fma<2, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
-          else weigh_keys_block_fma<1, NV, S>(vf, wf, ldk, j0, j1, r, c0, D, acc, row_sum);
-        };
-        const bool first = c0 == 0;  // the first block of dims also makes the denominators
-        if (c0 + 64 <= D) {
-          if (first) run(std::integral_constant<int, 4>{}, std::true_type{});
-          else run(std::integral_constant<int, 4>{}, std::false_type{});
-        } else {  // D is a multiple of 32
-          if (first) run(std::integral_constant<int, 2>{}, std::true_type{});
-          else run(std::integral_constant<int, 2>{}, std::false_type{});
-        }
-      }
-    }
+    for_each_pv_block(rows, D, true, [&](auto R, auto NV, auto S, int64_t r, int64_t c0) {
+      weigh_keys_block_fma<decltype(R)::value, decltype(NV)::value, decltype(S)::value>(vf, wf, ldk, j0, j1, r, c0, D,
+                                                                                       acc, row_sum);
+    });
   }
 }
 
@@ -897,28 +904,10 @@ void weigh_value_pairs(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
     return std::make_pair(a, p + 1 < p_end ? value_row(p + 1) : a);  // a lone last key pairs with itself, weight 0
   };
   auto blocks_of_rows = [&](auto values, auto sums, int64_t j0, int64_t j1) {
-    constexpr bool kSums = decltype(sums)::value;
-    for (int64_t r = 0; r < rows; r += kPvRows) {
-      const int64_t left = std::min<int64_t>(kPvRows, rows - r);
-      for (int64_t c0 = 0; c0 < D; c0 += 64) {
-        auto run = [&](auto nv, auto with_sums) {
-          constexpr int NV = decltype(nv)::value;
-          constexpr bool S = decltype(with_sums)::value;
-          if (left == 4) weigh_pairs_block<4, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
-          else if (left == 3) weigh_pairs_block<3, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
-          else if (left == 2) weigh_pairs_block<2, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
-          else weigh_pairs_block<1, NV, S>(values, wp, ldw, j0, j1, r, c0, D, acc, row_sum);
-        };
-        const bool first = kSums && c0 == 0;  // the first block of dims also makes the denominators
-        if (c0 + 64 <= D) {
-          if (first) run(std::integral_constant<int, 4>{}, std::true_type{});
-          else run(std::integral_constant<int, 4>{}, std::false_type{});
-        } else {  // D is a multiple of 32
-          if (first) run(std::integral_constant<int, 2>{}, std::true_type{});
-          else run(std::integral_constant<int, 2>{}, std::false_type{});
-        }
-      }
-    }
+    for_each_pv_block(rows, D, decltype(sums)::value, [&](auto R, auto NV, auto S, int64_t r, int64_t c0) {
+      weigh_pairs_block<decltype(R)::value, decltype(NV)::value, decltype(S)::value>(values, wp, ldw, j0, j1, r, c0, D,
+                                                                                    acc, row_sum);
+    });
   };
   if (tile) {
     ws.pair_rows.resize(16 * ldw);
