@@ -872,7 +872,8 @@ void weigh_tile_by_fma(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
 // their bf16 values; scores[r * ld_scores + p - p_lo] the row's softmax weights where visible(r, p) (garbage
 // elsewhere: zeroed here). A tile of more than kPvRows rows interleaves the keys' values once into its scratch
 // (kept for the thread's next tile of them, as the widened values are) and sums 16 rows' weights a vector from their
-// words transposed; a decode step's rows read the pool in place and sum their weights beside the products.
+// words transposed (or, where tile_products_by_fma, takes weigh_tile_by_fma: the same bits); a decode step's rows
+// read the pool in place and sum their weights beside the products.
 template <class ValueRow, class Visible>
 void weigh_value_pairs(const ValueRow& value_row, int64_t p_lo, int64_t p_end, int64_t seen_by_all, int64_t D,
                        int64_t rows, float* scores, int64_t ld_scores, const Visible& visible, const float* row_max,
