@@ -31,7 +31,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     page_size: int = 1
     max_running_requests: int = 32
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of free memory
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: mem_fraction_static of available memory
     mem_fraction_static: float = 0.05
     max_prefill_tokens: int = 4096  # prompt tokens one prefill batch computes at most
     # A prompt whose uncached part is longer is prefilled in chunks of this many tokens, one per

@@ -94,11 +94,26 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype,
     return model.eval()
 
 
+def available_host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """The memory a new allocation can have without swapping: Linux's MemAvailable (free pages plus the page cache
+    and slabs the kernel can drop). Free pages alone (SC_AVPHYS_PAGES) shrink to a few hundred MB on a machine whose
+    page cache has filled, which sized the default KV pool to a few hundred tokens; they remain the fallback where
+    there is no /proc/meminfo."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def total_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available_host_memory_bytes()
 
 
 class ModelRunner:
