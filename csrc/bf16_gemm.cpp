@@ -307,47 +307,105 @@ inline void pass(const uint16_t* xt, int64_t K, const uint16_t* wg, int64_t grou
   if constexpr (G > 3) _tile_stored(3, sums[3], 64);
 }
 
-// The next pass's weights (groups [next, end), at most four) for the `passes` tile passes after a pass's first
+// Two 16-row tiles of x (xt0, xt1) against groups g .. g + G (G <= 2): sums0[j] and sums1[j] their float sums for group
+// g + j. Each group's B tile is loaded once for both row tiles, where two passes would load it twice (the second
+// time from L2, whose reads then outlast the products: bench/RESULTS.md, session 94). Tiles 0-3 the
+// sums (row tile t, group j: tile 2 j + t), 4-5 the row tiles' 32 k, 6-7 the groups'. Every sum is still its tile
+// products over k in order from zero, as pass() makes it: a row's bits do not depend on the pairing. (The tile
+// intrinsics take tile numbers as literals.)
+#define SJ_PAIR_PRODUCT(C0, C1, B, wg)                              \
+  do {                                                              \
+    if (prefetch) prefetch_block((wg) + (k + kAheadK) * kCols);     \
+    _tile_loadd(B, (wg) + k * kCols, 64);                           \
+    _tile_dpbf16ps(C0, 4, B);                                       \
+    _tile_dpbf16ps(C1, 5, B);                                       \
+  } while (0)
+
+template <int G>
+inline void pass_pair(const uint16_t* xt0, const uint16_t* xt1, int64_t K, const uint16_t* wg, int64_t group_size,
+                      bool prefetch, float (*sums0)[kTileRows * kCols], float (*sums1)[kTileRows * kCols], L2Stream l2) {
+  static_assert(G == 1 || G == 2, "two row tiles take at most two groups: 4 sums, 2 row tiles and 2 B tiles");
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (G > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += kDepth) {
+    l2.step();
+    _tile_loadd(4, xt0 + k, K * 2);
+    _tile_loadd(5, xt1 + k, K * 2);
+    SJ_PAIR_PRODUCT(0, 1, 6, wg);
+    if constexpr (G > 1) SJ_PAIR_PRODUCT(2, 3, 7, wg + group_size);
+  }
+  _tile_stored(0, sums0[0], 64);
+  _tile_stored(1, sums1[0], 64);
+  if constexpr (G > 1) {
+    _tile_stored(2, sums0[1], 64);
+    _tile_stored(3, sums1[1], 64);
+  }
+}
+#undef SJ_PAIR_PRODUCT
+
+// The next pass's weights (groups [next, end), at most per_pass) for the `passes` tile passes after a pass's first
 // tile to fetch into L2 (nothing when there is no next group or no later tile): those passes read the current
 // groups from cache and would leave the memory idle, so the next groups' first tile then finds its weights in L2.
 inline L2Ahead next_groups_ahead(const uint16_t* w, int64_t next, int64_t end, int64_t group_size, int64_t passes,
-                                 int64_t K) {
+                                 int64_t K, int64_t per_pass = kGroupsPerPass) {
   L2Ahead ahead;
   if (next >= end || passes <= 0) return ahead;
   ahead.base = reinterpret_cast<const char*>(w + next * group_size);
-  ahead.lines = std::min<int64_t>(kGroupsPerPass, end - next) * group_size * 2 / 64;
+  ahead.lines = std::min<int64_t>(per_pass, end - next) * group_size * 2 / 64;
   ahead.passes = passes;
   ahead.steps = K / kDepth;
   return ahead;
 }
 
-// Column groups [g0, g1) of every row; xp: the rows padded with zero rows to `tiles` whole 16-row tiles.
+// Column groups [g0, g1) of every row; xp: the rows padded with zero rows to `tiles` whole 16-row tiles. One tile
+// goes against four groups at a time (pass). Two or three (a verify's tree of 17-48 nodes) go against two groups at a
+// time, a pair of tiles in one pass (pass_pair) and a third alone, so that each group's weights are loaded once for
+// the pair. Four or more keep single passes: pairs there measured no faster (RESULTS, session 94).
 void gemm(const uint16_t* xp, int64_t rows, int64_t tiles, int64_t K, const uint16_t* w, const float* bias,
           uint16_t* y, int64_t N, int64_t g0, int64_t g1) {
   configure_full_tiles();
   alignas(64) float sums[kGroupsPerPass][kTileRows * kCols];
   const int64_t group_size = K * kCols;
-  for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
-    const int64_t groups = std::min<int64_t>(kGroupsPerPass, g1 - g);
+  const bool paired = tiles == 2 || tiles == 3;
+  const int64_t per_pass = paired ? 2 : kGroupsPerPass, passes = paired ? (tiles + 1) / 2 : tiles;
+  // Tile t's float sums of its `groups` groups (from sums[first ..]), rounded and stored.
+  auto store = [&](int64_t g, int64_t groups, int64_t t, int64_t first) {
+    const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t col = (g + j) * kCols;
+      for (int64_t r = 0; r < valid; ++r)
+        bf16_avx512::store_row(_mm512_load_ps(sums[first + j] + r * kCols), bias == nullptr ? nullptr : bias + col,
+                               y + (t * kTileRows + r) * N + col);
+    }
+  };
+  for (int64_t g = g0; g < g1; g += per_pass) {
+    const int64_t groups = std::min<int64_t>(per_pass, g1 - g);
     const uint16_t* wg = w + g * group_size;
-    const L2Ahead ahead = next_groups_ahead(w, g + kGroupsPerPass, g1, group_size, tiles - 1, K);
-    for (int64_t t = 0; t < tiles; ++t) {
+    const L2Ahead ahead = next_groups_ahead(w, g + per_pass, g1, group_size, passes - 1, K, per_pass);
+    for (int64_t t = 0, p = 0; t < tiles; ++p) {
       const uint16_t* xt = xp + t * kTileRows * K;
-      const bool prefetch = t == 0;  // later tiles find the groups' weights in cache, and fetch the next groups'
-      const L2Stream l2 = ahead.part(t - 1);
+      const bool prefetch = t == 0;  // later passes find the groups' weights in cache, and fetch the next groups'
+      const L2Stream l2 = ahead.part(p - 1);
+      if (paired && t + 1 < tiles) {
+        if (groups == 2) pass_pair<2>(xt, xt + kTileRows * K, K, wg, group_size, prefetch, sums, sums + 2, l2);
+        else pass_pair<1>(xt, xt + kTileRows * K, K, wg, group_size, prefetch, sums, sums + 2, l2);
+        store(g, groups, t, 0);
+        store(g, groups, t + 1, 2);
+        t += 2;
+        continue;
+      }
       switch (groups) {
         case 4: pass<4>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
         case 3: pass<3>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
         case 2: pass<2>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
         default: pass<1>(xt, K, wg, group_size, prefetch, sums, l2, K, K, K); break;
       }
-      const int64_t valid = std::min(kTileRows, rows - t * kTileRows);
-      for (int64_t j = 0; j < groups; ++j) {
-        const int64_t col = (g + j) * kCols;
-        for (int64_t r = 0; r < valid; ++r)
-          bf16_avx512::store_row(_mm512_load_ps(sums[j] + r * kCols), bias == nullptr ? nullptr : bias + col,
-                                 y + (t * kTileRows + r) * N + col);
-      }
+      store(g, groups, t, 0);
+      t += 1;
     }
   }
   _tile_release();

@@ -13,8 +13,9 @@ of the supported models); other shapes and a missing extension keep oneDNN.
 
 The weight is packed once, [N / 16, K / 2, 16, 2]: a 16-column group's k-pairs one 64-byte line each. The
 torch reference, ``bf16_gemm_reference``, sums in float32 (in another order: a tolerance, not bits). On AMX, a
-call of several 16-row tiles fetches the next column groups' weights into L2 during its later tiles (which read
-the current groups from cache), so the weights' stream runs beside the products.
+call of two or three 16-row tiles (a verify's tree of 17-48 nodes) takes two tiles through each weight tile it loads;
+a call of several fetches the next column groups' weights into L2 during its later tiles (which read the current
+groups from cache), so the weights' stream runs beside the products.
 
 ``Bf16x3Linear`` (feature extraction and the DFlash label pass only) runs a float32 weight on the same tiles as three
 bf16 products each, float32 to ~2^-16 a product (``bf16x3_gemm_reference`` is its float64 emulation).
