@@ -577,7 +577,7 @@ struct Workspace {
   // bf16dp's weights x V (weigh_value_pairs): every row's weight words, and a group of 16 rows' transposed.
   std::vector<uint32_t> pair_weights, pair_rows;
   // ... and, for a tile's products by FMAs, each row's weights rounded to bf16, as float32 ([row][key]).
-  std::vector<float> weight_halves;
+  std::vector<float> key_weights;
   std::vector<uint16_t> key_rows;
   std::vector<float> tile_scores;
 };
@@ -819,6 +819,16 @@ SJ_INLINE void weigh_keys_block_fma(const float* vf, const float* wf, int64_t ld
   }
 }
 
+// Row r's softmax weights `s` (key p at s[p - p_lo]) with those of the keys it does not see, garbage until now, set
+// to 0 (keys before seen_by_all every row sees).
+template <class Visible>
+SJ_INLINE float* visible_weights(float* s, int64_t r, int64_t p_lo, int64_t p_end, int64_t seen_by_all,
+                                 const Visible& visible) {
+  for (int64_t p = std::max(p_lo, seen_by_all); p < p_end; ++p)
+    if (!visible(r, p)) s[p - p_lo] = 0.0f;
+  return s;
+}
+
 // weigh_value_pairs for a tile whose products take FMAs (tile_products_by_fma), with its bits: each row's weights
 // rounded to bf16 as weight_pairs rounds them (0 past the last key: a lone last key's partner is the key again with
 // weight 0, as in the pairs), the keys' values widened into scratch key by key (the keys an earlier tile of the
@@ -829,17 +839,15 @@ void weigh_tile_by_fma(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
                        int64_t rows, float* scores, int64_t ld_scores, const Visible& visible, const float* row_max,
                        float* acc, float* row_sum, Workspace& ws) {
   const int64_t n = p_end - p_lo, pairs = (n + 1) / 2, ldk = (2 * pairs + 15) / 16 * 16;
-  ws.weight_halves.resize(rows * ldk);
-  float* wf = ws.weight_halves.data();
+  ws.key_weights.resize(rows * ldk);
+  float* wf = ws.key_weights.data();
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = wf + r * ldk;
     if (row_max[r] == -std::numeric_limits<float>::infinity()) {
       std::fill(dst, dst + ldk, 0.0f);
       continue;
     }
-    float* s = scores + r * ld_scores;
-    for (int64_t p = std::max(p_lo, seen_by_all); p < p_end; ++p)
-      if (!visible(r, p)) s[p - p_lo] = 0.0f;
+    float* s = visible_weights(scores + r * ld_scores, r, p_lo, p_end, seen_by_all, visible);
     for (int64_t i = 0; i < ldk; i += 16) {
       const int64_t left = n - i;
       const __mmask16 m = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
@@ -894,9 +902,7 @@ void weigh_value_pairs(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
       std::fill(dst, dst + ldw, 0u);
       continue;
     }
-    float* s = scores + r * ld_scores;
-    for (int64_t p = std::max(p_lo, seen_by_all); p < p_end; ++p)
-      if (!visible(r, p)) s[p - p_lo] = 0.0f;
+    float* s = visible_weights(scores + r * ld_scores, r, p_lo, p_end, seen_by_all, visible);
     for (int64_t j = 0; j < ldw; j += 16) _mm512_storeu_si512(dst + j, weight_pairs(s + 2 * j, n - 2 * j));
   }
   auto pair_keys = [&](int64_t j) {
