@@ -57,7 +57,8 @@ def test_close_to_the_float32_reference_with_and_without_bias(isa, shape):
 @pytest.mark.parametrize("isa", KERNELS)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 3072), (576, 112), (96, 80)])
 def test_each_kernel_gives_a_row_its_bits_at_every_row_count(isa, shape):
-    """Rows 1..67 (the AMX kernel's whole tiles, remainders and several tiles; the VDPBF16PS kernel's
+    """Rows 1..67 (the AMX kernel's whole tiles, remainders, two or three tiles that go in pairs through each
+    weight tile (17-48 rows, over odd and even group counts) and four or more that do not; the VDPBF16PS kernel's
     row blocks of 6 and every remainder, and its 7-10-row calls that take the k-pairs in chunks, over
     4-group sets and the 1-3 groups left, chunks whole and cut short): each row has the bits it has alone."""
     k, n = shape
