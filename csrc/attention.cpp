@@ -114,13 +114,18 @@ bool avx512_bf16_supported() { return isa_supported(kAvx512) && specjet_cpu::bf1
 // VDPBF16PS on Intel's cores, whose VDPBF16PS issues at half their FMAs' multiply-add rate (bench/RESULTS.md,
 // session 93), by the instruction elsewhere; the same bits either way, which dpbf16_order.h's fma_matches_dpbf16
 // checks on this CPU before the FMAs are taken. SPECJET_BF16DP_TILE_PRODUCTS=fma|dpbf16 forces one.
+// `who`'s request for FMAs refused where this CPU's FMAs do not give VDPBF16PS's bits.
+void check_fma_products(const char* who) {
+  TORCH_CHECK(isa_bf16dp::fma_matches_dpbf16(), who, ": on this CPU two FMAs do not give VDPBF16PS's bits "
+              "(csrc/dpbf16_order.h fma_matches_dpbf16)");
+}
+
 void choose_tile_products() {
   const char* forced = std::getenv("SPECJET_BF16DP_TILE_PRODUCTS");
   const std::string name = forced ? forced : "";
   TORCH_CHECK(name.empty() || name == "fma" || name == "dpbf16", "SPECJET_BF16DP_TILE_PRODUCTS=", name,
               ": use fma or dpbf16");
-  TORCH_CHECK(name != "fma" || isa_bf16dp::fma_matches_dpbf16(), "SPECJET_BF16DP_TILE_PRODUCTS=fma: on this CPU two "
-              "FMAs do not give VDPBF16PS's bits (csrc/dpbf16_order.h fma_matches_dpbf16)");
+  if (name == "fma") check_fma_products("SPECJET_BF16DP_TILE_PRODUCTS=fma");
   isa_bf16dp::tile_products_by_fma = name.empty() ? __builtin_cpu_is("intel") && isa_bf16dp::fma_matches_dpbf16()
                                                   : name == "fma";
 }
@@ -246,8 +251,7 @@ bool attention_isa_supported(int64_t isa) { return isa_supported(isa); }
 int64_t bf16dp_tile_products(int64_t mode) {
   TORCH_CHECK(dpbf16_in_order(), "bf16dp_tile_products: this CPU does not run the bf16dp build");
   TORCH_CHECK(mode >= -1 && mode <= 1, "bf16dp_tile_products: mode -1 (ask), 0 (VDPBF16PS) or 1 (FMAs)");
-  TORCH_CHECK(mode != 1 || isa_bf16dp::fma_matches_dpbf16(),
-              "bf16dp_tile_products: on this CPU two FMAs do not give VDPBF16PS's bits (fma_matches_dpbf16)");
+  if (mode == 1) check_fma_products("bf16dp_tile_products(1)");
   const int64_t before = isa_bf16dp::tile_products_by_fma;
   if (mode >= 0) isa_bf16dp::tile_products_by_fma = static_cast<int>(mode);
   return before;

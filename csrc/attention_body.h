@@ -861,9 +861,7 @@ void weigh_tile_by_fma(const ValueRow& value_row, int64_t p_lo, int64_t p_end, i
     if (p + kWidenAhead < p_end) prefetch_row(value_row(p + kWidenAhead), D);
     const auto* src = value_row(p);
     float* out = vf + (p - p_lo) * D;
-    for (int64_t d = 0; d < D; d += 16)  // bf16 to float32: the bits moved up (D is a multiple of 32)
-      _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))), 16)));
+    for (int64_t d = 0; d < D; d += kLanes) store_lanes(out + d, widen_lanes(src + d));  // D is a multiple of 32
   }
   ws.kept_values = std::max(ws.kept_values, n);
   if (n % 2 == 1) std::memcpy(vf + n * D, vf + (n - 1) * D, D * sizeof(float));  // made again by each tile
@@ -1329,6 +1327,17 @@ void merge_chunks(const Batch& bt, T* out, int64_t b, int64_t kvh, int64_t j0, i
   }
 }
 
+#ifndef SJ_BF16_SCORES
+struct SubnormalsAsZero {};  // only the bf16dp build changes the subnormal mode
+#endif
+// Sets `flush` (SubnormalsAsZero for the calling thread until it goes) where the bf16dp build works on a bf16 pool.
+template <class C>
+SJ_INLINE void flush_subnormals_for(std::optional<SubnormalsAsZero>& flush) {
+#ifdef SJ_BF16_SCORES
+  if constexpr (std::is_same<C, at::BFloat16>::value) flush.emplace();
+#endif
+}
+
 // Every (request, KV head, query tile, key chunk) of the batch, spread over the threads. When those are too
 // few to share out evenly (a decode step of one request with a short context: as many items as KV heads),
 // each is split by query head: each key is then read once per head instead of once per group, but no thread
@@ -1406,10 +1415,8 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
   const std::vector<int64_t> starts = specjet_cpu::cost_share_starts(cost_end, shares);
   auto share_start = [&](int64_t s) -> int64_t { return starts[std::clamp<int64_t>(s, 0, shares)]; };
   at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
-#ifdef SJ_BF16_SCORES
     std::optional<SubnormalsAsZero> flush;  // a bf16 pool's every operation, decode rows and tiles alike
-    if constexpr (std::is_same<C, at::BFloat16>::value) flush.emplace();
-#endif
+    flush_subnormals_for<C>(flush);
     static thread_local Workspace thread_ws;  // looked up once a call, then passed by reference
     Workspace& ws = thread_ws;
     ws.kept_slots = nullptr;  // nothing kept from the last call: the pools may have changed since
@@ -1421,10 +1428,8 @@ void attend_all(const Batch& bt, const T* q, const C* k, const C* v, T* out, int
   });
   if (merges.empty()) return;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t m0, int64_t m1) {
-#ifdef SJ_BF16_SCORES
     std::optional<SubnormalsAsZero> flush;
-    if constexpr (std::is_same<C, at::BFloat16>::value) flush.emplace();
-#endif
+    flush_subnormals_for<C>(flush);
     std::vector<float> acc;
     for (int64_t i = m0; i < m1; ++i) {
       const Merge& m = merges[i];

@@ -1,8 +1,6 @@
 """The KV allocator and request-to-token table: paging, freeing, snapshots, and the leak check."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -125,17 +123,17 @@ def test_req_to_token_rows_are_reused():
     assert pool.alloc() == a
 
 
-def test_the_default_pool_is_sized_from_available_memory_not_free_pages(tmp_path):
+def test_the_default_pool_is_sized_from_available_memory_not_free_pages(tmp_path, monkeypatch):
     """The default KV pool takes mem_fraction_static of MemAvailable (free pages plus the page cache the kernel can
     drop): on a machine whose page cache has filled, free pages alone are a few hundred MB and sized the default
     engine's pool to a few hundred tokens (a 400-token reply aborted). Without /proc/meminfo, free pages."""
-    from specjet.models.runner import available_host_memory_bytes
+    from specjet.models import runner
 
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 55_000}  # ~215 MB free: a filled page cache
+    monkeypatch.setattr(runner.os, "sysconf", lambda name: pages[name])
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24730000 kB\nMemFree:          227000 kB\nMemAvailable:   21000000 kB\n")
-    assert available_host_memory_bytes(str(meminfo)) == 21000000 * 1024
-    free_pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    missing = available_host_memory_bytes(str(tmp_path / "absent"))
-    assert abs(missing - free_pages) < 256 * 2**20  # free pages, read a moment apart
+    assert runner.available_host_memory_bytes(str(meminfo)) == 21000000 * 1024
+    assert runner.available_host_memory_bytes(str(tmp_path / "absent")) == 4096 * 55_000
     meminfo.write_text("MemTotal: 1 kB\n")  # no MemAvailable line (a kernel before 3.14)
-    assert abs(available_host_memory_bytes(str(meminfo)) - free_pages) < 256 * 2**20
+    assert runner.available_host_memory_bytes(str(meminfo)) == 4096 * 55_000
