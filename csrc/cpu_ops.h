@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <new>
 #include <type_traits>
+#include <optional>
 #include <vector>
 
 namespace specjet_cpu {
@@ -217,9 +218,12 @@ int64_t argmax_float_row(const float* row, int64_t cols);
 
 // head_loss.cpp
 // Per row of LM-head logits [R, K] (float32 or bf16): (cross-entropy against targets [R] in float32, argmax [R]),
-// with grad [R, K] (float32 or bf16, written) = (softmax - one-hot(target)) * share [R].
+// with grad [R, K] (float32 or bf16, written) = (softmax - label) * share [R]; the label is one-hot(target), or
+// with teacher logits [R, K] (logits' dtype) (1 - distill) one-hot(target) + distill * softmax(teacher), and the
+// cross-entropy is against that label.
 std::vector<torch::Tensor> head_cross_entropy_rows(const torch::Tensor& logits, const torch::Tensor& targets,
-                                                   const torch::Tensor& share, torch::Tensor& grad);
+                                                   const torch::Tensor& share, torch::Tensor& grad,
+                                                   const std::optional<torch::Tensor>& teacher, double distill);
 
 // sampling.cpp
 std::vector<int64_t> sample_rows_lists(const torch::Tensor& logits, const std::vector<double>& temperatures,

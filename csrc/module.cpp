@@ -57,7 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "vectorised pass a row, rows split between threads where they are many");
   module.def("head_cross_entropy_rows", &head_cross_entropy_rows,
              "per row of LM-head logits: (cross-entropy against the target column, argmax), writing the logits' "
-             "gradient (softmax - one-hot) * the row's share into grad; one widening, one exponential a column");
+             "gradient (softmax - one-hot) * the row's share into grad; one widening, one exponential a column; "
+             "with teacher logits the label mixes in distill * the teacher's softmax",
+             py::arg("logits"), py::arg("targets"), py::arg("share"), py::arg("grad"), py::arg("teacher") = py::none(),
+             py::arg("distill") = 0.0);
   module.def("sample_rows_lists", &sample_rows_lists,
              "per row: a token drawn from softmax(logits / T) under top-k, top-p and min-p by the row's uniform, "
              "or the argmax where T <= 0; the parameters as host lists (no tensors to build a step), the rows "

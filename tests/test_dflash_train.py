@@ -150,6 +150,43 @@ def test_the_loss_over_scored_rows_is_the_weighted_loss_over_every_block_row(run
     assert float(got["accept_length"]) == pytest.approx(1 + accepted / blocks)
 
 
+def test_a_distilled_block_position_learns_the_targets_distribution_after_the_position_before(runner, sequences):
+    """``distill``: block position k of root a also learns the target's distribution over the draft's columns
+    after a + k - 1 (its LM head over the final normed hidden state the features end with), mixed with the
+    one-hot label; written out here over every block row, known positions weighted 0."""
+    draft = new_draft(runner, seed=7, root_context=True)
+    batch = sequences[:3]
+    ids, feats, lengths = T.collate(batch)
+    anchors = T.sample_anchors(batch, 5, torch.Generator().manual_seed(8))
+    known = torch.zeros_like(anchors)
+    known[1, 1] = 2
+    cfg = T.DFlashTrainConfig(decay=3.0, distill=0.7)
+    source = ids.roll(1, dims=1)
+    got = T.batch_loss(draft, ids, feats, lengths, anchors, cfg, source, known)["loss"]
+    params = [draft.fc.weight_t, draft.layers[0].mlp.down_proj.weight_t]
+    grads = torch.autograd.grad(got, params)
+
+    h, head = runner.config.hidden_size, draft.head_weight_t()
+    block_ids = T.known_block_ids(ids, anchors, known, BLOCK, draft.shape.mask_token_id)
+    logits = draft.forward_train(ids, feats, anchors, None, block_ids)
+    total, weight = torch.zeros(()), 0.0
+    for b in range(len(batch)):
+        for j, a in enumerate(anchors[b].tolist()):
+            for k in range(int(known[b, j]) + 1, BLOCK):
+                if a < 0 or a + k >= int(lengths[b]):
+                    break
+                w = torch.exp(torch.tensor(-(k - 1) / 3.0))
+                log_probs = logits[b, j, k - 1].log_softmax(-1)
+                teacher = (feats[b, a + k - 1, -h:] @ head).softmax(-1)
+                total = total - w * (0.3 * log_probs[int(source[b, a + k])] + 0.7 * (teacher * log_probs).sum())
+                weight += float(w)
+    expected = total / weight
+    torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for grad, want in zip(grads, torch.autograd.grad(expected, params)):
+        assert grad.abs().max() > 0
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
+
+
 def test_padding_the_training_rows_to_a_bucket_changes_no_loss_or_gradient(runner, sequences, monkeypatch):
     """``forward_train`` pads its context and scored rows to a multiple of ``TRAIN_ROW_BUCKET`` (a few
     matmul shapes for oneDNN): the loss and every parameter's gradient equal an unpadded step's."""
@@ -178,6 +215,7 @@ def test_padding_the_training_rows_to_a_bucket_changes_no_loss_or_gradient(runne
 @pytest.mark.parametrize("flag, bad, good", [
     *[("--known-prefix-rate", rate, 0.3) for rate in ("1.5", "-0.1", "nan", "x")],  # a fraction
     *[("--weight-decay", decay, 0.0) for decay in ("-0.1", "nan", "inf", "x")],  # finite, >= 0
+    *[("--distill", weight, 0.5) for weight in ("1.5", "-0.1", "nan")],  # a fraction
 ])
 def test_a_value_out_of_range_is_refused_by_the_parser(flag, bad, good, capsys):
     """Refused before the data and feature stages, not by the trainer or the optimizer after them."""
@@ -410,7 +448,7 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
              "--num-few-shot-eval", "0", "--max-new-tokens", "12", "--max-len", "128", "--steps", "4",
              "--batch-tokens", "512", "--block-size", "4", "--blocks-per-seq", "4", "--num-layers", "1",
              "--warmup-steps", "1", "--threads", "1", "--hot-vocab", "300", "--known-prefix-rate", "0.5",
-             "--prev-token-input", "--weight-decay", "0.1"]
+             "--prev-token-input", "--weight-decay", "0.1", "--distill", "0.5"]
 
     def recipe(root):
         return ["dflash", "--model-path", str(tiny_model_dir), "--work-dir", str(root / "work"),
@@ -426,6 +464,7 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     assert training["eval_after_known"]["known"] == 2 and set(training["eval_after_known"]["all"]["accept_length"]) == {"1"}
     assert training["steps"] == 4 and training["data"]["train"]["gsm8k_human"]["sequences"] == 4
     assert training["train_config"]["weight_decay"] == 0.1 and "--weight-decay 0.1" in training["command"]
+    assert training["train_config"]["distill"] == 0.5 and "--distill 0.5" in training["command"]
     assert "--target-quantization none" in training["command"]  # "auto", resolved: a float model's own weights
     assert training["data"]["train"]["gsm8k_target"]["sequences"] == 2
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}

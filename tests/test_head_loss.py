@@ -46,6 +46,41 @@ def test_loss_argmax_and_gradient_equal_the_unfused_loss(n, monkeypatch):
     assert bool((grad[weights == 0] == 0).all())  # a weightless row gets no gradient
 
 
+@pytest.mark.parametrize("fused", [True, False])  # the C++ rows where built, and torch's chunks
+@pytest.mark.parametrize("distill", [0.5, 1.0])
+@pytest.mark.parametrize("n", [63, 200])
+def test_a_distilled_label_is_the_mixture_of_the_one_hot_and_the_teachers_distribution(n, distill, fused, monkeypatch):
+    """With teacher rows the label is (1 - distill) one-hot + distill softmax(teacher @ weight_t): loss and
+    gradient equal that cross-entropy written out, and the argmax stays the student's."""
+    monkeypatch.setattr(head_loss, "CHUNK_ROWS", 64)
+    if not fused:
+        monkeypatch.setattr(head_loss, "_fused_rows", lambda rows: False)
+    hidden, weight_t, targets, weights = problem(n, seed=2)
+    teacher = torch.randn(n, hidden.shape[1], generator=torch.Generator().manual_seed(9))
+    loss, predicted = head_cross_entropy(hidden, weight_t, targets, weights, teacher, distill)
+    (grad,) = torch.autograd.grad(2.0 * loss, hidden)
+    log_probs = (hidden @ weight_t).float().log_softmax(-1)
+    label = (1.0 - distill) * F.one_hot(targets, weight_t.shape[1]) + distill * (teacher @ weight_t).softmax(-1)
+    ref_loss = (-(label * log_probs).sum(-1) * weights).sum() / weights.sum()
+    (ref_grad,) = torch.autograd.grad(2.0 * ref_loss, hidden)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_best(predicted, log_probs.detach(), 1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(loss, head_cross_entropy(hidden, weight_t, targets, weights)[0])  # the teacher counts
+    assert bool((grad[weights == 0] == 0).all())
+
+
+def test_a_distill_weight_of_zero_is_the_one_hot_loss():
+    hidden, weight_t, targets, weights = problem(40, seed=3)
+    teacher = torch.randn(40, hidden.shape[1])
+    assert torch.equal(head_cross_entropy(hidden, weight_t, targets, weights, teacher, 0.0)[0],
+                       head_cross_entropy(hidden, weight_t, targets, weights)[0])
+    with pytest.raises(ValueError, match="distill"):
+        head_cross_entropy(hidden, weight_t, targets, weights, teacher, 1.5)
+    with pytest.raises(ValueError, match="teacher rows"):
+        head_cross_entropy(hidden, weight_t, targets, weights, teacher[:5], 0.5)
+
+
 @pytest.mark.skipif(not has_native_bf16(), reason="bf16 autocast is emulated (slow) without native bf16")
 def test_under_bf16_autocast_the_product_runs_in_bf16_as_the_unfused_path():
     hidden, weight_t, targets, weights = problem(130, seed=1)
@@ -90,12 +125,15 @@ def chunk_problem(rows: int, columns: int, dtype, seed: int = 0):
 @pytest.mark.parametrize("columns", [300, 1024, 8192 + 5])  # a tail past the 16 x 64 sums, whole blocks, both
 @pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_rows_give_the_torch_chunks_loss_argmax_and_gradient(columns, logit_dtype, grad_dtype):
+@pytest.mark.parametrize("distill", [None, 0.6])  # one-hot labels, and labels mixed with a teacher's softmax
+def test_the_fused_rows_give_the_torch_chunks_loss_argmax_and_gradient(columns, logit_dtype, grad_dtype, distill):
     logits, targets, share = chunk_problem(9, columns, logit_dtype)
+    teacher = None if distill is None else chunk_problem(9, columns, logit_dtype, seed=1)[0]
     grad = torch.empty(9, columns, dtype=grad_dtype)
     ref_grad = torch.empty(9, columns, dtype=grad_dtype)
-    ce, predicted = head_loss.chunk_cross_entropy(logits, targets, share, grad)
-    ref_ce, ref_predicted = head_loss.chunk_cross_entropy_reference(logits.clone(), targets, share, ref_grad)
+    ce, predicted = head_loss.chunk_cross_entropy(logits, targets, share, grad, teacher, distill or 0.0)
+    ref_ce, ref_predicted = head_loss.chunk_cross_entropy_reference(logits.clone(), targets, share, ref_grad, teacher,
+                                                                    distill or 0.0)
     assert predicted.tolist() == ref_predicted.tolist()  # the same float values, the same first-maximum rule
     assert int(predicted[2]) == 3
     torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-5)
@@ -103,10 +141,15 @@ def test_the_fused_rows_give_the_torch_chunks_loss_argmax_and_gradient(columns, 
     # (6e-5); bf16: at most one step of the stored value's rounding apart.
     rtol, atol = (1e-4, 1e-9) if grad_dtype == torch.float32 else (2 ** -7, 1e-12)
     torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=rtol, atol=atol)
-    # softmax - one-hot sums to zero over a row: each row's gradient sums to ~0 times its share (up to the
+    # softmax - label sums to zero over a row: each row's gradient sums to ~0 times its share (up to the
     # rounding of its largest entry, the target's)
     assert float(grad.float().sum(-1).abs().max()) < rtol * float(share.max())
-    assert bool((grad.float()[torch.arange(9), targets] <= 0).all())
+    if teacher is None:
+        assert bool((grad.float()[torch.arange(9), targets] <= 0).all())
+    else:  # the teacher counts: not the one-hot gradient
+        one_hot = torch.empty_like(grad)
+        head_loss.chunk_cross_entropy(logits, targets, share, one_hot)
+        assert float((grad.float() - one_hot.float()).abs().max()) > 10 * rtol * float(share.max())
 
 
 @requires_fused
@@ -123,6 +166,10 @@ def test_the_fused_rows_refuse_what_their_tensors_cannot_hold():
         head_loss.chunk_cross_entropy(logits.double(), targets, share, grad)
     with pytest.raises(RuntimeError, match="share must be"):
         head_loss.chunk_cross_entropy(logits, targets, share[:3], grad)
+    with pytest.raises(RuntimeError, match="teacher must be"):
+        head_loss.chunk_cross_entropy(logits, targets, share, grad, logits[:, :32], 0.5)
+    with pytest.raises(RuntimeError, match="distill must lie"):
+        head_loss.chunk_cross_entropy(logits, targets, share, grad, logits, 1.5)
 
 
 def test_the_torch_chunks_serve_where_the_extension_is_missing(monkeypatch):

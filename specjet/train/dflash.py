@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--labels", default="target", choices=["target", "sequence"],
                        help="what a block position learns: the target's greedy token after the text's prefix "
                             "(the same as the text on the target's own replies), or the text's token")
+    model.add_argument("--distill", type=_fraction, default=0.0,
+                       help="weight of the target's distribution in each block position's label (knowledge "
+                            "distillation through its LM head; the rest is the greedy one-hot label)")
     model.add_argument("--lr", type=float, default=2e-3)
     model.add_argument("--weight-decay", type=_non_negative, default=0.3,
                        help="AdamW's decoupled weight decay on the draft's parameters (the shipped draft's: "
@@ -153,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
                             labels=args.labels, lr=args.lr, weight_decay=args.weight_decay,
                             autocast_bf16=_autocast(args.autocast),
                             warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                            known_prefix_rate=args.known_prefix_rate)
+                            known_prefix_rate=args.known_prefix_rate, distill=args.distill)
     run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape),
                                          args.hot_vocab]).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
@@ -226,7 +229,7 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
     for key in ("num_target_replies", "num_few_shot_replies", "num_human_replies", "num_eval", "num_few_shot_eval",
                 "json_per_schema", "max_new_tokens", "json_max_new_tokens", "max_len", "num_layers", "hot_vocab", "block_size",
                 "steps", "batch_tokens", "max_prompt", "blocks_per_seq", "decay", "window", "labels", "lr", "autocast",
-                "warmup_steps", "known_prefix_rate", "weight_decay",
+                "warmup_steps", "known_prefix_rate", "weight_decay", "distill",
                 "generate_dtype", "generate_quantization", "feature_dtype", "feature_gemm", "target_quantization",
                 "seed"):
         value = getattr(args, key)

@@ -67,6 +67,10 @@ class DFlashTrainConfig:
     # Blocks whose first positions after the root hold their known tokens (``sample_known``): this
     # fraction of them, scored on their mask positions only; 0 trains DFlash's blocks as published.
     known_prefix_rate: float = 0.0
+    # Weight of the target's distribution in each block position's label (knowledge distillation: the rest is
+    # the one-hot greedy label): the target's LM head over the final normed hidden state the features end with,
+    # over the draft's columns. 0 trains on the greedy labels alone.
+    distill: float = 0.0
 
 
 def sample_anchors(seqs: list[Sequence], count: int, generator: torch.Generator) -> torch.Tensor:
@@ -268,7 +272,14 @@ def batch_loss(model: DFlashDraftModel, ids, feats, lengths, anchors, cfg: DFlas
     weights[:scored] = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / cfg.decay).expand_as(valid)[valid]
     targets = labels.new_zeros(hidden.shape[0])
     targets[:scored] = labels[valid]
-    loss, predicted = head_cross_entropy(hidden, model.head_weight_t(), targets, weights)
+    teacher = None
+    if cfg.distill > 0:  # the target's final normed hidden state before each scored position
+        h = model.config.hidden_size
+        pos = anchors[:, :, None] + torch.arange(size - 1)  # position k's label follows position a + k - 1
+        rows = torch.arange(ids.shape[0])[:, None, None].expand_as(pos)[valid]
+        teacher = hidden.new_zeros(hidden.shape[0], h)
+        teacher[:scored] = feats[rows, pos[valid], -h:].to(hidden.dtype)
+    loss, predicted = head_cross_entropy(hidden, model.head_weight_t(), targets, weights, teacher, cfg.distill)
     with torch.no_grad():
         hits = torch.zeros_like(valid)
         hits[valid] = predicted[:scored] == targets[:scored]

@@ -35,13 +35,15 @@ from specjet.kernels.training_linear import frozen_products
 CHUNK_ROWS = 128
 
 
-def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                       teacher: torch.Tensor | None = None, distill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ weights_i * CE(hidden_i @ weight_t, targets_i) / Σ weights, argmax_i of hidden_i @ weight_t).
 
     hidden [n, h] (differentiable), weight_t [h, K] frozen, targets [n] int64 column ids, weights [n] float
     (0: a row that does not count). Under CPU autocast the product runs in its dtype, as a projection's would;
-    the loss is summed in float32 either way."""
+    the loss is summed in float32 either way. ``teacher`` [n, h] (knowledge distillation): rows whose products
+    with the same head give a teacher's logits; each row's label is then (1 - ``distill``) one-hot(target) +
+    ``distill`` * softmax(teacher_i @ weight_t), and the loss the cross-entropy against it."""
     if weight_t.requires_grad:
         raise ValueError("head_cross_entropy trains through a frozen head; this weight requires a gradient")
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
@@ -49,29 +51,48 @@ def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: to
                          f"{tuple(targets.shape)}, {tuple(weights.shape)}")
     autocast = torch.is_autocast_enabled("cpu") and hidden.device.type == "cpu"
     dtype = torch.get_autocast_dtype("cpu") if autocast else hidden.dtype
-    return _HeadCrossEntropy.apply(hidden, weight_t, targets, weights.float(), dtype)
+    if teacher is not None and teacher.shape != hidden.shape:
+        raise ValueError(f"teacher rows [n, h] like hidden's expected, got {tuple(teacher.shape)}")
+    if not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill must lie in [0, 1], got {distill}")
+    if teacher is None or distill == 0.0:
+        teacher, distill = None, 0.0
+    return _HeadCrossEntropy.apply(hidden, weight_t, targets, weights.float(), dtype, teacher, distill)
 
 
 def chunk_cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, share: torch.Tensor,
-                                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                  grad_out: torch.Tensor, teacher: torch.Tensor | None = None, distill: float = 0.0
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's (cross-entropy [r] float32, argmax [r]) of logits [r, K] against ``targets`` [r], writing
-    ``grad_out`` [r, K] (its dtype) = (softmax - one-hot(target)) * ``share`` [r]; in torch ops."""
+    ``grad_out`` [r, K] (its dtype) = (softmax - label) * ``share`` [r]; the label one-hot(target), or with
+    ``teacher`` logits [r, K] (1 - distill) one-hot(target) + distill * softmax(teacher); in torch ops."""
     logits = logits.float()
     predicted = argmax_rows(logits)
     lse = torch.logsumexp(logits, -1)
-    ce = lse - logits.gather(1, targets[:, None])[:, 0]
+    picked = logits.gather(1, targets[:, None])[:, 0]
+    ce = lse - picked
+    if teacher is not None:  # lse - (1 - distill) x[t] - distill E_teacher[x], each term less the row's maximum
+        soft = torch.softmax(teacher.float(), -1)
+        top = logits.max(-1, keepdim=True).values
+        ce = (lse - top[:, 0]) - (1.0 - distill) * (picked - top[:, 0]) - distill * (soft * (logits - top)).sum(-1)
     probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-    probs[torch.arange(logits.shape[0], device=logits.device), targets] -= 1.0
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    if teacher is None:
+        probs[rows, targets] -= 1.0
+    else:
+        probs.sub_(soft.mul_(distill))
+        probs[rows, targets] -= 1.0 - distill
     grad_out.copy_(probs.mul_(share[:, None]))
     return ce, predicted
 
 
-def chunk_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, share: torch.Tensor, grad_out: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk_cross_entropy_reference`` in one C++ pass a row (csrc/head_loss.cpp): the logits float32 or bf16,
-    ``grad_out`` a contiguous float32 or bf16 tensor."""
-    return tuple(cpu_ops.extension().head_cross_entropy_rows(logits.contiguous(), targets.contiguous(),
-                                                             share.contiguous(), grad_out))
+def chunk_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, share: torch.Tensor, grad_out: torch.Tensor,
+                        teacher: torch.Tensor | None = None, distill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_cross_entropy_reference`` in one C++ pass a row (csrc/head_loss.cpp): the logits (and teacher logits)
+    float32 or bf16, ``grad_out`` a contiguous float32 or bf16 tensor."""
+    return tuple(cpu_ops.extension().head_cross_entropy_rows(
+        logits.contiguous(), targets.contiguous(), share.contiguous(), grad_out,
+        None if teacher is None else teacher.to(logits.dtype).contiguous(), distill))
 
 
 def _fused_rows(rows: torch.Tensor) -> bool:
@@ -81,7 +102,7 @@ def _fused_rows(rows: torch.Tensor) -> bool:
 
 class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight_t, targets, weights, dtype):
+    def forward(ctx, hidden, weight_t, targets, weights, dtype, teacher=None, distill=0.0):
         with torch.autocast("cpu", enabled=False):
             rows = hidden.to(dtype)
             product = frozen_products(weight_t, dtype)[0]
@@ -93,8 +114,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
             chunk_loss = chunk_cross_entropy if _fused_rows(rows) else chunk_cross_entropy_reference
             for lo in range(0, n, CHUNK_ROWS):
                 hi = min(lo + CHUNK_ROWS, n)
+                # The teacher's logits through the same head: its softmax takes ``distill`` of each row's label.
+                teacher_logits = None if teacher is None else product(teacher[lo:hi].to(dtype))
                 ce[lo:hi], predicted[lo:hi] = chunk_loss(product(rows[lo:hi]), targets[lo:hi], share[lo:hi],
-                                                         grad_logits[lo:hi])
+                                                         grad_logits[lo:hi], teacher_logits, distill)
             loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
         ctx.save_for_backward(grad_logits, weight_t)
         ctx.hidden_dtype = hidden.dtype
@@ -111,4 +134,4 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 # at this shape (kernels/training_linear.py).
                 product = frozen_products(weight_t, grad_logits.dtype)[1]
                 grad_hidden = product(grad_logits).to(ctx.hidden_dtype) * grad_loss.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None
