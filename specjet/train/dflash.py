@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(the same as the text on the target's own replies), or the text's token")
     model.add_argument("--distill", type=_fraction, default=0.0,
                        help="weight of the target's distribution in each block position's label (knowledge "
-                            "distillation through its LM head; the rest is the greedy one-hot label)")
+                            "distillation through its LM head; the rest is the greedy one-hot label). 0 in the "
+                            "shipped recipe: its held-out gain at the recipe's steps did not carry into the engine's "
+                            "acceptance (bench/RESULTS.md, session 95)")
     model.add_argument("--lr", type=float, default=2e-3)
     model.add_argument("--weight-decay", type=_non_negative, default=0.3,
                        help="AdamW's decoupled weight decay on the draft's parameters (the shipped draft's: "
