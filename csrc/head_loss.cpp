@@ -134,37 +134,33 @@ std::vector<torch::Tensor> head_cross_entropy_rows(const torch::Tensor& logits, 
       const double lse = std::log(sum) + static_cast<double>(m);
       best_out[r] = top;
       const float scale = static_cast<float>(static_cast<double>(shares[r]) / sum);
+      // The label: one-hot, or with a teacher its softmax (exponentials over their sum) at `distill`, one-hot the rest.
+      const float* teacher_e = nullptr;
+      float teacher_scale = 0.0f, at_target;
       if (!teacher_in) {
         ce_out[r] = static_cast<float>(lse - static_cast<double>(x[t]));
-        const float at_target = exps[t] * scale - shares[r];
-        if (bf16_out) {
-          uint16_t* g = reinterpret_cast<uint16_t*>(out) + r * cols;
-          scale_into_bf16(exps.data(), scale, g, cols);
-          g[t] = static_cast<uint16_t>(bf16_rounded_bits(at_target) >> 16);
-        } else {
-          float* g = reinterpret_cast<float*>(out) + r * cols;
-          scale_into_float(exps.data(), scale, g, cols);
-          g[t] = at_target;
-        }
-        continue;
+        at_target = exps[t] * scale - shares[r];
+      } else {
+        const float* tx = widened_row(teacher_in, bf16_in, r, cols, teacher_widened);
+        const double teacher_sum = exp_and_sum(tx, teacher_exps.data(), cols, tx[argmax_float_row(tx, cols)]);
+        // E_teacher[x - m]: the cross-entropy lse - (1 - distill) x[t] - distill E_teacher[x], each term less m.
+        const double teacher_dot = weighted_sum(teacher_exps.data(), x, m, cols) / teacher_sum;
+        ce_out[r] = static_cast<float>(std::log(sum) + (1.0 - distill) * (static_cast<double>(m) - x[t]) -
+                                       distill * teacher_dot);
+        teacher_e = teacher_exps.data();
+        teacher_scale = static_cast<float>(distill * static_cast<double>(shares[r]) / teacher_sum);
+        const float one_hot = static_cast<float>((1.0 - distill) * static_cast<double>(shares[r]));
+        at_target = exps[t] * scale - teacher_e[t] * teacher_scale - one_hot;
       }
-      // The teacher's softmax (its exponentials over their sum) takes `distill` of the label, the one-hot the rest.
-      const float* tx = widened_row(teacher_in, bf16_in, r, cols, teacher_widened);
-      const double teacher_sum = exp_and_sum(tx, teacher_exps.data(), cols, tx[argmax_float_row(tx, cols)]);
-      // E_teacher[x - m]: the cross-entropy lse - (1 - distill) x[t] - distill E_teacher[x], each term less m.
-      const double teacher_dot = weighted_sum(teacher_exps.data(), x, m, cols) / teacher_sum;
-      ce_out[r] = static_cast<float>(std::log(sum) + (1.0 - distill) * (static_cast<double>(m) - x[t]) -
-                                     distill * teacher_dot);
-      const float teacher_scale = static_cast<float>(distill * static_cast<double>(shares[r]) / teacher_sum);
-      const float one_hot = static_cast<float>((1.0 - distill) * static_cast<double>(shares[r]));
-      const float at_target = exps[t] * scale - teacher_exps[t] * teacher_scale - one_hot;
       if (bf16_out) {
         uint16_t* g = reinterpret_cast<uint16_t*>(out) + r * cols;
-        two_scales_into_bf16(exps.data(), scale, teacher_exps.data(), teacher_scale, g, cols);
+        if (teacher_e) two_scales_into_bf16(exps.data(), scale, teacher_e, teacher_scale, g, cols);
+        else scale_into_bf16(exps.data(), scale, g, cols);
         g[t] = static_cast<uint16_t>(bf16_rounded_bits(at_target) >> 16);
       } else {
         float* g = reinterpret_cast<float*>(out) + r * cols;
-        two_scales_into_float(exps.data(), scale, teacher_exps.data(), teacher_scale, g, cols);
+        if (teacher_e) two_scales_into_float(exps.data(), scale, teacher_e, teacher_scale, g, cols);
+        else scale_into_float(exps.data(), scale, g, cols);
         g[t] = at_target;
       }
     }

@@ -79,6 +79,8 @@ def test_a_distill_weight_of_zero_is_the_one_hot_loss():
         head_cross_entropy(hidden, weight_t, targets, weights, teacher, 1.5)
     with pytest.raises(ValueError, match="teacher rows"):
         head_cross_entropy(hidden, weight_t, targets, weights, teacher[:5], 0.5)
+    with pytest.raises(ValueError, match="needs the teacher rows"):
+        head_cross_entropy(hidden, weight_t, targets, weights, None, 0.5)
 
 
 @pytest.mark.skipif(not has_native_bf16(), reason="bf16 autocast is emulated (slow) without native bf16")

@@ -55,8 +55,10 @@ def head_cross_entropy(hidden: torch.Tensor, weight_t: torch.Tensor, targets: to
         raise ValueError(f"teacher rows [n, h] like hidden's expected, got {tuple(teacher.shape)}")
     if not 0.0 <= distill <= 1.0:
         raise ValueError(f"distill must lie in [0, 1], got {distill}")
-    if teacher is None or distill == 0.0:
-        teacher, distill = None, 0.0
+    if teacher is None and distill > 0.0:
+        raise ValueError(f"distill={distill} needs the teacher rows whose distribution it mixes in")
+    if distill == 0.0:
+        teacher = None
     return _HeadCrossEntropy.apply(hidden, weight_t, targets, weights.float(), dtype, teacher, distill)
 
 
