@@ -42,7 +42,8 @@ def describe_engine(engine) -> dict:
             desc["speculative"] = {"algorithm": "DFLASH", "num_draft_tokens": spec.dflash.block_size,
                                    "topk": spec.dflash.topk, "grammar_topk": spec.dflash.grammar_topk,
                                    "draft_window_size": spec.dflash.window,
-                                   "hybrid_ngram_tokens": spec.hybrid_path_nodes}
+                                   "hybrid_ngram_tokens": spec.hybrid_path_nodes,
+                                   "alone_topk": spec.alone_topk, "alone_min_draft_prob": spec.alone_min_draft_prob}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
                                    "max_bfs_breadth": spec.ngram.max_branches,
@@ -77,7 +78,11 @@ def spec_str(spec: dict | None) -> str:
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
         grammar = (f" ({spec['grammar_topk']} under a grammar)"
                    if spec.get("grammar_topk", spec["topk"]) != spec["topk"] else "")
-        return (f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{grammar}{window}{hybrid}{cap}"
+        alone = ""
+        if spec.get("alone_topk") is not None or spec.get("alone_min_draft_prob") is not None:
+            alone = (f"; alone without a grammar topk={spec.get('alone_topk') or spec['topk']}"
+                     + (f" cut={spec['alone_min_draft_prob']}" if spec.get("alone_min_draft_prob") is not None else ""))
+        return (f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{grammar}{alone}{window}{hybrid}{cap}"
                 f"{_draft_weights(spec)}")
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")

@@ -272,10 +272,10 @@ def test_the_grammar_walk_stops_at_the_cut_with_the_same_tree(tiny_model_dir, co
     compared = []
     real = DFlashDrafter._candidates
 
-    def spy(self, guide, forced, logits, want, min_logp=float("-inf")):
-        out = real(self, guide, forced, logits, want, min_logp)
+    def spy(self, guide, forced, logits, want, min_logp=float("-inf"), width=None):
+        out = real(self, guide, forced, logits, want, min_logp, width)
         if guide is not None and min_logp > float("-inf"):
-            whole = real(self, guide, forced, logits, want, -1e30)  # a cut no path reaches: the whole walk
+            whole = real(self, guide, forced, logits, want, -1e30, width)  # a cut no path reaches: the whole walk
             budget = want + 1
             compared.append((_tree(0, out, budget, min_logp) == _tree(0, whole, budget, min_logp),
                              len(out) < len(whole)))
@@ -325,8 +325,8 @@ def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, cop
 
 
 def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir, copy_draft, monkeypatch):
-    """With the default confidence cut on a float CPU target (the tiny model computes in float32 here)
-    the speculator hands each request the cut of its batch size: the base cut alone, or a constrained
+    """With the default confidence cut on a float CPU target the speculator hands each request the cut of its
+    batch size: the base cut alone (or the tiled target's lone cut where it has one), or a constrained
     request in any batch; min_prob x batch / 2 for free text beside others. The ids stay plain's."""
     import math
 
@@ -349,6 +349,8 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
                        speculative_draft_min_prob=None) as eng:
         assert eng.worker.speculator.cfg.min_draft_prob_grows
+        # Where bf16 projections run on AMX tiles (dtype auto on such a CPU), a lone request has its own cut.
+        lone = eng.worker.speculator.cfg.alone_min_draft_prob
         outs = eng.generate(PROMPTS[:4], MIXED)
         one = eng.generate(PROMPTS[2], MIXED[2])
         eng.check_kv_invariant()
@@ -359,8 +361,10 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
     # each ends (seen: 3 at most on one fast CPU), so any batch of 3 or more shows the growth.
     assert any(n >= 3 and not constrained and cut > base for n, constrained, cut in seen)
     assert any(n >= 3 and constrained for n, constrained, _ in seen)
-    assert (1, False, round(base, 6)) in seen
-    assert all(cut == round(base * max(1, n / 2) if not constrained else base, 6) for n, constrained, cut in seen)
+    lone = base if lone is None else lone
+    assert (1, False, round(lone, 6)) in seen
+    assert all(cut == round(base if constrained else lone if n == 1 else base * max(1, n / 2), 6)
+               for n, constrained, cut in seen)
 
 
 def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(tiny_model_dir, copy_draft,
@@ -473,8 +477,9 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
         path = save_dflash(draft, tmp_path / f"{known_prefix}-{runner}", dtype=torch.float32)
         seen.clear()
         proposed.clear()
+        # (topk given: a lone request's tree as wide as a batch's, where batches form differently by runner)
         with dflash_engine(tiny_model_dir, path, speculative_num_draft_tokens=8, page_size=16,
-                           speculative_draft_runner=runner) as eng:
+                           speculative_draft_runner=runner, speculative_eagle_topk=3) as eng:
             outs = eng.generate(PROMPTS[:4], MIXED)
             eng.check_kv_invariant()
         trees[(known_prefix, runner)] = sorted(proposed)  # batches may form differently
@@ -530,3 +535,60 @@ def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path
     with pytest.raises(FileNotFoundError, match="DFlash draft model not found"):
         specjet.Engine(model_path=str(tiny_model_dir), speculative_algorithm="DFLASH",
                        speculative_draft_model_path=str(tmp_path / "none"), max_total_tokens=256)
+
+
+def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_model_dir, copy_draft, monkeypatch):
+    """Where the target's projections take rows in 16-row AMX tiles (forced here: the tiny model computes in
+    float32), a request without a grammar decoding alone gets TILED_BF16_ALONE_TOPK candidates a block position
+    and the TILED_BF16_ALONE_MIN_DRAFT_PROB cut; beside others or under a grammar it keeps the usual 3 and the
+    batch's cut. The ids stay plain decoding's."""
+    import math
+
+    from specjet.spec_v2 import config as spec_config
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
+
+    real_from_args = spec_config.SpecConfig.from_args.__func__
+    monkeypatch.setattr(spec_config.SpecConfig, "from_args", classmethod(
+        lambda cls, args, quantized_cpu_target=False, cpu_target=False, tiled_bf16_target=False:
+        real_from_args(cls, args, quantized_cpu_target, cpu_target, True)))
+    seen = set()  # (batch size, constrained?, cut, most candidates at a free-text block position)
+    real = DFlashDrafter._candidates
+    calls = []
+
+    def candidates(self, guide, forced, logits, want, min_logp=-math.inf, width=None):
+        out = real(self, guide, forced, logits, want, min_logp, width)
+        calls.append(max((len(c) for c in out[len(forced):]), default=0))
+        return out
+
+    def spy(self, reqs, share, req_to_token):
+        calls.clear()
+        out = real_propose(self, reqs, share, req_to_token)
+        for r, most in zip((r for r in reqs if len(r.chain) < r.budget - 1), calls):
+            seen.add((len(reqs), r.guide is not None, round(math.exp(r.min_logp), 6), most))
+        return out
+
+    real_propose = DFlashDrafter.propose
+    monkeypatch.setattr(DFlashDrafter, "_candidates", candidates)
+    monkeypatch.setattr(DFlashDrafter, "propose", spy)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu",
+                        disable_guided_drafting=True) as plain_cpu:
+        ref = plain_cpu.generate(PROMPTS[:4], MIXED)
+        alone = plain_cpu.generate(PROMPTS[2], MIXED[2])
+        plain_cpu.check_kv_invariant()
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
+                       speculative_draft_min_prob=None) as eng:
+        cfg = eng.worker.speculator.cfg
+        assert (cfg.alone_topk, cfg.alone_min_draft_prob, cfg.dflash.topk) == (
+            spec_config.TILED_BF16_ALONE_TOPK, spec_config.TILED_BF16_ALONE_MIN_DRAFT_PROB, 3)
+        outs = eng.generate(PROMPTS[:4], MIXED)
+        one = eng.generate(PROMPTS[2], MIXED[2])
+        eng.check_kv_invariant()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    assert one["output_ids"] == alone["output_ids"]
+    base = spec_config.DFLASH_MIN_DRAFT_PROB
+    lone = [s for s in seen if s[0] == 1 and not s[1]]
+    assert lone and all(cut == spec_config.TILED_BF16_ALONE_MIN_DRAFT_PROB for _, _, cut, _ in lone)
+    assert any(most == 4 for *_, most in lone) and all(most <= 4 for *_, most in lone)
+    free_beside = [s for s in seen if s[0] > 1 and not s[1]]
+    assert free_beside and all(most <= 3 and cut == round(base * max(1, n / 2), 6) for n, _, cut, most in free_beside)
+    assert all(cut == base for n, constrained, cut, _ in seen if constrained)

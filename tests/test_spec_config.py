@@ -65,6 +65,44 @@ def test_the_default_cut_grows_with_the_batch_for_free_text_on_a_float_cpu_targe
     assert cfg(speculative_algorithm="NGRAM").min_draft_logp(8) == -math.inf
 
 
+def test_a_tiled_bf16_target_widens_a_lone_free_text_dflash_tree_and_lowers_its_cut():
+    """On a float CPU target whose bf16 projections run on 16-row AMX tiles, DFLASH's tree for a request without a
+    grammar alone in its batch is TILED_BF16_ALONE_TOPK wide and cut at TILED_BF16_ALONE_MIN_DRAFT_PROB; every
+    other case keeps the usual width and cut; a given topk or cut wins; EAGLE, quantized and other targets are
+    unchanged."""
+    import math
+
+    from specjet.spec_v2.config import TILED_BF16_ALONE_MIN_DRAFT_PROB, TILED_BF16_ALONE_TOPK
+
+    def cfg(quantized=False, tiled=True, **kwargs):
+        return SpecConfig.from_args(EngineArgs(**kwargs), quantized_cpu_target=quantized, cpu_target=True,
+                                    tiled_bf16_target=tiled)
+
+    assert (TILED_BF16_ALONE_TOPK, TILED_BF16_ALONE_MIN_DRAFT_PROB) == (4, 0.06)
+    tiled = cfg(speculative_algorithm="DFLASH")
+    assert (tiled.alone_topk, tiled.alone_min_draft_prob, tiled.dflash.topk) == (4, 0.06, 3)
+    assert math.exp(tiled.min_draft_logp(1)) == pytest.approx(0.06) and tiled.draft_width(1) == 4
+    assert math.exp(tiled.min_draft_logp(1, constrained=True)) == pytest.approx(DFLASH_MIN_DRAFT_PROB)
+    assert tiled.draft_width(1, constrained=True) is None and tiled.draft_width(2) is None
+    assert [math.exp(tiled.min_draft_logp(b)) for b in (2, 4)] == pytest.approx([0.1, 0.2])  # as without tiles
+    for same in (cfg(tiled=False, speculative_algorithm="DFLASH"), cfg(quantized=True, speculative_algorithm="DFLASH"),
+                 cfg(speculative_algorithm="DFLASH", speculative_eagle_topk=3, speculative_draft_min_prob=0.1)):
+        assert (same.alone_topk, same.alone_min_draft_prob, same.draft_width(1)) == (None, None, None)
+        assert math.exp(same.min_draft_logp(1)) == pytest.approx(same.min_draft_prob)
+    only_cut = cfg(speculative_algorithm="DFLASH", speculative_eagle_topk=2)
+    assert (only_cut.alone_topk, only_cut.alone_min_draft_prob) == (None, 0.06)
+    only_width = cfg(speculative_algorithm="DFLASH", speculative_draft_min_prob=0.2)
+    assert (only_width.alone_topk, only_width.alone_min_draft_prob) == (4, None)
+    assert cfg(speculative_algorithm="EAGLE").alone_topk is None
+    solo = SpecConfig.for_guided(EngineArgs(), cpu_target=True, free_text=True, tiled_bf16_target=True).solo
+    assert (solo.alone_topk, solo.alone_min_draft_prob) == (4, 0.06)
+    for bad in (dict(alone_topk=0), dict(alone_min_draft_prob=1.5), dict(alone_min_draft_prob=float("nan"))):
+        with pytest.raises(ValueError, match="lone request"):
+            SpecConfig("DFLASH", **bad)
+    with pytest.raises(ValueError, match="DFLASH's"):
+        SpecConfig("EAGLE", alone_topk=4)
+
+
 def test_free_text_drafts_only_alone_on_a_quantized_cpu_target():
     from specjet.spec_v2.config import QUANTIZED_FREE_TEXT_DRAFT_BATCH
 

@@ -82,14 +82,15 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)
     cpu = runner.device.type == "cpu"
     quantized_cpu = quantization is not None and cpu
-    spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu)
+    spec_config = SpecConfig.from_args(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
+                                       tiled_bf16_target=runner.tiled_rows)
     if spec_config is None and not args.disable_guided_drafting and args.enable_deterministic_inference:
         # requests with a prediction or a grammar still draft (NGRAM's trees), the others take plain steps, or on
         # a CPU with a DFlash draft for the model draft while they decode alone
         free_text = cpu and not args.disable_free_text_drafting and (
             args.speculative_draft_model_path is not None or _is_default_model(gguf_path))
         spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
-                                            free_text=free_text)
+                                            free_text=free_text, tiled_bf16_target=runner.tiled_rows)
         logger.info("guided drafting%s", " and free-text drafting alone (DFLASH)" if free_text else "")
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
         spec_config = replace(spec_config, draft_quantization=_draft_quantization(args, quantization, runner.device))

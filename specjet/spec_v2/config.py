@@ -86,6 +86,13 @@ EAGLE_MIN_DRAFT_PROB = 0.1
 # grammar the cut stays: a chain node there also carries the grammar's forced text after it, which a
 # higher cut throws away with it (slower on JSON schemas at batch 4).
 BATCH_MIN_DRAFT_PROB_CAP = 0.4
+# DFLASH's tree for a request without a grammar that decodes alone, on a CPU target whose bf16 projections run on
+# AMX tiles (kernels/bf16_gemm.py): a verify's rows there cost little until they fill a 16-row tile (a bf16 verify
+# of 16 nodes ~1.3x a one-token step, of 18 ~1.8x: bench/RESULTS.md, session 96), so a wider tree with a lower cut
+# (4 candidates a position, 0.06; the usual 3 and 0.1 elsewhere) decodes GSM8K chat at the same speed (1.10x, 0.97x,
+# 1.01x in three runs) with acceptance 3.68 instead of 3.50. Given arguments win; batches and grammars keep theirs.
+TILED_BF16_ALONE_TOPK = 4
+TILED_BF16_ALONE_MIN_DRAFT_PROB = 0.06
 # On a CPU target with quantized weights, a request without a grammar drafts only in a batch of at most
 # this many (beside others its tree is its root alone: a plain decoding step through the verify). There a
 # one-token step streams 4-bit weights and a batch of 2 costs little more than one, so every verify row is
@@ -136,6 +143,11 @@ class SpecConfig:
     # Whether that cut grows with the batch for requests without a grammar (``min_draft_logp``): the
     # default on a float CPU target, where every verify row costs a fraction of a decode step.
     min_draft_prob_grows: bool = False
+    # DFLASH, a request without a grammar in a batch of one: its cut and its candidates per block position, in
+    # place of ``min_draft_prob`` and ``dflash.topk`` (None: those); ``TILED_BF16_ALONE_*`` by default where
+    # verify rows come in 16-row tiles.
+    alone_min_draft_prob: float | None = None
+    alone_topk: int | None = None
     # A request without a grammar or a prediction gets a tree beyond its root only in a batch of at most this
     # many requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target; 0 (never)
     # with ``guided_only``.
@@ -183,6 +195,12 @@ class SpecConfig:
                              f"it must be >= 2, got {self.dflash.block_size}")
         if not 0.0 <= self.min_draft_prob <= 1.0:  # also false for NaN
             raise ValueError(f"speculative_draft_min_prob must be in [0, 1], got {self.min_draft_prob}")
+        if self.alone_min_draft_prob is not None and not 0.0 <= self.alone_min_draft_prob <= 1.0:
+            raise ValueError(f"a lone request's draft cut must be in [0, 1], got {self.alone_min_draft_prob}")
+        if self.alone_topk is not None and self.alone_topk < 1:
+            raise ValueError(f"a lone request's candidates per block position must be >= 1, got {self.alone_topk}")
+        if (self.alone_min_draft_prob is not None or self.alone_topk is not None) and self.algorithm != "DFLASH":
+            raise ValueError("a lone request's own draft cut and width are DFLASH's")
         if self.min_draft_prob and self.algorithm not in HYBRID_ALGORITHMS:
             raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
         if self.dflash.window is not None and self.dflash.window < 1:
@@ -199,11 +217,19 @@ class SpecConfig:
         """The confidence cut of one request's tree in a batch of ``batch_size`` as the drafters compare
         it, a path log-probability (-inf: no cut): ``min_draft_prob``, or where it grows with the batch
         and the request has no grammar, ``min_draft_prob * batch_size / 2`` within [min_draft_prob,
-        BATCH_MIN_DRAFT_PROB_CAP]."""
+        BATCH_MIN_DRAFT_PROB_CAP]; for a request without a grammar alone in its batch, ``alone_min_draft_prob``
+        where that is set."""
         prob = self.min_draft_prob
-        if self.min_draft_prob_grows and not constrained:
+        if batch_size == 1 and not constrained and self.alone_min_draft_prob is not None:
+            prob = self.alone_min_draft_prob
+        elif self.min_draft_prob_grows and not constrained:
             prob = max(prob, min(prob * batch_size / 2, BATCH_MIN_DRAFT_PROB_CAP))
         return math.log(prob) if prob > 0 else -math.inf
+
+    def draft_width(self, batch_size: int = 1, constrained: bool = False) -> int | None:
+        """Candidates per block position of one request's DFLASH tree in a batch of ``batch_size``, where that is
+        not the drafter's own: ``alone_topk`` for a request without a grammar alone in its batch; else None."""
+        return self.alone_topk if batch_size == 1 and not constrained else None
 
     def runner_mode(self, device) -> tuple[bool, bool]:
         """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on
@@ -213,12 +239,16 @@ class SpecConfig:
         return static, static and cuda and self.cuda_graph
 
     @classmethod
-    def from_args(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False) -> "SpecConfig | None":
+    def from_args(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False,
+                  tiled_bf16_target: bool = False) -> "SpecConfig | None":
         """The configuration an engine's arguments (``EngineArgs``, SGLang's names) ask for; None
         without ``speculative_algorithm``. ``quantized_cpu_target``: the target computes with
         quantized weights on the CPU (EAGLE's and DFLASH's defaults are then ``QUANTIZED_EAGLE`` and
         ``QUANTIZED_DFLASH``, each with an n-gram path); ``cpu_target``: it runs on the CPU (with float
-        weights, EAGLE's and DFLASH's verify forwards then hold ``FLOAT_CPU_MAX_VERIFY_NODES``). Raises
+        weights, EAGLE's and DFLASH's verify forwards then hold ``FLOAT_CPU_MAX_VERIFY_NODES``);
+        ``tiled_bf16_target``: its bf16 projections run on AMX tiles (DFLASH's tree for a request without a grammar
+        alone in its batch is then ``TILED_BF16_ALONE_TOPK`` wide and cut at ``TILED_BF16_ALONE_MIN_DRAFT_PROB``,
+        each unless given). Raises
         ValueError / NotImplementedError naming the argument that is out of range."""
         for name, least in _LEAST.items():
             value = getattr(args, name)
@@ -275,13 +305,19 @@ class SpecConfig:
             # (1.6x) and on GSM8K (1.1x) with float weights (bench/RESULTS.md, session 16).
             path = _given(args.speculative_hybrid_ngram_tokens,
                           QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else HYBRID_PATH_NODES)
+            tiled = tiled_bf16_target and float_cpu
+            alone = dict(
+                alone_topk=TILED_BF16_ALONE_TOPK if tiled and args.speculative_eagle_topk is None else None,
+                alone_min_draft_prob=(TILED_BF16_ALONE_MIN_DRAFT_PROB
+                                      if tiled and args.speculative_draft_min_prob is None else None))
             return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
-                       min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), **common)
+                       min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), **alone,
+                       **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
     @classmethod
     def for_guided(cls, args, quantized_cpu_target: bool = False, cpu_target: bool = False,
-                   free_text: bool = False) -> "SpecConfig":
+                   free_text: bool = False, tiled_bf16_target: bool = False) -> "SpecConfig":
         """What an engine without ``speculative_algorithm`` runs for requests that bring a prediction or decode
         under a grammar: NGRAM's trees (its arguments, ``speculative_num_draft_tokens``, the n-gram windows and
         ``speculative_grammar_aware``, apply) for those requests alone; every other decode batch is plain.
@@ -292,7 +328,7 @@ class SpecConfig:
         solo = None
         if free_text:  # speculative_num_draft_tokens sizes the NGRAM trees: the block is DFLASH's default
             solo = cls.from_args(replace(args, speculative_algorithm="DFLASH", speculative_num_draft_tokens=None),
-                                 quantized_cpu_target, cpu_target)
+                                 quantized_cpu_target, cpu_target, tiled_bf16_target)
         # Free text beside a guided request verifies its root alone, whatever the batch: the free-text rule at 0.
         return replace(config, guided_only=True, free_text_draft_batch=0, solo=solo)
 

@@ -161,7 +161,7 @@ class DFlashDrafter:
             logits = self.draft_blocks([reqs[b].input for b in todo], req_to_token, known)  # [n, S - 1, V]
             for b, block in zip(todo, logits):
                 r = reqs[b]
-                candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1, r.min_logp)
+                candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1, r.min_logp, r.width)
         return [_tree(r.input.root, c, r.budget, r.min_logp) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
@@ -286,8 +286,9 @@ class DFlashDrafter:
         return ctx[0][None] if len(ctx) == 1 else torch.stack(ctx)
 
     def _candidates(self, guide: GrammarGuide | None, forced: list[list[tuple[int, float]]], logits: torch.Tensor,
-                    want: int, min_logp: float = -math.inf) -> list[list[tuple[int, float]]]:
-        """Per draft position after the forced ones: the draft's ``topk`` best (token, log-prob),
+                    want: int, min_logp: float = -math.inf, width: int | None = None
+                    ) -> list[list[tuple[int, float]]]:
+        """Per draft position after the forced ones: the draft's ``topk`` (or ``width``) best (token, log-prob),
         best first; under a grammar its ``grammar_topk`` best among the tokens the grammar allows after
         the chain of best tokens before (renormalised over them). Stops where nothing is allowed (the
         grammar has ended), at the block's end, at ``want`` positions or, under a grammar, at the position
@@ -296,7 +297,7 @@ class DFlashDrafter:
         stop = min(want, logits.shape[0])
         if guide is None:  # every position at once: nothing depends on the tokens chosen before
             if len(out) < stop:
-                ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, self.topk)
+                ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, width or self.topk)
                 out += [[(t, lp) for t, lp in zip(row_ids, row_logp) if t >= 0]
                         for row_ids, row_logp in zip(ids.tolist(), logp.tolist())]
             return out

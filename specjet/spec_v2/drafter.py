@@ -57,6 +57,8 @@ class DraftRequest:
     # The confidence cut of its tree (learned drafts): nodes whose path log-probability under the
     # draft is below it are left out (the grammar's sure tokens score 0).
     min_logp: float = -math.inf
+    # Candidates per position of its learned tree where they are not the drafter's own (None: the drafter's).
+    width: int | None = None
 
 
 # A draft tree: (tokens, parents), root (the last verified token) at node 0 with parent -1, parents
