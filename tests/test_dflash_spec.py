@@ -324,7 +324,19 @@ def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, cop
     assert free and any(branches(p) for p in free)
 
 
-def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir, copy_draft, monkeypatch):
+@pytest.fixture(scope="module")
+def plain_cpu_mixed(tiny_model_dir):
+    """Plain decoding's outputs of PROMPTS[:4] under MIXED on the CPU, and of PROMPTS[2] alone."""
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu",
+                        disable_guided_drafting=True) as plain_cpu:
+        ref = plain_cpu.generate(PROMPTS[:4], MIXED)
+        alone = plain_cpu.generate(PROMPTS[2], MIXED[2])
+        plain_cpu.check_kv_invariant()
+    return ref, alone
+
+
+def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir, copy_draft, plain_cpu_mixed,
+                                                                  monkeypatch):
     """With the default confidence cut on a float CPU target the speculator hands each request the cut of its
     batch size: the base cut alone (or the tiled target's lone cut where it has one), or a constrained
     request in any batch; min_prob x batch / 2 for free text beside others. The ids stay plain's."""
@@ -341,11 +353,7 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
         return real(self, reqs, share, req_to_token)
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu",
-                        disable_guided_drafting=True) as plain_cpu:
-        ref = plain_cpu.generate(PROMPTS[:4], MIXED)
-        alone = plain_cpu.generate(PROMPTS[2], MIXED[2])
-        plain_cpu.check_kv_invariant()
+    ref, alone = plain_cpu_mixed
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
                        speculative_draft_min_prob=None) as eng:
         assert eng.worker.speculator.cfg.min_draft_prob_grows
@@ -537,7 +545,8 @@ def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path
                        speculative_draft_model_path=str(tmp_path / "none"), max_total_tokens=256)
 
 
-def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_model_dir, copy_draft, monkeypatch):
+def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_model_dir, copy_draft, plain_cpu_mixed,
+                                                                       monkeypatch):
     """Where the target's projections take rows in 16-row AMX tiles (forced here: the tiny model computes in
     float32), a request without a grammar decoding alone gets TILED_BF16_ALONE_TOPK candidates a block position
     and the TILED_BF16_ALONE_MIN_DRAFT_PROB cut; beside others or under a grammar it keeps the usual 3 and the
@@ -570,11 +579,7 @@ def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_mode
     real_propose = DFlashDrafter.propose
     monkeypatch.setattr(DFlashDrafter, "_candidates", candidates)
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, device="cpu",
-                        disable_guided_drafting=True) as plain_cpu:
-        ref = plain_cpu.generate(PROMPTS[:4], MIXED)
-        alone = plain_cpu.generate(PROMPTS[2], MIXED[2])
-        plain_cpu.check_kv_invariant()
+    ref, alone = plain_cpu_mixed
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
                        speculative_draft_min_prob=None) as eng:
         cfg = eng.worker.speculator.cfg
