@@ -173,6 +173,24 @@ def test_the_engine_picks_the_quantized_defaults_from_the_weights_it_computes_wi
             eng.check_kv_invariant()
 
 
+def test_a_runner_says_its_rows_come_in_amx_tiles_exactly_where_its_weights_run_on_the_amx_gemm(tiny_model_dir):
+    """``ModelRunner.tiled_rows`` (what turns on the tiled DFLASH defaults) is read off the packed weights: float32
+    and quantized weights never; bf16 weights where this CPU's bf16 GEMM is the AMX one."""
+    from transformers import AutoConfig
+
+    from specjet.kernels import bf16_gemm
+    from specjet.models.config import ModelConfig
+    from specjet.models.runner import ModelRunner
+    from specjet.models.weights import load_state_dict
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    for dtype, quantization, expected in (("float32", None, False), ("float32", "int8", False),
+                                          ("bfloat16", None, bf16_gemm.default_isa() == "amx")):
+        runner = ModelRunner(config, load_state_dict(tiny_model_dir), dtype, "cpu", 256, 0.0, 1,
+                             quantization=quantization)
+        assert runner.tiled_rows is expected, (dtype, quantization)
+
+
 def test_ngram_defaults():
     cfg = config(speculative_algorithm="NGRAM")
     assert cfg.max_tree_nodes == NGRAM_TREE_NODES == 8

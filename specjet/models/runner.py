@@ -150,10 +150,12 @@ class ModelRunner:
         self.model = build_model(config, state_dict, self.dtype, self.device, quantization, gguf_path)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             logger.info("%s", bf16_gemm.describe_kernels())
-        # Whether the projections take a forward's rows in 16-row AMX tiles (bf16 weights on specjet's AMX GEMM):
-        # a verify of up to 16 nodes costs ~1.3x a one-token step there, of 17 or more far more (spec_v2/config.py).
-        self.tiled_rows = (self.device.type == "cpu" and quantization is None and self.dtype == torch.bfloat16
-                           and bf16_gemm.default_isa() == "amx")
+        # Whether the projections take a forward's rows in 16-row AMX tiles (every packed weight on specjet's AMX
+        # bf16 GEMM): a verify of up to 16 nodes costs ~1.3x a one-token step there, of 17 or more far more
+        # (spec_v2/config.py's tiled defaults).
+        packed = [m.packed for m in self.model.modules() if hasattr(m, "packed")]
+        self.tiled_rows = bool(packed) and all(
+            isinstance(p, bf16_gemm.Bf16Linear) and p.isa == bf16_gemm.ISAS["amx"] for p in packed)
         self.model.set_batch_invariant(batch_invariant)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device, quantization)
         per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.kv_dtype)

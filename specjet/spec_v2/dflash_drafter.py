@@ -297,7 +297,8 @@ class DFlashDrafter:
         stop = min(want, logits.shape[0])
         if guide is None:  # every position at once: nothing depends on the tokens chosen before
             if len(out) < stop:
-                ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids, width or self.topk)
+                ids, logp, _ = masked_topk_logp(logits[len(out):stop], None, self.draft.hot_token_ids,
+                                                width or self.topk)
                 out += [[(t, lp) for t, lp in zip(row_ids, row_logp) if t >= 0]
                         for row_ids, row_logp in zip(ids.tolist(), logp.tolist())]
             return out
