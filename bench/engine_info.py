@@ -43,7 +43,10 @@ def describe_engine(engine) -> dict:
                                    "topk": spec.dflash.topk, "grammar_topk": spec.dflash.grammar_topk,
                                    "draft_window_size": spec.dflash.window,
                                    "hybrid_ngram_tokens": spec.hybrid_path_nodes,
-                                   "alone_topk": spec.alone_topk, "alone_min_draft_prob": spec.alone_min_draft_prob}
+                                   "alone_topk": spec.alone_topk, "alone_min_draft_prob": spec.alone_min_draft_prob,
+                                   "alone_grammar_topk": spec.alone_grammar_topk,
+                                   "alone_grammar_min_draft_prob": spec.alone_grammar_min_draft_prob,
+                                   "alone_learned_nodes": spec.alone_learned_nodes}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
                                    "max_bfs_breadth": spec.ngram.max_branches,
@@ -78,14 +81,23 @@ def spec_str(spec: dict | None) -> str:
         hybrid = f" + {spec['hybrid_ngram_tokens']} n-gram nodes" if spec.get("hybrid_ngram_tokens") else ""
         grammar = (f" ({spec['grammar_topk']} under a grammar)"
                    if spec.get("grammar_topk", spec["topk"]) != spec["topk"] else "")
-        alone = ""
-        if spec.get("alone_topk") is not None or spec.get("alone_min_draft_prob") is not None:
-            alone = (f"; alone without a grammar topk={spec.get('alone_topk') or spec['topk']}"
-                     + (f" cut={spec['alone_min_draft_prob']}" if spec.get("alone_min_draft_prob") is not None else ""))
+        alone = (_alone_str(spec, "without a grammar", "alone_topk", "alone_min_draft_prob", spec["topk"])
+                 + _alone_str(spec, "under a grammar", "alone_grammar_topk", "alone_grammar_min_draft_prob",
+                              spec.get("grammar_topk", spec["topk"])))
+        tile = (f", learned drafts alone within {spec['alone_learned_nodes']} nodes"
+                if spec.get("alone_learned_nodes") is not None else "")
         return (f"DFLASH block={spec['num_draft_tokens']} topk={spec['topk']}{grammar}{alone}{window}{hybrid}{cap}"
-                f"{_draft_weights(spec)}")
+                f"{tile}{_draft_weights(spec)}")
     return (f"{spec['algorithm']} num_draft_tokens={spec['num_draft_tokens']} "
             f"max_bfs_breadth={spec['max_bfs_breadth']}{cap}")
+
+
+def _alone_str(spec: dict, which: str, width_key: str, cut_key: str, width: int) -> str:
+    """A DFLASH request's own tree width and cut when it decodes alone (empty where neither is its own)."""
+    if spec.get(width_key) is None and spec.get(cut_key) is None:
+        return ""
+    return (f"; alone {which} topk={spec.get(width_key) or width}"
+            + (f" cut={spec[cut_key]}" if spec.get(cut_key) is not None else ""))
 
 
 def _draft_weights(spec: dict) -> str:

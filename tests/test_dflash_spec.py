@@ -169,8 +169,9 @@ def test_ngram_path_merged_into_blocks_is_lossless_and_accepts_more(tiny_model_d
             stats = eng.get_server_info()["stats"]
             if extra:
                 cap = ", at most 32 nodes per verify" if eng.worker.device.type == "cpu" else ""  # float CPU targets
+                tile = ", learned drafts alone within 16 nodes" if eng.worker.runner.tiled_rows else ""  # AMX bf16
                 assert (spec_str(describe_engine(eng)["speculative"])
-                        == f"DFLASH block=8 topk=1 + 4 n-gram nodes{cap}, float draft weights")
+                        == f"DFLASH block=8 topk=1 + 4 n-gram nodes{cap}{tile}, float draft weights")
         assert [o["output_ids"] for o in outs] == expected
         accept[extra] = stats["spec_accepted_tokens"] / stats["spec_verify_ct"]
     assert accept[0] < 1.2 and accept[4] > 1.5, accept
@@ -201,8 +202,9 @@ def test_cuts_stops_and_retraction(tiny_model_dir, copy_draft, plain, expected):
 
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, speculative_eagle_topk=1,
                        speculative_draft_model_quantization="int8", device="cpu") as eng:  # int8: CPU kernels
+        tile = ", learned drafts alone within 16 nodes" if eng.worker.runner.tiled_rows else ""  # AMX bf16 targets
         assert (spec_str(describe_engine(eng)["speculative"])
-                == "DFLASH block=8 topk=1, at most 32 nodes per verify, int8 draft weights")
+                == f"DFLASH block=8 topk=1, at most 32 nodes per verify{tile}, int8 draft weights")
         for n in (1, 2, 5, 11):  # budgets that end inside a block
             assert eng.generate(PROMPTS[0], greedy(n))["output_ids"] == expected[0][:n]
         out = eng.generate(PROMPTS[0], greedy(40, stop=[stop]))
@@ -294,15 +296,16 @@ def test_the_grammar_walk_stops_at_the_cut_with_the_same_tree(tiny_model_dir, co
 
 def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, copy_draft, plain, monkeypatch):
     """Without speculative_eagle_topk the block is a 3-wide tree for free text and a chain (one
-    candidate a position) under a grammar; the ids stay plain decoding's."""
+    candidate a position) under a grammar, except for a request decoding alone on a target whose bf16
+    projections run on AMX tiles (tests/test_spec_config.py); the ids stay plain decoding's."""
     from specjet.spec_v2.dflash_drafter import DFlashDrafter
 
-    trees = []  # (guided?, parents) of every proposed tree
+    trees = []  # (guided?, batch size, parents) of every proposed tree
     real = DFlashDrafter.propose
 
     def spy(self, reqs, share, req_to_token):
         out = real(self, reqs, share, req_to_token)
-        trees.extend((r.guide is not None, parents) for r, (_, parents) in zip(reqs, out))
+        trees.extend((r.guide is not None, len(reqs), parents) for r, (_, parents) in zip(reqs, out))
         return out
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
@@ -311,14 +314,15 @@ def test_a_request_under_a_grammar_drafts_a_chain_by_default(tiny_model_dir, cop
         dflash = eng.worker.speculator.cfg.dflash
         outs = eng.generate(PROMPTS[:4], MIXED)
         eng.check_kv_invariant()
+        tiled = eng.worker.runner.tiled_rows
     assert (dflash.topk, dflash.grammar_topk) == (3, 1)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
 
     def branches(parents):  # some node has two children
         return len(set(parents[1:])) < len(parents) - 1
 
-    guided = [parents for g, parents in trees if g]
-    free = [parents for g, parents in trees if not g]
+    guided = [parents for g, n, parents in trees if g and (n > 1 or not tiled)]
+    free = [parents for g, _, parents in trees if not g]
     assert guided and not any(branches(p) for p in guided)
     assert any(len(p) > 2 for p in guided)  # chains of several drafted tokens, not just a root
     assert free and any(branches(p) for p in free)
@@ -347,9 +351,10 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
 
     seen = set()  # (batch size, constrained?, cut)
     real = DFlashDrafter.propose
+    batch = verify_batch_sizes(monkeypatch)
 
     def spy(self, reqs, share, req_to_token):
-        seen.update((len(reqs), r.guide is not None, round(math.exp(r.min_logp), 6)) for r in reqs)
+        seen.update((batch[-1], r.guide is not None, round(math.exp(r.min_logp), 6)) for r in reqs)
         return real(self, reqs, share, req_to_token)
 
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
@@ -359,6 +364,7 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
         assert eng.worker.speculator.cfg.min_draft_prob_grows
         # Where bf16 projections run on AMX tiles (dtype auto on such a CPU), a lone request has its own cut.
         lone = eng.worker.speculator.cfg.alone_min_draft_prob
+        lone_grammar = eng.worker.speculator.cfg.alone_grammar_min_draft_prob
         outs = eng.generate(PROMPTS[:4], MIXED)
         one = eng.generate(PROMPTS[2], MIXED[2])
         eng.check_kv_invariant()
@@ -370,9 +376,27 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
     assert any(n >= 3 and not constrained and cut > base for n, constrained, cut in seen)
     assert any(n >= 3 and constrained for n, constrained, _ in seen)
     lone = base if lone is None else lone
+    lone_grammar = base if lone_grammar is None else lone_grammar
     assert (1, False, round(lone, 6)) in seen
-    assert all(cut == round(base if constrained else lone if n == 1 else base * max(1, n / 2), 6)
+    assert all(cut == round((lone_grammar if n == 1 else base) if constrained
+                            else lone if n == 1 else base * max(1, n / 2), 6)
                for n, constrained, cut in seen)
+
+
+def verify_batch_sizes(monkeypatch) -> list[int]:
+    """A list whose last element is, from then on, the batch size of the speculative iteration under way (the
+    requests of its verify, drafting or not: a drafter sees only those whose trees go past their root)."""
+    from specjet.spec_v2.speculator import Speculator
+
+    sizes = [0]
+    real = Speculator._run
+
+    def run(self, reqs, *args):
+        sizes.append(len(reqs))
+        return real(self, reqs, *args)
+
+    monkeypatch.setattr(Speculator, "_run", run)
+    return sizes
 
 
 def test_on_a_quantized_target_free_text_beside_others_verifies_its_root_alone(tiny_model_dir, copy_draft,
@@ -548,21 +572,20 @@ def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path
 def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_model_dir, copy_draft, plain_cpu_mixed,
                                                                        monkeypatch):
     """Where the target's projections take rows in 16-row AMX tiles (forced here: the tiny model computes in
-    float32), a request without a grammar decoding alone gets TILED_BF16_ALONE_TOPK candidates a block position
-    and the TILED_BF16_ALONE_MIN_DRAFT_PROB cut; beside others or under a grammar it keeps the usual 3 and the
-    batch's cut. The ids stay plain decoding's."""
+    float32), a request decoding alone gets TILED_BF16_ALONE_TOPK candidates a block position and the
+    TILED_BF16_ALONE_MIN_DRAFT_PROB cut, under a grammar TILED_BF16_ALONE_GRAMMAR_TOPK and its cut; beside others
+    free text keeps the usual 3 and the batch's cut, a grammar the chain and the usual cut. The ids stay plain
+    decoding's, every constrained output valid."""
     import math
 
     from specjet.spec_v2 import config as spec_config
     from specjet.spec_v2.dflash_drafter import DFlashDrafter
 
-    real_from_args = spec_config.SpecConfig.from_args.__func__
-    monkeypatch.setattr(spec_config.SpecConfig, "from_args", classmethod(
-        lambda cls, args, quantized_cpu_target=False, cpu_target=False, tiled_bf16_target=False:
-        real_from_args(cls, args, quantized_cpu_target, cpu_target, True)))
-    seen = set()  # (batch size, constrained?, cut, most candidates at a free-text block position)
+    force_tiled_target(monkeypatch)
+    seen = set()  # (batch size, constrained?, cut, most candidates at a block position past the forced ones)
     real = DFlashDrafter._candidates
     calls = []
+    batch = verify_batch_sizes(monkeypatch)
 
     def candidates(self, guide, forced, logits, want, min_logp=-math.inf, width=None):
         out = real(self, guide, forced, logits, want, min_logp, width)
@@ -573,7 +596,7 @@ def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_mode
         calls.clear()
         out = real_propose(self, reqs, share, req_to_token)
         for r, most in zip((r for r in reqs if len(r.chain) < r.budget - 1), calls):
-            seen.add((len(reqs), r.guide is not None, round(math.exp(r.min_logp), 6), most))
+            seen.add((batch[-1], r.guide is not None, round(math.exp(r.min_logp), 6), most))
         return out
 
     real_propose = DFlashDrafter.propose
@@ -587,13 +610,65 @@ def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_mode
             spec_config.TILED_BF16_ALONE_TOPK, spec_config.TILED_BF16_ALONE_MIN_DRAFT_PROB, 3)
         outs = eng.generate(PROMPTS[:4], MIXED)
         one = eng.generate(PROMPTS[2], MIXED[2])
+        lone_constrained = [eng.generate(PROMPTS[i], MIXED[i]) for i in (0, 1)]
         eng.check_kv_invariant()
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
     assert one["output_ids"] == alone["output_ids"]
+    assert [o["output_ids"] for o in lone_constrained] == [o["output_ids"] for o in ref[:2]]
+    check_valid(lone_constrained, MIXED[:2])
     base = spec_config.DFLASH_MIN_DRAFT_PROB
     lone = [s for s in seen if s[0] == 1 and not s[1]]
     assert lone and all(cut == spec_config.TILED_BF16_ALONE_MIN_DRAFT_PROB for _, _, cut, _ in lone)
     assert any(most == 4 for *_, most in lone) and all(most <= 4 for *_, most in lone)
     free_beside = [s for s in seen if s[0] > 1 and not s[1]]
     assert free_beside and all(most <= 3 and cut == round(base * max(1, n / 2), 6) for n, _, cut, most in free_beside)
-    assert all(cut == base for n, constrained, cut, _ in seen if constrained)
+    lone_grammar = [s for s in seen if s[0] == 1 and s[1]]
+    assert lone_grammar and all(cut == spec_config.TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB for *_, cut, _ in lone_grammar)
+    assert any(most > 1 for *_, most in lone_grammar) and all(most <= 4 for *_, most in lone_grammar)
+    assert all(cut == base and most <= 1 for n, constrained, cut, most in seen if constrained and n > 1)
+
+
+def force_tiled_target(monkeypatch) -> None:
+    """Engines made after this take their speculative defaults as on a target whose bf16 projections run on AMX
+    tiles, whatever this CPU and the model's dtype."""
+    from specjet.spec_v2 import config as spec_config
+
+    real_from_args = spec_config.SpecConfig.from_args.__func__
+    monkeypatch.setattr(spec_config.SpecConfig, "from_args", classmethod(
+        lambda cls, args, quantized_cpu_target=False, cpu_target=False, tiled_bf16_target=False:
+        real_from_args(cls, args, quantized_cpu_target, cpu_target, True)))
+
+
+def test_a_lone_requests_learned_nodes_stay_within_a_tile_and_its_ngram_path_may_pass_it(
+        tiny_model_dir, copy_draft, plain_cpu_mixed, monkeypatch):
+    """On a tiled target (forced) a request decoding alone verifies at most TILED_ROWS nodes of learned drafts: its
+    merged tree is no larger than that or its n-gram path, whichever is longer; in a batch the trees take their
+    whole share. Cut off (given 0) and 4 wide, the learned trees would fill 30 nodes. The ids stay plain's."""
+    from specjet.spec_v2 import config as spec_config
+    from specjet.spec_v2 import hybrid
+
+    force_tiled_target(monkeypatch)
+    merges = []  # (batch size, n-gram tree nodes, learned tree nodes, merged nodes)
+    real_merge = hybrid.merge_trees
+    batch = verify_batch_sizes(monkeypatch)
+
+    def merge(first, second, max_nodes):
+        out = real_merge(first, second, max_nodes)
+        merges.append((batch[-1], len(first[0]), len(second[0]), len(out[0])))
+        return out
+
+    monkeypatch.setattr(hybrid, "merge_trees", merge)
+    ref, alone = plain_cpu_mixed
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=16, device="cpu",
+                       speculative_hybrid_ngram_tokens=14, speculative_eagle_topk=4, speculative_draft_min_prob=0.0,
+                       speculative_max_verify_tokens=None) as eng:
+        assert eng.worker.speculator.cfg.learned_nodes(1) == spec_config.TILED_ROWS == 16
+        one = eng.generate(PROMPTS[2], MIXED[2])
+        outs = eng.generate(PROMPTS[:4], MIXED)
+        eng.check_kv_invariant()
+    assert one["output_ids"] == alone["output_ids"]
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    lone = [m for m in merges if m[0] == 1]
+    assert lone and all(learned <= 16 and merged <= max(16, path) for _, path, learned, merged in lone)
+    assert any(learned == 16 for _, _, learned, _ in lone)  # the tile's limit bound
+    assert any(learned > 16 for n, _, learned, _ in merges if n > 1)  # a batch's learned trees are not limited

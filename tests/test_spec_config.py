@@ -82,8 +82,8 @@ def test_a_tiled_bf16_target_widens_a_lone_free_text_dflash_tree_and_lowers_its_
     tiled = cfg(speculative_algorithm="DFLASH")
     assert (tiled.alone_topk, tiled.alone_min_draft_prob, tiled.dflash.topk) == (4, 0.06, 3)
     assert math.exp(tiled.min_draft_logp(1)) == pytest.approx(0.06) and tiled.draft_width(1) == 4
-    assert math.exp(tiled.min_draft_logp(1, constrained=True)) == pytest.approx(DFLASH_MIN_DRAFT_PROB)
-    assert tiled.draft_width(1, constrained=True) is None and tiled.draft_width(2) is None
+    assert math.exp(tiled.min_draft_logp(2, constrained=True)) == pytest.approx(DFLASH_MIN_DRAFT_PROB)
+    assert tiled.draft_width(2) is None  # (a lone request under a grammar: the next test)
     assert [math.exp(tiled.min_draft_logp(b)) for b in (2, 4)] == pytest.approx([0.1, 0.2])  # as without tiles
     for same in (cfg(tiled=False, speculative_algorithm="DFLASH"), cfg(quantized=True, speculative_algorithm="DFLASH"),
                  cfg(speculative_algorithm="DFLASH", speculative_eagle_topk=3, speculative_draft_min_prob=0.1)):
@@ -96,11 +96,57 @@ def test_a_tiled_bf16_target_widens_a_lone_free_text_dflash_tree_and_lowers_its_
     assert cfg(speculative_algorithm="EAGLE").alone_topk is None
     solo = SpecConfig.for_guided(EngineArgs(), cpu_target=True, free_text=True, tiled_bf16_target=True).solo
     assert (solo.alone_topk, solo.alone_min_draft_prob) == (4, 0.06)
-    for bad in (dict(alone_topk=0), dict(alone_min_draft_prob=1.5), dict(alone_min_draft_prob=float("nan"))):
+    for bad in (dict(alone_topk=0), dict(alone_min_draft_prob=1.5), dict(alone_min_draft_prob=float("nan")),
+                dict(alone_grammar_topk=0), dict(alone_grammar_min_draft_prob=-0.1), dict(alone_learned_nodes=1)):
         with pytest.raises(ValueError, match="lone request"):
             SpecConfig("DFLASH", **bad)
-    with pytest.raises(ValueError, match="DFLASH's"):
-        SpecConfig("EAGLE", alone_topk=4)
+    for lone in (dict(alone_topk=4), dict(alone_grammar_min_draft_prob=0.02), dict(alone_learned_nodes=16)):
+        with pytest.raises(ValueError, match="DFLASH's"):
+            SpecConfig("EAGLE", **lone)
+
+
+def test_tiled_bf16_targets_widen_a_lone_constrained_tree_and_keep_learned_nodes_within_a_tile():
+    """On a target whose bf16 projections take rows in AMX tiles, DFLASH's tree for a request under a grammar alone
+    in its batch is TILED_BF16_ALONE_GRAMMAR_TOPK wide (in place of the chain) and cut at
+    TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB, and a lone request's learned drafts fill at most TILED_ROWS verify
+    nodes; batches keep the chain, the usual cut and every node of their share; given arguments win
+    (speculative_max_verify_tokens turns the tile's limit off); other targets are unchanged."""
+    import math
+
+    from specjet.spec_v2.config import (TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB, TILED_BF16_ALONE_GRAMMAR_TOPK,
+                                        TILED_ROWS)
+
+    def cfg(quantized=False, tiled=True, **kwargs):
+        return SpecConfig.from_args(EngineArgs(speculative_algorithm="DFLASH", **kwargs),
+                                    quantized_cpu_target=quantized, cpu_target=True, tiled_bf16_target=tiled)
+
+    assert (TILED_BF16_ALONE_GRAMMAR_TOPK, TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB, TILED_ROWS) == (4, 0.02, 16)
+    tiled = cfg()
+    assert tiled.dflash.grammar_topk == 1  # the drafter's own width under a grammar: the chain, beside others
+    assert tiled.draft_width(1, constrained=True) == 4 and tiled.draft_width(2, constrained=True) is None
+    assert math.exp(tiled.min_draft_logp(1, constrained=True)) == pytest.approx(0.02)
+    assert math.exp(tiled.min_draft_logp(3, constrained=True)) == pytest.approx(DFLASH_MIN_DRAFT_PROB)
+    assert (tiled.learned_nodes(1), tiled.learned_nodes(2)) == (16, None)
+    for same in (cfg(tiled=False), cfg(quantized=True)):
+        assert (same.draft_width(1, constrained=True), same.learned_nodes(1)) == (None, None)
+        assert math.exp(same.min_draft_logp(1, constrained=True)) == pytest.approx(same.min_draft_prob)
+    given = cfg(speculative_eagle_topk=2, speculative_draft_min_prob=0.3, speculative_max_verify_tokens=24)
+    assert (given.draft_width(1, constrained=True), given.learned_nodes(1), given.dflash.grammar_topk) == (None, None, 2)
+    assert math.exp(given.min_draft_logp(1, constrained=True)) == pytest.approx(0.3)
+    solo = SpecConfig.for_guided(EngineArgs(), cpu_target=True, free_text=True, tiled_bf16_target=True).solo
+    assert solo.learned_nodes(1) == 16
+
+
+def test_a_draft_requests_learned_budget_keeps_its_forced_chain():
+    """DraftRequest.learned_budget: the learned nodes it may fill, within its budget, never short of its forced
+    chain (sure tokens, root included)."""
+    from specjet.spec_v2.drafter import DraftRequest, SpecInput
+
+    req = SpecInput("r", 0, 3, [1, 2, 3], remaining=100)
+    assert DraftRequest(req, 30, None, []).learned_budget() == 30
+    assert DraftRequest(req, 30, None, [], learned_nodes=16).learned_budget() == 16
+    assert DraftRequest(req, 12, None, [], learned_nodes=16).learned_budget() == 12
+    assert DraftRequest(req, 30, None, list(range(20)), learned_nodes=16).learned_budget() == 21
 
 
 def test_free_text_drafts_only_alone_on_a_quantized_cpu_target():

@@ -209,6 +209,36 @@ def test_merge_trees_by_hand():
         merge_trees(ngram, ([8], [-1]), max_nodes=4)
 
 
+def test_hybrid_learned_nodes_stop_at_the_requests_learned_budget_and_the_path_passes_it():
+    """HybridDrafter with a request's ``learned_nodes``: the learned tree's nodes fill the merged tree only up to that
+    many nodes, while an n-gram path longer than that is kept whole; without it the learned nodes fill the budget."""
+    from specjet.spec_v2.config import NgramConfig
+    from specjet.spec_v2.drafter import DraftRequest, SpecInput
+    from specjet.spec_v2.hybrid import HybridDrafter
+    from specjet.spec_v2.ngram import NgramDrafter
+
+    class WideLearned:  # a learned drafter's tree: 30 children of the root, best first
+        feature_capture = None
+        draft_kv_reads_next_token = False
+
+        def propose(self, reqs, share, req_to_token):
+            return [([r.input.root, *range(100, 130)], [-1] + [0] * 30) for r in reqs]
+
+    def merged(text, learned_nodes, max_path=20):
+        hybrid = HybridDrafter(WideLearned(), NgramDrafter(NgramConfig(max_branches=1)), max_path, 40)
+        req = SpecInput("r", 0, len(text) - 1, text, remaining=100)
+        return hybrid.propose([DraftRequest(req, 40, None, [], learned_nodes=learned_nodes)], 40, None)[0]
+
+    cycle = list(range(1, 26))  # said twice: the path continues with the whole cycle, up to its limit
+    tokens, _ = merged(cycle * 2, 16)  # the path: 10 tokens (half its cap as a rule), then 5 learned nodes
+    assert len(tokens) == 16 and tokens[11:] == [100, 101, 102, 103, 104]
+    tokens, _ = merged(cycle * 2, 16, max_path=40)  # a 20-token path passes the 16 nodes; no learned node is added
+    assert len(tokens) == 21 and not set(tokens) & set(range(100, 130))
+    tokens, _ = merged([9, 8], 16)  # no path: the learned tree up to 16 nodes
+    assert tokens == [8, *range(100, 115)]
+    assert len(merged(cycle * 2, None)[0]) == 40  # no limit: learned nodes fill the budget
+
+
 def test_ngram_path_prefers_the_requests_own_spelling_of_forced_text():
     """Grammar-aware n-gram drafting: when the request has already written the forced text in
     other pieces than the tokenizer's chain, that spelling is the first branch; the chain stays

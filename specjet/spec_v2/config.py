@@ -93,6 +93,17 @@ BATCH_MIN_DRAFT_PROB_CAP = 0.4
 # 1.01x in three runs) with acceptance 3.68 instead of 3.50. Given arguments win; batches and grammars keep theirs.
 TILED_BF16_ALONE_TOPK = 4
 TILED_BF16_ALONE_MIN_DRAFT_PROB = 0.06
+# The same for a request under a grammar decoding alone there: 4 candidates a position (among the tokens the grammar
+# allows) and a cut of 0.02, in place of the chain. With its learned nodes kept within one tile (below) it accepts
+# what EAGLE-GA does on JSON schemas the draft never saw, where the chain accepts ~8% less (bench/RESULTS.md,
+# session 97); uncapped, a third of its verifies started a second tile and it decoded slower than the chain.
+TILED_BF16_ALONE_GRAMMAR_TOPK = 4
+TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB = 0.02
+# Rows of one AMX tile (kernels/bf16_gemm.py): on such a target a lone request's learned drafts fill its verify up
+# to this many nodes and no further (its n-gram path and the grammar's forced text, which are longer and far more
+# often right, may pass it). A 17th row starts a second tile, ~0.4x of a one-token step (session 96), and the
+# nodes past 16 of a 4-wide tree are its least likely ones.
+TILED_ROWS = 16
 # On a CPU target with quantized weights, a request without a grammar drafts only in a batch of at most
 # this many (beside others its tree is its root alone: a plain decoding step through the verify). There a
 # one-token step streams 4-bit weights and a batch of 2 costs little more than one, so every verify row is
@@ -148,6 +159,13 @@ class SpecConfig:
     # verify rows come in 16-row tiles.
     alone_min_draft_prob: float | None = None
     alone_topk: int | None = None
+    # The same for a request under a grammar alone in its batch (in place of ``min_draft_prob`` and
+    # ``dflash.grammar_topk``); ``TILED_BF16_ALONE_GRAMMAR_*`` by default on such targets.
+    alone_grammar_min_draft_prob: float | None = None
+    alone_grammar_topk: int | None = None
+    # DFLASH, a request alone in its batch: the verify nodes its learned drafts may fill, root included (None: all of
+    # its share); its n-gram path and the grammar's forced chain may go further. ``TILED_ROWS`` on such targets.
+    alone_learned_nodes: int | None = None
     # A request without a grammar or a prediction gets a tree beyond its root only in a batch of at most this
     # many requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target; 0 (never)
     # with ``guided_only``.
@@ -195,12 +213,19 @@ class SpecConfig:
                              f"it must be >= 2, got {self.dflash.block_size}")
         if not 0.0 <= self.min_draft_prob <= 1.0:  # also false for NaN
             raise ValueError(f"speculative_draft_min_prob must be in [0, 1], got {self.min_draft_prob}")
-        if self.alone_min_draft_prob is not None and not 0.0 <= self.alone_min_draft_prob <= 1.0:
-            raise ValueError(f"a lone request's draft cut must be in [0, 1], got {self.alone_min_draft_prob}")
-        if self.alone_topk is not None and self.alone_topk < 1:
-            raise ValueError(f"a lone request's candidates per block position must be >= 1, got {self.alone_topk}")
-        if (self.alone_min_draft_prob is not None or self.alone_topk is not None) and self.algorithm != "DFLASH":
-            raise ValueError("a lone request's own draft cut and width are DFLASH's")
+        for cut in (self.alone_min_draft_prob, self.alone_grammar_min_draft_prob):
+            if cut is not None and not 0.0 <= cut <= 1.0:
+                raise ValueError(f"a lone request's draft cut must be in [0, 1], got {cut}")
+        for width in (self.alone_topk, self.alone_grammar_topk):
+            if width is not None and width < 1:
+                raise ValueError(f"a lone request's candidates per block position must be >= 1, got {width}")
+        if self.alone_learned_nodes is not None and self.alone_learned_nodes < 2:
+            raise ValueError(f"a lone request's learned nodes must be >= 2 (the root and one draft), "
+                             f"got {self.alone_learned_nodes}")
+        lone = (self.alone_min_draft_prob, self.alone_topk, self.alone_grammar_min_draft_prob, self.alone_grammar_topk,
+                self.alone_learned_nodes)
+        if any(v is not None for v in lone) and self.algorithm != "DFLASH":
+            raise ValueError("a lone request's own draft cut, width and learned nodes are DFLASH's")
         if self.min_draft_prob and self.algorithm not in HYBRID_ALGORITHMS:
             raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
         if self.dflash.window is not None and self.dflash.window < 1:
@@ -217,19 +242,28 @@ class SpecConfig:
         """The confidence cut of one request's tree in a batch of ``batch_size`` as the drafters compare
         it, a path log-probability (-inf: no cut): ``min_draft_prob``, or where it grows with the batch
         and the request has no grammar, ``min_draft_prob * batch_size / 2`` within [min_draft_prob,
-        BATCH_MIN_DRAFT_PROB_CAP]; for a request without a grammar alone in its batch, ``alone_min_draft_prob``
-        where that is set."""
+        BATCH_MIN_DRAFT_PROB_CAP]; for a request alone in its batch, ``alone_min_draft_prob`` (without a grammar)
+        or ``alone_grammar_min_draft_prob`` (under one) where that is set."""
         prob = self.min_draft_prob
-        if batch_size == 1 and not constrained and self.alone_min_draft_prob is not None:
-            prob = self.alone_min_draft_prob
+        alone = self.alone_grammar_min_draft_prob if constrained else self.alone_min_draft_prob
+        if batch_size == 1 and alone is not None:
+            prob = alone
         elif self.min_draft_prob_grows and not constrained:
             prob = max(prob, min(prob * batch_size / 2, BATCH_MIN_DRAFT_PROB_CAP))
         return math.log(prob) if prob > 0 else -math.inf
 
     def draft_width(self, batch_size: int = 1, constrained: bool = False) -> int | None:
         """Candidates per block position of one request's DFLASH tree in a batch of ``batch_size``, where that is
-        not the drafter's own: ``alone_topk`` for a request without a grammar alone in its batch; else None."""
-        return self.alone_topk if batch_size == 1 and not constrained else None
+        not the drafter's own: for a request alone in its batch ``alone_topk`` (without a grammar) or
+        ``alone_grammar_topk`` (under one); else None."""
+        if batch_size != 1:
+            return None
+        return self.alone_grammar_topk if constrained else self.alone_topk
+
+    def learned_nodes(self, batch_size: int = 1) -> int | None:
+        """Verify nodes, root included, that one request's learned drafts may fill in a batch of ``batch_size``
+        (None: its whole share): ``alone_learned_nodes`` for a request alone in its batch."""
+        return self.alone_learned_nodes if batch_size == 1 else None
 
     def runner_mode(self, device) -> tuple[bool, bool]:
         """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on
@@ -246,9 +280,10 @@ class SpecConfig:
         quantized weights on the CPU (EAGLE's and DFLASH's defaults are then ``QUANTIZED_EAGLE`` and
         ``QUANTIZED_DFLASH``, each with an n-gram path); ``cpu_target``: it runs on the CPU (with float
         weights, EAGLE's and DFLASH's verify forwards then hold ``FLOAT_CPU_MAX_VERIFY_NODES``);
-        ``tiled_bf16_target``: its bf16 projections run on AMX tiles (DFLASH's tree for a request without a grammar
-        alone in its batch is then ``TILED_BF16_ALONE_TOPK`` wide and cut at ``TILED_BF16_ALONE_MIN_DRAFT_PROB``,
-        each unless given). Raises
+        ``tiled_bf16_target``: its bf16 projections run on AMX tiles (DFLASH's tree for a request alone in its batch
+        is then ``TILED_BF16_ALONE_TOPK`` wide and cut at ``TILED_BF16_ALONE_MIN_DRAFT_PROB``, under a grammar
+        ``TILED_BF16_ALONE_GRAMMAR_*``, each unless given, and its learned nodes fill at most ``TILED_ROWS`` verify
+        nodes unless ``speculative_max_verify_tokens`` is given). Raises
         ValueError / NotImplementedError naming the argument that is out of range."""
         for name, least in _LEAST.items():
             value = getattr(args, name)
@@ -306,10 +341,14 @@ class SpecConfig:
             path = _given(args.speculative_hybrid_ngram_tokens,
                           QUANTIZED_HYBRID_PATH_NODES if quantized_cpu_target else HYBRID_PATH_NODES)
             tiled = tiled_bf16_target and float_cpu
-            alone = dict(
-                alone_topk=TILED_BF16_ALONE_TOPK if tiled and args.speculative_eagle_topk is None else None,
-                alone_min_draft_prob=(TILED_BF16_ALONE_MIN_DRAFT_PROB
-                                      if tiled and args.speculative_draft_min_prob is None else None))
+            width = tiled and args.speculative_eagle_topk is None
+            cut = tiled and args.speculative_draft_min_prob is None
+            alone = dict(alone_topk=TILED_BF16_ALONE_TOPK if width else None,
+                         alone_min_draft_prob=TILED_BF16_ALONE_MIN_DRAFT_PROB if cut else None,
+                         alone_grammar_topk=TILED_BF16_ALONE_GRAMMAR_TOPK if width else None,
+                         alone_grammar_min_draft_prob=TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB if cut else None,
+                         alone_learned_nodes=(TILED_ROWS if tiled and args.speculative_max_verify_tokens is None
+                                              else None))
             return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
                        min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), **alone,
                        **common)

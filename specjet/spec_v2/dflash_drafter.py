@@ -162,7 +162,7 @@ class DFlashDrafter:
             for b, block in zip(todo, logits):
                 r = reqs[b]
                 candidates[b] = self._candidates(r.guide, candidates[b], block, r.budget - 1, r.min_logp, r.width)
-        return [_tree(r.input.root, c, r.budget, r.min_logp) for r, c in zip(reqs, candidates)]
+        return [_tree(r.input.root, c, r.learned_budget(), r.min_logp) for r, c in zip(reqs, candidates)]
 
     def release(self, rid: str) -> None:
         # The draft KV lives in the request's own slots, which the scheduler frees.
@@ -289,7 +289,7 @@ class DFlashDrafter:
                     want: int, min_logp: float = -math.inf, width: int | None = None
                     ) -> list[list[tuple[int, float]]]:
         """Per draft position after the forced ones: the draft's ``topk`` (or ``width``) best (token, log-prob),
-        best first; under a grammar its ``grammar_topk`` best among the tokens the grammar allows after
+        best first; under a grammar its ``grammar_topk`` (or ``width``) best among the tokens the grammar allows after
         the chain of best tokens before (renormalised over them). Stops where nothing is allowed (the
         grammar has ended), at the block's end, at ``want`` positions or, under a grammar, at the position
         where the best path falls below ``min_logp`` (the cut ``_tree`` applies)."""
@@ -307,7 +307,8 @@ class DFlashDrafter:
         spine, cut = sum(c[0][1] for c in out), False
         with guide.walk([c[0][0] for c in out]) as walk:  # the chain of best tokens, grown in turn
             while len(out) < stop:
-                best, _ = masked_topk_row(logits[len(out)], walk.mask(), self.draft.hot_token_ids, self.grammar_topk)
+                best, _ = masked_topk_row(logits[len(out)], walk.mask(), self.draft.hot_token_ids,
+                                          width or self.grammar_topk)
                 if not best:  # nothing allowed (the grammar has ended), or no allowed logit is finite
                     break
                 out.append(best)  # fewer than topk where fewer legal tokens are finite

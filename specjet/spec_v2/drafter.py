@@ -59,6 +59,15 @@ class DraftRequest:
     min_logp: float = -math.inf
     # Candidates per position of its learned tree where they are not the drafter's own (None: the drafter's).
     width: int | None = None
+    # Nodes of its tree, root included, that learned drafts may fill (None: all of ``budget``); the grammar's
+    # forced chain and a hybrid's n-gram path may reach past them.
+    learned_nodes: int | None = None
+
+    def learned_budget(self) -> int:
+        """Nodes its learned tree may have alone: ``learned_nodes`` (never cutting the forced chain), within ``budget``."""
+        if self.learned_nodes is None:
+            return self.budget
+        return min(self.budget, max(self.learned_nodes, 1 + len(self.chain)))
 
 
 # A draft tree: (tokens, parents), root (the last verified token) at node 0 with parent -1, parents

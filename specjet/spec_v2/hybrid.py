@@ -53,7 +53,8 @@ class HybridDrafter:
         for r, ngram_tree, tree in zip(reqs, ngram_trees, learned):
             path = first_path(*ngram_tree)
             self._paths[r.input.rid] = (path, len(r.chain) if path[:len(r.chain)] == r.chain else 0)
-            trees.append(merge_trees(ngram_tree, tree, r.budget))
+            # Learned nodes only up to the request's learned budget; the path (and forced chain) may pass it.
+            trees.append(merge_trees(ngram_tree, tree, max(len(ngram_tree[0]), r.learned_budget())))
         return trees
 
     def after_verify(self, reqs: list[SpecInput], result: VerifyResult, req_to_token: torch.Tensor) -> None:
