@@ -623,7 +623,8 @@ def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_mode
     free_beside = [s for s in seen if s[0] > 1 and not s[1]]
     assert free_beside and all(most <= 3 and cut == round(base * max(1, n / 2), 6) for n, _, cut, most in free_beside)
     lone_grammar = [s for s in seen if s[0] == 1 and s[1]]
-    assert lone_grammar and all(cut == spec_config.TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB for *_, cut, _ in lone_grammar)
+    lone_cut = spec_config.TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB
+    assert lone_grammar and all(cut == lone_cut for *_, cut, _ in lone_grammar)
     assert any(most > 1 for *_, most in lone_grammar) and all(most <= 4 for *_, most in lone_grammar)
     assert all(cut == base and most <= 1 for n, constrained, cut, most in seen if constrained and n > 1)
 

@@ -64,7 +64,8 @@ class DraftRequest:
     learned_nodes: int | None = None
 
     def learned_budget(self) -> int:
-        """Nodes its learned tree may have alone: ``learned_nodes`` (never cutting the forced chain), within ``budget``."""
+        """Nodes its learned tree may have alone: ``learned_nodes`` (never cutting the forced chain), within
+        ``budget``."""
         if self.learned_nodes is None:
             return self.budget
         return min(self.budget, max(self.learned_nodes, 1 + len(self.chain)))

@@ -277,7 +277,8 @@ class Speculator:
                   for r in reqs]
         drafts = [DraftRequest(r, n, g if aware else None, g.forced_chain(n - 1) if aware and g is not None else [],
                                self.cfg.min_draft_logp(len(reqs), r.grammar is not None),
-                               self.cfg.draft_width(len(reqs), r.grammar is not None), self.cfg.learned_nodes(len(reqs)))
+                               self.cfg.draft_width(len(reqs), r.grammar is not None),
+                               self.cfg.learned_nodes(len(reqs)))
                   for r, g, n in zip(reqs, guides, budgets)]
         clock.lap("grammar")
         drafting = [d for d in drafts if d.budget > 1]  # a budget of 1 is the root alone: nothing to draft
