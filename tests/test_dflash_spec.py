@@ -525,22 +525,31 @@ def test_a_draft_trained_with_known_prefixes_reads_the_forced_chain(tiny_model_d
     assert trees[(True, "eager")] == trees[(True, "static")]
 
 
+@pytest.mark.parametrize("topk", [None, 4])
 def test_sampling_with_forced_text_in_the_block_matches_the_masked_target(tiny_model_dir, backend, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, topk):
     """Sampling with a draft that reads the grammar's forced text in its block (known prefixes and
     previous tokens, as the packaged draft): 1000 seeded draws under a regex that forces
     " and then " before each sampled letter; the (t1, t2) histogram matches the exact grammar-masked top-k
-    distribution, and forced chains did reach the block."""
+    distribution, and forced chains did reach the block. With topk 4 the block is a tree of 4 candidates a
+    position under the grammar (as a lone constrained request's on an AMX bf16 target), not the chain."""
     from specjet.spec_v2.dflash_drafter import DFlashDrafter
 
     known_seen = []
-    real_blocks = DFlashDrafter.draft_blocks
+    branched = []  # trees in which some node has two children
+    real_blocks, real_propose = DFlashDrafter.draft_blocks, DFlashDrafter.propose
 
     def draft_blocks(self, reqs, req_to_token, known=None):
         known_seen.extend(k for k in known or [] if k)
         return real_blocks(self, reqs, req_to_token, known)
 
+    def propose(self, reqs, share, req_to_token):
+        trees = real_propose(self, reqs, share, req_to_token)
+        branched.extend(parents for _, parents in trees if len(set(parents[1:])) < len(parents) - 1)
+        return trees
+
     monkeypatch.setattr(DFlashDrafter, "draft_blocks", draft_blocks)
+    monkeypatch.setattr(DFlashDrafter, "propose", propose)
     torch.manual_seed(2)
     draft = DFlashDraftModel(_config(tiny_model_dir), DFlashShape(2, (0,), 8, 0, True, known_prefix=True,
                                                                prev_token_input=True))
@@ -552,13 +561,15 @@ def test_sampling_with_forced_text_in_the_block_matches_the_masked_target(tiny_m
     # Every request's whole tree in one verify (a float CPU target caps the nodes of a verify, which
     # leaves the many requests here a chain of one token, filled by the forced text).
     with dflash_engine(tiny_model_dir, path, speculative_num_draft_tokens=8, speculative_max_verify_tokens=1 << 16,
-                       dtype="float32") as eng:
+                       dtype="float32", speculative_eagle_topk=topk) as eng:
+        assert eng.worker.speculator.cfg.dflash.grammar_topk == (topk or 1)
         prompt_ids = eng.tokenizer(prompt)["input_ids"]
         # Room for a block after the forced chain: a tree is never longer than what the request may still say.
         params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 8, "regex": regex, "seed": s} for s in range(n)]
         outs = eng.generate([prompt] * n, params)
         eng.check_kv_invariant()
     assert len(known_seen) > n // 20
+    assert (len(branched) > n // 20) if topk else not branched
     tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs, top_k=3)
     assert tv < 0.07, tv
 
