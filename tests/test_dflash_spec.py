@@ -651,36 +651,52 @@ def force_tiled_target(monkeypatch) -> None:
         real_from_args(cls, args, quantized_cpu_target, cpu_target, True)))
 
 
+@pytest.mark.parametrize("ngram_tokens", [0, 14])
 def test_a_lone_requests_learned_nodes_stay_within_a_tile_and_its_ngram_path_may_pass_it(
-        tiny_model_dir, copy_draft, plain_cpu_mixed, monkeypatch):
-    """On a tiled target (forced) a request decoding alone verifies at most TILED_ROWS nodes of learned drafts: its
-    merged tree is no larger than that or its n-gram path, whichever is longer; in a batch the trees take their
-    whole share. Cut off (given 0) and 4 wide, the learned trees would fill 30 nodes. The ids stay plain's."""
+        tiny_model_dir, copy_draft, plain_cpu_mixed, monkeypatch, ngram_tokens):
+    """On a tiled target (forced) a request decoding alone verifies at most TILED_ROWS nodes of learned drafts. Cut
+    off (given 0) and 4 wide, the learned trees would fill every node of their share (a block of 24 alone, 30 with
+    an n-gram path). Without a path the DFlash tree stops at 16 nodes; with one the learned tree comes whole and the
+    merge keeps it to 16 nodes or the path's, whichever is longer. The ids stay plain's."""
     from specjet.spec_v2 import config as spec_config
     from specjet.spec_v2 import hybrid
+    from specjet.spec_v2.dflash_drafter import DFlashDrafter
 
     force_tiled_target(monkeypatch)
-    merges = []  # (batch size, n-gram tree nodes, learned tree nodes, merged nodes)
-    real_merge = hybrid.merge_trees
+    merges = []  # (batch size, n-gram tree nodes, learned tree nodes, the merge's budget, merged nodes)
+    drafted = []  # (batch size, nodes) of the DFlash drafter's trees
+    real_merge, real_propose = hybrid.merge_trees, DFlashDrafter.propose
     batch = verify_batch_sizes(monkeypatch)
 
     def merge(first, second, max_nodes):
         out = real_merge(first, second, max_nodes)
-        merges.append((batch[-1], len(first[0]), len(second[0]), len(out[0])))
+        merges.append((batch[-1], len(first[0]), len(second[0]), max_nodes, len(out[0])))
         return out
 
+    def propose(self, reqs, share, req_to_token):
+        trees = real_propose(self, reqs, share, req_to_token)
+        drafted.extend((batch[-1], len(tokens)) for tokens, _ in trees)
+        return trees
+
     monkeypatch.setattr(hybrid, "merge_trees", merge)
+    monkeypatch.setattr(DFlashDrafter, "propose", propose)
     ref, alone = plain_cpu_mixed
-    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=16, device="cpu",
-                       speculative_hybrid_ngram_tokens=14, speculative_eagle_topk=4, speculative_draft_min_prob=0.0,
-                       speculative_max_verify_tokens=None) as eng:
+    block = 16 if ngram_tokens else 24
+    with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=block, device="cpu",
+                       speculative_hybrid_ngram_tokens=ngram_tokens, speculative_eagle_topk=4,
+                       speculative_draft_min_prob=0.0, speculative_max_verify_tokens=None) as eng:
         assert eng.worker.speculator.cfg.learned_nodes(1) == spec_config.TILED_ROWS == 16
         one = eng.generate(PROMPTS[2], MIXED[2])
         outs = eng.generate(PROMPTS[:4], MIXED)
         eng.check_kv_invariant()
     assert one["output_ids"] == alone["output_ids"]
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
-    lone = [m for m in merges if m[0] == 1]
-    assert lone and all(learned <= 16 and merged <= max(16, path) for _, path, learned, merged in lone)
-    assert any(learned == 16 for _, _, learned, _ in lone)  # the tile's limit bound
-    assert any(learned > 16 for n, _, learned, _ in merges if n > 1)  # a batch's learned trees are not limited
+    lone = [nodes for n, nodes in drafted if n == 1]
+    if not ngram_tokens:
+        assert lone and max(lone) == 16 and not merges  # a block of 24 whose 4-wide tree fills 24, stopped at the tile
+        return
+    assert lone and max(lone) > 16  # the hybrid's learned tree comes whole
+    lone_merges = [m for m in merges if m[0] == 1]
+    # (a request near its end has fewer nodes left than a tile: its budget is then what it may still say)
+    assert lone_merges and all(merged <= budget <= max(16, path) for _, path, _, budget, merged in lone_merges)
+    assert any(merged == 16 < learned for _, _, learned, _, merged in lone_merges)  # the tile's limit bound

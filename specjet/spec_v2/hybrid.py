@@ -47,8 +47,10 @@ class HybridDrafter:
                 limit = max(1, limit * share // self.max_tree_nodes)
             ngram_reqs.append(replace(r, budget=min(r.budget, 1 + len(r.chain) + limit)))
         ngram_trees = self.ngram.propose(ngram_reqs, share, req_to_token)
-        # The learned tree whole: the merge keeps what fits after the path.
-        learned = self.learned.propose([replace(r, budget=self.max_tree_nodes) for r in reqs], share, req_to_token)
+        # The learned tree whole: the merge keeps what fits after the path (and applies the learned budget, so nodes
+        # the path already holds leave room for the learned tree's next ones).
+        learned = self.learned.propose([replace(r, budget=self.max_tree_nodes, learned_nodes=None) for r in reqs],
+                                       share, req_to_token)
         trees = []
         for r, ngram_tree, tree in zip(reqs, ngram_trees, learned):
             path = first_path(*ngram_tree)
