@@ -245,6 +245,7 @@ def result_rows(cells: dict[tuple[str, int], Measurement], identity: dict) -> li
             "identical": identical_cell(identity, name, bs),
             "spec_phases_ms": cell.record().get("spec_phases_ms"),
             "plain_iteration_ms": cell.record().get("plain_iteration_ms"),
+            "tree_nodes": cell.record().get("tree_nodes"),
         })
     return sorted(rows, key=lambda r: r["batch_size"])  # stable: configurations keep their order
 
@@ -301,11 +302,13 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
     phased = [r for r in rows if r.get("spec_phases_ms")]
     if phased:  # where a speculative iteration's time goes (spec_v2/speculator.py PhaseTimings)
         lines += ["", "# ms per speculative iteration, by phase (median over runs of each run's mean)",
-                  f"{'config':<{width}} {'batch':>5} {'grammar':>8} {'draft':>8} {'verify':>8} {'extend':>8} {'total':>8}"]
-        for r in phased:
+                  f"{'config':<{width}} {'batch':>5} {'grammar':>8} {'draft':>8} {'verify':>8} {'extend':>8} {'total':>8}"
+                  f" {'nodes':>6}"]
+        for r in phased:  # nodes: of one request's verify tree, root included (a CPU verify's cost grows with them)
             p = r["spec_phases_ms"]
             lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {p['grammar_ms']:>8.2f} {p['draft_ms']:>8.2f} "
-                         f"{p['verify_ms']:>8.2f} {p['draft_extend_ms']:>8.2f} {sum(p.values()):>8.2f}")
+                         f"{p['verify_ms']:>8.2f} {p['draft_extend_ms']:>8.2f} {sum(p.values()):>8.2f} "
+                         f"{fmt_num(r.get('tree_nodes'), '.1f'):>6}")
     plain = [r for r in rows if r.get("plain_iteration_ms")]
     if plain:  # what a plain decode iteration costs beyond its model forward (issue 16, item 5)
         lines += ["", "# plain decoding: ms per decode iteration (compute + the compute side's wait for the host) and "

@@ -148,6 +148,8 @@ class Measurement:
         if self.phases:  # the median over passes of each phase's mean ms per iteration
             out["spec_phases_ms"] = {k: statistics.median(p[k] for p in self.phases)
                                      for k in self.phases[0] if k.endswith("_ms")}
+            if all("tree_nodes" in p for p in self.phases):  # a request's verify tree, root included
+                out["tree_nodes"] = statistics.median(p["tree_nodes"] for p in self.phases)
         if self.iterations:  # the median over passes of each pass's medians
             out["plain_iteration_ms"] = {k: statistics.median(it[k] for it in self.iterations)
                                          for k in ("iteration_ms_median", "forward_ms_median")}

@@ -370,3 +370,41 @@ def test_a_failed_idle_release_is_logged_and_the_engine_serves_on(tiny_model_dir
         eng.check_kv_invariant()
     assert any("injected release failure" in (r.exc_text or "") or "ended requests failed" in r.getMessage()
                for r in caplog.records)
+
+
+def test_phase_timings_count_the_nodes_of_a_requests_verify_tree():
+    """``tree_nodes``: the nodes of one request's verify tree, roots included, over the iterations counted."""
+    from specjet.spec_v2.speculator import PhaseTimings
+
+    timings = PhaseTimings()
+    assert timings.summary()["tree_nodes"] == 0.0  # nothing verified yet
+    timings.finish(10, 2)  # a verify of two requests' trees, 10 nodes in all
+    timings.finish(3, 1)
+    summary = timings.summary(reset=True)
+    assert summary["iterations"] == 2 and summary["tree_nodes"] == pytest.approx(13 / 3)
+    assert timings.summary() == {"iterations": 0, "grammar_ms": 0.0, "draft_ms": 0.0, "verify_ms": 0.0,
+                                 "draft_extend_ms": 0.0, "tree_nodes": 0.0}
+
+
+def test_the_engine_reports_the_mean_nodes_its_verify_trees_held(cyclic_model_dir, monkeypatch):
+    """get_server_info()["stats"]["spec_phases"]["tree_nodes"] is the mean size of the trees the verifier was
+    given since the timings were last reset (bench.compare prints it beside the phases)."""
+    from specjet.spec_v2.tree_verifier import TreeVerifier
+
+    sizes = []
+    real = TreeVerifier.verify
+
+    def verify(self, reqs, *args):
+        sizes.extend(len(r.tokens) for r in reqs)
+        return real(self, reqs, *args)
+
+    monkeypatch.setattr(TreeVerifier, "verify", verify)
+    with ngram_engine(cyclic_model_dir, speculative_num_draft_tokens=8) as eng:
+        eng.generate(PROMPTS[1], greedy(8))
+        eng.get_server_info(reset_timings=True)
+        sizes.clear()
+        eng.generate(PROMPTS[:3], greedy(40))
+        phases = eng.get_server_info()["stats"]["spec_phases"]
+        eng.check_kv_invariant()
+    assert sizes and max(sizes) > 1 and min(sizes) >= 1, sizes  # some trees went past their roots
+    assert phases["tree_nodes"] == pytest.approx(sum(sizes) / len(sizes))

@@ -298,7 +298,8 @@ class Engine:
     def get_server_info(self, reset_timings: bool = False) -> dict[str, Any]:
         """The dtype and quantization in effect (the EAGLE head's / DFlash draft's too), counters, speculative totals and ``stats["overlap"]``: per decode iteration, the compute
         side's median time and how long it waited for the host; with speculation ``stats["spec_phases"]``,
-        the mean ms per iteration of its phases (``reset_timings`` starts both afresh)."""
+        the mean ms per iteration of its phases and the mean nodes of a request's verify tree (``tree_nodes``)
+        (``reset_timings`` starts both afresh)."""
         stats = dict(self.scheduler.stats)
         try:
             stats["overlap"] = self._in_loop(lambda: self.loop.overlap_stats(reset=reset_timings))

@@ -302,7 +302,7 @@ class Speculator:
         clock.lap("verify")
         self._after_verify(reqs, budgets, result, req_to_token)
         clock.lap("draft_extend")
-        self.timings.finish()
+        self.timings.finish(sum(len(v.tokens) for v in verify_inputs), len(verify_inputs))
         return result.accepted_tokens
 
     def _after_verify(self, reqs: list[SpecInput], budgets: list[int], result: VerifyResult,
@@ -342,7 +342,9 @@ class PhaseTimings:
     """Where a speculative iteration's time goes, host wall time per phase: grammar (guides, the
     forced chain, the tree's masks), draft (the drafter's propose), verify (the target forward and
     the accept walk), draft_extend (the drafter's after_verify). On CUDA a phase's time is what the
-    host spent in it (kernels run on asynchronously); on the CPU it is the phase's compute."""
+    host spent in it (kernels run on asynchronously); on the CPU it is the phase's compute. Beside
+    them, the nodes the verifies held: on the CPU a verify's cost grows with its nodes, so a tree
+    setting's acceptance reads against them."""
 
     def __init__(self):
         self.reset()
@@ -350,17 +352,23 @@ class PhaseTimings:
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.iterations = 0
+        self.nodes = self.trees = 0
 
     def start(self) -> "_Clock":
         return _Clock(self.seconds)
 
-    def finish(self) -> None:
+    def finish(self, nodes: int = 0, trees: int = 0) -> None:
+        """One iteration done, whose verify held ``nodes`` tree nodes (roots included) of ``trees`` requests."""
         self.iterations += 1
+        self.nodes += nodes
+        self.trees += trees
 
     def summary(self, reset: bool = False) -> dict:
-        """Mean milliseconds per iteration of each phase, and the iterations counted."""
+        """Mean milliseconds per iteration of each phase, the iterations counted, and the mean nodes of one
+        request's verify tree, root included (``tree_nodes``)."""
         n = self.iterations
-        out = {"iterations": n, **{f"{p}_ms": (1e3 * s / n if n else 0.0) for p, s in self.seconds.items()}}
+        out = {"iterations": n, **{f"{p}_ms": (1e3 * s / n if n else 0.0) for p, s in self.seconds.items()},
+               "tree_nodes": self.nodes / self.trees if self.trees else 0.0}
         if reset:
             self.reset()
         return out
