@@ -12,6 +12,13 @@ def spec_totals(engine) -> tuple[int, int] | None:
     return stats["spec_verify_ct"], stats["spec_accepted_tokens"]
 
 
+def tree_nodes_since_reset(engine, reset: bool = False) -> float | None:
+    """The mean nodes of a request's verify tree (root included) since the engine's timings were last reset
+    (``reset``: start them afresh after reading); None without speculation or where nothing was verified."""
+    phases = engine.get_server_info(reset_timings=reset)["stats"].get("spec_phases")
+    return phases["tree_nodes"] if phases and phases.get("iterations") else None
+
+
 def accept_length(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
     """Accepted tokens / verify forwards between two ``spec_totals`` readings (None: no speculation,
     or no verify forward in between)."""

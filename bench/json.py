@@ -57,6 +57,8 @@ Figures, per configuration and batch size:
                (completion tokens - 1) / its verify forwards, pooled. A request cut at
                --max-new-tokens is often one looping over a repeated array, which speculation
                predicts far better than a real object, so "accept" alone can flatter.
+    nodes      the mean nodes of a request's verify tree, root included (the engine's
+               spec_phases), speculative only: a CPU verify's cost grows with them
     x uncon.   out tok/s / the unconstrained run's at the same batch size; with --repeats, the
                median over repeats of run i / unconstrained run i (TTFT, TPOT, out tok/s: the
                median over repeats). The goal line adds the same ratio by the process's CPU time
@@ -85,7 +87,7 @@ from bench.common import (JSONSCHEMA_DIR, add_engine_args, append_jsonl, command
                           default_speculation, engine_kwargs, fmt_num, generate_all, identity_record,
                           jsonschema_prompts, machine_info, now, report_header_lines)
 from bench.compare import identical_cell, identity_line
-from bench.engine_info import describe_engine, speculation_str, spec_totals
+from bench.engine_info import describe_engine, speculation_str, spec_totals, tree_nodes_since_reset
 
 # --algorithms name -> the Engine keywords it sets (the other speculative flags come from the command line)
 ALGORITHMS = {
@@ -253,6 +255,7 @@ class Cell:
     cpu_s: float | None = None  # the process's CPU time over the run (all threads)
     spec_before: tuple[int, int] | None = None
     spec_after: tuple[int, int] | None = None
+    tree_nodes: float | None = None  # the mean nodes of a request's verify tree over the run, root included
 
 
 def sampling_params(entries: list[dict], max_new_tokens: int, constrained: bool,
@@ -279,11 +282,13 @@ def concurrent_run(engine, cell: Cell, prompts: list[str], entries: list[dict], 
     and CPU time of the whole run and the speculative totals around it."""
     params = sampling_params(entries, max_new_tokens, cell.constrained, lengths)
     cell.spec_before = spec_totals(engine)
+    tree_nodes_since_reset(engine, reset=True)  # the run's trees alone below
     start, cpu_start = time.perf_counter(), time.process_time()
     cell.outputs = generate_all(engine, prompts, params, cell.batch_size, bar)
     cell.wall_s = time.perf_counter() - start
     cell.cpu_s = time.process_time() - cpu_start
     cell.spec_after = spec_totals(engine)
+    cell.tree_nodes = tree_nodes_since_reset(engine)
     return cell
 
 
@@ -369,6 +374,7 @@ def result_rows(cells: list[Cell], entries: list[dict], validators: list, identi
             **validity([o["status"] for o in outcomes]), **median_figures(per_run),
             accept_length=accepted / verify if verify else None,
             accept_completed=completed_accept_length(outcomes), spec_verify_ct=verify,
+            tree_nodes=_median([c.tree_nodes for c in runs if c.tree_nodes is not None]),
             vs_unconstrained=_median(ratios) if ratios else None, vs_unconstrained_runs=ratios,
             vs_unconstrained_cpu=_median(cpu_ratios) if cpu_ratios else None,
             runs=per_run, identical=identical_cell(identity, name, bs) if constrained else None,
@@ -401,16 +407,18 @@ def constrained_names(rows: list[dict]) -> list[str]:
 def table_lines(rows: list[dict]) -> list[str]:
     width = max(12, *(len(r["config"]) for r in rows))
     lines = [f"{'config':<{width}} {'batch':>5} {'valid':>6} {'invalid':>7} {'non-JSON':>8} {'aborted':>7} "
-             f"{'TTFT ms':>8} {'TPOT ms':>8} {'out tok/s':>9} {'accept':>6} {'acc. done':>9} {'x uncon.':>8}  identical"]
+             f"{'TTFT ms':>8} {'TPOT ms':>8} {'out tok/s':>9} {'accept':>6} {'acc. done':>9} {'nodes':>5} {'x uncon.':>8}"
+             "  identical"]
     for r in rows:
         ratio = "-" if r["vs_unconstrained"] is None else f"{r['vs_unconstrained']:.2f}x"
         accept = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
         done = "-" if r["accept_completed"] is None else f"{r['accept_completed']:.2f}"
+        nodes = "-" if r["tree_nodes"] is None else f"{r['tree_nodes']:.1f}"
         # An unconstrained run is length-matched, not meant to end its object: no validity to show.
         valid = fmt_num(r["validity"], ".3f") if r["constrained"] else "-"
         lines.append(f"{r['config']:<{width}} {r['batch_size']:>5} {valid:>6} {r['invalid']:>7} "
                      f"{r['not_json']:>8} {r['aborted']:>7} {fmt_num(r['ttft_ms']):>8} {fmt_num(r['tpot_ms']):>8} "
-                     f"{fmt_num(r['output_tok_s']):>9} {accept:>6} {done:>9} {ratio:>8}  {r['identical'] or '-'}")
+                     f"{fmt_num(r['output_tok_s']):>9} {accept:>6} {done:>9} {nodes:>5} {ratio:>8}  {r['identical'] or '-'}")
     return lines
 
 
@@ -448,7 +456,7 @@ def format_report(header: dict, rows: list[dict], identity: dict) -> str:
         + (f"; {UNCONSTRAINED} = {header['baseline']} without json_schema" if header["baseline"] else ""),
         "# valid = schema-valid / completed (aborted apart); TTFT, TPOT medians over requests; out tok/s = "
         "completion tokens / wall time; accept = accepted tokens / verify forwards; acc. done = the same over "
-        "the requests that completed their object"
+        "the requests that completed their object; nodes = a request's verify tree, root included, mean"
         + (f"; timings: medians of {header['repeats']} runs" if header["repeats"] > 1 else ""),
         "",
     ]

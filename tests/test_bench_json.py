@@ -22,9 +22,9 @@ from bench.json import (Cell, Config, check_output, completed_accept_length, ide
                         load_validator, main, parse_args, validity)
 from engine_defaults import default_model_dtype_name
 
-# config, batch, valid, invalid, non-JSON, aborted, TTFT, TPOT, out tok/s, accept, acc. done, x uncon., identical
+# config, batch, valid, invalid, non-JSON, aborted, TTFT, TPOT, out tok/s, accept, acc. done, nodes, x uncon., identical
 ROW = re.compile(r"^(\S+)\s+(\d+)\s+(n/a|-|[\d.]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(n/a|[\d.]+)\s+(n/a|[\d.]+)\s+([\d.]+)\s+"
-                 r"(-|[\d.]+)\s+(-|[\d.]+)\s+(-|[\d.]+x)\s+(reference|yes|NO \(\d+/\d+\)|-)$", re.M)
+                 r"(-|[\d.]+)\s+(-|[\d.]+)\s+(-|[\d.]+)\s+(-|[\d.]+x)\s+(reference|yes|NO \(\d+/\d+\)|-)$", re.M)
 RECIPES = json.loads((JSONSCHEMA_DIR / "001_Glaiveai2K.json").read_text())  # required: keywords, cuisine, ingredients
 
 
@@ -165,6 +165,12 @@ def check_record(record: dict, rows: dict, n: int) -> None:
         else:
             assert printed[0] == "-"
         assert float(printed[6]) == pytest.approx(r["output_tok_s"], abs=0.051)
+        # nodes: the mean tree of the runs' verifies, for speculative rows (the engine's own count: test_spec_ngram)
+        assert (r["tree_nodes"] is None) == (r["accept_length"] is None), r
+        if r["tree_nodes"] is None:
+            assert printed[9] == "-"
+        else:
+            assert r["tree_nodes"] >= 1 and float(printed[9]) == pytest.approx(r["tree_nodes"], abs=0.051)
 
 
 def test_tiny_model_ngram_overlap_on_and_off(tiny_model_dir, tmp_path, capsys):
@@ -239,7 +245,7 @@ def test_default_model_none_and_eagle(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = table_rows(proc.stdout)
     assert set(rows) == {("none/on", 2), ("EAGLE/on", 2), ("unconstrained", 2)}
-    assert rows[("EAGLE/on", 2)][-1] == "yes" and float(rows[("EAGLE/on", 2)][-4]) >= 1
+    assert rows[("EAGLE/on", 2)][-1] == "yes" and float(rows[("EAGLE/on", 2)][-5]) >= 1
     dtype = default_model_dtype_name()  # no --dtype, no --quantization: the auto choices
     assert f"# config EAGLE/on: {dtype} on cpu, speculative EAGLE" in proc.stdout
     assert "outputs identical: yes" in proc.stdout
