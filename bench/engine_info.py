@@ -50,10 +50,10 @@ def describe_engine(engine) -> dict:
                                    "topk": spec.dflash.topk, "grammar_topk": spec.dflash.grammar_topk,
                                    "draft_window_size": spec.dflash.window,
                                    "hybrid_ngram_tokens": spec.hybrid_path_nodes,
-                                   "alone_topk": spec.alone_topk, "alone_min_draft_prob": spec.alone_min_draft_prob,
-                                   "alone_grammar_topk": spec.alone_grammar_topk,
-                                   "alone_grammar_min_draft_prob": spec.alone_grammar_min_draft_prob,
-                                   "alone_learned_nodes": spec.alone_learned_nodes}
+                                   "alone_topk": spec.alone.topk, "alone_min_draft_prob": spec.alone.min_draft_prob,
+                                   "alone_grammar_topk": spec.alone.grammar_topk,
+                                   "alone_grammar_min_draft_prob": spec.alone.grammar_min_draft_prob,
+                                   "alone_learned_nodes": spec.alone.learned_nodes}
         else:
             desc["speculative"] = {"algorithm": spec.algorithm, "num_draft_tokens": spec.max_tree_nodes,
                                    "max_bfs_breadth": spec.ngram.max_branches,

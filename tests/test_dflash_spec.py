@@ -363,8 +363,8 @@ def test_the_default_cut_of_a_free_text_tree_grows_with_the_batch(tiny_model_dir
                        speculative_draft_min_prob=None) as eng:
         assert eng.worker.speculator.cfg.min_draft_prob_grows
         # Where bf16 projections run on AMX tiles (dtype auto on such a CPU), a lone request has its own cut.
-        lone = eng.worker.speculator.cfg.alone_min_draft_prob
-        lone_grammar = eng.worker.speculator.cfg.alone_grammar_min_draft_prob
+        lone = eng.worker.speculator.cfg.alone.min_draft_prob
+        lone_grammar = eng.worker.speculator.cfg.alone.grammar_min_draft_prob
         outs = eng.generate(PROMPTS[:4], MIXED)
         one = eng.generate(PROMPTS[2], MIXED[2])
         eng.check_kv_invariant()
@@ -617,7 +617,7 @@ def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_mode
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
                        speculative_draft_min_prob=None) as eng:
         cfg = eng.worker.speculator.cfg
-        assert (cfg.alone_topk, cfg.alone_min_draft_prob, cfg.dflash.topk) == (
+        assert (cfg.alone.topk, cfg.alone.min_draft_prob, cfg.dflash.topk) == (
             spec_config.TILED_BF16_ALONE_TOPK, spec_config.TILED_BF16_ALONE_MIN_DRAFT_PROB, 3)
         outs = eng.generate(PROMPTS[:4], MIXED)
         one = eng.generate(PROMPTS[2], MIXED[2])

@@ -12,7 +12,7 @@ import pytest
 from specjet.engine.args import EngineArgs
 from specjet.spec_v2.config import (DFLASH_MIN_DRAFT_PROB, EAGLE_MIN_DRAFT_PROB, HYBRID_PATH_NODES, NGRAM_TREE_NODES,
                                    QUANTIZED_DFLASH, QUANTIZED_EAGLE, QUANTIZED_HYBRID_PATH_NODES, DFlashParams,
-                                   EagleParams, NgramConfig, SpecConfig)
+                                   EagleParams, LoneTree, NgramConfig, SpecConfig)
 from specjet.spec_v2.dflash_drafter import DFlashDrafter
 from specjet.spec_v2.drafter import Drafter
 from specjet.spec_v2.eagle_drafter import EagleDrafter
@@ -80,29 +80,30 @@ def test_a_tiled_bf16_target_widens_a_lone_free_text_dflash_tree_and_lowers_its_
 
     assert (TILED_BF16_ALONE_TOPK, TILED_BF16_ALONE_MIN_DRAFT_PROB) == (4, 0.06)
     tiled = cfg(speculative_algorithm="DFLASH")
-    assert (tiled.alone_topk, tiled.alone_min_draft_prob, tiled.dflash.topk) == (4, 0.06, 3)
+    assert (tiled.alone.topk, tiled.alone.min_draft_prob, tiled.dflash.topk) == (4, 0.06, 3)
     assert math.exp(tiled.min_draft_logp(1)) == pytest.approx(0.06) and tiled.draft_width(1) == 4
     assert math.exp(tiled.min_draft_logp(2, constrained=True)) == pytest.approx(DFLASH_MIN_DRAFT_PROB)
     assert tiled.draft_width(2) is None  # (a lone request under a grammar: the next test)
     assert [math.exp(tiled.min_draft_logp(b)) for b in (2, 4)] == pytest.approx([0.1, 0.2])  # as without tiles
     for same in (cfg(tiled=False, speculative_algorithm="DFLASH"), cfg(quantized=True, speculative_algorithm="DFLASH"),
                  cfg(speculative_algorithm="DFLASH", speculative_eagle_topk=3, speculative_draft_min_prob=0.1)):
-        assert (same.alone_topk, same.alone_min_draft_prob, same.draft_width(1)) == (None, None, None)
+        assert (same.alone.topk, same.alone.min_draft_prob, same.draft_width(1)) == (None, None, None)
         assert math.exp(same.min_draft_logp(1)) == pytest.approx(same.min_draft_prob)
     only_cut = cfg(speculative_algorithm="DFLASH", speculative_eagle_topk=2)
-    assert (only_cut.alone_topk, only_cut.alone_min_draft_prob) == (None, 0.06)
+    assert (only_cut.alone.topk, only_cut.alone.min_draft_prob) == (None, 0.06)
     only_width = cfg(speculative_algorithm="DFLASH", speculative_draft_min_prob=0.2)
-    assert (only_width.alone_topk, only_width.alone_min_draft_prob) == (4, None)
-    assert cfg(speculative_algorithm="EAGLE").alone_topk is None
+    assert (only_width.alone.topk, only_width.alone.min_draft_prob) == (4, None)
+    assert not cfg(speculative_algorithm="EAGLE").alone.is_set()
     solo = SpecConfig.for_guided(EngineArgs(), cpu_target=True, free_text=True, tiled_bf16_target=True).solo
-    assert (solo.alone_topk, solo.alone_min_draft_prob) == (4, 0.06)
-    for bad in (dict(alone_topk=0), dict(alone_min_draft_prob=1.5), dict(alone_min_draft_prob=float("nan")),
-                dict(alone_grammar_topk=0), dict(alone_grammar_min_draft_prob=-0.1), dict(alone_learned_nodes=1)):
+    assert (solo.alone.topk, solo.alone.min_draft_prob) == (4, 0.06)
+    for bad in (dict(topk=0), dict(min_draft_prob=1.5), dict(min_draft_prob=float("nan")),
+                dict(grammar_topk=0), dict(grammar_min_draft_prob=-0.1), dict(learned_nodes=1)):
         with pytest.raises(ValueError, match="lone request"):
-            SpecConfig("DFLASH", **bad)
-    for lone in (dict(alone_topk=4), dict(alone_grammar_min_draft_prob=0.02), dict(alone_learned_nodes=16)):
+            SpecConfig("DFLASH", alone=LoneTree(**bad))
+    for lone in (dict(topk=4), dict(grammar_min_draft_prob=0.02), dict(learned_nodes=16)):
+        assert SpecConfig("DFLASH", alone=LoneTree(**lone)).alone.is_set()
         with pytest.raises(ValueError, match="DFLASH's"):
-            SpecConfig("EAGLE", **lone)
+            SpecConfig("EAGLE", alone=LoneTree(**lone))
 
 
 def test_tiled_bf16_targets_widen_a_lone_constrained_tree_and_keep_learned_nodes_within_a_tile():

@@ -129,6 +129,36 @@ HYBRID_PATH_NODES = 14
 
 
 @dataclass(frozen=True)
+class LoneTree:
+    """DFLASH's tree for a request decoding alone in its batch, where it is not the drafter's own (None: the drafter's
+    width and ``min_draft_prob``, every node of its share): candidates per block position and confidence cut without
+    a grammar and under one, and the verify nodes its learned drafts may fill, root included (its n-gram path and
+    the grammar's forced chain may go further). ``TILED_BF16_ALONE_*`` and ``TILED_ROWS`` by default where verify
+    rows come in 16-row tiles (``SpecConfig.from_args``)."""
+
+    topk: int | None = None
+    min_draft_prob: float | None = None
+    grammar_topk: int | None = None
+    grammar_min_draft_prob: float | None = None
+    learned_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        for cut in (self.min_draft_prob, self.grammar_min_draft_prob):
+            if cut is not None and not 0.0 <= cut <= 1.0:  # also false for NaN
+                raise ValueError(f"a lone request's draft cut must be in [0, 1], got {cut}")
+        for width in (self.topk, self.grammar_topk):
+            if width is not None and width < 1:
+                raise ValueError(f"a lone request's candidates per block position must be >= 1, got {width}")
+        if self.learned_nodes is not None and self.learned_nodes < 2:
+            raise ValueError(f"a lone request's learned nodes must be >= 2 (the root and one draft), "
+                             f"got {self.learned_nodes}")
+
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.topk, self.min_draft_prob, self.grammar_topk,
+                                           self.grammar_min_draft_prob, self.learned_nodes))
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     algorithm: str  # one of ALGORITHMS
     # Nodes of one request's verify tree, root included: the drafter's tree (EAGLE: its learned tree
@@ -154,18 +184,8 @@ class SpecConfig:
     # Whether that cut grows with the batch for requests without a grammar (``min_draft_logp``): the
     # default on a float CPU target, where every verify row costs a fraction of a decode step.
     min_draft_prob_grows: bool = False
-    # DFLASH, a request without a grammar in a batch of one: its cut and its candidates per block position, in
-    # place of ``min_draft_prob`` and ``dflash.topk`` (None: those); ``TILED_BF16_ALONE_*`` by default where
-    # verify rows come in 16-row tiles.
-    alone_min_draft_prob: float | None = None
-    alone_topk: int | None = None
-    # The same for a request under a grammar alone in its batch (in place of ``min_draft_prob`` and
-    # ``dflash.grammar_topk``); ``TILED_BF16_ALONE_GRAMMAR_*`` by default on such targets.
-    alone_grammar_min_draft_prob: float | None = None
-    alone_grammar_topk: int | None = None
-    # DFLASH, a request alone in its batch: the verify nodes its learned drafts may fill, root included (None: all of
-    # its share); its n-gram path and the grammar's forced chain may go further. ``TILED_ROWS`` on such targets.
-    alone_learned_nodes: int | None = None
+    # DFLASH, a request alone in its batch: its own tree (width, cut, learned nodes) where set.
+    alone: LoneTree = LoneTree()
     # A request without a grammar or a prediction gets a tree beyond its root only in a batch of at most this
     # many requests (None: any batch): ``QUANTIZED_FREE_TEXT_DRAFT_BATCH`` on a quantized CPU target; 0 (never)
     # with ``guided_only``.
@@ -213,18 +233,7 @@ class SpecConfig:
                              f"it must be >= 2, got {self.dflash.block_size}")
         if not 0.0 <= self.min_draft_prob <= 1.0:  # also false for NaN
             raise ValueError(f"speculative_draft_min_prob must be in [0, 1], got {self.min_draft_prob}")
-        for cut in (self.alone_min_draft_prob, self.alone_grammar_min_draft_prob):
-            if cut is not None and not 0.0 <= cut <= 1.0:
-                raise ValueError(f"a lone request's draft cut must be in [0, 1], got {cut}")
-        for width in (self.alone_topk, self.alone_grammar_topk):
-            if width is not None and width < 1:
-                raise ValueError(f"a lone request's candidates per block position must be >= 1, got {width}")
-        if self.alone_learned_nodes is not None and self.alone_learned_nodes < 2:
-            raise ValueError(f"a lone request's learned nodes must be >= 2 (the root and one draft), "
-                             f"got {self.alone_learned_nodes}")
-        lone = (self.alone_min_draft_prob, self.alone_topk, self.alone_grammar_min_draft_prob, self.alone_grammar_topk,
-                self.alone_learned_nodes)
-        if any(v is not None for v in lone) and self.algorithm != "DFLASH":
+        if self.alone.is_set() and self.algorithm != "DFLASH":
             raise ValueError("a lone request's own draft cut, width and learned nodes are DFLASH's")
         if self.min_draft_prob and self.algorithm not in HYBRID_ALGORITHMS:
             raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
@@ -242,10 +251,10 @@ class SpecConfig:
         """The confidence cut of one request's tree in a batch of ``batch_size`` as the drafters compare
         it, a path log-probability (-inf: no cut): ``min_draft_prob``, or where it grows with the batch
         and the request has no grammar, ``min_draft_prob * batch_size / 2`` within [min_draft_prob,
-        BATCH_MIN_DRAFT_PROB_CAP]; for a request alone in its batch, ``alone_min_draft_prob`` (without a grammar)
-        or ``alone_grammar_min_draft_prob`` (under one) where that is set."""
+        BATCH_MIN_DRAFT_PROB_CAP]; for a request alone in its batch, ``alone.min_draft_prob`` (without a grammar)
+        or ``alone.grammar_min_draft_prob`` (under one) where that is set."""
         prob = self.min_draft_prob
-        alone = self.alone_grammar_min_draft_prob if constrained else self.alone_min_draft_prob
+        alone = self.alone.grammar_min_draft_prob if constrained else self.alone.min_draft_prob
         if batch_size == 1 and alone is not None:
             prob = alone
         elif self.min_draft_prob_grows and not constrained:
@@ -254,16 +263,16 @@ class SpecConfig:
 
     def draft_width(self, batch_size: int = 1, constrained: bool = False) -> int | None:
         """Candidates per block position of one request's DFLASH tree in a batch of ``batch_size``, where that is
-        not the drafter's own: for a request alone in its batch ``alone_topk`` (without a grammar) or
-        ``alone_grammar_topk`` (under one); else None."""
+        not the drafter's own: for a request alone in its batch ``alone.topk`` (without a grammar) or
+        ``alone.grammar_topk`` (under one); else None."""
         if batch_size != 1:
             return None
-        return self.alone_grammar_topk if constrained else self.alone_topk
+        return self.alone.grammar_topk if constrained else self.alone.topk
 
     def learned_nodes(self, batch_size: int = 1) -> int | None:
         """Verify nodes, root included, that one request's learned drafts may fill in a batch of ``batch_size``
-        (None: its whole share): ``alone_learned_nodes`` for a request alone in its batch."""
-        return self.alone_learned_nodes if batch_size == 1 else None
+        (None: its whole share): ``alone.learned_nodes`` for a request alone in its batch."""
+        return self.alone.learned_nodes if batch_size == 1 else None
 
     def runner_mode(self, device) -> tuple[bool, bool]:
         """(static buffers, CUDA graph capture) for a drafter on ``device``. auto: CUDA graphs on
@@ -343,14 +352,14 @@ class SpecConfig:
             tiled = tiled_bf16_target and float_cpu
             width = tiled and args.speculative_eagle_topk is None
             cut = tiled and args.speculative_draft_min_prob is None
-            alone = dict(alone_topk=TILED_BF16_ALONE_TOPK if width else None,
-                         alone_min_draft_prob=TILED_BF16_ALONE_MIN_DRAFT_PROB if cut else None,
-                         alone_grammar_topk=TILED_BF16_ALONE_GRAMMAR_TOPK if width else None,
-                         alone_grammar_min_draft_prob=TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB if cut else None,
-                         alone_learned_nodes=(TILED_ROWS if tiled and args.speculative_max_verify_tokens is None
-                                              else None))
+            alone = LoneTree(topk=TILED_BF16_ALONE_TOPK if width else None,
+                             min_draft_prob=TILED_BF16_ALONE_MIN_DRAFT_PROB if cut else None,
+                             grammar_topk=TILED_BF16_ALONE_GRAMMAR_TOPK if width else None,
+                             grammar_min_draft_prob=TILED_BF16_ALONE_GRAMMAR_MIN_DRAFT_PROB if cut else None,
+                             learned_nodes=(TILED_ROWS if tiled and args.speculative_max_verify_tokens is None
+                                            else None))
             return cls("DFLASH", dflash.block_size + path, ngram=ngram, dflash=dflash, hybrid_path_nodes=path,
-                       min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), **alone,
+                       min_draft_prob=_given(args.speculative_draft_min_prob, DFLASH_MIN_DRAFT_PROB), alone=alone,
                        **common)
         return cls(algorithm, _given(args.speculative_num_draft_tokens, NGRAM_TREE_NODES), ngram=ngram, **common)
 
