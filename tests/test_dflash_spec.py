@@ -580,13 +580,14 @@ def test_without_a_draft_the_error_says_where_it_looked(tiny_model_dir, tmp_path
                        speculative_draft_model_path=str(tmp_path / "none"), max_total_tokens=256)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_model_dir, copy_draft, plain_cpu_mixed,
-                                                                       monkeypatch):
+                                                                       monkeypatch, overlap):
     """Where the target's projections take rows in 16-row AMX tiles (forced here: the tiny model computes in
     float32), a request decoding alone gets TILED_BF16_ALONE_TOPK candidates a block position and the
     TILED_BF16_ALONE_MIN_DRAFT_PROB cut, under a grammar TILED_BF16_ALONE_GRAMMAR_TOPK and its cut; beside others
     free text keeps the usual 3 and the batch's cut, a grammar the chain and the usual cut. The ids stay plain
-    decoding's, every constrained output valid."""
+    decoding's, every constrained output valid, on the plain loop and the overlap loop."""
     import math
 
     from specjet.spec_v2 import config as spec_config
@@ -615,7 +616,7 @@ def test_a_lone_free_text_request_gets_the_tiled_targets_width_and_cut(tiny_mode
     monkeypatch.setattr(DFlashDrafter, "propose", spy)
     ref, alone = plain_cpu_mixed
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=8, device="cpu",
-                       speculative_draft_min_prob=None) as eng:
+                       speculative_draft_min_prob=None, disable_overlap_schedule=not overlap) as eng:
         cfg = eng.worker.speculator.cfg
         assert (cfg.alone.topk, cfg.alone.min_draft_prob, cfg.dflash.topk) == (
             spec_config.TILED_BF16_ALONE_TOPK, spec_config.TILED_BF16_ALONE_MIN_DRAFT_PROB, 3)
@@ -651,13 +652,13 @@ def force_tiled_target(monkeypatch) -> None:
         real_from_args(cls, args, quantized_cpu_target, cpu_target, True)))
 
 
-@pytest.mark.parametrize("ngram_tokens", [0, 14])
+@pytest.mark.parametrize("ngram_tokens,overlap", [(0, False), (14, False), (14, True)])
 def test_a_lone_requests_learned_nodes_stay_within_a_tile_and_its_ngram_path_may_pass_it(
-        tiny_model_dir, copy_draft, plain_cpu_mixed, monkeypatch, ngram_tokens):
+        tiny_model_dir, copy_draft, plain_cpu_mixed, monkeypatch, ngram_tokens, overlap):
     """On a tiled target (forced) a request decoding alone verifies at most TILED_ROWS nodes of learned drafts. Cut
     off (given 0) and 4 wide, the learned trees would fill every node of their share (a block of 24 alone, 30 with
     an n-gram path). Without a path the DFlash tree stops at 16 nodes; with one the learned tree comes whole and the
-    merge keeps it to 16 nodes or the path's, whichever is longer. The ids stay plain's."""
+    merge keeps it to 16 nodes or the path's, whichever is longer. The ids stay plain's, on the overlap loop too."""
     from specjet.spec_v2 import config as spec_config
     from specjet.spec_v2 import hybrid
     from specjet.spec_v2.dflash_drafter import DFlashDrafter
@@ -684,7 +685,8 @@ def test_a_lone_requests_learned_nodes_stay_within_a_tile_and_its_ngram_path_may
     block = 16 if ngram_tokens else 24
     with dflash_engine(tiny_model_dir, copy_draft, speculative_num_draft_tokens=block, device="cpu",
                        speculative_hybrid_ngram_tokens=ngram_tokens, speculative_eagle_topk=4,
-                       speculative_draft_min_prob=0.0, speculative_max_verify_tokens=None) as eng:
+                       speculative_draft_min_prob=0.0, speculative_max_verify_tokens=None,
+                       disable_overlap_schedule=not overlap) as eng:
         assert eng.worker.speculator.cfg.learned_nodes(1) == spec_config.TILED_ROWS == 16
         one = eng.generate(PROMPTS[2], MIXED[2])
         outs = eng.generate(PROMPTS[:4], MIXED)
