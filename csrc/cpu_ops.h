@@ -188,6 +188,13 @@ bool amx_permitted();  // the CPU has AMX tiles and this process may use them (a
 bool q4_1_wide_tiles();
 bool set_q4_1_wide_tiles(int64_t mode);
 
+// fp32_gemm.cpp
+bool fp32_gemm_isa_supported(int64_t isa);  // 1 AVX2 + FMA, 2 AVX-512F
+void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                    int64_t isa, torch::Tensor& y);
+torch::Tensor fp32_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                        int64_t isa);
+
 // bf16_gemm.cpp
 bool bf16_gemm_isa_supported(int64_t isa);
 bool amx_bf16_supported();  // AMX-BF16 tiles with AVX-512 BF16, usable by this process (asked once)

@@ -28,6 +28,7 @@ using specjet_cpu::kOneDnn;
 using specjet_cpu::kDense;
 using specjet_cpu::kBf16;
 using specjet_cpu::kBf16x3;
+using specjet_cpu::kFp32;
 using specjet_cpu::onednn_linear_op;
 using specjet_cpu::rows_of;
 
@@ -296,6 +297,15 @@ Projection bf16x3_projection(torch::Tensor weight, c10::optional<torch::Tensor> 
   return p;
 }
 
+Projection fp32_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t isa) {
+  TORCH_CHECK(specjet_cpu::fp32_gemm_isa_supported(isa), "layer stack: float32 GEMM instruction set ", isa,
+              " is not supported by this CPU");
+  Projection p;
+  p.kind = kFp32;
+  p.a = std::move(weight), p.bias = std::move(bias), p.isa = isa;
+  return p;
+}
+
 Projection float_projection(torch::Tensor weight, c10::optional<torch::Tensor> bias, bool blocked, int64_t min_rows,
                             int64_t max_rows) {
   TORCH_CHECK(min_rows >= 1 && max_rows >= min_rows, "layer stack: bad row plan ", min_rows, "..", max_rows);
@@ -317,6 +327,8 @@ void register_layer_stack(pybind11::module& module) {
   module.def("bf16_projection", &bf16_projection, "a packed bf16 weight (kernels/bf16_gemm.py) on instruction set isa");
   module.def("bf16x3_projection", &bf16x3_projection,
              "a float weight as three bf16 tile products (kernels/bf16_gemm.py's Bf16x3Linear; AMX)");
+  module.def("fp32_projection", &fp32_projection,
+             "a packed float32 weight (kernels/fp32_gemm.py's Fp32Linear) on instruction set isa");
   module.def("float_projection", &float_projection,
              "a float weight: oneDNN-blocked (blocked) or weight_t, run in chunks of min_rows..max_rows rows");
   pybind11::class_<LayerStack>(module, "LayerStack")

@@ -38,6 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_gemm", &int8_gemm, "y = x @ W^T (+ bias) for a packed int8 weight of N columns");
   module.def("int8_gemm_masked", &int8_gemm_masked,
              "int8_gemm's y where a row's grammar bitmask allows few columns: those alone, -inf elsewhere");
+  module.def("fp32_gemm_isa_supported", &fp32_gemm_isa_supported,
+             "whether this CPU runs the float32 GEMM's instruction set (1 AVX2 + FMA, 2 AVX-512F; the same bits)");
+  module.def("fp32_gemm", &fp32_gemm,
+             "y = x @ W (+ bias) for float32 x and a packed float32 weight [N / 16, K, 16]: one FMA chain an output");
   module.def("bf16_gemm_isa_supported", &bf16_gemm_isa_supported,
              "whether this CPU runs the bf16 GEMM's instruction set (1 AVX-512 BF16, 2 AMX tiles)");
   module.def("bf16_gemm", &bf16_gemm, "y = x @ W (+ bias) for bf16 x and a packed bf16 weight, rounded to bf16");

@@ -2,8 +2,8 @@
 // the inference operands of specjet/kernels, called with the kernel and the arguments its Python wrapper uses, so
 // it gives that wrapper's bits. A packed Q4_1 or int8 weight (kernels/qgemm.py's QuantizedLinear, float32
 // activations), a packed bf16 weight (kernels/bf16_gemm.py's Bf16Linear) or a float weight (kernels/linear.py's
-// PackedLinear: oneDNN's matmul on a blocked weight, or x @ W, under its row plan) or a float weight as three bf16
-// tile products (kernels/bf16_gemm.py's Bf16x3Linear: a feature extractor's). Built in Python by
+// PackedLinear: oneDNN's matmul on a blocked weight, or x @ W, under its row plan), a packed float32 weight
+// (kernels/fp32_gemm.py's Fp32Linear) or a float weight as three bf16 tile products (kernels/bf16_gemm.py's Bf16x3Linear: a feature extractor's). Built in Python by
 // kernels/layer_stack.py's stack_projection (the StackProjection type).
 #pragma once
 
@@ -19,7 +19,7 @@
 
 namespace specjet_cpu {
 
-enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3, kBf16 = 4, kBf16x3 = 5 };
+enum Kind : int64_t { kQ41 = 0, kInt8 = 1, kOneDnn = 2, kDense = 3, kBf16 = 4, kBf16x3 = 5, kFp32 = 6 };
 
 // Rows index[i] of a contiguous [n, h] CPU tensor, gathered into a new one (a memcpy a row: a handful of rows of the
 // tables and embeddings, where index_select's dispatch costs more than the copies).
@@ -55,7 +55,8 @@ inline torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& 
 // Hidden, as pybind11 declares its own types (the class is bound to Python in layer_stack.cpp).
 struct __attribute__((visibility("hidden"))) Projection {
   int64_t kind = kDense;
-  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t; bf16, bf16x3: the packed weight
+  // Q4_1: qs, d, m; int8: q, s, wsum; oneDNN: the blocked weight; dense: weight_t; bf16, bf16x3, fp32: the packed
+  // weight
   torch::Tensor a, b, c;
   c10::optional<torch::Tensor> bias;
   int64_t n = 0, group = 0, isa = 0, min_rows = 1, max_rows = 1;
@@ -91,6 +92,10 @@ struct __attribute__((visibility("hidden"))) Projection {
       if (x.scalar_type() == torch::kFloat32) return specjet_cpu::bf16x3_gemm(x, a, bias);
       return specjet_cpu::bf16x3_gemm(x.to(torch::kFloat32).contiguous(), a, bias).to(x.scalar_type());
     }
+    if (kind == kFp32) {  // Fp32Linear.__call__
+      if (x.scalar_type() == torch::kFloat32) return specjet_cpu::fp32_gemm(x, a, bias, isa);
+      return specjet_cpu::fp32_gemm(x.to(torch::kFloat32).contiguous(), a, bias, isa).to(x.scalar_type());
+    }
     if (kind == kQ41 || kind == kInt8) {  // QuantizedLinear.__call__
       if (x.scalar_type() == torch::kFloat32) return quantized(x);
       return quantized(x.to(torch::kFloat32).contiguous()).to(x.scalar_type());
@@ -103,10 +108,11 @@ struct __attribute__((visibility("hidden"))) Projection {
   }
 
   // operator()(x) into y (cpu_ops.h's fit_output: y is reused when it fits) where the kernel writes in place: a
-  // quantized, bf16 or bf16x3 weight on rows of its kernel's dtype. Elsewhere y becomes the tensor operator() returns.
+  // quantized, bf16, bf16x3 or fp32 weight on rows of its kernel's dtype. Elsewhere y becomes the tensor operator() returns.
   void into(const torch::Tensor& x, torch::Tensor& y) const {
     if (bf16_on(x)) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
     if (kind == kBf16x3 && x.scalar_type() == torch::kFloat32) return specjet_cpu::bf16x3_gemm_into(x, a, bias, y);
+    if (kind == kFp32 && x.scalar_type() == torch::kFloat32) return specjet_cpu::fp32_gemm_into(x, a, bias, isa, y);
     if (quantized_on(x)) return quantized_into(x, y);
     y = (*this)(x);
   }
@@ -134,7 +140,7 @@ struct __attribute__((visibility("hidden"))) Projection {
   }
 
   // The columns the kernel writes: n, or a bf16 weight's whole 16-column groups.
-  int64_t out_columns() const { return kind == kBf16 ? a.size(0) * 16 : n; }
+  int64_t out_columns() const { return kind == kBf16 || kind == kFp32 ? a.size(0) * 16 : n; }
 };
 
 }  // namespace specjet_cpu

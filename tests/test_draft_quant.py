@@ -12,9 +12,10 @@ import torch
 import specjet
 from specjet.kernels import qgemm
 from specjet.kernels.bf16_gemm import Bf16Linear
+from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.kernels.linear import PackedLinear
 
-FLOAT_OPERANDS = (PackedLinear, Bf16Linear)  # oneDNN's plans, or specjet's bf16 GEMM
+FLOAT_OPERANDS = (PackedLinear, Bf16Linear, Fp32Linear)  # oneDNN's plans, or specjet's bf16 or float32 GEMM
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.quantize import choose_draft_method
 from test_dflash_spec import make_copy_draft

@@ -12,7 +12,9 @@ from transformers import AutoConfig
 
 import specjet.models.runner as runner_module
 from model_harness import OneRequest
+from specjet.kernels import fp32_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear
+from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.operand_arena import HUGE_PAGE, advise_huge_pages, gather_operands
@@ -44,9 +46,9 @@ def _operands(model) -> list[torch.Tensor]:
         if isinstance(packed, QuantizedLinear):
             w = packed.weight
             out += [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
-        elif isinstance(packed, Bf16Linear):
+        elif isinstance(packed, (Bf16Linear, Fp32Linear)):
             out.append(packed.weight)
-        if isinstance(packed, (QuantizedLinear, Bf16Linear)) and packed.bias is not None:
+        if isinstance(packed, (QuantizedLinear, Bf16Linear, Fp32Linear)) and packed.bias is not None:
             out.append(packed.bias)
     return out
 
@@ -92,11 +94,20 @@ def test_gathered_operands_give_the_same_logits_and_sit_in_one_aligned_buffer(ti
     assert torch.equal(_logits(runner), before)
 
 
-def test_the_runner_gathers_its_operands_and_a_float32_model_keeps_onednns(tiny_model_dir):
-    gathered = _runner(tiny_model_dir, "float32", "int8", gather=True)
+@pytest.mark.parametrize("quantization", ["int8", None])
+def test_the_runner_gathers_its_operands_and_a_onednn_model_keeps_its_own(tiny_model_dir, quantization, monkeypatch,
+                                                                         request):
+    """Quantized blocks and specjet's packed float32 weights move (the same logits); a float32 model on oneDNN's
+    blocked weights (SPECJET_FP32_GEMM=onednn) has nothing that moves."""
+    if quantization is None and fp32_gemm.default_isa() == "onednn":
+        pytest.skip("no float32 GEMM of specjet's here (no AVX2 + FMA, or no extension)")
+    gathered = _runner(tiny_model_dir, "float32", quantization, gather=True)
     pointers = sorted(t.data_ptr() for t in _operands(gathered.model))
     assert pointers and pointers[0] % HUGE_PAGE == 0  # the first operand opens the buffer
-    assert torch.equal(_logits(gathered), _logits(_runner(tiny_model_dir, "float32", "int8", gather=False)))
+    assert torch.equal(_logits(gathered), _logits(_runner(tiny_model_dir, "float32", quantization, gather=False)))
+    request.addfinalizer(fp32_gemm.default_isa.cache_clear)
+    monkeypatch.setenv(fp32_gemm.ISA_ENV, "onednn")
+    fp32_gemm.default_isa.cache_clear()
     plain = _runner(tiny_model_dir, "float32", None, gather=False)
     assert gather_operands(plain.model) is None  # oneDNN's blocked weights and dense parameters stay
 

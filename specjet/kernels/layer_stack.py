@@ -3,7 +3,7 @@
 The C++ loop makes, layer by layer, the calls a layer's native forward makes from Python
 (models/llama.py ``DecoderLayer.forward_native``) with the same kernels and arguments, so its output
 has the same bits; it saves the Python between the calls. ``StackLayer`` describes one layer in terms
-of this package's operands (``PackedLinear``, ``Bf16Linear``, ``QuantizedLinear``); ``build_layer_stack`` turns a
+of this package's operands (``PackedLinear``, ``Bf16Linear``, ``Fp32Linear``, ``QuantizedLinear``); ``build_layer_stack`` turns a
 model's layers into the C++ object, or returns None where some operand has no C++ form (a layer
 still training, a quantized weight whose extension is missing), and the Python loop runs instead.
 """
@@ -19,6 +19,7 @@ from specjet.kernels.attention import native_whole_batch_args
 from specjet.kernels.attention_metadata import AttentionMetadata
 from specjet.kernels.bf16_gemm import Bf16Linear, Bf16x3Linear
 from specjet.kernels.dot_layout import DotQ41
+from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.kernels.linear import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -33,14 +34,14 @@ class StackLayer:
     eps1: float
     norm2: torch.Tensor
     eps2: float
-    qkv: object  # PackedLinear | Bf16Linear | QuantizedLinear | None (training: no inference operand)
+    qkv: object  # PackedLinear | Bf16Linear | Fp32Linear | QuantizedLinear | None (training: no inference operand)
     o: object
     gate_up: object
     down: object
 
 
 def stack_projection(packed, ext=None):
-    """The C++ form (a StackProjection) of an inference operand (``PackedLinear``, ``Bf16Linear``,
+    """The C++ form (a StackProjection) of an inference operand (``PackedLinear``, ``Bf16Linear``, ``Fp32Linear``,
     ``Bf16x3Linear``, ``QuantizedLinear``), or None: no C++ form, or no extension."""
     ext = ext or cpu_ops.extension()
     if ext is None or not hasattr(ext, "LayerStack"):
@@ -54,6 +55,8 @@ def stack_projection(packed, ext=None):
         return ext.quantized_projection(INT8, w.q, w.s, w.wsum, w.n, w.group, packed.bias, code)
     if isinstance(packed, Bf16Linear):
         return ext.bf16_projection(packed.weight, packed.bias, packed.isa)
+    if isinstance(packed, Fp32Linear):
+        return ext.fp32_projection(packed.weight, packed.bias, packed.isa)
     if isinstance(packed, Bf16x3Linear):
         return ext.bf16x3_projection(packed.weight, packed.bias)
     if isinstance(packed, PackedLinear):

@@ -7,8 +7,9 @@ choice, blocking and reduction order follow the row count M, so a plain matmul k
 only up to some M, and a single row (GEMV) may get other bits than the same row among others (the
 figures of one CPU are in bench/RESULTS.md).
 
-(A CPU bf16 weight goes to specjet's own bf16 GEMM where it runs, kernels/bf16_gemm.py: invariant by
-construction, no plan. What follows is every other weight's path.)
+(A CPU bf16 weight goes to specjet's own bf16 GEMM where it runs, kernels/bf16_gemm.py, and a CPU float32
+weight to its float32 GEMM, kernels/fp32_gemm.py: invariant by construction, no plan. What follows is every
+other weight's path, and a float32 weight's where a caller asks for oneDNN's one call: ``pack_onednn``.)
 
 The kernel is oneDNN's matmul against a weight reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, torch's CPU freezing path). Without the reorder oneDNN
@@ -35,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.kernels import bf16_gemm
+from specjet.kernels import bf16_gemm, fp32_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear
+from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.kernels.training_linear import autocast_linear
 
 logger = logging.getLogger(__name__)
@@ -177,14 +179,26 @@ def _is_exact(packed: PackedLinear, x: torch.Tensor, covered: int) -> bool:
     return True
 
 
-def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | Bf16Linear:
-    """Prepare ``weight_t`` ([in, out]) for inference: a CPU bf16 weight for specjet's own bf16 GEMM where
-    it applies (kernels/bf16_gemm.py: invariant by construction, no plan), else reorder it for oneDNN where
-    possible, under the first plan measured to keep its matmul batch-invariant."""
+def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | Bf16Linear | Fp32Linear:
+    """Prepare ``weight_t`` ([in, out]) for inference: a CPU bf16 weight for specjet's own bf16 GEMM and a CPU float32
+    weight for its float32 GEMM where they apply (kernels/bf16_gemm.py, kernels/fp32_gemm.py: invariant by
+    construction, no plan), else reorder it for oneDNN where possible, under the first plan measured to keep its
+    matmul batch-invariant."""
     weight_t = weight_t.detach()
     bias = None if bias is None else bias.detach()
     if bf16_gemm.applies(weight_t):
         return Bf16Linear.build(weight_t, bias)
+    if fp32_gemm.applies(weight_t):
+        return Fp32Linear.build(weight_t, bias)
+    return pack_onednn(weight_t, bias)
+
+
+def pack_onednn(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """``weight_t`` on oneDNN (or x @ W) under its measured row plan, whatever specjet's own GEMMs would take: for
+    callers that run it as one call of many rows (``invariant = False``: feature extraction, a label pass), where
+    oneDNN's blocking of a long call outruns a kernel built for a verify's few rows."""
+    weight_t = weight_t.detach()
+    bias = None if bias is None else bias.detach()
     blocked = can_block(weight_t)
     in_features, out_features = weight_t.shape
     key = (in_features, out_features, weight_t.dtype, bias is not None, torch.get_num_threads(), blocked,
@@ -221,7 +235,7 @@ def choose_plan(weight_t: torch.Tensor, bias: torch.Tensor | None, blocked: bool
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedLinear | Bf16Linear | None) -> torch.Tensor:
+           packed: PackedLinear | Bf16Linear | Fp32Linear | None) -> torch.Tensor:
     if packed is None:  # training, or a model never packed for inference
         if torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             return autocast_linear(x, weight_t, bias)  # (a oneDNN crash, and copies: training_linear.py)

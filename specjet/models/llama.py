@@ -16,7 +16,8 @@ from specjet.kernels import cpu_ops
 from specjet.kernels.attention import native_whole_batch, paged_attention
 from specjet.kernels.bf16_gemm import Bf16x3Linear
 from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
-from specjet.kernels.linear import PackedLinear, linear, pack_weight
+from specjet.kernels.fp32_gemm import Fp32Linear
+from specjet.kernels.linear import PackedLinear, linear, pack_onednn, pack_weight
 from specjet.kernels.training_norm import rms_norm_train, rms_normalize
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import CaptureHidden, FeatureLayers, ForwardBatch, ModelOutput
@@ -439,6 +440,8 @@ class LlamaForCausalLM(nn.Module):
         and one product of a pack's rows runs faster than the invariant plan's chunks of them. A row's bits
         then depend on its call's rows: never for a model that decodes, speculatively or not."""
         for module in self.modules():
+            if isinstance(module, Linear) and isinstance(module.packed, Fp32Linear):  # built for a verify's few rows
+                module.packed = pack_onednn(module.weight_t.data, None if module.bias is None else module.bias.data)
             if isinstance(module, Linear) and isinstance(module.packed, PackedLinear):
                 module.packed.max_rows = UNCHUNKED_ROWS
         if self.layer_stack is not None:
@@ -451,7 +454,8 @@ class LlamaForCausalLM(nn.Module):
         ``unchunk_projections``: neither float32's bits nor batch invariance is asked of it. The LM head keeps
         its operand (the label pass's float32 argmax reads it)."""
         modules = [m for layer in self.layers for m in layer.modules()
-                   if isinstance(m, Linear) and isinstance(m.packed, PackedLinear) and Bf16x3Linear.applies(m.weight_t)]
+                   if isinstance(m, Linear) and isinstance(m.packed, (PackedLinear, Fp32Linear))
+                   and Bf16x3Linear.applies(m.weight_t)]
         for m in modules:
             m.packed = Bf16x3Linear.build(m.weight_t.data, None if m.bias is None else m.bias.data)
         if modules and self.layer_stack is not None:

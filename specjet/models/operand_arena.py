@@ -9,7 +9,8 @@ order into one 2 MiB-aligned buffer that the kernel is asked to back with transp
 faster, partly from the contiguity alone and partly from the huge pages (bench/RESULTS.md, session 49).
 
 The copies hold the same bytes, so every output keeps its bits. Only operands that own their memory
-move: specjet's quantized blocks (``QuantizedLinear``) and packed bf16 weights (``Bf16Linear``). A
+move: specjet's quantized blocks (``QuantizedLinear``) and packed bf16 and float32 weights (``Bf16Linear``,
+``Fp32Linear``). A
 oneDNN-blocked float weight has no storage torch exposes, and a dense one is the parameter itself;
 both stay. Call ``gather_operands`` after the weights are packed and before anything keeps a reference
 to them (the C++ layer stack: ``use_native_ops`` builds it afterwards).
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from specjet.kernels.bf16_gemm import Bf16Linear
+from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.kernels.qgemm import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ def gather_operands(model: nn.Module) -> torch.Tensor | None:
     """Move the packed CPU operands of ``model``'s modules (``module.packed``, in module order) into one
     buffer, 2 MiB-aligned and advised for huge pages; returns the buffer (None: nothing to move). The
     operands become views of it (they keep it alive); their old memory is freed once nothing else holds it."""
-    modules = [m for m in model.modules() if isinstance(getattr(m, "packed", None), (QuantizedLinear, Bf16Linear))]
+    modules = [m for m in model.modules() if isinstance(getattr(m, "packed", None), (QuantizedLinear, Bf16Linear, Fp32Linear))]
     modules = [m for m in modules if all(t.device.type == "cpu" and t.is_contiguous()
                                          for t in _operand_tensors(m.packed).values())]
     if not modules:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from specjet.kernels import bf16_gemm, cpu_ops
+from specjet.kernels import bf16_gemm, cpu_ops, fp32_gemm
 from specjet.kernels.cpu_features import describe_cpu, has_native_bf16
 from specjet.models.config import ModelConfig
 from specjet.models.forward_batch import ForwardBatch, ForwardMode, ModelOutput, host_token_tensors
@@ -150,6 +150,8 @@ class ModelRunner:
         self.model = build_model(config, state_dict, self.dtype, self.device, quantization, gguf_path)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             logger.info("%s", bf16_gemm.describe_kernels())
+        elif self.dtype == torch.float32 and self.device.type == "cpu" and quantization is None:
+            logger.info("%s", fp32_gemm.describe_kernels())
         # Whether the projections take a forward's rows in 16-row AMX tiles (every packed weight on specjet's AMX
         # bf16 GEMM): a verify of up to 16 nodes costs ~1.3x a one-token step there, of 17 or more far more
         # (spec_v2/config.py's tiled defaults).
