@@ -194,6 +194,9 @@ void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::o
                     int64_t isa, torch::Tensor& y);
 torch::Tensor fp32_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
+torch::Tensor fp32_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                               int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
+                               int64_t max_allowed);
 
 // bf16_gemm.cpp
 bool bf16_gemm_isa_supported(int64_t isa);

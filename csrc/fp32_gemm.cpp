@@ -11,9 +11,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "prefetch.h"
+#include "token_bitmask.h"
 
 namespace {
 
@@ -63,19 +67,42 @@ bool fp32_gemm_isa_supported(int64_t isa) {
   }
 }
 
-void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                    int64_t isa, torch::Tensor& y) {
+namespace {
+
+// fp32_gemm's argument checks; returns the weight's column groups.
+int64_t check_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                   int64_t isa) {
   TORCH_CHECK(fp32_gemm_isa_supported(isa), "fp32_gemm: instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "fp32_gemm: x must be a contiguous 2-D float32 CPU tensor");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 3 && w.is_contiguous() &&
                   w.size(2) == kCols, "fp32_gemm: w must be a contiguous float32 [N / 16, K, 16] CPU tensor");
-  const int64_t rows = x.size(0), K = x.size(1), groups = w.size(0), N = groups * kCols;
-  TORCH_CHECK(w.size(1) == K, "fp32_gemm: x has ", K, " columns, the weight takes ", w.size(1));
+  const int64_t groups = w.size(0), N = groups * kCols;
+  TORCH_CHECK(w.size(1) == x.size(1), "fp32_gemm: x has ", x.size(1), " columns, the weight takes ", w.size(1));
   if (bias) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
                     bias->numel() == N, "fp32_gemm: bias must be a contiguous float32 CPU tensor of ", N, " elements");
   }
+  return groups;
+}
+
+// y[rows, N] = x[rows, K] @ W (+ bias) for checked operands, K > 0, the column groups split between threads.
+void gemm_rows(const float* xp, int64_t rows, int64_t K, const float* wp, const float* bp, float* yp, int64_t groups,
+               int64_t isa) {
+  const int64_t N = groups * kCols;
+  // ~64k weights per thread at least.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    if (isa == kAvx512) fp32_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
+    else fp32_avx2::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
+  });
+}
+
+}  // namespace
+
+void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                    int64_t isa, torch::Tensor& y) {
+  const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0), K = x.size(1), N = groups * kCols;
   fit_output(y, {rows, N}, x.options());
   if (rows == 0 || N == 0) return;
   if (K == 0) {  // no products: every chain is zero
@@ -83,22 +110,76 @@ void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::o
     else y.zero_();
     return;
   }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // ~64k weights per thread at least.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    if (isa == kAvx512) fp32_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
-    else fp32_avx2::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
-  });
+  gemm_rows(x.data_ptr<float>(), rows, K, w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+            y.data_ptr<float>(), groups, isa);
 }
 
 torch::Tensor fp32_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa) {
   torch::Tensor y;
   fp32_gemm_into(x, w, bias, isa, y);
+  return y;
+}
+
+torch::Tensor fp32_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                               int64_t isa, const torch::Tensor& bitmask, const torch::Tensor& masked,
+                               int64_t max_allowed) {
+  const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0), K = x.size(1), N = groups * kCols;
+  check_head_mask(bitmask, masked, rows, "fp32_gemm_masked");
+  TORCH_CHECK(K > 0, "fp32_gemm_masked: an LM head has inputs (K > 0)");
+  if (rows == 0 || N == 0) return fp32_gemm(x, w, bias, isa);
+  const MaskedRows split = split_masked_rows(reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()),
+                                             bitmask.size(1), masked.data_ptr<bool>(), rows, N, max_allowed);
+  const std::vector<int64_t>& sparse = split.sparse;
+  const std::vector<int64_t>& cols = split.cols;
+  const std::vector<int64_t>& cols_at = split.cols_at;
+  // A sparse row's columns' groups, each once (its columns come in order, so their groups do): row i's are
+  // group_list[groups_at[i] .. groups_at[i + 1]). Work items: eight of a row's groups.
+  std::vector<int64_t> group_list, groups_at{0};
+  for (size_t i = 0; i < sparse.size(); ++i) {
+    for (int64_t k = cols_at[i]; k < cols_at[i + 1]; ++k)
+      if (static_cast<int64_t>(group_list.size()) == groups_at.back() || group_list.back() != cols[k] / kCols)
+        group_list.push_back(cols[k] / kCols);
+    groups_at.push_back(static_cast<int64_t>(group_list.size()));
+  }
+  auto y = torch::empty({rows, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // The other rows through the full kernel: a row's result does not depend on which rows share a call.
+  dense_rows_through<float, float>(
+      split.dense, xp, K, N, yp, [&](const float* xs, int64_t n, float* ys) { gemm_rows(xs, n, K, wp, bp, ys, groups, isa); },
+      [](float v) { return v; });
+  if (!sparse.empty()) {
+    constexpr int64_t kItem = 8;  // groups of a work item
+    std::vector<int64_t> item_row, item_start;  // per work item: its sparse row's index, its first group
+    for (size_t i = 0; i < sparse.size(); ++i)
+      for (int64_t g = groups_at[i]; g < groups_at[i + 1]; g += kItem) {
+        item_row.push_back(static_cast<int64_t>(i));
+        item_start.push_back(g);
+      }
+    std::vector<float> sums(group_list.size() * kCols);  // every listed group's 16 sums, before the bias
+    at::parallel_for(0, static_cast<int64_t>(item_row.size()), 4, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t i = item_row[e], g = item_start[e], n = std::min(kItem, groups_at[i + 1] - g);
+        const float* xr = xp + sparse[i] * K;
+        if (isa == kAvx512) fp32_avx512::listed_groups(xr, K, wp, group_list.data() + g, n, sums.data() + g * kCols);
+        else fp32_avx2::listed_groups(xr, K, wp, group_list.data() + g, n, sums.data() + g * kCols);
+      }
+    });
+    for (size_t i = 0; i < sparse.size(); ++i) {
+      float* row = yp + sparse[i] * N;
+      std::fill(row, row + N, -std::numeric_limits<float>::infinity());
+      int64_t g = groups_at[i];
+      for (int64_t k = cols_at[i]; k < cols_at[i + 1]; ++k) {
+        const int64_t c = cols[k];
+        while (group_list[g] != c / kCols) ++g;
+        // + bias as the full call adds it: one float addition of the same two values
+        row[c] = bp == nullptr ? sums[g * kCols + c % kCols] : sums[g * kCols + c % kCols] + bp[c];
+      }
+    }
+  }
   return y;
 }
 

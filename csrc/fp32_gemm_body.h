@@ -147,3 +147,23 @@ inline void gemm(const float* x, int64_t rows, int64_t K, const float* w, const 
     }
   }
 }
+
+// One row x against the groups listed in gs[0 .. n): each group's 16 sums (no bias) to out[i * 16 ..], the chains a
+// full call gives them (a grammar-masked row's allowed columns), kGroups(1) groups at a time.
+inline void listed_groups(const float* x, int64_t K, const float* w, const int64_t* gs, int64_t n, float* out) {
+  constexpr int G = kGroups(1);
+  const int64_t group_size = K * 16;
+  const float* wg[G];
+  int64_t cols[G];
+  auto run = [&](auto groups_of_block, int64_t i) {
+    constexpr int B = decltype(groups_of_block)::value;
+    for (int j = 0; j < B; ++j) wg[j] = w + gs[i + j] * group_size, cols[j] = (i + j) * 16;
+    auto fetch = [&](int64_t k) {
+      for (int j = 0; j < B; ++j) prefetch_l1(wg[j] + (k + kStreamAhead) * 16);
+    };
+    block<1, B>(x, K, wg, 0, K, nullptr, true, true, nullptr, cols, out, 0, fetch);
+  };
+  int64_t i = 0;
+  for (; i + G <= n; i += G) run(std::integral_constant<int, G>{}, i);
+  for (; i < n; ++i) run(std::integral_constant<int, 1>{}, i);
+}

@@ -42,6 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "whether this CPU runs the float32 GEMM's instruction set (1 AVX2 + FMA, 2 AVX-512F; the same bits)");
   module.def("fp32_gemm", &fp32_gemm,
              "y = x @ W (+ bias) for float32 x and a packed float32 weight [N / 16, K, 16]: one FMA chain an output");
+  module.def("fp32_gemm_masked", &fp32_gemm_masked,
+             "fp32_gemm's logits of grammar-masked rows: a row allowing at most max_allowed columns gets those alone "
+             "(the bits fp32_gemm gives them), -inf elsewhere; the other rows fp32_gemm's");
   module.def("bf16_gemm_isa_supported", &bf16_gemm_isa_supported,
              "whether this CPU runs the bf16 GEMM's instruction set (1 AVX-512 BF16, 2 AMX tiles)");
   module.def("bf16_gemm", &bf16_gemm, "y = x @ W (+ bias) for bf16 x and a packed bf16 weight, rounded to bf16");

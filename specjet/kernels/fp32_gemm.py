@@ -12,7 +12,7 @@ shapes and a missing extension keep oneDNN.
 
 The weight is packed once, [N / 16, K, 16]: a 16-column group's row k one 64-byte line, each group one
 sequential stream. ``fp32_gemm_reference`` is the torch product (another summation order: a tolerance, not
-bits).
+bits). ``Fp32Linear.masked`` gives an LM head's grammar-masked rows only the columns their grammar allows.
 """
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ from specjet.kernels import cpu_ops
 ISA_ENV = "SPECJET_FP32_GEMM"
 ISAS = {"onednn": 0, "avx2": 1, "avx512": 2}  # onednn: not this kernel (kernels/linear.py's plans)
 COLS = 16  # columns of a packed group
+# A grammar-masked row allowing at most this many columns has them computed alone (Fp32Linear.masked): each costs
+# its 16-column group's chains, while any full row of an LM head streams the whole weight (113 MB for the default
+# model's in float32).
+MASKED_MAX_ALLOWED = 256
 
 
 def supported_isas() -> list[str]:
@@ -96,6 +100,26 @@ class Fp32Linear:
     def weight_t(self) -> torch.Tensor:
         """The [in, out] weight this operand packs (a copy)."""
         return unpack(self.weight)
+
+    @property
+    def has_masked_kernel(self) -> bool:
+        """Whether ``masked`` computes rows' allowed columns alone (the extension's ``fp32_gemm_masked``)."""
+        return hasattr(cpu_ops.extension(), "fp32_gemm_masked")
+
+    def masked(self, x: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor,
+               max_allowed: int = MASKED_MAX_ALLOWED) -> torch.Tensor | None:
+        """``self(x)`` for rows x [R, K] whose outputs a grammar restricts (an LM head's): a row with ``masked``
+        set whose ``bitmask`` row (int32 [R, W], token t = bit t % 32 of word t // 32) allows at most
+        ``max_allowed`` columns gets those columns, with the bits ``self(x)`` gives them, and -inf elsewhere (where
+        the mask puts -inf anyway); the other rows are ``self(x)``'s. Where every row is such a row, the weight is
+        read only for the allowed columns' groups. None: no such kernel (an extension without it)."""
+        if not self.has_masked_kernel:
+            return None
+        x = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        return cpu_ops.extension().fp32_gemm_masked(x, self.weight, self.bias, self.isa, bitmask.contiguous(),
+                                                    masked.contiguous(), max_allowed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ext = cpu_ops.extension()

@@ -408,7 +408,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def head_logits(self, x: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The LM head over normed rows x: float32 logits. ``mask`` (bitmask [N, W], masked [N]): rows whose
-        grammar allows few tokens may get only those columns (-inf elsewhere; QuantizedLinear.masked, Bf16Linear.masked)."""
+        grammar allows few tokens may get only those columns (-inf elsewhere; QuantizedLinear.masked, Bf16Linear.masked,
+        Fp32Linear.masked)."""
         logits = None
         masked_head = getattr(self.lm_head.packed, "masked", None)
         if mask is not None and masked_head is not None:

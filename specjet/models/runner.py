@@ -207,7 +207,8 @@ class ModelRunner:
     @property
     def head_takes_masks(self) -> bool:
         """Whether the LM head computes only the columns a grammar mask allows, for rows that allow few
-        (``head``): a quantized head on the CPU's kernels, or a bf16 one on the VDPBF16PS GEMM."""
+        (``head``): a quantized head on the CPU's kernels, a bf16 one on the VDPBF16PS GEMM or a float32 one on
+        specjet's float32 GEMM."""
         return bool(getattr(self.model.lm_head.packed, "has_masked_kernel", False))
 
     def head(self, hidden: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
