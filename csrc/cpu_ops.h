@@ -191,7 +191,7 @@ bool set_q4_1_wide_tiles(int64_t mode);
 // fp32_gemm.cpp
 bool fp32_gemm_isa_supported(int64_t isa);  // 1 AVX2 + FMA, 2 AVX-512F
 void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                    int64_t isa, torch::Tensor& y);
+                    int64_t isa, torch::Tensor& y, const FusedRows& fused = {});
 torch::Tensor fp32_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t isa);
 torch::Tensor fp32_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,

@@ -86,32 +86,47 @@ int64_t check_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::op
   return groups;
 }
 
-// y[rows, N] = x[rows, K] @ W (+ bias) for checked operands, K > 0, the column groups split between threads.
+// y[rows, N] = x[rows, K] @ W (+ bias) for checked operands, K > 0, the column groups split between threads; `fused`
+// row ops in the same team (cpu_ops.h's run_team: each thread its rows of x before, its rows of y after), or on the
+// calling thread's team around a call of fewer rows than threads.
 void gemm_rows(const float* xp, int64_t rows, int64_t K, const float* wp, const float* bp, float* yp, int64_t groups,
-               int64_t isa) {
+               int64_t isa, const FusedRows& fused = {}) {
   const int64_t N = groups * kCols;
   // ~64k weights per thread at least.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * K));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  auto columns = [&](int64_t g0, int64_t g1) {
     if (isa == kAvx512) fp32_avx512::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
     else fp32_avx2::gemm(xp, rows, K, wp, bp, yp, N, g0, g1);
-  });
+  };
+  if (fused.before || fused.after) {
+    const int64_t team = std::min<int64_t>(at::get_num_threads(), (groups + grain - 1) / grain);
+    if (team > 1 && rows >= team && !at::in_parallel_region()) {
+      run_team(team, rows, groups, fused, [](int64_t, int64_t, int64_t, int64_t) {}, columns);
+      return;
+    }
+    run_around(rows, fused, [&] { at::parallel_for(0, groups, grain, columns); });
+    return;
+  }
+  at::parallel_for(0, groups, grain, columns);
 }
 
 }  // namespace
 
 void fp32_gemm_into(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                    int64_t isa, torch::Tensor& y) {
+                    int64_t isa, torch::Tensor& y, const FusedRows& fused) {
   const int64_t groups = check_gemm(x, w, bias, isa), rows = x.size(0), K = x.size(1), N = groups * kCols;
   fit_output(y, {rows, N}, x.options());
-  if (rows == 0 || N == 0) return;
-  if (K == 0) {  // no products: every chain is zero
-    if (bias) y.copy_(bias->unsqueeze(0).expand({rows, N}));
-    else y.zero_();
+  if (rows == 0 || N == 0 || K == 0) {
+    run_around(rows, {fused.before, nullptr}, [] {});
+    if (K == 0 && rows > 0) {  // no products: every chain is zero
+      if (bias) y.copy_(bias->unsqueeze(0).expand({rows, N}));
+      else y.zero_();
+    }
+    run_around(rows, {nullptr, fused.after}, [] {});
     return;
   }
   gemm_rows(x.data_ptr<float>(), rows, K, w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
-            y.data_ptr<float>(), groups, isa);
+            y.data_ptr<float>(), groups, isa, fused);
 }
 
 torch::Tensor fp32_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,

@@ -112,30 +112,33 @@ struct __attribute__((visibility("hidden"))) Projection {
   void into(const torch::Tensor& x, torch::Tensor& y) const {
     if (bf16_on(x)) return specjet_cpu::bf16_gemm_into(x, a, bias, isa, y);
     if (kind == kBf16x3 && x.scalar_type() == torch::kFloat32) return specjet_cpu::bf16x3_gemm_into(x, a, bias, y);
-    if (kind == kFp32 && x.scalar_type() == torch::kFloat32) return specjet_cpu::fp32_gemm_into(x, a, bias, isa, y);
+    if (fp32_on(x)) return specjet_cpu::fp32_gemm_into(x, a, bias, isa, y);
     if (quantized_on(x)) return quantized_into(x, y);
     y = (*this)(x);
   }
 
-  // Whether the kernel of this weight takes x's rows as they are (no conversion): a quantized weight on float32
-  // rows, a bf16 weight on bf16 rows.
+  // Whether the kernel of this weight takes x's rows as they are (no conversion): a quantized or float32 weight on
+  // float32 rows, a bf16 weight on bf16 rows.
   bool quantized_on(const torch::Tensor& x) const {
     return (kind == kQ41 || kind == kInt8) && x.scalar_type() == torch::kFloat32;
   }
   bool bf16_on(const torch::Tensor& x) const { return kind == kBf16 && x.scalar_type() == torch::kBFloat16; }
+  bool fp32_on(const torch::Tensor& x) const { return kind == kFp32 && x.scalar_type() == torch::kFloat32; }
 
   // Whether fused_into runs row ops in this projection's kernel team: where its kernel takes the rows as they are.
-  bool fuses_rows(const torch::Tensor& x) const { return quantized_on(x) || bf16_on(x); }
+  bool fuses_rows(const torch::Tensor& x) const { return quantized_on(x) || bf16_on(x) || fp32_on(x); }
 
   // into(x, y) with `fused` row ops (cpu_ops.h) around it in the kernel's team, where fuses_rows(x): x [rows, K]
   // already shaped (`before` writes it), y already [rows, out_columns()] of x's dtype (`after` reads it: the kernel
   // keeps y, so the op's pointers into it hold).
   void fused_into(const torch::Tensor& x, torch::Tensor& y, const FusedRows& fused) const {
-    TORCH_CHECK(fuses_rows(x), "layer stack: fused row ops need a quantized weight on float32 rows or bf16 on bf16");
+    TORCH_CHECK(fuses_rows(x), "layer stack: fused row ops need a quantized or float32 weight on float32 rows or bf16 "
+                "on bf16");
     TORCH_CHECK(!fused.after || (y.defined() && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == out_columns() &&
                                  y.scalar_type() == x.scalar_type() && y.is_contiguous()),
                 "layer stack: a fused op after the projection needs its output sized beforehand");
     if (kind == kBf16) specjet_cpu::bf16_gemm_into(x, a, bias, isa, y, fused);
+    else if (kind == kFp32) specjet_cpu::fp32_gemm_into(x, a, bias, isa, y, fused);
     else quantized_into(x, y, fused);
   }
 

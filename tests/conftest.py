@@ -78,6 +78,17 @@ def cyclic_model_dir(tmp_path_factory, default_model_dir) -> pathlib.Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-cyclic"), default_model_dir, weight_std=0.05)
 
 
+@pytest.fixture
+def onednn_float32(monkeypatch, request):
+    """float32 weights packed for oneDNN's measured row plans (``SPECJET_FP32_GEMM=onednn``) instead of specjet's
+    float32 GEMM, for tests of the plans' paths."""
+    from specjet.kernels import fp32_gemm
+
+    request.addfinalizer(fp32_gemm.default_isa.cache_clear)
+    monkeypatch.setenv(fp32_gemm.ISA_ENV, "onednn")
+    fp32_gemm.default_isa.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def dev_schemas() -> list[dict]:
     """The dev set of JSON schemas with prompts (../shared/data/jsonschema)."""

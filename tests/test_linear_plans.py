@@ -51,9 +51,10 @@ def test_only_gpu_weights_try_fixed_row_plans(weight_t):
         assert set(L.FIXED_ROW_PLANS) <= set(L.plan_candidates(weight_t.cuda(), blocked=False))
 
 
-def test_a_model_without_batch_invariance_runs_each_projection_in_one_call(monkeypatch, tiny_model_dir):
-    """``set_batch_invariant(False)`` (deterministic inference off) lifts the row chunking: one kernel
-    call a projection (oneDNN's, not torch's matmul); back on, the chunks and their bits return."""
+def test_a_model_without_batch_invariance_runs_each_projection_in_one_call(monkeypatch, tiny_model_dir,
+                                                                           onednn_float32):
+    """``set_batch_invariant(False)`` (deterministic inference off) lifts the row chunking of oneDNN's plans: one
+    kernel call a projection (oneDNN's, not torch's matmul); back on, the chunks and their bits return."""
     from tests.model_harness import load_runner
 
     runner = load_runner(tiny_model_dir)
