@@ -629,20 +629,8 @@ torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, c
   check_head_mask(bitmask, masked, rows, "bf16_gemm_masked");
   const MaskedRows split = split_masked_rows(reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()),
                                              bitmask.size(1), masked.data_ptr<bool>(), rows, N, max_allowed);
-  const std::vector<int64_t>& dense = split.dense;
-  const std::vector<int64_t>& sparse = split.sparse;
-  const std::vector<int64_t>& cols = split.cols;
-  const std::vector<int64_t>& cols_at = split.cols_at;
-  // A sparse row's columns' groups, each once (its columns come in order, so their groups do): row i's are
-  // group_list[groups_at[i] .. groups_at[i + 1]). Work items: eight of a row's groups, each group's 16 sums made
-  // whole (the chains a full call gives them).
-  std::vector<int64_t> group_list, groups_at{0};
-  for (size_t i = 0; i < sparse.size(); ++i) {
-    for (int64_t k = cols_at[i]; k < cols_at[i + 1]; ++k)
-      if (static_cast<int64_t>(group_list.size()) == groups_at.back() || group_list.back() != cols[k] / kCols)
-        group_list.push_back(cols[k] / kCols);
-    groups_at.push_back(static_cast<int64_t>(group_list.size()));
-  }
+  constexpr int64_t kItem = 8;  // groups of a work item: each group's 16 sums made whole (the chains a full call gives)
+  const ListedGroups groups_of = listed_groups_of(split, kCols, kItem);
   auto y = torch::empty({rows, N}, x.options().dtype(torch::kFloat32));
   if (rows == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -651,34 +639,20 @@ torch::Tensor bf16_gemm_masked(const torch::Tensor& x, const torch::Tensor& w, c
   float* yp = y.data_ptr<float>();
   // The other rows through bf16_gemm's kernel: a row's result does not depend on which rows share a call.
   dense_rows_through<uint16_t, uint16_t>(
-      dense, xp, K, N, yp, [&](const uint16_t* xs, int64_t n, uint16_t* ys) { gemm_rows(xs, n, K, wp, bp, ys, groups, isa); },
+      split.dense, xp, K, N, yp, [&](const uint16_t* xs, int64_t n, uint16_t* ys) { gemm_rows(xs, n, K, wp, bp, ys, groups, isa); },
       bf16_to_float);
-  if (!sparse.empty()) {
-    constexpr int64_t kItem = 8;  // groups of a work item
-    std::vector<int64_t> item_row, item_start;  // per work item: its sparse row's index, its first group
-    for (size_t i = 0; i < sparse.size(); ++i)
-      for (int64_t g = groups_at[i]; g < groups_at[i + 1]; g += kItem) {
-        item_row.push_back(static_cast<int64_t>(i));
-        item_start.push_back(g);
-      }
-    std::vector<uint16_t> sums(group_list.size() * kCols);  // every listed group's 16 sums
-    at::parallel_for(0, static_cast<int64_t>(item_row.size()), 4, [&](int64_t e0, int64_t e1) {
-      for (int64_t e = e0; e < e1; ++e) {
-        const int64_t i = item_row[e], g = item_start[e], n = std::min(kItem, groups_at[i + 1] - g);
-        bf16_avx512::listed_groups(xp + sparse[i] * K, K, wp, bp, group_list.data() + g, n, sums.data() + g * kCols);
-      }
-    });
-    for (size_t i = 0; i < sparse.size(); ++i) {
-      float* row = yp + sparse[i] * N;
-      std::fill(row, row + N, -std::numeric_limits<float>::infinity());
-      int64_t g = groups_at[i];
-      for (int64_t k = cols_at[i]; k < cols_at[i + 1]; ++k) {
-        const int64_t c = cols[k];
-        while (group_list[g] != c / kCols) ++g;
-        row[c] = bf16_to_float(sums[g * kCols + c % kCols]);
-      }
+  if (split.sparse.empty()) return y;
+  std::vector<uint16_t> sums(groups_of.list.size() * kCols);  // every listed group's 16 sums
+  at::parallel_for(0, static_cast<int64_t>(groups_of.item_row.size()), 4, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t i = groups_of.item_row[e], g = groups_of.item_start[e];
+      const int64_t n = std::min(kItem, groups_of.at[i + 1] - g);
+      bf16_avx512::listed_groups(xp + split.sparse[i] * K, K, wp, bp, groups_of.list.data() + g, n,
+                                 sums.data() + g * kCols);
     }
-  }
+  });
+  fill_sparse_rows(split, groups_of, kCols, yp, N,
+                   [&](int64_t g, int64_t c) { return bf16_to_float(sums[g * kCols + c % kCols]); });
   return y;
 }
 

@@ -5,8 +5,10 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 inline const uint32_t* bitmask_row(const int32_t* words, int64_t row, int64_t width) {
@@ -79,4 +81,43 @@ inline void dense_rows_through(const std::vector<int64_t>& dense, const In* x, i
   compute(xs.data(), n, ys.data());
   for (int64_t i = 0; i < n; ++i)
     for (int64_t c = 0; c < N; ++c) y[dense[i] * N + c] = to_float(ys[i * N + c]);
+}
+
+// The 16-column groups of a masked head's sparse rows (``split_masked_rows``), each once a row (a row's columns come
+// in order, so their groups do): row i's are list[at[i] .. at[i + 1]). Work items of at most `item` of a row's groups:
+// item e is row item_row[e]'s groups from list index item_start[e].
+struct ListedGroups {
+  std::vector<int64_t> list, at{0}, item_row, item_start;
+};
+
+inline ListedGroups listed_groups_of(const MaskedRows& split, int64_t cols_per_group, int64_t item) {
+  ListedGroups out;
+  for (size_t i = 0; i < split.sparse.size(); ++i) {
+    for (int64_t k = split.cols_at[i]; k < split.cols_at[i + 1]; ++k)
+      if (static_cast<int64_t>(out.list.size()) == out.at.back() || out.list.back() != split.cols[k] / cols_per_group)
+        out.list.push_back(split.cols[k] / cols_per_group);
+    out.at.push_back(static_cast<int64_t>(out.list.size()));
+    for (int64_t g = out.at[i]; g < out.at[i + 1]; g += item) {
+      out.item_row.push_back(static_cast<int64_t>(i));
+      out.item_start.push_back(g);
+    }
+  }
+  return out;
+}
+
+// Each sparse row of y ([*, N] float): -inf, then each of its columns c value(g, c), g the place in groups.list of the
+// group that holds c.
+template <class Value>
+inline void fill_sparse_rows(const MaskedRows& split, const ListedGroups& groups, int64_t cols_per_group, float* y,
+                             int64_t N, Value value) {
+  for (size_t i = 0; i < split.sparse.size(); ++i) {
+    float* row = y + split.sparse[i] * N;
+    std::fill(row, row + N, -std::numeric_limits<float>::infinity());
+    int64_t g = groups.at[i];
+    for (int64_t k = split.cols_at[i]; k < split.cols_at[i + 1]; ++k) {
+      const int64_t c = split.cols[k];
+      while (groups.list[g] != c / cols_per_group) ++g;
+      row[c] = value(g, c);
+    }
+  }
 }

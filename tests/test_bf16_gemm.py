@@ -3,12 +3,13 @@ instruction set batch-invariant (a row's bits alone == among others, at every ro
 prefill gives it), the packed layout, which CPUs get which kernel, and which weights stay on oneDNN."""
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
 import torch
 
-from isa_checks import check_forced_isa, cpu_flags, token_bitmask
+from isa_checks import check_forced_isa, check_masked_head, cpu_flags
 
 from specjet.kernels import bf16_gemm
 from specjet.kernels.bf16_gemm import Bf16Linear, bf16_gemm_reference
@@ -115,7 +116,7 @@ def test_the_kernels_are_offered_where_the_cpu_has_them():
         pytest.skip("the C++ extension is not built")
     assert ("avx512_bf16" in bf16_gemm.supported_isas()) == ("avx512_bf16" in flags)
     assert ("amx" in bf16_gemm.supported_isas()) == ({"avx512_bf16", "amx_tile", "amx_bf16"} <= flags)
-    if not bf16_gemm.os.environ.get(bf16_gemm.ISA_ENV):  # the tiles by default, else the VDPBF16PS chains
+    if not os.environ.get(bf16_gemm.ISA_ENV):  # the tiles by default, else the VDPBF16PS chains
         offered = bf16_gemm.supported_isas()
         assert bf16_gemm.default_isa() == ("amx" if "amx" in offered else "avx512_bf16" if "avx512_bf16" in offered
                                            else "onednn")
@@ -156,31 +157,7 @@ def test_masked_rows_get_the_full_calls_bits_on_their_allowed_columns():
     lin = Bf16Linear.build(weights(k, n, seed=12), torch.randn(n, generator=gen).bfloat16(), "avx512_bf16")
     assert lin.has_masked_kernel
     x = rows_of(7, k, seed=13)
-    allowed = torch.zeros(7, 992, dtype=torch.bool)
-    allowed[0, [0, 15, 16, 500, 991]] = True  # sparse, four groups
-    allowed[1] = torch.rand(992, generator=gen) < 0.5  # dense: > max_allowed
-    allowed[2, 7] = True  # one column
-    allowed[4, :300] = True  # 300 columns in 19 groups: sparse under a larger limit only
-    allowed[6, ::37] = True  # 27 columns in as many groups: several work items
-    masked = torch.tensor([True, True, True, False, True, True, True])  # row 3 unmasked; row 5 allows nothing
-    bitmask = token_bitmask(allowed)
-    full = lin(x).float()
-    for limit in (256, 400):
-        got = lin.masked(x, bitmask, masked, limit)
-        assert got.dtype == torch.float32 and got.shape == (7, n)
-        dense = {1, 3} | ({4} if limit < 300 else set())
-        for r in range(7):
-            if r in dense:
-                assert torch.equal(got[r], full[r]), (limit, r)
-                continue
-            keep = torch.cat([allowed[r], torch.ones(16, dtype=torch.bool)])  # past the mask: computed
-            assert torch.equal(got[r][keep], full[r][keep]), (limit, r)
-            assert bool((got[r][~keep] == float("-inf")).all()), (limit, r)
-    rows = [0, 2, 5, 6]
-    sparse_only = lin.masked(x[rows].contiguous(), bitmask[rows].contiguous(), masked[rows].contiguous())
-    assert torch.equal(sparse_only, lin.masked(x, bitmask, masked)[rows])
-    assert torch.equal(lin.masked(x[1:2].contiguous(), bitmask[1:2].contiguous(), masked[1:2].contiguous()),
-                       full[1:2])
+    check_masked_head(lin, x, gen)
     # A mask covering every column that allows none (a node after the grammar's end): -inf everywhere.
     covered = Bf16Linear.build(weights(k, 992, seed=12), None, "avx512_bf16")
     nothing = covered.masked(x[:2].contiguous(), torch.zeros(2, 31, dtype=torch.int32), torch.tensor([True, False]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isa_checks import check_forced_isa
+from isa_checks import check_forced_isa, check_masked_head
 
 import specjet
 from specjet.kernels import cpu_ops, fp32_gemm
@@ -155,37 +155,12 @@ def test_masked_rows_get_the_full_calls_bits_on_their_allowed_columns(isa):
     there and -inf elsewhere, whichever groups its columns fall in (one, several, more than a work item's eight,
     the last); masked rows allowing many, and unmasked rows, are the full call's; columns past the mask's width are
     computed; every row sparse, and a row alone, give the same bits."""
-    from isa_checks import token_bitmask
-
     gen = torch.Generator().manual_seed(11)
     n, k = 1008, 96  # 63 groups; the mask covers 992 columns (31 words): the last 16 lie past it
     lin = Fp32Linear.build(weights(k, n, seed=12), torch.randn(n, generator=gen), isa)
     assert lin.has_masked_kernel
     x = check_input(7, weights(k, n))
-    allowed = torch.zeros(7, 992, dtype=torch.bool)
-    allowed[0, [0, 15, 16, 500, 991]] = True  # sparse, four groups
-    allowed[1] = torch.rand(992, generator=gen) < 0.5  # dense: > max_allowed
-    allowed[2, 7] = True  # one column
-    allowed[4, :300] = True  # 300 columns in 19 groups: sparse under a larger limit only
-    allowed[6, ::37] = True  # 27 columns in as many groups: several work items
-    masked = torch.tensor([True, True, True, False, True, True, True])  # row 3 unmasked; row 5 allows nothing
-    bitmask = token_bitmask(allowed)
-    full = lin(x)
-    for limit in (256, 400):
-        got = lin.masked(x, bitmask, masked, limit)
-        assert got.dtype == torch.float32 and got.shape == (7, n)
-        dense = {1, 3} | ({4} if limit < 300 else set())
-        for r in range(7):
-            if r in dense:
-                assert torch.equal(got[r], full[r]), (limit, r)
-                continue
-            keep = torch.cat([allowed[r], torch.ones(16, dtype=torch.bool)])  # past the mask: computed
-            assert torch.equal(got[r][keep], full[r][keep]), (limit, r)
-            assert bool((got[r][~keep] == float("-inf")).all()), (limit, r)
-    rows = [0, 2, 5, 6]
-    sparse_only = lin.masked(x[rows].contiguous(), bitmask[rows].contiguous(), masked[rows].contiguous())
-    assert torch.equal(sparse_only, lin.masked(x, bitmask, masked)[rows])
-    assert torch.equal(lin.masked(x[1:2].contiguous(), bitmask[1:2].contiguous(), masked[1:2].contiguous()), full[1:2])
+    bitmask, masked = check_masked_head(lin, x, gen)
     ext = cpu_ops.extension()
     with pytest.raises(RuntimeError, match="bitmask"):
         ext.fp32_gemm_masked(x, lin.weight, None, lin.isa, bitmask.long(), masked, 256)

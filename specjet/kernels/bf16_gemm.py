@@ -23,12 +23,12 @@ bf16 products each, float32 to ~2^-16 a product (``bf16x3_gemm_reference`` is it
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.isa_choice import forced_isa, offered_isas
 
 ISA_ENV = "SPECJET_BF16_GEMM"
 ISAS = {"onednn": 0, "avx512_bf16": 1, "amx": 2}  # onednn: not this kernel (kernels/linear.py's plans)
@@ -40,9 +40,7 @@ MASKED_MAX_ALLOWED = 256
 
 
 def supported_isas() -> list[str]:
-    ext = cpu_ops.extension()
-    return ["onednn"] + [name for name, code in ISAS.items()
-                         if code and ext is not None and hasattr(ext, "bf16_gemm") and ext.bf16_gemm_isa_supported(code)]
+    return offered_isas(ISAS, "bf16_gemm_isa_supported", "bf16_gemm")
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,15 +50,9 @@ def default_isa() -> str:
     plain decode step, reads the weights faster than oneDNN's, and with the weights of 64 columns read once
     for all of a call's rows, verifies and prefills are no slower either: bench/RESULTS.md, session 48),
     oneDNN elsewhere."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
     available = supported_isas()
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)}")
-        if forced not in available:
-            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
-        return forced
-    return next(isa for isa in ("amx", "avx512_bf16", "onednn") if isa in available)
+    return forced_isa(ISA_ENV, ISAS, available) or next(isa for isa in ("amx", "avx512_bf16", "onednn")
+                                                         if isa in available)
 
 
 def applies(weight_t: torch.Tensor, isa: str | None = None) -> bool:

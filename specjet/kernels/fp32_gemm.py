@@ -17,12 +17,12 @@ bits). ``Fp32Linear.masked`` gives an LM head's grammar-masked rows only the col
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.isa_choice import forced_isa, offered_isas
 
 ISA_ENV = "SPECJET_FP32_GEMM"
 ISAS = {"onednn": 0, "avx2": 1, "avx512": 2}  # onednn: not this kernel (kernels/linear.py's plans)
@@ -34,24 +34,15 @@ MASKED_MAX_ALLOWED = 256
 
 
 def supported_isas() -> list[str]:
-    ext = cpu_ops.extension()
-    return ["onednn"] + [name for name, code in ISAS.items()
-                         if code and ext is not None and hasattr(ext, "fp32_gemm") and ext.fp32_gemm_isa_supported(code)]
+    return offered_isas(ISAS, "fp32_gemm_isa_supported", "fp32_gemm")
 
 
 @functools.lru_cache(maxsize=1)
 def default_isa() -> str:
     """``SPECJET_FP32_GEMM`` if set (refused with the reason where this CPU lacks it), else the widest this CPU
     runs (AVX-512F, then AVX2 + FMA), oneDNN only where neither runs or the extension is missing."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
     available = supported_isas()
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)}")
-        if forced not in available:
-            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
-        return forced
-    return next(isa for isa in ("avx512", "avx2", "onednn") if isa in available)
+    return forced_isa(ISA_ENV, ISAS, available) or next(isa for isa in ("avx512", "avx2", "onednn") if isa in available)
 
 
 def applies(weight_t: torch.Tensor, isa: str | None = None) -> bool:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from specjet.kernels.dot_layout import DotInt8, DotQ41, DotWeight, pack, unpack
+from specjet.kernels.isa_choice import forced_isa
 from specjet.kernels.linear import PackedLinear, pack_weight
 from specjet.kernels.quant_formats import Int8Weight, Q41Weight, QuantWeight
 
@@ -55,12 +55,8 @@ def supported_isas() -> list[str]:
 @functools.lru_cache(maxsize=1)
 def default_isa() -> str:
     """The widest kernels this CPU runs that ATen would also use here, after ``SPECJET_QGEMM_ISA``."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    forced = forced_isa(ISA_ENV, ISAS, supported_isas())
     if forced:
-        if forced not in ISAS:
-            raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)}")
-        if forced not in supported_isas():
-            raise ValueError(f"{ISA_ENV}={forced!r}: this CPU (or a missing extension) does not run it")
         return forced
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
     wanted = {"AVX512": ["amx", "avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
