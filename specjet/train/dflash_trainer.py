@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 
 from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.bf16_gemm import Bf16x3Linear
-from specjet.kernels.linear import pack_onednn
+from specjet.kernels.fp32_gemm import Fp32Linear
+from specjet.kernels.linear import PackedLinear, pack_onednn, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
 from specjet.train.head_loss import head_cross_entropy
@@ -159,8 +160,11 @@ def target_greedy(model: DFlashDraftModel):
     if label_kernel(model) == "bf16x3":
         packed = Bf16x3Linear.build(head.weight_t.detach(), None if head.bias is None else head.bias.detach())
     else:
-        packed = pack_onednn(head.weight_t, head.bias)
-        packed.invariant = False
+        packed = pack_weight(head.weight_t, head.bias)
+        if isinstance(packed, Fp32Linear):  # built for a verify's few rows: oneDNN's one call of a long pack instead
+            packed = pack_onednn(head.weight_t, head.bias)
+        if isinstance(packed, PackedLinear):
+            packed.invariant = False
 
     @torch.no_grad()
     def greedy(hidden: torch.Tensor) -> torch.Tensor:
