@@ -195,8 +195,9 @@ def pack_weight(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> Pac
 
 def pack_onednn(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
     """``weight_t`` on oneDNN (or x @ W) under its measured row plan, whatever specjet's own GEMMs would take: for
-    callers that run it as one call of many rows (``invariant = False``: feature extraction, a label pass), where
-    oneDNN's blocking of a long call outruns a kernel built for a verify's few rows."""
+    callers that run it as one call of thousands of rows with no invariance asked (feature extraction, a label
+    pass), whose stages were measured on oneDNN's one call; specjet's float32 GEMM was built and measured for a
+    decode step's to a prefill chunk's rows (up to 128: bench/RESULTS.md, session 99)."""
     weight_t = weight_t.detach()
     bias = None if bias is None else bias.detach()
     blocked = can_block(weight_t)

@@ -441,7 +441,7 @@ class LlamaForCausalLM(nn.Module):
         and one product of a pack's rows runs faster than the invariant plan's chunks of them. A row's bits
         then depend on its call's rows: never for a model that decodes, speculatively or not."""
         for module in self.modules():
-            if isinstance(module, Linear) and isinstance(module.packed, Fp32Linear):  # built for a verify's few rows
+            if isinstance(module, Linear) and isinstance(module.packed, Fp32Linear):  # oneDNN's one call (pack_onednn)
                 module.packed = pack_onednn(module.weight_t.data, None if module.bias is None else module.bias.data)
             if isinstance(module, Linear) and isinstance(module.packed, PackedLinear):
                 module.packed.max_rows = UNCHUNKED_ROWS

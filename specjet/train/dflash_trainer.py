@@ -161,7 +161,7 @@ def target_greedy(model: DFlashDraftModel):
         packed = Bf16x3Linear.build(head.weight_t.detach(), None if head.bias is None else head.bias.detach())
     else:
         packed = pack_weight(head.weight_t, head.bias)
-        if isinstance(packed, Fp32Linear):  # built for a verify's few rows: oneDNN's one call of a long pack instead
+        if isinstance(packed, Fp32Linear):  # oneDNN's one call of a long pack instead (linear.pack_onednn)
             packed = pack_onednn(head.weight_t, head.bias)
         if isinstance(packed, PackedLinear):
             packed.invariant = False
