@@ -36,8 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specjet.kernels.argmax import argmax_rows
+from specjet.kernels import fp32_gemm
 from specjet.kernels.bf16_gemm import Bf16x3Linear
-from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.kernels.linear import PackedLinear, pack_onednn, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import Sequence
@@ -160,9 +160,9 @@ def target_greedy(model: DFlashDraftModel):
     if label_kernel(model) == "bf16x3":
         packed = Bf16x3Linear.build(head.weight_t.detach(), None if head.bias is None else head.bias.detach())
     else:
-        packed = pack_weight(head.weight_t, head.bias)
-        if isinstance(packed, Fp32Linear):  # oneDNN's one call of a long pack instead (linear.pack_onednn)
-            packed = pack_onednn(head.weight_t, head.bias)
+        # a float32 head: oneDNN's one call of a long pack (linear.pack_onednn), never packed for the float32 GEMM first
+        pack = pack_onednn if fp32_gemm.applies(head.weight_t) else pack_weight
+        packed = pack(head.weight_t, head.bias)
         if isinstance(packed, PackedLinear):
             packed.invariant = False
 
