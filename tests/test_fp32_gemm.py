@@ -117,14 +117,17 @@ def test_a_forced_instruction_set_is_checked(monkeypatch, request):
 
 
 @needs_kernel
-def test_a_float32_engine_decodes_on_the_kernel_and_speculation_keeps_plain_ids(tiny_model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_float32_engine_decodes_on_the_kernel_and_speculation_keeps_plain_ids(tiny_model_dir, overlap):
     """The tiny model's float32 projections all on the kernel (so every float32 engine test runs it), a greedy
-    n-gram engine's ids equal plain decoding's on a mixed batch whose verifies take drafts, KV invariant after."""
+    n-gram engine's ids equal plain decoding's on a mixed batch whose verifies take drafts, on the plain and the
+    overlap loop, KV invariant after."""
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4], [9, 10, 11, 9, 10, 11, 9, 10], [20, 21]]
     params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     outputs = {}
     for algorithm in (None, "NGRAM"):
-        kwargs = {} if algorithm is None else {"speculative_algorithm": algorithm}
+        kwargs = {} if algorithm is None else {"speculative_algorithm": algorithm,
+                                               "disable_overlap_schedule": not overlap}
         with specjet.Engine(model_path=str(tiny_model_dir), dtype="float32", quantization=None,
                             max_total_tokens=2048, **kwargs) as eng:
             packed = [m.packed for m in eng.worker.runner.model.modules() if getattr(m, "packed", None) is not None]
