@@ -20,7 +20,7 @@ else:
         "specjet.kernels._cpu_ops",
         ["csrc/module.cpp", "csrc/attention.cpp", "csrc/layer_ops.cpp", "csrc/qgemm.cpp", "csrc/bf16_gemm.cpp", "csrc/fp32_gemm.cpp",
          "csrc/layer_stack.cpp",
-         "csrc/draft_ops.cpp", "csrc/dflash_block.cpp", "csrc/head_loss.cpp", "csrc/sampling.cpp", "csrc/thread_pinning.cpp"],
+         "csrc/draft_ops.cpp", "csrc/argmax_bound.cpp", "csrc/dflash_block.cpp", "csrc/head_loss.cpp", "csrc/sampling.cpp", "csrc/thread_pinning.cpp"],
         depends=["csrc/cpu_ops.h", "csrc/attention_body.h", "csrc/exp_float.h", "csrc/qgemm_body.h", "csrc/qgemm_amx.h", "csrc/fp32_gemm_body.h",
                  "csrc/amx_tile_config.h", "csrc/stack_projection.h",
                  "csrc/token_bitmask.h", "csrc/cost_shares.h", "csrc/bf16_bits.h", "csrc/prefetch.h", "csrc/isa_clones.h"],

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.argmax_bound import ArgmaxBound
 from specjet.kernels.attention import native_whole_batch, paged_attention
 from specjet.kernels.bf16_gemm import Bf16x3Linear
 from specjet.kernels.layer_stack import StackLayer, build_layer_stack, run_layer_stack
@@ -330,6 +331,9 @@ class LlamaForCausalLM(nn.Module):
         # as the native Python loop without the Python between them. None: the loop runs.
         self.layer_stack = None
         self._native_norm: tuple | None = None  # the final norm's C++ op arguments, set by use_native_ops
+        # A float32 head's int8 copy and error bound, for rows only an argmax reads (head_logits); set by
+        # use_native_ops. None: such rows compute the whole head.
+        self.argmax_bound: ArgmaxBound | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ModelOutput:
@@ -369,14 +373,15 @@ class LlamaForCausalLM(nn.Module):
                       custom_mask: torch.Tensor | None = None, capture_hidden: CaptureHidden = None,
                       logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
                       defer_logits: bool = False, last_logits: bool = False,
-                      logit_rows: list[int] | None = None) -> ModelOutput | None:
+                      logit_rows: list[int] | None = None,
+                      argmax_rows: torch.Tensor | None = None) -> ModelOutput | None:
         """A prefill, a decode step or a verify from host lists as one C++ call of the layer stack
         (``LayerStack.forward_lists``): request b (table row ``rows[b]``) brings ``q_lens[b]`` tokens, the last of
         its ``kv_lens[b]`` positions; token i is ``ids[i]`` at ``positions[i]``, its KV in slot
         ``table[row, slot_cols[i]]``. The output of ``forward`` on the batch ``host_token_tensors`` and
         ``ForwardBatch.from_host`` build from the same lists (logits of every row; ``last_logits``: of each
         request's last row, as ``build(..., logits="last")`` gives a prefill; ``logit_rows``: of those flat rows,
-        in that order), the same bits (tested), without
+        in that order; ``argmax_rows``: see ``head_logits``), the same bits (tested), without
         their dozen small torch ops. None (nothing run) where the call does not apply: no layer stack, the
         attention or the embedding off the CPU kernels, per-layer captures (``capture_hidden`` a tuple)."""
         stack, native = self.layer_stack, self._native_norm
@@ -400,16 +405,23 @@ class LlamaForCausalLM(nn.Module):
         elif logit_rows is not None:
             logits = self.head_logits(hidden[logit_rows])
         else:
-            logits = self.head_logits(hidden, logits_mask)
+            logits = self.head_logits(hidden, logits_mask, argmax_rows)
         if feature_layers:
             hidden = torch.cat([*residuals, hidden], dim=-1)
         return ModelOutput(logits=logits, hidden=hidden if every_row else None)
 
     @torch.inference_mode()
-    def head_logits(self, x: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def head_logits(self, x: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    argmax_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head over normed rows x: float32 logits. ``mask`` (bitmask [N, W], masked [N]): rows whose
         grammar allows few tokens may get only those columns (-inf elsewhere; QuantizedLinear.masked, Bf16Linear.masked,
-        Fp32Linear.masked)."""
+        Fp32Linear.masked). ``argmax_rows`` (bool [N]): rows only an argmax reads (greedy, no penalties, no
+        logprobs); a float32 head then computes only the columns that can hold their argmax, with the bits
+        the whole head gives them (kernels/argmax_bound.py), and -inf elsewhere."""
+        bound = self.argmax_bound
+        if argmax_rows is not None and bound is not None and bound.head is self.lm_head.packed and argmax_rows.any():
+            x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+            mask = bound.narrow(x, argmax_rows, mask)
         logits = None
         masked_head = getattr(self.lm_head.packed, "masked", None)
         if mask is not None and masked_head is not None:
@@ -432,6 +444,8 @@ class LlamaForCausalLM(nn.Module):
         one. Returns whether the ops are on."""
         on = set_native_ops(self.layers, self.config, self.embed_tokens.weight, flag)
         self._native_norm = (self.norm.weight, self.norm.eps) if on else None
+        kept = self.argmax_bound is not None and self.argmax_bound.head is self.lm_head.packed
+        self.argmax_bound = None if not on else self.argmax_bound if kept else ArgmaxBound.build(self.lm_head.packed)
         self.layer_stack = native_layer_stack(self.layers) if on else None
         return on
 

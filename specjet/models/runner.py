@@ -186,14 +186,17 @@ class ModelRunner:
                       q_lens: list[int], kv_lens: list[int], table: torch.Tensor,
                       custom_mask: torch.Tensor | None = None, capture_hidden=None,
                       logits_mask: tuple[torch.Tensor, torch.Tensor] | None = None, defer_logits: bool = False,
-                      last_logits: bool = False, logit_rows: list[int] | None = None) -> ModelOutput:
+                      last_logits: bool = False, logit_rows: list[int] | None = None,
+                      argmax_rows: torch.Tensor | None = None) -> ModelOutput:
         """A prefill, a decode step or a verify given as host lists (``LlamaForCausalLM.forward_lists`` says what
         they hold): one C++ call of the layer stack where the model takes it, else ``forward`` on the batch
         ``host_token_tensors`` and ``ForwardBatch.from_host`` build from the same lists (the same output: tested).
-        Logits of every row, of each request's last (``last_logits``) or of the flat rows ``logit_rows``."""
+        Logits of every row, of each request's last (``last_logits``) or of the flat rows ``logit_rows``;
+        ``argmax_rows`` (bool, one per logits row): rows only an argmax reads (``LlamaForCausalLM.head_logits``)."""
         kwargs = dict(custom_mask=custom_mask, capture_hidden=capture_hidden, logits_mask=logits_mask,
                       defer_logits=defer_logits, last_logits=last_logits, logit_rows=logit_rows)
-        out = self.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, self.kv_cache, **kwargs)
+        out = self.model.forward_lists(ids, positions, slot_cols, rows, q_lens, kv_lens, table, self.kv_cache,
+                                       argmax_rows=argmax_rows, **kwargs)
         if out is not None:
             return out
         token_rows = [row for row, n in zip(rows, q_lens) for _ in range(n)]
@@ -211,7 +214,9 @@ class ModelRunner:
         specjet's float32 GEMM."""
         return bool(getattr(self.model.lm_head.packed, "has_masked_kernel", False))
 
-    def head(self, hidden: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+             argmax_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of a forward whose head was deferred (``ForwardBatch.defer_logits``): its normed rows,
-        under their grammar masks (bitmask [N, W], masked [N]) where the head takes them."""
-        return self.model.head_logits(hidden, mask)
+        under their grammar masks (bitmask [N, W], masked [N]) where the head takes them; ``argmax_rows``
+        (bool [N]): rows only an argmax reads (``LlamaForCausalLM.head_logits``)."""
+        return self.model.head_logits(hidden, mask, argmax_rows)

@@ -140,7 +140,7 @@ class ModelWorker:
             if grammar_mask is not None:  # rows that report logprobs need every column
                 head_mask = (grammar_mask[0], torch.tensor([f and i not in logged_rows for i, f in enumerate(flags)],
                                                            dtype=torch.bool) if logged_rows else masked)
-            logits = self.runner.head(out.hidden, head_mask)
+            logits = self.runner.head(out.hidden, head_mask, self._argmax_only(batch.inputs))
             out.head_seconds = time.perf_counter() - start
         # Before the masks and penalties below change the logits in place.
         logprobs = log_softmax_rows(logits, logged_rows) if logged_rows else None
@@ -268,7 +268,18 @@ class ModelWorker:
         return self.runner.forward_lists([s.tokens[-1] for s in states], committed, committed,
                                          [inp.row for inp in inputs], [1] * len(states), [n + 1 for n in committed],
                                          self.req_to_token,
-                                         defer_logits=self._defer_head and any(inp.constrained for inp in inputs))
+                                         defer_logits=self._defer_head and any(inp.constrained for inp in inputs),
+                                         argmax_rows=self._argmax_only(inputs))
+
+    def _argmax_only(self, inputs: list[ReqInput]) -> torch.Tensor | None:
+        """bool, one per request of a decode batch: the rows whose logits only an argmax reads (greedy, no
+        penalties or logit bias, no logprobs), which a float32 head may compute only where their argmax can be
+        (``LlamaForCausalLM.head_logits``); None where no row is such or the head has no such path."""
+        if getattr(self.runner.model, "argmax_bound", None) is None:
+            return None
+        flags = [inp.sampling.is_greedy and inp.sampling.penalties is None and not inp.sampling.return_logprob
+                 for inp in inputs]
+        return torch.tensor(flags, dtype=torch.bool) if any(flags) else None
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:

@@ -98,7 +98,7 @@ class TreeVerifier:
         else:
             out = self.runner.forward_lists(tokens, depths, slot_cols, rows, sizes, kv_lens, req_to_token,
                                             custom_mask=mask, capture_hidden=self.capture_hidden,
-                                            logits_mask=head_mask)
+                                            logits_mask=head_mask, argmax_rows=self._argmax_only(reqs, sizes))
         logits = out.logits
         # A greedy walk reads the logits of unpenalised requests without changing them: their accepted rows alone
         # are taken after it. Otherwise every node row of those requests, now, before the penalties and masks
@@ -124,6 +124,17 @@ class TreeVerifier:
             _log_accepted(reqs, logged, logits, offsets, accepted_nodes, accepted_tokens, early)
         self._commit_kv(reqs, accepted_nodes, req_to_token)
         return VerifyResult(accepted_tokens, accepted_nodes, out, offsets)
+
+    def _argmax_only(self, reqs: list[VerifyInput], sizes: list[int]) -> torch.Tensor | None:
+        """bool, one per node row: the rows only the greedy walk reads (a greedy request without penalties or
+        logprobs), which a float32 head may compute only where their argmax can be
+        (``LlamaForCausalLM.head_logits``); None where no row is such or the head has no such path."""
+        if getattr(self.runner.model, "argmax_bound", None) is None:
+            return None
+        flags = [r.uniforms is None and r.penalty is None and r.logprobs is None for r in reqs]
+        if not any(flags):
+            return None
+        return torch.tensor([f for f, n in zip(flags, sizes) for _ in range(n)], dtype=torch.bool)
 
     @staticmethod
     def _sampled_paths(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int], sizes: list[int],

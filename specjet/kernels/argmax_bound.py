@@ -1,0 +1,152 @@
+"""A float32 LM head's greedy rows without most of its columns: an int8 copy of the head and a proven bound on
+its error pick the columns that can hold a row's argmax, and only those are computed in float32.
+
+A greedy row reads one thing from its logits, the argmax. Computing the whole float32 head for it streams the
+weight (113 MB for the default model) and pays every column's products, while the int8 copy (a quarter of the
+bytes, and integer products the CPU runs several times faster) gives every column within a bound that is known
+before the row is seen: for column j and the row's 32-wide blocks b,
+
+    |head_j(x) - approx_j(x)| <= E1[j] * |x|_1 + sum_b E2[b, j] * delta_b
+
+where E1 holds the weight's own int8 error (max |w - w8| over the column's blocks: a small term, so one
+factor a column) and E2 the int8 weights' L1 norm of each block (the activations' int8 error, at most
+``delta_b`` = 0.5 of the block's activation step, scaled by them: the term that decides the bound), each
+with a margin for the float rounding of the head's fused multiply-add chain, of the int8 kernel's float finish
+and of the comparisons below (kappa: 1e-4 of the products' magnitude, three times what 576 roundings can add).
+Every column j with approx_j + bound_j >= max_k (approx_k - bound_k) is a candidate; any other column is
+strictly below the column that attains that maximum, so the row's argmax (torch's rule, first maximum) is among
+the candidates. ``narrow`` (a C++ pass: csrc/argmax_bound.cpp) turns the candidates into the grammar-style bitmask that the float32 head's masked
+kernel (``Fp32Linear.masked``) takes: those columns get exactly the bits the full call gives them, -inf
+elsewhere, and a row whose candidates outnumber the kernel's limit is computed whole. Nothing but an argmax may
+read such a row (greedy, no penalties, no logprobs): the callers choose the rows.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specjet.kernels.fp32_gemm import Fp32Linear
+from specjet.kernels.qgemm import QuantizedLinear, extension
+from specjet.kernels.quant_formats import quantize_int8
+
+BLOCK = 32  # the int8 kernel's activation and weight blocks
+KAPPA = 1e-4  # the float rounding margin, relative to the products' magnitude (see the module's docstring)
+INFLATE = 1.001  # the bound's own product (non-negative terms) and the comparisons' rounding
+ENV = "SPECJET_ARGMAX_BOUND"  # "off": every greedy row computes the whole float32 head
+
+
+def enabled() -> bool:
+    value = os.environ.get(ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{ENV}={value!r}: expected 'on' or 'off'")
+    return value == "on"
+
+
+@dataclass
+class ArgmaxBound:
+    """The int8 copy of a float32 head and the per-block bound factors of its error."""
+
+    head: Fp32Linear  # the operand whose argmax this certifies (a replaced head is not served)
+    approx: QuantizedLinear  # int8, one scale per 32 weights
+    factors: torch.Tensor  # float32 [1 + B, V]: E1, then a row of E2 per block (see the module's docstring)
+
+    @classmethod
+    def build(cls, head) -> "ArgmaxBound | None":
+        """For a float32 head on specjet's float32 GEMM whose input width is whole 32-blocks, with the int8
+        kernels built; else None (the head is computed whole)."""
+        if not (isinstance(head, Fp32Linear) and head.has_masked_kernel and extension() is not None and enabled()):
+            return None
+        weight = head.weight_t().t().contiguous()  # [V, K]
+        vocab, k = weight.shape
+        if k % BLOCK or not torch.isfinite(weight).all():
+            return None
+        w8 = quantize_int8(weight, BLOCK)
+        blocks = k // BLOCK
+        w = weight.view(vocab, blocks, BLOCK)
+        w8f = (w8.q.float().view(vocab, blocks, BLOCK) * w8.s.float()[..., None])
+        if not torch.isfinite(w8f).all():  # a scale beyond float16's range
+            return None
+        magnitude = torch.maximum(w.abs().amax(-1), w8f.abs().amax(-1))
+        e1 = (w - w8f).abs().amax(-1) + KAPPA * magnitude
+        e2 = w8f.abs().sum(-1) + KAPPA * BLOCK * magnitude
+        factors = torch.cat([e1.amax(-1, keepdim=True), e2], dim=1).t().contiguous() * INFLATE
+        return cls(head, QuantizedLinear.build(w8), factors)
+
+    @property
+    def vocab(self) -> int:
+        return self.factors.shape[1]
+
+    def bounds(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [R, V]: each row's bound on |head(x) - approx(x)| per column."""
+        blocks = x.view(x.shape[0], -1, BLOCK).abs()
+        delta = blocks.amax(-1) * (0.5005 / 127)  # half the activation step, and its rounding
+        return torch.cat([blocks.sum((1, 2))[:, None], delta], dim=1) @ self.factors
+
+    def candidates(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """bool [R, V]: the columns that may hold each row's argmax among its ``allowed`` ones (bool [R, V],
+        None: all), in torch (``narrow``'s C++ pass makes the same choice). A row whose approximation is not
+        finite has every allowed column."""
+        approx = self.approx(x)
+        bound = self.bounds(x)
+        lower = approx - bound
+        upper = approx + bound
+        if allowed is not None:
+            lower.masked_fill_(~allowed, float("-inf"))
+        best = lower.amax(-1, keepdim=True)
+        chosen = upper >= best
+        if allowed is not None:
+            chosen &= allowed
+        bad = ~torch.isfinite(approx).all(-1) | ~torch.isfinite(best[:, 0])
+        if bad.any():
+            chosen[bad] = True if allowed is None else allowed[bad]
+        return chosen
+
+    def narrow(self, x: torch.Tensor, rows: torch.Tensor,
+               mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head mask (bitmask int32 [R, W], masked bool [R]) for ``Fp32Linear.masked``: rows flagged in
+        ``rows`` (bool [R], rows only an argmax reads; x float32 contiguous) get their candidates (within their
+        grammar's allowed tokens where ``mask`` flags them); the others keep ``mask``'s row and flag (or are
+        computed whole)."""
+        n, words = x.shape[0], -(-self.vocab // 32)
+        if mask is None:
+            bitmask, flags = torch.full((n, words), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.bool)
+        else:
+            bitmask, flags = mask[0].clone(), mask[1].clone()
+        every = bool(rows.all())
+        picked = None if every else rows.nonzero()[:, 0]
+        if every or len(picked):
+            sub = x if every else x[picked].contiguous()
+            grammar = None
+            if mask is not None:
+                grammar = (mask[0], mask[1]) if every else (mask[0][picked].contiguous(), mask[1][picked].contiguous())
+            chosen = extension().argmax_candidates(sub, self.approx(sub), self.factors, *(grammar or ()))
+            if every:
+                bitmask, flags = chosen, torch.ones(n, dtype=torch.bool)
+            else:
+                bitmask[picked] = chosen
+                flags[picked] = True
+        return bitmask, flags
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int64)
+
+
+def pack_bits(chosen: torch.Tensor) -> torch.Tensor:
+    """bool [R, V] -> int32 [R, ceil(V / 32)], token t = bit t % 32 of word t // 32 (xgrammar's layout)."""
+    rows, vocab = chosen.shape
+    words = -(-vocab // 32)
+    if vocab != words * 32:
+        chosen = torch.nn.functional.pad(chosen, (0, words * 32 - vocab))
+    packed = (chosen.view(rows, words, 32).to(torch.int64) << _SHIFTS).sum(-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``pack_bits``' inverse: int32 [R, W] -> bool [R, vocab]."""
+    bits = (bitmask.to(torch.int64).unsqueeze(-1) >> _SHIFTS) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+__all__ = ["ArgmaxBound", "ENV", "enabled", "pack_bits", "unpack_bits"]
