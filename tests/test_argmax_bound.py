@@ -95,6 +95,8 @@ def test_grammar_rows_keep_their_allowed_tokens_and_their_masked_argmax():
     mask = (pack_bits(allowed), grammar_rows)
     bitmask, flags = bound.narrow(x, argmax_only, mask)
     assert torch.equal(bitmask[8], mask[0][8]) and bool(flags[8])
+    assert torch.equal(bitmask[4], mask[0][4])  # already sparse: the masked kernel computes its 3 columns alone
+    assert int(unpack_bits(bitmask, bound.vocab)[0].sum()) < int(allowed[0].sum()) // 10  # a dense row narrowed
     narrowed = head.masked(x, bitmask, flags)
     chosen = unpack_bits(bitmask, bound.vocab)
     for r in range(len(x)):
@@ -127,6 +129,7 @@ def test_bits_pack_and_unpack_in_xgrammars_layout():
     assert words[0].tolist() == [1 | -(1 << 31), 1, 1 << 5]
     assert words[1].tolist() == [-1, -1, (1 << 6) - 1]
     assert torch.equal(unpack_bits(words, 70), chosen)
+    assert argmax_bound.allowed_counts(words).tolist() == [4, 70]
 
 
 @needs_kernel

@@ -25,9 +25,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from specjet.kernels.fp32_gemm import Fp32Linear
+from specjet.kernels.fp32_gemm import MASKED_MAX_ALLOWED, Fp32Linear
 from specjet.kernels.qgemm import QuantizedLinear, extension
 from specjet.kernels.quant_formats import quantize_int8
 
@@ -108,8 +109,13 @@ class ArgmaxBound:
         """The head mask (bitmask int32 [R, W], masked bool [R]) for ``Fp32Linear.masked``: rows flagged in
         ``rows`` (bool [R], rows only an argmax reads; x float32 contiguous) get their candidates (within their
         grammar's allowed tokens where ``mask`` flags them); the others keep ``mask``'s row and flag (or are
-        computed whole)."""
+        computed whole), as do rows whose grammar already allows few enough tokens for the masked kernel to
+        compute them alone (the int8 pass would cost more than it saves there)."""
         n, words = x.shape[0], -(-self.vocab // 32)
+        if mask is not None and bool(mask[1].any()):
+            rows = rows & ~(mask[1] & (allowed_counts(mask[0]) <= MASKED_MAX_ALLOWED))
+            if not bool(rows.any()):
+                return mask
         if mask is None:
             bitmask, flags = torch.full((n, words), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.bool)
         else:
@@ -143,10 +149,18 @@ def pack_bits(chosen: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
 
 
+def allowed_counts(bitmask: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: the set bits of each row of an int32 [R, W] bitmask."""
+    words = bitmask.contiguous().numpy().view(np.uint32)
+    if hasattr(np, "bitwise_count"):  # numpy >= 2
+        return torch.from_numpy(np.bitwise_count(words).sum(-1, dtype=np.int64))
+    return torch.from_numpy(np.unpackbits(words.view(np.uint8), axis=-1).sum(-1, dtype=np.int64))
+
+
 def unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """``pack_bits``' inverse: int32 [R, W] -> bool [R, vocab]."""
     bits = (bitmask.to(torch.int64).unsqueeze(-1) >> _SHIFTS) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-__all__ = ["ArgmaxBound", "ENV", "enabled", "pack_bits", "unpack_bits"]
+__all__ = ["ArgmaxBound", "ENV", "allowed_counts", "enabled", "pack_bits", "unpack_bits"]
