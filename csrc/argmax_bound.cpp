@@ -217,7 +217,11 @@ torch::Tensor argmax_candidates(const torch::Tensor& x, const torch::Tensor& app
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
   // Every element is written below; kept by the calling thread between calls, so a decode step's call does not
   // fault in fresh pages for it.
-  thread_local std::vector<float> bounds;
+  // (A decode step's or a verify's few rows; a larger call's buffer is its own, not kept.)
+  constexpr int64_t kKeptRows = 16;
+  thread_local std::vector<float> kept;
+  std::vector<float> own;
+  std::vector<float>& bounds = rows <= kKeptRows ? kept : own;
   if (bounds.size() < static_cast<size_t>(rows * cols)) bounds.resize(rows * cols);
   float* const bound_rows = bounds.data();  // the workers' own thread_local would be another (empty) vector
   std::vector<float> chunk_best(chunks * rows);

@@ -109,6 +109,14 @@ def test_grammar_rows_keep_their_allowed_tokens_and_their_masked_argmax():
 
 
 @needs_kernel
+def test_a_grammar_mask_of_another_width_is_left_as_it_is():
+    head, x = head_and_rows(rows=4)
+    bound = ArgmaxBound.build(head)
+    other = (torch.full((4, 100), -1, dtype=torch.int32), torch.tensor([True, False, True, False]))
+    assert bound.narrow(x, torch.ones(4, dtype=torch.bool), other) is other  # nothing narrowed, nothing refused
+
+
+@needs_kernel
 def test_a_row_without_a_certificate_is_computed_whole():
     head, x = head_and_rows(rows=4)
     x[2, 0] = float("nan")

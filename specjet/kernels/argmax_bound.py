@@ -112,6 +112,8 @@ class ArgmaxBound:
         computed whole), as do rows whose grammar already allows few enough tokens for the masked kernel to
         compute them alone (the int8 pass would cost more than it saves there)."""
         n, words = x.shape[0], -(-self.vocab // 32)
+        if mask is not None and mask[0].shape[1] != words:  # a bitmask of another vocabulary's width: as it is
+            return mask
         if mask is not None and bool(mask[1].any()):
             rows = rows & ~(mask[1] & (allowed_counts(mask[0]) <= MASKED_MAX_ALLOWED))
             if not bool(rows.any()):
@@ -126,7 +128,8 @@ class ArgmaxBound:
             sub = x if every else x[picked].contiguous()
             grammar = None
             if mask is not None:
-                grammar = (mask[0], mask[1]) if every else (mask[0][picked].contiguous(), mask[1][picked].contiguous())
+                grammar = ((mask[0].contiguous(), mask[1].to(torch.bool).contiguous()) if every else
+                           (mask[0][picked].contiguous(), mask[1][picked].to(torch.bool).contiguous()))
             chosen = extension().argmax_candidates(sub, self.approx(sub), self.factors, *(grammar or ()))
             if every:
                 bitmask, flags = chosen, torch.ones(n, dtype=torch.bool)
