@@ -37,65 +37,26 @@ void row_features(const float* x, int64_t blocks, float* features) {
 }
 
 // bound[j] = sum_f features[f] * factors[f, j0 + j] for n <= kChunk columns: every term non-negative, so any
-// order or fusing of the products stays within the margin kernels/argmax_bound.py leaves for their rounding.
-void chunk_bounds_scalar(const float* features, const float* factors, int64_t count, int64_t cols, int64_t j0,
-                         int64_t n, float* bound) {
-  for (int64_t j = 0; j < n; ++j) bound[j] = 0.0f;
-  for (int64_t f = 0; f < count; ++f)
-    for (int64_t j = 0; j < n; ++j) bound[j] += features[f] * factors[f * cols + j0 + j];
-}
-
-__attribute__((target("avx512f"))) void chunk_bounds_avx512(const float* features, const float* factors,
-                                                            int64_t count, int64_t cols, int64_t j0, int64_t n,
-                                                            float* bound) {
+// order of the products' sums stays within the margin kernels/argmax_bound.py leaves for their rounding. 64
+// columns at a time: four AVX-512 or eight AVX2 registers of sums, which the compiler keeps in registers.
+SJ_ISA_CLONES void chunk_bounds(const float* features, const float* factors, int64_t count, int64_t cols, int64_t j0,
+                                int64_t n, float* bound) {
+  constexpr int64_t kStrip = 64;
   int64_t j = 0;
-  for (; j + 64 <= n; j += 64) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  for (; j + kStrip <= n; j += kStrip) {
+    float acc[kStrip] = {};
     for (int64_t f = 0; f < count; ++f) {
-      const __m512 c = _mm512_set1_ps(features[f]);
+      const float c = features[f];
       const float* row = factors + f * cols + j0 + j;
-      acc0 = _mm512_fmadd_ps(c, _mm512_loadu_ps(row), acc0);
-      acc1 = _mm512_fmadd_ps(c, _mm512_loadu_ps(row + 16), acc1);
-      acc2 = _mm512_fmadd_ps(c, _mm512_loadu_ps(row + 32), acc2);
-      acc3 = _mm512_fmadd_ps(c, _mm512_loadu_ps(row + 48), acc3);
+      for (int64_t l = 0; l < kStrip; ++l) acc[l] += c * row[l];
     }
-    _mm512_storeu_ps(bound + j, acc0);
-    _mm512_storeu_ps(bound + j + 16, acc1);
-    _mm512_storeu_ps(bound + j + 32, acc2);
-    _mm512_storeu_ps(bound + j + 48, acc3);
+    std::memcpy(bound + j, acc, sizeof(acc));
   }
-  if (j < n) chunk_bounds_scalar(features, factors, count, cols, j0 + j, n - j, bound + j);
-}
-
-__attribute__((target("avx2,fma"))) void chunk_bounds_avx2(const float* features, const float* factors,
-                                                           int64_t count, int64_t cols, int64_t j0, int64_t n,
-                                                           float* bound) {
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int64_t f = 0; f < count; ++f) {
-      const __m256 c = _mm256_set1_ps(features[f]);
-      const float* row = factors + f * cols + j0 + j;
-      acc0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(row), acc0);
-      acc1 = _mm256_fmadd_ps(c, _mm256_loadu_ps(row + 8), acc1);
-      acc2 = _mm256_fmadd_ps(c, _mm256_loadu_ps(row + 16), acc2);
-      acc3 = _mm256_fmadd_ps(c, _mm256_loadu_ps(row + 24), acc3);
-    }
-    _mm256_storeu_ps(bound + j, acc0);
-    _mm256_storeu_ps(bound + j + 8, acc1);
-    _mm256_storeu_ps(bound + j + 16, acc2);
-    _mm256_storeu_ps(bound + j + 24, acc3);
+  for (; j < n; ++j) {
+    float sum = 0.0f;
+    for (int64_t f = 0; f < count; ++f) sum += features[f] * factors[f * cols + j0 + j];
+    bound[j] = sum;
   }
-  if (j < n) chunk_bounds_scalar(features, factors, count, cols, j0 + j, n - j, bound + j);
-}
-
-using ChunkBounds = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
-
-ChunkBounds chunk_bounds() {
-  static const ChunkBounds chosen = __builtin_cpu_supports("avx512f")                                   ? chunk_bounds_avx512
-                                    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? chunk_bounds_avx2
-                                                                                                        : chunk_bounds_scalar;
-  return chosen;
 }
 
 // max_j (approx[j] - bound[j]), in 16 running maxima (a vector's lanes); whether every approx[j] is finite.
@@ -232,7 +193,7 @@ torch::Tensor argmax_candidates(const torch::Tensor& x, const torch::Tensor& app
       for (int64_t r = 0; r < rows; ++r) {
         float* bound = bound_rows + r * cols + j0;
         const float* a = ap + r * cols + j0;
-        chunk_bounds()(features.data() + r * count, fp, count, cols, j0, n, bound);
+        chunk_bounds(features.data() + r * count, fp, count, cols, j0, n, bound);
         bool finite = true;
         float best = best_lower(a, bound, n, &finite);
         if (const int32_t* grammar = grammar_of(r)) {
