@@ -15,6 +15,7 @@ import torch
 import xgrammar as xgr
 
 from specjet.kernels import cpu_ops
+from specjet.kernels.token_bitmask import allowed_counts
 
 
 class RequestGrammar:
@@ -149,8 +150,8 @@ def bitmask_allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
 
 def bitmask_popcount(bitmask: torch.Tensor) -> torch.Tensor:
     """Allowed tokens per row of `bitmask` (its set bits): [R, W] int32 -> [R] int64."""
-    if bitmask.device.type == "cpu" and sys.byteorder == "little":
-        return torch.from_numpy(_unpacked_bits(bitmask).sum(axis=-1, dtype=np.int64))
+    if bitmask.device.type == "cpu":
+        return allowed_counts(bitmask)
     words = bitmask.to(torch.int64) & 0xFFFFFFFF
     return ((words[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1).sum(dim=(1, 2))
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specjet.kernels.fp32_gemm import MASKED_MAX_ALLOWED, Fp32Linear
 from specjet.kernels.qgemm import QuantizedLinear, extension
 from specjet.kernels.quant_formats import quantize_int8
+from specjet.kernels.token_bitmask import allowed_counts
 
 BLOCK = 32  # the int8 kernel's activation and weight blocks
 KAPPA = 1e-4  # the float rounding margin, relative to the products' magnitude (see the module's docstring)
@@ -118,52 +118,21 @@ class ArgmaxBound:
             rows = rows & ~(mask[1] & (allowed_counts(mask[0]) <= MASKED_MAX_ALLOWED))
             if not bool(rows.any()):
                 return mask
+        if bool(rows.all()):  # a greedy batch: one pass, no copy of the incoming mask
+            grammar = () if mask is None else (mask[0].contiguous(), mask[1].to(torch.bool).contiguous())
+            return (extension().argmax_candidates(x, self.approx(x), self.factors, *grammar),
+                    torch.ones(n, dtype=torch.bool))
+        picked = rows.nonzero()[:, 0]
         if mask is None:
             bitmask, flags = torch.full((n, words), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.bool)
         else:
             bitmask, flags = mask[0].clone(), mask[1].clone()
-        every = bool(rows.all())
-        picked = None if every else rows.nonzero()[:, 0]
-        if every or len(picked):
-            sub = x if every else x[picked].contiguous()
-            grammar = None
-            if mask is not None:
-                grammar = ((mask[0].contiguous(), mask[1].to(torch.bool).contiguous()) if every else
-                           (mask[0][picked].contiguous(), mask[1][picked].to(torch.bool).contiguous()))
-            chosen = extension().argmax_candidates(sub, self.approx(sub), self.factors, *(grammar or ()))
-            if every:
-                bitmask, flags = chosen, torch.ones(n, dtype=torch.bool)
-            else:
-                bitmask[picked] = chosen
-                flags[picked] = True
+        if len(picked):
+            sub = x[picked].contiguous()
+            grammar = () if mask is None else (mask[0][picked].contiguous(), mask[1][picked].to(torch.bool).contiguous())
+            bitmask[picked] = extension().argmax_candidates(sub, self.approx(sub), self.factors, *grammar)
+            flags[picked] = True
         return bitmask, flags
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int64)
-
-
-def pack_bits(chosen: torch.Tensor) -> torch.Tensor:
-    """bool [R, V] -> int32 [R, ceil(V / 32)], token t = bit t % 32 of word t // 32 (xgrammar's layout)."""
-    rows, vocab = chosen.shape
-    words = -(-vocab // 32)
-    if vocab != words * 32:
-        chosen = torch.nn.functional.pad(chosen, (0, words * 32 - vocab))
-    packed = (chosen.view(rows, words, 32).to(torch.int64) << _SHIFTS).sum(-1)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
-
-
-def allowed_counts(bitmask: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: the set bits of each row of an int32 [R, W] bitmask."""
-    words = bitmask.contiguous().numpy().view(np.uint32)
-    if hasattr(np, "bitwise_count"):  # numpy >= 2
-        return torch.from_numpy(np.bitwise_count(words).sum(-1, dtype=np.int64))
-    return torch.from_numpy(np.unpackbits(words.view(np.uint8), axis=-1).sum(-1, dtype=np.int64))
-
-
-def unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``pack_bits``' inverse: int32 [R, W] -> bool [R, vocab]."""
-    bits = (bitmask.to(torch.int64).unsqueeze(-1) >> _SHIFTS) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
-
-
-__all__ = ["ArgmaxBound", "ENV", "allowed_counts", "enabled", "pack_bits", "unpack_bits"]
+__all__ = ["ArgmaxBound", "ENV", "enabled"]
