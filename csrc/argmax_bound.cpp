@@ -1,7 +1,8 @@
-// argmax_candidates: the columns of a float32 LM head that can hold each row's argmax, from an int8 copy's
-// outputs and the bound on its error (specjet/kernels/argmax_bound.py derives the bound and its margins). Two
-// passes: every column's bound from the row's activation sizes and the largest lower end among the allowed
-// columns, then the columns whose upper end reaches it, as a grammar-style token bitmask.
+// argmax_candidates: the columns of an LM head that can hold each row's argmax, from an int8 copy's outputs and
+// the bound on its error (specjet/kernels/argmax_bound.py derives the bound and its margins). Two passes: every
+// column's bound from the row's activation sizes and the largest lower end among the allowed columns, then the
+// columns whose upper end reaches it (or, for a head whose outputs are rounded to bf16, a value that may round to
+// the same bf16 number as it), as a grammar-style token bitmask.
 #include <immintrin.h>
 
 #include <cmath>
@@ -129,6 +130,16 @@ ThresholdWords threshold_words() {
   return chosen;
 }
 
+// The limit below which a column's value rounds (to nearest, to bf16) strictly below whatever `best` rounds to:
+// with |best| = m 2^e (m in [0.5, 1)), bf16 numbers near it are at most 2^(e-7) apart, so best's rounding bin
+// starts at most 2^(e-7) below best; 2^(e-6) leaves as much again for this subtraction's own rounding. The
+// exponent's floor keeps the margin above what flushed tiny products (a bf16 product's DAZ/FTZ) can move a sum.
+float bf16_tie_limit(float best) {
+  int e = 0;
+  std::frexp(std::fabs(best), &e);
+  return best - std::ldexp(1.0f, std::max(e, -100) - 6);
+}
+
 inline bool allowed_bit(const int32_t* words, int64_t j) {
   return (static_cast<uint32_t>(words[j >> 5]) >> (j & 31)) & 1u;
 }
@@ -137,7 +148,7 @@ inline bool allowed_bit(const int32_t* words, int64_t j) {
 
 torch::Tensor argmax_candidates(const torch::Tensor& x, const torch::Tensor& approx, const torch::Tensor& factors,
                                 const c10::optional<torch::Tensor>& allowed,
-                                const c10::optional<torch::Tensor>& allowed_rows) {
+                                const c10::optional<torch::Tensor>& allowed_rows, bool bf16_ties) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
               "argmax_candidates: x must be a contiguous CPU float32 [R, K] tensor");
   TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == torch::kFloat && approx.dim() == 2 &&
@@ -213,10 +224,13 @@ torch::Tensor argmax_candidates(const torch::Tensor& x, const torch::Tensor& app
       best[r] = std::max(best[r], chunk_best[c * rows + r]);
       certified[r] &= chunk_finite[c * rows + r];
     }
-  for (int64_t r = 0; r < rows; ++r) certified[r] &= static_cast<uint8_t>(std::isfinite(best[r]));
+  for (int64_t r = 0; r < rows; ++r) {
+    certified[r] &= static_cast<uint8_t>(std::isfinite(best[r]));
+    if (bf16_ties && certified[r]) best[r] = bf16_tie_limit(best[r]);
+  }
 
-  // Pass 2, over words: the columns whose upper end reaches the row's largest lower end (within its grammar's
-  // allowed ones); a row without a certificate keeps every allowed column.
+  // Pass 2, over words: the columns whose upper end reaches the row's largest lower end (lowered for bf16 ties)
+  // within its grammar's allowed ones; a row without a certificate keeps every allowed column.
   at::parallel_for(0, words, 64, [&](int64_t w0, int64_t w1) {
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* grammar = grammar_of(r);

@@ -223,10 +223,10 @@ std::tuple<std::vector<std::pair<int64_t, double>>, int64_t> masked_topk_row(
     const c10::optional<torch::Tensor>& token_ids, int64_t k);
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& masked);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
-// argmax_bound.cpp: the columns of a float32 head that can hold each row's argmax (kernels/argmax_bound.py).
+// argmax_bound.cpp: the columns of an LM head that can hold each row's argmax (kernels/argmax_bound.py).
 torch::Tensor argmax_candidates(const torch::Tensor& x, const torch::Tensor& approx, const torch::Tensor& factors,
                                 const c10::optional<torch::Tensor>& allowed,
-                                const c10::optional<torch::Tensor>& allowed_rows);
+                                const c10::optional<torch::Tensor>& allowed_rows, bool bf16_ties);
 // argmax_rows of one row of cols > 0 floats (sampling.cpp's greedy rows).
 int64_t argmax_float_row(const float* row, int64_t cols);
 

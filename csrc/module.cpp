@@ -63,9 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "per row: torch.argmax of the row (the first maximal value, the first NaN where there is one), one "
              "vectorised pass a row, rows split between threads where they are many");
   module.def("argmax_candidates", &argmax_candidates, py::arg("x"), py::arg("approx"), py::arg("factors"),
-             py::arg("allowed") = py::none(), py::arg("allowed_rows") = py::none(),
+             py::arg("allowed") = py::none(), py::arg("allowed_rows") = py::none(), py::arg("bf16_ties") = false,
              "per row: the token bitmask of the columns whose bound around the int8 copy's value reaches the largest "
-             "lower end among the allowed columns (those that can hold the float32 head's argmax)");
+             "lower end among the allowed columns (those that can hold the head's argmax; bf16_ties: also those "
+             "that may round to the same bf16 value as it)");
   module.def("head_cross_entropy_rows", &head_cross_entropy_rows,
              "per row of LM-head logits: (cross-entropy against the target column, argmax), writing the logits' "
              "gradient (softmax - one-hot) * the row's share into grad; one widening, one exponential a column; "

@@ -92,6 +92,11 @@ class Bf16Linear:
     def out_features(self) -> int:
         return self.weight.shape[0] * COLS
 
+    def weight_t(self) -> torch.Tensor:
+        """The [in, out] weight this operand packs (a copy; ``pack``'s inverse)."""
+        groups, pairs = self.weight.shape[:2]
+        return self.weight.permute(1, 3, 0, 2).reshape(2 * pairs, groups * COLS).contiguous()
+
     @property
     def has_masked_kernel(self) -> bool:
         """Whether ``masked`` computes rows' allowed columns alone: the VDPBF16PS kernel, whose every output

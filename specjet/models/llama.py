@@ -331,8 +331,8 @@ class LlamaForCausalLM(nn.Module):
         # as the native Python loop without the Python between them. None: the loop runs.
         self.layer_stack = None
         self._native_norm: tuple | None = None  # the final norm's C++ op arguments, set by use_native_ops
-        # A float32 head's int8 copy and error bound, for rows only an argmax reads (head_logits); set by
-        # use_native_ops. None: such rows compute the whole head.
+        # The head's int8 copy and error bound (a float32 head, or a bf16 one on VDPBF16PS), for rows only an argmax
+        # reads (head_logits); set by use_native_ops. None: such rows compute the whole head.
         self.argmax_bound: ArgmaxBound | None = None
 
     @torch.inference_mode()
@@ -416,12 +416,12 @@ class LlamaForCausalLM(nn.Module):
         """The LM head over normed rows x: float32 logits. ``mask`` (bitmask [N, W], masked [N]): rows whose
         grammar allows few tokens may get only those columns (-inf elsewhere; QuantizedLinear.masked, Bf16Linear.masked,
         Fp32Linear.masked). ``argmax_rows`` (bool [N]): rows only an argmax reads (greedy, no penalties, no
-        logprobs); a float32 head then computes only the columns that can hold their argmax, with the bits
-        the whole head gives them (kernels/argmax_bound.py), and -inf elsewhere."""
+        logprobs); a head with an argmax bound then computes only the columns that can hold their argmax, with
+        the bits the whole head gives them (kernels/argmax_bound.py), and -inf elsewhere."""
         bound = self.argmax_bound
         if argmax_rows is not None and bound is not None and bound.head is self.lm_head.packed and argmax_rows.any():
-            x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-            mask = bound.narrow(x, argmax_rows, mask)
+            mask = bound.narrow(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous(),
+                                argmax_rows, mask)
         logits = None
         masked_head = getattr(self.lm_head.packed, "masked", None)
         if mask is not None and masked_head is not None:

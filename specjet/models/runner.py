@@ -152,8 +152,11 @@ class ModelRunner:
             logger.info("%s", bf16_gemm.describe_kernels())
         elif self.dtype == torch.float32 and self.device.type == "cpu" and quantization is None:
             logger.info("%s", fp32_gemm.describe_kernels())
-            logger.info("greedy rows' LM head: %s", "the columns an int8 copy's bound leaves (kernels/argmax_bound.py)"
-                        if getattr(self.model, "argmax_bound", None) is not None else "every column")
+        if self.device.type == "cpu" and quantization is None:
+            bound = getattr(self.model, "argmax_bound", None)
+            logger.info("greedy rows' LM head: %s", "every column" if bound is None else
+                        "the columns an int8 copy's bound leaves (kernels/argmax_bound.py)"
+                        + ("" if bound.max_rows is None else f", in calls of at most {bound.max_rows} such rows"))
         # Whether the projections take a forward's rows in 16-row AMX tiles (every packed weight on specjet's AMX
         # bf16 GEMM): a verify of up to 16 nodes costs ~1.3x a one-token step there, of 17 or more far more
         # (spec_v2/config.py's tiled defaults).

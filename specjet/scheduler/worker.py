@@ -273,7 +273,7 @@ class ModelWorker:
 
     def _argmax_only(self, inputs: list[ReqInput]) -> torch.Tensor | None:
         """bool, one per request of a decode batch: the rows whose logits only an argmax reads (greedy, no
-        penalties or logit bias, no logprobs), which a float32 head may compute only where their argmax can be
+        penalties or logit bias, no logprobs), which the head may compute only where their argmax can be
         (``LlamaForCausalLM.head_logits``); None where no row is such or the head has no such path."""
         if getattr(self.runner.model, "argmax_bound", None) is None:
             return None

@@ -127,7 +127,7 @@ class TreeVerifier:
 
     def _argmax_only(self, reqs: list[VerifyInput], sizes: list[int]) -> torch.Tensor | None:
         """bool, one per node row: the rows only the greedy walk reads (a greedy request without penalties or
-        logprobs), which a float32 head may compute only where their argmax can be
+        logprobs), which the head may compute only where their argmax can be
         (``LlamaForCausalLM.head_logits``); None where no row is such or the head has no such path."""
         if getattr(self.runner.model, "argmax_bound", None) is None:
             return None
