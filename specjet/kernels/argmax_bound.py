@@ -124,8 +124,9 @@ class ArgmaxBound:
         return chosen
 
     def narrow(self, x: torch.Tensor, rows: torch.Tensor,
-               mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head mask (bitmask int32 [R, W], masked bool [R]) for the head's ``masked``: rows flagged in
+               mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The head mask (bitmask int32 [R, W], masked bool [R]) for the head's ``masked``, or ``mask`` itself
+        (None included) where nothing is narrowed: rows flagged in
         ``rows`` (bool [R], rows only an argmax reads; x float32 contiguous) get their candidates (within their
         grammar's allowed tokens where ``mask`` flags them); the others keep ``mask``'s row and flag (or are
         computed whole), as do rows whose grammar already allows few enough tokens for the masked kernel to
