@@ -166,10 +166,10 @@ def test_a_bf16_head_is_narrowed_only_in_calls_of_few_such_rows():
     many[:bound.max_rows + 1] = True
     assert bound.narrow(xf, many) is None  # the whole head for every row
     grammar = (torch.full((12, bound.vocab // 32), -1, dtype=torch.int32), torch.zeros(12, dtype=torch.bool))
-    assert bound.narrow(xf, many, grammar) is grammar
+    assert bound.narrow(xf, many, grammar) is grammar  # counted before the grammar's rows: nothing else done
     few = torch.zeros(12, dtype=torch.bool)
     few[[2, 7]] = True
-    bitmask, flags = bound.narrow(xf, few)
+    bitmask, flags = bound.narrow(x, few)  # the bf16 rows themselves, widened inside
     assert flags.tolist() == few.tolist()
     assert torch.equal(argmax_rows(head.masked(x, bitmask, flags)), argmax_rows(head(x).float()))
 

@@ -45,7 +45,7 @@ BLOCK = 32  # the int8 kernel's activation and weight blocks
 KAPPA = 1e-4  # the float rounding margin, relative to the products' magnitude (see the module's docstring)
 INFLATE = 1.001  # the bound's own product (non-negative terms) and the comparisons' rounding
 ENV = "SPECJET_ARGMAX_BOUND"  # "off": every greedy row computes the whole head
-BF16_MAX_ROWS = 4  # a bf16 head's calls narrowed: at most this many rows to narrow (module docstring)
+BF16_MAX_ROWS = 4  # a bf16 head is narrowed in calls that flag at most this many rows (module docstring)
 
 
 def enabled() -> bool:
@@ -126,12 +126,14 @@ class ArgmaxBound:
     def narrow(self, x: torch.Tensor, rows: torch.Tensor,
                mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The head mask (bitmask int32 [R, W], masked bool [R]) for the head's ``masked``, or ``mask`` itself
-        (None included) where nothing is narrowed: rows flagged in
-        ``rows`` (bool [R], rows only an argmax reads; x float32 contiguous) get their candidates (within their
-        grammar's allowed tokens where ``mask`` flags them); the others keep ``mask``'s row and flag (or are
-        computed whole), as do rows whose grammar already allows few enough tokens for the masked kernel to
-        compute them alone (the int8 pass would cost more than it saves there), and every row of a call with
-        more than ``max_rows`` rows to narrow."""
+        (None included) where nothing is narrowed: rows flagged in ``rows`` (bool [R], rows only an argmax reads;
+        x [R, K], the head's input rows) get their candidates (within their grammar's allowed tokens where
+        ``mask`` flags them); the others keep ``mask``'s row and flag (or are computed whole), as do rows whose
+        grammar already allows few enough tokens for the masked kernel to compute them alone (the int8 pass would
+        cost more than it saves there), and every row of a call that flags more than ``max_rows`` rows (checked
+        first: a bf16 verify's call returns before any other work)."""
+        if self.max_rows is not None and int(rows.sum()) > self.max_rows:
+            return mask
         n, words = x.shape[0], -(-self.vocab // 32)
         if mask is not None and mask[0].shape[1] != words:  # a bitmask of another vocabulary's width: as it is
             return mask
@@ -139,8 +141,7 @@ class ArgmaxBound:
             rows = rows & ~(mask[1] & (allowed_counts(mask[0]) <= MASKED_MAX_ALLOWED))
             if not bool(rows.any()):
                 return mask
-        if self.max_rows is not None and int(rows.sum()) > self.max_rows:
-            return mask
+        x = x.to(torch.float32).contiguous()  # the int8 pass reads float32 rows (a bf16 head's are widened)
         if bool(rows.all()):  # a greedy batch: one pass, no copy of the incoming mask
             grammar = () if mask is None else (mask[0].contiguous(), mask[1].to(torch.bool).contiguous())
             return (extension().argmax_candidates(x, self.approx(x), self.factors, *grammar, bf16_ties=self.bf16_ties),

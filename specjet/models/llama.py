@@ -420,8 +420,7 @@ class LlamaForCausalLM(nn.Module):
         the bits the whole head gives them (kernels/argmax_bound.py), and -inf elsewhere."""
         bound = self.argmax_bound
         if argmax_rows is not None and bound is not None and bound.head is self.lm_head.packed and argmax_rows.any():
-            mask = bound.narrow(x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous(),
-                                argmax_rows, mask)
+            mask = bound.narrow(x, argmax_rows, mask)
         logits = None
         masked_head = getattr(self.lm_head.packed, "masked", None)
         if mask is not None and masked_head is not None:
