@@ -1,0 +1,147 @@
+"""Greedy requests that combine the sampling features at random, in random batches, on the real default model:
+stop strings and stop ids, the three penalties, logit biases (bans and forced tokens), JSON schemas, regexes and
+EBNF, predicted outputs, logprobs with top alternatives, ignore_eos, skip_special_tokens and token budgets that cut
+a draft mid-way. Every drafting engine (the default one, which drafts for guided requests and for a lone free-text
+request; DFLASH; EAGLE; NGRAM) must give the plain engine's tokens, text, finish reasons and logprobs exactly.
+
+Each feature has its own exactness tests; this one is for their combinations, which no single-feature test holds
+(a penalty on a grammar's tree, a stop string inside a prediction's run, a budget that ends inside a forced run)."""
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+import specjet
+
+pytestmark = pytest.mark.e2e
+
+QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a JSON object describing a user with a name, an age and an email address.",
+    "List the planets of the solar system, one per line.",
+    "Count from 1 to 30, separated by commas.",
+    "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",
+]
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 5},
+    {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                                      "ok": {"type": "boolean"}}, "required": ["steps", "ok"]},
+]
+REGEXES = [r"[a-z ]{3,40}\.", r"(yes|no), because [a-z ]+\.", r"\d+(, \d+)*"]
+PREDICTIONS = [
+    "Natalia sold 48 clips in April and 48 / 2 = 24 clips in May, so 48 + 24 = 72 clips altogether.",
+    '{"name": "John Doe", "age": 30, "email": "john.doe@example.com"}',
+    "Mercury\nVenus\nEarth\nMars\nJupiter\nSaturn\nUranus\nNeptune",
+]
+VOCAB = 49152
+ROUNDS = 28
+
+
+def random_params(rng: random.Random) -> dict:
+    """One greedy request's parameters: each feature on with some chance, any combination possible."""
+    p: dict = {"temperature": 0} if rng.random() < 0.8 else {"temperature": 0.7, "top_k": 1}  # top_k 1 is greedy
+    p["max_new_tokens"] = rng.choice([1, 2, 3, 5, 9, 17, 40, 64])
+    grammar = rng.random()
+    if grammar < 0.25:
+        p["json_schema"] = rng.choice(SCHEMAS)
+        p["max_new_tokens"] = rng.choice([p["max_new_tokens"], 96, 96])  # most of them room to complete
+    elif grammar < 0.33:
+        p["regex"] = rng.choice(REGEXES)
+    elif grammar < 0.37:
+        p["ebnf"] = 'root ::= "The answer is " [0-9]+ "."'
+    if rng.random() < 0.3:
+        p["stop"] = rng.sample([".", " the", "\n", "}", ",", "3", " is"], rng.randint(1, 3))
+    if rng.random() < 0.15:
+        p["stop_token_ids"] = rng.sample(range(VOCAB), 3) + [rng.choice([28, 30, 16])]  # some common punctuation
+    if rng.random() < 0.3:
+        p["frequency_penalty"] = rng.choice([-0.5, 0.5, 2.0])
+    if rng.random() < 0.3:
+        p["presence_penalty"] = rng.choice([-1.0, 0.7])
+    if rng.random() < 0.3:
+        p["repetition_penalty"] = rng.choice([0.8, 1.3, 2.0])
+    if rng.random() < 0.2:
+        p["logit_bias"] = {str(rng.randrange(VOCAB)): rng.choice([-100, -3, 5, 100]) for _ in range(rng.randint(1, 3))}
+    if rng.random() < 0.25:
+        p["prediction"] = rng.choice(PREDICTIONS)
+    if rng.random() < 0.2:
+        p["return_logprob"] = True
+        if rng.random() < 0.5:
+            p["top_logprobs_num"] = rng.choice([1, 5])
+    if rng.random() < 0.15:
+        p["ignore_eos"] = True
+    if rng.random() < 0.1:
+        p["skip_special_tokens"] = False
+    return p
+
+
+def rounds() -> list[tuple[list[str], list[dict]]]:
+    """The same seeded batches for every engine: (questions, parameters), 1 to 5 requests a batch."""
+    rng = random.Random(20261206)
+    out = []
+    for _ in range(ROUNDS):
+        n = rng.choice([1, 1, 1, 2, 3, 5])
+        out.append(([rng.choice(QUESTIONS) for _ in range(n)], [random_params(rng) for _ in range(n)]))
+    return out
+
+
+def run(engine: specjet.Engine, batches) -> list[dict]:
+    outs = []
+    for questions, params in batches:
+        outs += engine.generate([engine.apply_chat_template(q) for q in questions], params)
+    return outs
+
+
+def observed(out: dict) -> tuple:
+    meta = out["meta_info"]
+    return (out["output_ids"], out["text"], meta["finish_reason"],
+            meta.get("output_token_logprobs"), meta.get("output_top_logprobs"))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    batches = rounds()
+    with specjet.Engine(max_total_tokens=8192, disable_guided_drafting=True, disable_free_text_drafting=True) as eng:
+        outs = run(eng, batches)
+        eng.check_kv_invariant()
+    return batches, outs
+
+
+def test_the_plain_outputs_hold_the_features(plain):
+    """The mix reaches what it means to test: grammars that complete and validate, stop strings and budgets that
+    end requests, logprobs, and no request refused or aborted."""
+    batches, outs = plain
+    params = [p for _, ps in batches for p in ps]
+    reasons = [o["meta_info"]["finish_reason"] for o in outs]
+    assert not [r for r in reasons if r["type"] == "abort"]
+    assert any(isinstance(r.get("matched"), str) for r in reasons)  # a stop string ended one
+    assert any(r["type"] == "length" for r in reasons)
+    assert any("output_top_logprobs" in o["meta_info"] for o in outs)
+    completed = 0
+    for p, out, reason in zip(params, outs, reasons):
+        if "json_schema" in p and reason["type"] == "stop" and "stop" not in p and "stop_token_ids" not in p:
+            jsonschema.validate(json.loads(out["text"]), p["json_schema"])
+            completed += 1
+    assert completed >= 4
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # the default engine: guided drafting, and the shipped DFlash draft for a lone free-text request
+    {"speculative_algorithm": "DFLASH", "speculative_measured_payoff": False},
+    {"speculative_algorithm": "EAGLE", "speculative_measured_payoff": False},
+    {"speculative_algorithm": "NGRAM"},
+], ids=["default", "DFLASH", "EAGLE", "NGRAM"])
+def test_drafting_engines_give_plain_outputs_for_mixed_features(plain, kwargs):
+    batches, expected = plain
+    with specjet.Engine(max_total_tokens=8192, **kwargs) as eng:
+        outs = run(eng, batches)
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    mismatched = [i for i, (a, b) in enumerate(zip(outs, expected)) if observed(a) != observed(b)]
+    assert not mismatched, f"requests {mismatched} differ from plain decoding"
+    assert stats["spec_accepted_tokens"] > stats["spec_verify_ct"] > 0  # the drafts were verified and taken
