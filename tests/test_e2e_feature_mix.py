@@ -80,14 +80,28 @@ def random_params(rng: random.Random) -> dict:
     return p
 
 
+# A last batch that holds each feature the coverage check asks for with room to spare, whatever the CPU's bits make
+# of the random mix's replies: short JSON values to complete, a full stop in a worked answer, a comma in a count.
+ANCHORS = (
+    [QUESTIONS[1], QUESTIONS[0], QUESTIONS[2], QUESTIONS[0], QUESTIONS[3], QUESTIONS[2]],
+    [{"temperature": 0, "max_new_tokens": 96, "json_schema": SCHEMAS[1]},
+     {"temperature": 0, "max_new_tokens": 96, "json_schema": SCHEMAS[1], "return_logprob": True,
+      "top_logprobs_num": 2},
+     {"temperature": 0, "max_new_tokens": 96, "json_schema": SCHEMAS[2]},
+     {"temperature": 0, "max_new_tokens": 64, "stop": ["."]},
+     {"temperature": 0, "max_new_tokens": 40, "stop_token_ids": [30]},  # "."
+     {"temperature": 0, "max_new_tokens": 3}],
+)
+
+
 def rounds() -> list[tuple[list[str], list[dict]]]:
-    """The same seeded batches for every engine: (questions, parameters), 1 to 5 requests a batch."""
+    """The same seeded batches for every engine: (questions, parameters), 1 to 5 requests a batch, then ANCHORS."""
     rng = random.Random(20261206)
     out = []
     for _ in range(ROUNDS):
         n = rng.choice([1, 1, 1, 2, 3, 5])
         out.append(([rng.choice(QUESTIONS) for _ in range(n)], [random_params(rng) for _ in range(n)]))
-    return out
+    return out + [ANCHORS]
 
 
 def run(engine: specjet.Engine, batches) -> list[dict]:
