@@ -81,7 +81,7 @@ def random_params(rng: random.Random) -> dict:
 
 
 # A last batch that holds each feature the coverage check asks for with room to spare, whatever the CPU's bits make
-# of the random mix's replies: short JSON values to complete, a full stop in a worked answer, a comma in a count.
+# of the random mix's replies: short JSON values to complete, a full stop in a worked answer and in a numbered count.
 ANCHORS = (
     [QUESTIONS[1], QUESTIONS[0], QUESTIONS[2], QUESTIONS[0], QUESTIONS[3], QUESTIONS[2]],
     [{"temperature": 0, "max_new_tokens": 96, "json_schema": SCHEMAS[1]},
