@@ -37,18 +37,21 @@ class Sequence:
 
 
 @torch.inference_mode()
-def target_features(runner: ModelRunner, samples: list[Sample], capture: CaptureHidden = "last") -> list[torch.Tensor]:
-    """Features of every sample. The prefix all samples share (a system prompt, few-shot examples)
-    runs once; each sample's rest is a request that attends to the shared prefix's KV."""
+def target_features(runner: ModelRunner, samples: list[Sample], capture: CaptureHidden = "last",
+                    dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+    """Features of every sample, in ``dtype`` (fp16, as the trainers keep them). The prefix all samples share
+    (a system prompt, few-shot examples) runs once; each sample's rest is a request that attends to the shared
+    prefix's KV."""
     shared = _common_prefix_len([s.ids for s in samples])
     prefix_hidden = None
     if shared:
-        prefix_hidden = _extend(runner, [samples[0].ids[:shared]], 0, capture)[0]
-    rest = _extend(runner, [s.ids[shared:] for s in samples], shared, capture)
+        prefix_hidden = _extend(runner, [samples[0].ids[:shared]], 0, capture, dtype)[0]
+    rest = _extend(runner, [s.ids[shared:] for s in samples], shared, capture, dtype)
     return [h if prefix_hidden is None else torch.cat([prefix_hidden, h]) for h in rest]
 
 
-def _extend(runner: ModelRunner, id_lists: list[list[int]], shared: int, capture: CaptureHidden) -> list[torch.Tensor]:
+def _extend(runner: ModelRunner, id_lists: list[list[int]], shared: int, capture: CaptureHidden,
+            dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
     """One extend forward: request i brings ``id_lists[i]`` after ``shared`` positions already in
     slots 1..shared (written by the previous call); its own tokens get fresh slots after those."""
     lens = torch.tensor([len(ids) for ids in id_lists])
@@ -73,7 +76,7 @@ def _extend(runner: ModelRunner, id_lists: list[list[int]], shared: int, capture
         logits="none",
         capture_hidden=capture,
     )
-    hidden = runner.forward(batch).hidden.to(torch.float16)
+    hidden = runner.forward(batch).hidden.to(dtype)
     return list(hidden.split(lens.tolist()))
 
 
