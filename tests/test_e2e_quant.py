@@ -165,18 +165,21 @@ def test_the_dflash_recipe_learns_the_gguf_target_the_engine_runs(default_model_
         assert not replies_written_by_the_feature_target(build_parser().parse_args(other))
     runner, tag = feature_target(args, fp32_runner.config, load_state_dict(default_model_dir), fp32_runner)
     assert runner is not fp32_runner and runner.quantization == "gguf" and tag == "-gguf"
-    # The features in float32 (the recipe keeps fp16): the same model's bits as the engine's, so the equality below
-    # holds exactly on every CPU. In fp16 it hangs on near ties: a position of this reply whose two best logits lie
-    # 0.135 apart with bf16dp attention lies 0.0001 apart with the float32 lanes AVX2-only CPUs run, and fp16's
-    # rounding of the hidden state flips it there.
+    # The features in float32 (the recipe keeps fp16): the same kernels as the engine's in this process, so their
+    # logits are the engine's bit for bit (its reply tokens' logprobs, checked below) on every CPU. In fp16 the argmax
+    # hangs on near ties: a position of this reply whose two best logits lie 0.135 apart with bf16dp attention lies
+    # 0.0001 apart with the float32 lanes AVX2-only CPUs run, and fp16's rounding of the hidden state flips it there.
     with specjet.Engine(max_total_tokens=2048) as eng:  # the default engine: the same GGUF blocks
         prompt = prompt_ids(eng.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])  # as the recipe prompts
-        reply = eng.generate(input_ids=prompt, sampling_params=PARAMS)["output_ids"]
+        out = eng.generate(input_ids=prompt, sampling_params=dict(PARAMS, return_logprob=True))
         eng.check_kv_invariant()
+    reply = out["output_ids"]
+    engine_logprobs = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])
     h = fp32_runner.config.hidden_size
     (features,) = target_features(runner, [Sample(prompt + reply, len(prompt), "test")], FeatureLayers((1, 8)),
                                   torch.float32)
     assert features.shape == (len(prompt) + len(reply), 3 * h)
     with torch.inference_mode():
-        logits = runner.model.lm_head(features[len(prompt) - 1:-1, -h:])
+        logits = runner.model.lm_head(features[len(prompt) - 1:-1, -h:]).float()
     assert logits.argmax(-1).tolist() == reply
+    assert torch.equal(torch.log_softmax(logits, -1)[torch.arange(len(reply)), torch.tensor(reply)], engine_logprobs)
