@@ -83,7 +83,11 @@ INLINE_SCHEMAS = [
 ]
 REGEXES = [r"[A-Z][a-z]{1,10}( [a-z]{1,10}){0,4}\.", r"\d{3}-\d{3}-\d{4}", r"(yes|no|maybe)",
            r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)"]
-EBNFS = ['root ::= "yes" | "no"', 'root ::= [0-9]+ ("," [0-9]+)*']
+# The last: once "[" is written the grammar forces "a" for ever (a grammar whose jump-forward text never ends).
+EBNFS = ['root ::= "yes" | "no"', 'root ::= [0-9]+ ("," [0-9]+)*', 'root ::= [0-9]+ | "[" more\nmore ::= "a" more']
+# An object that must hold an object of its own kind: no finite JSON text is an instance.
+ENDLESS_SCHEMA = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+                  "$ref": "#/$defs/n"}
 DEEP = 5000
 # The "context_limit" case (a prompt a few tokens short of the context) runs only up to this context.
 NEAR_LIMIT_MAX_CONTEXT = 2048
@@ -296,6 +300,8 @@ class Workload:
             ('regex="("', sp(regex="(")), ('regex="[z-a]"', sp(regex="[z-a]")), ('ebnf="root ::= "', sp(ebnf="root ::= ")),
             ("ebnf no root", sp(ebnf='start ::= "a"')),
             ("json_schema bad type", sp(json_schema={"type": "nonsense"})),
+            ("json_schema with no finite instance", sp(json_schema=ENDLESS_SCHEMA)),
+            ("ebnf with no finite output", sp(ebnf='root ::= "a" root')),
         ]
         return [(n, kw, False) for n, kw in cases] + [(n, kw, True) for n, kw in grammar_cases]
 

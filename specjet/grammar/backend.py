@@ -22,6 +22,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from specjet.grammar.forced_text import grammar_lengths, mark_jump_forward_safe
 from specjet.grammar.spec import (DEFAULT_MAX_SPEC_BYTES, DEFAULT_MAX_SPEC_DEPTH, GRAMMAR_KINDS, GrammarError,
                                   canonical_text)
 from specjet.grammar.timed_runner import Closed, Outcome, Overloaded, TimedOut, TimedRunner
@@ -235,20 +236,31 @@ class GrammarBackend:
                 self.compile_stats["compile_seconds"] += time.perf_counter() - start
 
     def _compile_kind(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        if kind == "json":
+            compiled = self._compiler.compile_builtin_json_grammar()
+            mark_jump_forward_safe(compiled, grammar_lengths(xgr.Grammar.builtin_json_grammar()))
+            return compiled
         try:
             if kind == "json_schema":
-                return self._compile_json_schema(text)
-            if kind == "regex":
-                return self._compiler.compile_regex(text)
-            if kind == "ebnf":
-                return self._compiler.compile_grammar(text)
-            return self._compiler.compile_builtin_json_grammar()
+                grammar, compiled = self._compile_json_schema(text)
+            else:
+                grammar = xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
+                compiled = self._compiler.compile_grammar(grammar)
         except RuntimeError as error:
             raise GrammarError(f"{kind} could not be compiled: {_xgrammar_message(error)}") from None
+        # Read from the source grammar: the compiled one's serialization holds its automata.
+        lengths = grammar_lengths(grammar)
+        if lengths is not None and not lengths.has_finite_output:
+            raise GrammarError(
+                f"{kind} admits no finite output: every text it allows goes on for ever (e.g. an object that "
+                f"requires a property of its own type, or a rule that always refers to itself)")
+        mark_jump_forward_safe(compiled, lengths)
+        return compiled
 
-    def _compile_json_schema(self, text: str) -> xgr.CompiledGrammar:
+    def _compile_json_schema(self, text: str) -> tuple[xgr.Grammar, xgr.CompiledGrammar]:
         try:
-            return self._compiler.compile_json_schema(text, **JSON_SCHEMA_OPTIONS)
+            grammar = xgr.Grammar.from_json_schema(text, **JSON_SCHEMA_OPTIONS)
+            return grammar, self._compiler.compile_grammar(grammar)
         except RuntimeError as first_error:
             # Two known ways a valid schema fails in xgrammar 0.2.8, each with a retry:
             # (1) a bug of the compiler's cache ("Check failed: per_rule_fsm_hashes[...]"):
@@ -260,7 +272,8 @@ class GrammarBackend:
             for strict_mode in (True, False):
                 options["strict_mode"] = strict_mode
                 try:
-                    return self._get_uncached_compiler().compile_json_schema(text, **options)
+                    grammar = xgr.Grammar.from_json_schema(text, **options)
+                    return grammar, self._get_uncached_compiler().compile_grammar(grammar)
                 except RuntimeError:
                     pass
             raise first_error

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from specjet.grammar.forced_text import jump_forward_is_safe
 from specjet.kernels import cpu_ops
 from specjet.kernels.token_bitmask import allowed_counts
 
@@ -99,7 +100,11 @@ class RequestGrammar:
         return self._matcher.is_terminated()
 
     def find_jump_forward_string(self) -> str:
-        """The longest string the grammar forces from here (state unchanged)."""
+        """The longest string the grammar forces from here (state unchanged); "" for a grammar whose forced text
+        was not shown to be bounded (`forced_text`): xgrammar's search has no length limit, and on a grammar
+        whose forced text never ends it grows its string until memory runs out."""
+        if not jump_forward_is_safe(self.compiled):
+            return ""
         return self._matcher.find_jump_forward_string()
 
     def fork(self) -> RequestGrammar:

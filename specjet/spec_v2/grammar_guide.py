@@ -21,6 +21,10 @@ import torch
 from specjet.grammar import RequestGrammar, empty_token_bitmask, mask_draft_tree
 
 
+# Characters of forced text tokenized per token wanted: more than almost any token spells.
+_FORCED_CHARS_PER_TOKEN = 32
+
+
 class GrammarGuide:
     def __init__(self, grammar: RequestGrammar, vocab_size: int,
                  tokenize: Callable[[str], list[int]] | None = None):
@@ -42,7 +46,9 @@ class GrammarGuide:
         text = self.grammar.find_jump_forward_string()
         if not text:
             return []
-        ids = self.tokenize(text)
+        # At most max_len tokens are used: a forced text of kilobytes (a long const, a counted repeat) is
+        # tokenized only as far as they can reach (a cut text's last token is dropped below, as at any end).
+        ids = self.tokenize(text[:_FORCED_CHARS_PER_TOKEN * (max_len + 1)])
         accepted = self.grammar.accept_tokens(ids)
         try:
             keep = accepted if accepted < len(ids) or self._only_stop_allowed() else len(ids) - 1
