@@ -232,6 +232,9 @@ def test_eagle_prompt_that_leaves_no_room_for_drafting_is_refused_at_the_door(ti
     ({"log_level": "loud"}, ValueError, "log_level"),
     ({"disable_overlap_schedule": "no"}, TypeError, "disable_overlap_schedule"),
     ({"speculative_num_steps": 0, "speculative_algorithm": "EAGLE"}, ValueError, "speculative_num_steps"),
+    ({"grammar_token_timeout": 0}, ValueError, "grammar_token_timeout"),
+    ({"grammar_token_timeout": float("nan")}, ValueError, "grammar_token_timeout"),
+    ({"grammar_token_timeout": "1"}, TypeError, "grammar_token_timeout"),
 ])
 def test_bad_engine_arguments_raise_naming_the_argument(kwargs, exc, name):
     from specjet.engine.args import EngineArgs
@@ -254,3 +257,29 @@ def test_a_grammar_over_the_compile_time_limit_fails_alone(tiny_model_dir):
         with pytest.raises(ValueError, match="bytes"):
             eng.generate("c", dict(GREEDY, regex="a" * (200 << 10)))
         assert_healthy(eng)
+
+
+# Ambiguous: every split of the x's is a parse, so matching a token costs more the longer the text (cubic).
+AMBIGUOUS_EBNF = 'root ::= a+\na ::= a a | "x"'
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_grammar_whose_matching_grows_without_bound_ends_alone(tiny_model_dir, speculative):
+    """An ambiguous grammar took ~0.4 s of the scheduler's thread a token after 160 tokens and seconds soon after,
+    while every other request waited. Past grammar_token_timeout its request ends (abort, naming the limit); the
+    request beside it gets its output alone, and a grammar that matches in constant time is never cut. (The default
+    engine drafts a constrained request's n-grams and forced text: the speculative case.)"""
+    innocent = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    no_end = {"logit_bias": {"0": -100.0, "1": -100.0, "2": -100.0}}  # the grammar may end after any "x"
+    ambiguous = dict(no_end, temperature=0, max_new_tokens=600, ebnf=AMBIGUOUS_EBNF)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=8192, grammar_token_timeout=0.002,
+                        disable_guided_drafting=not speculative) as eng:
+        alone = eng.generate("The cat sat on", innocent)
+        outs = bounded(eng.generate, ["The cat sat on", "x"], [innocent, ambiguous])
+        plain_x = eng.generate("x", dict(no_end, temperature=0, max_new_tokens=200, ebnf='root ::= "x"+'))
+        assert_healthy(eng)
+    assert outs[0]["output_ids"] == alone["output_ids"]
+    reason = outs[1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "grammar_token_timeout" in reason["message"], reason
+    assert 0 < outs[1]["meta_info"]["completion_tokens"] < 600 and set(outs[1]["text"]) == {"x"}
+    assert plain_x["meta_info"]["finish_reason"]["type"] == "length"

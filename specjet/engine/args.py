@@ -51,6 +51,12 @@ class EngineArgs:
     # size of its spec text in bytes. Defaults: specjet.grammar.backend / spec.
     grammar_compile_timeout: float | None = 10.0
     grammar_max_spec_bytes: int = 128 << 10
+    # CPU seconds the grammar may spend matching one token of a request (None: no limit). An ambiguous grammar
+    # (``a ::= a a | "x"``) is cubic in the text so far: ~0.4 s a token after 160 tokens, seconds soon after, all of
+    # it on the scheduler's thread while every other request waits. Past the limit the request ends alone
+    # (abort, a message naming it): on the default engine ~300 tokens and ~10 s in for that grammar. The dev set's
+    # schemas take at most ~0.15 ms a token.
+    grammar_token_timeout: float | None = 0.02
     random_seed: int | None = None
     # Speculative decoding (SGLang's names). None: the algorithm's default; every default and every
     # range check is in one place, specjet/spec_v2/config.py (SpecConfig.from_args).
@@ -165,6 +171,10 @@ class EngineArgs:
                 math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0):
             raise ValueError(f"grammar_compile_timeout must be a positive number of seconds or None, "
                              f"got {self.grammar_compile_timeout}")
+        if self.grammar_token_timeout is not None and not (
+                math.isfinite(self.grammar_token_timeout) and self.grammar_token_timeout > 0):
+            raise ValueError(f"grammar_token_timeout must be a positive number of seconds or None, "
+                             f"got {self.grammar_token_timeout}")
         if self.grammar_max_spec_bytes < 1:
             raise ValueError(f"grammar_max_spec_bytes must be >= 1, got {self.grammar_max_spec_bytes}")
         from specjet.models.quantize import check_method

@@ -48,6 +48,8 @@ class SchedulerConfig:
     # A prompt whose uncached part is longer than this is prefilled in chunks of it, one per
     # iteration, with the running requests' decode steps in between (None: whole prompts).
     chunked_prefill_size: int | None = None
+    # CPU seconds one token's grammar match may take before the request is ended (EngineArgs); None: no limit.
+    grammar_token_timeout: float | None = None
 
 
 class _SettleFirst:
@@ -690,6 +692,8 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> dict | None:
         sp = req.sampling
         if req.grammar is not None:
+            # Thread CPU time: the match's own cost, not time spent waiting for the GIL or the cores.
+            started = time.thread_time()
             if not req.grammar.accept_token(token):
                 # A token the grammar refused is no part of the output (under the mask only an empty mask lets
                 # one be sampled), so a request refused at its first token has written nothing.
@@ -703,6 +707,13 @@ class Scheduler:
             if req.grammar.is_terminated():
                 update_text(req, self.tokenizer)
                 return {"type": "stop", "matched": token}
+            spent, limit = time.thread_time() - started, self.config.grammar_token_timeout
+            if limit is not None and spent > limit:
+                update_text(req, self.tokenizer)
+                return {"type": "abort", "message": f"the grammar took {spent * 1e3:.0f} ms to match one token, "
+                                                    f"more than grammar_token_timeout ({limit * 1e3:.0f} ms): it is "
+                                                    f"too ambiguous to decode under (each token costs more than "
+                                                    f"the last)"}
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             update_text(req, self.tokenizer)
             return {"type": "stop", "matched": token}
