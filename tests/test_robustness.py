@@ -283,3 +283,35 @@ def test_a_grammar_whose_matching_grows_without_bound_ends_alone(tiny_model_dir,
     assert reason["type"] == "abort" and "grammar_token_timeout" in reason["message"], reason
     assert 0 < outs[1]["meta_info"]["completion_tokens"] < 600 and set(outs[1]["text"]) == {"x"}
     assert plain_x["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_text_surely_longer_than_the_context_is_refused_without_tokenizing_it(engine, monkeypatch):
+    """A 50 MB prompt took the tokenizer 40 s and 6.6 GB before its length was checked (a few hundred MB more and
+    the host kills the engine). A text longer than the context times the vocabulary's longest token cannot fit:
+    it is refused before the tokenizer sees it. A text within that bound is still measured in tokens: a
+    prediction of 81-character tokens (a newline and 80 spaces: this vocabulary's longest) that fits the context
+    is served, where a fixed 64 characters a token refused it."""
+    ctx = engine.scheduler.config.context_len
+    longest = "\n" + " " * 80
+    assert engine.tokenizer(longest * 3, add_special_tokens=False)["input_ids"] == \
+        engine.tokenizer(longest, add_special_tokens=False)["input_ids"] * 3
+    real_tokenizer = engine.tokenizer
+
+    class Guard:
+        def __call__(self, text, *args, **kwargs):
+            assert len(text) <= ctx * len(longest), "the tokenizer was given a text that cannot fit"
+            return real_tokenizer(text, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real_tokenizer, name)
+
+    monkeypatch.setattr(engine, "tokenizer", Guard())
+    too_long = "hello world " * (ctx * len(longest) // 12 + 1)
+    with pytest.raises(ValueError, match="prompt of at least .* does not fit the context length"):
+        engine.generate(too_long, GREEDY)
+    with pytest.raises(ValueError, match="prediction of .* longer than the context length"):
+        engine.generate("a", dict(GREEDY, prediction=too_long))
+    prediction = longest * (ctx - 64)  # more than 64 characters a token, fewer tokens than the context
+    assert len(prediction) > 64 * ctx
+    out = engine.generate("a", dict(GREEDY, prediction=prediction))
+    assert out["meta_info"]["finish_reason"]["type"] == "length"

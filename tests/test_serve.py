@@ -677,3 +677,14 @@ def test_default_model_tools_and_schema_e2e():
         kv_ok(srv)
     finally:
         srv.stop()
+
+
+def test_a_request_body_over_the_servers_limit_is_a_413(server):
+    """The CLI puts BodyLimit around the app: a 33 MB body is refused before FastAPI parses it, and the server
+    goes on serving."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * (33 << 20), "max_tokens": 1})
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert chat(server.client(), "hi", max_tokens=2).choices[0].finish_reason == "length"

@@ -6,12 +6,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from xgrammar.testing import _is_grammar_accept_string
 import xgrammar as xgr
 
 from specjet.serve import chat
 from specjet.serve.app import create_app
+from specjet.serve.body_limit import BodyLimit
 from specjet.serve.cli import build_parser, engine_kwargs
 from specjet.serve.protocol import ChatCompletionRequest
 
@@ -363,3 +365,31 @@ def test_prediction_details_count_the_predictions_tokens_found_in_order():
     details = prediction_details(words, "a b c d e", ["a b x d e", "e d c b a", "a b c d e f"])
     # "a b x d e": a b d e (4); "e d c b a": one token in order (1); "a b c d e f": all five
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (4 + 1 + 5, 1 + 4 + 0)
+
+
+def test_a_body_over_the_limit_is_refused_413_before_the_app_reads_it():
+    """FastAPI parses a JSON body whole before any handler runs, so a body of hundreds of megabytes could have the
+    host kill the server. BodyLimit answers 413 (OpenAI's error shape) for a body over its limit, declared by
+    Content-Length or sent in chunks, and hands any other body on whole."""
+    inner = FastAPI()
+    reads = []
+
+    @inner.post("/echo")
+    async def echo(request: Request):
+        body = await request.body()
+        reads.append(len(body))
+        return {"bytes": len(body), "head": body[:3].decode()}
+
+    with TestClient(BodyLimit(inner, max_bytes=1000)) as client:
+        assert client.post("/echo", content=b"abc" + b"x" * 997).json() == {"bytes": 1000, "head": "abc"}
+        chunked = client.post("/echo", content=iter([b"abc", b"x" * 500, b"y" * 497]))
+        assert chunked.json() == {"bytes": 1000, "head": "abc"}
+        for content in (b"x" * 1001, iter([b"x" * 600, b"y" * 600])):
+            refused = client.post("/echo", content=content)
+            assert refused.status_code == 413
+            error = refused.json()["error"]
+            assert error["code"] == "request_too_large" and "max_request_bytes" in error["message"]
+    assert reads == [1000, 1000]  # the refused bodies never reached the app
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        BodyLimit(inner, max_bytes=0)
+    assert build_parser().parse_args([]).max_request_bytes == 32 << 20

@@ -77,19 +77,32 @@ class Engine:
         # (compute side); loop: drives both on the scheduler thread.
         self.tokenizer, self.scheduler, self.worker, self.loop = parts.tokenizer, parts.scheduler, parts.worker, parts.loop
         self._warned_prediction = False
+        self._max_token_chars: int | None = None  # the vocabulary's longest token, found when first needed
         self._closed = False
         self._thread = threading.Thread(target=self.loop.run, name="specjet-scheduler", daemon=True)
         self._thread.start()
         self._async_outputs = AsyncOutputs(self._thread.is_alive, _LIVENESS_POLL_S)
 
     # ---------------------------------------------------------------- request construction
+    def _tokens_at_least(self, text: str) -> int | None:
+        """For a text surely longer than the context, a lower bound on its tokens (else None), found without
+        tokenizing it: no token spells more characters than the vocabulary's longest. Tokenizing tens of
+        megabytes takes the tokenizer seconds and gigabytes (50 MB: 40 s and 6.6 GB), enough for one request to
+        have the host kill the engine."""
+        ctx = self.scheduler.config.context_len
+        if len(text) <= ctx:  # every token spells at least one character
+            return None
+        if self._max_token_chars is None:
+            longest = max(map(len, self.scheduler.grammar_backend.token_bytes()), default=1)  # bytes >= characters
+            self._max_token_chars = max([longest, 1, *map(len, self.tokenizer.get_added_vocab())])
+        return -(-len(text) // self._max_token_chars) if len(text) > ctx * self._max_token_chars else None
+
     def _check_prediction(self, prediction: str | list[int]) -> None:
         """A prediction longer than any reply could be is a mistake; one the engine cannot draft from is not
         an error (it changes no output), but worth a line in the log."""
         ctx = self.scheduler.config.context_len
         n = len(prediction) if not isinstance(prediction, str) else (
-            len(prediction) // 64 if len(prediction) > 64 * ctx else  # surely too long: not worth tokenizing
-            len(self.tokenizer(prediction, add_special_tokens=False)["input_ids"]))
+            self._tokens_at_least(prediction) or len(self.tokenizer(prediction, add_special_tokens=False)["input_ids"]))
         if n > ctx:
             raise ValueError(f"prediction of {n} tokens is longer than the context length {ctx}")
         speculator = self.worker.speculator
@@ -114,6 +127,11 @@ class Engine:
             prompts = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
                 raise TypeError("prompt must be a string or a list of strings")
+            for p in prompts:
+                at_least = self._tokens_at_least(p)
+                if at_least is not None:
+                    raise ValueError(f"prompt of at least {at_least} tokens ({len(p)} characters) does not fit the "
+                                     f"context length {self.scheduler.config.context_len}")
             id_lists = [self.tokenizer(p)["input_ids"] for p in prompts]
         else:
             id_lists, single = _token_id_lists(input_ids)

@@ -10,6 +10,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from specjet.engine.args import EngineArgs
+from specjet.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
 _CONVERTERS = {"int": int, "float": float, "str": str}
 
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECJET_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id /v1/models reports (default: the model path's name)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted; larger ones get a 413 (default: %(default)s)")
     parser.add_argument("--debug-endpoints", action="store_true",
                         help="expose GET /debug/kv (waits until idle, checks the KV invariant)")
     _add_engine_flags(parser)
@@ -57,10 +60,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["serve"]:  # `specjet serve ...`
         argv = argv[1:]
     ns = build_parser().parse_args(argv)
+    if ns.max_request_bytes < 1:
+        print(f"specjet serve: --max-request-bytes must be positive, got {ns.max_request_bytes}", file=sys.stderr)
+        return 2
     import uvicorn
 
     import specjet
     from specjet.serve.app import create_app
+    from specjet.serve.body_limit import BodyLimit
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     kwargs = engine_kwargs(ns)
@@ -71,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     name = ns.served_model_name or (os.path.basename(str(kwargs["model_path"]).rstrip("/"))
                                     if kwargs.get("model_path") else "SmolLM2-135M-Instruct")
-    app = create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints)
+    app = BodyLimit(create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints),
+                    ns.max_request_bytes)
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     finally:
