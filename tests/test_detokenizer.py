@@ -129,6 +129,9 @@ def test_stop_strings_spanning_tokens(tokenizer, skip):
             stops = [full[a:a + rng.randrange(2, 9)], "never here"]
             if rng.random() < 0.3:
                 stops.append(full[a + 1:a + 3])  # a second one that may match first
+            if rng.random() < 0.4:  # a long one: each stop string is searched in its own window
+                b = rng.randrange(len(full))
+                stops.insert(rng.randrange(len(stops) + 1), full[b:b + rng.randrange(20, 60)])
             stops = [s for s in stops if s and "\ufffd" not in s]
             expected = reference_stop(tokenizer, ids, stops, skip)
             if expected is None:

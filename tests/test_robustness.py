@@ -43,6 +43,8 @@ BAD_PARAMS = [
     ({"stop": [["x"]]}, TypeError, "stop"),
     ({"stop": ""}, ValueError, "stop"),
     ({"stop": ["ok", ""]}, ValueError, "stop"),
+    ({"stop": ["s%d" % i for i in range(1025)]}, ValueError, "stop"),
+    ({"stop": ["ok", "y" * 4097]}, ValueError, "stop"),
     ({"stop_token_ids": 5}, TypeError, "stop_token_ids"),
     ({"stop_token_ids": ["5"]}, TypeError, "stop_token_ids"),
     ({"stop_token_ids": [10**9]}, ValueError, "stop_token_ids"),

@@ -53,7 +53,9 @@ def update_text(req: Req, tokenizer) -> str | None:
     stops = req.sampling.stop
     # Search for stop strings from where the text may have changed since the last step (the end of
     # the text that was final then), less what a stop string beginning before it can span.
-    start = max(0, len(req.text) - _max_len(stops) + 1) if stops else 0
+    searched = len(req.text)  # every stop string was searched for up to here
+    start = max(0, searched - _max_len(stops) + 1) if stops else 0
+    searched -= start  # as an index into the text from start
     if len(req.detok_ids) > req.detok_surr_len:
         window_text = tokenizer.decode(req.detok_ids, skip_special_tokens=skip)
         prefix = req.detok_surr_text
@@ -67,7 +69,7 @@ def update_text(req: Req, tokenizer) -> str | None:
             pending = new
     if stops:
         tail = req.text[start:] + pending
-        hit = _first_stop(tail, stops)
+        hit = _first_new_stop(tail, stops, searched)
         if hit is not None:
             return _cut(req, tokenizer, start, req.text[:start] + tail[:hit[0]], hit[1])
     return None
@@ -107,6 +109,18 @@ def _first_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] 
     hits = [(text.find(s, start), s) for s in stops]
     hits = [(i, s) for i, s in hits if i >= 0]
     return min(hits) if hits else None
+
+
+def _first_new_stop(tail: str, stops: list[str], searched: int) -> tuple[int, str] | None:
+    """``_first_stop`` over ``tail`` for the matches that end past ``searched`` (the end of the text searched
+    before, an index into ``tail``): each stop string is searched only from where such
+    a match of it can begin, so a long one costs its own length a step, not every short one's search too."""
+    best = None
+    for stop in stops:
+        index = tail.find(stop, max(0, searched - len(stop) + 1))
+        if index >= 0 and (best is None or (index, stop) < best):
+            best = (index, stop)
+    return best
 
 
 def _max_len(stops: list[str]) -> int:

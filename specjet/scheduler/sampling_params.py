@@ -27,6 +27,12 @@ _FLOAT32_MAX = 3.4028234663852886e38
 TOP_K_ALL = 1 << 30
 # The most alternatives a token's logprobs list (OpenAI's limit on top_logprobs).
 MAX_TOP_LOGPROBS = 20
+# Stop strings are searched after every token on the scheduler's thread, each from where a new match of it can
+# begin (scheduler/detokenizer.py): their count and length bound that work (10,000 of them and one of 100,000
+# characters made every token of a 3,000-token reply 5.5x dearer, for every request waiting on that thread).
+# OpenAI allows 4; these leave room for any real use.
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 4096
 # A logit_bias key given as a string (JSON's object keys): a decimal token id, sign allowed (refused later).
 _DECIMAL = re.compile(r"\s*-?[0-9]{1,18}\s*")
 # What torch.Generator.manual_seed accepts, less the negative half (an unsigned 64-bit seed).
@@ -149,6 +155,11 @@ class SamplingParams:
         self.stop = self._string_list("stop", self.stop)
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty (an empty one would match at once)")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}")
         self.stop_token_ids = self._int_list("stop_token_ids", self.stop_token_ids)
         if not _is_int(self.top_logprobs_num):
             raise TypeError(f"top_logprobs_num must be an int, got {type(self.top_logprobs_num).__name__}")
