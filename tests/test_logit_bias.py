@@ -18,6 +18,24 @@ from test_penalties import PROMPTS, SCHEMA, greedy
 from test_spec_eagle import random_head
 
 
+
+def test_a_requests_penalties_and_bias_tensors_are_made_once():
+    """A full-vocabulary logit_bias made every decode step 2.7x dearer: its 49,152 entries were copied into a new
+    Penalties several times an iteration and into new tensors at every step. Both are made once now, and a
+    change of the values (a new dict) makes new ones."""
+    from specjet.scheduler.sampling_params import SamplingParams
+
+    sp = SamplingParams.from_dict({"logit_bias": {str(i): 0.01 for i in range(49152)}})
+    first = sp.penalties
+    assert first is sp.penalties and len(first.bias_ids) == 49152
+    cols, values = first.bias_tensors("cpu", torch.float32)
+    assert first.bias_tensors("cpu", torch.float32)[0] is cols and values.shape == (49152,)
+    assert first.bias_tensors("cpu", torch.bfloat16)[1].dtype == torch.bfloat16
+    sp.logit_bias = {5: 1.0}
+    assert sp.penalties.bias_ids == (5,)
+    assert SamplingParams.from_dict({}).penalties is None
+
+
 def test_bias_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     bias = Penalties(bias_ids=(1, 3), bias_values=(2.5, -100.0))

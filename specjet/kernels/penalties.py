@@ -34,6 +34,16 @@ class Penalties:
     def active(self) -> bool:
         return self.contextual or bool(self.bias_ids)
 
+    def bias_tensors(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(columns int64, values) of the logit bias, made once per device and dtype (a request's Penalties lives
+        as long as the request: its bias is not rebuilt from Python tuples at every step)."""
+        cache = self.__dict__.setdefault("_bias_tensors", {})  # not a field: equality and hashing ignore it
+        key = (str(device), dtype)
+        if key not in cache:
+            cols = torch.tensor(self.bias_ids, dtype=torch.int64, device=device)
+            cache[key] = (cols, torch.tensor(self.bias_values, dtype=torch.float32, device=device).to(dtype))
+        return cache[key]
+
 
 def context_rows(contexts: list[list[int]], prompt_lens: list[int], vocab_size: int, device=None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +78,7 @@ def add_bias_(logits: torch.Tensor, penalties: list[Penalties]) -> None:
         if p.bias_ids:
             groups.setdefault(id(p), (p, []))[1].append(r)
     for p, rows in groups.values():
-        cols = torch.tensor(p.bias_ids, dtype=torch.int64, device=logits.device)
-        values = torch.tensor(p.bias_values, dtype=torch.float32, device=logits.device).to(logits.dtype)
+        cols, values = p.bias_tensors(logits.device, logits.dtype)
         if len(rows) == logits.shape[0]:
             logits[:, cols] += values
         else:

@@ -243,13 +243,20 @@ class SamplingParams:
 
     @property
     def penalties(self) -> Penalties | None:
-        """The request's penalties, or None when it has none (checked per request and iteration)."""
+        """The request's penalties, or None when it has none (read several times per request and iteration: made
+        once for the values it holds, as a full-vocabulary logit_bias is 49,152 entries to copy)."""
         bias = self.logit_bias
-        if (self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0
+        key = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty, id(bias))
+        cached = self.__dict__.get("_penalties")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        made = None
+        if not (self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0
                 and not bias):
-            return None
-        return Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
-                         tuple(bias) if bias else (), tuple(bias.values()) if bias else ())
+            made = Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
+                             tuple(bias) if bias else (), tuple(bias.values()) if bias else ())
+        self.__dict__["_penalties"] = (key, made)
+        return made
 
     @property
     def is_greedy(self) -> bool:
