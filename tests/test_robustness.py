@@ -317,3 +317,32 @@ def test_a_text_surely_longer_than_the_context_is_refused_without_tokenizing_it(
     assert len(prediction) > 64 * ctx
     out = engine.generate("a", dict(GREEDY, prediction=prediction))
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("costs_ms, ends_at", [([30, 30, 1] * 10, None), ([1, 30, 30, 30, 1], 4)])
+def test_only_a_streak_of_slow_grammar_tokens_ends_a_request(tiny_model_dir, monkeypatch, costs_ms, ends_at):
+    """A huge enum's first tokens can each take a few milliseconds to match and then almost none; an ambiguous
+    grammar's cost only grows. A request ends at its third slow token in a row, not at scattered slow ones (the
+    scheduler's clock replaced by one that charges each token's match these costs)."""
+    import specjet.scheduler.scheduler as scheduler_module
+
+    costs, now, calls = iter(costs_ms), [0.0], [0]
+
+    def clock():
+        calls[0] += 1
+        if calls[0] % 2 == 0:  # the second reading of a token's match
+            now[0] += next(costs, 1) / 1000
+        return now[0]
+
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, grammar_token_timeout=0.02,
+                        disable_guided_drafting=True) as eng:
+        monkeypatch.setattr(scheduler_module, "grammar_clock", clock)
+        out = eng.generate("x", {"temperature": 0, "max_new_tokens": 20, "regex": "[a-z ]+",
+                                 "logit_bias": {"0": -100.0, "1": -100.0, "2": -100.0}})
+        assert_healthy(eng)
+    reason = out["meta_info"]["finish_reason"]
+    if ends_at is None:
+        assert reason["type"] == "length", reason
+    else:
+        assert reason["type"] == "abort" and "3 tokens in a row" in reason["message"], reason
+        assert out["meta_info"]["completion_tokens"] == ends_at

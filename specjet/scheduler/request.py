@@ -66,6 +66,8 @@ class Req:
     detok_surr_text: str = ""
     detok_seen: int = 0
     detok_stop: str | None = None
+    # Tokens in a row whose grammar match took longer than grammar_token_timeout (scheduler._check_finished).
+    grammar_slow_streak: int = 0
 
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

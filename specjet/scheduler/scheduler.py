@@ -52,6 +52,13 @@ class SchedulerConfig:
     grammar_token_timeout: float | None = None
 
 
+# Tokens in a row over grammar_token_timeout that end a request: an ambiguous grammar's cost only grows, while a
+# huge enum's first few tokens can each cost a few milliseconds and then almost nothing.
+GRAMMAR_SLOW_STREAK = 3
+# The clock a grammar match is timed by: the scheduler thread's CPU time, not its waits for the GIL or the cores.
+grammar_clock = time.thread_time
+
+
 class _SettleFirst:
     def __repr__(self) -> str:
         return "SETTLE_FIRST"
@@ -692,8 +699,7 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> dict | None:
         sp = req.sampling
         if req.grammar is not None:
-            # Thread CPU time: the match's own cost, not time spent waiting for the GIL or the cores.
-            started = time.thread_time()
+            started = grammar_clock()
             if not req.grammar.accept_token(token):
                 # A token the grammar refused is no part of the output (under the mask only an empty mask lets
                 # one be sampled), so a request refused at its first token has written nothing.
@@ -707,13 +713,15 @@ class Scheduler:
             if req.grammar.is_terminated():
                 update_text(req, self.tokenizer)
                 return {"type": "stop", "matched": token}
-            spent, limit = time.thread_time() - started, self.config.grammar_token_timeout
-            if limit is not None and spent > limit:
+            spent, limit = grammar_clock() - started, self.config.grammar_token_timeout
+            req.grammar_slow_streak = req.grammar_slow_streak + 1 if limit is not None and spent > limit else 0
+            if req.grammar_slow_streak >= GRAMMAR_SLOW_STREAK:
                 update_text(req, self.tokenizer)
-                return {"type": "abort", "message": f"the grammar took {spent * 1e3:.0f} ms to match one token, "
-                                                    f"more than grammar_token_timeout ({limit * 1e3:.0f} ms): it is "
-                                                    f"too ambiguous to decode under (each token costs more than "
-                                                    f"the last)"}
+                return {"type": "abort", "message": f"the grammar took more than grammar_token_timeout "
+                                                    f"({limit * 1e3:.0f} ms) to match each of {GRAMMAR_SLOW_STREAK} "
+                                                    f"tokens in a row (the last: {spent * 1e3:.0f} ms): it is too "
+                                                    f"ambiguous to decode under (each token costs more than the "
+                                                    f"last)"}
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             update_text(req, self.tokenizer)
             return {"type": "stop", "matched": token}
