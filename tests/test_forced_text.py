@@ -12,10 +12,9 @@ import xgrammar as xgr
 
 import specjet
 from robustness_helpers import assert_healthy, bounded
-from specjet.grammar import GrammarBackend, GrammarError, RequestGrammar
+from specjet.grammar import GrammarError, RequestGrammar
 from specjet.grammar.forced_text import MAX_FORCED_TEXT_SPAN, grammar_lengths, jump_forward_is_safe
-
-VOCAB_SIZE = 49152
+from test_spec_grammar import backend  # noqa: F401  (the default tokenizer's grammar backend, a fixture)
 
 # An object that must hold an object of its own kind: no finite JSON text is an instance.
 ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
@@ -70,17 +69,6 @@ def test_a_patterns_inner_repeat_counts_though_the_pattern_can_be_short():
     assert len('""') <= short.shortest_output <= len('"a"') and long.shortest_output == len('"a"')
     assert short.jump_forward_is_bounded and not long.jump_forward_is_bounded
     assert long.longest_sequence_floor > MAX_FORCED_TEXT_SPAN
-
-
-@pytest.fixture(scope="module")
-def backend(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    backend = GrammarBackend(tokenizer, VOCAB_SIZE)
-    backend.tokenizer = tokenizer
-    yield backend
-    backend.shutdown()
 
 
 @pytest.mark.parametrize("kind, spec", [("json_schema", ENDLESS), ("ebnf", 'root ::= "a" root'),

@@ -52,10 +52,10 @@ class EngineArgs:
     grammar_compile_timeout: float | None = 10.0
     grammar_max_spec_bytes: int = 128 << 10
     # CPU seconds the grammar may spend matching one token of a request (None: no limit). An ambiguous grammar
-    # (``a ::= a a | "x"``) is cubic in the text so far: ~0.4 s a token after 160 tokens, seconds soon after, all of
-    # it on the scheduler's thread while every other request waits. Past the limit on 3 tokens in a row the request
-    # ends alone (abort, a message naming it): on the default engine ~300 tokens and ~8 s in for that grammar. The
-    # dev set's schemas take at most ~0.15 ms a token; a 15,000-value enum's first tokens up to ~19 ms each.
+    # (``a ::= a a | "x"``) costs more with every token, seconds a token within a few hundred, all of it on the
+    # scheduler's thread while every other request waits. Past the limit on 3 tokens in a row the request ends
+    # alone (abort, a message naming it). The limit is ~100x what the dev set's schemas take, and above what a huge
+    # enum's first tokens take (bench/RESULTS.md, session 104).
     grammar_token_timeout: float | None = 0.02
     random_seed: int | None = None
     # Speculative decoding (SGLang's names). None: the algorithm's default; every default and every

@@ -87,8 +87,8 @@ class Engine:
     def _tokens_at_least(self, text: str) -> int | None:
         """For a text surely longer than the context, a lower bound on its tokens (else None), found without
         tokenizing it: no token spells more characters than the vocabulary's longest. Tokenizing tens of
-        megabytes takes the tokenizer seconds and gigabytes (50 MB: 40 s and 6.6 GB), enough for one request to
-        have the host kill the engine."""
+        megabytes takes the tokenizer seconds and gigabytes, enough for one request to have the host kill the engine
+        (bench/RESULTS.md, session 104)."""
         ctx = self.scheduler.config.context_len
         if len(text) <= ctx:  # every token spells at least one character
             return None

@@ -28,9 +28,8 @@ TOP_K_ALL = 1 << 30
 # The most alternatives a token's logprobs list (OpenAI's limit on top_logprobs).
 MAX_TOP_LOGPROBS = 20
 # Stop strings are searched after every token on the scheduler's thread, each from where a new match of it can
-# begin (scheduler/detokenizer.py): their count and length bound that work (10,000 of them and one of 100,000
-# characters made every token of a 3,000-token reply 5.5x dearer, for every request waiting on that thread).
-# OpenAI allows 4; these leave room for any real use.
+# begin (scheduler/detokenizer.py): their count and length bound that work, which every request waiting on that
+# thread pays for (bench/RESULTS.md, session 104). OpenAI allows 4; these leave room for any real use.
 MAX_STOP_STRINGS = 1024
 MAX_STOP_CHARS = 4096
 # A logit_bias key given as a string (JSON's object keys): a decimal token id, sign allowed (refused later).
