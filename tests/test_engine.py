@@ -237,3 +237,41 @@ def test_chat_template_and_tokenizer(engine):
     text = engine.apply_chat_template("What is 2+2?")
     assert text.endswith("<|im_start|>assistant\n") and "What is 2+2?" in text
     assert engine.tokenizer.decode(engine.tokenizer("abc")["input_ids"]) == "abc"
+
+
+def test_async_generate_tokenizes_off_the_event_loop(engine, monkeypatch):
+    """A long prompt's tokenizing (and its checks) ran on the caller's event loop, which a server shares with
+    every stream it is writing. Here the tokenizer holds one prompt until the loop itself releases it: that
+    works only if the tokenizing runs elsewhere (on the loop it would wait out its 30 s and fail)."""
+    import threading
+
+    release, real = threading.Event(), engine.tokenizer
+
+    class Holding:
+        def __call__(self, text, *args, **kwargs):
+            if text == "hold me":
+                assert release.wait(30), "the event loop was blocked by the tokenizer"
+            return real(text, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(engine, "tokenizer", Holding())
+    beats, results = [], {}
+
+    async def held():
+        results["held"] = await engine.async_generate("hold me", GREEDY)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(held)
+            for _ in range(5):  # the loop goes on while the prompt is held
+                await anyio.sleep(0.01)
+                beats.append(len(results))
+            release.set()
+
+    anyio.run(main)
+    assert beats == [0] * 5
+    assert results["held"]["meta_info"]["finish_reason"]["type"] == "length"
+    with pytest.raises(ValueError, match="context length"):  # a refusal still reaches the awaiting caller
+        anyio.run(engine.async_generate, "x" * (engine.scheduler.config.context_len * 100))

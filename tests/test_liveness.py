@@ -214,7 +214,9 @@ def test_waiting_async_callers_cost_their_event_loop_nothing(tiny_model_dir):
                 async with anyio.create_task_group() as tg:
                     for i in range(2000):
                         tg.start_soon(eng.async_generate, f"caller {i}", LONG)
-                    await anyio.sleep(0.5)  # every caller is parked in its wait
+                    while eng.scheduler.stats["requests_submitted"] < 2000:  # every caller submitted (each
+                        await anyio.sleep(0.1)                             # validates in a worker thread) ...
+                    await anyio.sleep(0.5)  # ... and parked in its wait
                     start = time.thread_time()
                     await anyio.sleep(2.5)
                     spent = time.thread_time() - start

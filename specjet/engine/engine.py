@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import torch
 
 from specjet.engine.args import EngineArgs
@@ -249,7 +250,10 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None,
                              return_logprob=False, top_logprobs_num=0):
         """Like ``generate``; ``stream=True`` returns an async iterator. Safe from many tasks at once."""
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num)
+        # Validating and tokenizing (up to hundreds of thousands of characters a prompt) runs in a worker thread,
+        # so the event loop, which serves every other caller's stream, never waits for it.
+        reqs, single = await anyio.to_thread.run_sync(self._make_requests, prompt, sampling_params, input_ids, rid,
+                                                      return_logprob, top_logprobs_num)
         send, recv = anyio.create_memory_object_stream(math.inf)
         token = anyio.lowlevel.current_token()
         for i, req in enumerate(reqs):

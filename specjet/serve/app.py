@@ -246,14 +246,18 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             return {"kv_pool_size": info["kv_pool_size"], "kv_free": info["kv_free"],
                     "kv_cached": info["radix_cache"].get("cached_tokens", 0), "ok": True}
 
-    @v1.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_alive()
+    def prepare_chat(body: ChatCompletionRequest):
         sp, plan = chat.chat_params(body)
         # OpenAI's default is "until the context is full"; the engine stops there on its own.
         sp.setdefault("max_new_tokens", engine.scheduler.config.context_len)
-        sps = chat.choice_params(sp, chat.choice_count(body))
-        prompt = chat.chat_prompt(engine.tokenizer, body)
+        return sp, plan, chat.choice_params(sp, chat.choice_count(body)), chat.chat_prompt(engine.tokenizer, body)
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_alive()
+        # Off the event loop: tool grammars are built from their schemas, and a chat template over many messages
+        # takes seconds (300,000 of them, the most a body can hold: ~2.3 s), while the loop serves every stream.
+        sp, plan, sps, prompt = await anyio.to_thread.run_sync(prepare_chat, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await _stream_chat(body, sps, plan, prompt, rid)
