@@ -116,8 +116,10 @@ def test_an_endless_forced_text_decodes_beside_an_innocent_request(tiny_model_di
                        [innocent, {"temperature": 0, "max_new_tokens": 24, "json_schema": ENDLESS_BRANCH,
                                    "logit_bias": {str(t): 100.0 for t in engine.tokenizer.encode(
                                        "{", add_special_tokens=False)}}])
-        refused = engine.generate("x", {"max_new_tokens": 4, "json_schema": ENDLESS})
+        refused, beside = engine.generate(["x", "The cat sat on"],
+                                          [{"max_new_tokens": 4, "json_schema": ENDLESS}, innocent])
         assert_healthy(engine)
+    assert beside["output_ids"] == alone["output_ids"]
     assert outs[0]["output_ids"] == alone["output_ids"]
     assert outs[1]["meta_info"]["finish_reason"]["type"] == "length"
     assert outs[1]["text"].startswith(prefix)
@@ -129,3 +131,30 @@ def _text(schema) -> str:
     import json
 
     return json.dumps(schema)
+
+
+# About 1,000 characters the grammar forces after "yes, " or "no, ": far more than a draft's tokens can hold.
+LONG_FORCED = "(yes|no), " + "the forced text goes on " * 40 + "[a-c]{2}"
+
+
+def test_a_long_forced_text_is_tokenized_only_as_far_as_a_draft_reaches(backend):
+    """Only the head of a long forced text is tokenized; the chain is still the tokenizer's own split of it."""
+    from specjet.spec_v2.grammar_guide import GrammarGuide
+
+    grammar = RequestGrammar(backend.compile("regex", LONG_FORCED).result())
+    tokenize = lambda text: backend.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert grammar.accept_tokens(tokenize("yes")) == 1
+    chain = GrammarGuide(grammar, 49152, tokenize).forced_chain(8)
+    assert chain == tokenize(", the forced text goes on the forced text goes on")[:8]
+
+
+def test_drafting_a_long_forced_text_gives_plain_decodings_ids(tiny_model_dir, plain):
+    params = [{"temperature": 0, "max_new_tokens": 80, "regex": LONG_FORCED},
+              {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}]
+    prompts = ["x", "The cat sat on"]
+    expected = [o["output_ids"] for o in plain.generate(prompts, params)]
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, speculative_algorithm="NGRAM") as eng:
+        outs = eng.generate(prompts, params)
+        assert_healthy(eng)
+    assert [o["output_ids"] for o in outs] == expected
+    assert outs[0]["meta_info"]["spec_accept_length"] > 1.3  # forced chains drafted (the random model splits some)

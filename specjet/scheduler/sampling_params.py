@@ -245,16 +245,16 @@ class SamplingParams:
         """The request's penalties, or None when it has none (read several times per request and iteration: made
         once for the values it holds, as a full-vocabulary logit_bias is 49,152 entries to copy)."""
         bias = self.logit_bias
-        key = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty, id(bias))
-        cached = self.__dict__.get("_penalties")
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        key = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
+        cached = self.__dict__.get("_penalties")  # (key, the bias dict itself, held so its identity is its own)
+        if cached is not None and cached[0] == key and cached[1] is bias:
+            return cached[2]
         made = None
         if not (self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0
                 and not bias):
             made = Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
                              tuple(bias) if bias else (), tuple(bias.values()) if bias else ())
-        self.__dict__["_penalties"] = (key, made)
+        self.__dict__["_penalties"] = (key, bias, made)
         return made
 
     @property
