@@ -1,7 +1,8 @@
 """Failures injected into the compute side (forward, sampling, verify) and the host side (output
-processing, grammar masks), once, with requests in flight, under the overlap and the plain loop:
-only the requests of the failing batch (or the one failing request) abort, with a message; the
-others finish with exactly their fault-free output; later calls succeed; no KV slot leaks."""
+processing, grammar masks), with requests in flight, under the overlap and the plain loop: only the
+request a fault concerns aborts, with a message (a batch of several that fails is re-run one request
+at a time to find it; a fault that passes ends none); the others finish with exactly their
+fault-free output; later calls succeed; no KV slot leaks."""
 from __future__ import annotations
 
 import threading
@@ -83,42 +84,151 @@ def test_a_failing_prefill_aborts_only_its_request(tiny_model_dir, reference, lo
             assert eng.get_server_info()["stats"]["batch_failures"] == 1
 
 
+def follow_victim(worker, item: str, victim_rid: str = "victim") -> dict:
+    """Wrap the worker's compute item (``forward`` or ``speculate``) so that, while it runs, ``seen["victim"]``
+    says whether its batch holds the victim and ``seen["kind"]`` is the batch's kind: a fault deeper in the
+    compute side keys on them (items run one at a time, on the compute stream)."""
+    seen = {"victim": False, "kind": None}
+    run = getattr(worker, item)
+
+    def noting(batch, *args, **kwargs):
+        seen["victim"] = any(inp.rid == victim_rid for inp in batch.inputs)
+        seen["kind"] = batch.kind.value
+        return run(batch, *args, **kwargs)
+
+    setattr(worker, item, noting)
+    return seen
+
+
+def decode_fault(runner, when=lambda *a, **k: True, once: bool = True) -> Fault:
+    """A fault in the target's decode step: its CUDA graph's replay, or on a CPU ``forward_lists`` (every
+    decode step asks it first: the layer stack's one call, or None for the general path; a prefill asks
+    it with ``last_logits``)."""
+    if runner.graphs is not None:
+        fault = Fault(runner.graphs.decode, when, once)
+        runner.graphs.decode = fault
+    else:
+        fault = Fault(runner.forward_lists, lambda *a, **k: not k.get("last_logits", False) and when(*a, **k), once)
+        runner.forward_lists = fault
+    return fault
+
+
+def assert_runners_exact(outs, runner_ids):
+    for out, expected in zip(outs, runner_ids):
+        assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
+        assert out["output_ids"] == expected
+
+
+def assert_aborted_by_fault(out):
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+
+
 @pytest.mark.parametrize("loop", ["overlap", "plain"])
-def test_a_failing_decode_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
-    runner_ids, victim_ids = reference
+def test_a_passing_decode_fault_ends_no_request(tiny_model_dir, reference, loop):
+    """A decode batch of three fails once: no request's data is to blame, so the three are re-run, each alone
+    until a decode step of its own succeeds, and all finish with exactly their fault-free output."""
+    runner_ids, _ = reference
     with make_engine(tiny_model_dir, loop) as eng:
-        runner = eng.worker.runner
-        if runner.graphs is not None:  # CUDA: a decode step replays the target's graph, not runner.forward
-            fault = Fault(runner.graphs.decode)
-            runner.graphs.decode = fault
-        else:  # every CPU decode step asks forward_lists first (the layer stack's one call, or None: the general path)
-            fault = Fault(runner.forward_lists)
-            runner.forward_lists = fault
+        fault = decode_fault(eng.worker.runner)
         fault.armed.set()
         outs = bounded(eng.generate, RUNNERS, LONG)
         assert fault.fired.is_set()
-        for out in outs:  # all three shared the failing decode batch
-            reason = out["meta_info"]["finish_reason"]
-            assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        assert_runners_exact(outs, runner_ids)
+        assert all(o["meta_info"]["retractions"] == 1 for o in outs)
+        stats = eng.get_server_info()["stats"]
+        assert (stats["batch_failures"], stats["requests_isolated"], stats["request_errors"]) == (1, 3, 0)
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_decode_fault_that_follows_one_request_ends_it_alone(tiny_model_dir, reference, loop):
+    """Every decode step that holds the victim fails (its data, say, trips a kernel): the batch of four fails,
+    its requests re-run alone, the victim's own step fails and ends it alone; the three others finish with
+    exactly their fault-free output."""
+    runner_ids, _ = reference
+    with make_engine(tiny_model_dir, loop) as eng:
+        seen = follow_victim(eng.worker, "forward")
+        fault = decode_fault(eng.worker.runner, lambda *a, **k: seen["victim"] and seen["kind"] == "decode", once=False)
+        fault.armed.set()
+        outs = bounded(eng.generate, [*RUNNERS, VICTIM], LONG, rid=["a", "b", "c", "victim"])
+        assert fault.fired.is_set()
+        assert_aborted_by_fault(outs[3])
+        assert_runners_exact(outs[:3], runner_ids)
+        assert eng.get_server_info()["stats"]["requests_isolated"] == 4
         assert [o["output_ids"] for o in bounded(eng.generate, RUNNERS, LONG)] == runner_ids
         assert_healthy(eng)
 
 
 @pytest.mark.parametrize("loop", ["overlap", "plain"])
-def test_a_failing_verify_aborts_its_batch_and_the_engine_goes_on(tiny_model_dir, reference, loop):
+def test_a_prefill_fault_that_follows_one_request_ends_it_alone(tiny_model_dir, reference, loop):
+    """Four prompts submitted together share one prefill batch, which fails whenever it holds the victim: the
+    three others are prefilled again on their own and finish exactly; the victim ends alone."""
+    runner_ids, _ = reference
+    with make_engine(tiny_model_dir, loop) as eng:
+        seen = follow_victim(eng.worker, "forward")
+        fault = Fault(eng.worker.runner.forward_lists,
+                      lambda *a, **k: k.get("last_logits", False) and seen["victim"], once=False)
+        eng.worker.runner.forward_lists = fault
+        fault.armed.set()
+        outs = bounded(eng.generate, [*RUNNERS, VICTIM], LONG, rid=["a", "b", "c", "victim"])
+        assert fault.fired.is_set()
+        assert_aborted_by_fault(outs[3])
+        assert_runners_exact(outs[:3], runner_ids)
+        assert eng.get_server_info()["stats"]["requests_isolated"] == 4
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+@pytest.mark.parametrize("once", [True, False], ids=["passing", "following the victim"])
+def test_a_verify_fault_in_a_speculative_batch(tiny_model_dir, reference, loop, once):
+    """NGRAM verifies every request's tree in one target forward. A passing fault there ends no request; a
+    fault in every verify that holds the victim ends the victim alone. The others' ids stay plain decoding's."""
     runner_ids, _ = reference
     with make_engine(tiny_model_dir, loop, speculative_algorithm="NGRAM") as eng:
+        seen = follow_victim(eng.worker, "speculate")
         verifier = eng.worker.speculator.verifier
-        fault = Fault(verifier.verify)
+        fault = Fault(verifier.verify, lambda *a, **k: once or seen["victim"], once=once)
         verifier.verify = fault
-        streams = [eng.generate(p, LONG, stream=True) for p in RUNNERS]
+        streams = [eng.generate(p, LONG, stream=True, rid=r) for p, r in zip([*RUNNERS, VICTIM], ["a", "b", "c", "victim"])]
         firsts = [next(s) for s in streams]
         fault.armed.set()
-        reasons = [[first, *bounded(list, s)][-1]["meta_info"]["finish_reason"] for first, s in zip(firsts, streams)]
+        outs = []
+        for first, stream in zip(firsts, streams):
+            chunks = [first, *bounded(list, stream)]
+            outs.append({"output_ids": [t for c in chunks for t in c["output_ids"]], "meta_info": chunks[-1]["meta_info"]})
         assert fault.fired.is_set()
-        assert any(r["type"] == "abort" and "injected fault" in r["message"] for r in reasons), reasons
-        assert all(r["type"] in ("abort", "length") for r in reasons)
+        assert_runners_exact(outs[:3], runner_ids)
+        if once:
+            assert outs[3]["meta_info"]["finish_reason"]["type"] == "length"
+        else:
+            assert_aborted_by_fault(outs[3])
+        assert eng.get_server_info()["stats"]["requests_isolated"] == 4
         assert [o["output_ids"] for o in bounded(eng.generate, RUNNERS, LONG)] == runner_ids
+        assert_healthy(eng)
+
+
+def test_a_re_run_prefill_still_gives_the_prompt_logprobs(tiny_model_dir):
+    """A request asking for its prompt's logprobs shares a prefill batch that fails once. Its re-run must compute
+    the prompt again rather than take it from the prefix cache (which holds it from an earlier request), or the
+    logprobs it asked for would be missing."""
+    prompt = " ".join(f"word{i}" for i in range(40))
+    params = dict(SHORT, return_logprob=True, logprob_start_len=0)
+    with make_engine(tiny_model_dir, "plain") as eng:
+        expected = eng.generate(prompt, params)
+        eng.generate(prompt, SHORT)  # the prompt is in the cache now
+        seen = follow_victim(eng.worker, "forward")
+        fault = Fault(eng.worker.runner.forward_lists, lambda *a, **k: seen["kind"] == "prefill")
+        eng.worker.runner.forward_lists = fault
+        fault.armed.set()
+        got, other = bounded(eng.generate, [prompt, RUNNERS[0]], [params, SHORT])
+        assert fault.fired.is_set() and got["meta_info"]["retractions"] == 1
+        assert got["output_ids"] == expected["output_ids"]
+        logprobs = got["meta_info"]["input_token_logprobs"]
+        assert len(logprobs) > 40
+        assert logprobs == expected["meta_info"]["input_token_logprobs"]
+        assert all(lp is not None for lp, _, _ in logprobs[1:])
+        assert other["meta_info"]["finish_reason"]["type"] == "length"
         assert_healthy(eng)
 
 
@@ -233,3 +343,29 @@ def test_a_failing_prefill_chunk_aborts_its_request_and_caches_only_what_succeed
         assert again["meta_info"]["cached_tokens"] >= 64
         assert_healthy(eng)
 
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_grammar_drafting_fault_ends_only_its_request(tiny_model_dir, loop, monkeypatch):
+    """Guided drafting runs each constrained request's grammar on the compute side, inside the speculative batch
+    (the forced-text search that once ran out of memory did). A fault there whenever the batch holds the victim
+    ends the victim alone; the other constrained requests get exactly their fault-free output."""
+    from specjet.spec_v2.grammar_guide import GrammarGuide
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    params = dict(LONG, max_new_tokens=24, json_schema=schema)
+    prompts = ["first", "second", "third"]
+    with make_engine(tiny_model_dir, loop) as eng:
+        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+        seen = follow_victim(eng.worker, "speculate")
+        fault = Fault(GrammarGuide.mask_tree, lambda *a, **k: seen["victim"], once=False)
+        monkeypatch.setattr(GrammarGuide, "mask_tree", lambda self, *a, **k: fault(self, *a, **k))
+        fault.armed.set()
+        outs = bounded(eng.generate, [*prompts, "the victim"], params, rid=["a", "b", "c", "victim"])
+        assert fault.fired.is_set()
+        assert_aborted_by_fault(outs[3])
+        assert [o["output_ids"] for o in outs[:3]] == expected
+        assert all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in outs[:3])
+        assert eng.get_server_info()["stats"]["requests_isolated"] == 4
+        assert_healthy(eng)

@@ -24,3 +24,6 @@ class ScheduledBatch:
     # Of a speculative batch, whether each request (in ``reqs`` order) may draft in it: its verify counts. Fixed
     # here because a request's ``drafts`` may turn off while the batch is in flight (free text that drafts alone).
     drafting: tuple[bool, ...] = ()
+    # Each request's ``retract_count`` at launch: a request requeued since (a batch before this one failed) has
+    # dropped the state this batch computed from, and its results here are not used.
+    launched_at: list[int] = field(default_factory=list)

@@ -53,6 +53,10 @@ class Req:
     output_check: Any = None
     to_abort: bool = False
     retract_count: int = 0
+    # A batch it shared failed on the compute side: it was requeued, and until one of its decode batches succeeds
+    # (or it ends) it runs in batches of its own, so a failure its own data causes ends it alone
+    # (Scheduler.batch_done).
+    runs_alone: bool = False
     text: str = ""  # detokenized output (stop strings cut it)
     sent_len: int = 0  # characters of text already streamed
     num_sent_ids: int = 0  # output ids already streamed

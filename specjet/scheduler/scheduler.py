@@ -106,7 +106,8 @@ class Scheduler:
         self.release_pending: list[Req] = []
         self._released_rids: list[str] = []  # ended since the last launch: the worker drops their state
         self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0,
-                      "requests_submitted": 0, "request_errors": 0, "batch_failures": 0, "batch_retries": 0}
+                      "requests_submitted": 0, "request_errors": 0, "batch_failures": 0, "batch_retries": 0,
+                      "requests_isolated": 0}
         if spec is not None:
             self.stats.update(spec_verify_ct=0, spec_accepted_tokens=0)
 
@@ -253,6 +254,9 @@ class Scheduler:
         self._decode_turn = False
         if not decode:
             return None
+        alone = next((r for r in decode if r.runs_alone), None)
+        if alone is not None:  # the others keep their reservations and wait an iteration (Req.runs_alone)
+            decode = [alone]
         if self.spec is not None and self.spec.drafts_alone_only:
             # Free text that may draft alone, beside others or once its drafting measured slower: plain steps for
             # good (a plain step keeps no draft state). Turned off after the KV reservation, which covered a tree
@@ -295,6 +299,8 @@ class Scheduler:
             chosen.append(req)
             budget -= req.prefill_end - req.kv_committed_len
         for req in list(self.waiting):
+            if chosen and (chosen[0].runs_alone or req.runs_alone):  # a batch of its own (Req.runs_alone)
+                break
             if not self._grammar_ready(req):
                 continue
             if len(self.running) + len(chosen) >= self.config.max_running_requests or (chosen and budget <= 0):
@@ -384,7 +390,7 @@ class Scheduler:
         """Positions a prefill may take from the cache and still give the prompt logprobs ``req`` asks for: the
         row before the first asked-for token is computed (a cached position has no logits)."""
         start = req.sampling.logprob_start_len
-        if start < 0 or req.retract_count:  # none asked, or its first prefill gave them
+        if start < 0 or req.first_token_at is not None:  # none asked, or its first prefill gave them
             return len(req.fill_ids)
         return max(start - 1, 0)
 
@@ -574,6 +580,7 @@ class Scheduler:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
                                        constrained=req.grammar is not None))
             req.inflight += 1
+        batch.launched_at = [req.retract_count for req in batch.reqs]
         if batch.kind is BatchKind.PREFILL:
             for req in batch.reqs:
                 if req.prefill_end == len(req.fill_ids):  # its last chunk: it runs from now on
@@ -615,9 +622,13 @@ class Scheduler:
     def batch_done(self, batch: ScheduledBatch, new_tokens: list[list[int]] | None, error: Exception | None,
                    retry: bool = False) -> None:
         """A launched batch's outcome: its new tokens per request, or the compute side's ``error``.
-        A failed batch's requests end with the error, or with ``retry`` (it read the state of a
-        batch that had failed before it) go back to the waiting queue to be re-run from the host's
-        state. Releases what finished requests held once no launched batch uses it."""
+        A failed batch of one request ends it with the error. A failed batch of several cannot say
+        whose data failed it: its requests go back to the waiting queue, each to be re-run from the
+        host's state in batches of its own until one of its decode batches succeeds
+        (``Req.runs_alone``), so a failure that one request causes again ends that one alone, and a
+        passing fault ends none. With ``retry`` (it read the state of a batch that had failed before
+        it) its requests go back too. Releases what finished requests held once no launched batch
+        uses it."""
         for req in batch.reqs:
             req.inflight -= 1
             if error is not None:  # its KV may be half written: none of it goes into the cache
@@ -627,21 +638,36 @@ class Scheduler:
         elif retry:
             self.stats["batch_retries"] += 1
             for req in batch.reqs:
-                if not req.finished and (req in self.running or req is self.chunked_req):
-                    self._retract(req)
+                self._requeue(req)
         else:
             self.stats["batch_failures"] += 1
-            for req in batch.reqs:
-                self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {error!r}"})
+            if len(batch.reqs) > 1:
+                for req in batch.reqs:
+                    if self._requeue(req):
+                        req.runs_alone = True
+                        self.stats["requests_isolated"] += 1
+            else:
+                for req in batch.reqs:
+                    self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {error!r}"})
         for req in batch.reqs:
             if req.inflight == 0 and req in self.release_pending:
                 self._release(req)
 
+    def _requeue(self, req: Req) -> bool:
+        """Send a request of a failed batch back to be re-prefilled from the host's state; False when it has
+        ended, or is already waiting (a batch after the failed one held it too)."""
+        if req.finished or not (req in self.running or req is self.chunked_req):
+            return False
+        self._retract(req)
+        return True
+
     def _process_batch_result(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> None:
         now = time.perf_counter()
         for i, (req, tokens) in enumerate(zip(batch.reqs, new_tokens)):
-            if req.finished:
+            if req.finished or req.retract_count != batch.launched_at[i]:  # ended, or requeued since its launch
                 continue
+            if batch.kind is BatchKind.DECODE:  # it ran and nothing failed: back among the others
+                req.runs_alone = False
             try:
                 if batch.kind is BatchKind.PREFILL:
                     for position, entry in getattr(tokens, "inputs", {}).items():  # prompt logprobs
