@@ -688,3 +688,20 @@ def test_a_request_body_over_the_servers_limit_is_a_413(server):
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
     assert chat(server.client(), "hi", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
+    """`--max-queued-requests 2`: a completions call of three prompts (three requests, queued all or none) is
+    refused with a 503 (the official client's InternalServerError) naming the bound, with Retry-After; a call
+    that fits is served."""
+    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096", "--max-queued-requests", "2"])
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            srv.client().completions.create(model="tiny", prompt=["a", "b", "c"], max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert error_of(e)["code"] == "queue_full" and "max_queued_requests=2" in error_of(e)["message"]
+        out = srv.client().completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, temperature=0)
+        assert [c.finish_reason for c in out.choices] == ["length", "length"]
+        assert httpx.get(srv.url + "/debug/kv", timeout=60).json()["ok"]
+    finally:
+        srv.stop()

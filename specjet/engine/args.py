@@ -57,6 +57,10 @@ class EngineArgs:
     # alone (abort, a message naming it). The limit is ~100x what the dev set's schemas take, and above what a huge
     # enum's first tokens take (bench/RESULTS.md, session 104).
     grammar_token_timeout: float | None = 0.02
+    # SGLang's name: the most requests submitted and not yet started (waiting for a slot) the engine holds; a call
+    # that would pass it queues nothing and raises specjet.QueueFullError (the server: 503 with Retry-After).
+    # None (default): no bound, as an offline batch of many thousand prompts needs.
+    max_queued_requests: int | None = None
     random_seed: int | None = None
     # Speculative decoding (SGLang's names). None: the algorithm's default; every default and every
     # range check is in one place, specjet/spec_v2/config.py (SpecConfig.from_args).
@@ -175,6 +179,8 @@ class EngineArgs:
                 math.isfinite(self.grammar_token_timeout) and self.grammar_token_timeout > 0):
             raise ValueError(f"grammar_token_timeout must be a positive number of seconds or None, "
                              f"got {self.grammar_token_timeout}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None, got {self.max_queued_requests}")
         if self.grammar_max_spec_bytes < 1:
             raise ValueError(f"grammar_max_spec_bytes must be >= 1, got {self.grammar_max_spec_bytes}")
         from specjet.models.quantize import check_method

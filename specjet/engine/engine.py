@@ -346,6 +346,7 @@ class Engine:
                 "stats": stats, "alive": self.is_alive(), "error": self.scheduler.closed_reason,
                 "overlap_schedule": self.loop.overlap,  # the loop in effect (disable_overlap_schedule, resolved)
                 "kv_pool_size": self.scheduler.allocator.size, "kv_free": self.scheduler.allocator.num_free_slots,
+                "queued_requests": self.scheduler.num_queued,  # submitted, not yet started (max_queued_requests)
                 "grammar": dict(self.scheduler.grammar_backend.compile_stats), "radix_cache": cache}
 
     def flush_cache(self) -> int:

@@ -78,6 +78,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         disable_radix_cache=args.disable_radix_cache,
         chunked_prefill_size=None if args.chunked_prefill_size in (None, -1) else args.chunked_prefill_size,
         grammar_token_timeout=args.grammar_token_timeout,
+        max_queued_requests=args.max_queued_requests,
     )
     allocator = TokenToKVPoolAllocator(runner.kv_cache.num_slots, args.page_size, runner.device)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, sched_config.context_len, runner.device)

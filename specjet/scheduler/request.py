@@ -57,6 +57,8 @@ class Req:
     # (or it ends) it runs in batches of its own, so a failure its own data causes ends it alone
     # (Scheduler.batch_done).
     runs_alone: bool = False
+    # Admitted into a batch at least once: it no longer counts against max_queued_requests.
+    started: bool = False
     text: str = ""  # detokenized output (stop strings cut it)
     sent_len: int = 0  # characters of text already streamed
     num_sent_ids: int = 0  # output ids already streamed

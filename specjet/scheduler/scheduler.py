@@ -50,6 +50,13 @@ class SchedulerConfig:
     chunked_prefill_size: int | None = None
     # CPU seconds one token's grammar match may take before the request is ended (EngineArgs); None: no limit.
     grammar_token_timeout: float | None = None
+    # Requests submitted and not yet started that a submission may bring the queue to (EngineArgs); None: no bound.
+    max_queued_requests: int | None = None
+
+
+class QueueFullError(RuntimeError):
+    """A submission that would take the queue of requests not yet started past ``max_queued_requests``: nothing
+    of it was queued, and it may be tried again once the queue has drained (the server answers 503)."""
 
 
 # Tokens in a row over grammar_token_timeout that end a request: an ambiguous grammar's cost only grows, while a
@@ -101,6 +108,7 @@ class Scheduler:
         # queued after the loop has stopped answering (it would wait for ever).
         self._submit_lock = threading.RLock()
         self._live_rids: set[str] = set()  # submitted and not yet answered with a finish
+        self._num_queued = 0  # of those, not yet started (Req.started); under _submit_lock
         self.closed_reason: str | None = None  # set when the loop stops for good (shut down or died)
         # Finished requests whose KV waits for a launched batch that still holds them.
         self.release_pending: list[Req] = []
@@ -123,18 +131,29 @@ class Scheduler:
             clash = sorted({r for r in rids if r in self._live_rids or rids.count(r) > 1})
             if clash:
                 raise ValueError(f"rid {clash[0]!r} is already in use by a live request (rids must be unique)")
-            self._live_rids.update(rids)
-            self.stats["requests_submitted"] += len(reqs)
-            for req in reqs:
+            cap = self.config.max_queued_requests
+            if cap is not None and self._num_queued + len(reqs) > cap:
+                raise QueueFullError(f"the queue holds {self._num_queued} requests not yet started; {len(reqs)} more "
+                                     f"would pass max_queued_requests={cap} (try again later)")
+            for req in reqs:  # before anything is registered: should one raise, nothing of the call is held
                 key = req.sampling.grammar_key
                 if key is not None:
                     req.grammar_future = self.grammar_backend.compile(*key)
+            self._live_rids.update(rids)
+            self._num_queued += len(reqs)
+            self.stats["requests_submitted"] += len(reqs)
             # One item for the list: the loop admits a generate() call's requests between the same two
             # iterations, so they start in one batch even when this thread is descheduled mid-submit.
             self.inbox.put(("add", list(reqs)))
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
+
+    @property
+    def num_queued(self) -> int:
+        """Thread-safe: requests submitted and not yet started (what ``max_queued_requests`` bounds)."""
+        with self._submit_lock:
+            return self._num_queued
 
     def run_in_loop(self, fn):
         """Thread-safe: run ``fn`` on the scheduler thread between two iterations; returns a Future
@@ -333,6 +352,10 @@ class Scheduler:
                 break
             self._admit_with_prefix(req, row, cached, match)
             self._reserve(req, num_tokens)
+            if not req.started:
+                req.started = True
+                with self._submit_lock:
+                    self._num_queued -= 1
             req.prefill_end = end
             self.waiting.remove(req)
             chosen.append(req)
@@ -792,6 +815,9 @@ class Scheduler:
         # same grammar (the backend hands each caller its own handle).
         with self._submit_lock:
             self._live_rids.discard(req.rid)
+            if not req.started:
+                req.started = True  # counted out once
+                self._num_queued -= 1
         if req.sink is None:
             return
         try:

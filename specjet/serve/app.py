@@ -21,10 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specjet.engine import QueueFullError
 from specjet.grammar.spec import GrammarError
 from specjet.serve import chat
 from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
-from specjet.serve.errors import ApiError, bad_request, unavailable
+from specjet.serve.errors import ApiError, bad_request, queue_full, unavailable
 from specjet.serve.metrics import Metrics
 from specjet.serve.prediction_usage import prediction_details
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -76,7 +77,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     # ------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, error: RequestValidationError):
@@ -137,6 +138,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             return result if stream or not single else [result]
         except GrammarError as error:
             raise bad_request(str(error), _constraint_param(sp), "invalid_grammar") from None
+        except QueueFullError as error:
+            raise queue_full(str(error)) from None
         except (ValueError, TypeError) as error:
             message = str(error)
             context = "context length" in message or "KV slots" in message

@@ -8,9 +8,10 @@ class ApiError(Exception):
     """An error the client gets as JSON with ``status``; raise it anywhere in a handler."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -22,3 +23,12 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, "service_unavailable", None, "engine_not_alive")
+
+
+# Seconds a client told the queue is full waits before it tries again (the official clients honour it).
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+
+def queue_full(message: str) -> ApiError:
+    return ApiError(503, message, "service_unavailable", None, "queue_full",
+                    headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
