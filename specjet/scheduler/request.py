@@ -57,6 +57,9 @@ class Req:
     # (or it ends) it runs in batches of its own, so a failure its own data causes ends it alone
     # (Scheduler.batch_done).
     runs_alone: bool = False
+    # Batches it ran in alone that failed since its last decode batch that succeeded: a fault that passes is
+    # retried, one that follows it alone ends it (Scheduler.MAX_SOLO_FAILURES).
+    solo_failures: int = 0
     # Admitted into a batch at least once: it no longer counts against max_queued_requests.
     started: bool = False
     text: str = ""  # detokenized output (stop strings cut it)

@@ -59,6 +59,10 @@ class QueueFullError(RuntimeError):
     of it was queued, and it may be tried again once the queue has drained (the server answers 503)."""
 
 
+# Failed batches a request may run alone in, with no successful decode batch in between, before it ends: one is
+# retried (a fault that passes, such as a memory shortage, ends nothing), a second says the fault is its own.
+MAX_SOLO_FAILURES = 2
+
 # Tokens in a row over grammar_token_timeout that end a request: an ambiguous grammar's cost only grows, while a
 # huge enum's first few tokens can each cost a few milliseconds and then almost nothing.
 GRAMMAR_SLOW_STREAK = 3
@@ -645,13 +649,13 @@ class Scheduler:
     def batch_done(self, batch: ScheduledBatch, new_tokens: list[list[int]] | None, error: Exception | None,
                    retry: bool = False) -> None:
         """A launched batch's outcome: its new tokens per request, or the compute side's ``error``.
-        A failed batch of one request ends it with the error. A failed batch of several cannot say
-        whose data failed it: its requests go back to the waiting queue, each to be re-run from the
-        host's state in batches of its own until one of its decode batches succeeds
-        (``Req.runs_alone``), so a failure that one request causes again ends that one alone, and a
+        A failed batch cannot say whose data failed it: its requests go back to the waiting queue, each
+        to be re-run from the host's state in batches of its own until one of its decode batches
+        succeeds (``Req.runs_alone``). A request whose batches of its own fail ``MAX_SOLO_FAILURES``
+        times in a row ends with the error: a fault that one request causes ends that one alone, and a
         passing fault ends none. With ``retry`` (it read the state of a batch that had failed before
-        it) its requests go back too. Releases what finished requests held once no launched batch
-        uses it."""
+        it) its requests go back without counting a failure. Releases what finished requests held once
+        no launched batch uses it."""
         for req in batch.reqs:
             req.inflight -= 1
             if error is not None:  # its KV may be half written: none of it goes into the cache
@@ -664,14 +668,15 @@ class Scheduler:
                 self._requeue(req)
         else:
             self.stats["batch_failures"] += 1
-            if len(batch.reqs) > 1:
-                for req in batch.reqs:
-                    if self._requeue(req):
-                        req.runs_alone = True
-                        self.stats["requests_isolated"] += 1
-            else:
-                for req in batch.reqs:
-                    self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {error!r}"})
+            for req in batch.reqs:
+                if len(batch.reqs) == 1:
+                    req.solo_failures += 1
+                    if req.solo_failures >= MAX_SOLO_FAILURES:
+                        self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {error!r}"})
+                        continue
+                if self._requeue(req):
+                    req.runs_alone = True
+                    self.stats["requests_isolated"] += 1
         for req in batch.reqs:
             if req.inflight == 0 and req in self.release_pending:
                 self._release(req)
@@ -690,7 +695,7 @@ class Scheduler:
             if req.finished or req.retract_count != batch.launched_at[i]:  # ended, or requeued since its launch
                 continue
             if batch.kind is BatchKind.DECODE:  # it ran and nothing failed: back among the others
-                req.runs_alone = False
+                req.runs_alone, req.solo_failures = False, 0
             try:
                 if batch.kind is BatchKind.PREFILL:
                     for position, entry in getattr(tokens, "inputs", {}).items():  # prompt logprobs
