@@ -1,7 +1,8 @@
 """A soak test: one Engine, many callers, valid and invalid requests, aborts and cancellations.
 
     python -m bench.soak --minutes N [--threads 12] [--async-tasks 12] [--seed 0] [--call-timeout 120]
-                         [--speculative-algorithm {none,NGRAM,EAGLE,DFLASH} ...] [engine flags] [--result-file F]
+                         [--speculative-algorithm {none,NGRAM,EAGLE,DFLASH} ...] [--fault-rate P]
+                         [engine flags] [--result-file F]
 
 For N minutes (per configuration: ``--speculative-algorithm none NGRAM EAGLE DFLASH`` runs four soaks, one
 engine each), ``--threads`` threads and ``--async-tasks`` anyio tasks (one event loop on a thread of
@@ -24,7 +25,12 @@ says "internal error", or an exception other than TypeError/ValueError), engine 
 hangs; and validation mismatches (an invalid request served, a valid one refused). At the end the
 engine must go idle; then its KV invariant is checked, the prefix cache flushed, and leaked slots =
 pool - free. PASS iff no
-hang, no leaked slot, no internal error and the engine alive (exit status 1 otherwise). The process's
+hang, no leaked slot, no internal error and the engine alive (exit status 1 otherwise).
+
+``--fault-rate P`` (bench/faults.py) makes each compute item (a batch's forward, a speculative iteration) fail with
+chance P, before it runs or after it has written its KV: the engine re-runs the requests of a failed batch and ends
+only one whose own batches fail twice in a row, with a message naming the fault. Such ends are counted apart
+("ended by injected faults") and do not fail the run; every other outcome is judged as without faults. The process's
 resident memory is printed with each progress line, and its growth over the soak's second half (MB per
 minute, once caches have filled) is reported beside the verdict, not judged. Appends one
 JSON line per configuration to ``--result-file``.
@@ -45,6 +51,7 @@ import uuid
 
 from bench import common
 from bench.engine_info import describe_engine, speculation_str
+from bench.faults import MARKER as FAULT_MARKER, FaultInjector
 
 # Outcome labels, per request.
 SERVED = "served"
@@ -53,6 +60,7 @@ ABORTED_BY_US = "aborted_by_us"  # abort_request, a cancelled task, a stream clo
 GRAMMAR_ABORT = "grammar_abort"  # a grammar that cannot be compiled: the request's own error
 OTHER_ABORT = "other_abort"      # an abort we did not ask for that names no internal error
 INTERNAL = "internal_error"      # an abort saying "internal error"
+INJECTED = "injected_fault"      # an abort naming a fault --fault-rate injected (the engine's answer to it)
 UNEXPECTED = "unexpected_exception"  # an exception other than TypeError/ValueError (or engine stopped)
 ENGINE_DEAD = "engine_dead"      # RuntimeError: the engine is not running
 HANG = "hang"
@@ -403,6 +411,8 @@ def classify_finish(reason: dict | None, we_aborted: bool) -> tuple[str, str | N
     message = str(reason.get("message", ""))
     if kind != "abort":
         return OTHER_ABORT, f"finish_reason {reason!r}"
+    if FAULT_MARKER in message:
+        return INJECTED, message[:300]
     if "internal error" in message.lower():
         return INTERNAL, message[:300]
     if "aborted by the caller" in message:
@@ -751,6 +761,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
     parser.add_argument("--schema-dir", default=str(common.JSONSCHEMA_DIR))
     parser.add_argument("--result-file", default="bench/out/soak.jsonl")
+    parser.add_argument("--fault-rate", type=float, default=0.0,
+                        help="chance that a compute item fails (injected; default 0: none)")
     parser.add_argument("--context-length", type=int, default=None,
                         help=f"the engine's context length; up to {NEAR_LIMIT_MAX_CONTEXT} the soak also sends "
                              "prompts that end a few tokens short of it (default: the model's)")
@@ -766,6 +778,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--threads and --async-tasks must be >= 0, and not both 0")
     if not args.call_timeout > 0:
         parser.error("--call-timeout must be > 0")
+    if not 0 <= args.fault_rate < 1:
+        parser.error("--fault-rate must be in [0, 1)")
     return args
 
 
@@ -785,6 +799,7 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
     print(f"# [{label}] soak: {args.minutes:g} min, {args.threads} threads + {args.async_tasks} async tasks, "
           f"seed {args.seed}, call bound {args.call_timeout:g} s; {wl.schema_source}", flush=True)
     _bounded(lambda: engine.generate(wl.prompts[0], {"temperature": 0, "max_new_tokens": 4}), args.call_timeout)
+    faults = FaultInjector(engine, args.fault_rate, args.seed) if args.fault_rate > 0 else None
 
     stats, tracker, stop = Stats(), Tracker(), threading.Event()
     soak = Soak(engine, wl, args, stats, tracker, stop)
@@ -864,6 +879,7 @@ def soak_one(args, algorithm: str, kwargs: dict) -> dict:
         "by_case": {case: dict(c) for case, c in sorted(stats.by_case.items())},
         "examples": {lab: ex for lab, ex in stats.examples.items()},
         "hangs": hangs, "internal_errors": internal, "end": end, "engine_died": died, "pass": bool(passed),
+        "faults": None if faults is None else faults.summary(),
         "rss_mb": [(round(t, 1), None if m is None else round(m, 1)) for t, m in rss],
         "rss_growth_mb_per_min": rss_growth(rss),
     }
@@ -898,9 +914,10 @@ def rss_growth(samples: list[tuple[float, float | None]]) -> float | None:
 def _progress(stats: Stats, tracker: Tracker) -> str:
     r = stats.requests
     in_flight, _ = tracker.in_flight()
+    injected = f"ended by injected faults {r[INJECTED]}, " if r[INJECTED] else ""
     return (f"calls {sum(stats.calls.values())}, served {r[SERVED]}, refused {r[REFUSED]}, "
             f"aborted by us {r[ABORTED_BY_US]}, grammar aborts {r[GRAMMAR_ABORT]}, other aborts {r[OTHER_ABORT]}, "
-            f"internal errors {r[INTERNAL] + r[UNEXPECTED]}, hangs {r[HANG]}, tokens {stats.tokens}, "
+            f"{injected}internal errors {r[INTERNAL] + r[UNEXPECTED]}, hangs {r[HANG]}, tokens {stats.tokens}, "
             f"in flight {in_flight}")
 
 
@@ -924,6 +941,12 @@ def report_lines(rec: dict) -> list[str]:
     lines.append(f"aborted/cancelled by us: {r[ABORTED_BY_US]}; grammar-compile aborts: {r[GRAMMAR_ABORT]}; "
                  f"other aborts: {r[OTHER_ABORT]}")
     lines.append(f"validation mismatches: invalid accepted {r[INVALID_ACCEPTED]}, valid refused {r[VALID_REFUSED]}")
+    faults = rec.get("faults")
+    if faults:
+        stats = end.get("engine_stats") or {}
+        lines.append(f"injected faults: {faults['fired']} of {faults['items']} compute items ({faults['rate']:g}), "
+                     f"{faults['fired_in_shared_batches']} in batches of several; requests re-run "
+                     f"{stats.get('requests_isolated', '-')}; ended by injected faults {r[INJECTED]}")
     lines.append(f"INTERNAL ERRORS: {rec['internal_errors']} ({r[INTERNAL]} aborts saying 'internal error', "
                  f"{r[UNEXPECTED]} unexpected exceptions); engine died (RuntimeError): {r[ENGINE_DEAD]}")
     lines.append(f"hangs: {rec['hangs']}" + ("" if end["idle"] else " (the engine never went idle)"))
