@@ -393,3 +393,43 @@ def test_a_grammar_drafting_fault_ends_only_its_request(tiny_model_dir, loop, mo
         assert all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in outs[:3])
         assert eng.get_server_info()["stats"]["requests_isolated"] == 5
         assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+@pytest.mark.parametrize("alone", [False, True], ids=["beside others", "alone"])
+def test_a_failing_grammar_fork_at_launch_ends_only_its_request(tiny_model_dir, loop, alone, monkeypatch):
+    """Launching a speculative batch forks each constrained request's grammar on the host. A fork that fails ends
+    that request alone (an internal error naming the step); the batch launches without it, or not at all when it
+    was alone, and the engine goes on."""
+    from specjet.grammar import RequestGrammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]}
+    params = dict(LONG, max_new_tokens=24, json_schema=schema)
+    prompts = ["first", "second"]
+    with make_engine(tiny_model_dir, loop) as eng:
+        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+        sched, victim = eng.scheduler, {}
+        grammar_ready = sched._grammar_ready
+
+        def note_victim_grammar(req):
+            ready = grammar_ready(req)
+            if ready and req.rid == "victim":
+                victim["grammar"] = req.grammar
+            return ready
+
+        sched._grammar_ready = note_victim_grammar
+        fault = Fault(RequestGrammar.fork, lambda grammar: grammar is victim.get("grammar"), once=False)
+        monkeypatch.setattr(RequestGrammar, "fork", lambda self: fault(self))
+        fault.armed.set()
+        if alone:
+            out = bounded(eng.generate, "the victim", params, rid="victim")
+            reason = out["meta_info"]["finish_reason"]
+        else:
+            outs = bounded(eng.generate, [*prompts, "the victim"], params, rid=["a", "b", "victim"])
+            assert [o["output_ids"] for o in outs[:2]] == expected
+            reason = outs[2]["meta_info"]["finish_reason"]
+        assert fault.fired.is_set()
+        assert reason["type"] == "abort" and "forking its grammar" in reason["message"], reason
+        assert eng.get_server_info()["stats"]["request_errors"] == 1
+        assert [o["output_ids"] for o in bounded(eng.generate, prompts, params)] == expected
+        assert_healthy(eng)

@@ -106,6 +106,8 @@ class EventLoop:
                 time.sleep(0.001)
             return
         launched = self._launch(batch)
+        if launched is None:  # every request of it ended while it was launched
+            return
         self._submit_sampling(launched)
         self._process(launched)
 
@@ -162,8 +164,10 @@ class EventLoop:
                 logger.exception("dropping the compute-side state of %d ended requests failed", len(rids))
 
     # ---------------------------------------------------------------- launching and completing
-    def _launch(self, batch: ScheduledBatch) -> Launched:
+    def _launch(self, batch: ScheduledBatch) -> Launched | None:
         work = self.scheduler.start_batch(batch)
+        if work is None:
+            return None
         launched = Launched(batch, work, num_items=1)
         if batch.kind is BatchKind.DECODE and batch.speculative:
             launched.result = self.stream.submit(self.worker.speculate, work)

@@ -586,12 +586,26 @@ class Scheduler:
         req.kv_committed_len = req.kv_allocated_len = req.prefix_len = 0
 
     # ---------------------------------------------------------------- launching a batch
-    def start_batch(self, batch: ScheduledBatch) -> WorkerBatch:
+    def start_batch(self, batch: ScheduledBatch) -> WorkerBatch | None:
         """The host's side of launching ``batch``: a prefill's KV is committed at once (nothing can
         reject it, and the next batch's reservation starts from it) and its requests join the
         running batch; every request counts one more batch in flight. Returns what the worker
-        gets: a ``ReqInput`` per request (a speculative batch: with a fork of its grammar)."""
+        gets: a ``ReqInput`` per request (a speculative batch: with a fork of its grammar), or None
+        when no request is left to launch (a request whose grammar could not be forked ends alone
+        and leaves the batch)."""
         spec_decode = batch.kind is BatchKind.DECODE and batch.speculative
+        forks = {}
+        if spec_decode:
+            for req in [r for r in batch.reqs if r.grammar is not None]:
+                try:
+                    forks[req.rid] = req.grammar.fork()
+                except Exception as exc:
+                    self._fail_request(req, "forking its grammar for drafting", exc)
+            if any(r.finished for r in batch.reqs):
+                kept = [i for i, r in enumerate(batch.reqs) if not r.finished]
+                batch.reqs, batch.drafting = [batch.reqs[i] for i in kept], tuple(batch.drafting[i] for i in kept)
+                if not batch.reqs:
+                    return None
         inputs = []
         for req in batch.reqs:
             if batch.kind is BatchKind.PREFILL:
@@ -602,7 +616,7 @@ class Scheduler:
                 batch.prefill_ends.append(req.prefill_end)
             elif spec_decode and req.grammar is not None:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
-                                       grammar=req.grammar.fork(), grammar_len=len(req.output_ids)))
+                                       grammar=forks[req.rid], grammar_len=len(req.output_ids)))
             else:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
                                        constrained=req.grammar is not None))
