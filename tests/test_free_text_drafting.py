@@ -214,3 +214,55 @@ def test_a_request_whose_drafting_measures_slower_takes_plain_steps_to_its_end(t
     slack = 1 if overlap else 0
     assert payoff.EXPLORE + payoff.PROBE + 1 <= first <= payoff.EXPLORE + payoff.PROBE + 1 + slack
     assert payoff.EXPLORE + 1 <= second <= payoff.EXPLORE + 1 + slack
+
+
+def test_a_request_left_alone_when_its_batch_mate_fails_at_launch_takes_a_plain_step(tiny_model_dir, copy_draft,
+                                                                                    monkeypatch):
+    """R decoded beside Q, so it takes plain steps for good and its KV is reserved one position at a time. Once Q has
+    ended, R shares a speculative batch with G (under a grammar), whose grammar fork fails at the launch: G ends
+    alone, and R, left alone in the batch, must take a plain step rather than draft alone (a lone free-text request
+    would, into KV it never reserved). R's ids stay plain decoding's, and no iteration writes past its reservation."""
+    from specjet.grammar import RequestGrammar
+
+    with solo_engine(tiny_model_dir, copy_draft) as eng:
+        sched, solo = eng.scheduler, eng.worker.speculator.solo
+        expected = eng.generate(PROMPTS[0], greedy(160))["output_ids"]
+        lone_drafts = []
+        solo_run = solo.run
+
+        def noting(reqs, *args, **kwargs):
+            lone_drafts.extend(r.rid for r in reqs)
+            return solo_run(reqs, *args, **kwargs)
+
+        solo.run = noting
+        stream = eng.generate([PROMPTS[0], PROMPTS[1]], [greedy(160), greedy(14)], rid=["R", "Q"], stream=True)
+        ids = []
+        for chunk in stream:
+            if chunk["index"] == 0:
+                ids += chunk["output_ids"]
+            elif chunk["meta_info"]["finish_reason"] is not None:
+                break  # Q has ended: R decodes on
+        fork = RequestGrammar.fork
+
+        def failing_fork(grammar):
+            raise RuntimeError("injected fork failure")
+
+        launched = []
+        start_batch = sched.start_batch
+
+        def noting_launch(batch):
+            launched.append(sorted(r.rid for r in batch.reqs))
+            return start_batch(batch)
+
+        sched.start_batch = noting_launch
+        monkeypatch.setattr(RequestGrammar, "fork", failing_fork)
+        g = eng.generate(PROMPTS[2], greedy(20, json_schema=SCHEMA), rid="G")
+        monkeypatch.setattr(RequestGrammar, "fork", fork)
+        for chunk in stream:
+            ids += chunk["output_ids"]
+        assert ["G", "R"] in launched  # G's failing launch held R
+        reason = g["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "forking its grammar" in reason["message"], reason
+        assert ids == expected
+        assert "R" not in lone_drafts
+        eng.check_kv_invariant()

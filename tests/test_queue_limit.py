@@ -1,5 +1,5 @@
 """max_queued_requests: a submission that would take the queue of requests not yet started past the bound queues
-nothing and raises QueueFullError; requests leave the count when they start or end unstarted (an abort, a refused
+nothing and raises QueueFullError (ValueError for a call larger than the bound, which no wait lets in); requests leave the count when they start or end unstarted (an abort, a refused
 grammar), so the bound never leaks; a started request never counts."""
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ SHORT = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 def test_the_bound_refuses_whole_submissions_and_frees_as_requests_start_or_end(tiny_model_dir):
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=8192, max_running_requests=1,
                         max_queued_requests=3) as eng:
-        with pytest.raises(specjet.QueueFullError, match="max_queued_requests=3"):
-            eng.generate(["a", "b", "c", "d"], SHORT)  # four at once: none queued
+        with pytest.raises(ValueError, match="can never fit max_queued_requests=3"):
+            eng.generate(["a", "b", "c", "d"], SHORT)  # four in one call never fit: the caller's error, none queued
         assert eng.get_server_info()["stats"]["requests_submitted"] == 0
         assert len(bounded(eng.generate, ["a", "b", "c"], SHORT)) == 3  # three fit, and all three end
 
         holder = eng.generate("hold the slot", HOLD, stream=True)
         next(holder)  # it has started: it does not count
         queued = [eng.generate(p, SHORT, stream=True) for p in ("x", "y", "z")]  # wait behind it
-        with pytest.raises(specjet.QueueFullError):
+        with pytest.raises(specjet.QueueFullError, match="max_queued_requests=3"):
             eng.generate("one too many", SHORT, stream=True)
         assert eng.get_server_info()["queued_requests"] == 3
         queued[0].close()  # aborted before it started: its place frees once the loop has seen the abort

@@ -691,17 +691,36 @@ def test_a_request_body_over_the_servers_limit_is_a_413(server):
 
 
 def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
-    """`--max-queued-requests 2`: a completions call of three prompts (three requests, queued all or none) is
-    refused with a 503 (the official client's InternalServerError) naming the bound, with Retry-After; a call
-    that fits is served."""
-    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096", "--max-queued-requests", "2"])
+    """`--max-queued-requests 1 --max-running-requests 1`: one streamed completion runs, a second waits; a third is
+    refused with a 503 (the official client's InternalServerError) naming the bound, with Retry-After, and is served
+    once the queue has room; a call larger than the bound is a 400 (no wait lets it in)."""
+    import threading
+
+    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096", "--max-queued-requests", "1",
+                  "--max-running-requests", "1"])
     try:
+        client = srv.client()
+        running = client.completions.create(model="tiny", prompt="hold", max_tokens=3000, temperature=0, stream=True)
+        next(iter(running))  # it has started
+        waiting = {}
+        waiter = threading.Thread(target=lambda: waiting.setdefault(
+            "out", srv.client().completions.create(model="tiny", prompt="wait", max_tokens=2, temperature=0)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while parse_prometheus(httpx.get(srv.url + "/metrics").text).get("specjet_num_queue_reqs", 0) < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.02)
         with pytest.raises(openai.InternalServerError) as e:
-            srv.client().completions.create(model="tiny", prompt=["a", "b", "c"], max_tokens=2)
+            client.completions.create(model="tiny", prompt="one too many", max_tokens=2)
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
-        assert error_of(e)["code"] == "queue_full" and "max_queued_requests=2" in error_of(e)["message"]
-        out = srv.client().completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, temperature=0)
-        assert [c.finish_reason for c in out.choices] == ["length", "length"]
+        assert error_of(e)["code"] == "queue_full" and "max_queued_requests=1" in error_of(e)["message"]
+        running.close()  # the first ends (aborted); the second starts and finishes
+        waiter.join(timeout=60)
+        assert waiting["out"].choices[0].finish_reason == "length"
+        assert client.completions.create(model="tiny", prompt="fits", max_tokens=2).choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+        assert "can never fit max_queued_requests=1" in error_of(e)["message"]
         assert httpx.get(srv.url + "/debug/kv", timeout=60).json()["ok"]
     finally:
         srv.stop()

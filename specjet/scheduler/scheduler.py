@@ -136,6 +136,8 @@ class Scheduler:
             if clash:
                 raise ValueError(f"rid {clash[0]!r} is already in use by a live request (rids must be unique)")
             cap = self.config.max_queued_requests
+            if cap is not None and len(reqs) > cap:  # a caller's error: no wait would let it in
+                raise ValueError(f"a call of {len(reqs)} requests can never fit max_queued_requests={cap}")
             if cap is not None and self._num_queued + len(reqs) > cap:
                 raise QueueFullError(f"the queue holds {self._num_queued} requests not yet started; {len(reqs)} more "
                                      f"would pass max_queued_requests={cap} (try again later)")
@@ -498,7 +500,9 @@ class Scheduler:
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
             if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
-                need += self.spec.scratch_slots(len(self.running))
+                # While a request runs alone (Req.runs_alone) the batch is that one, which may draft alone.
+                alone = any(r.runs_alone for r in self.running)
+                need += self.spec.scratch_slots(1 if alone else len(self.running))
             if self._make_room(need):  # cached prefixes go before any request is retracted
                 break
             if not exact:  # the batch in flight may finish requests and free enough
@@ -606,6 +610,9 @@ class Scheduler:
                 batch.reqs, batch.drafting = [batch.reqs[i] for i in kept], tuple(batch.drafting[i] for i in kept)
                 if not batch.reqs:
                     return None
+                # Speculative only while one of the others drafts: KV was reserved for a tree only where one may be
+                # drawn (a lone free-text request left behind would otherwise draft alone in a one-slot reservation).
+                batch.speculative = spec_decode = any(batch.drafting)
         inputs = []
         for req in batch.reqs:
             if batch.kind is BatchKind.PREFILL:
