@@ -58,7 +58,8 @@ class EngineArgs:
     # enum's first tokens take (bench/RESULTS.md, session 104).
     grammar_token_timeout: float | None = 0.02
     # SGLang's name: the most requests submitted and not yet started (waiting for a slot) the engine holds; a call
-    # that would pass it queues nothing and raises specjet.QueueFullError (the server: 503 with Retry-After).
+    # that would pass it queues nothing and raises specjet.QueueFullError (the server: 503 with Retry-After), one of
+    # more requests than the bound ValueError.
     # None (default): no bound, as an offline batch of many thousand prompts needs.
     max_queued_requests: int | None = None
     random_seed: int | None = None
