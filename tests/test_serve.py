@@ -117,6 +117,8 @@ def test_health_models_and_metrics_parse(server):
     assert samples["specjet_engine_alive"] == 1
     assert samples["specjet_generation_tokens_total"] >= 4
     assert any(k.startswith("specjet_requests_total{finish_reason=") for k in samples)
+    assert samples["specjet_batch_failures_total"] == samples["specjet_requests_isolated_total"] == 0
+    assert samples["specjet_num_queued_not_started"] == 0
 
 
 def test_chat_response_format_json_schema_validates(server):
@@ -707,7 +709,7 @@ def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
             "out", srv.client().completions.create(model="tiny", prompt="wait", max_tokens=2, temperature=0)))
         waiter.start()
         deadline = time.monotonic() + 60
-        while parse_prometheus(httpx.get(srv.url + "/metrics").text).get("specjet_num_queue_reqs", 0) < 1:
+        while parse_prometheus(httpx.get(srv.url + "/metrics").text).get("specjet_num_queued_not_started", 0) < 1:
             assert time.monotonic() < deadline, "the second request never queued"
             time.sleep(0.02)
         with pytest.raises(openai.InternalServerError) as e:

@@ -57,6 +57,13 @@ class Metrics:
         metric("engine_alive", "gauge", "1 while the engine's scheduler runs.", [("", int(info["alive"]))])
         metric("request_errors_total", "counter", "Requests the engine ended with an internal error.",
                [("", stats.get("request_errors", 0))])
+        metric("batch_failures_total", "counter", "Batches that failed on the compute side.",
+               [("", stats.get("batch_failures", 0))])
+        metric("requests_isolated_total", "counter",
+               "Requests of failed batches re-run alone to find the one a fault follows.",
+               [("", stats.get("requests_isolated", 0))])
+        metric("num_queued_not_started", "gauge", "Requests submitted and not yet started (max_queued_requests).",
+               [("", info.get("queued_requests", 0))])
         grammar = info.get("grammar") or {}
         metric("grammar_compiles_total", "counter", "Grammar compiles run (cache misses).",
                [("", grammar.get("compiles", 0))])
