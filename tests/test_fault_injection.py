@@ -433,3 +433,22 @@ def test_a_failing_grammar_fork_at_launch_ends_only_its_request(tiny_model_dir, 
         assert eng.get_server_info()["stats"]["request_errors"] == 1
         assert [o["output_ids"] for o in bounded(eng.generate, prompts, params)] == expected
         assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_request_whose_admission_fails_ends_alone(tiny_model_dir, reference, loop):
+    """A request whose own set-up fails as the loop takes it in (its coins, its drafting) is answered with the
+    error, not lost; the requests submitted in the same call run as without it, and it no longer counts as queued."""
+    runner_ids, _ = reference
+    with make_engine(tiny_model_dir, loop) as eng:
+        sched = eng.scheduler
+        fault = Fault(sched._admit, lambda req: req.rid == "victim", once=False)
+        sched._admit = fault
+        fault.armed.set()
+        outs = bounded(eng.generate, [RUNNERS[0], VICTIM, RUNNERS[1]], LONG, rid=["a", "victim", "b"])
+        assert fault.fired.is_set()
+        reason = outs[1]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "being admitted" in reason["message"], reason
+        assert [outs[0]["output_ids"], outs[2]["output_ids"]] == runner_ids[:2]
+        assert eng.get_server_info()["queued_requests"] == 0
+        assert_healthy(eng)

@@ -200,7 +200,10 @@ class Scheduler:
             timeout = None
             if kind == "add":
                 for req in value:
-                    self._admit(req)
+                    try:
+                        self._admit(req)
+                    except Exception as exc:  # its own set-up failed: it ends alone, answered (never lost)
+                        self._fail_request(req, "being admitted", exc)
             elif kind == "call":  # run a function between iterations, on this thread
                 fn, future = value
                 try:
