@@ -167,41 +167,20 @@ def test_faults_at_random_end_only_requests_they_keep_following(plain):
     iteration) fails at random, before it runs or after it has written its KV and state. A batch that fails is
     re-run one request at a time, and a request ends only when its own lone batches fail twice in a row: every
     other request gives exactly the plain outputs, and every ended one names the fault."""
+    from bench.faults import MARKER, FaultInjector
+
     batches, expected = plain
-    rng = random.Random(7)
-    fired = {"items": 0, "shared": 0}
-
-    class InjectedFault(RuntimeError):
-        pass
-
     with specjet.Engine(max_total_tokens=8192) as eng:
-        worker = eng.worker
-        for name in ("forward", "speculate"):
-            def failing(batch, *args, _run=getattr(worker, name), **kwargs):
-                draw = rng.random()
-                if draw < 0.05:
-                    raise InjectedFault(f"injected fault before a batch of {len(batch.inputs)}")
-                out = _run(batch, *args, **kwargs)
-                if draw < 0.1:
-                    raise InjectedFault(f"injected fault after a batch of {len(batch.inputs)}")
-                return out
-
-            def counted(batch, *args, _failing=failing, **kwargs):
-                try:
-                    return _failing(batch, *args, **kwargs)
-                except InjectedFault:
-                    fired["items"] += 1
-                    fired["shared"] += len(batch.inputs) > 1
-                    raise
-            setattr(worker, name, counted)
+        faults = FaultInjector(eng, rate=0.1, seed=7)
         outs = run(eng, batches)
         eng.check_kv_invariant()
         stats = eng.get_server_info()["stats"]
-    assert fired["items"] >= 10 and fired["shared"] >= 2, fired  # the faults hit lone and shared batches
-    assert stats["batch_failures"] == fired["items"]
+    fired = faults.summary()
+    assert fired["fired"] >= 10 and fired["fired_in_shared_batches"] >= 2, fired  # lone and shared batches hit
+    assert stats["batch_failures"] == fired["fired"]
     ended = [i for i, o in enumerate(outs) if o["meta_info"]["finish_reason"]["type"] == "abort"]
     for i in ended:
-        assert "injected fault" in outs[i]["meta_info"]["finish_reason"]["message"]
-    assert len(ended) < fired["items"] / 2  # most faults passed: a request ends after two lone failures in a row
+        assert MARKER in outs[i]["meta_info"]["finish_reason"]["message"]
+    assert len(ended) < fired["fired"] / 2  # most faults passed: a request ends after two lone failures in a row
     mismatched = [i for i, (a, b) in enumerate(zip(outs, expected)) if i not in ended and observed(a) != observed(b)]
     assert not mismatched, f"requests {mismatched} differ from plain decoding after the faults"

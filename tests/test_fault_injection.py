@@ -136,6 +136,14 @@ def decode_fault(runner, when=lambda *a, **k: True, once: bool = True) -> Fault:
     return fault
 
 
+def plain_ids(tiny_model_dir, prompts, params) -> list[list[int]]:
+    """Plain decoding's ids (no drafting of any kind), the reference every speculative path must give."""
+    with make_engine(tiny_model_dir, "plain", disable_guided_drafting=True) as eng:
+        ids = [o["output_ids"] for o in eng.generate(prompts, params)]
+        assert_healthy(eng)
+    return ids
+
+
 def assert_runners_exact(outs, runner_ids):
     for out, expected in zip(outs, runner_ids):
         assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
@@ -381,7 +389,7 @@ def test_a_grammar_drafting_fault_ends_only_its_request(tiny_model_dir, loop, mo
     params = dict(LONG, max_new_tokens=24, json_schema=schema)
     prompts = ["first", "second", "third"]
     with make_engine(tiny_model_dir, loop) as eng:
-        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+        expected = plain_ids(tiny_model_dir, prompts, params)
         seen = follow_victim(eng.worker, "speculate")
         fault = Fault(GrammarGuide.mask_tree, lambda *a, **k: seen["victim"], once=False)
         monkeypatch.setattr(GrammarGuide, "mask_tree", lambda self, *a, **k: fault(self, *a, **k))
@@ -407,7 +415,7 @@ def test_a_failing_grammar_fork_at_launch_ends_only_its_request(tiny_model_dir, 
     params = dict(LONG, max_new_tokens=24, json_schema=schema)
     prompts = ["first", "second"]
     with make_engine(tiny_model_dir, loop) as eng:
-        expected = [o["output_ids"] for o in eng.generate(prompts, params)]
+        expected = plain_ids(tiny_model_dir, prompts, params)
         sched, victim = eng.scheduler, {}
         grammar_ready = sched._grammar_ready
 

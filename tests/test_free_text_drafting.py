@@ -216,7 +216,7 @@ def test_a_request_whose_drafting_measures_slower_takes_plain_steps_to_its_end(t
     assert payoff.EXPLORE + 1 <= second <= payoff.EXPLORE + 1 + slack
 
 
-def test_a_request_left_alone_when_its_batch_mate_fails_at_launch_takes_a_plain_step(tiny_model_dir, copy_draft,
+def test_a_request_left_alone_when_its_batch_mate_fails_at_launch_takes_a_plain_step(tiny_model_dir, copy_draft, plain,
                                                                                     monkeypatch):
     """R decoded beside Q, so it takes plain steps for good and its KV is reserved one position at a time. Once Q has
     ended, R shares a speculative batch with G (under a grammar), whose grammar fork fails at the launch: G ends
@@ -226,7 +226,7 @@ def test_a_request_left_alone_when_its_batch_mate_fails_at_launch_takes_a_plain_
 
     with solo_engine(tiny_model_dir, copy_draft) as eng:
         sched, solo = eng.scheduler, eng.worker.speculator.solo
-        expected = eng.generate(PROMPTS[0], greedy(160))["output_ids"]
+        expected = plain.generate(PROMPTS[0], greedy(160))["output_ids"]
         lone_drafts = []
         solo_run = solo.run
 

@@ -155,6 +155,14 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
 
+    def _count_started(self, req: Req) -> None:
+        """Take ``req`` out of the requests not yet started (what ``max_queued_requests`` bounds), once: at its first
+        admission into a batch, or at its end if it never started."""
+        if not req.started:
+            req.started = True
+            with self._submit_lock:
+                self._num_queued -= 1
+
     @property
     def num_queued(self) -> int:
         """Thread-safe: requests submitted and not yet started (what ``max_queued_requests`` bounds)."""
@@ -361,10 +369,7 @@ class Scheduler:
                 break
             self._admit_with_prefix(req, row, cached, match)
             self._reserve(req, num_tokens)
-            if not req.started:
-                req.started = True
-                with self._submit_lock:
-                    self._num_queued -= 1
+            self._count_started(req)
             req.prefill_end = end
             self.waiting.remove(req)
             chosen.append(req)
@@ -842,11 +847,9 @@ class Scheduler:
             logger.error("request %s: releasing its KV failed: %s", req.rid, traceback.format_exc())
         # The grammar future is left alone: the compile cache shares it with every request of the
         # same grammar (the backend hands each caller its own handle).
+        self._count_started(req)  # an end before its start leaves the queue too
         with self._submit_lock:
             self._live_rids.discard(req.rid)
-            if not req.started:
-                req.started = True  # counted out once
-                self._num_queued -= 1
         if req.sink is None:
             return
         try:
