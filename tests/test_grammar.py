@@ -233,6 +233,34 @@ def test_property_order_is_part_of_the_cache_key(backend, tokenizer):
         assert grammar.accept_tokens(ids) == len(ids)
 
 
+# A character below U+0100 that xgrammar escapes, before a hex digit: printed "\\xfcb...", which xgrammar's parser reads
+# back as one character U+FCB... (specjet/grammar/ebnf_text.py). The last holds a control character (JSON-escaped).
+_ESCAPED_BEFORE_HEX = ["über", "Größe", "España", "café", "ÿf", "a\u0001b"]
+
+
+@pytest.mark.parametrize("kind", ["enum", "const", "property", "regex", "ebnf"])
+def test_latin1_letters_before_hex_digits_are_enforced_as_written(kind, backend, tokenizer):
+    for word in _ESCAPED_BEFORE_HEX:
+        if kind == "enum":
+            spec, text = {"enum": [word, "x"]}, json.dumps(word, ensure_ascii=False)
+        elif kind == "const":
+            spec, text = {"type": "object", "properties": {"w": {"const": word}}, "required": ["w"]}, None
+            text = json.dumps({"w": word}, ensure_ascii=False, separators=(",", ": "))
+        elif kind == "property":
+            spec = {"type": "object", "properties": {word: {"type": "integer"}}, "required": [word],
+                    "additionalProperties": False}
+            text = json.dumps({word: 7}, ensure_ascii=False, separators=(",", ": "))
+        elif kind == "regex":
+            spec, text = re.escape(word), word
+        else:
+            spec, text = 'root ::= "' + word + '" [0-9]', word + "5"  # the characters themselves, unescaped
+        grammar = RequestGrammar(backend.compile("regex" if kind == "regex" else "ebnf" if kind == "ebnf"
+                                                 else "json_schema", spec).result())
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert grammar.accept_tokens(ids) == len(ids), (kind, word, text)
+        assert grammar.accept_token(grammar.compiled.tokenizer_info.stop_token_ids[0]) and grammar.is_terminated()
+
+
 def test_accept_tokens_counts_until_first_rejection(backend, tokenizer):
     grammar = RequestGrammar(backend.compile("regex", r"ab[0-9]+").result())
     ids = tokenizer.encode("ab12x3", add_special_tokens=False)

@@ -22,6 +22,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from specjet.grammar.ebnf_text import ebnf_text
 from specjet.grammar.forced_text import grammar_lengths, mark_jump_forward_safe
 from specjet.grammar.spec import (DEFAULT_MAX_SPEC_BYTES, DEFAULT_MAX_SPEC_DEPTH, GRAMMAR_KINDS, GrammarError,
                                   canonical_text)
@@ -245,7 +246,7 @@ class GrammarBackend:
                 grammar, compiled = self._compile_json_schema(text)
             else:
                 grammar = xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
-                compiled = self._compiler.compile_grammar(grammar)
+                compiled = self._compiler.compile_grammar(ebnf_text(grammar))
         except RuntimeError as error:
             raise GrammarError(f"{kind} could not be compiled: {_xgrammar_message(error)}") from None
         # Read from the source grammar: the compiled one's serialization holds its automata.
@@ -260,7 +261,9 @@ class GrammarBackend:
     def _compile_json_schema(self, text: str) -> tuple[xgr.Grammar, xgr.CompiledGrammar]:
         try:
             grammar = xgr.Grammar.from_json_schema(text, **JSON_SCHEMA_OPTIONS)
-            return grammar, self._compiler.compile_grammar(grammar)
+            # As text: given the grammar, the cached compiler would compile its printed form as xgrammar reads
+            # it back, where "ü" before a hex digit becomes another character (ebnf_text.py).
+            return grammar, self._compiler.compile_grammar(ebnf_text(grammar))
         except RuntimeError as first_error:
             # Two known ways a valid schema fails in xgrammar 0.2.8, each with a retry:
             # (1) a bug of the compiler's cache ("Check failed: per_rule_fsm_hashes[...]"):
@@ -273,7 +276,7 @@ class GrammarBackend:
                 options["strict_mode"] = strict_mode
                 try:
                     grammar = xgr.Grammar.from_json_schema(text, **options)
-                    return grammar, self._get_uncached_compiler().compile_grammar(grammar)
+                    return grammar, self._get_uncached_compiler().compile_grammar(ebnf_text(grammar))
                 except RuntimeError:
                     pass
             raise first_error

@@ -207,12 +207,13 @@ def _schema_rules(schema: dict[str, Any], prefix: str) -> str:
     import xgrammar as xgr
 
     from specjet.grammar.backend import JSON_SCHEMA_OPTIONS
+    from specjet.grammar.ebnf_text import ebnf_text
 
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **JSON_SCHEMA_OPTIONS)
     except RuntimeError:  # what strict mode cannot express (the backend falls back the same way)
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **dict(JSON_SCHEMA_OPTIONS, strict_mode=False))
-    text = str(grammar)
+    text = ebnf_text(grammar)
     names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", text, re.MULTILINE))
     return "".join(prefix + t if t in names else t for t in _EBNF_TOKEN.findall(text))
 
@@ -235,9 +236,11 @@ def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
     except RuntimeError:  # xgrammar's own structural tag (its JSON laid out with any whitespace)
         import xgrammar as xgr
 
+        from specjet.grammar.ebnf_text import ebnf_text
+
         items = [xgr.StructuralTagItem(begin=TOOL_OPEN + "\n", schema=json.dumps(s), end="\n" + TOOL_CLOSE)
                  for s in schemas]
-        return str(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
+        return ebnf_text(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
 
 
 def _calls_only_grammar(schemas: list[dict[str, Any]]) -> Optional[str]:
