@@ -52,6 +52,19 @@ def test_auto_grammar_allows_text_or_a_valid_call():
     assert not _is_grammar_accept_string(grammar, '<tool_call>\n{ "name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tool_grammars_keep_latin1_letters_before_hex_digits(choice):
+    """xgrammar prints "ñ" as \\xf1 and reads "\\xf1a" back as one character (specjet/grammar/ebnf_text.py): the
+    EBNF the server splices from each tool's schema must still spell the enum as written."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"country": {"enum": ["España", "Größe"]}}, "required": ["country"]}}}
+    sp, _ = chat.chat_params(request(tools=[tool], tool_choice=choice))
+    grammar = xgr.Grammar.from_ebnf(sp["ebnf"])
+    for country in ("España", "Größe"):
+        call = '<tool_call>\n{"name": "f", "arguments": {"country": "%s"}}\n</tool_call>' % country
+        assert _is_grammar_accept_string(grammar, call), country
+
+
 def test_required_and_named_schemas():
     sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required"))  # parallel calls by default
     assert plan.mode == "tagged" and plan.parallel
@@ -104,6 +117,10 @@ def test_dead_engine_is_503_and_api_key_is_checked():
 
 
 HI = [{"role": "user", "content": "hi"}]
+# An object nested 100 levels deep: deeper than the meta-schema check's recursion reached.
+DEEP_SCHEMA = {"type": "integer"}
+for _ in range(100):
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}, "required": ["a"]}
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -123,6 +140,21 @@ HI = [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": None}]}, "messages.1"),
     ("/v1/completions", {"prompt": [True, False]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2.0]}, "stop_token_ids.0"),
+    # Each of these was a 500 (bench/RESULTS.md, session 106).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": "get_weather"}]}]}, "messages.1.tool_calls"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": DEEP_SCHEMA}}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "json_schema": DEEP_SCHEMA}, "json_schema"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 5,
+                                                                            "maximum": 1}}}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [], "tool_choice": "required"}, "tool_choice"),
+    # Served as other seeds, wrapped modulo 2**64 before the engine's range check.
+    ("/v1/chat/completions", {"messages": HI, "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
 ])
 def test_malformed_bodies_are_400s(path, body, param):
     with TestClient(create_app(stand_in_engine(True), "m")) as client:

@@ -248,7 +248,7 @@ class GrammarBackend:
                 grammar = xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
                 compiled = self._compiler.compile_grammar(ebnf_text(grammar))
         except RuntimeError as error:
-            raise GrammarError(f"{kind} could not be compiled: {_xgrammar_message(error)}") from None
+            raise GrammarError(f"{kind} could not be compiled: {xgrammar_message(error)}") from None
         # Read from the source grammar: the compiled one's serialization holds its automata.
         lengths = grammar_lengths(grammar)
         if lengths is not None and not lengths.has_finite_output:
@@ -382,5 +382,6 @@ def _digest(key: tuple[str, str]) -> bytes:
     return hashlib.sha256(f"{key[0]}\0{key[1]}".encode("utf-8")).digest()
 
 
-def _xgrammar_message(error: RuntimeError) -> str:
+def xgrammar_message(error: RuntimeError) -> str:
+    """xgrammar's error text without its time stamp and source location."""
     return _XGRAMMAR_MESSAGE_PREFIX.sub("", str(error).strip())

@@ -80,6 +80,13 @@ def _schema_text(spec: Any, max_depth: int) -> str:
         raise GrammarError(f"invalid json_schema: {error}") from None
 
 
+def check_schema_depth(spec: Any, max_depth: int = DEFAULT_MAX_SPEC_DEPTH) -> None:
+    """GrammarError if a parsed JSON schema nests deeper than ``max_depth``: for a caller that must walk
+    the schema recursively (a meta-schema check) before the engine would refuse it."""
+    if _deeper_than(spec, max_depth):
+        raise _too_deep(max_depth)
+
+
 def _deeper_than(value: Any, max_depth: int) -> bool:
     """Whether objects and arrays nest more than `max_depth` levels; iterative, so any depth (and a
     structure that contains itself) is measured without recursion."""

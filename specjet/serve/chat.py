@@ -46,10 +46,18 @@ def _check_schema(schema: Any, param: str) -> None:
     import jsonschema
     from jsonschema.validators import validator_for
 
+    from specjet.grammar.spec import GrammarError, check_schema_depth
+
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"invalid JSON schema in {param}: expected an object, got {type(schema).__name__}", param)
+    try:  # before the meta-schema check, which recurses once per level and would run out of stack
+        check_schema_depth(schema)
+    except GrammarError as error:
+        raise bad_request(f"invalid JSON schema in {param}: {error}", param) from None
     try:
         validator_for(schema).check_schema(schema)
+    except RecursionError:  # nested within the limit, yet deeper than jsonschema's recursion reaches
+        raise bad_request(f"invalid JSON schema in {param}: nested too deeply to check", param) from None
     except jsonschema.SchemaError as error:
         where = "/".join(str(p) for p in error.absolute_path) or "(root)"
         raise bad_request(f"invalid JSON schema in {param} at {where}: {error.message}", param) from None
@@ -174,6 +182,11 @@ def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tup
         raise bad_request("tool names must be unique", "tools")
     if choice == "none":
         return None
+    if not names:  # no tool to call: "auto" is plain text, a call that must be made cannot be
+        if choice in (None, "auto"):
+            return None
+        raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} needs at "
+                          "least one tool", "tool_choice")
     if choice is None:
         choice = "auto"
     if not isinstance(choice, str):  # a named function
@@ -240,7 +253,13 @@ def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
 
         items = [xgr.StructuralTagItem(begin=TOOL_OPEN + "\n", schema=json.dumps(s), end="\n" + TOOL_CLOSE)
                  for s in schemas]
-        return ebnf_text(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
+        try:
+            return ebnf_text(xgr.Grammar.from_structural_tag(items, [TOOL_OPEN]))
+        except RuntimeError as error:  # a parameters schema xgrammar cannot compile (e.g. minimum > maximum)
+            from specjet.grammar.backend import xgrammar_message
+
+            raise bad_request(f"the tools' parameters could not be compiled into a grammar: {xgrammar_message(error)}",
+                              "tools") from None
 
 
 def _calls_only_grammar(schemas: list[dict[str, Any]]) -> Optional[str]:

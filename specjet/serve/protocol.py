@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # Request bodies are validated strictly, as OpenAI's API does: a JSON true is not the number 1 (max_tokens,
 # temperature, a token id of a prompt), a string is not a number ("4"), and 1 is not true. Pydantic's lax
@@ -82,7 +82,8 @@ class _SamplingFields(_Request):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[Int] = None
+    # The engine's range, checked here: the choices' seeds (seed + i) wrap around modulo 2**64 (chat.choice_params).
+    seed: Optional[Annotated[Int, Field(ge=0, lt=2**64)]] = None
     n: Optional[Int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -123,6 +124,30 @@ class ChatMessage(_Open):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        """A content part's text is a string (the prompt is their concatenation); a part of another type is
+        refused where the prompt is built, naming the type."""
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{i}] of type text needs a string text, got "
+                                 f"{type(part.get('text')).__name__}")
+        return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, calls):
+        """Each earlier call as OpenAI writes it: a function object with a string name and its arguments as a
+        JSON string (or an object)."""
+        for i, call in enumerate(calls or []):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tool_calls[{i}].function must be an object with a string name")
+            if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string")
+        return calls
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
