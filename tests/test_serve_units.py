@@ -266,6 +266,9 @@ def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
     ("tagged", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "x} <y"}}}\n</tool_call>'
                '\n<tool_call>\n{ "name" : "add" ,"arguments":{"a": 2}  }\n</tool_call>'),
     ("json", '{"name": "add", "arguments": {"a": 12, "b": [1, {"z": "}"}]}}'),
+    # An argument holding the closing tag itself (was read as the block's end: no call, the markup as content).
+    ("tagged", '<tool_call>\n{"name": "add", "arguments": {"a": "</tool_call>", "b": "<tool_call>x"}}\n</tool_call>'
+               'and then<tool_call>\n{"name": "add", "arguments": {"a": "\\"</tool_call>"}}\n</tool_call>'),
 ])
 def test_streamed_call_pieces_add_up_to_the_whole_calls(mode, text):
     plan = chat.ToolPlan(mode=mode, names={"add"})
@@ -282,6 +285,20 @@ def test_streamed_call_pieces_add_up_to_the_whole_calls(mode, text):
         (c.function.name, c.function.arguments) for c in message.tool_calls]
     for c in message.tool_calls:
         json.loads(c.function.arguments)
+    if "and then" in text:
+        assert [json.loads(c.function.arguments)["a"] for c in message.tool_calls] == ["</tool_call>", '"</tool_call>']
+        assert message.content == "and then"
+        assert chat.repeat_cut(text + "\n" + text[:text.index("and then")]) == len(text) + 1
+
+
+def test_a_call_cut_short_by_the_token_limit_is_not_content():
+    plan = chat.ToolPlan(mode="tagged", names={"add"})
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    for cut in ("\n<tool", "\n<tool_call>\n{\"", "\n" + call[:-3]):
+        message, reason = chat.reply("Sure." + call + cut, "length", plan)
+        assert reason == "length" and len(message.tool_calls) == 1 and message.content.strip() == "Sure.", cut
+    message, _ = chat.reply("Sure." + call[:30], "length", plan)  # no call at all: the text is the reply
+    assert message.tool_calls is None and message.content == "Sure." + call[:30]
 
 
 def test_a_reply_ends_before_a_repeated_call():

@@ -28,7 +28,6 @@ from specjet.serve.protocol import (AssistantMessage, ChatCompletionRequest, Com
                                     ToolCall, _SamplingFields)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CLOSE), re.DOTALL)
 
 
 @dataclass
@@ -345,19 +344,60 @@ def finish_reason(result: dict[str, Any]) -> Optional[str]:
 
 REPEATED_CALL = {"type": "stop", "matched": "a repeated tool call"}
 
+_JSON = json.JSONDecoder()
+
+
+@dataclass
+class CallBlock:
+    start: int  # where its <tool_call> starts
+    end: int  # just after its </tool_call> (the text's end while it is open)
+    body: str  # its JSON text, whitespace around it excluded
+    complete: bool  # closed by </tool_call>
+
+
+def call_blocks(text: str) -> list[CallBlock]:
+    """The <tool_call> blocks of a reply, in order, the last one possibly still open. A block's JSON is read as
+    JSON, so a string in the arguments may hold "</tool_call>" itself; a block that is not JSON ends at the first
+    </tool_call> after it."""
+    blocks, at = [], 0
+    while (start := text.find(TOOL_OPEN, at)) >= 0:
+        open_at = start + len(TOOL_OPEN)
+        first = len(text) - len(text[open_at:].lstrip())
+        close, running = -1, False
+        try:
+            _, json_end = _JSON.raw_decode(text, first)
+            after = len(text) - len(text[json_end:].lstrip())
+            if text.startswith(TOOL_CLOSE, after):
+                close = after
+            elif TOOL_CLOSE.startswith(text[after:]):
+                running = True  # the closing tag is still being written
+        except json.JSONDecodeError as error:
+            # Text that ran out inside the JSON is a call still being written; an error inside it is not JSON.
+            running = error.pos >= len(text) or error.msg.startswith("Unterminated string")
+        if close < 0 and not running:
+            close = text.find(TOOL_CLOSE, open_at)
+        if close < 0:
+            blocks.append(CallBlock(start, len(text), text[open_at:].strip(), False))
+            return blocks
+        blocks.append(CallBlock(start, close + len(TOOL_CLOSE), text[open_at:close].strip(), True))
+        at = close + len(TOOL_CLOSE)
+    return blocks
+
 
 def repeat_cut(text: str) -> Optional[int]:
     """Where a reply's first exact repeat of an earlier tool call starts, or None. Small models
     given parallel calls tend to cycle through the same calls until the token limit; a call made
     twice in one reply does nothing the first did not, so the reply ends before the repeat."""
     seen = set()
-    for match in _TOOL_BLOCK.finditer(text):
+    for block in call_blocks(text):
+        if not block.complete:
+            break
         try:
-            key = json.dumps(json.loads(match.group(1)), sort_keys=True)
+            key = json.dumps(json.loads(block.body), sort_keys=True)
         except json.JSONDecodeError:
             continue
         if key in seen:
-            return match.start()
+            return block.start
         seen.add(key)
     return None
 
@@ -418,12 +458,18 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
         if call is not None:
             calls, content = [call], None
     elif plan.mode == "tagged":
-        for block in _TOOL_BLOCK.findall(text):
-            call = _as_call(block, plan)
+        blocks = call_blocks(text)
+        for block in blocks:
+            call = _as_call(block.body, plan) if block.complete else None
             if call is not None:
                 calls.append(call)
-        if calls:
-            content = _TOOL_BLOCK.sub("", text)
+        if calls:  # the content is the text around the blocks: a call cut short by the token limit is markup too
+            pieces, at = [], 0
+            for block in blocks:
+                pieces.append(text[at:block.start])
+                at = block.end
+            content = "".join(pieces) + text[at:]
+            content = content[:streamable_end(content)]  # less a <tool_call> the limit cut as it began
             content = content if content.strip() else None
     if calls:
         if not plan.parallel:
@@ -447,17 +493,8 @@ class CallStreamer:
         """Each call's JSON text so far, and whether it is complete."""
         if self.plan.mode == "json":
             return [(text, finished)]
-        regions, at = [], 0
-        while True:
-            start = text.find(TOOL_OPEN, at)
-            if start < 0:
-                return regions
-            start += len(TOOL_OPEN)
-            close = text.find(TOOL_CLOSE, start)
-            if close < 0:
-                return regions + [(text[start:], False)]
-            regions.append((text[start:close], True))
-            at = close + len(TOOL_CLOSE)
+        return [(block.body if block.complete else text[block.start + len(TOOL_OPEN):], block.complete)
+                for block in call_blocks(text)]
 
     def feed(self, text: str, finished: bool = False) -> list[dict[str, Any]]:
         deltas = []
