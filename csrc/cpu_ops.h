@@ -249,7 +249,9 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
                                               const torch::Tensor& sizes, const torch::Tensor& tokens,
                                               const torch::Tensor& parents, const torch::Tensor& uniforms,
                                               const torch::Tensor& temperatures, const torch::Tensor& top_ks,
-                                              const torch::Tensor& top_ps, const torch::Tensor& min_ps);
+                                              const torch::Tensor& top_ps, const torch::Tensor& min_ps,
+                                              const c10::optional<torch::Tensor>& bitmask,
+                                              const std::vector<bool>& masked);
 
 // layer_stack.cpp (the StackProjection type and the LayerStack class)
 void register_layer_stack(pybind11::module& module);

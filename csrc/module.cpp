@@ -82,7 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "bitmask forbids at -inf, in place (a word of the mask at a time)");
   module.def("verify_tree_sample", &verify_tree_sample,
              "per sampled request: its draft tree's accepted path (-1 padded), the path's length and the bonus token, "
-             "by lossless rejection sampling against softmax(logits / T) under top-k, top-p and min-p");
+             "each node's token drawn as sample_rows_lists draws (the coin of its depth) and followed to the child "
+             "holding it; the rows flagged in masked read through their token bitmask",
+             py::arg("logits"), py::arg("offsets"), py::arg("sizes"), py::arg("tokens"), py::arg("parents"),
+             py::arg("uniforms"), py::arg("temperatures"), py::arg("top_ks"), py::arg("top_ps"), py::arg("min_ps"),
+             py::arg("bitmask") = py::none(), py::arg("masked") = std::vector<bool>());
   module.def("pin_team_threads", &pin_team_threads,
              "bind thread t of the calling thread's OpenMP team to cpus[t % len(cpus)]; returns each thread's CPU "
              "(-1 where the binding failed)");

@@ -5,9 +5,10 @@
 // sums, a search), each a dispatch and a pass over tens of thousands of columns; here a row is two passes
 // over its logits and a selection among its best candidates. Rows are independent: a row's token never
 // depends on which rows share the call.
-// verify_tree_sample: a speculative verify's sampled requests, each tree walked by lossless rejection sampling
-// with the same filtered rows, built only for the nodes the path reaches (the torch form filters every node's
-// row first, a dozen ops each).
+// verify_tree_sample: a speculative verify's sampled requests, each tree walked by plain decoding's own draw at
+// every node the path reaches (the same row, the same filters, the coin of the position the token would take),
+// so a sampled request commits the tokens plain decoding would (the torch form filters every node's row first,
+// a dozen ops each).
 #include "cpu_ops.h"
 #include "exp_float.h"
 #include "isa_clones.h"
@@ -263,34 +264,15 @@ bool sparse_row_distribution(const float* row, int64_t n, const std::vector<int6
   return true;
 }
 
-// Column c's weight under d (0 where c is not kept).
-double weight_of(const RowDist& d, const Scratch& s, int64_t c) {
-  if (d.point >= 0) return c == d.point ? 1.0 : 0.0;
-  if (d.whole) return s.w[c];
-  return std::binary_search(s.ids.begin(), s.ids.begin() + d.kept, c) ? s.w[c] : 0.0;
-}
-
-bool among(int64_t c, const std::vector<int64_t>& excluded) {
-  return std::find(excluded.begin(), excluded.end(), c) != excluded.end();
-}
-
-// The inverse-CDF draw from d without the ``excluded`` columns (the residual of a tree node whose children were
-// all rejected; none for a plain step): the first kept column in id order whose running weight exceeds u times
-// the remaining total; the row's argmax where no weight remains. Zeroes the excluded weights in s.
-int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u,
-             const std::vector<int64_t>& excluded, int64_t fallback = -1) {
+// The inverse-CDF draw from d: the first kept column in id order whose running weight exceeds u times the
+// total; the row's argmax (``fallback`` where given) where no weight remains.
+int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u, int64_t fallback = -1) {
   auto argmax = [&] { return fallback >= 0 ? fallback : argmax_row(row, n); };
   if (d.point >= 0) return d.point;
   const float* w = s.w.data();
   if (d.whole) {
-    for (int64_t c : excluded)
-      if (s.w[c] != 0.0f) s.block_sum[c / kBlock] -= s.w[c], s.w[c] = 0.0f;
     const int64_t blocks = static_cast<int64_t>(s.block_sum.size());
-    double total = d.total;
-    if (!excluded.empty()) {
-      total = 0.0;
-      for (int64_t b = 0; b < blocks; ++b) total += s.block_sum[b];
-    }
+    const double total = d.total;
     if (!(total > 0.0)) return argmax();
     // Walk the blocks' sums, then the block the target falls in.
     const double target = u * total;
@@ -309,61 +291,17 @@ int64_t draw(const RowDist& d, Scratch& s, const float* row, int64_t n, double u
     return last;
   }
   double total = 0.0;
-  for (int64_t j = 0; j < d.kept; ++j)
-    if (!among(s.ids[j], excluded)) total += w[s.ids[j]];
+  for (int64_t j = 0; j < d.kept; ++j) total += w[s.ids[j]];
   if (!(total > 0.0)) return argmax();
   const double target = u * total;
   double run = 0.0;
   int64_t last = -1;
   for (int64_t j = 0; j < d.kept; ++j) {
-    if (among(s.ids[j], excluded)) continue;
     last = s.ids[j];
     run += w[last];
     if (run > target) return last;
   }
   return last;
-}
-
-// One request's tree by lossless rejection sampling for deterministic drafts (kernels/tree_verify.py's
-// reference, walked lazily: only the rows of the nodes the path reaches are filtered). At the current node the
-// children are tried in draft order (a sibling repeating an earlier sibling's token is never accepted), child
-// x_j accepted when u_j < r(x_j) / (the mass no child claims + the children from x_j on); an accepted child
-// becomes the current node. The bonus is drawn by u_0 from the last node's residual (its children's tokens
-// removed). Writes the path's nodes (root first) to ``path`` and returns (path length, bonus).
-std::pair<int64_t, int64_t> walk_tree(const float* logits, int64_t vocab, const int64_t* tokens,
-                                      const int64_t* parents, const float* uniforms, int64_t nodes,
-                                      const RowParams& p, Scratch& s, int64_t* path) {
-  std::vector<int64_t> children, child_tokens;
-  int64_t cur = 0, len = 0;
-  path[len++] = 0;
-  while (true) {
-    const float* row = logits + cur * vocab;
-    const RowDist d = row_distribution(row, vocab, p, s);
-    children.clear(), child_tokens.clear();
-    for (int64_t j = cur + 1; j < nodes; ++j)
-      if (parents[j] == cur) children.push_back(j);
-    std::vector<double> mass(children.size(), 0.0);
-    double claimed = 0.0;
-    for (size_t i = 0; i < children.size(); ++i) {
-      const int64_t token = tokens[children[i]];
-      if (among(token, child_tokens)) continue;  // a repeat: never tried, its token counted once
-      child_tokens.push_back(token);
-      mass[i] = weight_of(d, s, token);
-      claimed += mass[i];
-    }
-    const double unclaimed = std::max(0.0, d.total - claimed);
-    double from_here = claimed;
-    int64_t next = -1;
-    for (size_t i = 0; i < children.size() && next < 0; ++i) {
-      const double remaining = unclaimed + from_here;
-      if (mass[i] > 0.0 && remaining > 0.0 && static_cast<double>(uniforms[children[i]]) < mass[i] / remaining)
-        next = children[i];
-      from_here -= mass[i];
-    }
-    if (next < 0) return {len, draw(d, s, row, vocab, uniforms[0], child_tokens)};
-    cur = next;
-    path[len++] = cur;
-  }
 }
 
 // ``row`` with the columns its token bitmask ``words`` (token_bitmask.h) forbids at -inf, into ``out`` (which may
@@ -385,9 +323,35 @@ void mask_row(const float* row, int64_t n, const uint32_t* words, int64_t width,
   if (out != row) std::copy(row + covered, row + n, out + covered);
 }
 
-// Each row's token of x [R, V] (contiguous float32): drawn from its filtered distribution where its temperature
-// is positive, else its argmax; a row flagged in ``masked`` read through its ``words`` (width int32 words a row)
-// first. One row per task: a row's token is the same whichever thread draws it.
+// One row's token, as plain decoding draws it: from the row's filtered distribution by the inverse CDF at
+// p.uniform where its temperature is positive, else its argmax; with ``bits`` (a token bitmask of ``width``
+// words), the row read as if the forbidden columns were -inf, its allowed columns alone where they are few.
+// The speculative verify's tree walk draws each node's token through this same function.
+int64_t draw_row(const float* row, int64_t cols, const RowParams& p, const uint32_t* bits, int64_t width,
+                 Scratch& scratch, std::vector<float>& copy, std::vector<int64_t>& allowed) {
+  if (bits != nullptr) {
+    if (p.temperature > 0.0f && 32 * width >= cols && count_allowed(bits, width) <= kSparseAllowed) {
+      allowed.clear();
+      for (int64_t w = 0; w < width; ++w)
+        for (uint32_t m = bits[w]; m != 0u; m &= m - 1u) {
+          const int64_t c = 32 * w + __builtin_ctz(m);
+          if (c < cols) allowed.push_back(c);
+        }
+      RowDist d;
+      int64_t argmax = -1;
+      if (sparse_row_distribution(row, cols, allowed, p, scratch, d, argmax))
+        return draw(d, scratch, row, cols, p.uniform, argmax);
+    }
+    copy.resize(cols);
+    mask_row(row, cols, bits, width, copy.data());
+    row = copy.data();
+  }
+  return p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform)
+                              : argmax_row(row, cols);
+}
+
+// Each row's token of x [R, V] (contiguous float32) by ``draw_row``, a row flagged in ``masked`` read through its
+// ``words`` (width int32 words a row). One row per task: a row's token is the same whichever thread draws it.
 void draw_rows(const torch::Tensor& x, const std::function<RowParams(int64_t)>& params, const int32_t* words,
                int64_t width, const std::vector<bool>& masked, int64_t* out) {
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -395,34 +359,37 @@ void draw_rows(const torch::Tensor& x, const std::function<RowParams(int64_t)>& 
     Scratch scratch;
     std::vector<float> copy;
     std::vector<int64_t> allowed;
-    const std::vector<int64_t> none;
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = x.data_ptr<float>() + r * cols;
-      const RowParams p = params(r);
-      if (words != nullptr && masked[r]) {
-        const uint32_t* bits = bitmask_row(words, r, width);
-        if (p.temperature > 0.0f && 32 * width >= cols && count_allowed(bits, width) <= kSparseAllowed) {
-          allowed.clear();
-          for (int64_t w = 0; w < width; ++w)
-            for (uint32_t m = bits[w]; m != 0u; m &= m - 1u) {
-              const int64_t c = 32 * w + __builtin_ctz(m);
-              if (c < cols) allowed.push_back(c);
-            }
-          RowDist d;
-          int64_t argmax = -1;
-          if (sparse_row_distribution(row, cols, allowed, p, scratch, d, argmax)) {
-            out[r] = draw(d, scratch, row, cols, p.uniform, none, argmax);
-            continue;
-          }
-        }
-        copy.resize(cols);
-        mask_row(row, cols, bits, width, copy.data());
-        row = copy.data();
-      }
-      out[r] = p.temperature > 0.0f ? draw(row_distribution(row, cols, p, scratch), scratch, row, cols, p.uniform, none)
-                                    : argmax_row(row, cols);
+      const uint32_t* bits = words != nullptr && masked[r] ? bitmask_row(words, r, width) : nullptr;
+      out[r] = draw_row(x.data_ptr<float>() + r * cols, cols, params(r), bits, width, scratch, copy, allowed);
     }
   });
+}
+
+// One request's tree, walked as plain decoding would have decoded: at the current node (depth d) its token is
+// ``draw_row``'s draw from the node's row with the coin uniforms[d] (the coin of the sequence position that token
+// takes), and the walk moves to the first child holding that token; the first node without one ends the path and
+// its token is the bonus. Each committed token is thus exactly plain decoding's draw after the same tokens: the
+// output is plain decoding's, and so its distribution. ``bits`` (node rows' token bitmasks, ``width`` words each,
+// or null rows) as plain decoding reads a constrained row. Writes the path's nodes (root first) to ``path`` and
+// returns (path length, bonus).
+std::pair<int64_t, int64_t> walk_tree(const float* logits, int64_t vocab, const int64_t* tokens,
+                                      const int64_t* parents, const float* uniforms, int64_t nodes,
+                                      const std::function<const uint32_t*(int64_t)>& bits, int64_t width,
+                                      RowParams p, Scratch& s, std::vector<float>& copy,
+                                      std::vector<int64_t>& allowed, int64_t* path) {
+  int64_t cur = 0, len = 0;
+  path[len++] = 0;
+  while (true) {
+    p.uniform = uniforms[len - 1];
+    const int64_t token = draw_row(logits + cur * vocab, vocab, p, bits(cur), width, s, copy, allowed);
+    int64_t next = -1;
+    for (int64_t j = cur + 1; j < nodes && next < 0; ++j)
+      if (parents[j] == cur && tokens[j] == token) next = j;
+    if (next < 0) return {len, token};
+    cur = next;
+    path[len++] = cur;
+  }
 }
 
 }  // namespace
@@ -480,7 +447,9 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
                                               const torch::Tensor& sizes, const torch::Tensor& tokens,
                                               const torch::Tensor& parents, const torch::Tensor& uniforms,
                                               const torch::Tensor& temperatures, const torch::Tensor& top_ks,
-                                              const torch::Tensor& top_ps, const torch::Tensor& min_ps) {
+                                              const torch::Tensor& top_ps, const torch::Tensor& min_ps,
+                                              const c10::optional<torch::Tensor>& bitmask,
+                                              const std::vector<bool>& masked) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
               "verify_tree_sample: logits must be a CPU float32 [R, V] tensor");
   const int64_t rows = logits.size(0), vocab = logits.size(1), batch = offsets.numel();
@@ -524,6 +493,18 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
     }
     widest = std::max(widest, ns[b]);
   }
+  torch::Tensor words;
+  int64_t width = 0;
+  if (bitmask.has_value()) {
+    words = bitmask->contiguous();
+    TORCH_CHECK(words.dim() == 2 && words.scalar_type() == torch::kInt32 && words.device().is_cpu(),
+                "verify_tree_sample: the bitmask must be a CPU int32 [R, W] tensor, its rows the logits rows'");
+    TORCH_CHECK(static_cast<int64_t>(masked.size()) == words.size(0), "verify_tree_sample: one masked flag a row");
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(offsets.data_ptr<int64_t>()[b] + n.data_ptr<int64_t>()[b] <= words.size(0),
+                  "verify_tree_sample: request ", b, "'s rows fall outside the bitmask");
+    width = words.size(1);
+  }
   torch::Tensor path = torch::full({batch, widest}, -1, torch::kInt64), lens = torch::empty({batch}, torch::kInt64),
                 bonus = torch::empty({batch}, torch::kInt64);
   int64_t *path_out = path.data_ptr<int64_t>(), *len_out = lens.data_ptr<int64_t>(),
@@ -531,11 +512,18 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
   // One request per task: its path is the same whichever thread walks it.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
+    std::vector<float> copy;
+    std::vector<int64_t> allowed;
     for (int64_t b = begin; b < end; ++b) {
       const RowParams p{t.data_ptr<float>()[b], tp.data_ptr<float>()[b], mp.data_ptr<float>()[b], 0.0f,
                         k.data_ptr<int64_t>()[b]};
+      const auto node_bits = [&](int64_t node) -> const uint32_t* {
+        const int64_t r = o[b] + node;
+        return width > 0 && masked[r] ? bitmask_row(words.data_ptr<int32_t>(), r, width) : nullptr;
+      };
       const auto [len, token] = walk_tree(x.data_ptr<float>() + o[b] * vocab, vocab, tk + starts[b], pa + starts[b],
-                                          u.data_ptr<float>() + starts[b], ns[b], p, scratch, path_out + b * widest);
+                                          u.data_ptr<float>() + starts[b], ns[b], node_bits, width, p, scratch, copy,
+                                          allowed, path_out + b * widest);
       len_out[b] = len, bonus_out[b] = token;
     }
   });

@@ -121,31 +121,23 @@ def naive_inverse_cdf(weights: list[float], u: float) -> int:
 
 def naive_sampling(parents: list[int], tokens: list[int], probs: list[list[float]], coins: list[float],
                    bias: str | None = None) -> tuple[list[int], int]:
-    """The verifier's rule written out literally: try the children in order, accept x with
-    probability r(x) / sum(r), zero r(x) on rejection; bonus from the final residual.
-    ``bias`` makes deliberately wrong variants: "first_child_always" accepts the first child
-    unconditionally; "no_renormalise" accepts x with probability r(x) instead of r(x) / sum(r)."""
+    """The verifier's rule written out literally: at the current node (depth d) draw its token by the inverse
+    CDF of its row at coins[d], as plain decoding would; move to the first child holding that token, else end
+    with it as the bonus. ``bias`` makes deliberately wrong variants: "first_child_always" accepts the first child
+    unconditionally; "one_coin" draws every depth with the root's coin (plain decoding's coins are independent)."""
     children = children_lists(parents)
     path, cur = [0], 0
     while True:
-        residual = list(probs[cur])
-        moved = False
-        for rank, child in enumerate(children[cur]):
-            x = tokens[child]
-            if bias == "first_child_always" and rank == 0:
-                accept = 1.0
-            elif bias == "no_renormalise":
-                accept = residual[x]
-            else:
-                accept = residual[x] / sum(residual) if sum(residual) > 0 else 0.0
-            if coins[child] < accept:
-                path.append(child)
-                cur = child
-                moved = True
-                break
-            residual[x] = 0.0
-        if not moved:
-            return path, naive_inverse_cdf(residual, coins[0])
+        depth = len(path) - 1
+        drawn = naive_inverse_cdf(probs[cur], coins[0 if bias == "one_coin" else depth])
+        if bias == "first_child_always" and children[cur]:
+            nxt = children[cur][0]
+        else:
+            nxt = next((c for c in children[cur] if tokens[c] == drawn), None)
+        if nxt is None:
+            return path, drawn
+        path.append(nxt)
+        cur = nxt
 
 
 # --- build_tree ------------------------------------------------------------------------------
@@ -478,7 +470,7 @@ def test_verify_sampling_reproduces_target_distribution():
     assert 0.3 < float((lens >= 2).float().mean()) < 0.9
 
 
-@pytest.mark.parametrize("bias", ["first_child_always", "no_renormalise"])
+@pytest.mark.parametrize("bias", ["first_child_always", "one_coin"])
 def test_biased_verifiers_fail_the_distribution_check(bias):
     """The check above has the power to catch a biased verifier."""
     coins = distribution_coins(0).tolist()
@@ -502,17 +494,18 @@ def test_verify_sampling_root_only_tree_is_plain_sampling():
     assert bonus.tolist() == [0, 1, 2, 3]
 
 
-def test_verify_sampling_never_rejects_a_child_holding_all_remaining_mass():
-    # The root's distribution lives on its two children's tokens: whatever the coins, one of them
-    # is accepted, and a coin just below 1 cannot reject the second one by rounding.
+def test_verify_sampling_takes_each_depths_draw_by_hand():
+    """The root's row lives on its two children's tokens: the root's coin picks one (the inverse CDF at 0.7), and
+    the child's own coin draws the bonus after it; the second depth's coin is never the first's."""
     probs = torch.tensor([[[0.0, 0.7, 0.3], [1 / 3, 1 / 3, 1 / 3], [0.0, 0.0, 1.0]]])
     tree = build_tree(torch.tensor([[-1, 0, 0]]), torch.tensor([0]))
     tokens = torch.tensor([[0, 1, 2]])
-    for coin1, coin2 in [(0.0, 0.0), (0.9, 1 - 2**-24), (0.69, 0.5)]:
-        coins = torch.tensor([[0.5, coin1, coin2]])
+    for coin0, coin1, want_node, want_bonus in [(0.0, 0.0, 1, 0), (0.69, 0.5, 1, 1), (0.7, 0.9, 2, 2),
+                                                 (1 - 2**-24, 0.1, 2, 2), (0.2, 0.99, 1, 2)]:
+        coins = torch.tensor([[coin0, coin1, 0.5]])
         path, lens, bonus = verify_tree_sampling(tokens, tree, probs, coins)
-        assert int(lens[0]) == 2, (coin1, coin2)
-        assert int(path[0, 1]) == (1 if coin1 < 0.7 else 2)
+        assert path[0].tolist() == [0, want_node] and int(lens[0]) == 2, (coin0, coin1)
+        assert int(bonus[0]) == want_bonus, (coin0, coin1)
 
 
 if __name__ == "__main__":  # pragma: no cover

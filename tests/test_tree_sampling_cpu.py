@@ -1,7 +1,8 @@
 """The C++ sampled tree walk (csrc/sampling.cpp ``verify_tree_sample``, kernels/tree_verify.py
-``verify_trees_sampling_cpu``): a node's row filtered only when the path reaches it, against the torch reference
-(``verify_tree_sampling_reference`` over ``filtered_probs`` of every node) on the same coins, and against the
-target distribution itself."""
+``verify_trees_sampling_cpu``): a node's token drawn only when the path reaches it, bit for bit as plain decoding's
+CPU draw (``sample_lists``) draws it with the coin of its depth, grammar masks included; against the torch
+reference (``verify_tree_sampling_reference`` over ``filtered_probs`` of every node) on the same coins, and against
+the target distribution itself."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.sampling import SamplingTensors, filtered_probs
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample_lists
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_sampling_reference, verify_trees_sampling_cpu
 from test_tree_kernels import (DIST_PARENTS, DIST_PROBS, DIST_TOKENS, TV_BOUND, committed_tokens,
@@ -23,11 +24,11 @@ def _params(rows: list[tuple[float, int, float, float]]) -> SamplingTensors:
     return SamplingTensors.from_lists(*(list(column) for column in zip(*rows)))
 
 
-def _walk(logits, tokens, parents, coins, rows):
+def _walk(logits, tokens, parents, coins, rows, grammar=None):
     """The C++ walk of B trees of N nodes each: logits [B * N, V], tokens / parents / coins [B, N]."""
     batch, nodes = tokens.shape
     return verify_trees_sampling_cpu(logits, [b * nodes for b in range(batch)], tokens.tolist(), parents.tolist(),
-                                     list(coins), _params(rows))
+                                     list(coins), _params(rows), grammar)
 
 
 def _reference(logits, tokens, parents, coins, rows):
@@ -86,6 +87,58 @@ def test_the_walk_makes_the_references_decisions(temperature, top_k, top_p, min_
         alone = verify_trees_sampling_cpu(logits[b * nodes:(b + 1) * nodes], [0], [tokens[b].tolist()],
                                           [parents[b].tolist()], [coins[b]], _params(rows[:1]))
         assert alone[0] == walked[b]
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_every_committed_token_is_plain_decodings_draw_with_its_depths_coin(constrained):
+    """The property sampled speculation rests on (kernels/coins.py): along each walked path, the token after the
+    node of depth d is exactly what ``sample_lists`` (plain decoding's draw) gives for that node's row with coin
+    d, under a grammar's bitmask too (rows allowing few tokens take the sparse path, others the masked copy), and
+    the walk stops exactly where no child holds that draw."""
+    gen = torch.Generator().manual_seed(21 + constrained)
+    batch, nodes, vocab = 120, 9, 6_000
+    parents = random_parents(batch, nodes, gen)
+    tokens = torch.randint(0, 30, (batch, nodes), generator=gen)
+    logits = torch.randn(batch, nodes, vocab, generator=gen) * 2.0
+    for b in range(batch):
+        for child in range(1, nodes):
+            logits[b, parents[b, child], tokens[b, child]] += 6.0 + 4.0 * float(torch.rand((), generator=gen))
+    logits = logits.view(batch * nodes, vocab)
+    grammar = None
+    if constrained:  # half the rows allow 40 tokens (the children's among them), the others all but 200
+        words = (vocab + 31) // 32
+        bits = torch.zeros(batch * nodes, vocab, dtype=torch.bool)
+        for r in range(batch * nodes):
+            if r % 2:
+                bits[r, torch.randperm(vocab, generator=gen)[:40]] = True
+                bits[r, :30] = True
+            else:
+                bits[r] = True
+                bits[r, torch.randperm(vocab, generator=gen)[:200]] = False
+        padded = torch.zeros(batch * nodes, words * 32, dtype=torch.bool)
+        padded[:, :vocab] = bits
+        weights = (padded.view(-1, words, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+        bitmask = torch.where(weights >= 2**31, weights - 2**32, weights).to(torch.int32)
+        masked = torch.tensor([r % 3 != 0 for r in range(batch * nodes)])  # some rows unconstrained
+        grammar = (bitmask, masked)
+    coins = torch.rand(batch, nodes, generator=gen)
+    rows = [(0.9, -1, 0.95, 0.0)] * batch
+    walked = _walk(logits, tokens, parents, coins, rows, grammar)
+    deepest = 0
+    for b, (path, bonus) in enumerate(walked):
+        committed = [int(tokens[b, n]) for n in path[1:]] + [bonus]
+        for depth, node in enumerate(path):
+            row = logits[b * nodes + node][None]
+            g = None if grammar is None else (grammar[0][b * nodes + node][None], [bool(grammar[1][b * nodes + node])])
+            drawn = sample_lists(row, [0.9], [-1], [0.95], [0.0], [float(coins[b, depth])], g)[0]
+            assert drawn == committed[depth], (b, depth)
+            if grammar is not None and grammar[1][b * nodes + node]:
+                assert bits[b * nodes + node, drawn], (b, depth)  # the mask as the sampler reads it
+            children = [c for c in range(node + 1, nodes) if int(parents[b, c]) == node]
+            held = [c for c in children if int(tokens[b, c]) == drawn]
+            assert (held[:1] == path[depth + 1:depth + 2]), (b, depth)
+        deepest = max(deepest, len(path))
+    assert deepest >= 4
 
 
 def test_forbidden_tokens_are_never_committed_and_nan_rows_take_the_argmax():

@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the worker runs this file as a script
 
 from test_tree_kernels import (  # noqa: E402
-    probs_favouring_children,
     random_parents,
     targets_following_tree,
 )
@@ -29,14 +28,11 @@ from test_tree_kernels import (  # noqa: E402
 
 @dataclass
 class Case:
-    kernel: str  # "build_tree" | "greedy" | "sampling"
+    kernel: str  # "build_tree" | "greedy"
     batch: int
     num_nodes: int
     vocab: int = 20
     chain_bias: float = 0.5  # 1.0 = every tree a chain
-    probs: str = "dense"  # sampling targets: "dense" | "top_k" | "one_hot"
-    dtype: torch.dtype = torch.float32
-    strided: bool = False  # probabilities and coins as slices of wider tensors
     seed: int = 0
 
 
@@ -50,13 +46,6 @@ CASES = {
     "greedy_small": Case("greedy", 8, 6, seed=3),
     "greedy_17": Case("greedy", 6, 17, seed=4),
     "greedy_64": Case("greedy", 3, 64, seed=5),
-    "sampling_root_only": Case("sampling", 4, 1, vocab=50),
-    "sampling_small_vocab": Case("sampling", 16, 8, vocab=10, seed=6),  # siblings repeat tokens
-    "sampling_top_k": Case("sampling", 16, 12, vocab=40, probs="top_k", seed=7),
-    "sampling_one_hot": Case("sampling", 8, 12, vocab=40, probs="one_hot", seed=8),
-    # Several vocab blocks per pass (BLOCK_V is 256 at 64 nodes), strided inputs.
-    "sampling_64_strided": Case("sampling", 6, 64, vocab=700, strided=True, seed=9),
-    "sampling_fp16": Case("sampling", 6, 17, vocab=300, dtype=torch.float16, seed=10),
 }
 
 
@@ -68,33 +57,14 @@ def build_inputs(case: Case) -> dict:
     inputs = dict(parents=parents, tokens=tokens, seq_lens=seq_lens)
     if case.kernel == "greedy":
         inputs["target_ids"] = targets_following_tree(parents, tokens, case.vocab, gen)
-    if case.kernel == "sampling":
-        if case.probs == "one_hot":
-            target = targets_following_tree(parents, tokens, case.vocab, gen)
-            probs = torch.nn.functional.one_hot(target, case.vocab).float()
-        else:
-            probs = probs_favouring_children(parents, tokens, case.vocab, gen, top_k=5 if case.probs == "top_k" else 0)
-        probs = probs.to(case.dtype)
-        coins = torch.rand(case.batch, case.num_nodes, generator=gen)
-        if case.strided:
-            wide = torch.zeros(case.batch, case.num_nodes, case.vocab + 37, dtype=case.dtype)
-            wide[:, :, 5: 5 + case.vocab] = probs
-            probs = wide[:, :, 5: 5 + case.vocab]
-            coins = torch.cat([coins, torch.rand(case.batch, 3, generator=gen)], 1)[:, : case.num_nodes]
-            assert not probs.is_contiguous() and not coins.is_contiguous()
-        inputs.update(probs=probs, coins=coins)
     return inputs
 
 
 def run_case(case: Case) -> dict:
     """Both implementations on one case; the verdict as a JSON-able dict."""
     from specjet.kernels.tree import build_tree_reference
-    from specjet.kernels.tree_verify import verify_tree_greedy_reference, verify_tree_sampling_reference
-    from specjet.kernels.triton_tree import (
-        build_tree_triton,
-        verify_tree_greedy_triton,
-        verify_tree_sampling_triton,
-    )
+    from specjet.kernels.tree_verify import verify_tree_greedy_reference
+    from specjet.kernels.triton_tree import build_tree_triton, verify_tree_greedy_triton
 
     inputs = to_kernel_device(build_inputs(case))
     tree = build_tree_reference(inputs["parents"], inputs["seq_lens"])
@@ -106,12 +76,8 @@ def run_case(case: Case) -> dict:
         if got.max_depth != tree.max_depth:
             mismatched.append("max_depth")
         return {"mismatched": mismatched, "max_depth": tree.max_depth}
-    if case.kernel == "greedy":
-        args = (inputs["tokens"], tree, inputs["target_ids"])
-        ref, got = verify_tree_greedy_reference(*args), verify_tree_greedy_triton(*args)
-    else:
-        args = (inputs["tokens"], tree, inputs["probs"], inputs["coins"])
-        ref, got = verify_tree_sampling_reference(*args), verify_tree_sampling_triton(*args)
+    args = (inputs["tokens"], tree, inputs["target_ids"])
+    ref, got = verify_tree_greedy_reference(*args), verify_tree_greedy_triton(*args)
     names = ["accepted_nodes", "accept_lens", "bonus_ids"]
     mismatched = [n for n, r, g in zip(names, ref, got) if not (r.dtype == g.dtype and torch.equal(r, g))]
     # How deep the paths went, so a case that accepts nothing cannot pass unnoticed.
@@ -133,7 +99,7 @@ def test_triton_tree_kernel_matches_reference(kernel_report, name):
     assert "error" not in result, result.get("error")
     assert result["mismatched"] == [], result
     case = CASES[name]
-    if case.kernel in ("greedy", "sampling") and case.num_nodes > 1:
+    if case.kernel == "greedy" and case.num_nodes > 1:
         assert result["longest_path"] >= 3, result  # the walk went past the root's children
 
 

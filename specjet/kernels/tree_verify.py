@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specjet.kernels import cpu_ops
-from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves
+from specjet.kernels.sampling import SamplingTensors, cpu_sampler_serves, sample_from_probs
 from specjet.kernels.tree_info import TreeInfo
 
 
@@ -61,94 +61,30 @@ def verify_tree_greedy_reference(
     return path, lens, target_ids.gather(1, last[:, None]).squeeze(1)
 
 
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """The first token whose cumulative weight exceeds u * total (the rule of
-    ``sampling.sample_from_probs``). weights [B, V] >= 0, uniforms [B] in [0, 1).
-    If u * total rounds up to the total, the first token where the cumulative weight reaches it
-    (a token with weight); rows with no weight at all get ``fallback``."""
-    cdf = weights.cumsum(-1)
-    total = cdf[:, -1:].contiguous()
-    ids = torch.searchsorted(cdf, uniforms.to(cdf.dtype)[:, None] * total, right=True).squeeze(-1)
-    reach = torch.searchsorted(cdf, total, right=False).squeeze(-1)
-    ids = torch.where(ids < weights.shape[-1], ids, reach)
-    return torch.where(total.squeeze(-1) > 0, ids, fallback)
-
-
-def _zero_children_(probs: torch.Tensor, tokens: torch.Tensor, is_child: torch.Tensor) -> torch.Tensor:
-    """Set probs[b, tokens[b, j]] = 0 for the flagged children j, in place, touching only those N
-    entries per row (a min with 0, so a token shared with an unflagged node stays zeroed). The
-    result is the residual once every child has been tried and rejected."""
-    zero_or_keep = torch.where(is_child, 0.0, float("inf")).to(probs.dtype)
-    return probs.scatter_reduce_(1, tokens, zero_or_keep, reduce="amin")
-
-
 def verify_tree_sampling_reference(
     tokens: torch.Tensor, tree: TreeInfo, target_probs: torch.Tensor, uniforms: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lossless tree rejection sampling for deterministic drafts (each node's draft distribution is
-    a point mass on its token, as with top-k drafting).
+    """Lossless tree verification of a sampled request for deterministic drafts (a node's draft is its token),
+    as plain decoding would have decoded.
 
-    tokens: [B, N] draft tokens. target_probs: [B, N, V] the target's distribution after each node,
-    already filtered by the caller (temperature, top-k, top-p, min-p; a one-hot for greedy rows,
-    which makes this agree with ``verify_tree_greedy``). uniforms: [B, N] float32 in [0, 1) (as
-    ``torch.rand`` gives), drawn by the caller from each request's own generator, so a seeded
-    request verifies the same whatever batch it shares: ``uniforms[b, j]`` (j >= 1) is the coin
-    that decides node j when it is tried (each node is tried at most once), and ``uniforms[b, 0]``
-    (the root is never tried) draws the bonus token.
+    tokens: [B, N] draft tokens. target_probs: [B, N, V] the target's distribution after each node, already
+    filtered by the caller (temperature, top-k, top-p, min-p). uniforms: [B, N] float32 in [0, 1), indexed by
+    depth: ``uniforms[b, d]`` is the coin of the sequence position the token after a node of depth d takes
+    (kernels/coins.py). Each node's token is the inverse-CDF draw of its row at its depth's coin (the rule of
+    ``sampling.sample_from_probs``, plain decoding's draw on these devices), and the walk follows, from the root,
+    the first child holding it; the first node without one ends the path and its token is the bonus.
 
-    At the current node with residual r (initially its target_probs row), the children are tried
-    in draft order: child x is accepted with probability r(x) / sum(r); on rejection r(x) := 0 and
-    the next sibling is tried. An accepted child becomes the current node, with a fresh residual
-    (its own target_probs row). When every child is rejected (or there are none), the bonus is drawn
-    from the final residual. Each committed token then follows the target distribution exactly:
-    the children are accepted with probabilities r(x_1), r(x_2), ... of the original r, and the
-    bonus takes the remaining mass, r restricted to the other tokens.
-
-    The renormalised sequence is computed without re-summing after each rejection: when x_j is
-    tried, the remaining mass is the mass no child claims plus the children from x_j on. The last
-    child with all the remaining mass therefore gets a ratio of exactly 1 and cannot be rejected by
-    rounding.
+    Every committed token is then plain decoding's draw after the same tokens with the same coin: the output is
+    plain decoding's, so it follows the target distribution exactly, and a node is accepted with the target's
+    probability of its token (for a single child, what rejection sampling against a point-mass draft gives).
     """
-    batch, num_nodes = tokens.shape
-    device = tokens.device
-    tokens = tokens.to(torch.int64)
-    nodes = torch.arange(num_nodes, device=device)
-    rows = torch.arange(batch, device=device)
-    parents = tree.parents
-    # A sibling repeating an earlier sibling's token finds r(x) already zero: it is never accepted.
-    same_family = (parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
-    repeats = (same_family & (nodes[None, :] < nodes[:, None])).any(-1)  # [B, j]: an earlier sibling has j's token
-
-    path = torch.full((batch, tree.max_depth + 1), -1, dtype=torch.int64, device=device)
-    path[:, 0] = 0
-    cur = torch.zeros(batch, dtype=torch.int64, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    for depth in range(1, tree.max_depth + 1):
-        # Advanced indexing copies, so the row may be zeroed in place; only [B, V]-sized work per
-        # level (one copy, one sum): the reference also serves CPU batches with a real vocabulary.
-        probs = target_probs[rows, cur].float()  # [B, V]
-        is_child = (parents == cur[:, None]) & (nodes > 0)
-        tried = is_child & ~repeats
-        child_mass = torch.where(tried, probs.gather(1, tokens), 0.0)  # [B, N]
-        unclaimed = _zero_children_(probs, tokens, is_child).sum(-1)  # [B]
-        from_here = child_mass.flip(-1).cumsum(-1).flip(-1)  # mass of the children from j on
-        remaining = unclaimed[:, None] + from_here
-        positive = remaining > 0
-        ratio = torch.where(positive, child_mass / torch.where(positive, remaining, 1.0), 0.0)
-        accepted = tried & (uniforms.to(ratio.dtype) < ratio)
-        nxt = torch.where(accepted, nodes, torch.full_like(accepted, num_nodes, dtype=torch.int64)).amin(-1)
-        active = active & (nxt < num_nodes)
-        cur = torch.where(active, nxt, cur)
-        path[:, depth] = torch.where(active, nxt, path[:, depth])
-
-    probs = target_probs[rows, cur].float()
-    argmax = probs.argmax(-1)  # only for a residual with no mass, i.e. an all-zero row
-    residual = _zero_children_(probs, tokens, (parents == cur[:, None]) & (nodes > 0))
-    bonus = _inverse_cdf(residual, uniforms[:, 0], fallback=argmax)
-    return path, (path >= 0).sum(-1), bonus
+    batch, num_nodes, vocab = target_probs.shape
+    coin = uniforms.gather(1, tree.depths.clamp(max=uniforms.shape[1] - 1))
+    drawn = sample_from_probs(target_probs.reshape(batch * num_nodes, vocab).float(), coin.reshape(-1))
+    return verify_tree_greedy_reference(tokens, tree, drawn.view(batch, num_nodes))
 
 
-# --- dispatch: Triton on CUDA, the torch reference elsewhere --------------------------------
+# --- dispatch: Triton on CUDA (greedy), the torch reference elsewhere --------------------------------
 
 
 def verify_tree_greedy(tokens: torch.Tensor, tree: TreeInfo, target_ids: torch.Tensor):
@@ -160,24 +96,22 @@ def verify_tree_greedy(tokens: torch.Tensor, tree: TreeInfo, target_ids: torch.T
 
 
 def verify_tree_sampling(tokens: torch.Tensor, tree: TreeInfo, target_probs: torch.Tensor, uniforms: torch.Tensor):
-    if tokens.is_cuda:
-        from specjet.kernels.triton_tree import verify_tree_sampling_triton
-
-        return verify_tree_sampling_triton(tokens, tree, target_probs, uniforms)
+    """The torch reference on every device: its draws are ``sample_from_probs``', plain decoding's there."""
     return verify_tree_sampling_reference(tokens, tree, target_probs, uniforms)
 
 
 def verify_trees_sampling_cpu(logits: torch.Tensor, offsets: list[int], tokens: list[list[int]],
-                              parents: list[list[int]], uniforms: list[torch.Tensor],
-                              st: SamplingTensors) -> list[tuple[list[int], int]] | None:
+                              parents: list[list[int]], uniforms: list[torch.Tensor], st: SamplingTensors,
+                              grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> list[tuple[list[int], int]] | None:
     """``verify_tree_sampling`` of sampled requests (temperature > 0) straight from their logits, one C++ walk a
-    request (csrc/sampling.cpp ``verify_tree_sample``): a node's row is filtered (temperature, top-k, top-p,
-    min-p: ``sample``'s rule) only when the path reaches it, where the reference builds every node's whole
-    filtered distribution first. Request b's node rows are ``logits[offsets[b]:offsets[b] + len(tokens[b])]``;
-    ``st`` holds one row of parameters per request. The same acceptance rule and residual draw as the reference,
-    with each node's weights from the C++ exp (so a coin at the edge of two outcomes may fall the other way;
-    tested against the reference's outcomes). Returns (path, bonus) per request, or None where the C++ ops do not
-    serve these logits (not built, not a CPU float32 tensor)."""
+    request (csrc/sampling.cpp ``verify_tree_sample``): a node's token is drawn only when the path reaches it, by
+    the very function plain decoding's CPU draw uses (``sample_lists``: the same filters, weights and coin), so the
+    committed tokens are plain decoding's bit for bit. Request b's node rows are
+    ``logits[offsets[b]:offsets[b] + len(tokens[b])]``; ``st`` holds one row of parameters per request;
+    ``grammar`` (bitmask [R, W] int32, masked [R] bool, a row per logits row) reads the flagged rows through their
+    token bitmask as plain decoding reads a constrained row. Returns (path, bonus) per request, or None where the
+    C++ ops do not serve these logits (not built, not a CPU float32 tensor)."""
     if not cpu_sampler_serves(logits):
         return None
     sizes = [len(t) for t in tokens]
@@ -185,6 +119,7 @@ def verify_trees_sampling_cpu(logits: torch.Tensor, offsets: list[int], tokens: 
         logits, torch.tensor(offsets, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64),
         torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64),
         torch.tensor([p for ps in parents for p in ps], dtype=torch.int64),
-        torch.cat(uniforms).to(torch.float32), st.temperatures, st.top_ks, st.top_ps, st.min_ps)
+        torch.cat(uniforms).to(torch.float32), st.temperatures, st.top_ks, st.top_ps, st.min_ps,
+        None if grammar is None else grammar[0], [] if grammar is None else grammar[1].tolist())
     return [(nodes[:n], b) for nodes, n, b in zip(path.tolist(), lens.tolist(), bonus.tolist())]
 

@@ -6,7 +6,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 from specjet.scheduler.sampling_params import SamplingParams
 
@@ -45,7 +44,9 @@ class Req:
 
     grammar_future: Future | None = None
     grammar: Any = None  # specjet.grammar.RequestGrammar once compiled
-    generator: torch.Generator | None = None
+    # A sampled request's coin key (kernels/coins.py: its token at position p is drawn with coin(key, p)); None
+    # when greedy.
+    coin_key: int | None = None
 
     finished_reason: dict[str, Any] | None = None
     # A json_schema request that finished with "stop": its output checked against the schema with

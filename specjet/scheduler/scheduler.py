@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specjet.grammar import RequestGrammar, check_json_output, empty_token_bitmask, fill_token_bitmasks
+from specjet.kernels.coins import coin_key
 from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.detokenizer import update_text
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
@@ -226,8 +227,7 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         sp = req.sampling
         if not sp.is_greedy:  # the seed was range-checked at the door (SamplingParams)
-            seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-            req.generator = torch.Generator(device="cpu").manual_seed(seed)
+            req.coin_key = coin_key(sp.seed if sp.seed is not None else self._seed_rng.getrandbits(64))
         req.drafts = self._may_draft(sp.prediction, sp.grammar_key is not None)
         self.waiting.append(req)
 
@@ -624,16 +624,16 @@ class Scheduler:
         inputs = []
         for req in batch.reqs:
             if batch.kind is BatchKind.PREFILL:
-                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.coin_key,
                                        prefill_ids=req.fill_ids, prompt_len=len(req.input_ids),
                                        cached_len=req.kv_committed_len, prefill_end=req.prefill_end))
                 req.kv_committed_len = req.prefill_end
                 batch.prefill_ends.append(req.prefill_end)
             elif spec_decode and req.grammar is not None:
-                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.coin_key,
                                        grammar=forks[req.rid], grammar_len=len(req.output_ids)))
             else:
-                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.generator,
+                inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.coin_key,
                                        constrained=req.grammar is not None))
             req.inflight += 1
         batch.launched_at = [req.retract_count for req in batch.reqs]
@@ -818,6 +818,17 @@ class Scheduler:
             return {"type": "length", "length": len(req.output_ids), "message": "context length reached"}
         return None
 
+    def _json_text(self, req: Req, reason: dict) -> str:
+        """The text a json_schema request's object is: its output text without the stop token that ended it,
+        which the text spells where skip_special_tokens is False."""
+        matched, text = reason.get("matched"), req.text
+        if isinstance(matched, int) and not req.sampling.skip_special_tokens:
+            try:
+                return text.removesuffix(self.tokenizer.decode([matched], skip_special_tokens=False))
+            except Exception:  # noqa: BLE001 (_finish never raises: the text is checked as it is)
+                pass
+        return text
+
     def _finish(self, req: Req, reason: dict) -> None:
         """End a request: release what it holds and answer its caller. Never raises: it is what
         every failure path ends in, so a failure in here (detokenizing, the caller's sink) is
@@ -832,7 +843,7 @@ class Scheduler:
         except Exception as exc:
             logger.error("request %s: detokenizing its output failed: %r", req.rid, exc)
         if reason["type"] == "stop" and req.sampling.json_schema is not None:
-            req.output_check = check_json_output(req.sampling.json_schema, req.text)  # never raises
+            req.output_check = check_json_output(req.sampling.json_schema, self._json_text(req, reason))
             if req.output_check.valid is False:  # the caller must not take it for a valid object
                 reason["message"] = req.output_check.message
         if req in self.running:

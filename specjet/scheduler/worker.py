@@ -22,6 +22,7 @@ import torch
 
 from specjet.grammar import RequestGrammar, apply_token_bitmask_
 from specjet.kernels.argmax import argmax_rows
+from specjet.kernels.coins import coin
 from specjet.kernels.logprobs import LoggedTokens, log_softmax_rows, logged
 from specjet.kernels.masked_topk import masked_argmax
 from specjet.kernels.penalties import apply_penalties_, context_rows
@@ -41,7 +42,9 @@ class ReqInput:
     rid: str
     row: int  # its row in the request-to-token table
     sampling: SamplingParams
-    generator: torch.Generator | None  # the request's coins (drawn on the compute side only)
+    # Its coin key when sampled (kernels/coins.py): the token at position p is drawn with coin(key, p), p read
+    # from the compute state (ahead of the host's in the overlap loop).
+    coin_key: int | None
     # Prefill only: the request's tokens (the prompt and any output from before a retraction), of
     # which this batch computes the KV of positions [cached_len, prefill_end) (None: to the end);
     # positions before cached_len have theirs (a cached prefix, or earlier chunks). Only a prefill
@@ -155,7 +158,7 @@ class ModelWorker:
                 tokens[i] = best[i]
         elif (not penalised and len(sampled) == len(batch.inputs)
               and not all(inp.sampling.is_greedy for inp in batch.inputs)
-              and (drawn := self._draw_on_host(batch.inputs, logits,
+              and (drawn := self._draw_on_host(batch.inputs, states, logits,
                                                None if grammar_mask is None else (grammar_mask[0], flags))) is not None):
             # A decode step's draw in one C++ call, a grammar's mask read as it goes (not written into the logits).
             tokens = drawn
@@ -170,7 +173,11 @@ class ModelWorker:
             if len(sampled) < len(batch.inputs):
                 logits = logits[sampled]
             if sampled:
-                for i, token in zip(sampled, self._sample_tokens([batch.inputs[i] for i in sampled], logits)):
+                # The masks go along (already written into the logits) so that a constrained row is read as the
+                # branch above and a speculative verify read it: its draw is theirs, bit for bit.
+                grammar = None if grammar_mask is None else (grammar_mask[0][sampled], [flags[i] for i in sampled])
+                for i, token in zip(sampled, self._sample_tokens([batch.inputs[i] for i in sampled],
+                                                                 [states[i] for i in sampled], logits, grammar)):
                     tokens[i] = token
         if batch.kind is BatchKind.PREFILL and self.speculator is not None:
             # After a chunk, the token after its last position is the next prompt token.
@@ -203,7 +210,7 @@ class ModelWorker:
             if grammar is not None and not _catch_up(grammar, state.tokens[state.prompt_len + inp.grammar_len:]):
                 remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
             spec_inputs.append(SpecInput(inp.rid, inp.row, state.committed_len, state.tokens, remaining, grammar,
-                                         inp.generator, state.prompt_len, inp.sampling.penalties,
+                                         inp.coin_key, state.prompt_len, inp.sampling.penalties,
                                          inp.sampling.top_logprobs_num if inp.sampling.return_logprob else None,
                                          inp.sampling.prediction))
         new_tokens = self.speculator.run(spec_inputs, sampling_tensors([i.sampling for i in batch.inputs], self.device),
@@ -296,27 +303,31 @@ class ModelWorker:
             logits[rows] = sub
 
     @staticmethod
-    def _draw_on_host(inputs: list[ReqInput], logits: torch.Tensor, grammar) -> list[int] | None:
-        """``_sample_tokens``' tokens (the same coins drawn from the same generators) through
-        ``sample_lists``, or None (drawing nothing) where it does not serve these logits."""
+    def _draw_on_host(inputs: list[ReqInput], states: list[ComputeState], logits: torch.Tensor,
+                      grammar) -> list[int] | None:
+        """``_sample_tokens``' tokens (the same coins) through ``sample_lists``, or None where it does not
+        serve these logits."""
         if not cpu_sampler_serves(logits):
             return None
-        return sample_lists(logits, *sampling_lists([inp.sampling for inp in inputs]), _coins(inputs), grammar)
+        return sample_lists(logits, *sampling_lists([inp.sampling for inp in inputs]), _coins(inputs, states), grammar)
 
-    def _sample_tokens(self, inputs: list[ReqInput], logits: torch.Tensor) -> list[int]:
+    def _sample_tokens(self, inputs: list[ReqInput], states: list[ComputeState], logits: torch.Tensor,
+                       grammar=None) -> list[int]:
         if all(inp.sampling.is_greedy for inp in inputs):  # no sampling tensors to build: one argmax
             return argmax_rows(logits).tolist()
-        drawn = self._draw_on_host(inputs, logits, None)  # on the CPU: no tensors, straight from the lists
+        drawn = self._draw_on_host(inputs, states, logits, grammar)  # on the CPU: straight from the lists
         if drawn is not None:
             return drawn
         st = sampling_tensors([inp.sampling for inp in inputs], logits.device)
-        uniforms = None if st.all_greedy else torch.tensor(_coins(inputs), device=logits.device)
+        uniforms = None if st.all_greedy else torch.tensor(_coins(inputs, states), device=logits.device)
         return sample(logits, st, uniforms).tolist()
 
 
-def _coins(inputs: list[ReqInput]) -> list[float]:
-    """Each request's uniform for this step, drawn from its own generator (0.0 without one)."""
-    return [float(torch.rand((), generator=inp.generator)) if inp.generator is not None else 0.0 for inp in inputs]
+def _coins(inputs: list[ReqInput], states: list[ComputeState]) -> list[float]:
+    """Each request's coin for the token it samples now, at position len(tokens) of its sequence (0.0 when
+    greedy)."""
+    return [coin(inp.coin_key, len(state.tokens)) if inp.coin_key is not None else 0.0
+            for inp, state in zip(inputs, states)]
 
 
 def sampling_lists(params: list[SamplingParams]) -> tuple[list[float], list[int], list[float], list[float]]:

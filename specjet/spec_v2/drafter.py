@@ -35,7 +35,7 @@ class SpecInput:
     # Its grammar state after token_ids: the compute side's own copy (a fork of the host's matcher,
     # which the host keeps advancing meanwhile), or None when unconstrained.
     grammar: RequestGrammar | None = None
-    generator: torch.Generator | None = None  # coins for sampling verification; None when greedy
+    coin_key: int | None = None  # its coins for sampling verification (kernels/coins.py); None when greedy
     prompt_len: int = 0  # token_ids[:prompt_len] is the prompt (penalties count the output apart)
     penalties: Penalties | None = None  # applied to every node's logits with its own path's tokens
     logprobs: int | None = None  # asks its tokens' logprobs with this many alternatives; None: does not ask

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from specjet.kernels.coins import coins
 from specjet.kernels.sampling import SamplingTensors
 from specjet.models.dflash import default_dflash_path, load_dflash
 from specjet.models.eagle import default_eagle_path, draft_method, load_eagle
@@ -293,7 +294,9 @@ class Speculator:
             bitmask = None
             if guide is not None:
                 tokens, parents, bitmask = guide.mask_tree(tokens, parents)
-            uniforms = None if req.generator is None else torch.rand(len(tokens), generator=req.generator)
+            # The coin of each depth: a node of depth d is followed by the token at position len(token_ids) + d.
+            uniforms = None if req.coin_key is None else torch.tensor(
+                coins(req.coin_key, len(req.token_ids), len(tokens)), dtype=torch.float32)
             penalty = None if req.penalties is None else (req.penalties, req.token_ids, req.prompt_len)
             verify_inputs.append(VerifyInput(req.row, req.committed_len, tokens, parents, uniforms, bitmask, penalty,
                                              req.logprobs))

@@ -32,7 +32,9 @@ class VerifyInput:
     committed_len: int  # positions with valid KV; the root goes at this position
     tokens: list[int]  # draft tree, root (the last verified token) first
     parents: list[int]  # parent of each node, -1 for the root; parents before children
-    uniforms: torch.Tensor | None  # [len(tokens)] coins for sampling verification; None when greedy
+    # [len(tokens)] float32, the coin of each depth (the token after a node of depth d takes position committed_len
+    # + 1 + d: kernels/coins.py) for sampling verification; None when greedy
+    uniforms: torch.Tensor | None
     # [len(tokens), W] int32 grammar masks, row i for the token after node i (spec_v2.grammar_guide);
     # None without a grammar
     bitmask: torch.Tensor | None = None
@@ -117,7 +119,7 @@ class TreeVerifier:
             if grammar is not None:
                 bitmask, masked = grammar
                 apply_token_bitmask_(logits, bitmask, indices=masked.nonzero()[:, 0].tolist())
-            paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device)
+            paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device, grammar)
         accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
         accepted_nodes = [nodes for nodes, _ in paths]
         if logged:
@@ -138,17 +140,18 @@ class TreeVerifier:
 
     @staticmethod
     def _sampled_paths(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int], sizes: list[int],
-                       sampling: SamplingTensors, device) -> list[tuple[list[int], int]]:
-        """Each request's accepted path and bonus token by lossless rejection sampling (greedy
-        requests of a mixed batch walk their argmax), where the probabilities are. On the CPU the sampled
-        requests' trees are walked in C++, a node's row filtered only when the path reaches it (a root-only
-        tree's bonus is then plain sampling's draw); elsewhere every node's filtered distribution is built."""
+                       sampling: SamplingTensors, device, grammar=None) -> list[tuple[list[int], int]]:
+        """Each request's accepted path and bonus token, every node's token drawn as plain decoding draws it
+        with the coin of its depth (kernels/tree_verify.py; greedy requests of a mixed batch walk their argmax),
+        where the probabilities are. On the CPU the sampled requests' trees are walked in C++, a node's row
+        filtered only when the path reaches it and read through its grammar mask as plain decoding reads it;
+        elsewhere every node's filtered distribution is built."""
         paths: list[tuple[list[int], int] | None] = [None] * len(reqs)
         on = sampling.temperatures.device
         sampled = [i for i, r in enumerate(reqs) if r.uniforms is not None]
         walked = sampled and verify_trees_sampling_cpu(
             logits, [offsets[i] for i in sampled], [reqs[i].tokens for i in sampled], [reqs[i].parents for i in sampled],
-            [reqs[i].uniforms for i in sampled], sampling_rows(sampling, torch.tensor(sampled, device=on)))
+            [reqs[i].uniforms for i in sampled], sampling_rows(sampling, torch.tensor(sampled, device=on)), grammar)
         for i, path in zip(sampled, walked or []):
             paths[i] = path
         rest = [i for i in range(len(reqs)) if paths[i] is None]
