@@ -102,7 +102,7 @@ def test_compare_tiny_model_none_ngram_eagle(tiny_model_dir, tmp_path):
             assert 0 < float(low) <= float(median) <= float(high) and 0 < float(t_1) < float(t_n)
         assert identical == ("reference" if name == "none" else "yes")
         assert (accept == "n/a") == (name == "none")
-    assert "outputs identical: yes (NGRAM, EAGLE vs none, greedy: 8 requests compared)" in stdout
+    assert "outputs identical: yes (NGRAM, EAGLE vs none: 8 requests compared)" in stdout
     dtype = str(auto_dtype("cpu")).removeprefix("torch.")  # no --dtype: the CPU's auto choice
     assert f"# config NGRAM: {dtype} on cpu, plain loop, speculative NGRAM num_draft_tokens=8" in stdout
     assert f"# config EAGLE: {dtype} on cpu, plain loop, speculative EAGLE num_steps=2 topk=4 num_draft_tokens=12" in stdout
@@ -140,29 +140,33 @@ def test_compare_fails_loudly_when_outputs_differ(tiny_model_dir, tmp_path, caps
 
     other = make_tiny_model_dir(tmp_path / "other", tiny_model_dir, seed=1)
     result_file = tmp_path / "compare.jsonl"
-    with pytest.raises(SystemExit, match="greedy outputs differ"):
+    with pytest.raises(SystemExit, match="outputs differ"):
         main(["--model-path", str(tiny_model_dir), "--configs", "a", f"b:model_path={other}", "--batch-sizes", "2",
               "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--result-file", str(result_file)])
     stdout = capsys.readouterr().out
-    assert "!!! OUTPUTS DIFFER: 2 of 2 greedy requests are not identical to a's" in stdout
+    assert "!!! OUTPUTS DIFFER: 2 of 2 requests are not identical to a's" in stdout
     assert table_rows(stdout)[("b", 2)][-1] == "NO (2/2)"
     assert json.loads(result_file.read_text())["outputs_identical"]["identical"] is False
 
 
-def test_compare_samples_when_asked_and_does_not_compare_drawn_tokens(tiny_model_dir, tmp_path, capsys):
-    """--temperature draws the tokens (each request with its own seed: two runs of a configuration give the
-    same tokens); two different models are then not held to the same tokens, and the report says how it drew."""
+def test_compare_samples_when_asked_and_compares_the_drawn_tokens(tiny_model_dir, tmp_path, capsys):
+    """--temperature draws the tokens, request i with seed + i: a drafting configuration draws plain decoding's
+    tokens (a token's coin is its seed's and position's), so sampled outputs are compared as greedy ones are; two
+    different models fail the comparison; the report says how it drew."""
     from conftest import make_tiny_model_dir
 
     other = make_tiny_model_dir(tmp_path / "other", tiny_model_dir, seed=1)
     result_file = tmp_path / "compare.jsonl"
-    main(["--model-path", str(tiny_model_dir), "--configs", "a", f"b:model_path={other}", "--batch-sizes", "2",
-          "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "2", "--temperature", "0.8", "--top-p", "0.9",
-          "--top-k", "20", "--seed", "7", "--result-file", str(result_file)])
+    sampled = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "7"]
+    main(["--model-path", str(tiny_model_dir), "--configs", "a", "b:speculative_algorithm=NGRAM", "--batch-sizes", "2",
+          "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "2", *sampled, "--result-file", str(result_file)])
     stdout = capsys.readouterr().out
     assert "sampled (temperature=0.8, top_p=0.9, top_k=20, min_p=0.0, seed=7), EOS ignored" in stdout
-    assert "outputs identical: n/a (sampled tokens are not compared)" in stdout
-    assert table_rows(stdout)[("b", 2)][-1] == "n/a"
+    assert "outputs identical: yes (b vs a: 4 requests compared)" in stdout
+    assert table_rows(stdout)[("b", 2)][-1] == "yes"
+    with pytest.raises(SystemExit, match="outputs differ"):
+        main(["--model-path", str(tiny_model_dir), "--configs", "a", f"b:model_path={other}", "--batch-sizes", "2",
+              "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", *sampled])
     record = json.loads(result_file.read_text())
     assert record["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "seed": 7}
     with pytest.raises(SystemExit):
