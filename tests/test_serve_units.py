@@ -299,6 +299,14 @@ def test_a_call_cut_short_by_the_token_limit_is_not_content():
         assert reason == "length" and len(message.tool_calls) == 1 and message.content.strip() == "Sure.", cut
     message, _ = chat.reply("Sure." + call[:30], "length", plan)  # no call at all: the text is the reply
     assert message.tool_calls is None and message.content == "Sure." + call[:30]
+    # A reply that ended by itself keeps its text after the calls, a "<tool_call>" written as prose included.
+    tail = "\nDone: I wrapped it in <tool_call> tags, as in a <"
+    message, reason = chat.reply(call + tail, "stop", plan)
+    assert reason == "tool_calls" and len(message.tool_calls) == 1 and message.content == tail
+    # JSON and then something else: the block runs to the next closing tag after the JSON, not one inside it.
+    odd = '<tool_call>\n{"name": "add", "arguments": {"a": "</tool_call>"}} x\n</tool_call>' + call
+    assert [b.body for b in chat.call_blocks(odd)] == ['{"name": "add", "arguments": {"a": "</tool_call>"}} x',
+                                                      call[len("<tool_call>\n"):-len("\n</tool_call>")]]
 
 
 def test_a_reply_ends_before_a_repeated_call():

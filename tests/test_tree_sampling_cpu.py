@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from specjet.grammar import apply_token_bitmask_
 from specjet.kernels import cpu_ops
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample_lists
 from specjet.kernels.tree import build_tree
@@ -94,7 +95,8 @@ def test_every_committed_token_is_plain_decodings_draw_with_its_depths_coin(cons
     """The property sampled speculation rests on (kernels/coins.py): along each walked path, the token after the
     node of depth d is exactly what ``sample_lists`` (plain decoding's draw) gives for that node's row with coin
     d, under a grammar's bitmask too (rows allowing few tokens take the sparse path, others the masked copy), and
-    the walk stops exactly where no child holds that draw."""
+    the walk stops exactly where no child holds that draw. The walk reads the logits as the verifier leaves them
+    (masked in place), plain decoding's draw the unmasked row through the mask."""
     gen = torch.Generator().manual_seed(21 + constrained)
     batch, nodes, vocab = 120, 9, 6_000
     parents = random_parents(batch, nodes, gen)
@@ -123,7 +125,10 @@ def test_every_committed_token_is_plain_decodings_draw_with_its_depths_coin(cons
         grammar = (bitmask, masked)
     coins = torch.rand(batch, nodes, generator=gen)
     rows = [(0.9, -1, 0.95, 0.0)] * batch
-    walked = _walk(logits, tokens, parents, coins, rows, grammar)
+    walk_logits = logits.clone()
+    if grammar is not None:  # as the verifier hands them over: masked in place, and the masks beside them
+        apply_token_bitmask_(walk_logits, grammar[0], indices=grammar[1].nonzero()[:, 0].tolist())
+    walked = _walk(walk_logits, tokens, parents, coins, rows, grammar)
     deepest = 0
     for b, (path, bonus) in enumerate(walked):
         committed = [int(tokens[b, n]) for n in path[1:]] + [bonus]

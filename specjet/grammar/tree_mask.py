@@ -2,8 +2,8 @@
 
 Speculative decoding verifies a whole tree of draft tokens in one target forward. For a request
 under a grammar, the target's prediction after node i must be masked with the grammar state
-reached by the path root..i, not with the root's state: then the greedy walk and the rejection
-sampling see exactly the distribution plain constrained decoding samples from, node by node.
+reached by the path root..i, not with the root's state: then the greedy walk and the sampled
+draws see exactly the distribution plain constrained decoding samples from, node by node.
 xgrammar computes every node's mask in one walk over the tree (`traverse_draft_tree`), and a node
 whose token its parent's mask forbids can never be accepted, so it and its subtree are dropped
 before verification instead of costing the target a row.

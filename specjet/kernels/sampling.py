@@ -1,7 +1,7 @@
 """Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request randomness.
 
-Randomness enters as one uniform number per request (drawn by the caller from that request's own
-generator), so a seeded request samples the same tokens whatever batch it shares. The draw is an
+Randomness enters as one uniform number per request, the coin of the position the token takes
+(kernels/coins.py, the caller's), so a seeded request samples the same tokens whatever batch it shares. The draw is an
 inverse-CDF lookup on the filtered distribution, which is exact for any token order.
 """
 from __future__ import annotations

@@ -79,7 +79,9 @@ def verify_tree_sampling_reference(
     probability of its token (for a single child, what rejection sampling against a point-mass draft gives).
     """
     batch, num_nodes, vocab = target_probs.shape
-    coin = uniforms.gather(1, tree.depths.clamp(max=uniforms.shape[1] - 1))
+    if uniforms.shape[1] < num_nodes:  # a node's depth is below the node count
+        raise ValueError(f"uniforms hold {uniforms.shape[1]} depths' coins for trees of {num_nodes} nodes")
+    coin = uniforms.gather(1, tree.depths)
     drawn = sample_from_probs(target_probs.reshape(batch * num_nodes, vocab).float(), coin.reshape(-1))
     return verify_tree_greedy_reference(tokens, tree, drawn.view(batch, num_nodes))
 

@@ -44,7 +44,7 @@ def update_text(req: Req, tokenizer) -> str | None:
     if len(ids) > req.detok_seen:
         new_ids = ids[req.detok_seen:]
         if skip:
-            dropped = _skipped(tokenizer)
+            dropped = skipped_ids(tokenizer)
             new_ids = [t for t in new_ids if t not in dropped]
         req.detok_ids.extend(new_ids)
         req.detok_seen = len(ids)
@@ -144,7 +144,7 @@ def _reset(req: Req) -> None:
     req.detok_seen = 0
 
 
-def _skipped(tokenizer) -> frozenset[int]:
+def skipped_ids(tokenizer) -> frozenset[int]:
     """The ids that ``decode(..., skip_special_tokens=True)`` drops wherever they are: special added
     tokens that decode to nothing alone (an id left out of this set merely stays in the window)."""
     try:

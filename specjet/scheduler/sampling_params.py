@@ -2,7 +2,7 @@
 
 Every value is checked for its type and range here, on the caller's thread, so that nothing that
 reaches the scheduler thread can fail there: each value becomes a float32 or int64 tensor entry
-(temperature, top_p, min_p, top_k), a ``torch.Generator`` seed, or a string the detokenizer
+(temperature, top_p, min_p, top_k), a coin key (kernels/coins.py), or a string the detokenizer
 searches for. Checks that need the model (token ids within the vocabulary) are in
 ``check_token_ids``, which the engine calls with its vocabulary size.
 """
@@ -34,7 +34,7 @@ MAX_STOP_STRINGS = 1024
 MAX_STOP_CHARS = 4096
 # A logit_bias key given as a string (JSON's object keys): a decimal token id, sign allowed (refused later).
 _DECIMAL = re.compile(r"\s*-?[0-9]{1,18}\s*")
-# What torch.Generator.manual_seed accepts, less the negative half (an unsigned 64-bit seed).
+# An unsigned 64-bit seed (kernels/coins.py hashes it with each token's position).
 _SEED_LIMIT = 1 << 64
 
 

@@ -23,7 +23,7 @@ import torch
 from specjet.grammar import RequestGrammar, check_json_output, empty_token_bitmask, fill_token_bitmasks
 from specjet.kernels.coins import coin_key
 from specjet.scheduler.batch import BatchKind, ScheduledBatch
-from specjet.scheduler.detokenizer import update_text
+from specjet.scheduler.detokenizer import skipped_ids, update_text
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
 from specjet.scheduler.output import final_output, stream_chunk
 from specjet.scheduler.radix_cache import RadixCache
@@ -819,10 +819,11 @@ class Scheduler:
         return None
 
     def _json_text(self, req: Req, reason: dict) -> str:
-        """The text a json_schema request's object is: its output text without the stop token that ended it,
-        which the text spells where skip_special_tokens is False."""
+        """The text a json_schema request's object is: its output text without the special token (EOS) that
+        ended it, which the text spells where skip_special_tokens is False (a stop id of an ordinary token is
+        text either way, and stays)."""
         matched, text = reason.get("matched"), req.text
-        if isinstance(matched, int) and not req.sampling.skip_special_tokens:
+        if isinstance(matched, int) and not req.sampling.skip_special_tokens and matched in skipped_ids(self.tokenizer):
             try:
                 return text.removesuffix(self.tokenizer.decode([matched], skip_special_tokens=False))
             except Exception:  # noqa: BLE001 (_finish never raises: the text is checked as it is)

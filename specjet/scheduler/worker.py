@@ -163,9 +163,8 @@ class ModelWorker:
             # A decode step's draw in one C++ call, a grammar's mask read as it goes (not written into the logits).
             tokens = drawn
         else:
-            if grammar_mask is not None:
+            if grammar_mask is not None:  # on the logits' device: a verify masks and draws there too
                 bitmask, rows = grammar_mask
-                logits = logits.cpu() if logits.device.type != "cpu" else logits
                 apply_token_bitmask_(logits, bitmask, indices=rows)
             if penalised:
                 self._penalise(logits, [states[i] for i in penalised], [batch.inputs[i] for i in penalised],

@@ -363,10 +363,10 @@ def call_blocks(text: str) -> list[CallBlock]:
     while (start := text.find(TOOL_OPEN, at)) >= 0:
         open_at = start + len(TOOL_OPEN)
         first = len(text) - len(text[open_at:].lstrip())
-        close, running = -1, False
+        close, running, search_from = -1, False, open_at
         try:
-            _, json_end = _JSON.raw_decode(text, first)
-            after = len(text) - len(text[json_end:].lstrip())
+            _, search_from = _JSON.raw_decode(text, first)
+            after = len(text) - len(text[search_from:].lstrip())
             if text.startswith(TOOL_CLOSE, after):
                 close = after
             elif TOOL_CLOSE.startswith(text[after:]):
@@ -374,8 +374,8 @@ def call_blocks(text: str) -> list[CallBlock]:
         except json.JSONDecodeError as error:
             # Text that ran out inside the JSON is a call still being written; an error inside it is not JSON.
             running = error.pos >= len(text) or error.msg.startswith("Unterminated string")
-        if close < 0 and not running:
-            close = text.find(TOOL_CLOSE, open_at)
+        if close < 0 and not running:  # not JSON, or JSON and then something else: the next closing tag
+            close = text.find(TOOL_CLOSE, search_from)
         if close < 0:
             blocks.append(CallBlock(start, len(text), text[open_at:].strip(), False))
             return blocks
@@ -463,13 +463,15 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
             call = _as_call(block.body, plan) if block.complete else None
             if call is not None:
                 calls.append(call)
-        if calls:  # the content is the text around the blocks: a call cut short by the token limit is markup too
+        if calls:  # the content is the text around the calls, and a call the token limit cut short is markup too
+            cut = reason == "length"
             pieces, at = [], 0
             for block in blocks:
-                pieces.append(text[at:block.start])
-                at = block.end
+                if block.complete or cut:
+                    pieces.append(text[at:block.start])
+                    at = block.end
             content = "".join(pieces) + text[at:]
-            content = content[:streamable_end(content)]  # less a <tool_call> the limit cut as it began
+            content = content[:streamable_end(content)] if cut else content  # less a <tool_call> cut as it began
             content = content if content.strip() else None
     if calls:
         if not plan.parallel:

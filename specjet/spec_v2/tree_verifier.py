@@ -1,8 +1,8 @@
 """Verification of draft trees: one target forward over every node, then the accepted path.
 
 Shared by every drafter (EAGLE, n-gram): a drafter proposes (tokens, parents) per request, this
-module runs the target over all nodes under the tree mask, walks the tree (greedy or lossless
-rejection sampling), and moves the accepted nodes' KV into the request's next positions. It knows
+module runs the target over all nodes under the tree mask, walks the tree (greedy, or each node's token
+drawn as plain decoding draws it with the coin of its position: kernels/tree_verify.py), and moves the accepted nodes' KV into the request's next positions. It knows
 nothing of the scheduler or the drafters: each request arrives as a ``VerifyInput``.
 """
 from __future__ import annotations
@@ -212,7 +212,7 @@ class TreeVerifier:
                        offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The bitmask of every logits row ([rows, W] int32) and which rows it constrains ([rows] bool), or
         None: each constrained node's mask is the grammar state of its own path, so the greedy walk and the
-        rejection sampling see, at every node, exactly what plain constrained decoding would sample from
+        sampled draws see, at every node, exactly what plain constrained decoding would sample from
         after that path. Rows of unconstrained requests are left unfilled (never read)."""
         constrained = [(r, off) for r, off in zip(reqs, offsets) if r.bitmask is not None]
         if not constrained:
