@@ -151,6 +151,11 @@ def test_bad_input_gives_clear_errors(engine):
     # a bad item in a list raises before anything is queued
     with pytest.raises(TypeError):
         engine.generate(["a", "b"], [GREEDY, {"bogus": 1}])
+    # a lone surrogate (what JSON's "\\ud800" decodes to) is named, not left to the tokenizer's own TypeError
+    with pytest.raises(ValueError, match="prompt 1 is not valid Unicode: surrogates not allowed at index 1"):
+        engine.generate(["ok", "a\ud800b"], GREEDY)
+    with pytest.raises(ValueError, match="prediction is not valid Unicode"):
+        engine.generate("x", dict(GREEDY, prediction="y\udfff"))
 
 
 def test_unknown_engine_arg_is_named(tiny_model_dir):

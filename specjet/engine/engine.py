@@ -18,7 +18,7 @@ from specjet.engine.async_outputs import STOPPED, AsyncOutputs
 from specjet.engine.streams import AsyncStream, SyncStream
 from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.request import Req
-from specjet.scheduler.sampling_params import SamplingParams
+from specjet.scheduler.sampling_params import SamplingParams, check_unicode
 from specjet.spec_v2.config import HYBRID_ALGORITHMS
 
 logger = logging.getLogger("specjet")
@@ -128,7 +128,8 @@ class Engine:
             prompts = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
                 raise TypeError("prompt must be a string or a list of strings")
-            for p in prompts:
+            for i, p in enumerate(prompts):
+                check_unicode("prompt" if single else f"prompt {i}", p)
                 at_least = self._tokens_at_least(p)
                 if at_least is not None:
                     raise ValueError(f"prompt of at least {at_least} tokens ({len(p)} characters) does not fit the "

@@ -46,6 +46,14 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def check_unicode(name: str, text: str) -> None:
+    """ValueError for text no tokenizer can take: a lone surrogate (JSON's "\\ud800" decodes to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} is not valid Unicode: {error.reason} at index {error.start}") from None
+
+
 def _real(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
     if not _is_real(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
@@ -180,6 +188,8 @@ class SamplingParams:
             if value is not None and not isinstance(value, str):
                 kinds = "a str, a dict or a pydantic model class" if name == "json_schema" else "a str"
                 raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
+        if isinstance(self.prediction, str):
+            check_unicode("prediction", self.prediction)
         if self.prediction is not None and not isinstance(self.prediction, str):
             if not isinstance(self.prediction, (list, tuple)):
                 raise TypeError(f"prediction must be a str or a list of token ids, got {type(self.prediction).__name__}")
