@@ -348,9 +348,9 @@ def test_engines_with_the_bound_decode_the_whole_heads_ids(tiny_model_dir, eagle
         kwargs.update(speculative_draft_model_path=str(dflash_draft), speculative_draft_min_prob=0.0)
     on = _engine_outputs(tiny_model_dir, prompts, params, monkeypatch, "on", **kwargs)
     off = _engine_outputs(tiny_model_dir, prompts, params, monkeypatch, "off", **kwargs)
-    # The greedy requests' ids (the sampled one's draws follow its trees' shapes, which DFLASH's lone-request
-    # trees tie to when its neighbours finish: equal in distribution, not id for id, with or without the bound).
-    assert [on[i] for i in (0, 1, 3)] == [off[i] for i in (0, 1, 3)]
+    # Every request's ids, the seeded sampled one's too (its tokens are drawn with their positions' coins, whatever
+    # trees it verifies: kernels/coins.py).
+    assert on == off
     # Greedy alone: every request's rows narrowed (no sampled neighbour): the whole head's ids, and plain decoding's
     # (an engine without drafts, the whole head) for the speculative ones.
     alone = [greedy] * len(prompts)
