@@ -1,9 +1,10 @@
 """Verification of draft trees: one target forward over every node, then the accepted path.
 
-Shared by every drafter (EAGLE, n-gram): a drafter proposes (tokens, parents) per request, this
-module runs the target over all nodes under the tree mask, walks the tree (greedy, or each node's token
-drawn as plain decoding draws it with the coin of its position: kernels/tree_verify.py), and moves the accepted nodes' KV into the request's next positions. It knows
-nothing of the scheduler or the drafters: each request arrives as a ``VerifyInput``.
+Shared by every drafter (EAGLE, n-gram): a drafter proposes (tokens, parents) per request, this module runs
+the target over all nodes under the tree mask, walks the tree (greedy, or each node's token drawn as plain
+decoding draws it with the coin of its position: kernels/tree_verify.py), and moves the accepted nodes' KV
+into the request's next positions. It knows nothing of the scheduler or the drafters: each request arrives as
+a ``VerifyInput``.
 """
 from __future__ import annotations
 
