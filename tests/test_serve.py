@@ -618,6 +618,40 @@ def test_errors_are_openai_shaped_400s(server):
     kv_ok(server)
 
 
+def test_bad_requests_fail_alone_beside_a_running_stream(server):
+    """Each body that session 106 turned from a 500 (or a silent wrong answer) into a 400, sent while another
+    request streams: each is refused naming its problem, and the stream beside them runs to its end."""
+    client = server.client()
+    stream = chat(client, "Tell me a story.", max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    first = next(stream)
+    deep = {"type": "integer"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    hi = [{"role": "user", "content": "hi"}]
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}}}}
+    bodies = {
+        "messages.0.content": {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages.1.tool_calls": {"messages": hi + [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": "f"}]}]},
+        "response_format.json_schema.schema": {"messages": hi, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}},
+        "tools": {"messages": hi, "tools": [bad_tool]},
+        "tool_choice": {"messages": hi, "tools": [], "tool_choice": "required"},
+        "seed": {"messages": hi, "seed": -1},
+    }
+    for param, body in bodies.items():
+        r = httpx.post(server.url + "/v1/chat/completions", json=dict(body, max_tokens=4), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"content-type": "application/json"},
+                   content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}')
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
+    chunks = [first] + list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)) > 0
+    kv_ok(server)
+
+
 @pytest.mark.e2e
 def test_default_model_tools_and_schema_e2e():
     srv = Server(["--max-total-tokens", "8192"])

@@ -6,7 +6,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
 from specjet.scheduler.sampling_params import SamplingParams
 
 
