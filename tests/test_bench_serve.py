@@ -52,7 +52,10 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert set(cells) == {(cfg, w, c) for cfg in ("none", "NGRAM") for w in ("json", "tools") for c in (1, 2)}
     for cell in cells.values():
         assert cell["requests"] == 2 and cell["errors"] == 0 and not cell["cut"], cell
-        assert cell["ttft"]["p50"] is not None and cell["output_tok_s"] > 0
+        assert cell["output_tok_s"] > 0
+        # TTFT is the first content or tool-call delta: the random model's parallel calls, which go out only whole,
+        # may be cut by max_tokens before one completes, and then the reply sends none.
+        assert cell["ttft"]["p50"] is not None or cell["workload"] == "tools"
     rows = re.findall(r"^(none|NGRAM)\s+(json|tools)\s+(\d+)\s+2\s+\d/2\s+0\s", out, re.M)
     assert len(rows) == 8, out
     assert "speed-up NGRAM/none json conc 1:" in out

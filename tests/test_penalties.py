@@ -40,7 +40,8 @@ def test_penalties_by_hand():
 
 
 @pytest.mark.parametrize("name, value", [("frequency_penalty", 2.5), ("presence_penalty", -3.0),
-                                         ("repetition_penalty", 0.0), ("repetition_penalty", float("nan"))])
+                                         ("repetition_penalty", 0.0), ("repetition_penalty", 1e-38),
+                                         ("repetition_penalty", float("nan"))])
 def test_out_of_range_penalties_are_refused(plain, name, value):
     with pytest.raises(ValueError, match=name):
         plain.generate("a", {name: value})

@@ -760,3 +760,29 @@ def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
         assert httpx.get(srv.url + "/debug/kv", timeout=60).json()["ok"]
     finally:
         srv.stop()
+
+
+def test_a_reply_the_kv_pool_cannot_hold_is_a_503_not_half_a_reply(tiny_model_dir):
+    """A server whose KV pool is smaller than the context: a reply left to run to the context's end outgrows the
+    pool after some tokens, and the engine ends it. Non-streamed, the answer is a 503 naming the pool (was a 200
+    with finish_reason "abort" and half a reply); streamed, the chunks sent, then that error as an event. The pool
+    is whole after, and the server serves the next request."""
+    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "256"])
+    try:
+        client = srv.client()
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(client, "hi", temperature=0, extra_body={"ignore_eos": True})
+        assert e.value.status_code == 503 and error_of(e)["code"] == "kv_pool_exhausted"
+        assert "KV pool exhausted" in error_of(e)["message"]
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True, "stream": True})
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "kv_pool_exhausted"
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 10  # it had replied for a while
+        assert not any(c["choices"][0]["finish_reason"] for c in chunks)
+        assert chat(client, "hi", max_tokens=3).choices[0].finish_reason == "length"
+        kv_ok(srv)
+    finally:
+        srv.stop()

@@ -262,6 +262,103 @@ def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
         assert r.status_code == status and r.json()["error"]["message"] == message
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("message,status,code", [
+    ("KV pool exhausted: the request needs more than the pool's 64 slots", 503, "kv_pool_exhausted"),
+    ("internal error in the decode batch: RuntimeError('x')", 500, None),
+    ("the grammar allows no token after the text so far (it matches no text from here)", 400, "request_refused")])
+def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, message, status, code):
+    """A request the engine ends after writing part of its reply: the cause, not a 200 whose finish reason is
+    "abort" (no OpenAI reason) with half a reply; streamed, the chunks already sent, then the cause as an error
+    event, with no finish reason sent."""
+    def items():
+        return [{"text": "Hel", "output_ids": [1], "meta_info": {"finish_reason": None, "prompt_tokens": 3,
+                                                                "completion_tokens": 1}},
+                {"text": "lo", "output_ids": [1, 2], "meta_info": {
+                    "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 3, "completion_tokens": 2}}]
+    streams = []
+
+    async def async_generate(stream=False, **kwargs):
+        if stream:
+            streams.append(_ScriptedStream(items()))
+            return streams[-1]
+        return dict(items()[-1], text="Hello")
+
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+    with TestClient(create_app(_fake_engine(async_generate), "m")) as client:
+        r = client.post(path, json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["message"] == message and r.json()["error"]["code"] == code
+        r = client.post(path, json=dict(body, stream=True))
+    assert r.status_code == 200 and streams[0].closed
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
+    choices = [c for e in events[:-2] for c in json.loads(e)["choices"]]
+    text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+    assert text == "Hel" and not any(c["finish_reason"] for c in choices)
+
+
+_CUT_TOOLS = {"add": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object"}}}}
+
+
+@pytest.mark.parametrize("tool_choice,parallel,text,expected", [
+    # required/named without parallel calls: bare JSON. Cut before the name is whole: no call, no content.
+    ("required", False, '{"name": "ad', ([], None)),
+    # ... after it: the begun call, its arguments so far (less a brace that may be the call's own), as streamed.
+    ("required", False, '{"name": "add", "arguments": {"a": 12, "b": {"c": 1}', ([("add", '{"a": 12, "b": {"c": 1')], None)),
+    ({"type": "function", "function": {"name": "add"}}, False, '{"name": "add", "arguments": {"a', ([("add", '{"a')], None)),
+    # required with parallel calls: <tool_call> blocks only. A block cut before its first call is complete.
+    ("required", True, '<tool_call>\n{"name": "add", "argu', ([], None)),
+    ("required", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_ca',
+     ([("add", '{"a": 1}')], None)),
+    # auto: the prose before a cut call is the content; a parallel call goes out only whole.
+    ("auto", True, 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1', ([], "Let me add.\n")),
+    # auto without parallel calls: the begun call streams, so it is returned.
+    ("auto", False, 'Sure.<tool_call>\n{"name": "add", "arguments": {"a": 1', ([("add", '{"a": 1')], "Sure.")),
+])
+def test_a_reply_cut_by_the_token_limit_returns_what_its_stream_sent(tool_choice, parallel, text, expected):
+    """finish_reason "length" with tools: the non-streamed reply holds exactly what the streamed one sent (calls
+    by name and arguments, content), and tool markup is never content (it was, whole, for a cut first call)."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": params}}
+             for name, params in _CUT_TOOLS.items()]
+    body = {"messages": [{"role": "user", "content": "add"}], "tools": tools, "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel, "max_tokens": 9}
+    pieces = [text[:k] for k in range(0, len(text), 5)][1:] + [text]
+    meta = {"prompt_tokens": 3, "completion_tokens": 9}
+
+    def chunks():
+        return [{"text": b[len(a):], "output_ids": [1], "meta_info": dict(meta, finish_reason=None)}
+                for a, b in zip([""] + pieces, pieces[:-1])] + [
+            {"text": text[len(pieces[-2]):], "output_ids": [1], "meta_info": dict(meta, finish_reason={
+                "type": "length", "length": 9})}]
+
+    async def async_generate(stream=False, **kwargs):
+        if stream:
+            return _ScriptedStream(chunks())
+        return {"text": text, "output_ids": [1] * 9, "meta_info": dict(meta, finish_reason={"type": "length",
+                                                                                          "length": 9})}
+
+    with TestClient(create_app(_fake_engine(async_generate), "m")) as client:
+        whole = client.post("/v1/chat/completions", json=body)
+        streamed = client.post("/v1/chat/completions", json=dict(body, stream=True))
+    assert whole.status_code == 200 and streamed.status_code == 200, (whole.text, streamed.text)
+    choice = whole.json()["choices"][0]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"] or []]
+    assert choice["finish_reason"] == "length" and (calls, choice["message"]["content"]) == expected
+    content, names, arguments, finish = "", [], {}, None
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[len("data: "):])["choices"]:
+                content += c["delta"].get("content") or ""
+                for t in c["delta"].get("tool_calls") or []:
+                    names += [t["function"]["name"]] if t["function"].get("name") else []
+                    arguments[t["index"]] = arguments.get(t["index"], "") + t["function"].get("arguments", "")
+                finish = c["finish_reason"] or finish
+    assert finish == "length" and list(zip(names, arguments.values())) == calls
+    assert content == (expected[1] or "")
+
+
 @pytest.mark.parametrize("mode,text", [
     ("tagged", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "x} <y"}}}\n</tool_call>'
                '\n<tool_call>\n{ "name" : "add" ,"arguments":{"a": 2}  }\n</tool_call>'),
@@ -297,8 +394,8 @@ def test_a_call_cut_short_by_the_token_limit_is_not_content():
     for cut in ("\n<tool", "\n<tool_call>\n{\"", "\n" + call[:-3]):
         message, reason = chat.reply("Sure." + call + cut, "length", plan)
         assert reason == "length" and len(message.tool_calls) == 1 and message.content.strip() == "Sure.", cut
-    message, _ = chat.reply("Sure." + call[:30], "length", plan)  # no call at all: the text is the reply
-    assert message.tool_calls is None and message.content == "Sure." + call[:30]
+    message, _ = chat.reply("Sure." + call[:30], "length", plan)  # no call complete: the prose, not the markup
+    assert message.tool_calls is None and message.content == "Sure."
     # A reply that ended by itself keeps its text after the calls, a "<tool_call>" written as prose included.
     tail = "\nDone: I wrapped it in <tool_call> tags, as in a <"
     message, reason = chat.reply(call + tail, "stop", plan)

@@ -20,6 +20,9 @@ from specjet.kernels.penalties import Penalties
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (SGLang uses
 # the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+# The smallest repetition penalty: a seen token's positive logit is divided by it, and a smaller one
+# could carry a large logit past float32's range, where every seen token ties at inf.
+MIN_REPETITION_PENALTY = 1e-5
 # Largest float32; a value above it becomes inf in the sampling tensors.
 _FLOAT32_MAX = 3.4028234663852886e38
 # A top_k at least this large keeps the whole vocabulary: it is stored as -1 (off), so the value
@@ -144,7 +147,7 @@ class SamplingParams:
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 2.0)
         self.logit_bias = self._bias_dict(self.logit_bias)
         if not _is_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")

@@ -150,20 +150,27 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 raise unavailable(str(error)) from None
             raise
 
+    def abort_error(result: dict, sp: dict) -> Optional[ApiError]:
+        """The error that answers a choice the engine aborted (None for one that finished), whether
+        before its first token (a grammar it could not compile, say) or after some (the KV pool ran out,
+        an internal error): OpenAI has no "abort" finish reason, and a cut reply is no answer."""
+        reason = result["meta_info"]["finish_reason"] or {}
+        if reason.get("type") != "abort":
+            return None
+        check_alive()
+        message = reason.get("message") or "the request was aborted"
+        if message.startswith("internal error"):  # the engine failed it (README: errors): not the client's fault
+            return ApiError(500, message, "internal_error")
+        if message.startswith("KV pool exhausted"):
+            return ApiError(503, message, "service_unavailable", None, "kv_pool_exhausted")
+        return bad_request(message, _constraint_param(sp), "request_refused")
+
     def refused(result: dict, sp: dict) -> None:
-        """A request the engine aborted before writing anything (a grammar it could not compile, say)."""
-        meta = result["meta_info"]
-        reason = meta["finish_reason"] or {}
-        if reason.get("type") == "abort" and meta["completion_tokens"] == 0:
-            check_alive()
-            metrics.record("error", meta["prompt_tokens"])
-            message = reason.get("message") or ""
-            if message.startswith("internal error"):  # the engine failed it (README: errors): not the client's fault
-                raise ApiError(500, message, "internal_error")
-            if message.startswith("KV pool exhausted"):
-                raise ApiError(503, message, "service_unavailable", None, "kv_pool_exhausted")
-            raise bad_request(reason.get("message") or "the request was aborted", _constraint_param(sp),
-                              "request_refused")
+        """Raises the error of a choice the engine aborted."""
+        error = abort_error(result, sp)
+        if error is not None:
+            metrics.record("error", result["meta_info"]["prompt_tokens"])
+            raise error
 
     async def first_chunk(stream, sp: dict) -> dict:
         """A stream's first chunk, before any byte of the response goes out: a choice the engine refused
@@ -338,6 +345,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 while True:
                     i, item = cuts.take(item)
                     if item is not None:
+                        aborted = abort_error(item, sp)
+                        if aborted is not None:
+                            raise aborted
                         text = cuts.texts[i]
                         if sp.get("return_logprob"):
                             pending[i] += chat_entries(texts(), item["meta_info"])
@@ -379,12 +389,13 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 message, reason = chat.reply(text, reason, plan)
                 if message.tool_calls:
                     rest = (message.content or "")[sent:]
-                    deltas = calls.feed(text, finished=True)
+                    # A reply cut by the token limit ends its begun call where chat.reply does.
+                    deltas = calls.feed(text, finished=reason == "tool_calls")
                     # Calls the streamer could not follow (laid out unlike the grammar's) go whole.
                     deltas += [dict(call.model_dump(), index=k) for k, call in enumerate(message.tool_calls)
                                if k >= len(calls.sent)]
-                else:  # no complete call: the text is the reply (unless a call had begun)
-                    rest, deltas = ("" if calls.sent else text[sent:]), []
+                else:  # no call: the reply's content (unless a call had begun)
+                    rest, deltas = ("" if calls.sent else (message.content or "")[sent:]), []
                 if rest:
                     pieces.append(chunk(i, ChoiceDelta(content=rest)))
                 if deltas:
@@ -419,6 +430,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 try:
                     item, metas, offsets, started = first, [None] * count, [0] * count, [False] * count
                     while True:
+                        aborted = abort_error(item, sp)
+                        if aborted is not None:
+                            raise aborted
                         i, reason = item.get("index", 0), chat.finish_reason(item)
                         echo = echoes is not None and not started[i]  # a choice's first chunk starts with its prompt
                         started[i] = True

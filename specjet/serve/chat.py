@@ -450,21 +450,25 @@ def _as_call(region: str, plan: ToolPlan) -> Optional[ToolCall]:
 
 def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMessage, Optional[str]]:
     """The assistant message and finish reason for the model's text: tool calls when the text holds
-    complete ones (finish reason "tool_calls"), else the text as content."""
+    complete ones (finish reason "tool_calls"), else the text as content. A reply the token limit cut
+    ("length") keeps its complete calls and the call it had begun as a stream sends it (name, arguments
+    so far), and its content is only the text around the calls: tool markup is never content."""
     calls: list[ToolCall] = []
     content: Optional[str] = text
-    if plan.mode == "json" and reason == "stop":
-        call = _as_call(text, plan)
-        if call is not None:
-            calls, content = [call], None
+    cut = reason == "length"
+    if plan.mode == "json":
+        call = _as_call(text, plan) if reason == "stop" else _begun_call(text, plan) if cut else None
+        if call is not None or cut:
+            calls, content = [call] if call is not None else [], None
     elif plan.mode == "tagged":
         blocks = call_blocks(text)
         for block in blocks:
             call = _as_call(block.body, plan) if block.complete else None
             if call is not None:
                 calls.append(call)
-        if calls:  # the content is the text around the calls, and a call the token limit cut short is markup too
-            cut = reason == "length"
+        begun = _begun_call(text, plan) if cut else None
+        calls += [begun] if begun is not None else []
+        if calls or cut:  # the content is the text around the calls, and a call the token limit cut short is markup too
             pieces, at = [], 0
             for block in blocks:
                 if block.complete or cut:
@@ -481,6 +485,22 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
     return AssistantMessage(content=content), reason
 
 
+def _begun_call(text: str, plan: ToolPlan) -> Optional[ToolCall]:
+    """The call a cut reply had begun after its complete ones, exactly as a stream sends it: its name and
+    the arguments written so far (None where a stream sends none: before the name is complete, or under
+    parallel "auto" calls, which go out only whole)."""
+    streamer = CallStreamer(plan)
+    regions = streamer.regions(text, finished=False)
+    if not regions or regions[-1][1]:
+        return None
+    index = len(regions) - 1
+    deltas = [d for d in streamer.feed(text) if d["index"] == index]
+    if not deltas:
+        return None
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    return ToolCall(id=deltas[0]["id"], function=FunctionCall(name=deltas[0]["function"]["name"], arguments=arguments))
+
+
 class CallStreamer:
     """A growing tool reply -> the tool-call deltas of an OpenAI stream: each call's id and name once
     the name is written, then its arguments as they are written. What is sent of the arguments is
@@ -491,7 +511,7 @@ class CallStreamer:
         self.plan = plan
         self.sent: list[int] = []  # per call started: how much of its arguments went out
 
-    def _regions(self, text: str, finished: bool) -> list[tuple[str, bool]]:
+    def regions(self, text: str, finished: bool) -> list[tuple[str, bool]]:
         """Each call's JSON text so far, and whether it is complete."""
         if self.plan.mode == "json":
             return [(text, finished)]
@@ -500,7 +520,7 @@ class CallStreamer:
 
     def feed(self, text: str, finished: bool = False) -> list[dict[str, Any]]:
         deltas = []
-        regions = self._regions(text, finished)
+        regions = self.regions(text, finished)
         if not self.plan.parallel:
             regions = regions[:1]
         for i, (region, complete) in enumerate(regions):
