@@ -158,6 +158,13 @@ def test_bad_input_gives_clear_errors(engine):
         engine.generate("x", dict(GREEDY, prediction="y\udfff"))
 
 
+def test_stream_must_be_a_bool(engine):
+    for stream in ("no", 1, None):  # "no" used to return a stream
+        with pytest.raises(TypeError, match="stream must be a bool"):
+            engine.generate("a", {"max_new_tokens": 2}, stream=stream)
+    engine.check_kv_invariant()
+
+
 def test_unknown_engine_arg_is_named(tiny_model_dir):
     with pytest.raises(TypeError, match="max_batch_size"):
         specjet.Engine(model_path=str(tiny_model_dir), max_batch_size=4)

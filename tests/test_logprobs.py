@@ -148,11 +148,20 @@ def test_sglang_arguments_set_the_same_parameters(cyclic_dir, plain_outputs):
             eng.generate(input_ids=PROMPT_IDS[:2], sampling_params=greedy, return_logprob=[True])
         with pytest.raises(ValueError, match="top_logprobs_num needs return_logprob=True"):
             eng.generate(input_ids=PROMPT_IDS[0], sampling_params=greedy, top_logprobs_num=2)
+        # An argument given with the other as a sampling parameter: both count (the arguments' defaults overwrote
+        # the parameters, dropping the alternatives or refusing a pair the caller had made whole).
+        mixed = [eng.generate(input_ids=PROMPT_IDS[0], sampling_params=dict(greedy, **params), **arguments)
+                 for params, arguments in (({"top_logprobs_num": 3}, {"return_logprob": True}),
+                                           ({"return_logprob": True}, {"top_logprobs_num": 3}),
+                                           ({"logprob_start_len": 0}, {"return_logprob": True}))]
         eng.check_kv_invariant()
     for key in ("output_token_logprobs", "output_top_logprobs"):
         assert both[0]["meta_info"][key] == plain_outputs[0]["meta_info"][key]
     assert one["meta_info"]["output_token_logprobs"] == plain_outputs[0]["meta_info"]["output_token_logprobs"]
     assert "output_token_logprobs" not in both[1]["meta_info"]
+    for out in mixed[:2]:
+        assert out["meta_info"]["output_top_logprobs"] == plain_outputs[0]["meta_info"]["output_top_logprobs"]
+    assert len(mixed[2]["meta_info"]["input_token_logprobs"]) == len(PROMPT_IDS[0])
 
 
 @pytest.mark.parametrize("start", [0, 3])

@@ -237,12 +237,29 @@ def test_eagle_prompt_that_leaves_no_room_for_drafting_is_refused_at_the_door(ti
     ({"grammar_token_timeout": 0}, ValueError, "grammar_token_timeout"),
     ({"grammar_token_timeout": float("nan")}, ValueError, "grammar_token_timeout"),
     ({"grammar_token_timeout": "1"}, TypeError, "grammar_token_timeout"),
+    # A prefill budget under a page held no chunk: a longer prompt waited for ever.
+    ({"page_size": 16, "max_prefill_tokens": 8}, ValueError, "max_prefill_tokens"),
+    ({"device": "gpu"}, ValueError, "device"),
+    ({"device": "cuda:x"}, ValueError, "device"),
+    ({"speculative_algorithm": "eagle"}, ValueError, "speculative_algorithm"),
 ])
 def test_bad_engine_arguments_raise_naming_the_argument(kwargs, exc, name):
     from specjet.engine.args import EngineArgs
 
     with pytest.raises(exc, match=name):
         EngineArgs.from_kwargs(**kwargs)
+
+
+def test_a_cuda_device_without_cuda_is_refused_at_the_door():
+    import torch
+
+    from specjet.engine.args import EngineArgs
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device")
+    for device in ("cuda", "cuda:0"):  # was torch's AssertionError "Torch not compiled with CUDA enabled" at load
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            EngineArgs.from_kwargs(device=device)
 
 
 def test_a_grammar_over_the_compile_time_limit_fails_alone(tiny_model_dir):

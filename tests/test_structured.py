@@ -71,3 +71,15 @@ def test_function_tool_from_a_signature():
         pass
     with pytest.raises(TypeError, match="args"):
         specjet.function_tool(splat)
+
+
+def test_function_tool_keeps_every_parameter_name():
+    """Names pydantic reserves for itself (a leading "_": a private attribute; "model_config": the model's
+    configuration; "json", "schema", "copy": its methods) are ordinary parameters of a tool."""
+    def lookup(_id: int, model_config: dict, json: str = "", schema: str = "s", copy: bool = False):
+        """Look a record up."""
+
+    params = specjet.function_tool(lookup)["function"]["parameters"]
+    assert list(params["properties"]) == ["_id", "model_config", "json", "schema", "copy"]
+    assert params["required"] == ["_id", "model_config"]
+    assert params["properties"]["_id"]["type"] == "integer" and params["properties"]["schema"]["default"] == "s"

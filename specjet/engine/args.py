@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 _TYPE_CHECKS = {
@@ -11,6 +12,10 @@ _TYPE_CHECKS = {
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
 }
+
+
+# The devices an engine runs on.
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 @dataclass
@@ -168,6 +173,20 @@ class EngineArgs:
                 and self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size must be -1 (off) or at least page_size ({self.page_size}), "
                              f"got {self.chunked_prefill_size}")
+        if self.chunked_prefill_size not in (None, -1) and self.max_prefill_tokens < self.page_size:
+            # A chunk ends on a page boundary within the prefill budget: a smaller budget holds no chunk.
+            raise ValueError(f"max_prefill_tokens must be at least page_size ({self.page_size}) with chunked prefill, "
+                             f"got {self.max_prefill_tokens}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r}, but this torch sees no CUDA device (a CPU build, or no GPU)")
+            index = int(self.device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device={self.device!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

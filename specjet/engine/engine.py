@@ -113,12 +113,14 @@ class Engine:
                            "draft without speculative_algorithm (unless disable_guided_drafting or "
                            "enable_deterministic_inference=False), with NGRAM, and in EAGLE / DFLASH's n-gram path")
 
-    def _make_requests(self, prompt, sampling_params, input_ids, rid, return_logprob=False,
-                       top_logprobs_num=0) -> tuple[list[Req], bool]:
+    def _make_requests(self, prompt, sampling_params, input_ids, rid, return_logprob=None,
+                       top_logprobs_num=None, stream=False) -> tuple[list[Req], bool]:
         """Validate and tokenize everything before anything is submitted, so a bad item in a list
         raises without leaving half the list running. ``return_logprob`` / ``top_logprobs_num`` (SGLang's
-        arguments; a value, or one per prompt) set the sampling parameters of the same names."""
+        arguments; a value, or one per prompt) set the sampling parameters of the same names where given."""
         self._check_running()
+        if not isinstance(stream, bool):
+            raise TypeError(f"stream must be a bool, got {type(stream).__name__} {stream!r}")
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -143,18 +145,20 @@ class Engine:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != n:
                 raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
+            dicts = list(sampling_params)
         else:
-            params = [SamplingParams.from_dict(sampling_params) for _ in range(n)]
-        if return_logprob is not False or top_logprobs_num != 0:
-            for name, value in (("return_logprob", return_logprob), ("top_logprobs_num", top_logprobs_num)):
-                values = value if isinstance(value, (list, tuple)) else [value] * n
-                if len(values) != n:
-                    raise ValueError(f"{len(values)} {name} values for {n} prompts")
-                for sp, v in zip(params, values):
-                    setattr(sp, name, v)
-            for sp in params:
-                sp.validate()
+            dicts = [sampling_params] * n
+        # The arguments, where given, override the sampling parameters of the same names (before their checks,
+        # which pair them: top_logprobs_num and logprob_start_len need return_logprob).
+        for name, value in (("return_logprob", return_logprob), ("top_logprobs_num", top_logprobs_num)):
+            if value is None:
+                continue
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+            if len(values) != n:
+                raise ValueError(f"{len(values)} {name} values for {n} prompts")
+            # (a value that is not a dict is left for from_dict to refuse)
+            dicts = [dict(d or {}, **{name: v}) if d is None or isinstance(d, dict) else d for d, v in zip(dicts, values)]
+        params = [SamplingParams.from_dict(d) for d in dicts]
         for sp in params:
             if sp.prediction is not None:
                 self._check_prediction(sp.prediction)
@@ -223,12 +227,13 @@ class Engine:
 
     # ---------------------------------------------------------------- sync API
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None,
-                 return_logprob=False, top_logprobs_num=0):
+                 return_logprob=None, top_logprobs_num=None):
         """One prompt (or token-id list) -> a dict; a list -> a list in the same order.
         ``stream=True`` returns an iterator of increments: each chunk's ``text`` and ``output_ids``
         are what is new since the previous chunk; the last chunk carries ``finish_reason``. With a
         list of prompts each chunk also has ``index``."""
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num)
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num,
+                                           stream)
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         for i, req in enumerate(reqs):
             req.stream = stream
@@ -249,12 +254,12 @@ class Engine:
 
     # ---------------------------------------------------------------- async API
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, rid=None,
-                             return_logprob=False, top_logprobs_num=0):
+                             return_logprob=None, top_logprobs_num=None):
         """Like ``generate``; ``stream=True`` returns an async iterator. Safe from many tasks at once."""
         # Validating and tokenizing (up to hundreds of thousands of characters a prompt) runs in a worker thread,
         # so the event loop, which serves every other caller's stream, never waits for it.
         reqs, single = await anyio.to_thread.run_sync(self._make_requests, prompt, sampling_params, input_ids, rid,
-                                                      return_logprob, top_logprobs_num)
+                                                      return_logprob, top_logprobs_num, stream)
         send, recv = anyio.create_memory_object_stream(math.inf)
         token = anyio.lowlevel.current_token()
         for i, req in enumerate(reqs):

@@ -45,12 +45,14 @@ def function_tool(fn: Callable) -> dict:
     pydantic knows) and default, the docstring's first paragraph as the description."""
     fields = {}
     hints = typing.get_type_hints(fn)  # resolves string annotations (``from __future__ import annotations``)
-    for name, param in inspect.signature(fn).parameters.items():
+    for i, (name, param) in enumerate(inspect.signature(fn).parameters.items()):
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise TypeError(f"{fn.__name__}: *args/**kwargs cannot be a tool's parameters")
         annotation = hints.get(name, Any)
         default = ... if param.default is inspect.Parameter.empty else param.default
-        fields[name] = (annotation, default)
+        # Each field under a neutral name, the parameter's as its alias: pydantic takes a name starting with "_"
+        # for a private attribute (dropped from the schema) and "model_config" for the model's configuration.
+        fields[f"p{i}"] = (annotation, pydantic.Field(default, alias=name))
     params_model = pydantic.create_model(f"{fn.__name__}_parameters", **fields)
     schema = params_model.model_json_schema()
     schema.pop("title", None)

@@ -215,8 +215,8 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            raise NotImplementedError(f"speculative_algorithm={self.algorithm!r} is not available "
-                                      f"(available: {', '.join(ALGORITHMS)})")
+            raise ValueError(f"speculative_algorithm={self.algorithm!r} is not available "
+                             f"(available: {', '.join(ALGORITHMS)})")
         e, n = self.eagle, self.ngram
         for name, value in (("max_tree_nodes", self.max_tree_nodes), ("speculative_num_steps", e.num_steps),
                             ("speculative_eagle_topk", e.topk), ("EAGLE tree nodes", e.tree_nodes),
@@ -293,7 +293,7 @@ class SpecConfig:
         is then ``TILED_BF16_ALONE_TOPK`` wide and cut at ``TILED_BF16_ALONE_MIN_DRAFT_PROB``, under a grammar
         ``TILED_BF16_ALONE_GRAMMAR_*``, each unless given, and its learned nodes fill at most ``TILED_ROWS`` verify
         nodes unless ``speculative_max_verify_tokens`` is given). Raises
-        ValueError / NotImplementedError naming the argument that is out of range."""
+        ValueError naming the argument that is out of range."""
         for name, least in _LEAST.items():
             value = getattr(args, name)
             if value is not None and value < least:
