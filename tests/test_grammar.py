@@ -554,6 +554,56 @@ def test_output_check_says_when_it_cannot_check(schema):
     assert result.valid is None and result.message.startswith("output not checked: "), result
 
 
+def test_output_check_bounds_its_patterns_time():
+    """A backtracking pattern xgrammar does not enforce (under "not") on a 40-character output: Python's `re` took
+    hours, on the scheduler thread, every request waiting. The check now gives up within its budget and says so."""
+    import time
+
+    from specjet.grammar.output_check import PATTERN_BUDGET_S
+
+    schema = {"type": "string", "not": {"pattern": "^(a|aa)+$b"}}
+    started = time.perf_counter()
+    result = check_json_output(schema, json.dumps("a" * 40))
+    assert time.perf_counter() - started < PATTERN_BUDGET_S + 0.5
+    assert result.valid is None and result.message.startswith("output not checked: the schema's patterns took more")
+    for key in ("patternProperties", "additionalProperties"):  # the keywords that match property names
+        nested = {"type": "object", "patternProperties": {"^(a|aa)+$b": {}}, "additionalProperties": False}
+        if key == "additionalProperties":
+            nested = {"type": "object", "patternProperties": {"^(a|aa)+$b": {}}, "properties": {"x": {}},
+                      "additionalProperties": {"type": "integer"}}
+        assert check_json_output(nested, json.dumps({"a" * 40: 1})).valid is None, key
+    assert check_json_output(schema, '"ab"').valid is True  # a cheap match is checked as before
+
+
+@pytest.mark.parametrize("schema,instances", [
+    ({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{2}-[0-9]+$"}}},
+     [{"id": "ab-12"}, {"id": "AB-12"}, {"id": "ab-"}, {}]),
+    ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}, "^y": {"type": "string"}},
+      "additionalProperties": False},
+     [{"x_1": 1}, {"x_1": "1"}, {"yes": "s"}, {"yes": 2}, {"z": 1}, {"z": 1, "w": 2}, {}]),
+    ({"type": "object", "properties": {"a": {}}, "patternProperties": {"^b": {}}, "additionalProperties": {"type": "null"}},
+     [{"a": 1, "b1": 2}, {"c": None}, {"c": 0}]),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False}, [{"a": 1}, {"a": 1, "b": 2, "c": 3}]),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-c]+$"}}, [{"abc": 1}, {"abd": 1}]),
+    ({"type": "array", "contains": {"type": "string", "pattern": "^\\d+$"}}, [["12", "x"], ["x"]]),
+])
+def test_output_check_on_bounded_patterns_agrees_with_jsonschema(schema, instances):
+    """The keywords re-run on the bounded patterns give jsonschema's own verdict and message."""
+    import jsonschema
+
+    for instance in instances:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(instance))
+        expected = OutputCheck(True) if error is None else OutputCheck(
+            False, f"output does not match the schema at {error.json_path}: {error.message}")
+        assert check_json_output(schema, json.dumps(instance)) == expected, instance
+
+
+def test_output_check_refuses_what_it_cannot_bound():
+    schema = {"type": "object", "patternProperties": {"^a": {}}, "unevaluatedProperties": False}
+    result = check_json_output(schema, '{"a": 1}')
+    assert result.valid is None and "unevaluatedProperties" in result.message
+
+
 def test_bitmask_allows_reads_token_t_at_bit_t_mod_32_of_word_t_div_32():
     """Several rows, token ids in any order and repeated, the first and last bits of words."""
     from specjet.grammar import bitmask_allows

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import regex
+from jsonschema.exceptions import ValidationError
 
 # Validators are built once per schema text: building one parses the schema and its $refs.
 _VALIDATOR_CACHE_SIZE = 128
+
+# Seconds the schema's patterns may take on one output, all together (a real schema's take microseconds).
+PATTERN_BUDGET_S = 0.05
 
 # jsonschema's messages quote the offending value, which may be the whole output.
 _MAX_MESSAGE_CHARS = 300
@@ -43,9 +50,10 @@ def check_json_output(schema: str | dict | bool, text: str) -> OutputCheck:
     of type 'integer'" or "output is not JSON: Expecting value: line 1 column 1".
 
     The schema's own `$schema` picks the draft (2020-12 when it names none); `format` is not
-    asserted (jsonschema's default, and what bench.json measures). Validation runs the schema's
-    `pattern`s with Python's `re` on the scheduler thread; the output is bounded by
-    max_new_tokens, which bounds the work.
+    asserted (jsonschema's default, and what bench.json measures). The schema's patterns run on the
+    `regex` module within ``PATTERN_BUDGET_S`` for the whole check (an output past it is not checked):
+    the check runs on the scheduler thread, and a backtracking pattern that xgrammar does not enforce
+    (under `not`, say) took Python's `re` hours on a 40-character output, every request waiting.
     """
     try:
         key = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
@@ -56,7 +64,11 @@ def check_json_output(schema: str | dict | bool, text: str) -> OutputCheck:
             instance = json.loads(text)
         except json.JSONDecodeError as error:
             return OutputCheck(False, f"output is not JSON: {error.msg}: line {error.lineno} column {error.colno}")
+        _clock.deadline = time.monotonic() + PATTERN_BUDGET_S
         error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    except _PatternBudgetSpent as spent:
+        return OutputCheck(None, _clip(f"output not checked: the schema's patterns took more than "
+                                       f"{PATTERN_BUDGET_S * 1e3:.0f} ms on it (the last: {spent.args[0]!r})"))
     except Exception as error:  # noqa: BLE001 (a RecursionError, an unresolvable $ref, a bad pattern, ...)
         return OutputCheck(None, _clip(f"output not checked: jsonschema failed: {type(error).__name__}: {error}"))
     if error is None:
@@ -73,7 +85,11 @@ def _validator(schema_text: str) -> Any:
             warnings.simplefilter("ignore")
             cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         cls.check_schema(schema)
-        return cls(schema)
+        keys = _keys(schema)
+        if "patternProperties" in keys and "unevaluatedProperties" in keys:  # jsonschema matches these with `re`
+            return "patternProperties beside unevaluatedProperties (their patterns' time could not be bounded)"
+        bounded = {k: f for k, f in _BOUNDED_KEYWORDS.items() if k in cls.VALIDATORS}
+        return jsonschema.validators.extend(cls, bounded)(schema)
     except jsonschema.exceptions.SchemaError as error:
         return _clip(f"the schema is not valid {cls.__name__.removesuffix('Validator')}: "
                      f"{error.message} at {error.json_path}")
@@ -83,3 +99,72 @@ def _validator(schema_text: str) -> Any:
 
 def _clip(message: str) -> str:
     return message if len(message) <= _MAX_MESSAGE_CHARS else message[: _MAX_MESSAGE_CHARS - 3] + "..."
+
+
+class _PatternBudgetSpent(Exception):
+    """The check's patterns ran past PATTERN_BUDGET_S (args: the pattern running then)."""
+
+
+_clock = threading.local()  # .deadline: time.monotonic() at which the running check's patterns stop
+
+
+def _search(pattern: str, text: str) -> bool:
+    """``re.search`` as jsonschema does it, on the `regex` module (Python's `re` syntax, and it can stop):
+    within what is left of the check's budget, the GIL released while it matches."""
+    left = _clock.deadline - time.monotonic()
+    if left <= 0:
+        raise _PatternBudgetSpent(pattern)
+    try:
+        return regex.search(pattern, text, concurrent=True, timeout=left) is not None
+    except TimeoutError:
+        raise _PatternBudgetSpent(pattern) from None
+
+
+# The keywords whose jsonschema implementations call `re.search`, as jsonschema writes them, on ``_search``.
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator, additional, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    known, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+    extras = [key for key in instance if key not in known and not any(_search(p, key) for p in patterns)]
+    if validator.is_type(additional, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], additional, path=extra)
+    elif not additional and extras:
+        names = ", ".join(repr(each) for each in sorted(extras))
+        if patterns:
+            yield ValidationError(f"{names} {'does' if len(extras) == 1 else 'do'} not match any of the regexes: "
+                                  + ", ".join(repr(each) for each in sorted(patterns)))
+        else:
+            yield ValidationError(f"Additional properties are not allowed ({names} "
+                                  f"{'was' if len(extras) == 1 else 'were'} unexpected)")
+
+
+_BOUNDED_KEYWORDS = {"pattern": _pattern, "patternProperties": _pattern_properties,
+                     "additionalProperties": _additional_properties}
+
+
+def _keys(schema: Any) -> set[str]:
+    """Every object key anywhere in the schema (iterative: no recursion limit)."""
+    keys, todo = set(), [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            keys.update(k for k in node if isinstance(k, str))
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return keys
