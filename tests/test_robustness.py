@@ -250,6 +250,15 @@ def test_bad_engine_arguments_raise_naming_the_argument(kwargs, exc, name):
         EngineArgs.from_kwargs(**kwargs)
 
 
+def test_a_context_longer_than_the_models_is_refused(tiny_model_dir):
+    """The tiny model's max_position_embeddings is 2048: a longer context_length was taken silently (positions the
+    model never saw, and a token table row of that length for every running request)."""
+    with pytest.raises(ValueError, match="context_length=4096 is longer than the model's max_position_embeddings"):
+        specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, context_length=4096)
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, context_length=2048) as eng:
+        assert eng.generate("a", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
 def test_a_cuda_device_without_cuda_is_refused_at_the_door():
     import torch
 

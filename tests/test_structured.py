@@ -40,6 +40,8 @@ def test_parse_output_names_the_problem():
         specjet.parse_output({"text": '{"color": "re', "meta_info": {"finish_reason": {"type": "length"}}}, Pick)
     with pytest.raises(ValueError, match="does not validate as Pick"):
         specjet.parse_output('{"color": "green", "n": 3}', Pick)
+    with pytest.raises(ValueError, match="did not complete"):  # a reason as a bare string (was AttributeError)
+        specjet.parse_output({"text": '{"color": "re', "meta_info": {"finish_reason": "length"}}, Pick)
     assert specjet.parse_output('{"color": "red", "n": 3}', Pick) == Pick(color="red", n=3)
     assert specjet.parse_output("[1, 2]", list[int]) == [1, 2]
 

@@ -60,6 +60,11 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     model_dir = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    if args.context_length is not None and args.context_length > config.max_position_embeddings:
+        # Positions past the model's were never trained (RoPE extrapolates into garbage), and each running
+        # request's row of the token table holds the whole context.
+        raise ValueError(f"context_length={args.context_length} is longer than the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
     gguf_path = gguf_source(args.model_path)
     quantization, why = choose_method(args.quantization, device, gguf_path, config)
     logger.info("quantization %s (%s)", quantization, why)

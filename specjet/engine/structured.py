@@ -28,7 +28,8 @@ def parse_output(output: dict, model: type[M]) -> M:
     text does not validate (pydantic's message)."""
     if isinstance(output, dict):
         reason = (output.get("meta_info") or {}).get("finish_reason") or {}
-        if reason.get("type") not in (None, "stop"):
+        kind = reason.get("type") if isinstance(reason, dict) else reason  # the engine's dict, or a bare "length"
+        if kind not in (None, "stop"):
             raise ValueError(f"the request did not complete its object (finish_reason {reason})")
         text = output.get("text", "")
     else:

@@ -298,6 +298,9 @@ class SpecConfig:
             value = getattr(args, name)
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
+            most = _MOST.get(name)
+            if value is not None and most is not None and value > most:
+                raise ValueError(f"{name} must be <= {most}, got {value}")
         algorithm = args.speculative_algorithm
         _check_draft_runner(args.speculative_draft_runner)  # checked with or without an algorithm
         if args.speculative_hybrid_ngram_tokens and algorithm not in HYBRID_ALGORITHMS:
@@ -386,6 +389,13 @@ _LEAST = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_
           "speculative_ngram_min_match_window_size": 1, "speculative_ngram_max_match_window_size": 1,
           "speculative_ngram_max_bfs_breadth": 1, "speculative_hybrid_ngram_tokens": 0,
           "speculative_max_verify_tokens": 1, "speculative_dflash_draft_window_size": 1}
+# ... and the most: far past any tree that pays, and small enough that a draft's steps, a tree's verify rows and
+# its KV scratch stay ordinary sizes (a block of 100,000 drafts built an engine that refused every prompt; 5,000
+# EAGLE steps took a minute for 16 tokens).
+_MOST = {"speculative_num_steps": 64, "speculative_eagle_topk": 64, "speculative_num_draft_tokens": 256,
+         "speculative_ngram_min_match_window_size": 1024, "speculative_ngram_max_match_window_size": 1024,
+         "speculative_ngram_max_bfs_breadth": 256, "speculative_hybrid_ngram_tokens": 256,
+         "speculative_max_verify_tokens": 1024}
 
 
 def _check_draft_runner(value: str) -> None:
