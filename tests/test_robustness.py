@@ -259,6 +259,15 @@ def test_a_context_longer_than_the_models_is_refused(tiny_model_dir):
         assert eng.generate("a", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
+def test_sizes_no_memory_can_hold_are_refused_naming_them(tiny_model_dir):
+    """A KV pool or a token table larger than the memory available: a ValueError naming the argument before
+    anything is allocated (were the allocator's RuntimeError or OSError)."""
+    with pytest.raises(ValueError, match="max_total_tokens=1000000000000 needs"):
+        specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=10**12)
+    with pytest.raises(ValueError, match="max_running_requests=10000000 requests"):
+        specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=10**7)
+
+
 def test_a_cuda_device_without_cuda_is_refused_at_the_door():
     import torch
 

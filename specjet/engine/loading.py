@@ -11,7 +11,7 @@ from specjet.engine.args import EngineArgs
 from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
 from specjet.models.quantize import choose_draft_method, choose_method
-from specjet.models.runner import ModelRunner
+from specjet.models.runner import ModelRunner, total_memory_bytes
 from specjet.models.weights import default_gguf_path, gguf_source, load_state_dict, resolve_model_path
 from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -65,6 +65,12 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         # request's row of the token table holds the whole context.
         raise ValueError(f"context_length={args.context_length} is longer than the model's "
                          f"max_position_embeddings ({config.max_position_embeddings})")
+    context_len = args.context_length or config.max_position_embeddings
+    table_bytes = (args.max_running_requests + 1) * context_len * 8  # ReqToTokenPool's int64 rows
+    if table_bytes > total_memory_bytes(device):
+        raise ValueError(f"max_running_requests={args.max_running_requests} requests of context length {context_len} "
+                         f"need a {table_bytes / 2**30:.1f} GiB token table, more than the "
+                         f"{total_memory_bytes(device) / 2**30:.1f} GiB available")
     gguf_path = gguf_source(args.model_path)
     quantization, why = choose_method(args.quantization, device, gguf_path, config)
     logger.info("quantization %s (%s)", quantization, why)
@@ -78,7 +84,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
-        context_len=args.context_length or config.max_position_embeddings,
+        context_len=context_len,
         random_seed=args.random_seed,
         disable_radix_cache=args.disable_radix_cache,
         chunked_prefill_size=None if args.chunked_prefill_size in (None, -1) else args.chunked_prefill_size,

@@ -168,6 +168,10 @@ class ModelRunner:
         per_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.kv_dtype)
         if max_total_tokens is None:
             max_total_tokens = int(total_memory_bytes(self.device) * mem_fraction_static) // per_token
+        elif max_total_tokens * per_token > total_memory_bytes(self.device):  # a pool that cannot be had
+            raise ValueError(f"max_total_tokens={max_total_tokens} needs {max_total_tokens * per_token / 2**30:.1f} GiB "
+                             f"of KV cache, more than the {total_memory_bytes(self.device) / 2**30:.1f} GiB "
+                             f"available on {self.device}")
         # One extra page: page 0 is the padding page and never holds a request's token.
         num_pages = -(-max_total_tokens // page_size) + 1
         self.kv_cache = KVCache(config.num_layers, num_pages * page_size, config.num_kv_heads, config.head_dim,
