@@ -394,8 +394,7 @@ _LEAST = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_
 # EAGLE steps took a minute for 16 tokens).
 _MOST = {"speculative_num_steps": 64, "speculative_eagle_topk": 64, "speculative_num_draft_tokens": 256,
          "speculative_ngram_min_match_window_size": 1024, "speculative_ngram_max_match_window_size": 1024,
-         "speculative_ngram_max_bfs_breadth": 256, "speculative_hybrid_ngram_tokens": 256,
-         "speculative_max_verify_tokens": 1024}
+         "speculative_ngram_max_bfs_breadth": 256, "speculative_hybrid_ngram_tokens": 256}
 
 
 def _check_draft_runner(value: str) -> None:
