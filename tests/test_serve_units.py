@@ -266,7 +266,8 @@ def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
 @pytest.mark.parametrize("message,status,code", [
     ("KV pool exhausted: the request needs more than the pool's 64 slots", 503, "kv_pool_exhausted"),
     ("internal error in the decode batch: RuntimeError('x')", 500, None),
-    ("the grammar allows no token after the text so far (it matches no text from here)", 400, "request_refused")])
+    ("the grammar allows no token after the text so far (it matches no text from here)", 400, "request_refused"),
+    ("the engine has been shut down", 503, "engine_not_alive")])
 def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, message, status, code):
     """A request the engine ends after writing part of its reply: the cause, not a 200 whose finish reason is
     "abort" (no OpenAI reason) with half a reply; streamed, the chunks already sent, then the cause as an error

@@ -163,6 +163,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             return ApiError(500, message, "internal_error")
         if message.startswith("KV pool exhausted"):
             return ApiError(503, message, "service_unavailable", None, "kv_pool_exhausted")
+        if message.startswith(("the engine has been shut down", "the scheduler stopped")):  # its thread is ending
+            return unavailable(message)
         return bad_request(message, _constraint_param(sp), "request_refused")
 
     def refused(result: dict, sp: dict) -> None:
