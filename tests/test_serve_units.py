@@ -35,6 +35,28 @@ def test_cli_engine_flags_use_sglang_spellings():
         assert engine_kwargs(build_parser().parse_args([flag])) == {"speculative_measured_payoff": value}
 
 
+def test_cli_says_none_and_checks_the_port():
+    """An argument whose None means something (float weights, no grammar time limit) can be given as "none" (it
+    could not be typed: "None" was taken for a method name); a path named "none" stays a path; a port outside
+    [0, 65535] is refused before the engine loads (was uvicorn's OverflowError after it)."""
+    ns = build_parser().parse_args(["--quantization", "none", "--grammar-token-timeout", "None",
+                                    "--speculative-draft-model-quantization", "NONE", "--max-total-tokens", "none",
+                                    "--speculative-draft-model-path", "none"])
+    assert engine_kwargs(ns) == {"quantization": None, "grammar_token_timeout": None,
+                                 "speculative_draft_model_quantization": None, "max_total_tokens": None,
+                                 "speculative_draft_model_path": "none"}
+    assert build_parser().parse_args(["--grammar-token-timeout", "0.5"]).grammar_token_timeout == 0.5
+    from specjet.engine.args import EngineArgs
+
+    EngineArgs.from_kwargs(**{k: v for k, v in engine_kwargs(ns).items()  # the Nones are what the engine takes
+                              if not k.startswith("speculative")}, speculative_algorithm="DFLASH",
+                           speculative_draft_model_quantization=None)
+    assert build_parser().parse_args(["--port", "0"]).port == 0
+    for port in ("70000", "-5", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--port", port])
+
+
 def request(**kwargs) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kwargs)
 

@@ -15,6 +15,28 @@ from specjet.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 _CONVERTERS = {"int": int, "float": float, "str": str}
 
 
+class _Null:
+    """An engine flag given as "none": the argument's None (float weights for --quantization, no limit for a
+    grammar timeout), which a flag left out (argparse's None) could not say."""
+
+
+NULL = _Null()
+
+
+def _nullable(convert):
+    def parse(text: str):
+        return NULL if text.lower() == "none" else convert(text)
+    parse.__name__ = convert.__name__  # argparse names the type in its messages
+    return parse
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "Engine arguments (specjet.EngineArgs, SGLang's names)")
     for f in dataclasses.fields(EngineArgs):
@@ -28,15 +50,18 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=f.name, action="store_true", default=None)
             continue
         convert = next(_CONVERTERS[k] for k in kinds if k in _CONVERTERS)
-        group.add_argument(flag, dest=f.name, type=convert, default=None, metavar="PATH" if f.name.endswith("_path") else kinds[0].upper(),
-                           help=f"(default: {f.default})")
+        path = f.name.endswith("_path")
+        nullable = "None" in kinds and not path  # (a path named "none" stays a path)
+        group.add_argument(flag, dest=f.name, type=_nullable(convert) if nullable else convert, default=None,
+                           metavar="PATH" if path else kinds[0].upper(),
+                           help=f"(default: {f.default}{'; none: None' if nullable else ''})")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjet serve",
                                      description="An OpenAI-compatible server (FastAPI + uvicorn) over one specjet Engine.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=_port, default=30000, help="0: any free port (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("SPECJET_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECJET_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,
@@ -52,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """The engine flags the user gave (the rest keep EngineArgs' defaults)."""
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    return {k: None if v is NULL else v for k, v in vars(ns).items() if k in names and v is not None}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -73,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     kwargs = engine_kwargs(ns)
     try:
         engine = specjet.Engine(**kwargs)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OSError) as error:  # OSError: a model or draft path that is not there
         print(f"specjet serve: {error}", file=sys.stderr)
         return 2
     name = ns.served_model_name or (os.path.basename(str(kwargs["model_path"]).rstrip("/"))
@@ -81,7 +106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     app = BodyLimit(create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints),
                     ns.max_request_bytes)
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+        # uvicorn's start-up lines say where it listens (the port --port 0 picked); no line per request.
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level="info", access_log=False)
     finally:
         engine.shutdown()
     return 0
