@@ -291,9 +291,67 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     assert set(training["data"]["eval"]) == {"gsm8k", "gsm8k_fewshot", "json"}
     assert set(training["eval"]["all"]["accept_length"]) == {"1", "2", "3"}
     load_eagle(out, load_runner(tiny_model_dir, tokens=64).config)
+    # The replies are cached per dtype of the engine that wrote them ("auto" as resolved, also in the command),
+    # and the command records the thread count.
+    from specjet.kernels.cpu_features import has_native_bf16
+
+    dtype = "bfloat16" if has_native_bf16() else "float32"
+    assert all(p.name.endswith(f"-{dtype}.jsonl") for p in (tmp_path / "work" / "data").glob("*.jsonl"))
+    assert f"--generate-dtype {dtype}" in training["command"] and "--threads 1" in training["command"]
     # A rerun finds everything cached: no generation, no features, the training checkpoint reused.
     main(argv)
     assert read_eagle_config(out)["training"]["timings_s"]["features"] < 1.0
+
+
+def test_a_work_dir_or_an_out_that_holds_something_else_is_refused(tiny_model_dir, default_model_dir, tmp_path,
+                                                                    capsys):
+    """Another model in a folder of the same name found the first one's cached replies, features and finished
+    checkpoint, and saved the first one's head; --out naming the target's own folder wrote the head over it. Both
+    are refused before any work, naming the folder."""
+    from conftest import make_tiny_model_dir
+    from specjet.train.__main__ import main
+    from specjet.train.eagle import claim_work_dir, default_work_dir, target_fingerprint
+
+    other = make_tiny_model_dir(tmp_path / "elsewhere" / tiny_model_dir.name, default_model_dir, seed=7)
+    assert other.name == tiny_model_dir.name and target_fingerprint(other) != target_fingerprint(tiny_model_dir)
+    assert default_work_dir("eagle", other) != default_work_dir("eagle", tiny_model_dir)
+    work = tmp_path / "work"
+    claim_work_dir(work, target_fingerprint(tiny_model_dir), tiny_model_dir)
+    claim_work_dir(work, target_fingerprint(tiny_model_dir), tiny_model_dir)  # the same target: taken again
+    with pytest.raises(SystemExit) as exit_:
+        main(["eagle", "--model-path", str(other), "--work-dir", str(work), "--threads", "1"])
+    assert exit_.value.code == 2 and "holds the data of another target" in capsys.readouterr().err
+    config_before = (other / "config.json").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        main(["eagle", "--model-path", str(other), "--work-dir", str(tmp_path / "work2"), "--out", str(other),
+              "--threads", "1"])
+    assert exit_.value.code == 2 and "holds no specjet-eagle draft: not overwritten" in capsys.readouterr().err
+    assert (other / "config.json").read_text() == config_before
+
+
+@pytest.mark.parametrize("job", ["eagle", "dflash"])
+@pytest.mark.parametrize("flag,value", [
+    ("--num-eval", "0"), ("--hot-vocab", "-1"), ("--checkpoint-every", "0"), ("--steps", "0"), ("--lr", "-1"),
+    ("--lr", "nan"), ("--threads", "0"), ("--max-len", "1"), ("--max-running-requests", "0"),
+    ("--json-eval-every", "0"), ("--gsm8k", "/nonexistent.jsonl"), ("--warmup-steps", "-1")])
+def test_a_trainer_flag_out_of_range_is_refused_when_read(job, flag, value, capsys):
+    """Each was taken and failed after the data and feature stages (a division by zero, a reshape, the optimizer),
+    crashed after training (--num-eval 0), or wrote a head quietly wrong (--steps 0, --hot-vocab -1)."""
+    from specjet.train.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([job, flag, value])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--decay", "0"), ("--blocks-per-seq", "0"), ("--block-size", "1"),
+                                        ("--num-layers", "0"), ("--window", "0")])
+def test_a_dflash_flag_out_of_range_is_refused_when_read(flag, value, capsys):
+    from specjet.train.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["dflash", flag, value])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_the_target_to_learn_follows_the_engines_default_weights(tiny_model_dir, runner):

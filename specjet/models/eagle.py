@@ -368,6 +368,21 @@ def check_target_shape(draft: ModelConfig, target: ModelConfig, what: str) -> No
             raise ValueError(f"{what} and target differ in {name}: {getattr(draft, name)} vs {getattr(target, name)}")
 
 
+def check_draft_dir(directory, fmt: str) -> None:
+    """FileExistsError unless ``directory`` is missing, empty or a ``fmt`` draft's: a draft replaces only a draft of
+    its kind (a target model's own folder, say, is never written over)."""
+    directory = pathlib.Path(directory)
+    if not directory.exists() or (directory.is_dir() and not any(directory.iterdir())):
+        return
+    try:
+        held = json.loads((directory / CONFIG_NAME).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        held = None
+    if held != fmt:
+        raise FileExistsError(f"{directory} is not empty and holds no {fmt} draft: not overwritten (choose another "
+                              f"folder)")
+
+
 def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torch.dtype, target_gguf: str | None,
                 training: dict | None, fields: dict) -> pathlib.Path:
     """A draft's directory: ``model.safetensors`` (the draft's own parameters in ``dtype`` and its hot ids; never the
@@ -376,6 +391,7 @@ def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torc
     from safetensors.torch import save_file
 
     directory = pathlib.Path(directory)
+    check_draft_dir(directory, fmt)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
     if model.hot_token_ids is not None:

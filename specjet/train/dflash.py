@@ -28,7 +28,10 @@ import json
 import pathlib
 import time
 
-from specjet.train.eagle import (_gguf_name, add_data_arguments, cli_main, describe, frozen_target, target_features,
+from specjet.train.arg_types import (block_size, fraction, non_negative_float, non_negative_int, positive_float,
+                                     positive_int)
+from specjet.train.eagle import (_gguf_name, _threads, add_data_arguments, claim_work_dir, cli_main, default_work_dir,
+                                 describe, frozen_target, generate_dtype, target_features, target_fingerprint,
                                  target_quantization, timed_samples)
 
 
@@ -40,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--work-dir", type=pathlib.Path, default=None,
-                   help="cache for features and checkpoints (default: <specjet cache>/train/dflash-<model>)")
+                   help="cache for features and checkpoints (default: <specjet cache>/train/dflash-<model>-<its "
+                        "fingerprint>; a folder that holds another target's data is refused)")
     p.add_argument("--data-dir", type=pathlib.Path, default=None,
                    help="cache of the generated target replies (default: the EAGLE trainer's, "
-                        "<specjet cache>/train/eagle-<model>/data)")
+                        "<specjet cache>/train/eagle-<model>-<its fingerprint>/data)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="where to write the draft (default: <work-dir>/draft)")
     add_data_arguments(p)
     # More target replies than the EAGLE trainer's default: the shipped draft's recipe (each doubling
@@ -53,11 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     # draft as good in the engine; bench/RESULTS.md, sessions 71 and 87).
     p.set_defaults(num_target_replies=2800, json_per_schema=4, target_quantization="auto")
     model = p.add_argument_group("draft and training")
-    model.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
-    model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
+    model.add_argument("--num-layers", type=positive_int, default=1, help="draft decoder layers")
+    model.add_argument("--hot-vocab", type=non_negative_int, default=8192, help="hot token head size (0: the full vocabulary)")
     model.add_argument("--target-layers", type=int, nargs="*", default=None,
                        help="target layers whose residual stream the context reads (default: 5 spread over 1 .. L-3)")
-    model.add_argument("--block-size", type=int, default=8, help="block tokens, root included")
+    model.add_argument("--block-size", type=block_size, default=8, help="block tokens, root included")
     model.add_argument("--mask-token-id", type=int, default=None,
                        help="id standing for a mask token in a block (default: the vocabulary's last id; its "
                             "embedding is learned, the id only labels block positions)")
@@ -71,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--position-masks", action=argparse.BooleanOptionalAction, default=False,
                        help="a mask embedding per block position instead of one for all (specjet's addition, "
                             "models/dflash.py)")
-    model.add_argument("--known-prefix-rate", type=_fraction, default=0.3,
+    model.add_argument("--known-prefix-rate", type=fraction, default=0.3,
                        help="fraction of training blocks holding their next 1 .. S-2 tokens after the root in place "
                             "of mask tokens (a grammar's forced text, which the drafter then puts in its blocks); "
                             "0: DFlash's blocks as published")
@@ -85,29 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
                             "float32: oneDNN's float32 everywhere")
     model.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
                        help="train with bf16 matmuls (fp32 weights and loss); auto: where the CPU has native bf16")
-    model.add_argument("--steps", type=int, default=6000)
-    model.add_argument("--batch-tokens", type=int, default=2048)
-    model.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept before each reply")
-    model.add_argument("--blocks-per-seq", type=int, default=32, help="random anchors per sequence per step")
-    model.add_argument("--decay", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/decay)")
-    model.add_argument("--window", type=int, default=None, help="context positions a block sees (default: all)")
+    model.add_argument("--steps", type=positive_int, default=6000)
+    model.add_argument("--batch-tokens", type=positive_int, default=2048)
+    model.add_argument("--max-prompt", type=positive_int, default=256, help="prompt tokens kept before each reply")
+    model.add_argument("--blocks-per-seq", type=positive_int, default=32, help="random anchors per sequence per step")
+    model.add_argument("--decay", type=positive_float, default=4.0, help="loss weight of block position k: exp(-(k-1)/decay)")
+    model.add_argument("--window", type=positive_int, default=None, help="context positions a block sees (default: all)")
     model.add_argument("--labels", default="target", choices=["target", "sequence"],
                        help="what a block position learns: the target's greedy token after the text's prefix "
                             "(the same as the text on the target's own replies), or the text's token")
-    model.add_argument("--distill", type=_fraction, default=0.0,
+    model.add_argument("--distill", type=fraction, default=0.0,
                        help="weight of the target's distribution in each block position's label (knowledge "
                             "distillation through its LM head; the rest is the greedy one-hot label). 0 in the "
                             "shipped recipe: its held-out gain at the recipe's steps did not carry into the engine's "
                             "acceptance (bench/RESULTS.md, session 95)")
-    model.add_argument("--lr", type=float, default=2e-3)
-    model.add_argument("--weight-decay", type=_non_negative, default=0.3,
+    model.add_argument("--lr", type=positive_float, default=2e-3)
+    model.add_argument("--weight-decay", type=non_negative_float, default=0.3,
                        help="AdamW's decoupled weight decay on the draft's parameters (the shipped draft's: "
                             "bench/RESULTS.md, sessions 33 and 34)")
-    model.add_argument("--warmup-steps", type=int, default=30)
-    model.add_argument("--checkpoint-every", type=int, default=100)
+    model.add_argument("--warmup-steps", type=non_negative_int, default=30)
+    model.add_argument("--checkpoint-every", type=positive_int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores not busy with other work, at least 1)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: the cores this process may use; the DFlash draft's bits depend "
+                        "on the count, which the draft's config records)")
     return p
 
 
@@ -120,16 +125,22 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from specjet.models.config import ModelConfig
+    from specjet.models.dflash import FORMAT as DFLASH_FORMAT
     from specjet.models.dflash import DFlashDraftModel, DFlashShape, default_target_layers, save_dflash
+    from specjet.models.eagle import check_draft_dir
     from specjet.models.forward_batch import FeatureLayers
-    from specjet.models.weights import resolve_model_path, specjet_cache_dir
+    from specjet.models.weights import resolve_model_path
     from specjet.train import data as D
     from specjet.train.dflash_trainer import DFlashTrainConfig, evaluate, format_report, train
 
     model_dir = resolve_model_path(args.model_path)
-    work = args.work_dir or specjet_cache_dir() / "train" / f"dflash-{model_dir.name}"
-    data_dir = args.data_dir or specjet_cache_dir() / "train" / f"eagle-{model_dir.name}" / "data"
+    target = target_fingerprint(model_dir)
+    work = args.work_dir or default_work_dir("dflash", model_dir)
+    data_dir = args.data_dir or default_work_dir("eagle", model_dir) / "data"
+    for folder in (work, data_dir):
+        claim_work_dir(folder, target, model_dir)
     out = args.out or work / "draft"
+    check_draft_dir(out, DFLASH_FORMAT)  # before the hour of work, not after
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)
@@ -200,23 +211,6 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a float in [0, 1] (NaN refused)."""
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    """An argparse type: a finite float >= 0 (refused here rather than by the optimizer after the data
-    and feature stages)."""
-    value = float(text)
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _autocast(choice: str) -> bool:
     if choice == "auto":
         from specjet.kernels.cpu_features import has_native_bf16
@@ -237,9 +231,11 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
         value = getattr(args, key)
         if key == "target_quantization":  # as resolved for this model: "auto" alone would not say which target
             value = target_quantization(args) or "none"
+        elif key == "generate_dtype":
+            value = generate_dtype(args)
         flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
                     "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",
                     "--position-masks" if args.position_masks else "--no-position-masks",
                     "--mask-token-id", str(mask_id),
-                    "--target-layers", *map(str, target_layers)]
+                    "--target-layers", *map(str, target_layers), "--threads", str(_threads())]

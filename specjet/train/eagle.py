@@ -21,7 +21,11 @@ import hashlib
 import json
 import os
 import pathlib
+import sys
 import time
+
+from specjet.train.arg_types import (existing_file, non_negative_float, non_negative_int, positive_float,
+                                     positive_int, sequence_len)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -33,11 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--work-dir", type=pathlib.Path, default=None,
-                   help="cache for generated data, features and checkpoints (default: <specjet cache>/train/eagle-<model>)")
+                   help="cache for generated data, features and checkpoints (default: <specjet "
+                        "cache>/train/eagle-<model>-<its fingerprint>; a folder that holds another target's data is "
+                        "refused)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="where to write the head (default: <work-dir>/head)")
     add_data_arguments(p)
     model = p.add_argument_group("head and training")
-    model.add_argument("--hot-vocab", type=int, default=8192, help="hot token head size (0: the full vocabulary)")
+    model.add_argument("--hot-vocab", type=non_negative_int, default=8192, help="hot token head size (0: the full vocabulary)")
     model.add_argument("--feature-layers", type=int, nargs="*", default=[1, 14],
                        help="EAGLE-3 features: the head also reads the target's residual stream after these layers "
                             "(default: a low and a middle layer of the 30; give the flag alone for the final hidden "
@@ -50,31 +56,32 @@ def build_parser() -> argparse.ArgumentParser:
                             "tile products each (within ~2^-16 of float32 a product, the features kept in fp16 anyway; "
                             "the stage 1.1-1.4x faster: kernels/bf16_gemm.py's Bf16x3Linear), else oneDNN's float32; "
                             "float32: oneDNN's float32 everywhere")
-    model.add_argument("--steps", type=int, default=800)
-    model.add_argument("--batch-tokens", type=int, default=2048)
-    model.add_argument("--max-prompt", type=int, default=256,
+    model.add_argument("--steps", type=positive_int, default=800)
+    model.add_argument("--batch-tokens", type=positive_int, default=2048)
+    model.add_argument("--max-prompt", type=positive_int, default=256,
                        help="training sees at most this many prompt tokens before a reply (the few-shot prompts are ~750)")
-    model.add_argument("--lr", type=float, default=1e-3)
-    model.add_argument("--warmup-steps", type=int, default=40)
-    model.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
-    model.add_argument("--p-weight", type=float, default=0.3,
+    model.add_argument("--lr", type=positive_float, default=1e-3)
+    model.add_argument("--warmup-steps", type=non_negative_int, default=40)
+    model.add_argument("--noise", type=non_negative_float, default=0.2, help="width of the uniform noise on input features")
+    model.add_argument("--p-weight", type=non_negative_float, default=0.3,
                        help="weight of the cross-entropy term (the paper: 0.1; 0.3 drafted better here)")
-    model.add_argument("--depths", type=int, default=3,
+    model.add_argument("--depths", type=positive_int, default=3,
                        help="draft depths trained: 1 = teacher forcing only (EAGLE-1); d > 1 also trains draft "
                             "steps 1..d-1 on the head's own hidden states (training-time test)")
-    model.add_argument("--depth-decay", type=float, default=0.8, help="loss weight of depth d: decay ** d")
-    model.add_argument("--checkpoint-every", type=int, default=100)
-    model.add_argument("--eval-steps", type=int, default=5, help="draft steps k evaluated: 1..n")
+    model.add_argument("--depth-decay", type=positive_float, default=0.8, help="loss weight of depth d: decay ** d")
+    model.add_argument("--checkpoint-every", type=positive_int, default=100)
+    model.add_argument("--eval-steps", type=positive_int, default=5, help="draft steps k evaluated: 1..n")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores not busy with other work, at least 1)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: the cores this process may use; the DFlash draft's bits depend "
+                        "on the count, which the draft's config records)")
     return p
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
     """The data stage's options (``collect_samples`` reads them), shared by every draft trainer."""
     data = p.add_argument_group("data")
-    data.add_argument("--gsm8k", type=pathlib.Path, default=SHARED_DATA / "gsm8k" / "train.jsonl",
+    data.add_argument("--gsm8k", type=existing_file, default=SHARED_DATA / "gsm8k" / "train.jsonl",
                       help="GSM8K *train* jsonl (question, answer); never point this at the test split")
     data.add_argument("--jsonschema-dir", type=pathlib.Path, default=SHARED_DATA / "jsonschema",
                       help="folder with index.json (schema files and prompts); '' to skip")
@@ -86,20 +93,20 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                            "%(default)s (the EAGLE trainer's none: a head trained on the GGUF target drafted no "
                            "better for it; the DFlash trainer's auto: a faster feature stage and a draft as good; "
                            "bench/RESULTS.md, sessions 15 and 87)")
-    data.add_argument("--num-target-replies", type=int, default=617,
+    data.add_argument("--num-target-replies", type=non_negative_int, default=617,
                       help="GSM8K train questions the target answers greedily for training")
-    data.add_argument("--num-few-shot-replies", type=int, default=64,
+    data.add_argument("--num-few-shot-replies", type=non_negative_int, default=64,
                       help="GSM8K train questions the target answers greedily in the benchmark's few-shot form")
-    data.add_argument("--num-human-replies", type=int, default=200, help="GSM8K reference solutions for training")
-    data.add_argument("--num-eval", type=int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
-    data.add_argument("--num-few-shot-eval", type=int, default=24,
+    data.add_argument("--num-human-replies", type=non_negative_int, default=200, help="GSM8K reference solutions for training")
+    data.add_argument("--num-eval", type=positive_int, default=40, help="held-out GSM8K train questions for evaluation (chat)")
+    data.add_argument("--num-few-shot-eval", type=non_negative_int, default=24,
                       help="of those, how many are also evaluated in the few-shot form")
-    data.add_argument("--json-per-schema", type=int, default=2, help="instances per training schema (1 greedy, rest sampled)")
-    data.add_argument("--json-eval-every", type=int, default=5, help="every n-th schema is held out for evaluation")
-    data.add_argument("--max-new-tokens", type=int, default=320, help="longest target reply to a GSM8K question")
-    data.add_argument("--json-max-new-tokens", type=int, default=256, help="longest JSON instance")
-    data.add_argument("--max-len", type=int, default=1024, help="longest sequence (prompt and reply), in tokens")
-    data.add_argument("--max-running-requests", type=int, default=64, help="generation batch")
+    data.add_argument("--json-per-schema", type=non_negative_int, default=2, help="instances per training schema (1 greedy, rest sampled)")
+    data.add_argument("--json-eval-every", type=positive_int, default=5, help="every n-th schema is held out for evaluation")
+    data.add_argument("--max-new-tokens", type=positive_int, default=320, help="longest target reply to a GSM8K question")
+    data.add_argument("--json-max-new-tokens", type=positive_int, default=256, help="longest JSON instance")
+    data.add_argument("--max-len", type=sequence_len, default=1024, help="longest sequence (prompt and reply), in tokens")
+    data.add_argument("--max-running-requests", type=positive_int, default=64, help="generation batch")
     data.add_argument("--generate-quantization", default="target", choices=["target", "none", "gguf"],
                       help="weights of the engine that writes the target's replies (the text the draft reads; its "
                            "features and labels still come from --target-quantization's target); target: the same. "
@@ -111,11 +118,46 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_threads() -> int:
-    # On a shared machine a thread pool wider than the idle cores loses far more to waiting on a
-    # descheduled thread than it gains; count the cores the load average says are free.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    return max(1, min(cores, cores - busy))
+    """The cores this process may run on. Not fewer on a busy machine: the DFlash draft's bits depend on the thread
+    count (its training step's sums split by thread), so the same command must give the same draft at any load,
+    and a run resumed must go on as it began. On a shared machine, pass --threads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def target_fingerprint(model_dir: pathlib.Path) -> str:
+    """12 hex digits naming the target a work folder's replies and features come from: config.json's bytes and each
+    weight file's name, size and modification time. A model of the same folder name elsewhere, or one changed in
+    place, gets its own (a copy of the same model gets one too: its data is made again, which costs time, never a
+    draft of another model)."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth"):
+            stat = f.stat()
+            h.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def claim_work_dir(directory: pathlib.Path, fingerprint: str, model_dir: pathlib.Path) -> None:
+    """``directory`` (made if missing) marked as holding the data of the target ``fingerprint`` names; a
+    FileExistsError when it holds another target's (its cached replies and features would train a draft of that
+    one)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / "target.json"
+    if marker.is_file():
+        held = json.loads(marker.read_text())
+        if held.get("fingerprint") != fingerprint:
+            raise FileExistsError(f"{directory} holds the data of another target ({held.get('model')}, fingerprint "
+                                  f"{held.get('fingerprint')}; this one is {model_dir}, {fingerprint}): pass another "
+                                  f"folder, or remove it")
+        return
+    marker.write_text(json.dumps({"fingerprint": fingerprint, "model": str(model_dir)}) + "\n")
+
+
+def default_work_dir(kind: str, model_dir: pathlib.Path) -> pathlib.Path:
+    """<specjet cache>/train/<kind>-<model folder's name>-<target_fingerprint>."""
+    from specjet.models.weights import specjet_cache_dir
+
+    return specjet_cache_dir() / "train" / f"{kind}-{model_dir.name}-{target_fingerprint(model_dir)}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +173,11 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
 
     torch.set_num_threads(args.threads or default_threads())
     print(f"specjet.train {name}: {torch.get_num_threads()} torch thread(s)")
-    summary = run_args(args)
+    try:
+        summary = run_args(args)
+    except FileExistsError as error:  # a folder that holds something else: nothing was overwritten
+        print(f"python -m specjet.train {name}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
 
 
@@ -140,16 +186,19 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from specjet.models.config import ModelConfig
-    from specjet.models.eagle import EagleDraftModel, save_eagle
+    from specjet.models.eagle import FORMAT as EAGLE_FORMAT
+    from specjet.models.eagle import EagleDraftModel, check_draft_dir, save_eagle
     from specjet.models.forward_batch import FeatureLayers
-    from specjet.models.weights import resolve_model_path, specjet_cache_dir
+    from specjet.models.weights import resolve_model_path
     from specjet.train import data as D
     from specjet.train.evaluate import evaluate, format_report
     from specjet.train.trainer import TrainConfig, train
 
     model_dir = resolve_model_path(args.model_path)
-    work = args.work_dir or specjet_cache_dir() / "train" / f"eagle-{model_dir.name}"
+    work = args.work_dir or default_work_dir("eagle", model_dir)
+    claim_work_dir(work, target_fingerprint(model_dir), model_dir)
     out = args.out or work / "head"
+    check_draft_dir(out, EAGLE_FORMAT)  # before the hour of work, not after
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     timings: dict[str, float] = {}
@@ -274,6 +323,15 @@ def target_quantization(args) -> str | None:
     return None if choice == "none" else choice
 
 
+def generate_dtype(args) -> str:
+    """What ``--generate-dtype`` resolves to, as the engine resolves "auto" on this CPU."""
+    if args.generate_dtype != "auto":
+        return args.generate_dtype
+    from specjet.kernels.cpu_features import has_native_bf16
+
+    return "bfloat16" if has_native_bf16() else "float32"
+
+
 def generate_quantization(args) -> str | None:
     """What ``--generate-quantization`` resolves to: the weights that write the replies, "gguf" or None."""
     choice = args.generate_quantization
@@ -317,7 +375,8 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
 
     mnt = args.max_new_tokens
     quantization = generate_quantization(args)
-    q = f"-{quantization}" if quantization else ""  # replies of a quantized target are cached apart
+    # Replies are cached per engine that writes them: a quantized target's, or a float one's in its dtype.
+    q = f"-{quantization}" if quantization else f"-{generate_dtype(args)}"
     jobs = {  # cache file -> requests, in a fixed order
         f"gsm8k_target_eval-s{args.seed}-n{mnt}{q}.jsonl": gsm8k_requests(tokenizer, eval_records, mnt, "gsm8k"),
         f"gsm8k_target_train-s{args.seed}-n{mnt}{q}.jsonl":
@@ -407,5 +466,13 @@ def _argv_for_summary(args) -> list[str]:
                 "hot_vocab", "steps", "batch_tokens", "max_prompt", "lr", "warmup_steps", "noise", "p_weight",
                 "depths", "depth_decay", "generate_dtype", "generate_quantization", "feature_dtype", "feature_gemm",
                 "target_quantization", "seed"):
-        flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return flags + ["--feature-layers", *map(str, args.feature_layers)]
+        value = generate_dtype(args) if key == "generate_dtype" else getattr(args, key)  # "auto" as resolved
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags + ["--feature-layers", *map(str, args.feature_layers), "--threads", str(_threads())]
+
+
+def _threads() -> int:
+    """The torch threads the run had (the DFlash draft's bits depend on them)."""
+    import torch
+
+    return torch.get_num_threads()
