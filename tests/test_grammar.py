@@ -573,6 +573,25 @@ def test_output_check_bounds_its_patterns_time():
                       "additionalProperties": {"type": "integer"}}
         assert check_json_output(nested, json.dumps({"a" * 40: 1})).valid is None, key
     assert check_json_output(schema, '"ab"').valid is True  # a cheap match is checked as before
+    # The root reached again through "$ref": "#" with a "$schema" of its own ran jsonschema's stock class, on `re`.
+    for draft in ("http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft/2020-12/schema"):
+        recursive = {"$schema": draft, "type": "object", "properties": {
+            "s": {"type": "string", "not": {"pattern": "^(a|aa)+$b"}}, "child": {"$ref": "#"}}}
+        started = time.perf_counter()
+        result = check_json_output(recursive, json.dumps({"child": {"child": {"s": "a" * 40}}}))
+        assert time.perf_counter() - started < PATTERN_BUDGET_S + 0.5 and result.valid is None, draft
+        assert check_json_output(recursive, json.dumps({"child": {"s": 3}})).valid is False
+    nested = {"type": "object", "properties": {"x": {"$schema": "http://json-schema.org/draft-07/schema#"}}}
+    assert "below the root" in check_json_output(nested, '{"x": 1}').message
+
+
+def test_output_check_budget_counts_the_pattern_matches_alone():
+    """A long valid output under many cheap patterns: jsonschema's own work on it takes longer than the budget,
+    its matches far less; it is checked (the budget counted the whole check's time)."""
+    items = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^v{i}[0-9]*$"}},
+                        "required": [f"k{i}"]} for i in range(4)]}
+    output = json.dumps([{f"k{i % 4}": f"v{i % 4}{i}"} for i in range(3000)])
+    assert check_json_output({"type": "array", "items": items}, output) == OutputCheck(True)
 
 
 @pytest.mark.parametrize("schema,instances", [

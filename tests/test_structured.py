@@ -85,3 +85,12 @@ def test_function_tool_keeps_every_parameter_name():
     assert list(params["properties"]) == ["_id", "model_config", "json", "schema", "copy"]
     assert params["required"] == ["_id", "model_config"]
     assert params["properties"]["_id"]["type"] == "integer" and params["properties"]["schema"]["default"] == "s"
+
+    def search(query: str = pydantic.Field(description="the query"), limit: int = pydantic.Field(5, ge=1),
+               _page: int = pydantic.Field(1, ge=1, description="which page")):
+        """Search."""
+
+    params = specjet.function_tool(search)["function"]["parameters"]  # a Field default keeps what it says
+    assert params["required"] == ["query"] and params["properties"]["query"]["description"] == "the query"
+    assert params["properties"]["limit"] == {"default": 5, "minimum": 1, "title": "Limit", "type": "integer"}
+    assert params["properties"]["_page"]["minimum"] == 1 and params["properties"]["_page"]["description"] == "which page"

@@ -293,9 +293,10 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
     load_eagle(out, load_runner(tiny_model_dir, tokens=64).config)
     # The replies are cached per dtype of the engine that wrote them ("auto" as resolved, also in the command),
     # and the command records the thread count.
-    from specjet.kernels.cpu_features import has_native_bf16
+    import specjet
 
-    dtype = "bfloat16" if has_native_bf16() else "float32"
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=256) as eng:  # what "auto" is to an engine
+        dtype = eng.get_server_info()["dtype"]
     assert all(p.name.endswith(f"-{dtype}.jsonl") for p in (tmp_path / "work" / "data").glob("*.jsonl"))
     assert f"--generate-dtype {dtype}" in training["command"] and "--threads 1" in training["command"]
     # A rerun finds everything cached: no generation, no features, the training checkpoint reused.

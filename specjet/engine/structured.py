@@ -51,9 +51,14 @@ def function_tool(fn: Callable) -> dict:
             raise TypeError(f"{fn.__name__}: *args/**kwargs cannot be a tool's parameters")
         annotation = hints.get(name, Any)
         default = ... if param.default is inspect.Parameter.empty else param.default
-        # Each field under a neutral name, the parameter's as its alias: pydantic takes a name starting with "_"
-        # for a private attribute (dropped from the schema) and "model_config" for the model's configuration.
-        fields[f"p{i}"] = (annotation, pydantic.Field(default, alias=name))
+        if not name.startswith("_") and not hasattr(pydantic.BaseModel, name):
+            fields[name] = (annotation, default)  # a pydantic Field(...) default keeps its description and bounds
+            continue
+        # A name pydantic keeps for itself (a leading "_": a private attribute, dropped from the schema;
+        # "model_config", "json", "copy", ...: the model's own) goes under a neutral one, the parameter's as its alias.
+        info = (pydantic.fields.FieldInfo.merge_field_infos(default, pydantic.Field(alias=name))
+                if isinstance(default, pydantic.fields.FieldInfo) else pydantic.Field(default, alias=name))
+        fields[f"p{i}"] = (annotation, info)
     params_model = pydantic.create_model(f"{fn.__name__}_parameters", **fields)
     schema = params_model.model_json_schema()
     schema.pop("title", None)

@@ -22,8 +22,10 @@ from jsonschema.exceptions import ValidationError
 # Validators are built once per schema text: building one parses the schema and its $refs.
 _VALIDATOR_CACHE_SIZE = 128
 
-# Seconds the schema's patterns may take on one output, all together (a real schema's take microseconds).
-PATTERN_BUDGET_S = 0.05
+# CPU seconds the schema's pattern matches may take on one output, all together: a real schema's take a few
+# microseconds a string (thousands of matches in a long output: milliseconds), and a backtracking one stalls the
+# scheduler's thread at most this long.
+PATTERN_BUDGET_S = 0.25
 
 # jsonschema's messages quote the offending value, which may be the whole output.
 _MAX_MESSAGE_CHARS = 300
@@ -51,7 +53,7 @@ def check_json_output(schema: str | dict | bool, text: str) -> OutputCheck:
 
     The schema's own `$schema` picks the draft (2020-12 when it names none); `format` is not
     asserted (jsonschema's default, and what bench.json measures). The schema's patterns run on the
-    `regex` module within ``PATTERN_BUDGET_S`` for the whole check (an output past it is not checked):
+    `regex` module, their matches within ``PATTERN_BUDGET_S`` together (an output past it is not checked):
     the check runs on the scheduler thread, and a backtracking pattern that xgrammar does not enforce
     (under `not`, say) took Python's `re` hours on a 40-character output, every request waiting.
     """
@@ -64,7 +66,7 @@ def check_json_output(schema: str | dict | bool, text: str) -> OutputCheck:
             instance = json.loads(text)
         except json.JSONDecodeError as error:
             return OutputCheck(False, f"output is not JSON: {error.msg}: line {error.lineno} column {error.colno}")
-        _clock.deadline = time.monotonic() + PATTERN_BUDGET_S
+        _clock.left = PATTERN_BUDGET_S
         error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
     except _PatternBudgetSpent as spent:
         return OutputCheck(None, _clip(f"output not checked: the schema's patterns took more than "
@@ -85,7 +87,13 @@ def _validator(schema_text: str) -> Any:
             warnings.simplefilter("ignore")
             cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         cls.check_schema(schema)
+        # The root's draft, chosen above, without its "$schema": jsonschema gives a subschema that names a draft
+        # (the root, reached again through "$ref": "#") that draft's stock class, whose patterns run on `re`.
+        if isinstance(schema, dict):
+            schema = {k: v for k, v in schema.items() if k != "$schema"}
         keys = _keys(schema)
+        if "$schema" in keys:
+            return "a \"$schema\" below the root (its subschemas' patterns would run without a time bound)"
         if "patternProperties" in keys and "unevaluatedProperties" in keys:  # jsonschema matches these with `re`
             return "patternProperties beside unevaluatedProperties (their patterns' time could not be bounded)"
         bounded = {k: f for k, f in _BOUNDED_KEYWORDS.items() if k in cls.VALIDATORS}
@@ -105,19 +113,27 @@ class _PatternBudgetSpent(Exception):
     """The check's patterns ran past PATTERN_BUDGET_S (args: the pattern running then)."""
 
 
-_clock = threading.local()  # .deadline: time.monotonic() at which the running check's patterns stop
+_clock = threading.local()  # .left: seconds the running check's patterns may still take
 
 
 def _search(pattern: str, text: str) -> bool:
     """``re.search`` as jsonschema does it, on the `regex` module (Python's `re` syntax, and it can stop):
-    within what is left of the check's budget, the GIL released while it matches."""
-    left = _clock.deadline - time.monotonic()
-    if left <= 0:
+    within what is left of the check's pattern budget (the matches' CPU time alone: jsonschema's own work on a
+    long output is not counted), the GIL released while it matches."""
+    if _clock.left <= 0:
         raise _PatternBudgetSpent(pattern)
+    started = time.thread_time()  # this thread's CPU time: a busy machine does not spend the budget
     try:
-        return regex.search(pattern, text, concurrent=True, timeout=left) is not None
+        return _compiled(pattern).search(text, concurrent=True, timeout=_clock.left) is not None
     except TimeoutError:
         raise _PatternBudgetSpent(pattern) from None
+    finally:
+        _clock.left -= time.thread_time() - started
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str):
+    return regex.compile(pattern)
 
 
 # The keywords whose jsonschema implementations call `re.search`, as jsonschema writes them, on ``_search``.

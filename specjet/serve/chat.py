@@ -476,7 +476,8 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
                     at = block.end
             content = "".join(pieces) + text[at:]
             content = content[:streamable_end(content)] if cut else content  # less a <tool_call> cut as it began
-            content = content if content.strip() else None
+            # Beside calls, blank text is no content; with none, the prose is what a stream sent, blank or not.
+            content = content if (content.strip() if calls else content) else None
     if calls:
         if not plan.parallel:
             calls = calls[:1]

@@ -90,7 +90,7 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
             return dflash
         return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
                              cfg.max_tree_nodes)
-    raise NotImplementedError(f"speculative_algorithm {cfg.algorithm!r} is not available")
+    raise ValueError(f"speculative_algorithm {cfg.algorithm!r} is not available")
 
 
 # Forced texts repeat (a schema's keys and punctuation, every object): their splits are kept, up to this many

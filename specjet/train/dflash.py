@@ -233,7 +233,8 @@ def _argv_for_summary(args, target_layers, mask_id) -> list[str]:
             value = target_quantization(args) or "none"
         elif key == "generate_dtype":
             value = generate_dtype(args)
-        flags += [f"--{key.replace('_', '-')}", str(value)]
+        if value is not None:  # (a flag left at None, --window's "all", is left out: "None" would not parse)
+            flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags + ["--root-context" if args.root_context else "--no-root-context",
                     "--prev-token-input" if args.prev_token_input else "--no-prev-token-input",
                     "--position-masks" if args.position_masks else "--no-position-masks",

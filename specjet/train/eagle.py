@@ -324,12 +324,14 @@ def target_quantization(args) -> str | None:
 
 
 def generate_dtype(args) -> str:
-    """What ``--generate-dtype`` resolves to, as the engine resolves "auto" on this CPU."""
-    if args.generate_dtype != "auto":
-        return args.generate_dtype
-    from specjet.kernels.cpu_features import has_native_bf16
+    """What ``--generate-dtype`` resolves to in the engine that writes the replies (its device "auto": a GPU's
+    bf16 where there is one, on a CPU bf16 only with native bf16 instructions)."""
+    import torch
 
-    return "bfloat16" if has_native_bf16() else "float32"
+    from specjet.models.runner import resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return str(resolve_dtype(args.generate_dtype, device)).removeprefix("torch.")
 
 
 def generate_quantization(args) -> str | None:
