@@ -34,6 +34,7 @@ RANKS = {
     "specjet.models": 2,
     "specjet.grammar": 2,
     "specjet.kernels": 1,
+    "specjet.arg_types": 0,  # the command lines' argparse types: standard library only
 }
 # Same-rank imports that are allowed (importer package, imported package): the programs use the
 # public package. Every other pair of equal rank are peers that must not import each other.

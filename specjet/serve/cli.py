@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from specjet.arg_types import port
 from specjet.engine.args import EngineArgs
 from specjet.serve.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
@@ -30,11 +31,6 @@ def _nullable(convert):
     return parse
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
-    return port
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjet serve",
                                      description="An OpenAI-compatible server (FastAPI + uvicorn) over one specjet Engine.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=_port, default=30000, help="0: any free port (default: %(default)s)")
+    parser.add_argument("--port", type=port, default=30000, help="0: any free port (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("SPECJET_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECJET_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,

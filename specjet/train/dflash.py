@@ -28,8 +28,8 @@ import json
 import pathlib
 import time
 
-from specjet.train.arg_types import (block_size, fraction, non_negative_float, non_negative_int, positive_float,
-                                     positive_int)
+from specjet.arg_types import (block_size, fraction, non_negative_float, non_negative_int, positive_float,
+                              positive_int)
 from specjet.train.eagle import (_gguf_name, _threads, add_data_arguments, claim_work_dir, cli_main, default_work_dir,
                                  describe, frozen_target, generate_dtype, target_features, target_fingerprint,
                                  target_quantization, timed_samples)

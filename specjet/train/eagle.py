@@ -24,8 +24,8 @@ import pathlib
 import sys
 import time
 
-from specjet.train.arg_types import (existing_file, non_negative_float, non_negative_int, positive_float,
-                                     positive_int, sequence_len)
+from specjet.arg_types import (existing_file, non_negative_float, non_negative_int, positive_float,
+                              positive_int, sequence_len)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

@@ -1,5 +1,6 @@
-"""argparse types for the draft trainers' flags: a value out of range is refused when the command is read,
-with the flag's name, not by a division or a reshape after the data and feature stages (or never)."""
+"""argparse types for the command lines' flags (the draft trainers', `specjet serve`'s): a value out of range is
+refused when the command is read, with the flag's name, not by a division or a reshape after a trainer's data and
+feature stages, or by the server after its engine has loaded."""
 from __future__ import annotations
 
 import argparse
@@ -7,21 +8,24 @@ import math
 import pathlib
 
 
-def _at_least(least: int):
+def int_in(least: int, most: int | None = None):
+    """An integer in [least, most] (no upper bound where ``most`` is None)."""
     def parse(text: str) -> int:
         value = int(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text}")
+        if value < least or (most is not None and value > most):
+            bounds = f">= {least}" if most is None else f"in [{least}, {most}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text}")
         return value
     parse.__name__ = "int"  # argparse names the type in its messages
     return parse
 
 
-positive_int = _at_least(1)
-non_negative_int = _at_least(0)
+positive_int = int_in(1)
+non_negative_int = int_in(0)
 MIN_SEQUENCE_TOKENS = 32  # --max-len: a prompt and a reply of some length (fewer left nothing to train on)
-sequence_len = _at_least(MIN_SEQUENCE_TOKENS)
-block_size = _at_least(2)  # a DFlash block: the root and at least one draft
+sequence_len = int_in(MIN_SEQUENCE_TOKENS)
+block_size = int_in(2)  # a DFlash block: the root and at least one draft
+port = int_in(0, 65535)  # 0: any free port
 
 
 def positive_float(text: str) -> float:
