@@ -165,6 +165,19 @@ def test_stream_must_be_a_bool(engine):
     engine.check_kv_invariant()
 
 
+def test_log_level_info_shows_the_start_up_choices_on_its_own(tiny_model_dir):
+    """A script that sets up no logging: log_level="info" printed nothing (Python's last resort shows warnings)."""
+    import subprocess
+    import sys
+
+    script = ("import specjet\n"
+              f"with specjet.Engine(model_path={str(tiny_model_dir)!r}, max_total_tokens=256, log_level='info') as e:\n"
+              "    e.generate('a', {'max_new_tokens': 1})\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "specjet.models.runner INFO KV cache: 256 tokens" in run.stderr
+
+
 def test_unknown_engine_arg_is_named(tiny_model_dir):
     with pytest.raises(TypeError, match="max_batch_size"):
         specjet.Engine(model_path=str(tiny_model_dir), max_batch_size=4)

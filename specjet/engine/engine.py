@@ -24,6 +24,18 @@ from specjet.spec_v2.config import HYBRID_ALGORITHMS
 logger = logging.getLogger("specjet")
 
 
+def _show_logs(level: str) -> None:
+    """The "specjet" logger at ``level``, and where no handler would show its records (Python's last resort shows
+    warnings only: log_level="info" printed nothing), a stderr handler of its own, added once. An application that
+    configures logging (a root handler, or one on "specjet") keeps its own."""
+    specjet_logger = logging.getLogger("specjet")
+    specjet_logger.setLevel(level.upper())
+    if not specjet_logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        specjet_logger.addHandler(handler)
+
+
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +79,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = EngineArgs.from_kwargs(model_path=model_path, **kwargs)
-        logging.getLogger("specjet").setLevel(self.args.log_level.upper())
+        _show_logs(self.args.log_level)
         from specjet.engine.loading import load_components
 
         parts = load_components(self.args, _resolve_device(self.args.device))
