@@ -52,6 +52,9 @@ def test_cli_says_none_and_checks_the_port():
                               if not k.startswith("speculative")}, speculative_algorithm="DFLASH",
                            speculative_draft_model_quantization=None)
     assert build_parser().parse_args(["--port", "0"]).port == 0
+    from specjet.serve.cli import main
+
+    assert main(["--host", "no-such-host.invalid", "--model-path", "/nonexistent"]) == 2  # before any engine loads
     for port in ("70000", "-5", "x"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--port", port])

@@ -178,7 +178,10 @@ def test_training_lowers_the_loss_and_resumes_exactly(runner, samples, sequences
         T.train(new_head(runner, hot), sequences, cfg, tmp_path / "b.pt")
     monkeypatch.setattr(T, "batch_loss", real_batch_loss)
     resumed = new_head(runner, hot)
-    T.train(resumed, sequences, cfg, tmp_path / "b.pt")
+    # Resumed with another checkpoint interval (it changes no result: the run goes on, where it restarted at 0).
+    import dataclasses
+
+    assert T.train(resumed, sequences, dataclasses.replace(cfg, checkpoint_every=7), tmp_path / "b.pt")["steps"] == 60
     for (name, p), q in zip(head.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
 
@@ -414,3 +417,15 @@ def test_replies_can_be_written_by_the_gguf_engine_for_a_float_target(tmp_path):
                             sampling_params={"temperature": 0, "max_new_tokens": 8})
         eng.check_kv_invariant()
     assert [s.ids[s.prompt_len:] for s in samples] == [o["output_ids"] for o in outs]
+
+
+def test_an_interrupted_trainer_says_how_to_resume(capsys):
+    """Ctrl-C printed a KeyboardInterrupt traceback; the command now ends with 130 and says the rerun resumes."""
+    from specjet.train.eagle import build_parser, cli_main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_main("eagle", build_parser, interrupted, ["--threads", "1"])
+    assert exit_.value.code == 130 and "the same command resumes" in capsys.readouterr().err

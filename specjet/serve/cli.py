@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 from typing import Any, Optional, Sequence
 
@@ -83,6 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.max_request_bytes < 1:
         print(f"specjet serve: --max-request-bytes must be positive, got {ns.max_request_bytes}", file=sys.stderr)
+        return 2
+    try:  # before the engine loads: a host that names no address was uvicorn's error after it, without the name
+        socket.getaddrinfo(ns.host, ns.port)
+    except (socket.gaierror, UnicodeError) as error:
+        print(f"specjet serve: --host {ns.host!r} names no address to bind: {error}", file=sys.stderr)
         return 2
     import uvicorn
 

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     from specjet.models.weights import resolve_model_path
     from specjet.train import data as D
     from specjet.train.dflash_trainer import DFlashTrainConfig, evaluate, format_report, train
+    from specjet.train.trainer import result_config
 
     model_dir = resolve_model_path(args.model_path)
     target = target_fingerprint(model_dir)
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
                             autocast_bf16=_autocast(args.autocast),
                             warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
                             known_prefix_rate=args.known_prefix_rate, distill=args.distill)
-    run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(shape),
+    run_key = hashlib.sha256(json.dumps([result_config(cfg), dataclasses.asdict(shape),
                                          args.hot_vocab]).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
     result = train(draft, train_seqs, cfg, train_dir / f"checkpoint-dflash-{run_key}.pt")

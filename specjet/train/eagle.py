@@ -178,6 +178,10 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
     except FileExistsError as error:  # a folder that holds something else: nothing was overwritten
         print(f"python -m specjet.train {name}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"python -m specjet.train {name}: interrupted; the same command resumes from what is cached and the "
+              f"last checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
     print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
 
 
@@ -192,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
     from specjet.models.weights import resolve_model_path
     from specjet.train import data as D
     from specjet.train.evaluate import evaluate, format_report
-    from specjet.train.trainer import TrainConfig, train
+    from specjet.train.trainer import TrainConfig, result_config, train
 
     model_dir = resolve_model_path(args.model_path)
     work = args.work_dir or default_work_dir("eagle", model_dir)
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> dict:
                       noise=args.noise, p_weight=args.p_weight, seed=args.seed, checkpoint_every=args.checkpoint_every,
                       depths=args.depths, depth_decay=args.depth_decay)
     t0 = time.perf_counter()
-    run_key = hashlib.sha256(json.dumps([dataclasses.asdict(cfg), args.hot_vocab]).encode()).hexdigest()[:12]
+    run_key = hashlib.sha256(json.dumps([result_config(cfg), args.hot_vocab]).encode()).hexdigest()[:12]
     result = train(head, train_seqs, cfg, train_dir / f"checkpoint-{run_key}.pt")
     timings["train"] = round(time.perf_counter() - t0, 1)
     print(f"training: {result['steps']} steps, first step {result['first']}, last steps (mean) {result['final']}")

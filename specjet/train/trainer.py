@@ -143,13 +143,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
+def result_config(cfg) -> dict:
+    """A training config's fields that change the result (a run key, what a resumed run must share): all but how
+    often it checkpoints. ``cfg``: the config or its ``asdict``."""
+    fields = dict(cfg) if isinstance(cfg, dict) else asdict(cfg)
+    fields.pop("checkpoint_every", None)
+    return fields
+
+
 def resume(checkpoint, cfg, model, optimizer, generator: torch.Generator) -> tuple[int, list]:
     """(step, history) to go on from: a checkpoint's, restoring the model, the optimizer and the
     generator (refused when written under another config), or (0, []) without one."""
     if checkpoint is None or not checkpoint.is_file():
         return 0, []
     state = torch.load(checkpoint, weights_only=False)
-    if state["config"] != asdict(cfg):
+    if result_config(state["config"]) != result_config(cfg):
         raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
                          "delete it (or the work dir) to start over")
     model.load_state_dict(state["model"])
