@@ -564,7 +564,9 @@ def test_output_check_bounds_its_patterns_time():
     schema = {"type": "string", "not": {"pattern": "^(a|aa)+$b"}}
     started = time.perf_counter()
     result = check_json_output(schema, json.dumps("a" * 40))
-    assert time.perf_counter() - started < PATTERN_BUDGET_S + 0.5
+    # Without the budget the match's time grows ~1.6x a character (the budget is CPU time; a busy machine
+    # stretches the wall time around it).
+    assert time.perf_counter() - started < PATTERN_BUDGET_S + 5
     assert result.valid is None and result.message.startswith("output not checked: the schema's patterns took more")
     for key in ("patternProperties", "additionalProperties"):  # the keywords that match property names
         nested = {"type": "object", "patternProperties": {"^(a|aa)+$b": {}}, "additionalProperties": False}
@@ -579,7 +581,7 @@ def test_output_check_bounds_its_patterns_time():
             "s": {"type": "string", "not": {"pattern": "^(a|aa)+$b"}}, "child": {"$ref": "#"}}}
         started = time.perf_counter()
         result = check_json_output(recursive, json.dumps({"child": {"child": {"s": "a" * 40}}}))
-        assert time.perf_counter() - started < PATTERN_BUDGET_S + 0.5 and result.valid is None, draft
+        assert time.perf_counter() - started < PATTERN_BUDGET_S + 5 and result.valid is None, draft
         assert check_json_output(recursive, json.dumps({"child": {"s": 3}})).valid is False
     nested = {"type": "object", "properties": {"x": {"$schema": "http://json-schema.org/draft-07/schema#"}}}
     assert "below the root" in check_json_output(nested, '{"x": 1}').message
