@@ -172,7 +172,8 @@ def test_log_level_info_shows_the_start_up_choices_on_its_own(tiny_model_dir):
 
     script = ("import specjet\n"
               f"with specjet.Engine(model_path={str(tiny_model_dir)!r}, max_total_tokens=256, log_level='info') as e:\n"
-              "    e.generate('a', {'max_new_tokens': 1})\n")
+              "    e.generate('a', {'max_new_tokens': 1})\n"
+              "    e.check_kv_invariant()\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "specjet.models.runner INFO KV cache: 256 tokens" in run.stderr

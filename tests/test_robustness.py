@@ -257,6 +257,25 @@ def test_a_context_longer_than_the_models_is_refused(tiny_model_dir):
         specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, context_length=4096)
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, context_length=2048) as eng:
         assert eng.generate("a", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+        eng.check_kv_invariant()
+
+
+def test_a_schema_pattern_over_the_check_budget_ends_checked_as_unknown_and_alone(tiny_model_dir):
+    """A backtracking pattern xgrammar does not enforce ("not"), on an output of 40 "a"s (the enforced pattern's):
+    the output check gives up within its budget ("not checked"), the request ends "stop", and a request decoding
+    beside it gets its whole output."""
+    from specjet.grammar.output_check import PATTERN_BUDGET_S
+
+    schema = {"type": "string", "pattern": "^a{40}$", "not": {"pattern": "^(a|aa)+$b"}}
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096) as eng:
+        checked, beside = bounded(eng.generate, ["x", "y"], [
+            {"temperature": 0, "max_new_tokens": 60, "json_schema": schema},
+            {"temperature": 0, "max_new_tokens": 50, "ignore_eos": True}])
+        assert checked["text"] == '"' + "a" * 40 + '"' and checked["meta_info"]["finish_reason"]["type"] == "stop"
+        assert checked["meta_info"]["json_schema_valid"] is None
+        assert f"more than {PATTERN_BUDGET_S * 1e3:.0f} ms" in checked["meta_info"]["json_schema_message"]
+        assert beside["meta_info"]["completion_tokens"] == 50
+        eng.check_kv_invariant()
 
 
 def test_sizes_no_memory_can_hold_are_refused_naming_them(tiny_model_dir):

@@ -32,6 +32,10 @@ def requests(engine: specjet.Engine) -> tuple[list[str], list[dict]]:
                        "max_new_tokens": 64})
     prompts.append(engine.apply_chat_template("Describe a person as JSON."))
     params.append({"temperature": 0.8, "seed": 77, "max_new_tokens": 80, "json_schema": SCHEMA})
+    # A greedy request under the schema beside the sampled ones: a verify walks their rows in C++, reading the masks,
+    # and its rows on the torch path, the masks written into them.
+    prompts.append(engine.apply_chat_template("Describe a pirate as JSON."))
+    params.append({"temperature": 0, "max_new_tokens": 80, "json_schema": SCHEMA})
     return prompts, params
 
 

@@ -765,8 +765,8 @@ def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
 def test_a_reply_the_kv_pool_cannot_hold_is_a_503_not_half_a_reply(tiny_model_dir):
     """A server whose KV pool is smaller than the context: a reply left to run to the context's end outgrows the
     pool after some tokens, and the engine ends it. Non-streamed, the answer is a 503 naming the pool (was a 200
-    with finish_reason "abort" and half a reply); streamed, the chunks sent, then that error as an event. The pool
-    is whole after, and the server serves the next request."""
+    with finish_reason "abort" and half a reply); streamed, the chunks sent, then that error as an event, while a
+    request beside it is served whole. The pool is whole after, and the server serves the next request."""
     srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "256"])
     try:
         client = srv.client()
@@ -774,9 +774,15 @@ def test_a_reply_the_kv_pool_cannot_hold_is_a_503_not_half_a_reply(tiny_model_di
             chat(client, "hi", temperature=0, extra_body={"ignore_eos": True})
         assert e.value.status_code == 503 and error_of(e)["code"] == "kv_pool_exhausted"
         assert "KV pool exhausted" in error_of(e)["message"]
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True, "stream": True})
-        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        lines = []
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 8:  # streaming: a short request beside it gets its whole reply
+                    assert chat(client, "hi", max_tokens=3).choices[0].finish_reason == "length"
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
         assert r.status_code == 200 and events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "kv_pool_exhausted"
         chunks = [json.loads(e) for e in events[:-2]]

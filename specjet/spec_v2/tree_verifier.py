@@ -117,9 +117,6 @@ class TreeVerifier:
             argmax = (argmax_rows(logits) if grammar is None else masked_argmax(logits, *grammar)).tolist()
             paths = [_greedy_path(r.tokens, r.parents, argmax[off:off + len(r.tokens)]) for r, off in zip(reqs, offsets)]
         else:
-            if grammar is not None:
-                bitmask, masked = grammar
-                apply_token_bitmask_(logits, bitmask, indices=masked.nonzero()[:, 0].tolist())
             paths = self._sampled_paths(reqs, logits, offsets, sizes, sampling, device, grammar)
         accepted_tokens = [[r.tokens[i] for i in nodes[1:]] + [bonus] for r, (nodes, bonus) in zip(reqs, paths)]
         accepted_nodes = [nodes for nodes, _ in paths]
@@ -158,8 +155,13 @@ class TreeVerifier:
         rest = [i for i in range(len(reqs)) if paths[i] is None]
         if not rest:
             return paths
-        # The other requests' node rows, each request's parameters once per node.
+        # The other requests' node rows, each request's parameters once per node; their grammar masks written into
+        # them (the C++ walk reads a mask as it goes, as plain decoding's draw does, and writes none).
         rows = [offsets[i] + j for i in rest for j in range(sizes[i])]
+        if grammar is not None:
+            bitmask, masked = grammar
+            rows_t = torch.tensor(rows, device=masked.device)
+            apply_token_bitmask_(logits, bitmask, indices=rows_t[masked[rows_t]].tolist())
         if len(rows) < logits.shape[0]:
             logits = logits[rows]
         reqs, sizes = [reqs[i] for i in rest], [sizes[i] for i in rest]
