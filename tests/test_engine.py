@@ -2,6 +2,8 @@
 retraction under KV pressure, bad input, streaming and async. Every test ends with the KV check."""
 from __future__ import annotations
 
+import re
+
 import anyio
 import pytest
 
@@ -197,21 +199,38 @@ def test_speculation_without_batch_invariance_is_refused(tiny_model_dir):
                        enable_deterministic_inference=False)
 
 
-def test_invalid_schema_fails_alone(engine):
-    # Not JSON: known before anything is queued, so the call raises for the whole list.
-    with pytest.raises(ValueError, match="json_schema"):
-        engine.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, dict(GREEDY, json_schema='{"type": "object", "properties": ')])
-    # JSON that the grammar compiler refuses (a dangling $ref) fails its request alone.
-    outs = engine.generate(
-        [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
-        [GREEDY, dict(GREEDY, json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}},
-                                           "required": ["a"]}),
-         dict(GREEDY, regex="[a-z]+")],
-    )
+@pytest.mark.parametrize("kind,spec,words", [
+    ("json_schema", '{"type": "object", "properties": ', "invalid json_schema"),  # not JSON
+    ("regex", "(yes|no", "regex could not be compiled: .*parenthesis is not closed"),
+    ("ebnf", 'root ::= "a" value', 'ebnf could not be compiled: .*Rule "value" is not defined'),
+])
+def test_a_spec_xgrammar_cannot_parse_is_refused_at_the_door(engine, kind, spec, words):
+    """Known before anything is queued, so the call raises for the whole list, with xgrammar's reason (it was an
+    abort after the request had queued for its compile), and the engine serves the next caller as before."""
+    alone = engine.generate(PROMPTS[0], GREEDY)
+    submitted = engine.scheduler.stats["requests_submitted"]
+    with pytest.raises(ValueError, match=words):
+        engine.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, dict(GREEDY, **{kind: spec})])
+    assert engine.scheduler.stats["requests_submitted"] == submitted  # neither request was queued
+    assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == alone["output_ids"]
+    engine.check_kv_invariant()
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]},
+     "json_schema could not be compiled: .*defs"),  # a dangling $ref
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # requires its own kind: no text ends
+     "json_schema admits no finite output"),
+])
+def test_a_schema_its_compile_refuses_fails_alone(engine, schema, words):
+    """What only the compile finds fails its request alone, with the reason, while its batch mates are served."""
+    outs = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+                           [GREEDY, dict(GREEDY, json_schema=schema), dict(GREEDY, regex="[a-z]+")])
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "length"
     reason = outs[1]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "json_schema" in reason["message"]
+    assert reason["type"] == "abort" and re.search(words, reason["message"]), reason
     assert outs[2]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    engine.check_kv_invariant()
 
 
 def test_a_grammar_that_allows_no_token_fails_alone_and_says_so(engine):

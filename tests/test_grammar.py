@@ -162,6 +162,35 @@ def test_invalid_json_schema_string(backend):
         future.result()
 
 
+def test_check_spec_parses_a_regex_or_ebnf_as_its_compile_does(backend, monkeypatch):
+    """The door's check: a regex or EBNF grammar xgrammar cannot parse raises with the compile's message, without a
+    compile; one it parses passes. A JSON schema xgrammar refuses passes the door (its conversion can take seconds:
+    the compile's time limit bounds it) and fails at the compile."""
+    compiles = count_compiles(backend, monkeypatch)
+    bad = [("regex", "a(b", "regex could not be compiled: .*parenthesis is not closed"),
+           ("ebnf", "root ::= value", 'ebnf could not be compiled: .*Rule "value" is not defined'),
+           ("ebnf", 'root ::= "a', "ebnf could not be compiled: .*Expect \"")]
+    for kind, spec, words in bad:
+        with pytest.raises(GrammarError, match=words):
+            backend.check_spec(kind, spec)
+    assert compiles == []
+    for kind, spec, words in bad:
+        with pytest.raises(GrammarError, match=words):  # the compile says the same
+            backend.compile(kind, spec).result()
+    backend.check_spec("json_schema", {"type": "foo"})
+    with pytest.raises(GrammarError, match='json_schema could not be compiled: Unsupported type "foo"'):
+        backend.compile("json_schema", {"type": "foo"}).result()
+    for kind, spec in [("regex", "(yes|no)"), ("ebnf", 'root ::= "a" | "b"')]:
+        backend.check_spec(kind, spec)
+        assert isinstance(backend.compile(kind, spec).result(), xgr.CompiledGrammar)
+    parses = []
+    real_parse = backend._parse
+    monkeypatch.setattr(backend, "_parse", lambda *key: parses.append(key) or real_parse(*key))
+    backend.check_spec("regex", "(yes|no)")  # compiled already: neither parsed nor compiled again
+    backend.check_spec("regex", "(yes|no|maybe)")
+    assert parses == [("regex", "(yes|no|maybe)")] and len(compiles) == 6
+
+
 def test_unsupported_schema_bad_regex_and_unknown_kind(backend):
     with pytest.raises(GrammarError, match=r'^json_schema could not be compiled: Unsupported type "foo"'):
         backend.compile("json_schema", {"type": "foo"}).result()

@@ -103,6 +103,9 @@ def test_timed_out_compiles_free_their_slots_for_quick_ones(make_backend):
         again.result(timeout=0)
     assert time.monotonic() - start < 0.5
     assert backend.abandoned_compiles <= 2
+    # ... and at the door, where the engine checks a request's spec before it queues the request.
+    with pytest.raises(GrammarTimeoutError, match="an earlier compile of this grammar ran past"):
+        backend.check_spec("json_schema", slow_schema(1))
 
 
 def test_at_the_abandoned_cap_new_compiles_fail_fast_and_cached_ones_are_served(make_backend):
@@ -209,9 +212,9 @@ def test_check_spec_refuses_what_can_be_known_without_compiling(backend, kind, s
 def test_check_spec_accepts_good_specs_without_compiling(backend, monkeypatch):
     compiles = []
     monkeypatch.setattr(backend, "_compile", lambda *key: compiles.append(key))
-    for kind, spec in [("json_schema", {"type": "integer"}), ("json_schema", "true"), ("regex", "a(b"),
-                       ("ebnf", "root ::= value"), ("json", None)]:
-        assert backend.check_spec(kind, spec) is None  # xgrammar's own errors come from compiling
+    for kind, spec in [("json_schema", {"type": "integer"}), ("json_schema", "true"), ("regex", "a(b)"),
+                       ("ebnf", "root ::= [a-z]+"), ("json", None), ("json_schema", {"type": "foo"})]:
+        assert backend.check_spec(kind, spec) is None  # a JSON schema's conversion errors come from compiling
     assert compiles == []
 
 

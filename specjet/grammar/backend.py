@@ -5,8 +5,8 @@ A request's constraint (`json_schema`, `regex`, `ebnf`, or any-JSON) becomes an
 scheduler keeps stepping other requests while the compile runs in a thread of its own (xgrammar
 releases the GIL while it compiles), and admits the request when the future is done.
 
-Limits keep one bad spec from hurting other requests: a spec too big or too deeply nested fails
-before any compile (`check_spec`), and a compile that runs past `compile_timeout_s` fails its
+Limits keep one bad spec from hurting other requests: a spec too big or too deeply nested, or a
+regex or EBNF grammar that does not parse, fails before any compile (`check_spec`), and a compile that runs past `compile_timeout_s` fails its
 requests and gives its compile slot to the next grammar (see `timed_runner`).
 """
 
@@ -162,9 +162,22 @@ class GrammarBackend:
 
     def check_spec(self, kind: str, spec: str | dict | bool | None = None) -> None:
         """Raise GrammarError for what is wrong with a spec without compiling it: an unknown kind,
-        the wrong type, a JSON schema that does not parse, text over `max_spec_bytes`, a schema
-        nested deeper than `max_spec_depth`. Synchronous and cheap (parses the spec once)."""
-        self._canonical(kind, spec)
+        the wrong type, a JSON schema that is not JSON, text over `max_spec_bytes`, a schema nested
+        deeper than `max_spec_depth`, a regex or EBNF grammar that xgrammar cannot parse (its message),
+        and a spec whose earlier compile timed out. Synchronous and linear in the spec's text (xgrammar
+        parses a regex or EBNF grammar in milliseconds; skipped for one already compiled), so a caller
+        learns of a bad spec at the door, not from an abort later. A JSON schema's conversion is left to
+        the compile: for some patterns it takes seconds, which the compile bounds (compile_timeout_s)
+        off the caller's thread; what it refuses ends its request alone."""
+        key = (kind, self._canonical(kind, spec))
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None and entry.done:
+                return  # compiled: it parses
+            if _digest(key) in self._timed_out:
+                raise self._timeout_error(kind, earlier=True)
+        if kind in ("regex", "ebnf"):
+            self._parse(*key)
 
     def compile(self, kind: str, spec: str | dict | bool | None = None) -> Future:
         """Future[xgr.CompiledGrammar] for a grammar of `kind`; errors arrive as GrammarError.
@@ -245,7 +258,7 @@ class GrammarBackend:
             if kind == "json_schema":
                 grammar, compiled = self._compile_json_schema(text)
             else:
-                grammar = xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
+                grammar = self._parse(kind, text)
                 compiled = self._compiler.compile_grammar(ebnf_text(grammar))
         except RuntimeError as error:
             raise GrammarError(f"{kind} could not be compiled: {xgrammar_message(error)}") from None
@@ -257,6 +270,15 @@ class GrammarBackend:
                 f"requires a property of its own type, or a rule that always refers to itself)")
         mark_jump_forward_safe(compiled, lengths)
         return compiled
+
+    @staticmethod
+    def _parse(kind: str, text: str) -> xgr.Grammar:
+        """A regex or EBNF grammar as xgrammar's grammar (no tokenizer work); GrammarError with
+        xgrammar's message if it cannot be parsed."""
+        try:
+            return xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
+        except RuntimeError as error:
+            raise GrammarError(f"{kind} could not be compiled: {xgrammar_message(error)}") from None
 
     def _compile_json_schema(self, text: str) -> tuple[xgr.Grammar, xgr.CompiledGrammar]:
         try:
