@@ -52,6 +52,7 @@ import uuid
 from bench import common
 from bench.engine_info import describe_engine, speculation_str
 from bench.faults import MARKER as FAULT_MARKER, FaultInjector
+from specjet.scheduler import finish_reasons
 
 # Outcome labels, per request.
 SERVED = "served"
@@ -411,14 +412,17 @@ def classify_finish(reason: dict | None, we_aborted: bool) -> tuple[str, str | N
     message = str(reason.get("message", ""))
     if kind != "abort":
         return OTHER_ABORT, f"finish_reason {reason!r}"
+    err_type = reason.get("err_type")  # the engine's kind of abort (specjet/scheduler/finish_reasons.py)
     if FAULT_MARKER in message:
         return INJECTED, message[:300]
-    if "internal error" in message.lower():
+    if err_type == finish_reasons.INTERNAL_ERROR:
         return INTERNAL, message[:300]
-    if "aborted by the caller" in message:
+    if err_type == finish_reasons.ABORTED:
         return (ABORTED_BY_US, None) if we_aborted else (OTHER_ABORT, message[:300])
-    grammar_words = ("json_schema", "regex", "ebnf", "grammar", "compil", "schema")
-    if "rejected token" not in message and any(w in message.lower() for w in grammar_words):
+    # A grammar the compile refused, or one decoding cannot go on under; a token the grammar rejected after its own
+    # mask allowed it is no grammar's fault.
+    if err_type in (finish_reasons.INVALID_GRAMMAR, finish_reasons.GRAMMAR_COMPILER_BUSY) or (
+            err_type == finish_reasons.GRAMMAR_REFUSED and "rejected token" not in message):
         return GRAMMAR_ABORT, message[:300]
     return OTHER_ABORT, message[:300] or "abort with an empty message"
 

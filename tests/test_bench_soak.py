@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from bench import soak
+from specjet.scheduler.finish_reasons import INTERNAL_ERROR, abort_reason
 
 
 def test_soak_a_few_seconds_passes_with_consistent_counts(tiny_model_dir, tmp_path, capsys):
@@ -66,8 +67,8 @@ def test_a_hung_call_and_an_internal_error_are_reported_not_waited_for(tiny_mode
         if n == 3:  # the warm-up is call 1
             release.wait(30)  # "hangs" past the 3 s bound
         if inject:  # the next non-streamed call
-            return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {
-                "type": "abort", "message": "internal error in the decode batch: injected"}}}
+            return {"text": "", "output_ids": [], "meta_info": {"finish_reason": abort_reason(
+                INTERNAL_ERROR, "internal error in the decode batch: injected")}}
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(specjet.Engine, "generate", generate)

@@ -103,7 +103,8 @@ def test_abort_while_streaming(engine):
     first = next(stream)
     engine.abort_request(first["meta_info"]["id"])
     chunks = [first, *stream]
-    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by the caller",
+                                                        "status_code": 400, "err_type": "request_aborted"}
     assert sum(len(c["output_ids"]) for c in chunks) < 2000
 
 
@@ -133,8 +134,9 @@ def test_prompt_larger_than_pool_is_rejected_and_engine_lives_on(tiny_model_dir)
             small.generate(input_ids=list(range(100, 140)), sampling_params=GREEDY)
         # a request that fits its prompt but cannot grow further ends with a clear abort, alone
         out = small.generate(input_ids=list(range(100, 120)), sampling_params=dict(GREEDY, max_new_tokens=100))
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert "KV pool exhausted" in out["meta_info"]["finish_reason"]["message"]
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "KV pool exhausted" in reason["message"], reason
+        assert reason["status_code"] == 503 and reason["err_type"] == "kv_pool_exhausted"
         assert len(small.generate("hi", dict(GREEDY, max_new_tokens=3))["output_ids"]) == 3
         small.check_kv_invariant()
 
@@ -229,6 +231,7 @@ def test_a_schema_its_compile_refuses_fails_alone(engine, schema, words):
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "length"
     reason = outs[1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and re.search(words, reason["message"]), reason
+    assert reason["status_code"] == 400 and reason["err_type"] == "invalid_grammar"
     assert outs[2]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
     engine.check_kv_invariant()
 
@@ -240,6 +243,7 @@ def test_a_grammar_that_allows_no_token_fails_alone_and_says_so(engine):
     outs = engine.generate([PROMPTS[0], PROMPTS[1]], [dict(GREEDY, regex="[^\\x00-\\U0010FFFF]"), GREEDY])
     reason = outs[0]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "the grammar allows no token" in reason["message"], reason
+    assert reason["status_code"] == 400 and reason["err_type"] == "request_refused"
     assert outs[0]["text"] == "" and outs[0]["output_ids"] == [] and outs[0]["meta_info"]["completion_tokens"] == 0
     assert outs[1]["output_ids"] == alone["output_ids"]
     engine.check_kv_invariant()

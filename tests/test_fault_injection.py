@@ -153,6 +153,7 @@ def assert_runners_exact(outs, runner_ids):
 def assert_aborted_by_fault(out):
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+    assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
 
 
 @pytest.mark.parametrize("loop", ["overlap", "plain"])
@@ -287,6 +288,7 @@ def test_a_failing_host_step_aborts_only_its_request(tiny_model_dir, reference, 
         assert fault.fired.is_set()
         reason = chunks[0][-1]["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
         for got, expected in zip(chunks[1:], runner_ids[1:]):
             assert [t for c in got for t in c["output_ids"]] == expected
             assert got[-1]["meta_info"]["finish_reason"]["type"] == "length"
@@ -323,6 +325,7 @@ def test_a_failing_grammar_mask_aborts_only_its_request(tiny_model_dir, loop, mo
         assert fault.fired.is_set()
         reason = outs[0]["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "injected fault" in reason["message"], reason
+        assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
         assert outs[1]["output_ids"] == expected[1]
         assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop"
         assert_healthy(eng)
@@ -438,6 +441,7 @@ def test_a_failing_grammar_fork_at_launch_ends_only_its_request(tiny_model_dir, 
             reason = outs[2]["meta_info"]["finish_reason"]
         assert fault.fired.is_set()
         assert reason["type"] == "abort" and "forking its grammar" in reason["message"], reason
+        assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
         assert eng.get_server_info()["stats"]["request_errors"] == 1
         assert [o["output_ids"] for o in bounded(eng.generate, prompts, params)] == expected
         assert_healthy(eng)
@@ -457,6 +461,38 @@ def test_a_request_whose_admission_fails_ends_alone(tiny_model_dir, reference, l
         assert fault.fired.is_set()
         reason = outs[1]["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "being admitted" in reason["message"], reason
+        assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
         assert [outs[0]["output_ids"], outs[2]["output_ids"]] == runner_ids[:2]
         assert eng.get_server_info()["queued_requests"] == 0
+        assert_healthy(eng)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_a_grammar_matcher_that_fails_to_start_ends_its_request_as_an_internal_error(tiny_model_dir, loop,
+                                                                                      monkeypatch):
+    """The grammar compiled, then its matcher could not be made: the engine's failure, not the request's (a 500
+    for the server, where a spec's compile error is the caller's 400), and that request's alone."""
+    import specjet.scheduler.scheduler as scheduler_module
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = dict(LONG, max_new_tokens=24, json_schema=schema)
+    with make_engine(tiny_model_dir, loop) as eng:
+        expected = plain_ids(tiny_model_dir, ["first"], params)
+        real = scheduler_module.RequestGrammar
+        victims = {"calls": 0}
+
+        def failing_second(compiled):
+            victims["calls"] += 1
+            if victims["calls"] == 2:  # the second request's matcher
+                raise RuntimeError("injected fault: no matcher")
+            return real(compiled)
+
+        monkeypatch.setattr(scheduler_module, "RequestGrammar", failing_second)
+        outs = bounded(eng.generate, ["first", "second"], params, rid=["a", "victim"])
+        monkeypatch.setattr(scheduler_module, "RequestGrammar", real)
+        assert outs[0]["output_ids"] == expected[0]
+        reason = outs[1]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "making its grammar matcher" in reason["message"], reason
+        assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
+        assert eng.get_server_info()["stats"]["request_errors"] == 1
         assert_healthy(eng)

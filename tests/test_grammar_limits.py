@@ -14,7 +14,7 @@ import time
 import pytest
 import xgrammar as xgr
 
-from specjet.grammar import GrammarBackend, GrammarError, GrammarTimeoutError
+from specjet.grammar import GrammarBackend, GrammarBusyError, GrammarError, GrammarTimeoutError
 from specjet.grammar.timed_runner import Closed, Outcome, Overloaded, TimedOut, TimedRunner
 
 VOCAB_SIZE = 49152  # SmolLM2's LM head
@@ -117,8 +117,8 @@ def test_at_the_abandoned_cap_new_compiles_fail_fast_and_cached_ones_are_served(
 
     start = time.monotonic()
     refused = backend.compile("regex", r"[A-Z]+")
-    with pytest.raises(GrammarError, match=r"^regex not compiled: 1 compiles that timed out are still running "
-                                           r"\(max_abandoned_compiles\); try again later$"):
+    with pytest.raises(GrammarBusyError, match=r"^regex not compiled: 1 compiles that timed out are still running "
+                                               r"\(max_abandoned_compiles\); try again later$"):
         refused.result(timeout=1)
     assert time.monotonic() - start < 0.5
     assert backend.compile("regex", r"[a-z]+").result(timeout=0) is cached

@@ -11,6 +11,8 @@ from fastapi.testclient import TestClient
 from xgrammar.testing import _is_grammar_accept_string
 import xgrammar as xgr
 
+from specjet.scheduler.finish_reasons import (ENGINE_NOT_ALIVE, GRAMMAR_COMPILER_BUSY, GRAMMAR_REFUSED, INTERNAL_ERROR,
+                                              INVALID_GRAMMAR, KV_POOL_EXHAUSTED, abort_reason)
 from specjet.serve import chat
 from specjet.serve.app import create_app
 from specjet.serve.body_limit import BodyLimit
@@ -273,27 +275,35 @@ def test_an_error_mid_stream_is_an_error_event_and_the_request_is_closed():
     assert stream.closed
 
 
-@pytest.mark.parametrize("message,status", [("json_schema could not be compiled: bad", 400),
-                                            ("internal error while detokenizing: KeyError()", 500),
-                                            ("KV pool exhausted: the request needs more", 503)])
-def test_an_abort_before_any_token_is_answered_by_its_cause(message, status):
+@pytest.mark.parametrize("reason,status,code", [
+    (abort_reason(INVALID_GRAMMAR, "json_schema could not be compiled: bad"), 400, "invalid_grammar"),
+    (abort_reason(INTERNAL_ERROR, "internal error while detokenizing: KeyError()"), 500, None),
+    (abort_reason(KV_POOL_EXHAUSTED, "KV pool exhausted: the request needs more"), 503, "kv_pool_exhausted"),
+    (abort_reason(GRAMMAR_COMPILER_BUSY, "json_schema not compiled: 2 compiles that timed out are still running"),
+     503, "grammar_compiler_busy"),
+    # The status and kind come from the reason's fields, whatever its message says.
+    (abort_reason(INVALID_GRAMMAR, "internal error: KV pool exhausted"), 400, "invalid_grammar"),
+    ({"type": "abort", "message": "internal error, says a reason with no status"}, 400, "request_refused")])
+def test_an_abort_before_any_token_is_answered_by_its_cause(reason, status, code):
     async def async_generate(**kwargs):
         return {"text": "", "output_ids": [], "meta_info": {
-            "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 3, "completion_tokens": 0}}
+            "finish_reason": reason, "prompt_tokens": 3, "completion_tokens": 0}}
 
     engine = _fake_engine(async_generate)
     with TestClient(create_app(engine, "m")) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == status and r.json()["error"]["message"] == message
+        assert r.status_code == status and r.json()["error"]["message"] == reason["message"]
+        assert r.json()["error"]["code"] == code
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-@pytest.mark.parametrize("message,status,code", [
-    ("KV pool exhausted: the request needs more than the pool's 64 slots", 503, "kv_pool_exhausted"),
-    ("internal error in the decode batch: RuntimeError('x')", 500, None),
-    ("the grammar allows no token after the text so far (it matches no text from here)", 400, "request_refused"),
-    ("the engine has been shut down", 503, "engine_not_alive")])
-def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, message, status, code):
+@pytest.mark.parametrize("err_type,message,status,code", [
+    (KV_POOL_EXHAUSTED, "KV pool exhausted: the request needs more than the pool's 64 slots", 503, "kv_pool_exhausted"),
+    (INTERNAL_ERROR, "internal error in the decode batch: RuntimeError('x')", 500, None),
+    (GRAMMAR_REFUSED, "the grammar allows no token after the text so far (it matches no text from here)", 400,
+     "request_refused"),
+    (ENGINE_NOT_ALIVE, "the engine has been shut down", 503, "engine_not_alive")])
+def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, err_type, message, status, code):
     """A request the engine ends after writing part of its reply: the cause, not a 200 whose finish reason is
     "abort" (no OpenAI reason) with half a reply; streamed, the chunks already sent, then the cause as an error
     event, with no finish reason sent."""
@@ -301,7 +311,7 @@ def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, message, 
         return [{"text": "Hel", "output_ids": [1], "meta_info": {"finish_reason": None, "prompt_tokens": 3,
                                                                 "completion_tokens": 1}},
                 {"text": "lo", "output_ids": [1, 2], "meta_info": {
-                    "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 3, "completion_tokens": 2}}]
+                    "finish_reason": abort_reason(err_type, message), "prompt_tokens": 3, "completion_tokens": 2}}]
     streams = []
 
     async def async_generate(stream=False, **kwargs):
@@ -520,7 +530,7 @@ def test_a_refused_choice_answers_a_streamed_request_and_closes_the_others():
     """n=2, streamed: the first chunk is one choice refused before any token (a KV pool too small for it): the
     answer is that refusal, and the stream is closed, which aborts the other choice."""
     scripted = _ScriptedStream([{"index": 1, "text": "", "output_ids": [], "meta_info": {
-        "finish_reason": {"type": "abort", "message": "KV pool exhausted: the request needs more"},
+        "finish_reason": abort_reason(KV_POOL_EXHAUSTED, "KV pool exhausted: the request needs more"),
         "prompt_tokens": 5, "completion_tokens": 0}}])
 
     async def async_generate(**kwargs):

@@ -1,7 +1,7 @@
 """Grammar-constrained decoding over xgrammar: compile cache, per-request matcher, bitmasks."""
 
-from specjet.grammar.backend import (GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarError,
-                                    GrammarTimeoutError)
+from specjet.grammar.backend import (GRAMMAR_KINDS, JSON_SCHEMA_OPTIONS, GrammarBackend, GrammarBusyError,
+                                    GrammarClosedError, GrammarError, GrammarTimeoutError)
 from specjet.grammar.matcher import (RequestGrammar, allocate_token_bitmask, apply_token_bitmask_, bitmask_allows,
                                     bitmask_popcount, empty_token_bitmask, fill_token_bitmasks)
 from specjet.grammar.output_check import OutputCheck, check_json_output
@@ -12,6 +12,8 @@ __all__ = [
     "GRAMMAR_KINDS",
     "JSON_SCHEMA_OPTIONS",
     "GrammarBackend",
+    "GrammarBusyError",
+    "GrammarClosedError",
     "GrammarError",
     "GrammarTimeoutError",
     "OutputCheck",

@@ -28,7 +28,8 @@ from specjet.grammar.spec import (DEFAULT_MAX_SPEC_BYTES, DEFAULT_MAX_SPEC_DEPTH
                                   canonical_text)
 from specjet.grammar.timed_runner import Closed, Outcome, Overloaded, TimedOut, TimedRunner
 
-__all__ = ["GRAMMAR_KINDS", "JSON_SCHEMA_OPTIONS", "GrammarBackend", "GrammarError", "GrammarTimeoutError"]
+__all__ = ["GRAMMAR_KINDS", "JSON_SCHEMA_OPTIONS", "GrammarBackend", "GrammarBusyError", "GrammarClosedError",
+           "GrammarError", "GrammarTimeoutError"]
 
 # How JSON schemas are laid out. With any_whitespace=True (xgrammar's default) whitespace is legal
 # between every pair of tokens, and a small model (or a random walk) can spend its whole budget
@@ -69,6 +70,15 @@ _XGRAMMAR_MESSAGE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*
 
 class GrammarTimeoutError(GrammarError):
     """The grammar's compile ran past the backend's compile_timeout_s (now, or an earlier time)."""
+
+
+class GrammarBusyError(GrammarError):
+    """No compile was started: too many timed-out compiles still run (max_abandoned_compiles). It may
+    pass: the spec itself is not known to be at fault."""
+
+
+class GrammarClosedError(GrammarError):
+    """The backend was shut down before the grammar was compiled."""
 
 
 class _Compile:
@@ -196,7 +206,7 @@ class GrammarBackend:
         with self._lock:
             entry = self._cache.get(key)
             if self._closed:
-                error = GrammarError("the grammar backend is shut down")
+                error = GrammarClosedError("the grammar backend is shut down")
             elif entry is not None:
                 self._cache.move_to_end(key)
                 if entry.done:  # a cached entry is a successful one
@@ -366,12 +376,12 @@ class GrammarBackend:
         if isinstance(raised, TimedOut):
             return self._timeout_error(kind)
         if isinstance(raised, Overloaded):
-            return GrammarError(
+            return GrammarBusyError(
                 f"{kind} not compiled: {raised.args[0]} compiles that timed out are still running "
                 f"(max_abandoned_compiles); try again later"
             )
         if isinstance(raised, Closed):
-            return GrammarError("the grammar backend is shut down")
+            return GrammarClosedError("the grammar backend is shut down")
         return GrammarError(f"{kind} could not be compiled: {type(raised).__name__}: {raised}")
 
     def _evict_least_recently_used(self) -> None:

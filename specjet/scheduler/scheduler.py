@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specjet.grammar import RequestGrammar, check_json_output, empty_token_bitmask, fill_token_bitmasks
+from specjet.grammar import GrammarError, RequestGrammar, check_json_output, empty_token_bitmask, fill_token_bitmasks
 from specjet.kernels.coins import coin_key
 from specjet.scheduler.batch import BatchKind, ScheduledBatch
 from specjet.scheduler.detokenizer import skipped_ids, update_text
+from specjet.scheduler.finish_reasons import (ABORTED, ENGINE_NOT_ALIVE, GRAMMAR_REFUSED, INTERNAL_ERROR,
+                                              KV_POOL_EXHAUSTED, abort_reason, grammar_err_type)
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator, check_kv_invariant
 from specjet.scheduler.output import final_output, stream_chunk
 from specjet.scheduler.radix_cache import RadixCache
@@ -236,7 +238,7 @@ class Scheduler:
         """The loop is ending for good: answer every request it holds or will never read, and fail
         every queued call, so no caller waits on a loop that is gone."""
         for req in self._live():
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, abort_reason(ENGINE_NOT_ALIVE, message))
         with self._submit_lock:
             self.closed_reason = message
             while True:
@@ -246,7 +248,7 @@ class Scheduler:
                     break
                 if kind == "add":
                     for req in value:
-                        self._finish(req, {"type": "abort", "message": message})
+                        self._finish(req, abort_reason(ENGINE_NOT_ALIVE, message))
                 elif kind == "call":
                     value[1].set_exception(RuntimeError(f"the engine is not running: {message}"))
 
@@ -261,7 +263,7 @@ class Scheduler:
         for req in list(self.release_pending):
             self._release(req)
         for req in live:
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, abort_reason(INTERNAL_ERROR, message))
 
     # ---------------------------------------------------------------- scheduling
     def next_batch(self, exact: bool = True):
@@ -307,7 +309,7 @@ class Scheduler:
 
     def _remove_aborted(self) -> None:
         for req in [r for r in self._live() if r.to_abort]:
-            self._finish(req, {"type": "abort", "message": "aborted by the caller"})
+            self._finish(req, abort_reason(ABORTED, "aborted by the caller"))
 
     def _grammar_ready(self, req: Req) -> bool:
         """False while the grammar is compiling. A compile error finishes the request (alone)."""
@@ -316,9 +318,17 @@ class Scheduler:
         if not req.grammar_future.done():
             return False
         try:
-            req.grammar = RequestGrammar(req.grammar_future.result())
-        except Exception as exc:  # GrammarError names the problem; it fails this request alone
-            self._finish(req, {"type": "abort", "message": str(exc)})
+            compiled = req.grammar_future.result()
+        except GrammarError as exc:  # it names the problem; it fails this request alone
+            self._finish(req, abort_reason(grammar_err_type(exc), str(exc)))
+            return False
+        except Exception as exc:
+            self._fail_request(req, "compiling its grammar", exc)
+            return False
+        try:
+            req.grammar = RequestGrammar(compiled)
+        except Exception as exc:
+            self._fail_request(req, "making its grammar matcher", exc)
             return False
         return True
 
@@ -517,8 +527,8 @@ class Scheduler:
                 return SETTLE_FIRST
             if len(self.running) == 1:
                 req = self.running[0]
-                self._finish(req, {"type": "abort", "message":
-                                   f"KV pool exhausted: the request needs more than the pool's {self.allocator.size} slots"})
+                self._finish(req, abort_reason(KV_POOL_EXHAUSTED, f"KV pool exhausted: the request needs more than "
+                                                                  f"the pool's {self.allocator.size} slots"))
                 return []
             self._retract(self.running[-1])
         for req in self.running:
@@ -701,7 +711,8 @@ class Scheduler:
                 if len(batch.reqs) == 1:
                     req.solo_failures += 1
                     if req.solo_failures >= MAX_SOLO_FAILURES:
-                        self._finish(req, {"type": "abort", "message": f"internal error in the {batch.kind.value} batch: {error!r}"})
+                        self._finish(req, abort_reason(INTERNAL_ERROR,
+                                                       f"internal error in the {batch.kind.value} batch: {error!r}"))
                         continue
                 if self._requeue(req):
                     req.runs_alone = True
@@ -771,7 +782,7 @@ class Scheduler:
         """A host-side failure that concerns one request: log it, finish that request alone."""
         self.stats["request_errors"] += 1
         logger.error("request %s failed while %s: %s", req.rid, doing, "".join(traceback.format_exception(exc)))
-        self._finish(req, {"type": "abort", "message": f"internal error while {doing}: {exc!r}"})
+        self._finish(req, abort_reason(INTERNAL_ERROR, f"internal error while {doing}: {exc!r}"))
 
     def _count_verify(self, req: Req, num_tokens: int) -> None:
         req.spec_verify_ct += 1
@@ -790,9 +801,9 @@ class Scheduler:
                 if len(req.output_logprobs) > len(req.output_ids):
                     del req.output_logprobs[-1], req.output_top_logprobs[-1]
                 if not req.grammar.is_terminated() and not req.grammar.allows_a_token():
-                    return {"type": "abort", "message": "the grammar allows no token after the text so far "
-                                                        "(it matches no text from here)"}
-                return {"type": "abort", "message": f"grammar rejected token {token}"}
+                    return abort_reason(GRAMMAR_REFUSED, "the grammar allows no token after the text so far "
+                                                         "(it matches no text from here)")
+                return abort_reason(GRAMMAR_REFUSED, f"grammar rejected token {token}")
             if req.grammar.is_terminated():
                 update_text(req, self.tokenizer)
                 return {"type": "stop", "matched": token}
@@ -800,11 +811,11 @@ class Scheduler:
             req.grammar_slow_streak = req.grammar_slow_streak + 1 if limit is not None and spent > limit else 0
             if req.grammar_slow_streak >= GRAMMAR_SLOW_STREAK:
                 update_text(req, self.tokenizer)
-                return {"type": "abort", "message": f"the grammar took more than grammar_token_timeout "
-                                                    f"({limit * 1e3:.0f} ms) to match each of {GRAMMAR_SLOW_STREAK} "
-                                                    f"tokens in a row (the last: {spent * 1e3:.0f} ms): it is too "
-                                                    f"ambiguous to decode under (each token costs more than the "
-                                                    f"last)"}
+                return abort_reason(GRAMMAR_REFUSED, f"the grammar took more than grammar_token_timeout "
+                                                     f"({limit * 1e3:.0f} ms) to match each of {GRAMMAR_SLOW_STREAK} "
+                                                     f"tokens in a row (the last: {spent * 1e3:.0f} ms): it is too "
+                                                     f"ambiguous to decode under (each token costs more than the "
+                                                     f"last)")
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             update_text(req, self.tokenizer)
             return {"type": "stop", "matched": token}

@@ -159,13 +159,15 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             return None
         check_alive()
         message = reason.get("message") or "the request was aborted"
-        if message.startswith("internal error"):  # the engine failed it (README: errors): not the client's fault
-            return ApiError(500, message, "internal_error")
-        if message.startswith("KV pool exhausted"):
-            return ApiError(503, message, "service_unavailable", None, "kv_pool_exhausted")
-        if message.startswith(("the engine has been shut down", "the scheduler stopped")):  # its thread is ending
-            return unavailable(message)
-        return bad_request(message, _constraint_param(sp), "request_refused")
+        status, err_type = reason.get("status_code"), reason.get("err_type")  # the engine's (finish_reasons.py)
+        if not isinstance(status, int) or not 400 <= status <= 599:
+            status, err_type = 400, err_type or "request_refused"
+        if status >= 500:
+            if err_type == "internal_error":  # the engine failed it (README: errors): not the client's fault
+                return ApiError(status, message, "internal_error")
+            return ApiError(status, message, "service_unavailable", None, err_type)
+        grammar_fault = err_type in ("invalid_grammar", "request_refused")
+        return bad_request(message, _constraint_param(sp) if grammar_fault else None, err_type)
 
     def refused(result: dict, sp: dict) -> None:
         """Raises the error of a choice the engine aborted."""
