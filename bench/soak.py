@@ -20,8 +20,8 @@ its own) each send one random call after another to the same Engine:
 
 Every call runs under a watchdog: one that has not returned after ``--call-timeout`` seconds is a
 HANG. Outcomes per request: served (stop/length), refused at the door (by exception type), aborted
-or cancelled by us, grammar-compile aborts, other aborts, INTERNAL ERRORS (an abort whose message
-says "internal error", or an exception other than TypeError/ValueError), engine died (RuntimeError),
+or cancelled by us, grammar-compile aborts, other aborts, INTERNAL ERRORS (an abort whose err_type
+is internal_error, or an exception other than TypeError/ValueError), engine died (RuntimeError),
 hangs; and validation mismatches (an invalid request served, a valid one refused). At the end the
 engine must go idle; then its KV invariant is checked, the prefix cache flushed, and leaked slots =
 pool - free. PASS iff no
@@ -60,7 +60,7 @@ REFUSED = "refused"              # TypeError/ValueError at the door (expected fo
 ABORTED_BY_US = "aborted_by_us"  # abort_request, a cancelled task, a stream closed/broken/dropped
 GRAMMAR_ABORT = "grammar_abort"  # a grammar that cannot be compiled: the request's own error
 OTHER_ABORT = "other_abort"      # an abort we did not ask for that names no internal error
-INTERNAL = "internal_error"      # an abort saying "internal error"
+INTERNAL = "internal_error"      # an abort of err_type internal_error
 INJECTED = "injected_fault"      # an abort naming a fault --fault-rate injected (the engine's answer to it)
 UNEXPECTED = "unexpected_exception"  # an exception other than TypeError/ValueError (or engine stopped)
 ENGINE_DEAD = "engine_dead"      # RuntimeError: the engine is not running
@@ -951,7 +951,7 @@ def report_lines(rec: dict) -> list[str]:
         lines.append(f"injected faults: {faults['fired']} of {faults['items']} compute items ({faults['rate']:g}), "
                      f"{faults['fired_in_shared_batches']} in batches of several; requests re-run "
                      f"{stats.get('requests_isolated', '-')}; ended by injected faults {r[INJECTED]}")
-    lines.append(f"INTERNAL ERRORS: {rec['internal_errors']} ({r[INTERNAL]} aborts saying 'internal error', "
+    lines.append(f"INTERNAL ERRORS: {rec['internal_errors']} ({r[INTERNAL]} internal_error aborts, "
                  f"{r[UNEXPECTED]} unexpected exceptions); engine died (RuntimeError): {r[ENGINE_DEAD]}")
     lines.append(f"hangs: {rec['hangs']}" + ("" if end["idle"] else " (the engine never went idle)"))
     served, refused = lat.get(SERVED, {}), lat.get(REFUSED, {})

@@ -52,7 +52,7 @@ def test_rss_growth_is_the_second_halfs_slope():
 def test_a_hung_call_and_an_internal_error_are_reported_not_waited_for(tiny_model_dir, tmp_path, capsys,
                                                                        monkeypatch):
     """A call that does not return within --call-timeout counts as a hang (the soak goes on without
-    it), and an abort saying "internal error" is counted and printed: both make the run FAIL."""
+    it), and an abort of err_type internal_error is counted and printed: both make the run FAIL."""
     import specjet
 
     original = specjet.Engine.generate
