@@ -322,12 +322,18 @@ def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, err_type,
 
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     body = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
-    with TestClient(create_app(_fake_engine(async_generate), "m")) as client:
+    app = create_app(_fake_engine(async_generate), "m")
+    metrics = app.state.metrics
+    with TestClient(app) as client:
         r = client.post(path, json=body)
         assert r.status_code == status, r.text
         assert r.json()["error"]["message"] == message and r.json()["error"]["code"] == code
+        counted = (dict(metrics.requests), metrics.prompt_tokens, metrics.completion_tokens)
+        assert counted == ({"error": 1}, 3, 2)  # once, with the tokens the engine took and wrote for it
         r = client.post(path, json=dict(body, stream=True))
     assert r.status_code == 200 and streams[0].closed
+    # Streamed, the same abort is counted the same way.
+    assert (dict(metrics.requests), metrics.prompt_tokens, metrics.completion_tokens) == ({"error": 2}, 6, 4)
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
     choices = [c for e in events[:-2] for c in json.loads(e)["choices"]]

@@ -170,10 +170,13 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         return bad_request(message, _constraint_param(sp) if grammar_fault else None, err_type)
 
     def refused(result: dict, sp: dict) -> None:
-        """Raises the error of a choice the engine aborted."""
+        """Raises the error of a choice the engine aborted (a whole result, or a stream's chunk), counted once
+        in the metrics as an error with the tokens the engine had taken and written for it, streamed or not."""
         error = abort_error(result, sp)
         if error is not None:
-            metrics.record("error", result["meta_info"]["prompt_tokens"])
+            meta = result["meta_info"]
+            metrics.record("error", meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
+            error.recorded = True
             raise error
 
     async def first_chunk(stream, sp: dict) -> dict:
@@ -211,7 +214,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         return result[0]
 
     def stream_error(error: Exception) -> str:
-        metrics.record("error")
+        if not (isinstance(error, ApiError) and error.recorded):
+            metrics.record("error")
         if isinstance(error, ApiError):
             return _sse(error.body())
         logger.exception("error in a streamed response")
@@ -349,9 +353,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 while True:
                     i, item = cuts.take(item)
                     if item is not None:
-                        aborted = abort_error(item, sp)
-                        if aborted is not None:
-                            raise aborted
+                        refused(item, sp)
                         text = cuts.texts[i]
                         if sp.get("return_logprob"):
                             pending[i] += chat_entries(texts(), item["meta_info"])
@@ -434,9 +436,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 try:
                     item, metas, offsets, started = first, [None] * count, [0] * count, [False] * count
                     while True:
-                        aborted = abort_error(item, sp)
-                        if aborted is not None:
-                            raise aborted
+                        refused(item, sp)
                         i, reason = item.get("index", 0), chat.finish_reason(item)
                         echo = echoes is not None and not started[i]  # a choice's first chunk starts with its prompt
                         started[i] = True

@@ -40,8 +40,10 @@ class Metrics:
             prompt, completion = self.prompt_tokens, self.completion_tokens
         metric("requests_total", "counter", "Requests answered, by finish reason.",
                [(f'{{finish_reason="{reason}"}}', n) for reason, n in by_reason])
-        metric("prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [("", prompt)])
-        metric("generation_tokens_total", "counter", "Completion tokens of answered requests.", [("", completion)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of answered requests (engine aborts included).",
+               [("", prompt)])
+        metric("generation_tokens_total", "counter", "Completion tokens of answered requests (engine aborts included).",
+               [("", completion)])
         # len() of the scheduler's lists is one atomic read each; a glimpse, not a snapshot.
         metric("num_running_reqs", "gauge", "Requests running in the engine.", [("", len(scheduler.running))])
         metric("num_queue_reqs", "gauge", "Requests waiting in the engine.", [("", len(scheduler.waiting))])
