@@ -6,8 +6,9 @@ scheduler keeps stepping other requests while the compile runs in a thread of it
 releases the GIL while it compiles), and admits the request when the future is done.
 
 Limits keep one bad spec from hurting other requests: a spec too big or too deeply nested, or a
-regex or EBNF grammar that does not parse, fails before any compile (`check_spec`), and a compile that runs past `compile_timeout_s` fails its
-requests and gives its compile slot to the next grammar (see `timed_runner`).
+regex or EBNF grammar that does not parse, fails before any compile (`check_spec`), and a compile
+that runs past `compile_timeout_s` fails its requests and gives its compile slot to the next
+grammar (see `timed_runner`).
 """
 
 from __future__ import annotations
