@@ -497,15 +497,16 @@ def test_client_disconnecting_mid_stream_aborts(server):
     assert samples["specjet_num_running_reqs"] == 0
     gone = samples.get('specjet_requests_total{finish_reason="client_disconnected"}', 0)
     assert gone >= 1
-    # A non-streaming request whose client gives up is aborted too. The client leaves a quarter of the way through
-    # the same request timed whole first, so it leaves mid-generation however fast this machine decodes.
+    # A non-streaming request whose client gives up is aborted too. The client leaves an eighth of the way through
+    # the same request timed whole first, so it leaves mid-generation however fast this machine decodes (and the
+    # request cannot end before the server notices, unless the machine's load changes eightfold in between).
     long_request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900,
                     "ignore_eos": True}
     start = time.monotonic()
     assert httpx.post(server.url + "/v1/chat/completions", timeout=120, json=long_request).status_code == 200
     whole = time.monotonic() - start
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/chat/completions", timeout=whole / 4, json=long_request)
+        httpx.post(server.url + "/v1/chat/completions", timeout=whole / 8, json=long_request)
     deadline = time.monotonic() + 30
     while True:
         samples = parse_prometheus(httpx.get(server.url + "/metrics").text)

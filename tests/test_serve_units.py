@@ -589,3 +589,67 @@ def test_a_body_over_the_limit_is_refused_413_before_the_app_reads_it():
     with pytest.raises(ValueError, match="max_request_bytes"):
         BodyLimit(inner, max_bytes=0)
     assert build_parser().parse_args([]).max_request_bytes == 32 << 20
+
+
+def _native_items():
+    """An engine stream of two requests' increments: request 1 ends with an abort after its first token."""
+    def meta(reason=None, completion=1, logprobs=()):
+        return {"finish_reason": reason, "prompt_tokens": 3, "completion_tokens": completion,
+                "output_token_logprobs": list(logprobs)}
+    return [{"index": 0, "text": "He", "output_ids": [5], "meta_info": meta(logprobs=[(-0.5, 5, None)])},
+            {"index": 1, "text": "Bo", "output_ids": [7], "meta_info": meta(logprobs=[(-0.1, 7, None)])},
+            {"index": 0, "text": "llo", "output_ids": [6], "meta_info": meta({"type": "length", "length": 2}, 2,
+                                                                             [(-0.25, 6, None)])},
+            {"index": 1, "text": "", "output_ids": [], "meta_info": meta(
+                abort_reason(KV_POOL_EXHAUSTED, "KV pool exhausted: the request needs more"), 1)}]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_native_generate_streams_whole_outputs_or_increments(incremental):
+    """SGLang's /generate: by default each event is a request's output so far (text, ids and token logprobs whole),
+    with --incremental-streaming-output the engine's increments as they are; an abort is the request's
+    finish_reason, counted in the metrics as an error with its tokens."""
+    streams = []
+
+    async def async_generate(stream=False, **kwargs):
+        streams.append(_ScriptedStream(_native_items()))
+        return streams[-1]
+
+    app = create_app(_fake_engine(async_generate), "m", incremental_streaming_output=incremental)
+    with TestClient(app) as client:
+        r = client.post("/generate", json={"text": ["a", "b"], "stream": True})
+    assert r.status_code == 200 and streams[0].closed
+    lines = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    got = [json.loads(line) for line in lines[:-1]]
+    sent = [json.loads(json.dumps(item)) for item in _native_items()]
+    if incremental:
+        assert got == sent
+    else:
+        assert [(e["index"], e["text"], e["output_ids"]) for e in got] == [
+            (0, "He", [5]), (1, "Bo", [7]), (0, "Hello", [5, 6]), (1, "Bo", [7])]
+        assert got[2]["meta_info"]["output_token_logprobs"] == [[-0.5, 5, None], [-0.25, 6, None]]
+        assert got[2]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert got[3]["meta_info"]["finish_reason"]["err_type"] == "kv_pool_exhausted"
+    metrics = app.state.metrics
+    assert (dict(metrics.requests), metrics.prompt_tokens, metrics.completion_tokens) == (
+        {"length": 1, "error": 1}, 6, 3)
+
+
+def test_native_generate_answers_a_lone_abort_with_its_status_and_a_list_with_its_finish_reasons():
+    aborted = {"text": "", "output_ids": [], "meta_info": {
+        "finish_reason": abort_reason(GRAMMAR_COMPILER_BUSY, "regex not compiled: try again later"),
+        "prompt_tokens": 3, "completion_tokens": 0}}
+    served = {"text": "ok", "output_ids": [1], "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 1}}
+
+    async def async_generate(prompt=None, **kwargs):
+        return [served, aborted] if isinstance(prompt, list) else aborted
+
+    app = create_app(_fake_engine(async_generate), "m")
+    with TestClient(app) as client:
+        r = client.post("/generate", json={"text": "a", "sampling_params": {"regex": "(yes|no)"}})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "grammar_compiler_busy"
+        r = client.post("/generate", json={"text": ["a", "b"]})
+        assert r.status_code == 200 and r.json() == [served, aborted]
+    assert dict(app.state.metrics.requests) == {"error": 2, "stop": 1}

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
@@ -27,6 +28,7 @@ from specjet.serve import chat
 from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
 from specjet.serve.errors import ApiError, bad_request, queue_full, unavailable
 from specjet.serve.metrics import Metrics
+from specjet.serve.native import add_native_routes
 from specjet.serve.prediction_usage import prediction_details
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                     ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta, Completion,
@@ -60,7 +62,11 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_endpoints: bool = False) -> FastAPI:
+def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_endpoints: bool = False,
+               model_path: Optional[str] = None, incremental_streaming_output: bool = False) -> FastAPI:
+    """The app over ``engine``: the OpenAI endpoints, and SGLang's native ones (``native.py``: ``model_path`` is
+    what /get_model_info reports; ``incremental_streaming_output``: /generate streams increments, not whole
+    outputs so far)."""
     app = FastAPI(title="specjet", version="0.1.0")
     metrics = Metrics()
     app.state.engine, app.state.metrics = engine, metrics
@@ -125,17 +131,22 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         in that order, or one stream whose chunks carry their request's ``index`` (with several). The engine
         checks every request before it admits any."""
         check_alive()
-        sp = sps[0]
         requests = [(p, choice) for p in prompts for choice in sps]
         strings = None if not isinstance(prompts[0], str) else [p for p, _ in requests]
         ids = None if strings is not None else [list(p) for p, _ in requests]
         params = [choice for _, choice in requests]
         single = len(requests) == 1
+        result = await door(lambda: engine.async_generate(prompt=strings[0] if single and strings else strings,
+                                                          input_ids=ids[0] if single and ids else ids,
+                                                          sampling_params=params[0] if single else params,
+                                                          stream=stream), sps[0], prompt_param)
+        return result if stream or not single else [result]
+
+    async def door(call: Callable[[], Awaitable[Any]], sp: dict, prompt_param: str) -> Any:
+        """``await call()`` (an engine call), what its door refuses answered as the error that fits: a 400 naming
+        the parameter, a 503 for a full queue or an engine that is not alive."""
         try:
-            result = await engine.async_generate(prompt=strings[0] if single and strings else strings,
-                                                 input_ids=ids[0] if single and ids else ids,
-                                                 sampling_params=params[0] if single else params, stream=stream)
-            return result if stream or not single else [result]
+            return await call()
         except GrammarError as error:
             raise bad_request(str(error), _constraint_param(sp), "invalid_grammar") from None
         except QueueFullError as error:
@@ -481,6 +492,17 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], n),
                           choices=choices)
 
+    def record_native(item: dict) -> None:
+        """A native /generate request's end in the metrics (an abort as an error, with its tokens)."""
+        meta = item["meta_info"]
+        kind = (meta.get("finish_reason") or {}).get("type")
+        metrics.record("error" if kind == "abort" else kind, meta.get("prompt_tokens", 0),
+                       meta.get("completion_tokens", 0))
+
+    add_native_routes(v1, engine, SimpleNamespace(
+        check_alive=check_alive, door=door, until_disconnected=until_disconnected, abort_error=abort_error,
+        stream_error=stream_error, close=close, record=record_native),
+        model_path or getattr(getattr(engine, "args", None), "model_path", None), incremental_streaming_output)
     app.include_router(v1)
     return app
 

@@ -56,7 +56,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjet serve",
-                                     description="An OpenAI-compatible server (FastAPI + uvicorn) over one specjet Engine.")
+                                     description="An OpenAI-compatible server (FastAPI + uvicorn) over one specjet Engine, "
+                                                 "with SGLang's native POST /generate beside it.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=port, default=30000, help="0: any free port (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("SPECJET_API_KEY"),
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model id /v1/models reports (default: the model path's name)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted; larger ones get a 413 (default: %(default)s)")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="SGLang's flag: a streamed POST /generate sends what is new in each event (default: "
+                             "each event holds the output so far, as SGLang's server sends it)")
     parser.add_argument("--debug-endpoints", action="store_true",
                         help="expose GET /debug/kv (waits until idle, checks the KV invariant)")
     _add_engine_flags(parser)
@@ -105,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     name = ns.served_model_name or (os.path.basename(str(kwargs["model_path"]).rstrip("/"))
                                     if kwargs.get("model_path") else "SmolLM2-135M-Instruct")
-    app = BodyLimit(create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints),
+    app = BodyLimit(create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints,
+                               incremental_streaming_output=ns.incremental_streaming_output),
                     ns.max_request_bytes)
     try:
         # uvicorn's start-up lines say where it listens (the port --port 0 picked); no line per request.

@@ -1,0 +1,169 @@
+"""SGLang's native HTTP API beside the OpenAI one, so a client written for an SGLang server (its
+``bench_serving --backend sglang``, scripts posting to ``/generate``) runs against specjet unchanged.
+
+- ``POST /generate``: the Engine's ``generate`` over HTTP, in SGLang's ``GenerateReqInput`` layout: ``text``
+  or ``input_ids`` (one or a list), ``sampling_params`` (one dict, or one a prompt: ``json_schema``, ``regex``
+  and ``ebnf`` included), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``, ``logprob_start_len``.
+  The answer is the Engine's dict (a list for a list of prompts). Streamed, each event is one request's
+  output *so far* (``text``, ``output_ids`` and the logprob lists whole, as SGLang's server sends them;
+  ``incremental=True``, the serve CLI's ``--incremental-streaming-output``: only what is new), then ``[DONE]``.
+- ``GET /get_model_info``, ``GET /get_server_info``, ``POST /flush_cache``, ``POST /abort_request``.
+
+Errors are the OpenAI endpoints' (``{"error": {...}}`` with the status that fits). A single non-streamed
+request the engine aborts is answered by the abort's ``status_code``; in a list, or streamed, an abort is the
+request's ``finish_reason`` (``{"type": "abort", "message", "status_code", "err_type"}``), as SGLang has it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Union
+
+import anyio
+import anyio.to_thread
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from specjet.serve.errors import ApiError
+
+# meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
+_TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's GenerateReqInput, the fields specjet serves; unknown fields are a 400 that names them. The types
+    are checked strictly (a JSON true is not an int), the sampling parameters by the engine at its door."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    stream: bool = False
+    rid: Union[str, list[str], None] = None
+    return_logprob: Union[bool, list[bool], None] = None
+    top_logprobs_num: Union[int, list[int], None] = None
+    logprob_start_len: Union[int, list[int], None] = None
+    # SGLang fields for features specjet does not have, accepted at their defaults (bench_serving sends them).
+    lora_path: None = None
+    image_data: None = None
+    return_text_in_logprobs: bool = False
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
+        engine reads it)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "give exactly one of text and input_ids", "invalid_request_error", "text",
+                           "invalid_value")
+        params, starts = self.sampling_params, self.logprob_start_len
+        if isinstance(starts, list):
+            prompts = self.text if self.text is not None else self.input_ids
+            count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
+            if len(starts) != count:
+                raise ApiError(400, f"{len(starts)} logprob_start_len values for {count} prompts",
+                               "invalid_request_error", "logprob_start_len", "invalid_value")
+            dicts = params if isinstance(params, list) else [params] * count
+            if len(dicts) != count:
+                raise ApiError(400, f"{len(dicts)} sampling_params for {count} prompts", "invalid_request_error",
+                               "sampling_params", "invalid_value")
+            params = [dict(d or {}, logprob_start_len=s) for d, s in zip(dicts, starts)]
+        elif starts is not None:
+            params = ([dict(d, logprob_start_len=starts) for d in params] if isinstance(params, list)
+                      else dict(params or {}, logprob_start_len=starts))
+        return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": params, "rid": self.rid,
+                "return_logprob": self.return_logprob, "top_logprobs_num": self.top_logprobs_num}
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: str
+
+
+class Accumulator:
+    """Turns a stream's increments into SGLang's whole-so-far events, per request (``index``)."""
+
+    def __init__(self) -> None:
+        self._so_far: dict[int, dict[str, Any]] = {}
+
+    def whole(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        index = chunk.get("index", 0)
+        before = self._so_far.get(index)
+        if before is None:
+            merged = dict(chunk, output_ids=list(chunk["output_ids"]), meta_info=dict(chunk["meta_info"]))
+        else:
+            meta = dict(before["meta_info"], **chunk["meta_info"])
+            for name in _TOKEN_LISTS:
+                if name in chunk["meta_info"]:
+                    meta[name] = before["meta_info"].get(name, []) + list(chunk["meta_info"][name])
+            merged = dict(chunk, text=before["text"] + chunk["text"],
+                          output_ids=before["output_ids"] + list(chunk["output_ids"]), meta_info=meta)
+        self._so_far[index] = merged
+        return merged
+
+
+def _json(payload: Any) -> str:
+    return json.dumps(payload, ensure_ascii=False, default=str)
+
+
+def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, incremental: bool = False) -> None:
+    """SGLang's native endpoints on ``router``; ``calls``: the app's helpers around an engine call (its door's
+    errors, a client's disconnect, aborts, a stream's errors and end, the metrics)."""
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateRequest, request: Request):
+        calls.check_alive()
+        kwargs = body.engine_kwargs()
+        first_sp = kwargs["sampling_params"]
+        first_sp = (first_sp[0] if isinstance(first_sp, list) and first_sp else first_sp) or {}
+        if body.stream:
+            stream = await calls.door(lambda: engine.async_generate(**kwargs, stream=True), first_sp, "text")
+            return StreamingResponse(_events(stream), media_type="text/event-stream")
+        result = await calls.until_disconnected(
+            request, lambda: calls.door(lambda: engine.async_generate(**kwargs), first_sp, "text"))
+        for item in result if isinstance(result, list) else [result]:
+            calls.record(item)
+        aborted = calls.abort_error(result, first_sp) if isinstance(result, dict) else None
+        if aborted is not None:  # a lone request's abort is its answer, with its status
+            aborted.recorded = True
+            raise aborted
+        return result
+
+    async def _events(stream):
+        accumulator, finished = Accumulator(), False
+        try:
+            async for chunk in stream:
+                event = chunk if incremental else accumulator.whole(chunk)
+                if chunk["meta_info"].get("finish_reason") is not None:
+                    calls.record(event)  # its completion_tokens are the request's, whole or not
+                yield f"data: {_json(event)}\n\n"
+            finished = True
+        except Exception as error:  # mid-stream: the chunks sent stay sent; the error is the last event
+            yield calls.stream_error(error)
+            finished = True
+        finally:
+            await calls.close(stream, finished)
+        yield "data: [DONE]\n\n"
+
+    @router.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True}
+
+    @router.get("/get_server_info")
+    async def get_server_info():
+        info = await anyio.to_thread.run_sync(engine.get_server_info)
+        args = info.pop("args")
+        return json.loads(_json({**dataclasses.asdict(args), **info}))
+
+    @router.post("/flush_cache")
+    async def flush_cache():
+        calls.check_alive()
+        flushed = await anyio.to_thread.run_sync(engine.flush_cache)
+        return {"flushed_tokens": flushed}
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        engine.abort_request(body.rid)  # a rid that is not live is no error: it may have just finished
+        return {"rid": body.rid}
+
+

@@ -1,0 +1,161 @@
+"""specjet serve's SGLang-native endpoints (POST /generate and the rest), a real server in a subprocess over the
+tiny random model, driven over HTTP as SGLang's clients do. Oracles: the OpenAI completions endpoint's greedy
+output for the same prompt (one engine, batch-invariant kernels), the non-streamed answer for a stream,
+jsonschema for a schema's output, the KV invariant after the module's workloads."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import jsonschema
+import pytest
+
+from test_serve import PERSON, Server, kv_ok
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096"])
+    yield srv
+    try:
+        kv_ok(srv)
+    finally:
+        srv.stop()
+
+
+def post(server, path: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120, **kwargs)
+
+
+def events(response: httpx.Response) -> list:
+    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def completions_text(server, prompt: str, max_tokens: int) -> str:
+    r = post(server, "/v1/completions", {"model": "m", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_generate_gives_the_engines_output_as_sglang_lays_it_out(server):
+    r = post(server, "/generate", {"text": "The capital of", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) >= {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 24 == len(out["output_ids"])
+    assert out["text"] == completions_text(server, "The capital of", 24)  # the same engine's greedy output
+
+
+def test_a_list_of_prompts_gives_a_list_each_as_alone(server):
+    prompts = ["one two", "alpha beta gamma"]
+    alone = [post(server, "/generate", {"text": p, "sampling_params": GREEDY}).json() for p in prompts]
+    r = post(server, "/generate", {"text": prompts, "sampling_params": [GREEDY, dict(GREEDY, max_new_tokens=10)]})
+    assert r.status_code == 200, r.text
+    both = r.json()
+    assert isinstance(both, list) and len(both) == 2
+    assert both[0]["output_ids"] == alone[0]["output_ids"]
+    assert both[1]["output_ids"] == alone[1]["output_ids"][:10]
+
+
+def test_input_ids_and_logprobs(server):
+    text_out = post(server, "/generate", {"text": "hello there", "sampling_params": GREEDY}).json()
+    ids = post(server, "/generate", {"input_ids": [100, 200, 300], "sampling_params": GREEDY,
+                                     "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}).json()
+    meta = ids["meta_info"]
+    assert meta["prompt_tokens"] == 3 and len(meta["output_token_logprobs"]) == len(ids["output_ids"]) == 24
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ids["output_ids"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == [100, 200, 300]
+    assert text_out["meta_info"]["prompt_tokens"] > 0
+
+
+def test_a_stream_sends_the_output_so_far_and_ends_as_the_whole_answer(server):
+    whole = post(server, "/generate", {"text": "Once upon a time", "sampling_params": GREEDY,
+                                       "return_logprob": True}).json()
+    r = post(server, "/generate", {"text": "Once upon a time", "sampling_params": GREEDY, "stream": True,
+                                   "return_logprob": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    got = events(r)
+    assert len(got) >= 2
+    for earlier, later in zip(got, got[1:]):  # each event extends the one before (SGLang's default)
+        assert later["text"].startswith(earlier["text"])
+        assert later["output_ids"][:len(earlier["output_ids"])] == earlier["output_ids"]
+    last = got[-1]
+    assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]
+    assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in got[:-1])
+
+
+def test_a_streamed_list_carries_each_requests_index(server):
+    prompts = ["red green", "north south east"]
+    alone = [post(server, "/generate", {"text": p, "sampling_params": GREEDY}).json() for p in prompts]
+    got = events(post(server, "/generate", {"text": prompts, "sampling_params": GREEDY, "stream": True}))
+    last = {}
+    for event in got:
+        last[event["index"]] = event
+    assert [last[i]["output_ids"] for i in (0, 1)] == [a["output_ids"] for a in alone]
+
+
+def test_a_json_schema_in_the_sampling_params_is_enforced(server):
+    r = post(server, "/generate", {"text": "A person:", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 64, "json_schema": json.dumps(PERSON)}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature", "temperature"),
+    ({"text": "x", "sampling_params": {"regex": "(yes|no"}}, "regex", "parenthesis is not closed"),
+    ({"text": "x", "input_ids": [1, 2]}, "text", "exactly one of text and input_ids"),
+    ({"text": "x", "lora_path": "adapter"}, None, "lora_path"),
+    ({"text": "x", "frobnicate": 1}, None, "frobnicate"),
+    ({"text": "x", "stream": 1}, None, "stream"),
+    ({"text": ["a", "b"], "logprob_start_len": [0]}, "logprob_start_len", "1 logprob_start_len values for 2"),
+    ({"text": ["a", "b"], "logprob_start_len": [0, 0], "sampling_params": [GREEDY] * 3}, "sampling_params",
+     "3 sampling_params for 2 prompts"),
+    ({"text": ["a", "b"], "sampling_params": [GREEDY] * 3}, None, "3 sampling_params for 2 prompts"),
+])
+def test_what_the_door_refuses_is_a_400_naming_it(server, body, param, words):
+    r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"] or words in json.dumps(error), error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_abort_request_ends_a_running_stream(server):
+    """SGLang's POST /abort_request by rid: the stream's last event is the abort, with its kind."""
+    body = {"text": "count:", "rid": "native-abort-me", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+    got: list = []
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got.append(json.loads(line[len("data: "):]))
+                if len(got) == 2:
+                    threading.Thread(target=post, args=(server, "/abort_request", {"rid": "native-abort-me"})).start()
+    reason = got[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["err_type"] == "request_aborted", reason
+    assert len(got[-1]["output_ids"]) < 3000
+
+
+def test_the_info_and_cache_endpoints(server, tiny_model_dir):
+    info = httpx.get(server.url + "/get_model_info", timeout=30).json()
+    assert info == {"model_path": str(tiny_model_dir), "tokenizer_path": str(tiny_model_dir), "is_generation": True}
+    post(server, "/generate", {"text": "a prefix worth caching " * 4, "sampling_params": GREEDY})
+    server_info = httpx.get(server.url + "/get_server_info", timeout=60).json()
+    assert server_info["model_path"] == str(tiny_model_dir) and server_info["alive"] is True
+    assert server_info["kv_pool_size"] >= 4096 and server_info["stats"]["requests_submitted"] >= 1
+    flushed = post(server, "/flush_cache", {}).json()
+    assert isinstance(flushed["flushed_tokens"], int) and flushed["flushed_tokens"] > 0
+    assert post(server, "/flush_cache", {}).json()["flushed_tokens"] == 0  # nothing left to flush
