@@ -43,7 +43,10 @@ def completions_text(server, prompt: str, max_tokens: int) -> str:
 
 
 def test_generate_gives_the_engines_output_as_sglang_lays_it_out(server):
-    r = post(server, "/generate", {"text": "The capital of", "sampling_params": GREEDY})
+    # The body SGLang's bench_serving (--backend sglang) posts, its unsupported features at their defaults.
+    r = post(server, "/generate", {"text": "The capital of", "sampling_params": GREEDY, "stream": False,
+                                   "lora_path": None, "return_logprob": False, "return_routed_experts": False,
+                                   "logprob_start_len": -1})
     assert r.status_code == 200, r.text
     out = r.json()
     assert set(out) >= {"text", "output_ids", "meta_info"}
@@ -117,6 +120,7 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": "x", "sampling_params": {"regex": "(yes|no"}}, "regex", "parenthesis is not closed"),
     ({"text": "x", "input_ids": [1, 2]}, "text", "exactly one of text and input_ids"),
     ({"text": "x", "lora_path": "adapter"}, None, "lora_path"),
+    ({"text": "x", "return_text_in_logprobs": True}, None, "return_text_in_logprobs"),
     ({"text": "x", "frobnicate": 1}, None, "frobnicate"),
     ({"text": "x", "stream": 1}, None, "stream"),
     ({"text": ["a", "b"], "logprob_start_len": [0]}, "logprob_start_len", "1 logprob_start_len values for 2"),

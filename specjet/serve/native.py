@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import anyio
 import anyio.to_thread
@@ -45,10 +45,11 @@ class GenerateRequest(BaseModel):
     return_logprob: Union[bool, list[bool], None] = None
     top_logprobs_num: Union[int, list[int], None] = None
     logprob_start_len: Union[int, list[int], None] = None
-    # SGLang fields for features specjet does not have, accepted at their defaults (bench_serving sends them).
+    # SGLang fields for features specjet does not have, accepted at their defaults (bench_serving sends some).
     lora_path: None = None
     image_data: None = None
-    return_text_in_logprobs: bool = False
+    return_text_in_logprobs: Literal[False] = False
+    return_routed_experts: Literal[False] = False
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
