@@ -652,4 +652,6 @@ def test_native_generate_answers_a_lone_abort_with_its_status_and_a_list_with_it
         assert r.status_code == 503 and r.json()["error"]["code"] == "grammar_compiler_busy"
         r = client.post("/generate", json={"text": ["a", "b"]})
         assert r.status_code == 200 and r.json() == [served, aborted]
+        info = client.get("/get_model_info").json()  # an engine without a model path runs the embedded model
+        assert info["model_path"].endswith(".gguf") and info["is_generation"] is True
     assert dict(app.state.metrics.requests) == {"error": 2, "stop": 1}

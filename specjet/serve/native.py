@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from specjet.models.weights import default_gguf_path
 from specjet.serve.errors import ApiError
 
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
@@ -145,6 +146,9 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         finally:
             await calls.close(stream, finished)
         yield "data: [DONE]\n\n"
+
+    if model_path is None:  # the embedded default model: its GGUF file
+        model_path = str(default_gguf_path())
 
     @router.get("/get_model_info")
     async def get_model_info():
