@@ -15,6 +15,9 @@ import platform
 import shlex
 import subprocess
 import sys
+from typing import Any, Callable
+
+from specjet.arg_types import existing_path
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -60,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The Engine's flags. Each defaults to None (the Engine's own default); a benchmark that needs
     another default sets it with ``parser.set_defaults(...)``."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model-path", default=None,
+    group.add_argument("--model-path", default=None, type=existing_path,
                        help="model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="default auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), "
@@ -180,6 +183,17 @@ def jsonschema_prompts(n: int | None = None, folder: str | os.PathLike = JSONSCH
         entries = entries[:n]
     return [{"name": e.get("name", e["file"]), "file": e["file"], "prompt": e["prompt"],
              "schema": (folder / e["file"]).read_text(encoding="utf-8")} for e in entries]
+
+
+def run_cli(main: Callable[[], Any]) -> Any:
+    """A bench's entry point: ``main()``, where a path that is not there (a model, a data file or folder) is a
+    one-line error and exit status 2, not a traceback."""
+    try:
+        return main()
+    except (FileNotFoundError, NotADirectoryError) as error:
+        module = sys.modules["__main__"].__spec__
+        print(f"python -m {module.name if module else 'bench'}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def chat_prompt(tokenizer, text: str, history: list[dict] | None = None) -> str:

@@ -9,7 +9,9 @@ tokens/s, accept length, and whether the outputs (greedy or seeded sampled) equa
 
 A configuration is ``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE``, KEY an Engine argument (SGLang's names,
 ``-`` or ``_``) and VALUE an int, a float, true/false, none, or a string; it overrides the engine flags
-given on the command line, which every configuration starts from. For example
+given on the command line, which every configuration starts from. ``none`` alone is plain decoding
+(``disable_guided_drafting=true``: the engine's default drafts under a grammar, and on a CPU a lone free-text
+request with the shipped DFlash draft); any other name alone is the command line's engine. For example
 ``none: NGRAM:speculative_algorithm=NGRAM EAGLE:speculative_algorithm=EAGLE``, or
 ``overlap:disable_overlap_schedule=false no-overlap:disable_overlap_schedule=true``, or
 ``eagle-s2:speculative_algorithm=EAGLE,speculative_num_steps=2``. The first configuration is the
@@ -61,7 +63,7 @@ from dataclasses import dataclass
 from bench.common import (GSM8K_TEST, JSONSCHEMA_DIR, add_engine_args, append_jsonl, chat_history, chat_prompt,
                           command_line, compare_outputs, engine_kwargs, fmt_num, gsm8k_questions, identity_record,
                           jsonschema_prompts, machine_info, now, report_header_lines)
-from bench.decode_rate import Measurement, Prompt, SpecjetSystem, make_batches, timed_run
+from bench.decode_rate import Measurement, Prompt, SpecjetSystem, make_batches, timed_run, warm_up
 from bench.engine_info import describe_engine, speculation_str
 
 DEFAULT_CONFIGS = ["none", "NGRAM:speculative_algorithm=NGRAM", "EAGLE:speculative_algorithm=EAGLE"]
@@ -109,6 +111,8 @@ def parse_config(spec: str) -> Config:
             raise ValueError(f"configuration {name!r}: {key!r} is not an Engine argument "
                              f"(known: {', '.join(sorted(known))})")
         overrides[key] = parse_value(value.strip())
+    if name == "none" and not overrides:  # no speculation at all, not the engine's default (which drafts)
+        overrides = {"disable_guided_drafting": True}
     return Config(name, overrides)
 
 
@@ -142,8 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--result-file", default=None, help="append a JSON record to this .jsonl file")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
+    if not 0 <= args.temperature < math.inf:
+        parser.error("--temperature must be a finite number >= 0")
+    if not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1 or not (args.top_k == -1 or args.top_k >= 1):
+        parser.error("--top-p must lie in (0, 1], --min-p in [0, 1], --top-k be -1 or >= 1")
+    if args.temperature == 0 and (args.top_p, args.top_k, args.min_p, args.seed) != (1.0, -1, 0.0, 0):
+        parser.error("--top-p, --top-k, --min-p and --seed apply to sampling: give --temperature > 0 with them")
     args.sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                       "seed": args.seed} if args.temperature > 0 else None)
     if args.max_new_tokens < 2:
@@ -198,8 +206,9 @@ def measure(systems: dict[str, SpecjetSystem], prompts: list[Prompt],
               dynamic_ncols=True) as bar:
         for (name, bs) in cells:
             bar.set_description(f"warm-up {name} bs={bs}")
-            systems[name].generate(batches[bs][0], n)
-            systems[name].generate(batches[bs][0], 1)
+            # Every batch, as bench.latency's: a first timed pass would otherwise prefill (and, under a schema,
+            # compile) the batches after the first cold in its 1-token pass and find them cached in its N-token one.
+            warm_up(systems[name], batches[bs], n)
             bar.update()
         for repeat in range(args.repeats):
             order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
@@ -416,4 +425,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

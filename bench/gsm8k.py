@@ -96,14 +96,19 @@ def build_prompts(shots: list[dict], questions: list[dict], chat_template=None) 
 
 # ---------------------------------------------------------------- scoring
 def score(questions: list[dict], outputs: list[dict]) -> dict:
-    """Accuracy and invalid rate of the outputs against the questions' gold answers."""
+    """Accuracy and invalid rate of the outputs against the questions' gold answers. An aborted request's text is
+    no answer (its last number is wherever the engine stopped it): it is invalid."""
     golds = [gold_answer(q["answer"]) for q in questions]
-    preds = [last_number(o["text"]) for o in outputs]
+    preds = [None if _aborted(o) else last_number(o["text"]) for o in outputs]
     correct = sum(p is not None and p == g for p, g in zip(preds, golds))
     invalid = sum(p is None for p in preds)
     n = len(questions)
     return {"accuracy": correct / n, "invalid": invalid / n, "correct": correct, "invalid_count": invalid,
             "questions": n, "predictions": [number_str(p) for p in preds], "golds": [number_str(g) for g in golds]}
+
+
+def _aborted(output: dict) -> bool:
+    return ((output.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
 
 
 def figure_lines(figures: dict) -> list[str]:
@@ -188,4 +193,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

@@ -7,8 +7,10 @@ decoding (EAGLE, NGRAM) against plain decoding, at batch sizes 1 and 8.
                             [--sweep [--sweep-num-steps ...]] [--result-file bench/out/latency.jsonl]
                             [engine flags]
 
-All systems load the same weights (the model directory ``resolve_model_path(--model-path)``, all in
-``--dtype``; default auto: bf16 on a CPU with native bf16 instructions, else fp32), get the same
+All systems load the same model (the model directory ``resolve_model_path(--model-path)``) and compute in
+``--dtype`` (default auto: bf16 on a CPU with native bf16 instructions, else fp32): specjet with the weights
+``--quantization`` gives it (default auto: a GGUF model's own quantized blocks, as llama.cpp reads them; the
+header says which), transformers with the float weights. All get the same
 token ids (tokenized once) and generate exactly N = ``--max-new-tokens`` tokens greedily (EOS ignored: ``ignore_eos``
 for specjet, ``min_new_tokens=N`` for transformers). A batch of B for transformers is left-padded
 with the pad token and run as one ``generate`` call; for specjet it is one ``Engine.generate`` call
@@ -82,8 +84,8 @@ PLAIN = "specjet"
 # ---------------------------------------------------------------- the systems (specjet's: bench/decode_rate.py)
 def describe_spec(desc: dict) -> str:
     """``SpecjetSystem.describe()`` in one line: the engine's settings, then where the drafts come from."""
-    if desc["algorithm"] == "EAGLE":
-        return f"{spec_str(desc)}, head {desc['draft_model_path']}"
+    if desc["algorithm"] in ("EAGLE", "DFLASH"):
+        return f"{spec_str(desc)}, {'head' if desc['algorithm'] == 'EAGLE' else 'draft'} {desc['draft_model_path']}"
     window = desc.get("match_window") or [None, None]
     return f"{spec_str(desc)}, match window {window[0]}-{window[1]}"
 
@@ -314,4 +316,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

@@ -61,12 +61,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.laten
     if args.workload is None:
         args.workload = list(WORKLOADS) if args.speculative_algorithm else ["gsm8k"]
     args.workload = list(dict.fromkeys(args.workload))
+    if args.json_constrained and "json" not in args.workload:
+        parser.error("--json-constrained needs the json workload (--workload json)")
+    if args.sweep and args.llamacpp:
+        parser.error("--llamacpp times llama.cpp beside specjet's systems, not beside a --sweep")
     grid_flags = {"num_steps": args.sweep_num_steps, "topk": args.sweep_topk,
                   "num_draft_tokens": args.sweep_num_draft_tokens, "ngram_breadth": args.sweep_ngram_breadth,
                   "hybrid_ngram_tokens": args.sweep_hybrid_ngram_tokens}
     if args.sweep:
-        if not args.speculative_algorithm:
-            parser.error("--sweep needs --speculative-algorithm EAGLE or NGRAM")
+        if args.speculative_algorithm not in SWEEP_DEFAULTS:
+            parser.error(f"--sweep needs --speculative-algorithm {' or '.join(SWEEP_DEFAULTS)}"
+                         + (f", not {args.speculative_algorithm}" if args.speculative_algorithm else ""))
         pinned = [f"--speculative-{name.replace('_', '-')}" for name in
                   ("num_steps", "eagle_topk", "num_draft_tokens", "ngram_max_bfs_breadth", "hybrid_ngram_tokens")
                   if getattr(args, f"speculative_{name}") is not None]
@@ -127,7 +132,8 @@ def load_workloads(args: argparse.Namespace, tokenizer) -> list[Workload]:
 class Setup:
     """What a run loads before its engines."""
     workloads: list[Workload]
-    context: dict  # for the record's header: command, date, machine, model_dir, device, specjet_dtype, hf_dtype
+    context: dict  # for the record's header: command, date, machine, model_dir, device, specjet_dtype and
+    # specjet_quantization, hf_dtype
     hf: dict | None  # HFSystem's arguments (model_dir, dtype, device, pad_token_id); None: HF is not timed
 
 
@@ -149,8 +155,9 @@ def prepare(args: argparse.Namespace) -> Setup:
     model_dir = resolve_model_path(args.model_path)
     device = torch.device(args.device if args.device not in (None, "auto") else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
-    specjet_dtype = resolve_dtype(args.dtype, device, _quantization(args, device, model_dir))
-    hf_dtype = torch.bfloat16 if specjet_dtype == torch.bfloat16 else torch.float32
+    quantization = _quantization(args, device, model_dir)
+    specjet_dtype = resolve_dtype(args.dtype, device, quantization)
+    hf_dtype = specjet_dtype  # transformers computes with the float weights, in specjet's activation dtype
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workloads = load_workloads(args, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -160,6 +167,7 @@ def prepare(args: argparse.Namespace) -> Setup:
         "machine": machine_info(),  # before the load it describes the machine as the runs found it
         "model_dir": str(model_dir), "device": str(device),
         "specjet_dtype": str(specjet_dtype).removeprefix("torch."),
+        "specjet_quantization": quantization,  # None: float weights in specjet_dtype
         "hf_dtype": None if skip_hf else str(hf_dtype).removeprefix("torch."),
     }
     hf = None if skip_hf else {"model_dir": model_dir, "dtype": hf_dtype, "device": device, "pad_token_id": pad}
@@ -202,8 +210,10 @@ def identity_line(check: dict, what: str) -> str:
 
 def header_lines(header: dict) -> list[str]:
     return report_header_lines(header["command"], header["date"], header["machine"]) + [
-        f"# model: {header['model_dir']} on {header['device']}; specjet {header['specjet_dtype']}"
-        + (f", HF {header['hf_dtype']}" if header.get("hf_dtype") else ""),
+        f"# model: {header['model_dir']} on {header['device']}; specjet {header['specjet_dtype']} "
+        + (f"with {header['specjet_quantization']} weights" if header.get("specjet_quantization")
+           else "with float weights")
+        + (f", HF {header['hf_dtype']} with float weights" if header.get("hf_dtype") else ""),
     ]
 
 
@@ -222,6 +232,7 @@ def make_header(benchmark: str, context: dict, workloads: list[Workload], args: 
         "model_dir": context["model_dir"],
         "device": context["device"],
         "specjet_dtype": context["specjet_dtype"],
+        "specjet_quantization": context["specjet_quantization"],
         "hf_dtype": context["hf_dtype"],
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,

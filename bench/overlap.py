@@ -16,18 +16,22 @@ import time
 from bench import common
 from bench.engine_info import describe_engine, speculation_str
 from bench.json import latency_figures
+from specjet.arg_types import positive_int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="timed passes per cell (figures pool them)")
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=2, help="timed passes per cell (figures pool them)")
     parser.add_argument("--unconstrained", action="store_true", help="no json_schema (plain text requests)")
     parser.add_argument("--schema-dir", default=str(common.JSONSCHEMA_DIR))
     parser.add_argument("--result-file", default="bench/out/overlap.jsonl")
     common.add_engine_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.disable_overlap_schedule is not None:
+        parser.error("the loops are this bench's axis: it runs both, without --(no-)disable-overlap-schedule")
+    return args
 
 
 def run_cell(engine, prompts: list[str], params: list[dict], batch_size: int, repeats: int) -> dict:
@@ -51,7 +55,6 @@ def main(argv=None) -> dict:
     import specjet
 
     kwargs = common.engine_kwargs(args)
-    kwargs.pop("disable_overlap_schedule", None)
     command, date, machine = common.command_line(), common.now(), common.machine_info()
     print("\n".join(common.report_header_lines(command, date, machine)), flush=True)
     entries = common.jsonschema_prompts(folder=args.schema_dir)
@@ -90,4 +93,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

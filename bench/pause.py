@@ -20,6 +20,7 @@ import time
 
 from bench import common
 from bench.engine_info import describe_engine, speculation_str
+from specjet.arg_types import non_negative_float
 
 LOOPS = {"plain": True, "overlap": False}  # --loops value -> disable_overlap_schedule
 
@@ -27,7 +28,7 @@ LOOPS = {"plain": True, "overlap": False}  # --loops value -> disable_overlap_sc
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.pause", description=__doc__.split("\n\n")[0])
     parser.add_argument("--loops", nargs="+", choices=list(LOOPS), default=list(LOOPS))
-    parser.add_argument("--pauses", type=float, nargs="+", default=[0.0, 100.0, 300.0],
+    parser.add_argument("--pauses", type=non_negative_float, nargs="+", default=[0.0, 100.0, 300.0],
                         help="ms the engine idles before each request (0: back to back)")
     parser.add_argument("--requests", type=int, default=10, help="requests per (loop, pause) cell")
     parser.add_argument("--max-new-tokens", type=int, default=1)
@@ -36,8 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--result-file", default="bench/out/pause.jsonl")
     common.add_engine_args(parser)
     args = parser.parse_args(argv)
-    if args.requests < 2 or any(p < 0 for p in args.pauses) or args.max_new_tokens < 1:
-        parser.error("--requests must be >= 2, --pauses >= 0 and --max-new-tokens >= 1")
+    if args.requests < 2 or args.max_new_tokens < 1:
+        parser.error("--requests must be >= 2 and --max-new-tokens >= 1")
+    if args.disable_overlap_schedule is not None:
+        parser.error("the loops are this bench's axis: choose them with --loops, not --(no-)disable-overlap-schedule")
     return args
 
 
@@ -66,7 +69,6 @@ def main(argv=None) -> dict:
     import specjet
 
     kwargs = common.engine_kwargs(args)
-    kwargs.pop("disable_overlap_schedule", None)  # the loops are this bench's axis
     command, date, machine = common.command_line(), common.now(), common.machine_info()
     print("\n".join(common.report_header_lines(command, date, machine)), flush=True)
     entries = common.jsonschema_prompts(folder=args.schema_dir)
@@ -102,4 +104,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

@@ -45,7 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rounds of the three ways, alternated; the median round is reported")
     parser.add_argument("--result-file", default=None, help="append one JSON record of the run")
     add_engine_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.speculative_algorithm is not None:
+        parser.error("give the algorithms with --algorithms (each is run), not --speculative-algorithm")
+    return args
 
 
 def _positive(text: str) -> int:
@@ -143,4 +146,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

@@ -5,8 +5,8 @@
 
 Runs the overlap loop off (the host's and the compute side's work in one thread, the one profiled),
 after one warm-up pass, and prints the functions with the most time of their own and the most time
-below them, per decode iteration (calls / iterations too), so a step's cost outside the model
-forward can be found by name. ``--sort`` picks the first table's order.
+below them (pstats' tables over the timed pass, with the pass's iterations to divide by), so a step's
+cost outside the model forward can be found by name. ``--sort`` picks the first table's order.
 """
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ import threading
 import time
 
 from bench import common
+from specjet.arg_types import positive_int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_loop", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=("gsm8k", "json"), default="gsm8k")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=1, help="requests in flight at once")
-    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--num-prompts", type=positive_int, default=4)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
+    parser.add_argument("--top", type=positive_int, default=40)
     parser.add_argument("--sort", choices=("tottime", "cumulative"), default="tottime")
     parser.add_argument("--data-path", default=str(common.GSM8K_TEST))
     parser.add_argument("--json-path", default=str(common.JSONSCHEMA_DIR))
@@ -86,4 +87,6 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

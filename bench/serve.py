@@ -1,8 +1,9 @@
 """``python -m bench.serve``: a live ``specjet serve`` on loopback, driven by the official ``openai``
 client (in the spirit of SGLang's bench_serving).
 
-For each configuration (``none``: no speculation; ``EAGLE`` / ``NGRAM``: that algorithm) a server
-is started in a subprocess on a free loopback port; two workloads run at each concurrency:
+For each configuration (``none``: no speculation, ``--disable-guided-drafting``; ``default``: the engine's
+defaults, which draft under a grammar; ``EAGLE`` / ``NGRAM``: that algorithm) a server is started in a
+subprocess on a free loopback port; the workloads run at each concurrency:
 
 - ``json``: JSON-schema prompts of the dev set with ``response_format`` json_schema;
 - ``tools``: agent-style prompts with three tools and ``tool_choice="required"``;
@@ -13,7 +14,8 @@ Every request streams (``stream_options.include_usage``): TTFT is the time to th
 with content or a tool-call delta, e2e the time to the last, TPOT (e2e - TTFT) / (tokens - 1).
 Valid: the content validates against the schema (json), the call names a given tool and its
 arguments validate against that tool's parameters (tools). Bounded: ``--num-requests`` per cell
-and ``--cell-timeout`` seconds per cell; loopback only.
+and ``--cell-timeout`` seconds per cell (a cell cut there keeps the requests that finished, counts the rest as
+cut and has no tokens/s); loopback only.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
 from bench.common import (JSONSCHEMA_DIR, append_jsonl, command_line, fmt_num, jsonschema_prompts, machine_info, now,
                           report_header_lines)
+from specjet.arg_types import existing_path
 
 TOOLS = [
     {"type": "function", "function": {
@@ -59,8 +63,9 @@ TOOL_PROMPTS = [
     "Tell me the weather in Nairobi in celsius.",
     "Book-search flights SFO to JFK on 2026-11-30 for 4 passengers.",
 ]
-CONFIGS = {"none": [], "EAGLE": ["--speculative-algorithm", "EAGLE"], "NGRAM": ["--speculative-algorithm", "NGRAM"],
-           "none-nocache": ["--disable-radix-cache"],
+CONFIGS = {"none": ["--disable-guided-drafting"], "default": [],
+           "EAGLE": ["--speculative-algorithm", "EAGLE"], "NGRAM": ["--speculative-algorithm", "NGRAM"],
+           "none-nocache": ["--disable-guided-drafting", "--disable-radix-cache"],
            "EAGLE-nocache": ["--speculative-algorithm", "EAGLE", "--disable-radix-cache"]}
 AGENT_TOPICS = ["weather", "flights", "currency", "refunds", "privacy", "escalation", "dates", "units"]
 
@@ -80,7 +85,8 @@ def agent_system_prompt() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model-path", default=None, type=existing_path,
+                        help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's auto)")
     parser.add_argument("--configs", nargs="+", default=["none", "EAGLE"], choices=list(CONFIGS))
     parser.add_argument("--workloads", nargs="+", default=["json", "tools"], choices=["json", "tools", "agent"])
@@ -112,14 +118,17 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "specjet.serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--debug-endpoints", *flags]  # /debug/kv: the KV invariant after the run
-        self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.PIPE, text=True,
+        # Its output goes to a file: a pipe nobody reads while the run goes on fills, and the server's next log
+        # line (a failing request's traceback, say) would then block it for good.
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, HF_HUB_OFFLINE="1"))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.log.seek(0)
                 raise SystemExit(f"bench.serve: the server exited ({self.proc.returncode}): "
-                                 f"{self.proc.stderr.read()[-3000:]}")
+                                 f"{self.log.read()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -232,14 +241,14 @@ async def run_cell(url: str, requests: list[dict], concurrency: int, max_tokens:
             return await one_request(client, model, req, max_tokens)
 
     start = time.perf_counter()
-    try:
-        results = await asyncio.wait_for(asyncio.gather(*(gated(r) for r in requests)), timeout)
-        cut = False
-    except asyncio.TimeoutError:
-        results, cut = [], True
+    tasks = [asyncio.ensure_future(gated(r)) for r in requests]
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:  # past the cell's time: what finished is kept, the rest is counted as cut
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     wall = time.perf_counter() - start
     await client.close()
-    return summarize(results, wall, cut)
+    return summarize([t.result() for t in tasks if t in done], wall, len(pending))
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -249,7 +258,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def summarize(results: list[dict], wall: float, cut: bool) -> dict:
+def summarize(results: list[dict], wall: float, cut: int) -> dict:
+    """A cell's figures over the requests that finished; ``cut``: how many the cell's timeout ended (a cut
+    cell's tokens/s is None: its wall time is the timeout's, not the requests')."""
     ok = [r for r in results if r["error"] is None]
     figures = {}
     for key in ("ttft", "tpot", "e2e"):
@@ -257,7 +268,7 @@ def summarize(results: list[dict], wall: float, cut: bool) -> dict:
         figures[key] = {"p50": _pct(values, 0.5), "p99": _pct(values, 0.99)}
     return {"requests": len(results), "errors": len(results) - len(ok), "cut": cut,
             "valid": sum(r["valid"] for r in results), "wall_s": wall,
-            "output_tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else None,
+            "output_tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 and not cut else None,
             "first_error": next((r["error"] for r in results if r["error"]), None), **figures}
 
 
@@ -312,7 +323,7 @@ HEADER = (f"{'config':<13} {'workload':<8} {'conc':>4} {'reqs':>5} {'valid':>6} 
 def row_line(c: dict) -> str:
     ms = lambda x: fmt_num(None if x is None else 1e3 * x)  # noqa: E731
     s = lambda x: fmt_num(x, ".2f")  # noqa: E731
-    cut = "  (cut at the cell timeout)" if c["cut"] else ""
+    cut = f"  ({c['cut']} cut at the cell timeout)" if c["cut"] else ""
     return (f"{c['config']:<13} {c['workload']:<8} {c['concurrency']:>4} {c['requests']:>5} "
             f"{c['valid']:>3}/{c['requests']:<2} {c['errors']:>6} {ms(c['ttft']['p50']):>9} {ms(c['ttft']['p99']):>7} "
             f"{ms(c['tpot']['p50']):>9} {ms(c['tpot']['p99']):>7} {s(c['e2e']['p50']):>8} {s(c['e2e']['p99']):>7} "
@@ -353,4 +364,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

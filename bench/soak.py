@@ -52,6 +52,7 @@ import uuid
 from bench import common
 from bench.engine_info import describe_engine, speculation_str
 from bench.faults import MARKER as FAULT_MARKER, FaultInjector
+from specjet.arg_types import positive_float
 from specjet.scheduler import finish_reasons
 
 # Outcome labels, per request.
@@ -761,7 +762,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=12, help="sync caller threads")
     parser.add_argument("--async-tasks", type=int, default=12, help="anyio caller tasks (one event loop)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the callers' random choices")
-    parser.add_argument("--call-timeout", type=float, default=120.0, help="a call still out after this is a HANG")
+    parser.add_argument("--call-timeout", type=positive_float, default=120.0,
+                        help="a call still out after this many seconds (finite) is a HANG")
     parser.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
     parser.add_argument("--schema-dir", default=str(common.JSONSCHEMA_DIR))
     parser.add_argument("--result-file", default="bench/out/soak.jsonl")
@@ -780,8 +782,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--minutes must be > 0")
     if args.threads < 0 or args.async_tasks < 0 or args.threads + args.async_tasks == 0:
         parser.error("--threads and --async-tasks must be >= 0, and not both 0")
-    if not args.call_timeout > 0:
-        parser.error("--call-timeout must be > 0")
     if not 0 <= args.fault_rate < 1:
         parser.error("--fault-rate must be in [0, 1)")
     return args
@@ -998,4 +998,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main()["pass"] else 1)
+    sys.exit(0 if common.run_cli(main)["pass"] else 1)

@@ -191,4 +191,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

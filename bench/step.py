@@ -23,11 +23,13 @@ import statistics
 import time
 
 from bench.common import command_line, machine_info, now, report_header_lines
+from specjet.arg_types import existing_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", default=None, help="model directory or .gguf (default: the embedded model)")
+    p.add_argument("--model-path", default=None, type=existing_path,
+                   help="model directory or .gguf (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="default auto: bfloat16 on a CPU with native bf16 instructions, else float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -136,4 +138,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import run_cli
+
+    run_cli(main)

@@ -52,6 +52,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def existing_path(text: str) -> str:
+    """A file or folder that is there (a model: a .gguf file or a model folder), as given."""
+    if not pathlib.Path(text).exists():
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
+    return text
+
+
 def existing_file(text: str) -> pathlib.Path:
     path = pathlib.Path(text)
     if not path.is_file():

@@ -39,7 +39,11 @@ def table_rows(stdout: str) -> dict[tuple[str, int], tuple]:
 
 
 def test_parse_config():
-    assert parse_config("none").overrides == {} and parse_config("none:").name == "none"
+    # "none" is plain decoding, not the engine's default (which drafts under a grammar, and for a lone free-text
+    # request on a CPU with the shipped DFlash draft); any other bare name is the command line's engine.
+    assert parse_config("none").overrides == {"disable_guided_drafting": True} == parse_config("none:").overrides
+    assert parse_config("default").overrides == {}
+    assert parse_config("none:disable_overlap_schedule=true").overrides == {"disable_overlap_schedule": True}
     c = parse_config("eagle-s2:speculative-algorithm=EAGLE,speculative_num_steps=2,disable_overlap_schedule=true")
     assert c.name == "eagle-s2"
     assert c.overrides == {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,

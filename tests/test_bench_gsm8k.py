@@ -92,6 +92,11 @@ def test_score_counts_correct_and_invalid():
     assert figures["predictions"] == ["18", "3", None, "541"]
     assert (figures["correct"], figures["invalid_count"]) == (2, 1)
     assert figures["accuracy"] == 0.5 and figures["invalid"] == 0.25
+    # An aborted request's partial text is no answer, even where its last number is the gold one.
+    outputs[0]["meta_info"] = {"finish_reason": {"type": "abort", "message": "KV pool exhausted"}}
+    figures = score(questions, outputs)
+    assert figures["predictions"] == [None, "3", None, "541"]
+    assert (figures["correct"], figures["invalid_count"]) == (1, 2)
 
 
 # ---------------------------------------------------------------- prompts

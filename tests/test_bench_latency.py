@@ -55,6 +55,9 @@ def test_latency_against_hf_writes_table_and_record(tiny_model_dir, tmp_path):
     assert record["machine"]["cores"] >= 1 and record["machine"]["torch"]
     # The default dtype follows the CPU (auto: bf16 with native bf16 instructions, else fp32).
     assert record["specjet_dtype"] == record["hf_dtype"] == str(auto_dtype("cpu")).removeprefix("torch.")
+    # The tiny model's safetensors are float weights, and the header says which weights each system computes with.
+    assert record["specjet_quantization"] is None
+    assert f"specjet {record['specjet_dtype']} with float weights, HF {record['hf_dtype']} with float weights" in stdout
     assert record["machine"]["cpu_native_bf16"] == has_native_bf16()
     assert {(r["system"], r["batch_size"]) for r in record["results"]} == set(rows)
     for r in record["results"]:
@@ -229,7 +232,8 @@ def test_flags_and_output_comparison():
     assert parse_args(["--sweep", "--speculative-algorithm", "NGRAM"]).batch_sizes == [1]
     for bad in (["--sweep"], ["--sweep", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"],
                 ["--sweep", "--speculative-algorithm", "NGRAM", "--sweep-topk", "2"], ["--sweep-topk", "2"],
-                ["--sweep", "--speculative-algorithm", "EAGLE", "--sweep-hybrid-ngram-tokens", "-1"]):
+                ["--sweep", "--speculative-algorithm", "EAGLE", "--sweep-hybrid-ngram-tokens", "-1"],
+                ["--sweep", "--speculative-algorithm", "DFLASH"]):  # no grid for DFLASH: a one-line error
         with pytest.raises(SystemExit):
             parse_args(bad)
 

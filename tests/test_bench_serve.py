@@ -36,10 +36,41 @@ def test_summary_percentiles_and_rate():
     results = [{"ttft": t, "tpot": 0.01 * t, "e2e": 2 * t, "tokens": 10, "error": None, "valid": t < 3}
                for t in (1.0, 2.0, 3.0, 4.0)] + [{"ttft": None, "tpot": None, "e2e": 0.5, "tokens": 0,
                                                   "error": "APIError: boom", "valid": False}]
-    s = summarize(results, wall=4.0, cut=False)
+    s = summarize(results, wall=4.0, cut=0)
     assert (s["requests"], s["errors"], s["valid"]) == (5, 1, 2)
     assert s["ttft"] == {"p50": 3.0, "p99": 4.0}  # nearest rank over the 4 answered requests
     assert s["output_tok_s"] == 10.0 and s["first_error"] == "APIError: boom"
+    # Cut at the cell's timeout: the finished requests' figures stay, the rate is none (the wall is the timeout's).
+    s = summarize(results, wall=4.0, cut=3)
+    assert (s["requests"], s["cut"], s["ttft"]["p50"], s["output_tok_s"]) == (5, 3, 3.0, None)
+
+
+def test_a_cell_cut_at_its_timeout_keeps_the_requests_that_finished(monkeypatch):
+    import asyncio
+
+    from bench import serve
+
+    async def one_request(client, model, req, max_tokens):
+        await asyncio.sleep(req["delay"])
+        return {"ttft": 0.01, "tpot": 0.001, "e2e": req["delay"], "tokens": 5, "error": None, "valid": True}
+
+    class Models:
+        async def list(self):
+            return type("L", (), {"data": [type("M", (), {"id": "m"})()]})()
+
+    class Client:
+        def __init__(self, **kwargs):
+            self.models = Models()
+
+        async def close(self):
+            pass
+
+    import openai
+    monkeypatch.setattr(openai, "AsyncOpenAI", Client)
+    monkeypatch.setattr(serve, "one_request", one_request)
+    cell = asyncio.run(serve.run_cell("http://x", [{"delay": 0.0}, {"delay": 0.05}, {"delay": 30.0}], 3, 8, 1.0))
+    assert (cell["requests"], cell["cut"], cell["valid"], cell["output_tok_s"]) == (2, 1, 2, None)
+    assert "1 cut at the cell timeout" in serve.row_line(dict(cell, config="none", workload="json", concurrency=3))
 
 
 def test_cli_end_to_end(tiny_model_dir, tmp_path, capsys):
