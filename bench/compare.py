@@ -9,9 +9,10 @@ tokens/s, accept length, and whether the outputs (greedy or seeded sampled) equa
 
 A configuration is ``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE``, KEY an Engine argument (SGLang's names,
 ``-`` or ``_``) and VALUE an int, a float, true/false, none, or a string; it overrides the engine flags
-given on the command line, which every configuration starts from. ``none`` alone is plain decoding
-(``disable_guided_drafting=true``: the engine's default drafts under a grammar, and on a CPU a lone free-text
-request with the shipped DFlash draft); any other name alone is the command line's engine. For example
+given on the command line, which every configuration starts from. ``none`` is plain decoding
+(``disable_guided_drafting=true`` unless it says otherwise: the engine's default drafts under a grammar, and on a
+CPU a lone free-text request with the shipped DFlash draft); any other name alone is the command line's engine. For
+example
 ``none: NGRAM:speculative_algorithm=NGRAM EAGLE:speculative_algorithm=EAGLE``, or
 ``overlap:disable_overlap_schedule=false no-overlap:disable_overlap_schedule=true``, or
 ``eagle-s2:speculative_algorithm=EAGLE,speculative_num_steps=2``. The first configuration is the
@@ -111,8 +112,8 @@ def parse_config(spec: str) -> Config:
             raise ValueError(f"configuration {name!r}: {key!r} is not an Engine argument "
                              f"(known: {', '.join(sorted(known))})")
         overrides[key] = parse_value(value.strip())
-    if name == "none" and not overrides:  # no speculation at all, not the engine's default (which drafts)
-        overrides = {"disable_guided_drafting": True}
+    if name == "none":  # no speculation at all, not the engine's default (which drafts)
+        overrides.setdefault("disable_guided_drafting", True)
     return Config(name, overrides)
 
 

@@ -126,9 +126,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"bench.serve: the server exited ({self.proc.returncode}): "
-                                 f"{self.log.read()[-3000:]}")
+                raise SystemExit(f"bench.serve: the server exited ({self.proc.returncode}): {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -138,6 +136,12 @@ class Server:
             time.sleep(0.5)
         self.close()
         raise SystemExit(f"bench.serve: the server did not come up within {timeout:.0f} s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of what the server has written (its log and any traceback)."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-chars:]
 
     def kv_check(self) -> dict:
         """Waits until the server is idle and checks the KV invariant (free + owned == pool)."""
@@ -305,6 +309,8 @@ def run(args) -> dict:
                     cell.update(config=config, workload=name, concurrency=conc)
                     cells.append(cell)
                     print(row_line(cell), flush=True)
+            if any(c["errors"] for c in cells if c["config"] == config):  # what the server said about them
+                print(f"# the {config} server's log ends:\n{server.log_tail()}", file=sys.stderr)
             accept = accept_length(server.metrics())
             kv = server.kv_check()
             for cell in cells:

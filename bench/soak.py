@@ -420,10 +420,10 @@ def classify_finish(reason: dict | None, we_aborted: bool) -> tuple[str, str | N
         return INTERNAL, message[:300]
     if err_type == finish_reasons.ABORTED:
         return (ABORTED_BY_US, None) if we_aborted else (OTHER_ABORT, message[:300])
-    # A grammar the compile refused, or one decoding cannot go on under; a token the grammar rejected after its own
-    # mask allowed it is no grammar's fault.
-    if err_type in (finish_reasons.INVALID_GRAMMAR, finish_reasons.GRAMMAR_COMPILER_BUSY) or (
-            err_type == finish_reasons.GRAMMAR_REFUSED and "rejected token" not in message):
+    # A grammar the compile refused, or one decoding cannot go on under (a token the grammar rejected after its own
+    # mask allowed it is an internal error, above).
+    if err_type in (finish_reasons.INVALID_GRAMMAR, finish_reasons.GRAMMAR_COMPILER_BUSY,
+                    finish_reasons.GRAMMAR_REFUSED):
         return GRAMMAR_ABORT, message[:300]
     return OTHER_ABORT, message[:300] or "abort with an empty message"
 

@@ -54,7 +54,7 @@ def fraction(text: str) -> float:
 
 def existing_path(text: str) -> str:
     """A file or folder that is there (a model: a .gguf file or a model folder), as given."""
-    if not pathlib.Path(text).exists():
+    if not pathlib.Path(text).expanduser().exists():  # as the engine reads it
         raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
     return text
 

@@ -43,7 +43,8 @@ def test_parse_config():
     # request on a CPU with the shipped DFlash draft); any other bare name is the command line's engine.
     assert parse_config("none").overrides == {"disable_guided_drafting": True} == parse_config("none:").overrides
     assert parse_config("default").overrides == {}
-    assert parse_config("none:disable_overlap_schedule=true").overrides == {"disable_overlap_schedule": True}
+    assert parse_config("none:disable_overlap_schedule=true").overrides == {"disable_overlap_schedule": True,
+                                                                            "disable_guided_drafting": True}
     c = parse_config("eagle-s2:speculative-algorithm=EAGLE,speculative_num_steps=2,disable_overlap_schedule=true")
     assert c.name == "eagle-s2"
     assert c.overrides == {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,

@@ -108,6 +108,23 @@ def test_abort_while_streaming(engine):
     assert sum(len(c["output_ids"]) for c in chunks) < 2000
 
 
+def test_abort_all_ends_every_live_request_and_nothing_after(engine):
+    """SGLang's ``abort_request(abort_all=True)``: every request live at the call ends with request_aborted; a request
+    submitted after it is served whole."""
+    long = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    streams = [engine.generate(p, long, stream=True) for p in PROMPTS[:2]]
+    firsts = [next(s) for s in streams]
+    engine.abort_request(abort_all=True)
+    for first, stream in zip(firsts, streams):
+        chunks = [first, *stream]
+        assert chunks[-1]["meta_info"]["finish_reason"]["err_type"] == "request_aborted"
+        assert sum(len(c["output_ids"]) for c in chunks) < 2000
+    assert len(engine.generate(PROMPTS[2], dict(GREEDY, max_new_tokens=5))["output_ids"]) == 5
+    with pytest.raises(TypeError, match="abort_request"):
+        engine.abort_request(7)
+    engine.check_kv_invariant()
+
+
 def test_streaming_concatenates_to_the_full_output(engine):
     full = engine.generate(PROMPTS[3], GREEDY)
     chunks = list(engine.generate(PROMPTS[3], GREEDY, stream=True))
@@ -203,8 +220,8 @@ def test_speculation_without_batch_invariance_is_refused(tiny_model_dir):
 
 @pytest.mark.parametrize("kind,spec,words", [
     ("json_schema", '{"type": "object", "properties": ', "invalid json_schema"),  # not JSON
-    ("regex", "(yes|no", "regex could not be compiled: .*parenthesis is not closed"),
-    ("ebnf", 'root ::= "a" value', 'ebnf could not be compiled: .*Rule "value" is not defined'),
+    ("regex", "(yes|no", "regex could not be parsed: .*parenthesis is not closed"),
+    ("ebnf", 'root ::= "a" value', 'ebnf could not be parsed: .*Rule "value" is not defined'),
 ])
 def test_a_spec_xgrammar_cannot_parse_is_refused_at_the_door(engine, kind, spec, words):
     """Known before anything is queued, so the call raises for the whole list, with xgrammar's reason (it was an

@@ -167,9 +167,9 @@ def test_check_spec_parses_a_regex_or_ebnf_as_its_compile_does(backend, monkeypa
     compile; one it parses passes. A JSON schema xgrammar refuses passes the door (its conversion can take seconds:
     the compile's time limit bounds it) and fails at the compile."""
     compiles = count_compiles(backend, monkeypatch)
-    bad = [("regex", "a(b", "regex could not be compiled: .*parenthesis is not closed"),
-           ("ebnf", "root ::= value", 'ebnf could not be compiled: .*Rule "value" is not defined'),
-           ("ebnf", 'root ::= "a', "ebnf could not be compiled: .*Expect \"")]
+    bad = [("regex", "a(b", "regex could not be parsed: .*parenthesis is not closed"),
+           ("ebnf", "root ::= value", 'ebnf could not be parsed: .*Rule "value" is not defined'),
+           ("ebnf", 'root ::= "a', "ebnf could not be parsed: .*Expect \"")]
     for kind, spec, words in bad:
         with pytest.raises(GrammarError, match=words):
             backend.check_spec(kind, spec)
@@ -194,9 +194,9 @@ def test_check_spec_parses_a_regex_or_ebnf_as_its_compile_does(backend, monkeypa
 def test_unsupported_schema_bad_regex_and_unknown_kind(backend):
     with pytest.raises(GrammarError, match=r'^json_schema could not be compiled: Unsupported type "foo"'):
         backend.compile("json_schema", {"type": "foo"}).result()
-    with pytest.raises(GrammarError, match=r"^regex could not be compiled: .*parenthesis is not closed"):
+    with pytest.raises(GrammarError, match=r"^regex could not be parsed: .*parenthesis is not closed"):
         backend.compile("regex", "a(b").result()
-    with pytest.raises(GrammarError, match=r"^ebnf could not be compiled: .*Rule \"value\" is not defined"):
+    with pytest.raises(GrammarError, match=r"^ebnf could not be parsed: .*Rule \"value\" is not defined"):
         backend.compile("ebnf", "root ::= value").result()
     with pytest.raises(GrammarError, match=r"^unsupported grammar kind 'foo'"):
         backend.compile("foo", "x").result()

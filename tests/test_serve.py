@@ -586,7 +586,7 @@ def test_errors_are_openai_shaped_400s(server):
     assert error_of(e)["param"] == "json_schema"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", extra_body={"ebnf": "root ::= ("})  # refused at the door, with the compiler's reason
-    assert error_of(e)["param"] == "ebnf" and "could not be compiled" in error_of(e)["message"]
+    assert error_of(e)["param"] == "ebnf" and "could not be parsed" in error_of(e)["message"]
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", temperature=-1)
     assert error_of(e)["param"] == "temperature"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import jsonschema
@@ -123,10 +124,13 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": "x", "return_text_in_logprobs": True}, None, "return_text_in_logprobs"),
     ({"text": "x", "frobnicate": 1}, None, "frobnicate"),
     ({"text": "x", "stream": 1}, None, "stream"),
-    ({"text": ["a", "b"], "logprob_start_len": [0]}, "logprob_start_len", "1 logprob_start_len values for 2"),
-    ({"text": ["a", "b"], "logprob_start_len": [0, 0], "sampling_params": [GREEDY] * 3}, "sampling_params",
-     "3 sampling_params for 2 prompts"),
+    ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len",
+     "1 logprob_start_len values for 2"),
+    ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0, 0], "sampling_params": [GREEDY] * 3},
+     "sampling_params", "3 sampling_params for 2 prompts"),
     ({"text": ["a", "b"], "sampling_params": [GREEDY] * 3}, None, "3 sampling_params for 2 prompts"),
+    ({"text": "x", "sampling_params": {"n": 2}}, "n", "n=2 is not supported"),  # SGLang's, beyond its default
+    ({"text": "x", "sampling_params": {"min_new_tokens": 5}}, "min_new_tokens", "min_new_tokens=5"),
 ])
 def test_what_the_door_refuses_is_a_400_naming_it(server, body, param, words):
     r = post(server, "/generate", body)
@@ -135,6 +139,84 @@ def test_what_the_door_refuses_is_a_400_naming_it(server, body, param, words):
     assert words in error["message"] or words in json.dumps(error), error
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_the_bodies_sglangs_own_tests_send(server):
+    """As SGLang: the logprob fields are ignored without return_logprob, stream_options is ignored, and SGLang's
+    sampling parameters for features specjet lacks pass at their defaults."""
+    plain = post(server, "/generate", {"text": "The sky is", "sampling_params": GREEDY}).json()
+    for body in ({"return_logprob": False, "logprob_start_len": 0, "top_logprobs_num": 3},
+                 {"stream_options": {"include_usage": True}},
+                 {"sampling_params": dict(GREEDY, n=1, min_new_tokens=0, no_stop_trim=False,
+                                          spaces_between_special_tokens=True)}):
+        r = post(server, "/generate", {"text": "The sky is", "sampling_params": GREEDY, **body})
+        assert r.status_code == 200, (body, r.text)
+        assert r.json()["output_ids"] == plain["output_ids"] and "output_token_logprobs" not in r.json()["meta_info"]
+
+
+def metric(server, name: str) -> float:
+    """A sample of the server's /metrics (``name`` with its labels, as Prometheus writes it); 0 when absent."""
+    for line in httpx.get(server.url + "/metrics", timeout=60).text.splitlines():
+        if line.split(" ")[0] == name:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_abort_request_ends_a_non_streamed_request_with_its_finish_reason(server):
+    """SGLang answers an aborted request with its output and finish_reason (200), not an error."""
+    aborted_before = metric(server, 'specjet_requests_total{finish_reason="aborted"}')
+    body = {"text": "count:", "rid": "native-ns-abort",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+    answer: list = []
+    worker = threading.Thread(target=lambda: answer.append(post(server, "/generate", body)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while metric(server, "specjet_num_running_reqs") < 1:  # until it runs (its rid is then live), then abort it
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    assert post(server, "/abort_request", {"rid": "native-ns-abort"}).status_code == 200
+    worker.join(120)
+    r = answer[0]
+    assert r.status_code == 200, r.text
+    reason = r.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["err_type"] == "request_aborted" and reason["status_code"] == 400
+    assert len(r.json()["output_ids"]) < 3000
+    assert metric(server, 'specjet_requests_total{finish_reason="aborted"}') == aborted_before + 1
+
+
+def test_abort_all_ends_every_running_stream(server):
+    body = {"text": ["one:", "two:"], "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+    last: dict = {}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: "):])
+                if not last:
+                    assert post(server, "/abort_request", {"abort_all": True}).status_code == 200
+                last[event["index"]] = event
+    for event in last.values():
+        assert event["meta_info"]["finish_reason"]["err_type"] == "request_aborted", event["meta_info"]
+    assert set(last) == {0, 1}
+    r = post(server, "/abort_request", {})
+    assert r.status_code == 400 and "abort_all" in r.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_a_native_stream_aborts_its_request(server):
+    gone = metric(server, 'specjet_requests_total{finish_reason="client_disconnected"}')
+    body = {"text": "count:", "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 3000,
+                                                                  "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break  # leaving the block closes the connection mid-stream
+    for _ in range(300):
+        if metric(server, 'specjet_requests_total{finish_reason="client_disconnected"}') == gone + 1:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the server did not notice the client leave")
+    kv_ok(server)  # its KV is back (idle: free or cached)
 
 
 def test_abort_request_ends_a_running_stream(server):
@@ -159,7 +241,10 @@ def test_the_info_and_cache_endpoints(server, tiny_model_dir):
     post(server, "/generate", {"text": "a prefix worth caching " * 4, "sampling_params": GREEDY})
     server_info = httpx.get(server.url + "/get_server_info", timeout=60).json()
     assert server_info["model_path"] == str(tiny_model_dir) and server_info["alive"] is True
+    # SGLang's clients read internal_states[0]: the engine's accept length (the schema request above drafted).
+    assert server_info["internal_states"] == [{"avg_spec_accept_length": server_info["stats"]["spec_accept_length"]}]
+    assert server_info["internal_states"][0]["avg_spec_accept_length"] >= 1
     assert server_info["kv_pool_size"] >= 4096 and server_info["stats"]["requests_submitted"] >= 1
     flushed = post(server, "/flush_cache", {}).json()
     assert isinstance(flushed["flushed_tokens"], int) and flushed["flushed_tokens"] > 0
-    assert post(server, "/flush_cache", {}).json()["flushed_tokens"] == 0  # nothing left to flush
+    assert httpx.get(server.url + "/flush_cache", timeout=60).json()["flushed_tokens"] == 0  # nothing left

@@ -176,7 +176,8 @@ class Engine:
                 self._check_prediction(sp.prediction)
             sp.check_token_ids(self.scheduler.vocab_size)
             key = sp.grammar_key
-            if key is not None:  # what can be known without compiling: bad JSON, too big, too deep
+            if key is not None:  # what is known without compiling: bad JSON, too big, too deep, a regex or EBNF
+                # that does not parse, a spec whose compile timed out before
                 self.scheduler.grammar_backend.check_spec(*key)
         rids = _request_ids(rid, n)
         vocab = self.scheduler.vocab_size
@@ -313,8 +314,14 @@ class Engine:
             messages = [{"role": "user", "content": messages}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def abort_request(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort the live request ``rid`` (SGLang's signature: ``abort_all=True`` aborts every live request); its
+        caller gets what it had written, ``finish_reason`` an abort of ``err_type`` ``request_aborted``. A rid that
+        is not live is no error (it may have just finished)."""
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise TypeError(f"abort_request takes a str rid and a bool abort_all, got {type(rid).__name__} and "
+                            f"{type(abort_all).__name__}")
+        self.scheduler.abort(None if abort_all else rid)
 
     def is_alive(self) -> bool:
         """True while the engine can serve requests (not shut down, scheduler thread running)."""

@@ -289,7 +289,7 @@ class GrammarBackend:
         try:
             return xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
         except RuntimeError as error:
-            raise GrammarError(f"{kind} could not be compiled: {xgrammar_message(error)}") from None
+            raise GrammarError(f"{kind} could not be parsed: {xgrammar_message(error)}") from None
 
     def _compile_json_schema(self, text: str) -> tuple[xgr.Grammar, xgr.CompiledGrammar]:
         try:

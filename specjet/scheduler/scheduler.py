@@ -155,7 +155,8 @@ class Scheduler:
             # iterations, so they start in one batch even when this thread is descheduled mid-submit.
             self.inbox.put(("add", list(reqs)))
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str | None) -> None:
+        """Thread-safe: abort the live request ``rid`` (None: every live request) between two iterations."""
         self.inbox.put(("abort", rid))
 
     def _count_started(self, req: Req) -> None:
@@ -223,7 +224,7 @@ class Scheduler:
                     future.set_exception(exc)
             elif kind == "abort":
                 for req in self._live():
-                    if req.rid == value:
+                    if value is None or req.rid == value:
                         req.to_abort = True
 
     def _admit(self, req: Req) -> None:
@@ -803,7 +804,9 @@ class Scheduler:
                 if not req.grammar.is_terminated() and not req.grammar.allows_a_token():
                     return abort_reason(GRAMMAR_REFUSED, "the grammar allows no token after the text so far "
                                                          "(it matches no text from here)")
-                return abort_reason(GRAMMAR_REFUSED, f"grammar rejected token {token}")
+                # The mask allowed a token its matcher then refused: the engine's inconsistency, not the grammar's.
+                return abort_reason(INTERNAL_ERROR, f"internal error: the grammar rejected token {token}, which its "
+                                                    f"mask allowed")
             if req.grammar.is_terminated():
                 update_text(req, self.tokenizer)
                 return {"type": "stop", "matched": token}

@@ -168,7 +168,6 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         reason = result["meta_info"]["finish_reason"] or {}
         if reason.get("type") != "abort":
             return None
-        check_alive()
         message = reason.get("message") or "the request was aborted"
         status, err_type = reason.get("status_code"), reason.get("err_type")  # the engine's (finish_reasons.py)
         if not isinstance(status, int) or not 400 <= status <= 599:
@@ -493,11 +492,14 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                           choices=choices)
 
     def record_native(item: dict) -> None:
-        """A native /generate request's end in the metrics (an abort as an error, with its tokens)."""
+        """A native /generate request's end in the metrics, with its tokens: an abort its caller asked for
+        (/abort_request) as "aborted", any other abort as an error."""
         meta = item["meta_info"]
-        kind = (meta.get("finish_reason") or {}).get("type")
-        metrics.record("error" if kind == "abort" else kind, meta.get("prompt_tokens", 0),
-                       meta.get("completion_tokens", 0))
+        reason = meta.get("finish_reason") or {}
+        kind = reason.get("type")
+        if kind == "abort":
+            kind = "aborted" if reason.get("err_type") == "request_aborted" else "error"
+        metrics.record(kind, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
 
     add_native_routes(v1, engine, SimpleNamespace(
         check_alive=check_alive, door=door, until_disconnected=until_disconnected, abort_error=abort_error,

@@ -7,17 +7,22 @@
   The answer is the Engine's dict (a list for a list of prompts). Streamed, each event is one request's
   output *so far* (``text``, ``output_ids`` and the logprob lists whole, as SGLang's server sends them;
   ``incremental=True``, the serve CLI's ``--incremental-streaming-output``: only what is new), then ``[DONE]``.
-- ``GET /get_model_info``, ``GET /get_server_info``, ``POST /flush_cache``, ``POST /abort_request``.
+  As SGLang does, the logprob fields are ignored where ``return_logprob`` is not set, ``stream_options`` is
+  ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``n`` 1,
+  ``min_new_tokens`` 0, ``no_stop_trim`` false, ``spaces_between_special_tokens`` true); other values are a 400.
+- ``GET /get_model_info``, ``GET /get_server_info`` (with SGLang's ``internal_states``), ``GET|POST
+  /flush_cache``, ``POST /abort_request`` (``rid``, or ``abort_all``).
 
 Errors are the OpenAI endpoints' (``{"error": {...}}`` with the status that fits). A single non-streamed
-request the engine aborts is answered by the abort's ``status_code``; in a list, or streamed, an abort is the
-request's ``finish_reason`` (``{"type": "abort", "message", "status_code", "err_type"}``), as SGLang has it.
+request the engine aborts for a cause (a grammar, the KV pool, a failure) is answered by the abort's
+``status_code``; one its caller aborted (``/abort_request``), one in a list, or a stream's, is answered as SGLang
+does, with the request's ``finish_reason`` (``{"type": "abort", "message", "status_code", "err_type"}``).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import anyio
 import anyio.to_thread
@@ -26,10 +31,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from specjet.models.weights import default_gguf_path
+from specjet.scheduler.finish_reasons import ABORTED
 from specjet.serve.errors import ApiError
 
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
+# SGLang's sampling parameters for features specjet does not have, at the values that ask for nothing.
+_SGLANG_DEFAULTS = {"n": 1, "min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True}
 
 
 class GenerateRequest(BaseModel):
@@ -51,6 +59,7 @@ class GenerateRequest(BaseModel):
     image_data: None = None
     return_text_in_logprobs: Literal[False] = False
     return_routed_experts: Literal[False] = False
+    stream_options: Optional[dict[str, Any]] = None  # SGLang's benchmarks send it; /generate has no usage chunk
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
@@ -58,7 +67,12 @@ class GenerateRequest(BaseModel):
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give exactly one of text and input_ids", "invalid_request_error", "text",
                            "invalid_value")
-        params, starts = self.sampling_params, self.logprob_start_len
+        params = ([_without_sglang_defaults(d) for d in self.sampling_params]
+                  if isinstance(self.sampling_params, list) else _without_sglang_defaults(self.sampling_params))
+        wants = self.return_logprob
+        if not (any(wants) if isinstance(wants, list) else wants):  # SGLang ignores the logprob fields then
+            return self._kwargs(params, None)
+        starts = self.logprob_start_len
         if isinstance(starts, list):
             prompts = self.text if self.text is not None else self.input_ids
             count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
@@ -73,13 +87,30 @@ class GenerateRequest(BaseModel):
         elif starts is not None:
             params = ([dict(d, logprob_start_len=starts) for d in params] if isinstance(params, list)
                       else dict(params or {}, logprob_start_len=starts))
+        return self._kwargs(params, self.top_logprobs_num)
+
+    def _kwargs(self, params, top_logprobs_num) -> dict[str, Any]:
         return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": params, "rid": self.rid,
-                "return_logprob": self.return_logprob, "top_logprobs_num": self.top_logprobs_num}
+                "return_logprob": self.return_logprob, "top_logprobs_num": top_logprobs_num}
+
+
+def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``params`` without SGLang's parameters for features specjet lacks, where they ask for nothing; a 400 naming
+    one that asks for something."""
+    if not params or not _SGLANG_DEFAULTS.keys() & params.keys():
+        return params
+    for name, default in _SGLANG_DEFAULTS.items():
+        if name in params and (params[name] != default or type(params[name]) is not type(default)):
+            raise ApiError(400, f"sampling parameter {name}={params[name]!r} is not supported by specjet (only "
+                                f"{default!r}, SGLang's default)", "invalid_request_error", name, "unsupported_value")
+    return {k: v for k, v in params.items() if k not in _SGLANG_DEFAULTS}
 
 
 class AbortRequest(BaseModel):
+    """SGLang's AbortReq: one request by ``rid``, or every live one with ``abort_all``."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    rid: str
+    rid: str = ""
+    abort_all: bool = False
 
 
 class Accumulator:
@@ -92,14 +123,21 @@ class Accumulator:
         index = chunk.get("index", 0)
         before = self._so_far.get(index)
         if before is None:
-            merged = dict(chunk, output_ids=list(chunk["output_ids"]), meta_info=dict(chunk["meta_info"]))
-        else:
-            meta = dict(before["meta_info"], **chunk["meta_info"])
+            meta = dict(chunk["meta_info"])
             for name in _TOKEN_LISTS:
+                if name in meta:
+                    meta[name] = list(meta[name])
+            merged = dict(chunk, output_ids=list(chunk["output_ids"]), meta_info=meta)
+        else:  # the lists grow in place (each event is serialized before the next chunk): no copy an event
+            lists = {name: before["meta_info"].get(name, []) for name in _TOKEN_LISTS}
+            meta = before["meta_info"]
+            meta.update(chunk["meta_info"])
+            for name, so_far in lists.items():
                 if name in chunk["meta_info"]:
-                    meta[name] = before["meta_info"].get(name, []) + list(chunk["meta_info"][name])
-            merged = dict(chunk, text=before["text"] + chunk["text"],
-                          output_ids=before["output_ids"] + list(chunk["output_ids"]), meta_info=meta)
+                    so_far.extend(chunk["meta_info"][name])
+                    meta[name] = so_far
+            before["output_ids"].extend(chunk["output_ids"])
+            merged = dict(chunk, text=before["text"] + chunk["text"], output_ids=before["output_ids"], meta_info=meta)
         self._so_far[index] = merged
         return merged
 
@@ -125,8 +163,9 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
             request, lambda: calls.door(lambda: engine.async_generate(**kwargs), first_sp, "text"))
         for item in result if isinstance(result, list) else [result]:
             calls.record(item)
-        aborted = calls.abort_error(result, first_sp) if isinstance(result, dict) else None
-        if aborted is not None:  # a lone request's abort is its answer, with its status
+        reason = result["meta_info"]["finish_reason"] if isinstance(result, dict) else None
+        aborted = None if reason is None or reason.get("err_type") == ABORTED else calls.abort_error(result, first_sp)
+        if aborted is not None:  # a lone request's abort for a cause is its answer, with its status
             aborted.recorded = True
             raise aborted
         return result
@@ -147,20 +186,20 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
             await calls.close(stream, finished)
         yield "data: [DONE]\n\n"
 
-    if model_path is None:  # the embedded default model: its GGUF file
-        model_path = str(default_gguf_path())
-
     @router.get("/get_model_info")
     async def get_model_info():
-        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True}
+        path = model_path if model_path is not None else str(default_gguf_path())  # the embedded default model
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True}
 
     @router.get("/get_server_info")
     async def get_server_info():
         info = await anyio.to_thread.run_sync(engine.get_server_info)
         args = info.pop("args")
-        return json.loads(_json({**dataclasses.asdict(args), **info}))
+        # SGLang's clients (bench_serving, its accept-length helpers) read internal_states[0] without a guard.
+        states = [{"avg_spec_accept_length": info["stats"].get("spec_accept_length")}]
+        return json.loads(_json({**dataclasses.asdict(args), **info, "internal_states": states}))
 
-    @router.post("/flush_cache")
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         calls.check_alive()
         flushed = await anyio.to_thread.run_sync(engine.flush_cache)
@@ -168,7 +207,10 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest):
-        engine.abort_request(body.rid)  # a rid that is not live is no error: it may have just finished
-        return {"rid": body.rid}
+        if not body.abort_all and not body.rid:
+            raise ApiError(400, "give a rid, or abort_all: true", "invalid_request_error", "rid", "invalid_value")
+        # A rid that is not live is no error: it may have just finished.
+        engine.abort_request(body.rid, abort_all=body.abort_all)
+        return {"rid": body.rid, "abort_all": body.abort_all}
 
 
