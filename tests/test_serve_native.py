@@ -238,6 +238,8 @@ def test_abort_request_ends_a_running_stream(server):
 def test_the_info_and_cache_endpoints(server, tiny_model_dir):
     info = httpx.get(server.url + "/get_model_info", timeout=30).json()
     assert info == {"model_path": str(tiny_model_dir), "tokenizer_path": str(tiny_model_dir), "is_generation": True}
+    assert httpx.get(server.url + "/model_info", timeout=30).json() == info  # SGLang's later names too
+    assert httpx.get(server.url + "/server_info", timeout=60).json()["internal_states"]
     post(server, "/generate", {"text": "a prefix worth caching " * 4, "sampling_params": GREEDY})
     server_info = httpx.get(server.url + "/get_server_info", timeout=60).json()
     assert server_info["model_path"] == str(tiny_model_dir) and server_info["alive"] is True

@@ -10,8 +10,9 @@
   As SGLang does, the logprob fields are ignored where ``return_logprob`` is not set, ``stream_options`` is
   ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``n`` 1,
   ``min_new_tokens`` 0, ``no_stop_trim`` false, ``spaces_between_special_tokens`` true); other values are a 400.
-- ``GET /get_model_info``, ``GET /get_server_info`` (with SGLang's ``internal_states``), ``GET|POST
-  /flush_cache``, ``POST /abort_request`` (``rid``, or ``abort_all``).
+- ``GET /get_model_info``, ``GET /get_server_info`` (with SGLang's ``internal_states``; both also under SGLang's
+  later names ``/model_info`` and ``/server_info``), ``GET|POST /flush_cache``, ``POST /abort_request`` (``rid``,
+  or ``abort_all``).
 
 Errors are the OpenAI endpoints' (``{"error": {...}}`` with the status that fits). A single non-streamed
 request the engine aborts for a cause (a grammar, the KV pool, a failure) is answered by the abort's
@@ -187,11 +188,13 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         yield "data: [DONE]\n\n"
 
     @router.get("/get_model_info")
+    @router.get("/model_info")  # SGLang's later name (its bench_serving reads /server_info)
     async def get_model_info():
         path = model_path if model_path is not None else str(default_gguf_path())  # the embedded default model
         return {"model_path": path, "tokenizer_path": path, "is_generation": True}
 
     @router.get("/get_server_info")
+    @router.get("/server_info")
     async def get_server_info():
         info = await anyio.to_thread.run_sync(engine.get_server_info)
         args = info.pop("args")
