@@ -1,5 +1,6 @@
 """SGLang's native HTTP API beside the OpenAI one, so a client written for an SGLang server (its
-``bench_serving --backend sglang``, scripts posting to ``/generate``) runs against specjet unchanged.
+``bench_serving --backend sglang``, scripts posting to ``/generate``) runs against specjet as long as it asks for
+nothing specjet lacks.
 
 - ``POST /generate``: the Engine's ``generate`` over HTTP, in SGLang's ``GenerateReqInput`` layout: ``text``
   or ``input_ids`` (one or a list), ``sampling_params`` (one dict, or one a prompt: ``json_schema``, ``regex``
