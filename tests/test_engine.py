@@ -235,14 +235,32 @@ def test_a_spec_xgrammar_cannot_parse_is_refused_at_the_door(engine, kind, spec,
     engine.check_kv_invariant()
 
 
-@pytest.mark.parametrize("schema,words", [
+SCHEMAS_THE_COMPILE_REFUSES = [
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]},
      "json_schema could not be compiled: .*defs"),  # a dangling $ref
+    ({"type": "strnig"}, 'json_schema could not be compiled: Unsupported type "strnig"'),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # requires its own kind: no text ends
      "json_schema admits no finite output"),
-])
-def test_a_schema_its_compile_refuses_fails_alone(engine, schema, words):
-    """What only the compile finds fails its request alone, with the reason, while its batch mates are served."""
+]
+
+
+@pytest.mark.parametrize("schema,words", SCHEMAS_THE_COMPILE_REFUSES)
+def test_a_schema_the_compile_refuses_within_the_doors_wait_is_refused_at_the_door(engine, schema, words):
+    """The door starts the request's compile and waits for it (up to door_compile_wait_s: the request could not start
+    before it anyway): what the compile refuses by then raises for the whole call, with the reason, and nothing of the
+    call is queued."""
+    submitted = engine.scheduler.stats["requests_submitted"]
+    with pytest.raises(ValueError, match=words):
+        engine.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, dict(GREEDY, json_schema=schema)])
+    assert engine.scheduler.stats["requests_submitted"] == submitted
+    engine.check_kv_invariant()
+
+
+@pytest.mark.parametrize("schema,words", SCHEMAS_THE_COMPILE_REFUSES)
+def test_a_schema_the_compile_refuses_after_the_doors_wait_fails_alone(engine, schema, words, monkeypatch):
+    """Past the door's wait (0 here: a compile slower than the wait), what the compile refuses fails its request
+    alone, with the reason, while its batch mates are served."""
+    monkeypatch.setattr(engine.scheduler.grammar_backend, "door_compile_wait_s", 0.0)
     outs = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]],
                            [GREEDY, dict(GREEDY, json_schema=schema), dict(GREEDY, regex="[a-z]+")])
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "length"

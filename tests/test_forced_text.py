@@ -116,6 +116,9 @@ def test_an_endless_forced_text_decodes_beside_an_innocent_request(tiny_model_di
                        [innocent, {"temperature": 0, "max_new_tokens": 24, "json_schema": ENDLESS_BRANCH,
                                    "logit_bias": {str(t): 100.0 for t in engine.tokenizer.encode(
                                        "{", add_special_tokens=False)}}])
+        with pytest.raises(ValueError, match="admits no finite output"):  # refused at the door (its compile's wait)
+            engine.generate(["x", "The cat sat on"], [{"max_new_tokens": 4, "json_schema": ENDLESS}, innocent])
+        engine.scheduler.grammar_backend.door_compile_wait_s = 0.0  # refused by the compile alone: an abort
         refused, beside = engine.generate(["x", "The cat sat on"],
                                           [{"max_new_tokens": 4, "json_schema": ENDLESS}, innocent])
         assert_healthy(engine)

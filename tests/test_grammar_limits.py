@@ -108,6 +108,28 @@ def test_timed_out_compiles_free_their_slots_for_quick_ones(make_backend):
         backend.check_spec("json_schema", slow_schema(1))
 
 
+def test_check_compiles_refuses_what_the_compile_refuses_and_leaves_time_limits_to_the_request(make_backend):
+    """The door's wait: a spec the compile refuses within it raises (a fresh GrammarError with the compile's
+    message); a compile past its time limit does not (load, not the spec, may be why), nor one still running when
+    the wait ends; a wait of 0 starts nothing."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    backend = make_backend(compile_timeout_s=TIMEOUT_S)
+    with pytest.raises(GrammarError, match="^json_schema admits no finite output"):
+        backend.check_compiles([("regex", "[a-z]+"), ("json_schema", endless)])
+    backend.check_compiles([("json_schema", slow_schema(30))])  # past compile_timeout_s within the wait: no raise
+    roomy = make_backend()  # no time limit: the slow compile is still running when the wait ends
+    roomy.door_compile_wait_s = 0.05
+    start = time.monotonic()
+    roomy.check_compiles([("json_schema", slow_schema(31))])
+    assert time.monotonic() - start < 0.5
+    compiles = []
+    real_compile = roomy._compile
+    roomy._compile = lambda *key: compiles.append(key) or real_compile(*key)
+    roomy.door_compile_wait_s = 0.0
+    roomy.check_compiles([("json_schema", endless)])  # nothing started, nothing raised
+    assert compiles == []
+
+
 def test_at_the_abandoned_cap_new_compiles_fail_fast_and_cached_ones_are_served(make_backend):
     backend = make_backend(compile_timeout_s=TIMEOUT_S, max_abandoned_compiles=1)
     cached = backend.compile("regex", r"[a-z]+").result(timeout=30)

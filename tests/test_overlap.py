@@ -195,9 +195,11 @@ def test_abort_mid_flight_leaves_the_rest_intact(tiny_model_dir, reference):
 
 def test_invalid_schema_fails_alone_under_overlap(tiny_model_dir, reference):
     params = mixed_params(" the")
-    # valid JSON that the grammar compiler refuses (a dangling $ref): it fails its request alone
+    # valid JSON that the grammar compiler refuses (a dangling $ref), past the door's wait for the compile (0 here,
+    # as for a compile slower than the wait): it fails its request alone
     params[2] = dict(params[2], json_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=False) as eng:
+        eng.scheduler.grammar_backend.door_compile_wait_s = 0.0
         outs = eng.generate(PROMPTS, params)
         eng.check_kv_invariant()
     assert outs[2]["meta_info"]["finish_reason"]["type"] == "abort"

@@ -50,6 +50,9 @@ def test_a_refused_grammar_leaves_the_count(tiny_model_dir):
     endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # no finite instance
     bad = dict(SHORT, json_schema=endless)
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, max_queued_requests=2) as eng:
+        with pytest.raises(ValueError, match="no finite output"):  # within the door's wait for the compile: refused
+            eng.generate(["1", "2"], bad)
+        eng.scheduler.grammar_backend.door_compile_wait_s = 0.0  # a compile slower than the door's wait: it ends them
         for _ in range(5):
             out = bounded(eng.generate, ["1", "2"], bad)
             assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)

@@ -8,7 +8,8 @@ releases the GIL while it compiles), and admits the request when the future is d
 Limits keep one bad spec from hurting other requests: a spec too big or too deeply nested, or a
 regex or EBNF grammar that does not parse, fails before any compile (`check_spec`), and a compile
 that runs past `compile_timeout_s` fails its requests and gives its compile slot to the next
-grammar (see `timed_runner`).
+grammar (see `timed_runner`). The engine's door also waits a moment for the compile itself
+(`check_compiles`), so that what the compile refuses is the caller's error at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, wait
 from typing import Any
 
 import xgrammar as xgr
@@ -57,6 +58,10 @@ _COMPILE_SLOTS = 2
 # small machine where the model and a second compile share the cores, its wall time is 2-4x that.
 # 10 s serves it there, and bounds how long a pathological schema holds its requests.
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+# How long the engine's door waits for a request's grammar to compile, so that a spec the compile refuses is the
+# caller's error at once rather than an abort later. The request could not start before its compile anyway.
+DOOR_COMPILE_WAIT_S = 1.0
 
 # Timed-out compiles still burn a core until they end; new compiles start only while fewer run.
 DEFAULT_MAX_ABANDONED_COMPILES = 2
@@ -144,6 +149,7 @@ class GrammarBackend:
         self._max_threads = max_threads
         self._uncached_compiler: xgr.GrammarCompiler | None = None
         self.compile_timeout_s = compile_timeout_s
+        self.door_compile_wait_s = DOOR_COMPILE_WAIT_S  # check_compiles' wait (0: refuse only what check_spec finds)
         self.max_spec_bytes = max_spec_bytes
         self.max_spec_depth = max_spec_depth
         self._runner = TimedRunner(_COMPILE_SLOTS, compile_timeout_s, max_abandoned_compiles, "specjet-grammar")
@@ -189,6 +195,27 @@ class GrammarBackend:
                 raise self._timeout_error(kind, earlier=True)
         if kind in ("regex", "ebnf"):
             self._parse(*key)
+
+    def check_compiles(self, keys: list[tuple[str, Any]]) -> None:
+        """Start the compiles of ``keys`` ((kind, spec) pairs that passed `check_spec`) and wait up to
+        ``door_compile_wait_s`` for them together: the first spec a finished compile refused (xgrammar's converter, a grammar with no
+        finite output) raises its GrammarError here, at the door, where it would have ended its request with an
+        abort. A compile still running after the wait goes on (its requests wait for it, as they must anyway, so
+        the wait costs them nothing; requests of the same call without a grammar are queued with them, so up to
+        the wait later); timeouts and a busy compiler are not the spec's fault and stay with the request. The
+        compiles are cached, so the requests' own compiles reuse them."""
+        if self.door_compile_wait_s <= 0:
+            return
+        futures = [self.compile(kind, spec) for kind, spec in keys]  # one compile a spec: the cache shares it
+        done, pending = wait(futures, timeout=self.door_compile_wait_s)
+        for future in pending:
+            future.cancel()  # this handle only: the compile goes on for the requests that will wait for it
+        for future in futures:
+            if future in done:
+                error = future.exception()
+                if isinstance(error, GrammarError) and not isinstance(
+                        error, (GrammarTimeoutError, GrammarBusyError, GrammarClosedError)):
+                    raise GrammarError(str(error)) from None  # a fresh one: the compile's is shared
 
     def compile(self, kind: str, spec: str | dict | bool | None = None) -> Future:
         """Future[xgr.CompiledGrammar] for a grammar of `kind`; errors arrive as GrammarError.
