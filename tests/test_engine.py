@@ -256,6 +256,21 @@ def test_a_schema_the_compile_refuses_within_the_doors_wait_is_refused_at_the_do
     engine.check_kv_invariant()
 
 
+def test_the_compile_the_door_started_is_the_requests_own(engine, monkeypatch):
+    """One compile request a grammar request: the door's (submit starts no second one), and a wait of 0 leaves it to
+    submit."""
+    backend = engine.scheduler.grammar_backend
+    calls = []
+    real = backend.compile
+    monkeypatch.setattr(backend, "compile", lambda *key: calls.append(key) or real(*key))
+    outs = engine.generate([PROMPTS[0], PROMPTS[1]], [dict(GREEDY, regex="(yes|no) (maybe|never)"), GREEDY])
+    assert calls == [("regex", "(yes|no) (maybe|never)")] and outs[0]["meta_info"]["finish_reason"]["type"] == "stop"
+    monkeypatch.setattr(backend, "door_compile_wait_s", 0.0)
+    engine.generate(PROMPTS[0], dict(GREEDY, regex="(yes|no) (maybe|never)"))
+    assert len(calls) == 2
+    engine.check_kv_invariant()
+
+
 @pytest.mark.parametrize("schema,words", SCHEMAS_THE_COMPILE_REFUSES)
 def test_a_schema_the_compile_refuses_after_the_doors_wait_fails_alone(engine, schema, words, monkeypatch):
     """Past the door's wait (0 here: a compile slower than the wait), what the compile refuses fails its request

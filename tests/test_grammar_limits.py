@@ -116,17 +116,19 @@ def test_check_compiles_refuses_what_the_compile_refuses_and_leaves_time_limits_
     backend = make_backend(compile_timeout_s=TIMEOUT_S)
     with pytest.raises(GrammarError, match="^json_schema admits no finite output"):
         backend.check_compiles([("regex", "[a-z]+"), ("json_schema", endless)])
-    backend.check_compiles([("json_schema", slow_schema(30))])  # past compile_timeout_s within the wait: no raise
+    timed_out = backend.check_compiles([("json_schema", slow_schema(30))])  # past compile_timeout_s: no raise
+    with pytest.raises(GrammarTimeoutError):  # ... the request gets the future, and the time limit with it
+        timed_out[0].result(timeout=30)
     roomy = make_backend()  # no time limit: the slow compile is still running when the wait ends
     roomy.door_compile_wait_s = 0.05
     start = time.monotonic()
-    roomy.check_compiles([("json_schema", slow_schema(31))])
-    assert time.monotonic() - start < 0.5
+    (running,) = roomy.check_compiles([("json_schema", slow_schema(31))])
+    assert time.monotonic() - start < 0.5 and not running.done()  # the request waits on it
     compiles = []
     real_compile = roomy._compile
     roomy._compile = lambda *key: compiles.append(key) or real_compile(*key)
     roomy.door_compile_wait_s = 0.0
-    roomy.check_compiles([("json_schema", endless)])  # nothing started, nothing raised
+    assert roomy.check_compiles([("json_schema", endless)]) is None  # nothing started, nothing raised
     assert compiles == []
 
 

@@ -194,10 +194,12 @@ class Engine:
             if need > pool:
                 raise ValueError(f"prompt of {len(ids)} tokens needs {need} KV slots to run (prompt, one "
                                  f"iteration's growth and the drafter's scratch), more than the pool holds ({pool})")
-        keys = [sp.grammar_key for sp in params if sp.grammar_key is not None]
-        if keys:  # last: a spec the compile refuses within the door's wait is the caller's error, as the checks above
-            self.scheduler.grammar_backend.check_compiles(keys)
         reqs = [Req(rid=r, input_ids=ids, sampling=sp) for r, ids, sp in zip(rids, id_lists, params)]
+        constrained = [req for req in reqs if req.sampling.grammar_key is not None]
+        if constrained:  # last: a spec the compile refuses within the door's wait is the caller's error, as above
+            futures = self.scheduler.grammar_backend.check_compiles([r.sampling.grammar_key for r in constrained])
+            for req, future in zip(constrained, futures or ()):
+                req.grammar_future = future  # the compile the door started is the request's (submit starts none)
         return reqs, single
 
     def _in_loop(self, fn, timeout: float = 60.0):

@@ -196,26 +196,26 @@ class GrammarBackend:
         if kind in ("regex", "ebnf"):
             self._parse(*key)
 
-    def check_compiles(self, keys: list[tuple[str, Any]]) -> None:
+    def check_compiles(self, keys: list[tuple[str, Any]]) -> list[Future] | None:
         """Start the compiles of ``keys`` ((kind, spec) pairs that passed `check_spec`) and wait up to
-        ``door_compile_wait_s`` for them together: the first spec a finished compile refused (xgrammar's converter, a grammar with no
-        finite output) raises its GrammarError here, at the door, where it would have ended its request with an
-        abort. A compile still running after the wait goes on (its requests wait for it, as they must anyway, so
-        the wait costs them nothing; requests of the same call without a grammar are queued with them, so up to
-        the wait later); timeouts and a busy compiler are not the spec's fault and stay with the request. The
-        compiles are cached, so the requests' own compiles reuse them."""
+        ``door_compile_wait_s`` for them together: the first spec a finished compile refused (xgrammar's
+        converter, a grammar with no finite output) raises its GrammarError here, at the door, where it would
+        have ended its request with an abort. Otherwise returns the compiles' futures, one a key, for the
+        requests to wait on (None when the wait is 0: nothing started). A compile still running after the wait
+        goes on (its request waits for it, as it must anyway, so the wait costs it nothing; requests of the same
+        call without a grammar are queued with it, so up to the wait later); timeouts and a busy compiler are not
+        the spec's fault and stay with the request."""
         if self.door_compile_wait_s <= 0:
-            return
+            return None
         futures = [self.compile(kind, spec) for kind, spec in keys]  # one compile a spec: the cache shares it
-        done, pending = wait(futures, timeout=self.door_compile_wait_s)
-        for future in pending:
-            future.cancel()  # this handle only: the compile goes on for the requests that will wait for it
+        done, _ = wait(futures, timeout=self.door_compile_wait_s)
         for future in futures:
             if future in done:
                 error = future.exception()
                 if isinstance(error, GrammarError) and not isinstance(
                         error, (GrammarTimeoutError, GrammarBusyError, GrammarClosedError)):
                     raise GrammarError(str(error)) from None  # a fresh one: the compile's is shared
+        return futures
 
     def compile(self, kind: str, spec: str | dict | bool | None = None) -> Future:
         """Future[xgr.CompiledGrammar] for a grammar of `kind`; errors arrive as GrammarError.

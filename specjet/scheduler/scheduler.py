@@ -146,7 +146,7 @@ class Scheduler:
                                      f"would pass max_queued_requests={cap} (try again later)")
             for req in reqs:  # before anything is registered: should one raise, nothing of the call is held
                 key = req.sampling.grammar_key
-                if key is not None:
+                if key is not None and req.grammar_future is None:  # (the engine's door may have started it)
                     req.grammar_future = self.grammar_backend.compile(*key)
             self._live_rids.update(rids)
             self._num_queued += len(reqs)
