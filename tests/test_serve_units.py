@@ -341,6 +341,40 @@ def test_an_abort_after_some_tokens_is_answered_by_its_cause(endpoint, err_type,
     assert text == "Hel" and not any(c["finish_reason"] for c in choices)
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_aborted_after_another_ended_counts_its_prompt_once(endpoint, stream):
+    """n=2: one choice ends, then the engine aborts the other; the metrics count the one prompt's tokens once
+    (with the first choice to end), each choice's completion tokens, one request finished and one error."""
+    def meta(reason, completion):
+        return {"finish_reason": reason, "prompt_tokens": 3, "completion_tokens": completion}
+
+    def items():
+        return [{"index": 0, "text": "Hi", "output_ids": [1], "meta_info": meta({"type": "length", "length": 1}, 1)},
+                {"index": 1, "text": "Ho", "output_ids": [1, 2], "meta_info": meta(
+                    abort_reason(KV_POOL_EXHAUSTED, "KV pool exhausted: the request needs more"), 2)}]
+
+    async def async_generate(stream=False, **kwargs):
+        if stream:
+            return _ScriptedStream(items())
+        return [dict(item, index=None) for item in items()]
+
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+    app = create_app(_fake_engine(async_generate), "m")
+    with TestClient(app) as client:
+        r = client.post(path, json=dict(body, n=2, max_tokens=5, stream=stream))
+    if stream:
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and json.loads(events[-2])["error"]["code"] == "kv_pool_exhausted"
+        counted = ({"length": 1, "error": 1}, 3, 3)
+    else:  # the abort answers the whole request before any choice is counted as finished
+        assert r.status_code == 503 and r.json()["error"]["code"] == "kv_pool_exhausted"
+        counted = ({"error": 1}, 3, 2)
+    metrics = app.state.metrics
+    assert (dict(metrics.requests), metrics.prompt_tokens, metrics.completion_tokens) == counted
+
+
 _CUT_TOOLS = {"add": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object"}}}}
 
 

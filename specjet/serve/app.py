@@ -27,7 +27,7 @@ from specjet.grammar.spec import GrammarError
 from specjet.serve import chat
 from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
 from specjet.serve.errors import ApiError, bad_request, queue_full, unavailable
-from specjet.serve.metrics import Metrics
+from specjet.serve.metrics import ChoiceTally, Metrics
 from specjet.serve.native import add_native_routes
 from specjet.serve.prediction_usage import prediction_details
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -179,22 +179,22 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         grammar_fault = err_type in ("invalid_grammar", "request_refused")
         return bad_request(message, _constraint_param(sp) if grammar_fault else None, err_type)
 
-    def refused(result: dict, sp: dict) -> None:
+    def refused(result: dict, sp: dict, tally: ChoiceTally, index: int = 0) -> None:
         """Raises the error of a choice the engine aborted (a whole result, or a stream's chunk), counted once
-        in the metrics as an error with the tokens the engine had taken and written for it, streamed or not."""
+        in the metrics as an error with the tokens the engine had taken and written for it, streamed or not
+        (its prompt's only where no choice of that prompt was counted before)."""
         error = abort_error(result, sp)
         if error is not None:
-            meta = result["meta_info"]
-            metrics.record("error", meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
+            tally.record("error", result["meta_info"], index)
             error.recorded = True
             raise error
 
-    async def first_chunk(stream, sp: dict) -> dict:
+    async def first_chunk(stream, sp: dict, tally: ChoiceTally) -> dict:
         """A stream's first chunk, before any byte of the response goes out: a choice the engine refused
         answers the whole request, and the stream is closed (aborting the other choices)."""
         first = await _first_chunk(stream)
         try:
-            refused(first, sp)
+            refused(first, sp, tally, first.get("index", 0))
         except BaseException:
             await stream.aclose()
             raise
@@ -293,14 +293,15 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             results = await until_disconnected(request, lambda: collect_calls(sps, prompt))
         else:
             results = await until_disconnected(request, lambda: start(sps, False, [prompt]))
-        for result in results:
-            refused(result, sp)
+        tally = metrics.tally(len(sps))
+        for i, result in enumerate(results):
+            refused(result, sp, tally, i)
         choices = []
         for i, result in enumerate(results):
             message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                       logprobs=chat_logprobs(sp, result["meta_info"])))
-            record(reason, result["meta_info"], i, len(sps))
+            tally.record(reason, result["meta_info"], i)
         details = await predicted(body, [r["text"] for r in results])
         return ChatCompletion(id=rid, model=model_name,
                               usage=_usage([r["meta_info"] for r in results], len(sps), details), choices=choices)
@@ -311,10 +312,6 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if body.prediction is None or not body.prediction.text:
             return None
         return await anyio.to_thread.run_sync(prediction_details, engine.tokenizer, body.prediction.text, texts)
-
-    def record(reason: Optional[str], meta: dict, index: int, n: int) -> None:
-        """One choice in the metrics (of ``n`` a prompt, prompt-major: its prompt counted with its first)."""
-        metrics.record(reason, 0 if index % n else meta["prompt_tokens"], meta["completion_tokens"])
 
     async def collect_calls(sps: list[dict], prompt: str) -> list[dict]:
         """Whole replies that may hold several tool calls, read as a stream so that each can end at
@@ -336,7 +333,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     async def _stream_chat(body: ChatCompletionRequest, sps: list[dict], plan, prompt, rid) -> Response:
         sp, n = sps[0], len(sps)
         stream = await start(sps, True, [prompt])
-        first = await first_chunk(stream, sp)
+        tally = metrics.tally(n)
+        first = await first_chunk(stream, sp, tally)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
@@ -363,7 +361,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 while True:
                     i, item = cuts.take(item)
                     if item is not None:
-                        refused(item, sp)
+                        refused(item, sp, tally, i)
                         text = cuts.texts[i]
                         if sp.get("return_logprob"):
                             pending[i] += chat_entries(texts(), item["meta_info"])
@@ -417,7 +415,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 if deltas:
                     pieces.append(chunk(i, ChoiceDelta(tool_calls=deltas)))
             pieces.append(chunk(i, ChoiceDelta(), reason))
-            record(reason, item["meta_info"], i, n)
+            tally.record(reason, item["meta_info"], i)
             return pieces
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -437,7 +435,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if body.echo else None
         if body.stream:
             stream = await start(sps, True, prompts, prompt_param="prompt")
-            first = await first_chunk(stream, sp)
+            tally = metrics.tally(n)
+            first = await first_chunk(stream, sp, tally)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             created = int(time.time())
 
@@ -446,8 +445,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 try:
                     item, metas, offsets, started = first, [None] * count, [0] * count, [False] * count
                     while True:
-                        refused(item, sp)
                         i, reason = item.get("index", 0), chat.finish_reason(item)
+                        refused(item, sp, tally, i)
                         echo = echoes is not None and not started[i]  # a choice's first chunk starts with its prompt
                         started[i] = True
                         text = (echoes[i // n] if echo else "") + item["text"]
@@ -460,7 +459,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                                 CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=logprobs)]))
                         if reason is not None:
                             metas[i] = item["meta_info"]
-                            record(reason, item["meta_info"], i, n)
+                            tally.record(reason, item["meta_info"], i)
                             if all(m is not None for m in metas):
                                 finished = True
                                 break
@@ -478,8 +477,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
 
             return StreamingResponse(events(), media_type="text/event-stream")
         results = await until_disconnected(request, lambda: start(sps, False, prompts, prompt_param="prompt"))
-        for result in results:
-            refused(result, sp)
+        tally = metrics.tally(n)
+        for i, result in enumerate(results):
+            refused(result, sp, tally, i)
         choices = []
         for i, result in enumerate(results):
             reason = chat.finish_reason(result)
@@ -487,7 +487,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                         if sp.get("return_logprob") else None)
             text = (echoes[i // n] if echoes is not None else "") + result["text"]
             choices.append(CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=logprobs))
-            record(reason, result["meta_info"], i, n)
+            tally.record(reason, result["meta_info"], i)
         return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], n),
                           choices=choices)
 

@@ -23,6 +23,10 @@ class Metrics:
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
 
+    def tally(self, n: int) -> "ChoiceTally":
+        """A counter for one response's choices, ``n`` a prompt."""
+        return ChoiceTally(self, n)
+
     def render(self, engine) -> str:
         info: dict[str, Any] = engine.get_server_info()
         stats = info["stats"]
@@ -76,3 +80,18 @@ class Metrics:
                    [("", stats["spec_accept_length"])])
             metric("spec_verify_total", "counter", "Speculative verify steps.", [("", stats["spec_verify_ct"])])
         return "\n".join(lines) + "\n"
+
+
+class ChoiceTally:
+    """One response's choices in the metrics, ``n`` a prompt (prompt-major: choice i is prompt i // n's): each
+    prompt's tokens counted once, with the first of its choices to end, whether it finished or was refused."""
+
+    def __init__(self, metrics: Metrics, n: int) -> None:
+        self._metrics, self._n = metrics, n
+        self._counted: set[int] = set()
+
+    def record(self, finish_reason: str | None, meta: dict, index: int) -> None:
+        prompt = index // self._n
+        prompt_tokens = 0 if prompt in self._counted else meta.get("prompt_tokens", 0)
+        self._counted.add(prompt)
+        self._metrics.record(finish_reason, prompt_tokens, meta.get("completion_tokens", 0))
