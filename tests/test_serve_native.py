@@ -252,3 +252,17 @@ def test_the_info_and_cache_endpoints(server, tiny_model_dir):
     flushed = post(server, "/flush_cache", {}).json()
     assert isinstance(flushed["flushed_tokens"], int) and flushed["flushed_tokens"] > 0
     assert httpx.get(server.url + "/flush_cache", timeout=60).json()["flushed_tokens"] == 0  # nothing left
+
+
+def test_health_generate_runs_a_token_through_an_idle_engine(server):
+    """SGLang's /health_generate: on an idle engine it answers 200 only after a probe request went through (one more
+    request submitted), and leaves nothing running (the module's KV invariant)."""
+    def submitted() -> int:
+        return httpx.get(server.url + "/get_server_info", timeout=60).json()["stats"]["requests_submitted"]
+
+    before = submitted()
+    r = httpx.get(server.url + "/health_generate", timeout=60)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert submitted() == before + 1
+    running = httpx.get(server.url + "/metrics", timeout=60).text
+    assert "specjet_num_running_reqs 0" in running

@@ -3,8 +3,10 @@ reading tool calls back, API keys and a dead engine (a stand-in engine behind th
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
+import anyio
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
@@ -373,6 +375,68 @@ def test_a_choice_aborted_after_another_ended_counts_its_prompt_once(endpoint, s
         counted = ({"error": 1}, 3, 2)
     metrics = app.state.metrics
     assert (dict(metrics.requests), metrics.prompt_tokens, metrics.completion_tokens) == counted
+
+
+class _ProbedEngine:
+    """What /health_generate reads of an engine: its step counter, liveness and ``async_generate``, which answers
+    after ``answer_s`` (None: never; cancelled, it records the abort) while the counter moves ``steps_while_waiting``
+    times (other requests' steps), or fails."""
+
+    def __init__(self, answer_s=None, steps_while_waiting=0, fails=False, dies=False):
+        self.scheduler = SimpleNamespace(stats={"iterations": 5}, closed_reason=None)
+        self.answer_s, self.steps, self.fails, self.dies = answer_s, steps_while_waiting, fails, dies
+        self.alive, self.probes, self.cancelled = True, [], 0
+
+    def is_alive(self):
+        return self.alive
+
+    async def async_generate(self, **kwargs):
+        self.probes.append(kwargs)
+        if self.fails:
+            raise ValueError("the queue is full")
+        try:
+            for _ in range(self.steps):
+                await anyio.sleep(0.01)
+                self.scheduler.stats["iterations"] += 1
+            if self.dies:
+                self.alive, self.scheduler.closed_reason = False, "RuntimeError('scheduler died')"
+            await anyio.sleep(1e9 if self.answer_s is None else self.answer_s)
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+        return {"text": "x", "meta_info": {"finish_reason": {"type": "length", "length": 1}}}
+
+
+@pytest.mark.parametrize("case,status", [("answers", 200), ("busy", 200), ("stuck", 503), ("refused_and_stuck", 503),
+                                         ("refused_but_busy", 200), ("dies", 503), ("one_step_then_stuck", 503)])
+def test_health_generate(case, status):
+    """/health_generate: 200 when its one-token probe is answered or the scheduler finishes steps meanwhile (a busy
+    engine; the probe is then aborted), 503 when neither happens in its time or the engine stops (with its cause);
+    one step is not enough (its compute may be what hangs)."""
+    engine = {"answers": _ProbedEngine(answer_s=0.01), "busy": _ProbedEngine(steps_while_waiting=3),
+              "stuck": _ProbedEngine(), "refused_and_stuck": _ProbedEngine(fails=True),
+              "refused_but_busy": _ProbedEngine(fails=True), "dies": _ProbedEngine(dies=True),
+              "one_step_then_stuck": _ProbedEngine(steps_while_waiting=1)}[case]
+    if case == "refused_but_busy":
+        async def steps_elsewhere(**kwargs):  # the door refuses the probe while other requests' steps go on
+            engine.scheduler.stats["iterations"] += 2
+            raise ValueError("the queue is full")
+        engine.async_generate = steps_elsewhere
+    app = create_app(engine, "m", health_generate_timeout_s=0.5)
+    with TestClient(app) as client:
+        start = time.monotonic()
+        r = client.get("/health_generate")
+        took = time.monotonic() - start
+    assert r.status_code == status, r.text
+    assert took < 10  # bounded by the timeout, never a hang
+    if case not in ("refused_but_busy",):
+        assert engine.probes == [{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}]
+    if case == "busy":
+        assert engine.cancelled == 1  # the probe was aborted once the steps showed the engine computes
+    if case == "dies":
+        assert "scheduler died" in r.json()["error"]["message"]
+    elif status == 503:
+        assert r.json()["error"]["code"] == "engine_not_responding"
 
 
 _CUT_TOOLS = {"add": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object"}}}}

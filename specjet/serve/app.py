@@ -28,7 +28,7 @@ from specjet.serve import chat
 from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
 from specjet.serve.errors import ApiError, bad_request, queue_full, unavailable
 from specjet.serve.metrics import ChoiceTally, Metrics
-from specjet.serve.native import add_native_routes
+from specjet.serve.native import HEALTH_GENERATE_TIMEOUT_S, add_native_routes
 from specjet.serve.prediction_usage import prediction_details
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                     ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta, Completion,
@@ -63,7 +63,8 @@ def _sse(payload: Any) -> str:
 
 
 def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_endpoints: bool = False,
-               model_path: Optional[str] = None, incremental_streaming_output: bool = False) -> FastAPI:
+               model_path: Optional[str] = None, incremental_streaming_output: bool = False,
+               health_generate_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S) -> FastAPI:
     """The app over ``engine``: the OpenAI endpoints, and SGLang's native ones (``native.py``: ``model_path`` is
     what /get_model_info reports; ``incremental_streaming_output``: /generate streams increments, not whole
     outputs so far)."""
@@ -504,7 +505,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     add_native_routes(v1, engine, SimpleNamespace(
         check_alive=check_alive, door=door, until_disconnected=until_disconnected, abort_error=abort_error,
         stream_error=stream_error, close=close, record=record_native),
-        model_path or getattr(getattr(engine, "args", None), "model_path", None), incremental_streaming_output)
+        model_path or getattr(getattr(engine, "args", None), "model_path", None), incremental_streaming_output,
+        health_generate_timeout_s)
     app.include_router(v1)
     return app
 

@@ -11,6 +11,9 @@ nothing specjet lacks.
   As SGLang does, the logprob fields are ignored where ``return_logprob`` is not set, ``stream_options`` is
   ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``n`` 1,
   ``min_new_tokens`` 0, ``no_stop_trim`` false, ``spaces_between_special_tokens`` true); other values are a 400.
+- ``GET /health_generate``: 200 once the engine shows it computes (a one-token request ends, or the scheduler finishes
+  a step, other requests' included, so a busy engine is not made busier), 503 if it does not within
+  ``health_timeout_s`` (20 s, SGLang's default) or is not running.
 - ``GET /get_model_info``, ``GET /get_server_info`` (with SGLang's ``internal_states``; both also under SGLang's
   later names ``/model_info`` and ``/server_info``), ``GET|POST /flush_cache``, ``POST /abort_request`` (``rid``,
   or ``abort_all``).
@@ -36,6 +39,10 @@ from specjet.models.weights import default_gguf_path
 from specjet.scheduler.finish_reasons import ABORTED
 from specjet.serve.errors import ApiError
 
+# How long /health_generate waits for the engine to show it computes (SGLang's HEALTH_CHECK_TIMEOUT).
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# How often /health_generate reads the scheduler's step counter while its probe waits.
+_HEALTH_POLL_S = 0.02
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
 # SGLang's sampling parameters for features specjet does not have, at the values that ask for nothing.
@@ -148,9 +155,19 @@ def _json(payload: Any) -> str:
     return json.dumps(payload, ensure_ascii=False, default=str)
 
 
-def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, incremental: bool = False) -> None:
+def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, incremental: bool = False,
+                      health_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S) -> None:
     """SGLang's native endpoints on ``router``; ``calls``: the app's helpers around an engine call (its door's
     errors, a client's disconnect, aborts, a stream's errors and end, the metrics)."""
+
+    @router.get("/health_generate")
+    async def health_generate():
+        calls.check_alive()
+        if await _engine_computes(engine, health_timeout_s):
+            return {"status": "ok"}
+        calls.check_alive()  # it died while the probe waited: say why
+        raise ApiError(503, f"the engine did not finish a step in {health_timeout_s:g} s", "service_unavailable",
+                       None, "engine_not_responding")
 
     @router.api_route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateRequest, request: Request):
@@ -218,3 +235,30 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         return {"rid": body.rid, "abort_all": body.abort_all}
 
 
+
+
+async def _engine_computes(engine, timeout_s: float) -> bool:
+    """Whether the engine shows within ``timeout_s`` that it computes: a one-token probe request ends (an abort
+    is an answer too), or the scheduler's step counter moves twice (one step's compute may still be running when it
+    first moves); the probe is aborted when it is not needed any more. A probe the door refuses (a full queue) leaves
+    the answer to the counter; an engine that stops is not healthy."""
+    stats = engine.scheduler.stats
+    before = stats["iterations"]
+    outcome: list[bool] = []
+    with anyio.move_on_after(timeout_s):
+        async with anyio.create_task_group() as group:
+            async def probe() -> None:
+                try:
+                    await engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1,
+                                                                                "temperature": 0.0})
+                except Exception:
+                    return
+                outcome.append(True)
+                group.cancel_scope.cancel()
+
+            group.start_soon(probe)
+            while stats["iterations"] < before + 2 and engine.is_alive():
+                await anyio.sleep(_HEALTH_POLL_S)
+            outcome.append(engine.is_alive())
+            group.cancel_scope.cancel()  # the probe, if still waiting: the engine aborts it
+    return bool(outcome) and outcome[0]
