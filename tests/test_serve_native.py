@@ -129,7 +129,14 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0, 0], "sampling_params": [GREEDY] * 3},
      "sampling_params", "3 sampling_params for 2 prompts"),
     ({"text": ["a", "b"], "sampling_params": [GREEDY] * 3}, None, "3 sampling_params for 2 prompts"),
-    ({"text": "x", "sampling_params": {"n": 2}}, "n", "n=2 is not supported"),  # SGLang's, beyond its default
+    ({"text": "x", "sampling_params": {"n": 0}}, "n", "n must be an integer in [1, 128]"),
+    ({"text": "x", "sampling_params": {"n": True}}, "n", "n must be an integer"),
+    ({"text": "x", "sampling_params": {"n": 129}}, "n", "n must be an integer in [1, 128]"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "n", "the same in every sampling_params"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {}]}, "n", "the same in every sampling_params"),
+    ({"text": ["a", "b"], "sampling_params": {"n": 2}, "rid": ["r"]}, "rid", "1 rids for 2 prompts"),
+    ({"text": ["a", "b"], "sampling_params": {"n": 2}, "return_logprob": [True, True]}, "return_logprob",
+     "cannot go with n > 1"),
     ({"text": "x", "sampling_params": {"min_new_tokens": 5}}, "min_new_tokens", "min_new_tokens=5"),
 ])
 def test_what_the_door_refuses_is_a_400_naming_it(server, body, param, words):
@@ -266,3 +273,28 @@ def test_health_generate_runs_a_token_through_an_idle_engine(server):
     assert submitted() == before + 1
     running = httpx.get(server.url + "/metrics", timeout=60).text
     assert "specjet_num_running_reqs 0" in running
+
+
+def test_parallel_sampling_n(server):
+    """SGLang's n > 1: each prompt's n samples, prompt-major, a list even for one prompt; with a seed sample i is
+    the single request seeded seed + i (so the samples differ, and the same request gives the same ones), rid r
+    becomes r_0, r_1, ...; streamed, the same outputs under their indices; nothing left running."""
+    sp = {"temperature": 1.0, "max_new_tokens": 12, "seed": 7}
+    singles = [[post(server, "/generate", {"text": p, "sampling_params": dict(sp, seed=7 + j)}).json()["text"]
+                for j in range(3)] for p in ("Once upon a time", "The sky is")]
+    assert len(set(singles[0])) > 1  # the seeds differ, so do the samples (a random model at temperature 1)
+    one = post(server, "/generate", {"text": "Once upon a time", "sampling_params": dict(sp, n=3), "rid": "job"})
+    assert one.status_code == 200, one.text
+    assert [o["text"] for o in one.json()] == singles[0]
+    assert [o["meta_info"]["id"] for o in one.json()] == ["job_0", "job_1", "job_2"]
+    both = post(server, "/generate", {"text": ["Once upon a time", "The sky is"],
+                                      "sampling_params": [dict(sp, n=3), dict(sp, n=3)]}).json()
+    assert [o["text"] for o in both] == singles[0] + singles[1]
+    streamed: dict[int, str] = {}
+    r = post(server, "/generate", {"text": ["Once upon a time", "The sky is"], "sampling_params": dict(sp, n=3),
+                                   "stream": True})
+    for event in events(r):
+        streamed[event["index"]] = event["text"]  # whole so far: the last event of an index is its output
+    assert [streamed[i] for i in range(6)] == singles[0] + singles[1]
+    assert post(server, "/generate", {"text": "x", "sampling_params": {"n": 1, "max_new_tokens": 2}}).status_code == 200
+    kv_ok(server)

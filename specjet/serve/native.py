@@ -5,12 +5,14 @@ nothing specjet lacks.
 - ``POST /generate``: the Engine's ``generate`` over HTTP, in SGLang's ``GenerateReqInput`` layout: ``text``
   or ``input_ids`` (one or a list), ``sampling_params`` (one dict, or one a prompt: ``json_schema``, ``regex``
   and ``ebnf`` included), ``stream``, ``rid``, ``return_logprob``, ``top_logprobs_num``, ``logprob_start_len``.
-  The answer is the Engine's dict (a list for a list of prompts). Streamed, each event is one request's
+  SGLang's ``n`` > 1 (parallel sampling) runs each prompt ``n`` times, prompt-major (choice i of a seeded request
+  samples with seed + i, as the OpenAI endpoints' choices do; ``rid`` r becomes r_0, r_1, ...).
+  The answer is the Engine's dict (a list for a list of prompts, or for ``n`` > 1). Streamed, each event is one request's
   output *so far* (``text``, ``output_ids`` and the logprob lists whole, as SGLang's server sends them;
   ``incremental=True``, the serve CLI's ``--incremental-streaming-output``: only what is new), then ``[DONE]``.
   As SGLang does, the logprob fields are ignored where ``return_logprob`` is not set, ``stream_options`` is
-  ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``n`` 1,
-  ``min_new_tokens`` 0, ``no_stop_trim`` false, ``spaces_between_special_tokens`` true); other values are a 400.
+  ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``min_new_tokens`` 0,
+  ``no_stop_trim`` false, ``spaces_between_special_tokens`` true); other values are a 400.
 - ``GET /health_generate``: 200 once the engine shows it computes (a one-token request ends, or the scheduler finishes
   a step, other requests' included, so a busy engine is not made busier), 503 if it does not within
   ``health_timeout_s`` (20 s, SGLang's default) or is not running.
@@ -37,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specjet.models.weights import default_gguf_path
 from specjet.scheduler.finish_reasons import ABORTED
+from specjet.serve.chat import MAX_CHOICES, choice_params
 from specjet.serve.errors import ApiError
 
 # How long /health_generate waits for the engine to show it computes (SGLang's HEALTH_CHECK_TIMEOUT).
@@ -46,7 +49,7 @@ _HEALTH_POLL_S = 0.02
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
 # SGLang's sampling parameters for features specjet does not have, at the values that ask for nothing.
-_SGLANG_DEFAULTS = {"n": 1, "min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True}
+_SGLANG_DEFAULTS = {"min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True}
 
 
 class GenerateRequest(BaseModel):
@@ -72,10 +75,13 @@ class GenerateRequest(BaseModel):
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
-        engine reads it)."""
+        engine reads it); with SGLang's ``n`` > 1 (parallel sampling) each prompt's ``n`` requests, prompt-major."""
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give exactly one of text and input_ids", "invalid_request_error", "text",
                            "invalid_value")
+        n = _parallel_samples(self.sampling_params)
+        if n > 1:
+            return self._expanded(n).engine_kwargs()
         params = ([_without_sglang_defaults(d) for d in self.sampling_params]
                   if isinstance(self.sampling_params, list) else _without_sglang_defaults(self.sampling_params))
         wants = self.return_logprob
@@ -98,14 +104,61 @@ class GenerateRequest(BaseModel):
                       else dict(params or {}, logprob_start_len=starts))
         return self._kwargs(params, self.top_logprobs_num)
 
+    def _expanded(self, n: int) -> "GenerateRequest":
+        """The request with each prompt given ``n`` times in a row (a batch, also for one prompt: SGLang then answers
+        a list), its sampling parameters each choice's (with a seed, choice i samples with seed + i, as the OpenAI
+        endpoints do: the choices differ, the same request gives the same ones), ``rid`` r as r_0, r_1, ... As in
+        SGLang, the logprob fields given one a prompt are a 400 with ``n`` > 1."""
+        for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+            if isinstance(getattr(self, name), list):
+                raise ApiError(400, f"{name} given as a list cannot go with n > 1", "invalid_request_error", name,
+                               "invalid_value")
+        prompts = self.text if self.text is not None else self.input_ids
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
+        prompts = [prompts] if single else prompts
+        params = self.sampling_params
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ApiError(400, f"{len(params)} sampling_params for {len(prompts)} prompts", "invalid_request_error",
+                           "sampling_params", "invalid_value")
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        rids = self.rid
+        if isinstance(rids, list) and len(rids) != len(prompts):
+            raise ApiError(400, f"{len(rids)} rids for {len(prompts)} prompts", "invalid_request_error", "rid",
+                           "invalid_value")
+        if isinstance(rids, str):
+            rids = [f"{rids}_{i}" for i in range(len(prompts) * n)]
+        elif rids is not None:
+            rids = [f"{r}_{j}" for r in rids for j in range(n)]
+        expanded = [p for p in prompts for _ in range(n)]
+        choices = [c for sp in per_prompt for c in choice_params({k: v for k, v in sp.items() if k != "n"}, n)]
+        field = "text" if self.text is not None else "input_ids"
+        return self.model_copy(update={field: expanded, "sampling_params": choices, "rid": rids})
+
     def _kwargs(self, params, top_logprobs_num) -> dict[str, Any]:
         return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": params, "rid": self.rid,
                 "return_logprob": self.return_logprob, "top_logprobs_num": top_logprobs_num}
 
 
+def _parallel_samples(params) -> int:
+    """SGLang's ``n`` (parallel samples a prompt): the same in every prompt's sampling parameters, in
+    [1, MAX_CHOICES]; 1 when not given."""
+    dicts = params if isinstance(params, list) else [params]
+    values = [d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts] or [1]
+    n = values[0]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "invalid_request_error", "n",
+                       "invalid_value")
+    if any(v != n or type(v) is not int for v in values):
+        raise ApiError(400, "n must be the same in every sampling_params", "invalid_request_error", "n",
+                       "invalid_value")
+    return n
+
+
 def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """``params`` without SGLang's parameters for features specjet lacks, where they ask for nothing; a 400 naming
     one that asks for something."""
+    if params and "n" in params:  # 1 here (_parallel_samples)
+        params = {k: v for k, v in params.items() if k != "n"}
     if not params or not _SGLANG_DEFAULTS.keys() & params.keys():
         return params
     for name, default in _SGLANG_DEFAULTS.items():
