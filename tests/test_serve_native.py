@@ -283,8 +283,14 @@ def test_parallel_sampling_n(server):
     singles = [[post(server, "/generate", {"text": p, "sampling_params": dict(sp, seed=7 + j)}).json()["text"]
                 for j in range(3)] for p in ("Once upon a time", "The sky is")]
     assert len(set(singles[0])) > 1  # the seeds differ, so do the samples (a random model at temperature 1)
+    prompt_before, generated_before = metric(server, "specjet_prompt_tokens_total"), metric(
+        server, "specjet_generation_tokens_total")
     one = post(server, "/generate", {"text": "Once upon a time", "sampling_params": dict(sp, n=3), "rid": "job"})
     assert one.status_code == 200, one.text
+    # The metrics count the prompt once, and every sample's tokens.
+    assert metric(server, "specjet_prompt_tokens_total") - prompt_before == one.json()[0]["meta_info"]["prompt_tokens"]
+    assert metric(server, "specjet_generation_tokens_total") - generated_before == sum(
+        o["meta_info"]["completion_tokens"] for o in one.json())
     assert [o["text"] for o in one.json()] == singles[0]
     assert [o["meta_info"]["id"] for o in one.json()] == ["job_0", "job_1", "job_2"]
     both = post(server, "/generate", {"text": ["Once upon a time", "The sky is"],

@@ -492,19 +492,19 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         return Completion(id=rid, model=model_name, usage=_usage([r["meta_info"] for r in results], n),
                           choices=choices)
 
-    def record_native(item: dict) -> None:
-        """A native /generate request's end in the metrics, with its tokens: an abort its caller asked for
-        (/abort_request) as "aborted", any other abort as an error."""
-        meta = item["meta_info"]
-        reason = meta.get("finish_reason") or {}
+    def record_native(item: dict, tally: ChoiceTally, index: int) -> None:
+        """A native /generate request's end in the metrics, with its tokens (``index``: its place in the call, for
+        the tally of the call's prompts): an abort its caller asked for (/abort_request) as "aborted", any other
+        abort as an error."""
+        reason = item["meta_info"].get("finish_reason") or {}
         kind = reason.get("type")
         if kind == "abort":
             kind = "aborted" if reason.get("err_type") == "request_aborted" else "error"
-        metrics.record(kind, meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
+        tally.record(kind, item["meta_info"], index)
 
     add_native_routes(v1, engine, SimpleNamespace(
         check_alive=check_alive, door=door, until_disconnected=until_disconnected, abort_error=abort_error,
-        stream_error=stream_error, close=close, record=record_native),
+        stream_error=stream_error, close=close, record=record_native, tally=metrics.tally),
         model_path or getattr(getattr(engine, "args", None), "model_path", None), incremental_streaming_output,
         health_generate_timeout_s)
     app.include_router(v1)

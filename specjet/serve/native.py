@@ -226,15 +226,16 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
     async def generate(body: GenerateRequest, request: Request):
         calls.check_alive()
         kwargs = body.engine_kwargs()
+        tally = calls.tally(_parallel_samples(body.sampling_params))  # n samples of a prompt: its tokens once
         first_sp = kwargs["sampling_params"]
         first_sp = (first_sp[0] if isinstance(first_sp, list) and first_sp else first_sp) or {}
         if body.stream:
             stream = await calls.door(lambda: engine.async_generate(**kwargs, stream=True), first_sp, "text")
-            return StreamingResponse(_events(stream), media_type="text/event-stream")
+            return StreamingResponse(_events(stream, tally), media_type="text/event-stream")
         result = await calls.until_disconnected(
             request, lambda: calls.door(lambda: engine.async_generate(**kwargs), first_sp, "text"))
-        for item in result if isinstance(result, list) else [result]:
-            calls.record(item)
+        for index, item in enumerate(result if isinstance(result, list) else [result]):
+            calls.record(item, tally, index)
         reason = result["meta_info"]["finish_reason"] if isinstance(result, dict) else None
         aborted = None if reason is None or reason.get("err_type") == ABORTED else calls.abort_error(result, first_sp)
         if aborted is not None:  # a lone request's abort for a cause is its answer, with its status
@@ -242,13 +243,14 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
             raise aborted
         return result
 
-    async def _events(stream):
+    async def _events(stream, tally):
         accumulator, finished = Accumulator(), False
         try:
             async for chunk in stream:
                 event = chunk if incremental else accumulator.whole(chunk)
                 if chunk["meta_info"].get("finish_reason") is not None:
-                    calls.record(event)  # its completion_tokens are the request's, whole or not
+                    # its completion_tokens are the request's, whole or not
+                    calls.record(event, tally, chunk.get("index", 0))
                 yield f"data: {_json(event)}\n\n"
             finished = True
         except Exception as error:  # mid-stream: the chunks sent stay sent; the error is the last event
