@@ -42,11 +42,11 @@ def test_bias_by_hand():
     both = Penalties(repetition=2.0, bias_ids=(0,), bias_values=(1.0,))
     # Row 0: the bias alone; row 1: no penalties; row 2: the repetition penalty on token 0 (seen), then its bias.
     counts, seen = context_rows([[], [], [0]], [0, 0, 0], 4)
-    apply_penalties_(logits, counts, seen, [bias, Penalties(), both])
+    apply_penalties_(logits, counts, seen, [bias, Penalties(), both], [0, 0, 0])
     assert logits.tolist() == [[2.0, 1.5, 0.5, -97.0], [1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
     # Without a contextual penalty no context is needed; rows sharing one Penalties take it together.
     rows = torch.zeros(3, 4)
-    apply_penalties_(rows, None, None, [bias, bias, Penalties()])
+    apply_penalties_(rows, None, None, [bias, bias, Penalties()], [0, 0, 0])
     assert rows.tolist() == [[0.0, 2.5, 0.0, -100.0]] * 2 + [[0.0] * 4]
     assert not bias.contextual and bias.active and both.contextual and not Penalties().active
 

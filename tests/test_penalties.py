@@ -31,11 +31,11 @@ def test_penalties_by_hand():
     # prompt [3], output [0, 0, 1]: counts 2, 1 for tokens 0, 1; seen {0, 1, 3}
     counts, seen = context_rows([[3, 0, 0, 1]], [1], 5)
     assert counts.tolist() == [[2.0, 1.0, 0.0, 0.0, 0.0]] and seen.tolist() == [[True, True, False, True, False]]
-    apply_penalties_(logits, counts, seen, [Penalties(frequency=0.5, presence=0.25, repetition=2.0)])
+    apply_penalties_(logits, counts, seen, [Penalties(frequency=0.5, presence=0.25, repetition=2.0)], [0])
     expected = [2.0 / 2 - 0.5 * 2 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2, -2.0]
     assert logits.tolist() == [pytest.approx(expected)]
     neutral = torch.tensor([[1.5, -0.5, float("-inf")]])
-    apply_penalties_(neutral, *context_rows([[0, 1]], [0], 3), [Penalties()])
+    apply_penalties_(neutral, *context_rows([[0, 1]], [0], 3), [Penalties()], [0])
     assert neutral.tolist() == [[1.5, -0.5, float("-inf")]]  # no penalty: the same bits
 
 

@@ -137,7 +137,8 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": ["a", "b"], "sampling_params": {"n": 2}, "rid": ["r"]}, "rid", "1 rids for 2 prompts"),
     ({"text": ["a", "b"], "sampling_params": {"n": 2}, "return_logprob": [True, True]}, "return_logprob",
      "cannot go with n > 1"),
-    ({"text": "x", "sampling_params": {"min_new_tokens": 5}}, "min_new_tokens", "min_new_tokens=5"),
+    ({"text": "x", "sampling_params": {"no_stop_trim": True}}, "no_stop_trim", "no_stop_trim=True"),
+    ({"text": "x", "sampling_params": {"min_new_tokens": -1}}, None, "min_new_tokens must be >= 0"),
 ])
 def test_what_the_door_refuses_is_a_400_naming_it(server, body, param, words):
     r = post(server, "/generate", body)
@@ -303,4 +304,25 @@ def test_parallel_sampling_n(server):
         streamed[event["index"]] = event["text"]  # whole so far: the last event of an index is its output
     assert [streamed[i] for i in range(6)] == singles[0] + singles[1]
     assert post(server, "/generate", {"text": "x", "sampling_params": {"n": 1, "max_new_tokens": 2}}).status_code == 200
+    kv_ok(server)
+
+
+def test_min_new_tokens_and_openais_min_tokens(server):
+    """SGLang's min_new_tokens on /generate, and the OpenAI endpoints' min_tokens (SGLang's and vLLM's extra): a
+    stop token the output reaches at once is held until the output has that many tokens."""
+    ids = post(server, "/generate", {"text": "The sky is", "sampling_params": GREEDY}).json()["output_ids"]
+    stop = ids[1]
+    early = post(server, "/generate", {"text": "The sky is", "sampling_params": dict(GREEDY, stop_token_ids=[stop])})
+    assert early.json()["output_ids"] == ids[:2]
+    held = post(server, "/generate", {"text": "The sky is", "sampling_params": dict(
+        GREEDY, stop_token_ids=[stop], min_new_tokens=6)}).json()["output_ids"]
+    assert stop not in held[:6] and len(held) >= 7
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "prompt": "The sky is", "temperature": 0, "max_tokens": 24, "stop_token_ids": [stop], "min_tokens": 6})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == len(held)
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "min_tokens": 2,
+        "response_format": {"type": "json_object"}})
+    assert bad.status_code == 400 and "min_new_tokens cannot go with" in bad.json()["error"]["message"]
     kv_ok(server)

@@ -174,7 +174,7 @@ class Engine:
         for sp in params:
             if sp.prediction is not None:
                 self._check_prediction(sp.prediction)
-            sp.check_token_ids(self.scheduler.vocab_size)
+            sp.check_token_ids(self.scheduler.vocab_size, self.scheduler.eos_token_ids)
             key = sp.grammar_key
             if key is not None:  # what is known without compiling: bad JSON, too big, too deep, a regex or EBNF
                 # that does not parse, a spec whose compile timed out before

@@ -2,7 +2,8 @@
 
 A request's penalties depend on the tokens before the position being predicted: its output so far
 (OpenAI's frequency and presence penalties) and its prompt and output (the repetition penalty,
-as in SGLang and HF). Its logit bias (OpenAI's ``logit_bias``) is a constant added to chosen
+as in SGLang and HF); its output's length decides whether its stop tokens may be drawn (SGLang's
+min_new_tokens). Its logit bias (OpenAI's ``logit_bias``) is a constant added to chosen
 tokens' logits after the penalties, so the caller's bias has the last word. Plain decoding applies
 them to each request's row; speculative verification
 applies them to every node of a draft tree with the tokens on that node's own path added, so a
@@ -24,6 +25,10 @@ class Penalties:
     repetition: float = 1.0  # a seen token's logit divided by it when positive, multiplied when not
     bias_ids: tuple[int, ...] = ()  # added to these tokens' logits after the penalties ...
     bias_values: tuple[float, ...] = ()  # ... these values (logit_bias)
+    # SGLang's min_new_tokens: while the output so far is shorter, these tokens (the request's stop tokens: its
+    # stop_token_ids, and EOS unless it ignores EOS) cannot be drawn (their logits -inf, after the bias).
+    min_new_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def contextual(self) -> bool:
@@ -31,8 +36,13 @@ class Penalties:
         return self.frequency != 0.0 or self.presence != 0.0 or self.repetition != 1.0
 
     @property
+    def holds_stops(self) -> bool:
+        """Whether some output lengths keep the stop tokens from being drawn (min_new_tokens)."""
+        return self.min_new_tokens > 0 and bool(self.stop_ids)
+
+    @property
     def active(self) -> bool:
-        return self.contextual or bool(self.bias_ids)
+        return self.contextual or bool(self.bias_ids) or self.holds_stops
 
     def bias_tensors(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(columns int64, values) of the logit bias, made once per device and dtype (a request's Penalties lives
@@ -42,6 +52,14 @@ class Penalties:
         if key not in cache:
             cols = torch.tensor(self.bias_ids, dtype=torch.int64, device=device)
             cache[key] = (cols, torch.tensor(self.bias_values, dtype=torch.float32, device=device).to(dtype))
+        return cache[key]
+
+    def stop_columns(self, device) -> torch.Tensor:
+        """The stop tokens held back below min_new_tokens (int64), made once per device."""
+        cache = self.__dict__.setdefault("_stop_tensors", {})  # not a field, as the bias tensors
+        key = str(device)
+        if key not in cache:
+            cache[key] = torch.tensor(self.stop_ids, dtype=torch.int64, device=device)
         return cache[key]
 
 
@@ -61,13 +79,23 @@ def context_rows(contexts: list[list[int]], prompt_lens: list[int], vocab_size: 
 
 
 def apply_penalties_(logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
-                     penalties: list[Penalties]) -> None:
+                     penalties: list[Penalties], output_lens: list[int]) -> None:
     """Penalise ``logits`` [R, V] float32 in place, row r with ``penalties[r]`` given the row's
-    ``counts`` and ``seen`` (``context_rows``; None where no row's penalties are ``contextual``): the
-    repetition penalty first, then frequency and presence, then the logit bias."""
+    ``counts`` and ``seen`` (``context_rows``; None where no row's penalties are ``contextual``) and the length of
+    the output before the token it predicts (``output_lens[r]``): the repetition penalty first, then frequency and
+    presence, then the logit bias, then the stop tokens held back below ``min_new_tokens``."""
     if any(p.contextual for p in penalties):
         _penalise_(logits, counts, seen, penalties)
     add_bias_(logits, penalties)
+    hold_stops_(logits, penalties, output_lens)
+
+
+def hold_stops_(logits: torch.Tensor, penalties: list[Penalties], output_lens: list[int]) -> None:
+    """Row r's stop tokens at -inf where its output so far (``output_lens[r]`` tokens) is shorter than its
+    ``min_new_tokens``: the row cannot end there, whatever the logits (SGLang's min_new_tokens)."""
+    for r, (p, length) in enumerate(zip(penalties, output_lens)):
+        if p.holds_stops and length < p.min_new_tokens:
+            logits[r, p.stop_columns(logits.device)] = float("-inf")
 
 
 def add_bias_(logits: torch.Tensor, penalties: list[Penalties]) -> None:

@@ -72,6 +72,10 @@ def _real(name: str, value: Any, low: float, high: float, low_open: bool = False
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    # SGLang's min_new_tokens: until the output holds this many tokens, its stop tokens (stop_token_ids, and EOS
+    # unless ignore_eos) are not drawn (stop strings still end it, as in SGLang). Not with a grammar, whose end
+    # it would contradict.
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -142,6 +146,10 @@ class SamplingParams:
             raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not _is_int(self.min_new_tokens):
+            raise TypeError(f"min_new_tokens must be an int, got {type(self.min_new_tokens).__name__}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         self.temperature = _real("temperature", self.temperature, 0.0, _FLOAT32_MAX)
         self.top_p = _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
@@ -202,9 +210,14 @@ class SamplingParams:
         constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(constraints) > 1:
             raise ValueError(f"give at most one of json_schema, regex, ebnf (got {', '.join(constraints)})")
+        if constraints and self.min_new_tokens:
+            raise ValueError(f"min_new_tokens cannot go with {constraints[0]}: the grammar decides where the output "
+                             f"ends")
 
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Token ids that become tensor indices must be inside the model's vocabulary."""
+    def check_token_ids(self, vocab_size: int, eos_token_ids=()) -> None:
+        """Token ids that become tensor indices must be inside the model's vocabulary; ``eos_token_ids``: the
+        model's, which min_new_tokens holds back (unless ignore_eos)."""
+        self.__dict__["_eos_ids"] = tuple(sorted(t for t in eos_token_ids if 0 <= t < vocab_size))
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
@@ -258,17 +271,27 @@ class SamplingParams:
         """The request's penalties, or None when it has none (read several times per request and iteration: made
         once for the values it holds, as a full-vocabulary logit_bias is 49,152 entries to copy)."""
         bias = self.logit_bias
-        key = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
+        stops = self._held_stops()
+        key = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty, stops)
         cached = self.__dict__.get("_penalties")  # (key, the bias dict itself, held so its identity is its own)
         if cached is not None and cached[0] == key and cached[1] is bias:
             return cached[2]
         made = None
         if not (self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and self.repetition_penalty == 1.0
-                and not bias):
+                and not bias and not stops):
             made = Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
-                             tuple(bias) if bias else (), tuple(bias.values()) if bias else ())
+                             tuple(bias) if bias else (), tuple(bias.values()) if bias else (),
+                             self.min_new_tokens if stops else 0, stops)
         self.__dict__["_penalties"] = (key, bias, made)
         return made
+
+    def _held_stops(self) -> tuple[int, ...]:
+        """The tokens min_new_tokens holds back: the stop ids, and the model's EOS (``check_token_ids``) unless
+        EOS is ignored; () without min_new_tokens."""
+        if not self.min_new_tokens:
+            return ()
+        eos = () if self.ignore_eos else self.__dict__.get("_eos_ids", ())
+        return tuple(sorted({*self.stop_token_ids, *eos}))
 
     @property
     def is_greedy(self) -> bool:

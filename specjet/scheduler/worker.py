@@ -289,8 +289,8 @@ class ModelWorker:
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:
-        """Penalties (and logit biases) on the given rows of a plain batch's logits, from each request's tokens
-        so far."""
+        """Penalties (and logit biases, and stop tokens held back by min_new_tokens) on the given rows of a plain
+        batch's logits, from each request's tokens so far."""
         penalties = [inp.sampling.penalties for inp in inputs]
         counts = seen = None
         if any(p.contextual for p in penalties):
@@ -298,7 +298,7 @@ class ModelWorker:
                                         logits.device)
         with torch.inference_mode():  # the forward's logits are inference tensors
             sub = logits[rows]
-            apply_penalties_(sub, counts, seen, penalties)
+            apply_penalties_(sub, counts, seen, penalties, [len(s.tokens) - s.prompt_len for s in states])
             logits[rows] = sub
 
     @staticmethod

@@ -93,6 +93,8 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str
         value = getattr(req, name)
         if value is not None:
             sp[name] = value
+    if req.min_tokens is not None:
+        sp["min_new_tokens"] = req.min_tokens
     if req.stop is not None:
         sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     extras = [name for name in ("json_schema", "regex", "ebnf") if getattr(req, name) is not None]

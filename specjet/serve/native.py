@@ -11,8 +11,8 @@ nothing specjet lacks.
   output *so far* (``text``, ``output_ids`` and the logprob lists whole, as SGLang's server sends them;
   ``incremental=True``, the serve CLI's ``--incremental-streaming-output``: only what is new), then ``[DONE]``.
   As SGLang does, the logprob fields are ignored where ``return_logprob`` is not set, ``stream_options`` is
-  ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``min_new_tokens`` 0,
-  ``no_stop_trim`` false, ``spaces_between_special_tokens`` true); other values are a 400.
+  ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``no_stop_trim`` false,
+  ``spaces_between_special_tokens`` true); other values are a 400.
 - ``GET /health_generate``: 200 once the engine shows it computes (a one-token request ends, or the scheduler finishes
   a step, other requests' included, so a busy engine is not made busier), 503 if it does not within
   ``health_timeout_s`` (20 s, SGLang's default) or is not running.
@@ -49,7 +49,7 @@ _HEALTH_POLL_S = 0.02
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
 # SGLang's sampling parameters for features specjet does not have, at the values that ask for nothing.
-_SGLANG_DEFAULTS = {"min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True}
+_SGLANG_DEFAULTS = {"no_stop_trim": False, "spaces_between_special_tokens": True}
 
 
 class GenerateRequest(BaseModel):

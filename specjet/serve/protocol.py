@@ -93,6 +93,7 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     # SGLang's extras
     top_k: Optional[Int] = None
+    min_tokens: Optional[Int] = None  # the engine's min_new_tokens (SGLang's and vLLM's name here)
     repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     ignore_eos: Optional[bool] = None

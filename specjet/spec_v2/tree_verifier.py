@@ -17,7 +17,7 @@ from specjet.kernels.logprobs import log_softmax_rows
 from specjet.kernels.logprobs import logged as _logged
 from specjet.kernels.argmax import argmax_rows
 from specjet.kernels.masked_topk import masked_argmax
-from specjet.kernels.penalties import Penalties, add_bias_, apply_penalties_, context_rows
+from specjet.kernels.penalties import Penalties, add_bias_, apply_penalties_, context_rows, hold_stops_
 from specjet.kernels.sampling import SamplingTensors, filtered_probs, sampling_rows
 from specjet.kernels.tree import build_tree
 from specjet.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling, verify_trees_sampling_cpu
@@ -187,15 +187,22 @@ class TreeVerifier:
     def _apply_penalties(reqs: list[VerifyInput], logits: torch.Tensor, offsets: list[int]) -> None:
         """Each penalised node's logits as plain decoding would penalise them after that node: the
         request's tokens so far plus the draft tokens on the node's path (the root excluded: it is
-        the last token so far); then its logit bias."""
+        the last token so far); then its logit bias; then its stop tokens, where the output up to the node is
+        shorter than its min_new_tokens."""
         for r, off in zip(reqs, offsets):
             if r.penalty is None:
                 continue
             penalties, context, prompt_len = r.penalty
             n = len(r.tokens)
+            # The output before each node's successor: the tokens so far, and the node's depth in draft tokens.
+            depths = [0] * n
+            for i in range(1, n):
+                depths[i] = depths[r.parents[i]] + 1
+            output_lens = [len(context) - prompt_len + d for d in depths]
             if not penalties.contextual:  # a logit bias alone: the same for every node
                 with torch.inference_mode():
                     add_bias_(logits[off:off + n], [penalties] * n)
+                    hold_stops_(logits[off:off + n], [penalties] * n, output_lens)
                 continue
             # The request's tokens so far once, then each node's path (a node's path is its
             # parent's plus its own token: the root is the last token so far, so it adds none).
@@ -208,7 +215,7 @@ class TreeVerifier:
                 counts[i, token] += 1
                 seen[i, token] = True
             with torch.inference_mode():  # the forward's logits are inference tensors
-                apply_penalties_(logits[off:off + n], counts, seen, [penalties] * n)
+                apply_penalties_(logits[off:off + n], counts, seen, [penalties] * n, output_lens)
 
     @staticmethod
     def _grammar_masks(reqs: list[VerifyInput], rows: int, vocab_size: int,
