@@ -242,3 +242,28 @@ def test_cpu_stream_propagates_exceptions_and_keeps_running():
         assert after.result(timeout=10) == "still here"
     finally:
         stream.close()
+
+
+@pytest.mark.parametrize("algorithm", [None, "NGRAM"])
+def test_a_rid_reused_at_once_keeps_its_compute_state(tiny_model_dir, algorithm):
+    """A finished request's rid is free at once, while batches launched with the request may still be in flight:
+    its compute state used to be handed over for dropping only once those were processed, by which time a new
+    request of the same rid had started its own, which the drop then took (its next batch failed, and every
+    request of that batch was re-run). Now the hand-over comes first; no batch fails, every output is its own."""
+    kwargs = {} if algorithm is None else {"speculative_algorithm": algorithm}
+    short = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=False,
+                        **kwargs) as eng:
+        expected = eng.generate(PROMPTS[3], short)["output_ids"]
+        background = [eng.generate(p, {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}, stream=True)
+                      for p in PROMPTS[:2]]  # batches keep going beside the reused rid
+        for stream in background:
+            next(stream)
+        outs = [eng.generate(PROMPTS[3], short, rid="again")["output_ids"] for _ in range(30)]
+        for stream in background:
+            stream.close()
+        eng.wait_idle()
+        stats = eng.get_server_info()["stats"]
+        eng.check_kv_invariant()
+    assert outs == [expected] * 30
+    assert stats["batch_failures"] == 0 and stats["requests_isolated"] == 0

@@ -91,6 +91,8 @@ class Req:
     # a request that finishes meanwhile keeps its KV until they are processed
     # (Scheduler.release_pending).
     inflight: int = 0
+    # Its compute-side state has been handed over to be dropped (Scheduler._release): once, at its end.
+    state_handed_over: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

@@ -573,8 +573,14 @@ class Scheduler:
         return self.allocator.slots_needed(0, min(num_prompt_tokens + ahead, self.config.context_len)) + scratch
 
     def _release(self, req: Req) -> None:
-        """Give back a finished request's KV (and, through the next launched batch, its compute
-        state), once no launched batch uses them."""
+        """Give back a finished request's KV once no launched batch uses it; its compute state is handed over at
+        once, to be dropped with the next launched batch. That is safe while batches holding the request are in
+        flight (the compute side runs batches in launch order, so they are done by then), and it has to be: its
+        rid is free from now on, and a new request of the same rid starts its compute state in a later batch,
+        which must not come before this drop."""
+        if not req.state_handed_over:
+            req.state_handed_over = True
+            self._released_rids.append(req.rid)
         if req.inflight > 0:
             if req not in self.release_pending:
                 self.release_pending.append(req)
@@ -582,7 +588,6 @@ class Scheduler:
         if req in self.release_pending:
             self.release_pending.remove(req)
         self._release_kv(req)
-        self._released_rids.append(req.rid)
 
     def _release_kv(self, req: Req) -> None:
         """Give back the request's row and KV. With the cache, its committed tokens (page-aligned)
