@@ -267,3 +267,34 @@ def test_a_rid_reused_at_once_keeps_its_compute_state(tiny_model_dir, algorithm)
         eng.check_kv_invariant()
     assert outs == [expected] * 30
     assert stats["batch_failures"] == 0 and stats["requests_isolated"] == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_chunked_prompt_is_retracted_before_a_running_request_is_refused(tiny_model_dir, overlap, cache):
+    """A long prompt prefilled in chunks holds its whole prompt's KV while the running request grows between its
+    chunks; when that request needed a slot the pool no longer had, it was refused ("KV pool exhausted: the request
+    needs more than the pool's slots", which it did not: alone it finishes in this pool) and the newer prompt went
+    on. The chunked prompt is now retracted first and waits; both finish, the first with its own output."""
+    a_prompt, b_prompt = list(range(100, 120)), list(range(200, 800))  # 20 and 600 tokens, a 1,024-slot pool
+    params = {"temperature": 0, "max_new_tokens": 700, "ignore_eos": True}
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024, chunked_prefill_size=8,
+                        disable_radix_cache=not cache, disable_overlap_schedule=not overlap) as eng:
+        alone = eng.generate(input_ids=a_prompt, sampling_params=params)["output_ids"]
+        stream = eng.generate(input_ids=a_prompt, sampling_params=params, stream=True)
+        got, late = [], {}
+        for chunk in stream:
+            got += chunk["output_ids"]
+            if not late and len(a_prompt) + len(got) >= 395:  # B fits beside A now, not beside A's next 300 tokens
+                worker = threading.Thread(target=lambda: late.update(out=eng.generate(
+                    input_ids=b_prompt, sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})))
+                late["thread"] = worker
+                worker.start()
+            last = chunk
+        late["thread"].join(timeout=120)
+        eng.wait_idle()
+        retractions = eng.get_server_info()["stats"]["retractions"]
+        eng.check_kv_invariant()
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 700} and got == alone
+    assert late["out"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert retractions >= 1  # the chunked prompt went back to wait

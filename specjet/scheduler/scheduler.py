@@ -514,7 +514,10 @@ class Scheduler:
 
     def _prepare_decode(self, exact: bool):
         """Every running request needs a slot for one more position; retract the newest requests
-        (free their KV, requeue them to re-prefill later) until the rest fit. Retraction decides on
+        (free their KV, requeue them to re-prefill later) until the rest fit: a prompt still being
+        prefilled in chunks first (the newest, and it holds its whole prompt's KV while the running
+        requests grow between its chunks; its chunks stay in the cache), then the running ones. A
+        request is refused for the pool's size only when it is left alone. Retraction decides on
         the exact state: without it (``exact`` False), ``SETTLE_FIRST``."""
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
@@ -526,6 +529,9 @@ class Scheduler:
                 break
             if not exact:  # the batch in flight may finish requests and free enough
                 return SETTLE_FIRST
+            if self.chunked_req is not None:
+                self._retract(self.chunked_req)
+                continue
             if len(self.running) == 1:
                 req = self.running[0]
                 self._finish(req, abort_reason(KV_POOL_EXHAUSTED, f"KV pool exhausted: the request needs more than "
