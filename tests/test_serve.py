@@ -364,7 +364,7 @@ def test_logprobs_in_both_layouts_whole_and_streamed(server):
     kv_ok(server)
 
 
-def test_echo_with_logprobs_scores_a_prompt(server):
+def test_echo_with_logprobs_scores_a_prompt(server, tiny_model_dir):
     """The legacy completions' echo with logprobs and max_tokens 0 (how evaluation harnesses score a text): the
     prompt comes back with its tokens' logprobs, the first None; with a completion after it, its tokens follow
     with the numbers the same request without echo reports, whole and streamed."""
@@ -390,6 +390,16 @@ def test_echo_with_logprobs_scores_a_prompt(server):
         echoed.logprobs.token_logprobs
     assert client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=2).choices[0].text.startswith(
         prompt)
+    # lm-evaluation-harness's request (token ids, echo, logprobs 1, one token) reads token_logprobs[ctxlen:-1] as
+    # the continuation's and the last as the generated token's: a generated EOS has its entry (its text empty).
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ids, eos = tokenizer(prompt)["input_ids"], tokenizer.eos_token_id
+    ended = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                      logit_bias={str(eos): 100}).choices[0]
+    assert ended.finish_reason == "stop" and ended.text == prompt
+    assert len(ended.logprobs.token_logprobs) == len(ids) + 1 and ended.logprobs.tokens[-1] == ""
+    assert ended.logprobs.token_logprobs[:-1] == lp.token_logprobs and ended.logprobs.token_logprobs[-1] < 0
+    assert ended.logprobs.text_offset[-1] == len(prompt)
     kv_ok(server)
 
 

@@ -30,7 +30,8 @@ def _byte_alphabet() -> dict[str, int]:
 
 class TokenTexts:
     """Token id -> (text, bytes), cached per id; ``special``: the ids a reply's text leaves out (an end-of-turn
-    token the model wrote, say), whose entries the layouts leave out too, so a reply's entries spell its text."""
+    token the model wrote, say), whose entries chat's layout leaves out and the completions' layout gives an empty
+    text, so a reply's entries spell its text."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -71,9 +72,9 @@ def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if want_tops else None,
                            "text_offset": []}
 
-    def add(token: int, logprob: Optional[float], top: Optional[list]) -> None:
+    def add(token: int, logprob: Optional[float], top: Optional[list], text: Optional[str] = None) -> None:
         nonlocal offset
-        text, _ = texts.lookup(token)
+        text = texts.lookup(token)[0] if text is None else text
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
         out["text_offset"].append(offset)
@@ -87,8 +88,9 @@ def completion_logprobs(texts: TokenTexts, meta: dict[str, Any], offset: int = 0
             add(token, logprob, tops[k] if tops else None)
     tops = meta.get("output_top_logprobs")
     for k, (logprob, token, _) in enumerate(meta.get("output_token_logprobs", [])):
-        if token not in texts.special:
-            add(token, logprob, tops[k] if tops else None)
+        # Every output token has its entry, as vLLM's and OpenAI's layout has: evaluation harnesses read the last
+        # one as the generated token's. One the text leaves out (EOS, say) has the text it adds there: none.
+        add(token, logprob, tops[k] if tops else None, "" if token in texts.special else None)
     return out
 
 
