@@ -11,6 +11,7 @@ import time
 import httpx
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from test_serve import PERSON, Server, kv_ok
 
@@ -120,8 +121,7 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature", "temperature"),
     ({"text": "x", "sampling_params": {"regex": "(yes|no"}}, "regex", "parenthesis is not closed"),
     ({"text": "x", "input_ids": [1, 2]}, "text", "exactly one of text and input_ids"),
-    ({"text": "x", "lora_path": "adapter"}, None, "lora_path"),
-    ({"text": "x", "return_text_in_logprobs": True}, None, "return_text_in_logprobs"),
+    ({"text": "x", "lora_path": "adapter"}, "lora_path", "lora_path='adapter' is not supported"),
     ({"text": "x", "frobnicate": 1}, None, "frobnicate"),
     ({"text": "x", "stream": 1}, None, "stream"),
     ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len",
@@ -138,6 +138,10 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": ["a", "b"], "sampling_params": {"n": 2}, "return_logprob": [True, True]}, "return_logprob",
      "cannot go with n > 1"),
     ({"text": "x", "sampling_params": {"no_stop_trim": True}}, "no_stop_trim", "no_stop_trim=True"),
+    ({"text": "x", "sampling_params": {"stop_regex": ["a+"]}}, "stop_regex", "stop_regex=['a+']"),
+    ({"text": "x", "return_hidden_states": True}, "return_hidden_states", "return_hidden_states=True"),
+    ({"text": "x", "priority": 3}, "priority", "priority=3"),
+    ({"text": "x", "sampling_params": {"seed": 1, "sampling_seed": 2}}, "sampling_seed", "not both"),
     ({"text": "x", "sampling_params": {"min_new_tokens": -1}}, None, "min_new_tokens must be >= 0"),
 ])
 def test_what_the_door_refuses_is_a_400_naming_it(server, body, param, words):
@@ -156,7 +160,14 @@ def test_the_bodies_sglangs_own_tests_send(server):
     for body in ({"return_logprob": False, "logprob_start_len": 0, "top_logprobs_num": 3},
                  {"stream_options": {"include_usage": True}},
                  {"sampling_params": dict(GREEDY, n=1, min_new_tokens=0, no_stop_trim=False,
-                                          spaces_between_special_tokens=True)}):
+                                          spaces_between_special_tokens=True)},
+                 # SGLang's frontend (sgl.gen's to_srt_kwargs): its defaults, nulls among them
+                 {"sampling_params": dict(GREEDY, stop_regex=[], json_schema=None, regex=None, stop=None,
+                                          structural_tag=None, sampling_seed=None)},
+                 # fields a router adds, or clients send at SGLang's defaults
+                 {"model": "anything", "data_parallel_rank": None, "return_hidden_states": False,
+                  "custom_logit_processor": None, "session_params": None, "modalities": None, "lora_id": None,
+                  "priority": None, "log_metrics": True, "custom_labels": {"team": "a"}}):
         r = post(server, "/generate", {"text": "The sky is", "sampling_params": GREEDY, **body})
         assert r.status_code == 200, (body, r.text)
         assert r.json()["output_ids"] == plain["output_ids"] and "output_token_logprobs" not in r.json()["meta_info"]
@@ -326,3 +337,33 @@ def test_min_new_tokens_and_openais_min_tokens(server):
         "response_format": {"type": "json_object"}})
     assert bad.status_code == 400 and "min_new_tokens cannot go with" in bad.json()["error"]["message"]
     kv_ok(server)
+
+
+def test_sglang_names_and_batches(server, tiny_model_dir):
+    """SGLang's sampling_seed is the seed; a string rid with a list of prompts names them rid_0, rid_1, ...;
+    return_text_in_logprobs fills each logprob triple's text with its token's (whole and streamed)."""
+    sampled = {"temperature": 1.0, "max_new_tokens": 8}
+    seeded = post(server, "/generate", {"text": "Once", "sampling_params": dict(sampled, seed=5)}).json()
+    renamed = post(server, "/generate", {"text": "Once", "sampling_params": dict(sampled, sampling_seed=5)}).json()
+    assert renamed["output_ids"] == seeded["output_ids"]
+    both = post(server, "/generate", {"text": ["Hi", "Yo"], "rid": "batch7", "sampling_params": GREEDY})
+    assert both.status_code == 200, both.text
+    assert [o["meta_info"]["id"] for o in both.json()] == ["batch7_0", "batch7_1"]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    body = {"text": "Once upon", "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0, "return_text_in_logprobs": True}
+    out = post(server, "/generate", body).json()["meta_info"]
+    for name in ("input_token_logprobs", "output_token_logprobs"):
+        assert out[name] and all(text == tokenizer.decode([tid]) for _, tid, text in out[name]), name
+    assert all(text == tokenizer.decode([tid]) for top in out["output_top_logprobs"] for _, tid, text in top)
+    last = events(post(server, "/generate", dict(body, stream=True)))[-1]["meta_info"]
+    assert last["output_token_logprobs"] == out["output_token_logprobs"]
+    plain = post(server, "/generate", dict(body, return_text_in_logprobs=False)).json()["meta_info"]
+    assert all(text is None for _, _, text in plain["output_token_logprobs"])
+
+
+def test_get_load(server):
+    load = httpx.get(server.url + "/get_load", timeout=60).json()
+    assert isinstance(load, list) and len(load) == 1
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pages"}
+    assert all(isinstance(v, int) and v >= 0 for v in load[0].values())

@@ -753,3 +753,22 @@ def test_native_generate_answers_a_lone_abort_with_its_status_and_a_list_with_it
         info = client.get("/get_model_info").json()  # an engine without a model path runs the embedded model
         assert info["model_path"].endswith(".gguf") and info["is_generation"] is True
     assert dict(app.state.metrics.requests) == {"error": 2, "stop": 1}
+
+
+def test_native_generate_reads_a_null_max_new_tokens_as_up_to_the_context():
+    """SGLang reads max_new_tokens null as "as many as the context leaves": the engine is asked for its context
+    length (where it stops), for one prompt and for each of a list's."""
+    seen = []
+
+    async def async_generate(stream=False, **kwargs):
+        seen.append(kwargs["sampling_params"])
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length", "length": 0},
+                                                            "prompt_tokens": 1, "completion_tokens": 0}}
+
+    app = create_app(_fake_engine(async_generate), "m")
+    with TestClient(app) as client:
+        assert client.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": None}}).status_code == 200
+        client.post("/generate", json={"text": ["a", "b"], "sampling_params": [{"max_new_tokens": None},
+                                                                              {"max_new_tokens": 3}]})
+        client.post("/generate", json={"text": "a", "sampling_params": {"temperature": 0}})
+    assert seen == [{"max_new_tokens": 100}, [{"max_new_tokens": 100}, {"max_new_tokens": 3}], {"temperature": 0}]

@@ -11,11 +11,16 @@ nothing specjet lacks.
   output *so far* (``text``, ``output_ids`` and the logprob lists whole, as SGLang's server sends them;
   ``incremental=True``, the serve CLI's ``--incremental-streaming-output``: only what is new), then ``[DONE]``.
   As SGLang does, the logprob fields are ignored where ``return_logprob`` is not set, ``stream_options`` is
-  ignored, and SGLang's sampling parameters specjet lacks are accepted at their defaults (``no_stop_trim`` false,
-  ``spaces_between_special_tokens`` true); other values are a 400.
+  ignored, ``return_text_in_logprobs`` fills each logprob triple's text, ``sampling_seed`` is the seed, a null
+  ``max_new_tokens`` means up to the context, and a string ``rid`` with a list of prompts names them r_0, r_1, ...
+  SGLang's fields and sampling parameters for features specjet lacks (LoRA, images, hidden states, priorities,
+  disaggregation, ``stop_regex``, ``no_stop_trim``, ...) are accepted at the values that ask for nothing (its
+  defaults, null among them); other values are a 400 naming them. Routing and logging labels (``model``,
+  ``log_metrics``, ``custom_labels``, ...) are ignored.
 - ``GET /health_generate``: 200 once the engine shows it computes (a one-token request ends, or the scheduler finishes
   a step, other requests' included, so a busy engine is not made busier), 503 if it does not within
   ``health_timeout_s`` (20 s, SGLang's default) or is not running.
+- ``GET /get_load``: SGLang's load report (requests held and waiting, KV tokens and pages in use).
 - ``GET /get_model_info``, ``GET /get_server_info`` (with SGLang's ``internal_states``; both also under SGLang's
   later names ``/model_info`` and ``/server_info``), ``GET|POST /flush_cache``, ``POST /abort_request`` (``rid``,
   or ``abort_all``).
@@ -28,8 +33,9 @@ does, with the request's ``finish_reason`` (``{"type": "abort", "message", "stat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import anyio
 import anyio.to_thread
@@ -48,8 +54,23 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 _HEALTH_POLL_S = 0.02
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
-# SGLang's sampling parameters for features specjet does not have, at the values that ask for nothing.
-_SGLANG_DEFAULTS = {"no_stop_trim": False, "spaces_between_special_tokens": True}
+# SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
+_SGLANG_DEFAULTS: dict[str, tuple] = {"no_stop_trim": (False,), "spaces_between_special_tokens": (True,),
+                                      "stop_regex": (None, "", []), "structural_tag": (None,), "custom_params": (None,),
+                                      "stream_interval": (None,)}
+# SGLang's GenerateReqInput fields for features specjet does not have, and the values (its defaults, null among them)
+# at which they ask for nothing: accepted there, a 400 naming them otherwise.
+_NOOP_FIELDS: dict[str, tuple] = {
+    **{name: (None,) for name in (
+        "lora_path", "lora_id", "image_data", "video_data", "audio_data", "input_embeds", "positional_embed_overrides",
+        "token_ids_logprob", "modalities", "session_params", "custom_logit_processor", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank",
+        "routed_dp_rank", "disagg_prefill_dp_rank", "priority")},
+    **{name: (None, False) for name in ("return_hidden_states", "return_routed_experts", "return_entropy",
+                                        "return_bytes")}}
+# Fields that change nothing specjet answers whatever their value: routing, logging and tracing labels.
+_IGNORED_FIELDS = ("model", "log_metrics", "no_logs", "conversation_id", "extra_key", "custom_labels",
+                   "external_trace_header", "received_time", "http_worker_ipc")
 
 
 class GenerateRequest(BaseModel):
@@ -66,22 +87,63 @@ class GenerateRequest(BaseModel):
     return_logprob: Union[bool, list[bool], None] = None
     top_logprobs_num: Union[int, list[int], None] = None
     logprob_start_len: Union[int, list[int], None] = None
-    # SGLang fields for features specjet does not have, accepted at their defaults (bench_serving sends some).
-    lora_path: None = None
-    image_data: None = None
-    return_text_in_logprobs: Literal[False] = False
-    return_routed_experts: Literal[False] = False
+    # The logprob triples' third element, each token's text (SGLang's frontend reads it), where True.
+    return_text_in_logprobs: Optional[bool] = None
     stream_options: Optional[dict[str, Any]] = None  # SGLang's benchmarks send it; /generate has no usage chunk
+    # SGLang fields for features specjet does not have (_NOOP_FIELDS: accepted at the values that ask for nothing),
+    # and routing and logging labels (_IGNORED_FIELDS).
+    lora_path: Any = None
+    lora_id: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    positional_embed_overrides: Any = None
+    token_ids_logprob: Any = None
+    modalities: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    data_parallel_rank: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    priority: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    return_entropy: Any = None
+    return_bytes: Any = None
+    model: Any = None
+    log_metrics: Any = None
+    no_logs: Any = None
+    conversation_id: Any = None
+    extra_key: Any = None
+    custom_labels: Any = None
+    external_trace_header: Any = None
+    received_time: Any = None
+    http_worker_ipc: Any = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
-        engine reads it); with SGLang's ``n`` > 1 (parallel sampling) each prompt's ``n`` requests, prompt-major."""
+        engine reads it); with SGLang's ``n`` > 1 (parallel sampling) each prompt's ``n`` requests, prompt-major;
+        a string ``rid`` with a list of prompts r_0, r_1, ... (SGLang's ``_normalize_rid``)."""
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give exactly one of text and input_ids", "invalid_request_error", "text",
                            "invalid_value")
+        for name, allowed in _NOOP_FIELDS.items():
+            value = getattr(self, name)
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                raise ApiError(400, f"{name}={value!r} is not supported by specjet (only {allowed[-1]!r}, SGLang's "
+                                    f"default)", "invalid_request_error", name, "unsupported_value")
         n = _parallel_samples(self.sampling_params)
         if n > 1:
             return self._expanded(n).engine_kwargs()
+        prompts = self.text if self.text is not None else self.input_ids
+        if isinstance(self.rid, str) and isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+            return self.model_copy(update={"rid": [f"{self.rid}_{i}" for i in range(len(prompts))]}).engine_kwargs()
         params = ([_without_sglang_defaults(d) for d in self.sampling_params]
                   if isinstance(self.sampling_params, list) else _without_sglang_defaults(self.sampling_params))
         wants = self.return_logprob
@@ -155,17 +217,52 @@ def _parallel_samples(params) -> int:
 
 
 def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """``params`` without SGLang's parameters for features specjet lacks, where they ask for nothing; a 400 naming
-    one that asks for something."""
+    """``params`` in the engine's terms: without SGLang's parameters for features specjet lacks, where they ask for
+    nothing (a 400 naming one that asks for something), SGLang's ``sampling_seed`` as ``seed``, and a null
+    ``max_new_tokens`` (SGLang's "up to the context") left for the route to fill."""
     if params and "n" in params:  # 1 here (_parallel_samples)
         params = {k: v for k, v in params.items() if k != "n"}
+    if params and "sampling_seed" in params:
+        if params.get("seed") is not None and params["sampling_seed"] is not None:
+            raise ApiError(400, "give seed or sampling_seed, not both", "invalid_request_error", "sampling_seed",
+                           "invalid_value")
+        seed = params["sampling_seed"] if params["sampling_seed"] is not None else params.get("seed")
+        params = {k: v for k, v in params.items() if k not in ("seed", "sampling_seed")}
+        if seed is not None:
+            params["seed"] = seed
     if not params or not _SGLANG_DEFAULTS.keys() & params.keys():
         return params
-    for name, default in _SGLANG_DEFAULTS.items():
-        if name in params and (params[name] != default or type(params[name]) is not type(default)):
+    for name, allowed in _SGLANG_DEFAULTS.items():
+        if name in params and not any(params[name] == a and type(params[name]) is type(a) for a in allowed):
             raise ApiError(400, f"sampling parameter {name}={params[name]!r} is not supported by specjet (only "
-                                f"{default!r}, SGLang's default)", "invalid_request_error", name, "unsupported_value")
+                                f"{allowed[0]!r}, SGLang's default)", "invalid_request_error", name,
+                           "unsupported_value")
     return {k: v for k, v in params.items() if k not in _SGLANG_DEFAULTS}
+
+
+def _up_to_the_context(params, context_len: int):
+    """A null ``max_new_tokens`` as SGLang reads it: as many as the context leaves (the engine stops there)."""
+    def fill(d):
+        return dict(d, max_new_tokens=context_len) if d and "max_new_tokens" in d and d["max_new_tokens"] is None \
+            else d
+    return [fill(d) for d in params] if isinstance(params, list) else fill(params)
+
+
+def with_token_texts(payload: dict[str, Any], text_of) -> dict[str, Any]:
+    """``payload`` (an output or a stream event) with each logprob triple's third element its token's text
+    (``return_text_in_logprobs``), in the input and output lists and their top-logprob lists."""
+    meta = payload.get("meta_info")
+    if not meta:
+        return payload
+    meta = dict(meta)
+    for name in ("input_token_logprobs", "output_token_logprobs"):
+        if meta.get(name) is not None:
+            meta[name] = [[lp, tid, text_of(tid)] for lp, tid, *_ in meta[name]]
+    for name in ("input_top_logprobs", "output_top_logprobs"):
+        if meta.get(name) is not None:
+            meta[name] = [None if top is None else [[lp, tid, text_of(tid)] for lp, tid, *_ in top]
+                          for top in meta[name]]
+    return dict(payload, meta_info=meta)
 
 
 class AbortRequest(BaseModel):
@@ -226,12 +323,14 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
     async def generate(body: GenerateRequest, request: Request):
         calls.check_alive()
         kwargs = body.engine_kwargs()
+        kwargs["sampling_params"] = _up_to_the_context(kwargs["sampling_params"], engine.scheduler.config.context_len)
         tally = calls.tally(_parallel_samples(body.sampling_params))  # n samples of a prompt: its tokens once
         first_sp = kwargs["sampling_params"]
         first_sp = (first_sp[0] if isinstance(first_sp, list) and first_sp else first_sp) or {}
+        texts = token_text if body.return_text_in_logprobs else None
         if body.stream:
             stream = await calls.door(lambda: engine.async_generate(**kwargs, stream=True), first_sp, "text")
-            return StreamingResponse(_events(stream, tally), media_type="text/event-stream")
+            return StreamingResponse(_events(stream, tally, texts), media_type="text/event-stream")
         result = await calls.until_disconnected(
             request, lambda: calls.door(lambda: engine.async_generate(**kwargs), first_sp, "text"))
         for index, item in enumerate(result if isinstance(result, list) else [result]):
@@ -241,9 +340,17 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         if aborted is not None:  # a lone request's abort for a cause is its answer, with its status
             aborted.recorded = True
             raise aborted
+        if texts is not None:
+            result = ([with_token_texts(r, texts) for r in result] if isinstance(result, list)
+                      else with_token_texts(result, texts))
         return result
 
-    async def _events(stream, tally):
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        """A token's text as SGLang's logprobs give it (the tokenizer's decode of the token alone)."""
+        return engine.tokenizer.decode([token_id])
+
+    async def _events(stream, tally, texts):
         accumulator, finished = Accumulator(), False
         try:
             async for chunk in stream:
@@ -251,6 +358,8 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
                 if chunk["meta_info"].get("finish_reason") is not None:
                     # its completion_tokens are the request's, whole or not
                     calls.record(event, tally, chunk.get("index", 0))
+                if texts is not None:
+                    event = with_token_texts(event, texts)
                 yield f"data: {_json(event)}\n\n"
             finished = True
         except Exception as error:  # mid-stream: the chunks sent stay sent; the error is the last event
@@ -274,6 +383,17 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         # SGLang's clients (bench_serving, its accept-length helpers) read internal_states[0] without a guard.
         states = [{"avg_spec_accept_length": info["stats"].get("spec_accept_length")}]
         return json.loads(_json({**dataclasses.asdict(args), **info, "internal_states": states}))
+
+    @router.get("/get_load")
+    async def get_load():
+        """SGLang's load report (what its router's load-aware policies poll), for this one engine: the requests it
+        holds (running and queued), those waiting, and the KV tokens and pages in use."""
+        info = await anyio.to_thread.run_sync(engine.get_server_info)
+        running, queued = len(engine.scheduler.running), info.get("queued_requests", 0)
+        used = info["kv_pool_size"] - info["kv_free"]
+        page = getattr(engine.scheduler.allocator, "page_size", 1) or 1
+        return [{"dp_rank": 0, "num_reqs": running + queued, "num_waiting_reqs": queued, "num_tokens": used,
+                 "num_pages": -(-used // page)}]
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
