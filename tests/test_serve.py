@@ -629,6 +629,33 @@ def test_errors_are_openai_shaped_400s(server):
     kv_ok(server)
 
 
+def test_openai_fields_that_change_nothing_and_nulls_are_accepted(server):
+    """What OpenAI documents and clients send without asking for anything specjet lacks: nulls where the spec
+    allows them, billing and routing fields, a non-reasoning model's reasoning_effort and verbosity, modalities
+    ["text"], stream_options.include_obfuscation, an earlier assistant turn's refusal part. The same greedy reply as
+    without them; audio output is still a 400 naming the field."""
+    def post(body):
+        return httpx.post(server.url + "/v1/chat/completions", timeout=120, json=dict(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}, **body))
+
+    plain = post({}).json()["choices"][0]["message"]["content"]
+    for body in ({"stream": None, "n": None, "stop": None, "seed": None},
+                 {"service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u1",
+                  "reasoning_effort": "low", "verbosity": "low", "modalities": ["text"]},
+                 {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+                     {"type": "refusal", "refusal": "I cannot."}]}, {"role": "user", "content": "hi"}]}):
+        r = post(body)
+        assert r.status_code == 200, (body, r.text)
+        if "messages" not in body:
+            assert r.json()["choices"][0]["message"]["content"] == plain, body
+    streamed = post({"stream": True, "stream_options": {"include_usage": None, "include_obfuscation": True}})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert all('"usage":{' not in line for line in streamed.text.splitlines())  # include_usage null: no usage chunk
+    r = post({"modalities": ["text", "audio"]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("modalities")
+    kv_ok(server)
+
+
 def test_bad_requests_fail_alone_beside_a_running_stream(server):
     """Each body that session 106 turned from a 500 (or a silent wrong answer) into a 400, sent while another
     request streams: each is refused naming its problem, and the stream beside them runs to its end."""

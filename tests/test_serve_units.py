@@ -145,6 +145,29 @@ def test_dead_engine_is_503_and_api_key_is_checked():
         assert r.status_code == 404 and "error" in r.json()
 
 
+def test_cors_lets_a_browser_call_the_server_and_keeps_the_key():
+    """With allowed origins (the CLI's default, as SGLang's and vLLM's servers): a browser's preflight is answered
+    (before any key is asked for), answers carry the origin header, and the API key still guards /v1. Without
+    them no CORS header is sent. The CLI's flag: "*" by default, none when given without origins."""
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with TestClient(create_app(stand_in_engine(True), "m", api_key="sekrit", allowed_origins=["*"])) as client:
+        r = client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = client.get("/v1/models", headers={"Origin": "http://app.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        r = client.get("/v1/models", headers={"Origin": "http://app.example", "Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    with TestClient(create_app(stand_in_engine(True), "m", allowed_origins=["http://ok.example"])) as client:
+        assert client.options("/health", headers=dict(preflight, Origin="http://evil.example")).status_code == 400
+        r = client.get("/health", headers={"Origin": "http://ok.example"})
+        assert r.headers["access-control-allow-origin"] == "http://ok.example"
+    with TestClient(create_app(stand_in_engine(True), "m")) as client:
+        assert "access-control-allow-origin" not in client.get("/health", headers={"Origin": "http://a.b"}).headers
+    assert build_parser().parse_args([]).allowed_origins == ["*"]
+    assert build_parser().parse_args(["--allowed-origins"]).allowed_origins == []
+
+
 HI = [{"role": "user", "content": "hi"}]
 # An object nested 100 levels deep: deeper than the meta-schema check's recursion reached.
 DEEP_SCHEMA = {"type": "integer"}

@@ -19,6 +19,7 @@ import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -64,11 +65,15 @@ def _sse(payload: Any) -> str:
 
 def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_endpoints: bool = False,
                model_path: Optional[str] = None, incremental_streaming_output: bool = False,
-               health_generate_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S) -> FastAPI:
+               health_generate_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S,
+               allowed_origins: Optional[list[str]] = None) -> FastAPI:
     """The app over ``engine``: the OpenAI endpoints, and SGLang's native ones (``native.py``: ``model_path`` is
     what /get_model_info reports; ``incremental_streaming_output``: /generate streams increments, not whole
-    outputs so far)."""
+    outputs so far); ``allowed_origins``: the origins browsers may call it from (CORS; None or empty: none)."""
     app = FastAPI(title="specjet", version="0.1.0")
+    if allowed_origins:  # a browser's preflight is answered here, before the API key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     metrics = Metrics()
     app.state.engine, app.state.metrics = engine, metrics
     token_texts: list[TokenTexts] = []  # made at the first request that asks for logprobs

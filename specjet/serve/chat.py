@@ -284,8 +284,12 @@ def _text_of(content) -> str:
         return content
     parts = []
     for part in content:
-        if part.get("type") != "text":
-            raise bad_request(f"message content of type {part.get('type')!r} is not supported (text only)", "messages")
+        kind = part.get("type")
+        if kind == "refusal" and isinstance(part.get("refusal"), str):  # an earlier assistant turn's refusal: its text
+            parts.append(part["refusal"])
+            continue
+        if kind != "text":
+            raise bad_request(f"message content of type {kind!r} is not supported (text only)", "messages")
         parts.append(part.get("text", ""))
     return "".join(parts)
 

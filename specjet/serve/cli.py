@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="SGLang's flag: a streamed POST /generate sends what is new in each event (default: "
                              "each event holds the output so far, as SGLang's server sends it)")
+    parser.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
+                        help="origins a browser may call the server from (CORS, as SGLang's and vLLM's servers allow "
+                             "by default; the API key still applies); none given: no CORS headers (default: *)")
     parser.add_argument("--debug-endpoints", action="store_true",
                         help="expose GET /debug/kv (waits until idle, checks the KV invariant)")
     _add_engine_flags(parser)
@@ -110,7 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = ns.served_model_name or (os.path.basename(str(kwargs["model_path"]).rstrip("/"))
                                     if kwargs.get("model_path") else "SmolLM2-135M-Instruct")
     app = BodyLimit(create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints,
-                               incremental_streaming_output=ns.incremental_streaming_output),
+                               incremental_streaming_output=ns.incremental_streaming_output,
+                               allowed_origins=ns.allowed_origins),
                     ns.max_request_bytes)
     try:
         # uvicorn's start-up lines say where it listens (the port --port 0 picked); no line per request.

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Requests forbid fields they do not know, so a misspelt or unsupported parameter is a 400 that names
-it rather than something silently ignored; the few OpenAI fields that change nothing here (``user``,
-``metadata``, ``store``, a zero penalty) are accepted. SGLang's extra fields
+it rather than something silently ignored; the OpenAI fields that change nothing here (``user``,
+``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``reasoning_effort``,
+``verbosity``, ``modalities`` ["text"], ``stream_options.include_obfuscation``, a zero penalty, nulls) are accepted. SGLang's extra fields
 ``json_schema``, ``regex`` and ``ebnf`` are accepted on both generation endpoints.
 """
 from __future__ import annotations
@@ -37,7 +38,9 @@ class _Open(BaseModel):
 
 # ---------------------------------------------------------------- shared request parts
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Optional[bool] = None
+    # OpenAI's random padding of stream events (against length side channels): accepted, nothing is padded.
+    include_obfuscation: Optional[bool] = None
 
 
 class JsonSchemaFormat(_Request):
@@ -85,7 +88,7 @@ class _SamplingFields(_Request):
     # The engine's range, checked here: the choices' seeds (seed + i) wrap around modulo 2**64 (chat.choice_params).
     seed: Optional[Annotated[Int, Field(ge=0, lt=2**64)]] = None
     n: Optional[Int] = None
-    stream: bool = False
+    stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
@@ -171,6 +174,14 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
+    # OpenAI fields that change nothing a local model answers (billing tier, cache routing, abuse tracking; a
+    # reasoning effort and verbosity for a model that does not reason): accepted and ignored.
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    modalities: Optional[list[Literal["text"]]] = None  # text is what it writes
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Int] = None
     prediction: Optional[Prediction] = None
