@@ -612,7 +612,8 @@ def test_errors_are_openai_shaped_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "nope" in error_of(e)["message"]
-    for wrong in ({"max_tokens": True}, {"temperature": "0.5"}):  # strict types, as OpenAI's API
+    for wrong in ({"max_tokens": True}, {"temperature": "0.5"}, {"max_tokens": -1}, {"max_completion_tokens": -2},
+                  {"min_tokens": -1}):  # strict types and ranges, named as the client named them
         with pytest.raises(openai.BadRequestError) as e:
             chat(client, "hi", extra_body=wrong)
         assert error_of(e)["param"] == next(iter(wrong)), error_of(e)

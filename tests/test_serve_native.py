@@ -123,6 +123,7 @@ def test_a_json_schema_in_the_sampling_params_is_enforced(server):
     ({"text": "x", "input_ids": [1, 2]}, "text", "exactly one of text and input_ids"),
     ({"text": "x", "lora_path": "adapter"}, "lora_path", "lora_path='adapter' is not supported"),
     ({"text": "x", "frobnicate": 1}, None, "frobnicate"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 3, "foo": 1}}, "foo", "unknown sampling parameter(s): foo"),
     ({"text": "x", "stream": 1}, None, "stream"),
     ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len",
      "1 logprob_start_len values for 2"),

@@ -581,8 +581,10 @@ def _constraint_param(sp: dict) -> Optional[str]:
 
 
 def _param_in(message: str, sp: dict) -> Optional[str]:
-    """The sampling parameter a door error names, if any (the engine's messages start with it)."""
+    """The sampling parameter a door error names, if any (the engine's messages start with it; the list of known
+    parameters that follows an unknown one's is not searched)."""
+    head = message.split("; known:")[0]
     for name in sorted(sp, key=len, reverse=True):
-        if message.startswith(name) or f" {name}" in message:
+        if head.startswith(name) or f" {name}" in head:
             return name
     return None

@@ -96,7 +96,7 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     # SGLang's extras
     top_k: Optional[Int] = None
-    min_tokens: Optional[Int] = None  # the engine's min_new_tokens (SGLang's and vLLM's name here)
+    min_tokens: Optional[Annotated[Int, Field(ge=0)]] = None  # the engine's min_new_tokens (SGLang's, vLLM's name)
     repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     ignore_eos: Optional[bool] = None
@@ -166,8 +166,8 @@ class ChatMessage(_Open):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[Int] = None
-    max_completion_tokens: Optional[Int] = None
+    max_tokens: Optional[Annotated[Int, Field(ge=0)]] = None
+    max_completion_tokens: Optional[Annotated[Int, Field(ge=0)]] = None
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
@@ -263,7 +263,7 @@ class ChatCompletionChunk(BaseModel):
 # ---------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[Int] = 16
+    max_tokens: Optional[Annotated[Int, Field(ge=0)]] = 16
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[Int] = None
