@@ -98,6 +98,33 @@ def test_stop_token_ids_and_max_new_tokens(engine):
     assert len(engine.generate(PROMPTS[2], dict(GREEDY, max_new_tokens=3))["output_ids"]) == 3
 
 
+def test_the_stop_token_is_left_out_of_the_text_unless_no_stop_trim(engine):
+    """SGLang's trim: a reply a stop token ended (an ordinary one of stop_token_ids, or EOS shown with
+    skip_special_tokens False) leaves it out of its text, whole and streamed; output_ids keep it; no_stop_trim keeps
+    it in the text too."""
+    full = engine.generate(PROMPTS[2], GREEDY)["output_ids"]
+    target = full[5]
+    cut = full[: full.index(target) + 1]
+    params = dict(GREEDY, stop_token_ids=[target])
+    out = engine.generate(PROMPTS[2], params)
+    assert out["output_ids"] == cut and out["text"] == engine.tokenizer.decode(cut[:-1], skip_special_tokens=True)
+    assert "".join(c["text"] for c in engine.generate(PROMPTS[2], params, stream=True)) == out["text"]
+    kept = engine.generate(PROMPTS[2], dict(params, no_stop_trim=True))
+    assert kept["output_ids"] == cut and kept["text"] == engine.tokenizer.decode(cut, skip_special_tokens=True)
+    assert "".join(c["text"] for c in engine.generate(PROMPTS[2], dict(params, no_stop_trim=True), stream=True)) \
+        == kept["text"]
+    eos = engine.tokenizer.eos_token_id
+    shown = {"temperature": 0, "max_new_tokens": 8, "skip_special_tokens": False, "logit_bias": {eos: 100.0}}
+    first = engine.generate(PROMPTS[2], dict(shown, logit_bias={}, max_new_tokens=1))["output_ids"][0]
+    forced = dict(shown, logit_bias={eos: 100.0}, min_new_tokens=1)  # one token, then EOS
+    ended = engine.generate(PROMPTS[2], forced)
+    assert ended["output_ids"][-1] == eos and ended["text"] == engine.tokenizer.decode([first])
+    spelled = engine.generate(PROMPTS[2], dict(forced, no_stop_trim=True))["text"]
+    assert spelled == engine.tokenizer.decode([first, eos], skip_special_tokens=False)
+    with pytest.raises(TypeError, match="no_stop_trim must be a bool"):
+        engine.generate(PROMPTS[2], dict(GREEDY, no_stop_trim=1))
+
+
 def test_abort_while_streaming(engine):
     stream = engine.generate(PROMPTS[0], {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}, stream=True)
     first = next(stream)

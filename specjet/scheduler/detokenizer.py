@@ -14,8 +14,9 @@ send all of it at once but for a possible stop string's start. Special tokens th
 are left out of the window (they decode to nothing wherever they are), so a run of them (an
 ``ignore_eos`` request repeating its EOS, say) does not grow it.
 
-A finished request's text is one full decode of its output (cut at the stop string that ended it),
-exactly ``tokenizer.decode(output_ids, skip_special_tokens=...)``: once per request.
+A finished request's text is one full decode of its output (cut at the stop string that ended it; without the stop
+token that ended it unless ``no_stop_trim``, as SGLang's), exactly ``tokenizer.decode(output_ids[:-1] or output_ids,
+skip_special_tokens=...)``: once per request.
 """
 from __future__ import annotations
 
@@ -76,8 +77,13 @@ def update_text(req: Req, tokenizer) -> str | None:
 
 
 def _final_text(req: Req, tokenizer) -> str | None:
-    """The finish path: one full decode, searched for a stop string in what no step has searched."""
-    full = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    """The finish path: one full decode (without the stop token that ended it, the last, unless ``no_stop_trim``:
+    SGLang's trim), searched for a stop string in what no step has searched."""
+    ids = req.output_ids
+    matched = (req.finished_reason or {}).get("matched")
+    if isinstance(matched, int) and not req.sampling.no_stop_trim and ids and ids[-1] == matched:
+        ids = ids[:-1]
+    full = tokenizer.decode(ids, skip_special_tokens=req.sampling.skip_special_tokens)
     stops = req.sampling.stop
     if stops:
         hit = _first_stop(full, stops, max(0, len(req.text) - _max_len(stops) + 1))

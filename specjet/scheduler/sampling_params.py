@@ -93,6 +93,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # SGLang's: the text of a request that a stop token ended (one of stop_token_ids, EOS, a grammar's end) leaves
+    # that token out, unless no_stop_trim (output_ids hold it either way).
+    no_stop_trim: bool = False
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -191,7 +194,7 @@ class SamplingParams:
             raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or >= 0, got {self.logprob_start_len}")
         if self.logprob_start_len >= 0 and not self.return_logprob:
             raise ValueError("logprob_start_len needs return_logprob=True")
-        for name in ("ignore_eos", "skip_special_tokens", "return_logprob"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("json_schema", "regex", "ebnf"):

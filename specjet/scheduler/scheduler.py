@@ -845,10 +845,11 @@ class Scheduler:
 
     def _json_text(self, req: Req, reason: dict) -> str:
         """The text a json_schema request's object is: its output text without the special token (EOS) that
-        ended it, which the text spells where skip_special_tokens is False (a stop id of an ordinary token is
-        text either way, and stays)."""
+        ended it, which the text spells where no_stop_trim keeps it and skip_special_tokens is False (a stop id of
+        an ordinary token is text there, and stays)."""
         matched, text = reason.get("matched"), req.text
-        if isinstance(matched, int) and not req.sampling.skip_special_tokens and matched in skipped_ids(self.tokenizer):
+        if (isinstance(matched, int) and req.sampling.no_stop_trim and not req.sampling.skip_special_tokens
+                and matched in skipped_ids(self.tokenizer)):
             try:
                 return text.removesuffix(self.tokenizer.decode([matched], skip_special_tokens=False))
             except Exception:  # noqa: BLE001 (_finish never raises: the text is checked as it is)

@@ -88,7 +88,7 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str
     sp: dict[str, Any] = {}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids", "no_stop_trim",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         value = getattr(req, name)
         if value is not None:

@@ -14,7 +14,7 @@ nothing specjet lacks.
   ignored, ``return_text_in_logprobs`` fills each logprob triple's text, ``sampling_seed`` is the seed, a null
   ``max_new_tokens`` means up to the context, and a string ``rid`` with a list of prompts names them r_0, r_1, ...
   SGLang's fields and sampling parameters for features specjet lacks (LoRA, images, hidden states, priorities,
-  disaggregation, ``stop_regex``, ``no_stop_trim``, ...) are accepted at the values that ask for nothing (its
+  disaggregation, ``stop_regex``, ...) are accepted at the values that ask for nothing (its
   defaults, null among them); other values are a 400 naming them. Routing and logging labels (``model``,
   ``log_metrics``, ``custom_labels``, ...) are ignored.
 - ``GET /health_generate``: 200 once the engine shows it computes (a one-token request ends, or the scheduler finishes
@@ -55,7 +55,7 @@ _HEALTH_POLL_S = 0.02
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
 # SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
-_SGLANG_DEFAULTS: dict[str, tuple] = {"no_stop_trim": (False,), "spaces_between_special_tokens": (True,),
+_SGLANG_DEFAULTS: dict[str, tuple] = {"spaces_between_special_tokens": (True,),
                                       "stop_regex": (None, "", []), "structural_tag": (None,), "custom_params": (None,),
                                       "stream_interval": (None,)}
 # SGLang's GenerateReqInput fields for features specjet does not have, and the values (its defaults, null among them)

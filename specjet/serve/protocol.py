@@ -101,6 +101,7 @@ class _SamplingFields(_Request):
     min_p: Optional[float] = None
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
+    no_stop_trim: Optional[bool] = None  # keep the stop token that ended the reply in its text
     json_schema: Optional[Union[str, dict[str, Any]]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
