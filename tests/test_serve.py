@@ -178,6 +178,38 @@ def test_tool_choice_required_and_named(server):
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
 
 
+# A tool whose parameters refer to their own definitions (what specjet.function_tool makes of a nested pydantic
+# model), and one whose required name its properties do not list.
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                         "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["x", "y"]}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"]}}}
+UNLISTED = {"type": "function", "function": {"name": "report", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city", "unit"],
+    "patternProperties": {"^unit$": {"enum": [1, 2]}}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool", [MOVE, UNLISTED], ids=["refs", "unlisted-required"])
+def test_tool_parameters_with_refs_and_unlisted_required_names(server, tool):
+    """Every tool_choice mode writes calls whose arguments validate against the tool's own parameters: refs into
+    the parameters' $defs were refused (the call's schema nests them, and "#" named its root), and the tagged
+    grammars (required with parallel calls, auto) could not write a required name properties does not list."""
+    client, name = server.client(), tool["function"]["name"]
+    params = tool["function"]["parameters"]
+    for choice, parallel in (("required", True), ("required", False),
+                             ({"type": "function", "function": {"name": name}}, None)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        out = chat(client, "Go.", tools=[tool], tool_choice=choice, max_tokens=96, temperature=0, **extra).choices[0]
+        assert out.finish_reason == "tool_calls", (choice, parallel, out)
+        for call in out.message.tool_calls:
+            assert call.function.name == name
+            jsonschema.validate(json.loads(call.function.arguments), params)
+    out = chat(client, "Go.", tools=[tool], max_tokens=96, temperature=0)  # auto: compiles and answers
+    assert out.choices[0].finish_reason in ("tool_calls", "stop", "length")
+    kv_ok(server)
+
+
 def test_tool_choice_auto_is_text_or_valid_calls(server):
     for seed in range(2):
         out = chat(server.client(), "Weather in Oslo?", tools=[WEATHER], max_tokens=48, temperature=1.0, seed=seed)

@@ -166,10 +166,30 @@ def _tools_in_use(req: ChatCompletionRequest) -> list:
 
 
 def _call_schema(function) -> dict[str, Any]:
+    """The JSON of one call of ``function``: its name and its parameters' schema as the arguments. The parameters'
+    local references ("#", "#/$defs/...") are made to point where the parameters now sit: inside the call's schema
+    they would name its root (a nested pydantic model's tool was refused for a $defs it could not find)."""
     params = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
     _check_schema(params, f"tools[{function.name}].function.parameters")
-    return {"type": "object", "properties": {"name": {"const": function.name}, "arguments": params},
+    return {"type": "object", "properties": {"name": {"const": function.name},
+                                             "arguments": _rebased_refs(params, "#/properties/arguments")},
             "required": ["name", "arguments"]}
+
+
+def _rebased_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every JSON-pointer ``$ref`` into itself ("#" or "#/...") rebased on ``base``; anchors
+    ("#name") and other documents' references are left as they are. A new structure; ``schema`` is not changed."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        else:
+            out[key] = _rebased_refs(value, base)
+    return out
 
 
 def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tuple[str, Any, str]]:
@@ -222,7 +242,11 @@ def _schema_rules(schema: dict[str, Any], prefix: str) -> str:
 
     from specjet.grammar.backend import JSON_SCHEMA_OPTIONS
     from specjet.grammar.ebnf_text import ebnf_text
+    from specjet.grammar.schema_rewrite import reachable_required
 
+    # As the engine's json_schema path does (spec.py): a required name that properties does not list gets a rule,
+    # where strict mode would leave the name unwritable and no call could satisfy the schema.
+    schema = reachable_required(schema)
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), **JSON_SCHEMA_OPTIONS)
     except RuntimeError:  # what strict mode cannot express (the backend falls back the same way)
