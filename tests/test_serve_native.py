@@ -317,6 +317,15 @@ def test_parallel_sampling_n(server):
         streamed[event["index"]] = event["text"]  # whole so far: the last event of an index is its output
     assert [streamed[i] for i in range(6)] == singles[0] + singles[1]
     assert post(server, "/generate", {"text": "x", "sampling_params": {"n": 1, "max_new_tokens": 2}}).status_code == 200
+    # SGLang's sampling_seed is the seed each sample offsets; a null seed is none; a seed the engine refuses is
+    # refused with n > 1 as with one sample.
+    renamed = post(server, "/generate", {"text": "Once upon a time", "sampling_params": dict(
+        {k: v for k, v in sp.items() if k != "seed"}, sampling_seed=7, n=3)}).json()
+    assert [o["text"] for o in renamed] == singles[0]
+    assert post(server, "/generate", {"text": "x", "sampling_params": dict(sp, seed=None, n=2)}).status_code == 200
+    for bad in (-1, True, 2**64):
+        r = post(server, "/generate", {"text": "x", "sampling_params": dict(sp, seed=bad, n=2)})
+        assert r.status_code == 400 and "seed" in r.json()["error"]["message"], (bad, r.text)
     kv_ok(server)
 
 

@@ -77,10 +77,12 @@ def choice_count(req: _SamplingFields) -> int:
 
 def choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """The engine's sampling parameters of each of ``n`` choices. With a seed, choice i samples with
-    seed + i (mod 2**64): the choices differ from each other, and the same request gives the same ones."""
-    if "seed" not in sp:
+    seed + i (mod 2**64): the choices differ from each other, and the same request gives the same ones. A seed
+    that is no seed the engine takes (not an int in [0, 2**64)) is left as it is, for the engine to refuse."""
+    seed = sp.get("seed")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
         return [dict(sp) for _ in range(n)]
-    return [dict(sp, seed=(sp["seed"] + i) % 2**64) for i in range(n)]
+    return [dict(sp, seed=(seed + i) % 2**64) for i in range(n)]
 
 
 def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str, Any]:

@@ -176,7 +176,7 @@ class GenerateRequest(BaseModel):
                 raise ApiError(400, f"{name} given as a list cannot go with n > 1", "invalid_request_error", name,
                                "invalid_value")
         prompts = self.text if self.text is not None else self.input_ids
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
         prompts = [prompts] if single else prompts
         params = self.sampling_params
         if isinstance(params, list) and len(params) != len(prompts):
@@ -192,7 +192,9 @@ class GenerateRequest(BaseModel):
         elif rids is not None:
             rids = [f"{r}_{j}" for r in rids for j in range(n)]
         expanded = [p for p in prompts for _ in range(n)]
-        choices = [c for sp in per_prompt for c in choice_params({k: v for k, v in sp.items() if k != "n"}, n)]
+        # Each prompt's parameters in the engine's terms first (sampling_seed as seed, nulls and n gone): a seed
+        # only then is the one each choice offsets.
+        choices = [c for sp in per_prompt for c in choice_params(_without_sglang_defaults(sp) or {}, n)]
         field = "text" if self.text is not None else "input_ids"
         return self.model_copy(update={field: expanded, "sampling_params": choices, "rid": rids})
 
