@@ -29,6 +29,25 @@ def test_stops_held_by_hand():
     assert held.active and not held.contextual and not Penalties(min_new_tokens=3).active  # no stop ids: nothing
 
 
+def test_a_hold_that_is_over_leaves_the_fast_paths_open():
+    """Once the output has min_new_tokens tokens, a hold alone changes no logits: the worker and the verifier then
+    treat the request as unpenalised (the argmax-only head, the host draw); a bias or a penalty keeps them."""
+    from types import SimpleNamespace
+
+    from specjet.scheduler.worker import _penalties_now
+
+    held = Penalties(min_new_tokens=3, stop_ids=(1,))
+    assert [held.needed_from(n) for n in (0, 2, 3, 9)] == [True, True, False, False]
+    biased = Penalties(bias_ids=(4,), bias_values=(1.0,), min_new_tokens=3, stop_ids=(1,))
+    assert biased.needed_from(9) and Penalties(frequency=0.5).needed_from(9)
+    sp = SamplingParams.from_dict({"min_new_tokens": 3, "stop_token_ids": [1]})
+    sp.check_token_ids(100, {2})
+    prompt = [5, 6]
+    for output, expected in (([], True), ([7, 8], True), ([7, 8, 9], False)):
+        state = SimpleNamespace(tokens=prompt + output, prompt_len=len(prompt))
+        assert (_penalties_now(SimpleNamespace(sampling=sp), state) is not None) is expected, output
+
+
 def test_each_tree_node_holds_stops_by_its_depth():
     """A verified tree's node at depth d predicts the output's token number (so far) + d + 1: a node is held where
     that output is still shorter than min_new_tokens, whatever branch it is on."""

@@ -44,6 +44,12 @@ class Penalties:
     def active(self) -> bool:
         return self.contextual or bool(self.bias_ids) or self.holds_stops
 
+    def needed_from(self, output_len: int) -> bool:
+        """Whether they change the logits of a row predicting the output's token after ``output_len`` tokens, or of
+        any later one: once the stop tokens are free, a hold alone changes nothing (the request's rows go back to
+        the paths for unpenalised ones)."""
+        return self.contextual or bool(self.bias_ids) or (self.holds_stops and output_len < self.min_new_tokens)
+
     def bias_tensors(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(columns int64, values) of the logit bias, made once per device and dtype (a request's Penalties lives
         as long as the request: its bias is not rebuilt from Python tuples at every step)."""

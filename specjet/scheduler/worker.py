@@ -137,18 +137,18 @@ class ModelWorker:
             flags = [i in rows for i in range(len(batch.inputs))]
             masked = torch.tensor(flags, dtype=torch.bool)
         logits = out.logits
+        states = [self._state(inp) for inp in batch.inputs]
         if logits is None:  # the head was left to this step (ModelWorker._defer_head)
             start = time.perf_counter()
             head_mask = None
             if grammar_mask is not None:  # rows that report logprobs need every column
                 head_mask = (grammar_mask[0], torch.tensor([f and i not in logged_rows for i, f in enumerate(flags)],
                                                            dtype=torch.bool) if logged_rows else masked)
-            logits = self.runner.head(out.hidden, head_mask, self._argmax_only(batch.inputs))
+            logits = self.runner.head(out.hidden, head_mask, self._argmax_only(batch.inputs, states))
             out.head_seconds = time.perf_counter() - start
         # Before the masks and penalties below change the logits in place.
         logprobs = log_softmax_rows(logits, logged_rows) if logged_rows else None
-        states = [self._state(inp) for inp in batch.inputs]
-        penalised = [i for i, inp in enumerate(batch.inputs) if inp.sampling.penalties is not None]
+        penalised = [i for i, (inp, s) in enumerate(zip(batch.inputs, states)) if _penalties_now(inp, s) is not None]
         tokens: list[int | None] = [None] * len(batch.inputs)
         if (grammar_mask is not None and not penalised and logits.device.type == "cpu"
                 and all(inp.sampling.is_greedy for inp in batch.inputs)):
@@ -209,7 +209,7 @@ class ModelWorker:
             if grammar is not None and not _catch_up(grammar, state.tokens[state.prompt_len + inp.grammar_len:]):
                 remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
             spec_inputs.append(SpecInput(inp.rid, inp.row, state.committed_len, state.tokens, remaining, grammar,
-                                         inp.coin_key, state.prompt_len, inp.sampling.penalties,
+                                         inp.coin_key, state.prompt_len, _penalties_now(inp, state),
                                          inp.sampling.top_logprobs_num if inp.sampling.return_logprob else None,
                                          inp.sampling.prediction))
         new_tokens = self.speculator.run(spec_inputs, sampling_tensors([i.sampling for i in batch.inputs], self.device),
@@ -275,23 +275,23 @@ class ModelWorker:
                                          [inp.row for inp in inputs], [1] * len(states), [n + 1 for n in committed],
                                          self.req_to_token,
                                          defer_logits=self._defer_head and any(inp.constrained for inp in inputs),
-                                         argmax_rows=self._argmax_only(inputs))
+                                         argmax_rows=self._argmax_only(inputs, states))
 
-    def _argmax_only(self, inputs: list[ReqInput]) -> torch.Tensor | None:
+    def _argmax_only(self, inputs: list[ReqInput], states: list[ComputeState]) -> torch.Tensor | None:
         """bool, one per request of a decode batch: the rows whose logits only an argmax reads (greedy, no
         penalties or logit bias, no logprobs), which the head may compute only where their argmax can be
         (``LlamaForCausalLM.head_logits``); None where no row is such or the head has no such path."""
         if getattr(self.runner.model, "argmax_bound", None) is None:
             return None
-        flags = [inp.sampling.is_greedy and inp.sampling.penalties is None and not inp.sampling.return_logprob
-                 for inp in inputs]
+        flags = [inp.sampling.is_greedy and _penalties_now(inp, s) is None and not inp.sampling.return_logprob
+                 for inp, s in zip(inputs, states)]
         return torch.tensor(flags, dtype=torch.bool) if any(flags) else None
 
     def _penalise(self, logits: torch.Tensor, states: list[ComputeState], inputs: list[ReqInput],
                   rows: list[int]) -> None:
         """Penalties (and logit biases, and stop tokens held back by min_new_tokens) on the given rows of a plain
         batch's logits, from each request's tokens so far."""
-        penalties = [inp.sampling.penalties for inp in inputs]
+        penalties = [_penalties_now(inp, s) for inp, s in zip(inputs, states)]
         counts = seen = None
         if any(p.contextual for p in penalties):
             counts, seen = context_rows([s.tokens for s in states], [s.prompt_len for s in states], logits.shape[1],
@@ -320,6 +320,15 @@ class ModelWorker:
         st = sampling_tensors([inp.sampling for inp in inputs], logits.device)
         uniforms = None if st.all_greedy else torch.tensor(_coins(inputs, states), device=logits.device)
         return sample(logits, st, uniforms).tolist()
+
+
+def _penalties_now(inp: ReqInput, state: ComputeState):
+    """The request's penalties where they change its next token's logits (or a later one's), else None: a
+    min_new_tokens hold that is over leaves the request on the paths of unpenalised ones."""
+    penalties = inp.sampling.penalties
+    if penalties is None or not penalties.needed_from(len(state.tokens) - state.prompt_len):
+        return None
+    return penalties
 
 
 def _coins(inputs: list[ReqInput], states: list[ComputeState]) -> list[float]:
