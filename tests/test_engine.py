@@ -125,6 +125,38 @@ def test_the_stop_token_is_left_out_of_the_text_unless_no_stop_trim(engine):
         engine.generate(PROMPTS[2], dict(GREEDY, no_stop_trim=1))
 
 
+def test_no_stop_trim_keeps_a_matched_stop_string(engine):
+    """SGLang's no_stop_trim keeps the stop string that ended the text (whole and streamed), where the default cuts
+    before it."""
+    text = engine.generate(PROMPTS[1], GREEDY)["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip() and text.find(stop) == len(text) // 2, "need a stop string first found mid-text"
+    kept = engine.generate(PROMPTS[1], dict(GREEDY, stop=[stop], no_stop_trim=True))
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["text"] == text[: text.find(stop) + len(stop)]
+    streamed = engine.generate(PROMPTS[1], dict(GREEDY, stop=[stop], no_stop_trim=True), stream=True)
+    assert "".join(c["text"] for c in streamed) == kept["text"]
+    assert engine.generate(PROMPTS[1], dict(GREEDY, stop=[stop]))["text"] == text[: text.find(stop)]
+
+
+def test_a_stop_token_is_checked_before_a_stop_string_it_completes(engine):
+    """A token that is a stop token and whose text completes a stop string ends the request as the stop token (as
+    in SGLang): its text is everything before the token, not cut at the stop string's start."""
+    ids = engine.generate(PROMPTS[2], GREEDY)["output_ids"]
+    decode = engine.tokenizer.decode
+    for k in range(3, len(ids)):
+        before, piece = decode(ids[:k]), decode(ids[:k + 1])[len(decode(ids[:k])):]
+        spanning = before[-1:] + piece[:1]
+        if (piece and before and ids[k] not in ids[:k] and decode(ids[:k + 1]).startswith(before)
+                and spanning not in before):
+            break
+    else:
+        pytest.skip("no token here completes a two-character stop string")
+    out = engine.generate(PROMPTS[2], dict(GREEDY, stop_token_ids=[ids[k]], stop=[spanning]))
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[k]}
+    assert out["output_ids"] == ids[:k + 1] and out["text"] == before
+
+
 def test_abort_while_streaming(engine):
     stream = engine.generate(PROMPTS[0], {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}, stream=True)
     first = next(stream)

@@ -77,23 +77,31 @@ def update_text(req: Req, tokenizer) -> str | None:
 
 
 def _final_text(req: Req, tokenizer) -> str | None:
-    """The finish path: one full decode (without the stop token that ended it, the last, unless ``no_stop_trim``:
-    SGLang's trim), searched for a stop string in what no step has searched."""
+    """The finish path: one full decode, searched for a stop string in what no step has searched. A request a stop
+    token ended is not searched (stop tokens are checked first, as in SGLang), and its text leaves the token out
+    (the last id) unless ``no_stop_trim``: SGLang's trim."""
     ids = req.output_ids
     matched = (req.finished_reason or {}).get("matched")
-    if isinstance(matched, int) and not req.sampling.no_stop_trim and ids and ids[-1] == matched:
+    stopped_by_token = isinstance(matched, int) and bool(ids) and ids[-1] == matched
+    if stopped_by_token and not req.sampling.no_stop_trim:
         ids = ids[:-1]
     full = tokenizer.decode(ids, skip_special_tokens=req.sampling.skip_special_tokens)
     stops = req.sampling.stop
-    if stops:
+    if stops and not stopped_by_token:
         hit = _first_stop(full, stops, max(0, len(req.text) - _max_len(stops) + 1))
         if hit is not None:
             index, stop = hit
-            req.text = full[:index]
+            req.text = full[:_cut_at(req, index, stop)]
             req.detok_stop = stop
             return stop
     req.text = full
     return None
+
+
+def _cut_at(req: Req, index: int, stop: str) -> int:
+    """Where a text with ``stop`` at ``index`` ends: before the stop string, or after it with ``no_stop_trim``
+    (SGLang's trim keeps the matched string then)."""
+    return index + len(stop) if req.sampling.no_stop_trim else index
 
 
 def _cut(req: Req, tokenizer, start: int, text: str, stop: str) -> str:
@@ -104,7 +112,9 @@ def _cut(req: Req, tokenizer, start: int, text: str, stop: str) -> str:
     full = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
     exact = _first_stop(full, req.sampling.stop, start)
     if exact is not None:
-        text, stop = full[:exact[0]], exact[1]
+        text, stop = full[:_cut_at(req, exact[0], exact[1])], exact[1]
+    elif req.sampling.no_stop_trim:
+        text += stop
     req.text = text
     req.detok_stop = stop
     return stop

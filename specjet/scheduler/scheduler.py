@@ -818,8 +818,7 @@ class Scheduler:
                 # The mask allowed a token its matcher then refused: the engine's inconsistency, not the grammar's.
                 return abort_reason(INTERNAL_ERROR, f"internal error: the grammar rejected token {token}, which its "
                                                     f"mask allowed")
-            if req.grammar.is_terminated():
-                update_text(req, self.tokenizer)
+            if req.grammar.is_terminated():  # its text is made at the finish (the stop token left out)
                 return {"type": "stop", "matched": token}
             spent, limit = grammar_clock() - started, self.config.grammar_token_timeout
             req.grammar_slow_streak = req.grammar_slow_streak + 1 if limit is not None and spent > limit else 0
@@ -831,7 +830,8 @@ class Scheduler:
                                                      f"ambiguous to decode under (each token costs more than the "
                                                      f"last)")
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-            update_text(req, self.tokenizer)
+            # A stop token is checked before stop strings, as in SGLang: the text (made at the finish, the token
+            # left out) is not cut at a stop string this token's text would complete.
             return {"type": "stop", "matched": token}
         needs_text = bool(sp.stop) or req.stream
         stop = update_text(req, self.tokenizer) if needs_text else None
