@@ -142,10 +142,14 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         ids = None if strings is not None else [list(p) for p, _ in requests]
         params = [choice for _, choice in requests]
         single = len(requests) == 1
-        result = await door(lambda: engine.async_generate(prompt=strings[0] if single and strings else strings,
-                                                          input_ids=ids[0] if single and ids else ids,
-                                                          sampling_params=params[0] if single else params,
-                                                          stream=stream), sps[0], prompt_param)
+        try:
+            result = await door(lambda: engine.async_generate(prompt=strings[0] if single and strings else strings,
+                                                              input_ids=ids[0] if single and ids else ids,
+                                                              sampling_params=params[0] if single else params,
+                                                              stream=stream), sps[0], prompt_param)
+        except ApiError as error:  # named as the client named it
+            error.param = _OPENAI_NAMES.get(error.param, error.param)
+            raise
         return result if stream or not single else [result]
 
     async def door(call: Callable[[], Awaitable[Any]], sp: dict, prompt_param: str) -> Any:
@@ -571,6 +575,10 @@ def _prompts(prompt) -> list:
         return list(prompt)
     raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of such lists "
                       "(none of them empty)", "prompt")
+
+
+# The engine's names of the OpenAI endpoints' parameters that it calls otherwise.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 def _constraint_param(sp: dict) -> Optional[str]:
