@@ -406,7 +406,7 @@ class _ProbedEngine:
     times (other requests' steps), or fails."""
 
     def __init__(self, answer_s=None, steps_while_waiting=0, fails=False, dies=False):
-        self.scheduler = SimpleNamespace(stats={"iterations": 5}, closed_reason=None)
+        self.scheduler = SimpleNamespace(stats={"batches_done": 5}, closed_reason=None)
         self.answer_s, self.steps, self.fails, self.dies = answer_s, steps_while_waiting, fails, dies
         self.alive, self.probes, self.cancelled = True, [], 0
 
@@ -420,7 +420,7 @@ class _ProbedEngine:
         try:
             for _ in range(self.steps):
                 await anyio.sleep(0.01)
-                self.scheduler.stats["iterations"] += 1
+                self.scheduler.stats["batches_done"] += 1
             if self.dies:
                 self.alive, self.scheduler.closed_reason = False, "RuntimeError('scheduler died')"
             await anyio.sleep(1e9 if self.answer_s is None else self.answer_s)
@@ -431,18 +431,18 @@ class _ProbedEngine:
 
 
 @pytest.mark.parametrize("case,status", [("answers", 200), ("busy", 200), ("stuck", 503), ("refused_and_stuck", 503),
-                                         ("refused_but_busy", 200), ("dies", 503), ("one_step_then_stuck", 503)])
+                                         ("refused_but_busy", 200), ("dies", 503), ("two_batches_then_stuck", 503)])
 def test_health_generate(case, status):
-    """/health_generate: 200 when its one-token probe is answered or the scheduler finishes steps meanwhile (a busy
-    engine; the probe is then aborted), 503 when neither happens in its time or the engine stops (with its cause);
-    one step is not enough (its compute may be what hangs)."""
+    """/health_generate: 200 when its one-token probe is answered or the compute side hands back three batches
+    meanwhile (a busy engine; the probe is then aborted), 503 when neither happens in its time or the engine stops
+    (with its cause); two batches are not enough (the overlap loop may have computed both before the probe)."""
     engine = {"answers": _ProbedEngine(answer_s=0.01), "busy": _ProbedEngine(steps_while_waiting=3),
               "stuck": _ProbedEngine(), "refused_and_stuck": _ProbedEngine(fails=True),
               "refused_but_busy": _ProbedEngine(fails=True), "dies": _ProbedEngine(dies=True),
-              "one_step_then_stuck": _ProbedEngine(steps_while_waiting=1)}[case]
+              "two_batches_then_stuck": _ProbedEngine(steps_while_waiting=2)}[case]
     if case == "refused_but_busy":
         async def steps_elsewhere(**kwargs):  # the door refuses the probe while other requests' steps go on
-            engine.scheduler.stats["iterations"] += 2
+            engine.scheduler.stats["batches_done"] += 3
             raise ValueError("the queue is full")
         engine.async_generate = steps_elsewhere
     app = create_app(engine, "m", health_generate_timeout_s=0.5)

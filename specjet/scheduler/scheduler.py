@@ -122,7 +122,7 @@ class Scheduler:
         self._released_rids: list[str] = []  # ended since the last launch: the worker drops their state
         self.stats = {"iterations": 0, "prefill_batches": 0, "decode_batches": 0, "retractions": 0,
                       "requests_submitted": 0, "request_errors": 0, "batch_failures": 0, "batch_retries": 0,
-                      "requests_isolated": 0}
+                      "requests_isolated": 0, "batches_done": 0}
         if spec is not None:
             self.stats.update(spec_verify_ct=0, spec_accepted_tokens=0)
 
@@ -707,6 +707,7 @@ class Scheduler:
         passing fault ends none. With ``retry`` (it read the state of a batch that had failed before
         it) its requests go back without counting a failure. Releases what finished requests held once
         no launched batch uses it."""
+        self.stats["batches_done"] += 1  # whatever its outcome, the compute side came back with it
         for req in batch.reqs:
             req.inflight -= 1
             if error is not None:  # its KV may be half written: none of it goes into the cache

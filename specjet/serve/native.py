@@ -17,8 +17,8 @@ nothing specjet lacks.
   disaggregation, ``stop_regex``, ...) are accepted at the values that ask for nothing (its
   defaults, null among them); other values are a 400 naming them. Routing and logging labels (``model``,
   ``log_metrics``, ``custom_labels``, ...) are ignored.
-- ``GET /health_generate``: 200 once the engine shows it computes (a one-token request ends, or the scheduler finishes
-  a step, other requests' included, so a busy engine is not made busier), 503 if it does not within
+- ``GET /health_generate``: 200 once the engine shows it computes (a one-token probe request ends, or the compute
+  side hands back three batches of other requests, so a busy engine is not made busier), 503 if it does not within
   ``health_timeout_s`` (20 s, SGLang's default) or is not running.
 - ``GET /get_load``: SGLang's load report (requests held and waiting, KV tokens and pages in use).
 - ``GET /get_model_info``, ``GET /get_server_info`` (with SGLang's ``internal_states``; both also under SGLang's
@@ -50,8 +50,11 @@ from specjet.serve.errors import ApiError
 
 # How long /health_generate waits for the engine to show it computes (SGLang's HEALTH_CHECK_TIMEOUT).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-# How often /health_generate reads the scheduler's step counter while its probe waits.
+# How often /health_generate reads the scheduler's count of batches done while its probe waits.
 _HEALTH_POLL_S = 0.02
+# Batches done (of other requests) that show the compute side works after the probe started: the overlap loop may
+# hold two batches computed before it started and not yet handed back; the third was launched after it started.
+_HEALTH_BATCHES = 3
 # meta_info lists a stream chunk holds for its new tokens only: kept whole when chunks are sent whole.
 _TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs")
 # SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
@@ -416,11 +419,11 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
 
 async def _engine_computes(engine, timeout_s: float) -> bool:
     """Whether the engine shows within ``timeout_s`` that it computes: a one-token probe request ends (an abort
-    is an answer too), or the scheduler's step counter moves twice (one step's compute may still be running when it
-    first moves); the probe is aborted when it is not needed any more. A probe the door refuses (a full queue) leaves
-    the answer to the counter; an engine that stops is not healthy."""
+    is an answer too), or the compute side hands back ``_HEALTH_BATCHES`` batches of other requests; the probe is
+    aborted when it is not needed any more. A probe the door refuses (a full queue) leaves the answer to the count;
+    an engine that stops is not healthy."""
     stats = engine.scheduler.stats
-    before = stats["iterations"]
+    before = stats["batches_done"]
     outcome: list[bool] = []
     with anyio.move_on_after(timeout_s):
         async with anyio.create_task_group() as group:
@@ -434,7 +437,7 @@ async def _engine_computes(engine, timeout_s: float) -> bool:
                 group.cancel_scope.cancel()
 
             group.start_soon(probe)
-            while stats["iterations"] < before + 2 and engine.is_alive():
+            while stats["batches_done"] < before + _HEALTH_BATCHES and engine.is_alive():
                 await anyio.sleep(_HEALTH_POLL_S)
             outcome.append(engine.is_alive())
             group.cancel_scope.cancel()  # the probe, if still waiting: the engine aborts it
