@@ -157,6 +157,21 @@ def test_a_stop_token_is_checked_before_a_stop_string_it_completes(engine):
     assert out["output_ids"] == ids[:k + 1] and out["text"] == before
 
 
+def test_get_load_counts_what_requests_hold(engine):
+    """SGLang's load report: a running request and the KV it holds; idle, nothing (the prefix cache's slots that
+    no request holds are free for the taking)."""
+    engine.generate(PROMPTS[0], GREEDY)  # leaves its prefix in the cache
+    engine.wait_idle()
+    idle = engine.get_load()
+    assert idle == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0, "num_pages": 0}
+    stream = engine.generate(PROMPTS[1], dict(GREEDY, max_new_tokens=2000), stream=True)
+    next(stream)
+    busy = engine.get_load()
+    stream.close()
+    assert busy["num_reqs"] == 1 and busy["num_waiting_reqs"] == 0 and busy["num_tokens"] > 0
+    assert busy["num_pages"] == busy["num_tokens"]  # pages of one token
+
+
 def test_abort_while_streaming(engine):
     stream = engine.generate(PROMPTS[0], {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}, stream=True)
     first = next(stream)

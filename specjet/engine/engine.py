@@ -379,6 +379,11 @@ class Engine:
                 "queued_requests": self.scheduler.num_queued,  # submitted, not yet started (max_queued_requests)
                 "grammar": dict(self.scheduler.grammar_backend.compile_stats), "radix_cache": cache}
 
+    def get_load(self) -> dict[str, int]:
+        """SGLang's load report of this engine (``Scheduler.load``): requests held and waiting, KV tokens and
+        pages requests hold."""
+        return self._in_loop(self.scheduler.load)
+
     def flush_cache(self) -> int:
         """Empty the prefix cache of every prefix no running request holds (SGLang's name); returns
         the KV slots freed."""

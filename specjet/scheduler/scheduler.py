@@ -489,6 +489,19 @@ class Scheduler:
             self.cache.unlock(req.cache_node)
         req.cache_node, req.prefix_len = node, length
 
+    def load(self) -> dict:
+        """SGLang's load report (what its router's load-aware policies poll), on the scheduler thread: the requests
+        held (running, being prefilled in chunks, and waiting: submitted and not started, or retracted to wait
+        again), those waiting, and the KV tokens (and pages) requests hold; the prefix cache's evictable slots are
+        free for the taking and not counted."""
+        waiting = self.num_queued + sum(1 for r in self.waiting if r.started)
+        held = len(self.running) + (self.chunked_req is not None) + waiting
+        evictable = self.cache.evictable_tokens if self.cache is not None else 0
+        tokens = self.allocator.size - self.allocator.num_free_slots - evictable
+        page = self.allocator.page_size
+        return {"dp_rank": 0, "num_reqs": held, "num_waiting_reqs": waiting, "num_tokens": tokens,
+                "num_pages": -(-tokens // page)}
+
     def cache_info(self) -> dict:
         if self.cache is None:
             return {"enabled": False}

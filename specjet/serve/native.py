@@ -391,14 +391,9 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
 
     @router.get("/get_load")
     async def get_load():
-        """SGLang's load report (what its router's load-aware policies poll), for this one engine: the requests it
-        holds (running and queued), those waiting, and the KV tokens and pages in use."""
-        info = await anyio.to_thread.run_sync(engine.get_server_info)
-        running, queued = len(engine.scheduler.running), info.get("queued_requests", 0)
-        used = info["kv_pool_size"] - info["kv_free"]
-        page = getattr(engine.scheduler.allocator, "page_size", 1) or 1
-        return [{"dp_rank": 0, "num_reqs": running + queued, "num_waiting_reqs": queued, "num_tokens": used,
-                 "num_pages": -(-used // page)}]
+        """SGLang's load report (what its router's load-aware policies poll), for this one engine."""
+        calls.check_alive()
+        return [await anyio.to_thread.run_sync(engine.get_load)]
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
