@@ -1,7 +1,8 @@
 """A grammar spec as the text xgrammar compiles, checked before any compile starts.
 
 `canonical_text` is everything that can be known about a spec without compiling it: its kind and
-type, whether a JSON schema parses, its size and nesting depth. It raises `GrammarError` for each,
+type, whether a JSON schema parses, its size and nesting depth, and the features the compiler would
+enforce as something else (compiler_holes.py). It raises `GrammarError` for each,
 so the engine can refuse a bad spec at the door (`GrammarBackend.check_spec`), and the text it
 returns keys the compile cache.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from specjet.grammar.compiler_holes import ebnf_hole, regex_hole, schema_hole
 from specjet.grammar.schema_rewrite import reachable_required
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "json")
@@ -47,6 +49,9 @@ def canonical_text(kind: str, spec: Any, *, max_bytes: int, max_depth: int) -> s
         if not isinstance(spec, str):
             raise GrammarError(f"{kind} must be a string, got {type(spec).__name__}")
         text = spec
+        hole = regex_hole(text) if kind == "regex" else ebnf_hole(text)
+        if hole is not None:
+            raise GrammarError(hole)
     elif kind == "json":
         return ""
     else:
@@ -74,6 +79,9 @@ def _schema_text(spec: Any, max_depth: int) -> str:
         raise GrammarError(f"invalid json_schema: expected an object or a boolean, got {type(spec).__name__}")
     if _deeper_than(spec, max_depth):
         raise _too_deep(max_depth)
+    hole = schema_hole(spec)
+    if hole is not None:
+        raise GrammarError(hole)
     try:
         return json.dumps(reachable_required(spec), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:  # a value JSON cannot hold (a set, NaN, ...)
