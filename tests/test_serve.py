@@ -148,6 +148,29 @@ def check_calls(choice, names):
         assert call.id and call.type == "function"
 
 
+def test_a_strict_schema_the_grammar_cannot_keep_is_an_error_not_a_200(server):
+    """uniqueItems is a keyword the grammar compiler does not enforce: three items of two values always repeat one.
+    Under strict (a promise of a reply that validates) the engine's check of the finished reply makes it an error,
+    whole or streamed; without strict the reply is served as written."""
+    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 3, "maxItems": 3, "uniqueItems": True}
+
+    def body(strict, **extra):
+        return dict({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "temperature": 0,
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                                "strict": strict}}}, **extra)
+
+    r = httpx.post(server.url + "/v1/chat/completions", json=body(True), timeout=120)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "strict_schema_not_kept", r.text
+    assert "non-unique" in r.json()["error"]["message"] or "unique" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json=body(True, stream=True), timeout=120)
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "strict_schema_not_kept"
+    assert not any(c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"])
+    served = httpx.post(server.url + "/v1/chat/completions", json=body(False), timeout=120).json()
+    assert len(json.loads(served["choices"][0]["message"]["content"])) == 3
+    kv_ok(server)
+
+
 def test_tool_choice_required_and_named(server):
     client = server.client()
     out = chat(client, "What is the weather in Paris?", tools=[WEATHER, ADD], tool_choice="required",

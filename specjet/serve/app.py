@@ -199,6 +199,24 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             error.recorded = True
             raise error
 
+    def unkept(body: ChatCompletionRequest, result: dict, tally: ChoiceTally, index: int) -> None:
+        """Raises, for a reply under ``response_format`` json_schema with ``strict``, that does not validate against
+        its schema (a keyword the grammar compiler does not enforce, such as uniqueItems: the engine checks every
+        finished reply, meta_info's json_schema_valid): strict promises a reply that does, so the caller gets an
+        error naming the failure, not a 200 it would take for valid. Counted once as an error."""
+        fmt = body.response_format
+        strict = fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None and fmt.json_schema.strict
+        meta = result["meta_info"]
+        if not strict or meta.get("json_schema_valid") is not False:
+            return
+        tally.record("error", meta, index)
+        error = ApiError(500, f"the reply does not validate against response_format's schema, as strict asks: "
+                              f"{meta.get('json_schema_message') or 'invalid'} (the grammar enforces the schema's "
+                              f"structure; this keyword it does not)", "server_error", "response_format",
+                         "strict_schema_not_kept")
+        error.recorded = True
+        raise error
+
     async def first_chunk(stream, sp: dict, tally: ChoiceTally) -> dict:
         """A stream's first chunk, before any byte of the response goes out: a choice the engine refused
         answers the whole request, and the stream is closed (aborting the other choices)."""
@@ -306,6 +324,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         tally = metrics.tally(len(sps))
         for i, result in enumerate(results):
             refused(result, sp, tally, i)
+        for i, result in enumerate(results):
+            unkept(body, result, tally, i)
         choices = []
         for i, result in enumerate(results):
             message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
@@ -387,6 +407,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                                 yield chunk(i, ChoiceDelta(tool_calls=deltas))
                         if item["meta_info"]["finish_reason"] is not None:
                             metas[i] = item["meta_info"]
+                            unkept(body, item, tally, i)  # an error event in place of its finish
                             for piece in finish_choice(i, text, sent[i], calls[i], item):
                                 yield piece
                             if all(m is not None for m in metas):
