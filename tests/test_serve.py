@@ -392,6 +392,18 @@ def test_logprobs_in_both_layouts_whole_and_streamed(server):
     chunks = list(chat(client, "Tell me a story.", logprobs=True, top_logprobs=3, stream=True, **kwargs))
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # With a stop string the engine holds text back, not the tokens' logprobs: an entry still comes with the chunk
+    # that completes its token's text, never before (so far, the entries spell a prefix of the content sent).
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    so_far, spelled = "", ""
+    for c in chat(client, "Tell me a story.", logprobs=True, stream=True, stop=[stop], **kwargs):
+        for ch in c.choices:
+            so_far += ch.delta.content or ""
+            spelled += "".join(e.token for e in (ch.logprobs.content if ch.logprobs else []))
+            if ch.finish_reason is None:
+                assert so_far.startswith(spelled), (so_far, spelled)
+    assert so_far == text[:text.find(stop)] and spelled.startswith(so_far)
     # A tool reply with parallel calls (assembled from the engine's stream): every chunk's entries, whole or streamed.
     tools = dict(tools=[WEATHER], max_tokens=48, temperature=0, logprobs=True)
     whole = chat(client, "Weather in Oslo?", **tools).choices[0].logprobs.content

@@ -368,14 +368,23 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
-        # Each choice's token logprobs not sent yet: they go with the choice's next chunk (text held back for a
-        # stop string or a tool call sends them later).
+        # Each choice's token logprobs not sent yet. Plain text: an entry goes with the chunk whose content reaches
+        # the end of its token's text (the engine holds text back for a stop string, not the tokens' logprobs), the
+        # rest with the finish; tool calls: with the choice's next chunk.
         pending: list[list[dict]] = [[] for _ in range(n)]
+        covered = [0] * n  # characters of the choice's text its sent entries' tokens spell
+        sent = [0] * n  # characters of the choice's text sent as content
 
         def chunk(index: int, delta: ChoiceDelta, reason: Optional[str] = None) -> str:
+            take = len(pending[index])
+            if plan.mode is None and reason is None:
+                reach, take = sent[index] + len(delta.content or ""), 0
+                while take < len(pending[index]) and covered[index] + len(pending[index][take]["token"]) <= reach:
+                    covered[index] += len(pending[index][take]["token"])
+                    take += 1
             logprobs = None
-            if pending[index]:
-                logprobs, pending[index] = {"content": pending[index], "refusal": None}, []
+            if take:
+                logprobs, pending[index] = {"content": pending[index][:take], "refusal": None}, pending[index][take:]
             return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[
                 ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)]))
 
@@ -385,7 +394,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                 for i in range(n):
                     yield chunk(i, ChoiceDelta(role="assistant", content=""))
                 cuts = RepeatCuts(stream, n, active=plan.mode == "tagged" and plan.parallel)
-                sent, calls = [0] * n, [chat.CallStreamer(plan) for _ in range(n)]
+                calls = [chat.CallStreamer(plan) for _ in range(n)]
                 metas: list[Optional[dict]] = [None] * n
                 item = first
                 while True:
