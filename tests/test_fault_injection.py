@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 import specjet
 from robustness_helpers import assert_healthy, bounded, submit
@@ -496,3 +497,24 @@ def test_a_grammar_matcher_that_fails_to_start_ends_its_request_as_an_internal_e
         assert reason["status_code"] == 500 and reason["err_type"] == "internal_error"
         assert eng.get_server_info()["stats"]["request_errors"] == 1
         assert_healthy(eng)
+
+
+def test_a_failing_draft_release_strands_no_other_state_and_fails_no_batch():
+    """Dropping ended requests' state rides on the next batch: a drafter that fails to drop one request's state
+    must neither fail that batch nor leave the other requests' state behind."""
+    from types import SimpleNamespace
+
+    from specjet.scheduler.worker import ModelWorker
+
+    dropped = []
+
+    def release(rid):
+        dropped.append(rid)
+        if rid == "bad":
+            raise RuntimeError("boom")
+
+    runner = SimpleNamespace(device=torch.device("cpu"), head_takes_masks=False)
+    worker = ModelWorker(runner, torch.zeros(1, 1), SimpleNamespace(release=release))
+    worker._states.update({"a": object(), "bad": object(), "c": object(), "live": object()})
+    worker.release(("a", "bad", "c"))
+    assert dropped == ["a", "bad", "c"] and list(worker._states) == ["live"]

@@ -14,6 +14,8 @@ seen yet.
 """
 from __future__ import annotations
 
+import logging
+
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from specjet.scheduler.batch import BatchKind
 from specjet.scheduler.sampling_params import SamplingParams
 from specjet.spec_v2.drafter import SpecInput
 from specjet.spec_v2.speculator import Speculator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -227,11 +231,15 @@ class ModelWorker:
         return state
 
     def release(self, rids) -> None:
-        """Drop the compute-side state of these ended requests (their compute state, the drafter's)."""
+        """Drop the compute-side state of these ended requests (their compute state, the drafter's). A drafter that
+        fails to drop one request's state fails neither the batch this rides on nor the other requests' drops."""
         for rid in rids:
             self._states.pop(rid, None)
             if self.speculator is not None:
-                self.speculator.release(rid)
+                try:
+                    self.speculator.release(rid)
+                except Exception:  # noqa: BLE001
+                    logger.exception("dropping the draft state of request %r failed", rid)
 
     def _prefill(self, inputs: list[ReqInput], capture) -> ModelOutput:
         """Extend every request from its cached length to the end of its prefill ids (logits of its last row;
