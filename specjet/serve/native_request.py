@@ -1,0 +1,205 @@
+"""SGLang's ``GenerateReqInput`` (the body of ``POST /generate``) as specjet reads it: the fields specjet serves,
+SGLang's fields and sampling parameters for features specjet lacks accepted at the values that ask for nothing
+(a 400 naming any other value), routing and logging labels ignored, and the result turned into
+``Engine.generate``'s arguments (SGLang's ``n`` > 1 expanded prompt-major, ``sampling_seed`` as the seed, a null
+``max_new_tokens`` up to the context, a string ``rid`` for a list of prompts as r_0, r_1, ...)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from specjet.serve.chat import MAX_CHOICES, choice_params
+from specjet.serve.errors import ApiError
+
+# SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
+_SGLANG_DEFAULTS: dict[str, tuple] = {"spaces_between_special_tokens": (True,),
+                                      "stop_regex": (None, "", []), "structural_tag": (None,), "custom_params": (None,),
+                                      "stream_interval": (None,)}
+# SGLang's GenerateReqInput fields for features specjet does not have, and the values (its defaults, null among them)
+# at which they ask for nothing: accepted there, a 400 naming them otherwise.
+_NOOP_FIELDS: dict[str, tuple] = {
+    **{name: (None,) for name in (
+        "lora_path", "lora_id", "image_data", "video_data", "audio_data", "input_embeds", "positional_embed_overrides",
+        "token_ids_logprob", "modalities", "session_params", "custom_logit_processor", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank",
+        "routed_dp_rank", "disagg_prefill_dp_rank", "priority")},
+    **{name: (None, False) for name in ("return_hidden_states", "return_routed_experts", "return_entropy",
+                                        "return_bytes")}}
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's GenerateReqInput, the fields specjet serves; unknown fields are a 400 that names them. The types
+    are checked strictly (a JSON true is not an int), the sampling parameters by the engine at its door."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    stream: bool = False
+    rid: Union[str, list[str], None] = None
+    return_logprob: Union[bool, list[bool], None] = None
+    top_logprobs_num: Union[int, list[int], None] = None
+    logprob_start_len: Union[int, list[int], None] = None
+    # The logprob triples' third element, each token's text (SGLang's frontend reads it), where True.
+    return_text_in_logprobs: Optional[bool] = None
+    stream_options: Optional[dict[str, Any]] = None  # SGLang's benchmarks send it; /generate has no usage chunk
+    # SGLang fields for features specjet does not have (_NOOP_FIELDS: accepted at the values that ask for nothing),
+    # and routing and logging labels (_IGNORED_FIELDS).
+    lora_path: Any = None
+    lora_id: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    positional_embed_overrides: Any = None
+    token_ids_logprob: Any = None
+    modalities: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    data_parallel_rank: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    priority: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    return_entropy: Any = None
+    return_bytes: Any = None
+    model: Any = None
+    log_metrics: Any = None
+    no_logs: Any = None
+    conversation_id: Any = None
+    extra_key: Any = None
+    custom_labels: Any = None
+    external_trace_header: Any = None
+    received_time: Any = None
+    http_worker_ipc: Any = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
+        engine reads it); with SGLang's ``n`` > 1 (parallel sampling) each prompt's ``n`` requests, prompt-major;
+        a string ``rid`` with a list of prompts r_0, r_1, ... (SGLang's ``_normalize_rid``)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "give exactly one of text and input_ids", "invalid_request_error", "text",
+                           "invalid_value")
+        for name, allowed in _NOOP_FIELDS.items():
+            value = getattr(self, name)
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                raise ApiError(400, f"{name}={value!r} is not supported by specjet (only {allowed[-1]!r}, SGLang's "
+                                    f"default)", "invalid_request_error", name, "unsupported_value")
+        n = parallel_samples(self.sampling_params)
+        if n > 1:
+            return self._expanded(n).engine_kwargs()
+        prompts = self.text if self.text is not None else self.input_ids
+        if isinstance(self.rid, str) and isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+            return self.model_copy(update={"rid": [f"{self.rid}_{i}" for i in range(len(prompts))]}).engine_kwargs()
+        params = ([_without_sglang_defaults(d) for d in self.sampling_params]
+                  if isinstance(self.sampling_params, list) else _without_sglang_defaults(self.sampling_params))
+        wants = self.return_logprob
+        if not (any(wants) if isinstance(wants, list) else wants):  # SGLang ignores the logprob fields then
+            return self._kwargs(params, None)
+        starts = self.logprob_start_len
+        if isinstance(starts, list):
+            prompts = self.text if self.text is not None else self.input_ids
+            count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
+            if len(starts) != count:
+                raise ApiError(400, f"{len(starts)} logprob_start_len values for {count} prompts",
+                               "invalid_request_error", "logprob_start_len", "invalid_value")
+            dicts = params if isinstance(params, list) else [params] * count
+            if len(dicts) != count:
+                raise ApiError(400, f"{len(dicts)} sampling_params for {count} prompts", "invalid_request_error",
+                               "sampling_params", "invalid_value")
+            params = [dict(d or {}, logprob_start_len=s) for d, s in zip(dicts, starts)]
+        elif starts is not None:
+            params = ([dict(d, logprob_start_len=starts) for d in params] if isinstance(params, list)
+                      else dict(params or {}, logprob_start_len=starts))
+        return self._kwargs(params, self.top_logprobs_num)
+
+    def _expanded(self, n: int) -> "GenerateRequest":
+        """The request with each prompt given ``n`` times in a row (a batch, also for one prompt: SGLang then answers
+        a list), its sampling parameters each choice's (with a seed, choice i samples with seed + i, as the OpenAI
+        endpoints do: the choices differ, the same request gives the same ones), ``rid`` r as r_0, r_1, ... As in
+        SGLang, the logprob fields given one a prompt are a 400 with ``n`` > 1."""
+        for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+            if isinstance(getattr(self, name), list):
+                raise ApiError(400, f"{name} given as a list cannot go with n > 1", "invalid_request_error", name,
+                               "invalid_value")
+        prompts = self.text if self.text is not None else self.input_ids
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+        prompts = [prompts] if single else prompts
+        params = self.sampling_params
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ApiError(400, f"{len(params)} sampling_params for {len(prompts)} prompts", "invalid_request_error",
+                           "sampling_params", "invalid_value")
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        rids = self.rid
+        if isinstance(rids, list) and len(rids) != len(prompts):
+            raise ApiError(400, f"{len(rids)} rids for {len(prompts)} prompts", "invalid_request_error", "rid",
+                           "invalid_value")
+        if isinstance(rids, str):
+            rids = [f"{rids}_{i}" for i in range(len(prompts) * n)]
+        elif rids is not None:
+            rids = [f"{r}_{j}" for r in rids for j in range(n)]
+        expanded = [p for p in prompts for _ in range(n)]
+        # Each prompt's parameters in the engine's terms first (sampling_seed as seed, nulls and n gone): a seed
+        # only then is the one each choice offsets.
+        choices = [c for sp in per_prompt for c in choice_params(_without_sglang_defaults(sp) or {}, n)]
+        field = "text" if self.text is not None else "input_ids"
+        return self.model_copy(update={field: expanded, "sampling_params": choices, "rid": rids})
+
+    def _kwargs(self, params, top_logprobs_num) -> dict[str, Any]:
+        return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": params, "rid": self.rid,
+                "return_logprob": self.return_logprob, "top_logprobs_num": top_logprobs_num}
+
+
+def parallel_samples(params) -> int:
+    """SGLang's ``n`` (parallel samples a prompt): the same in every prompt's sampling parameters, in
+    [1, MAX_CHOICES]; 1 when not given."""
+    dicts = params if isinstance(params, list) else [params]
+    values = [d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts] or [1]
+    n = values[0]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "invalid_request_error", "n",
+                       "invalid_value")
+    if any(v != n or type(v) is not int for v in values):
+        raise ApiError(400, "n must be the same in every sampling_params", "invalid_request_error", "n",
+                       "invalid_value")
+    return n
+
+
+def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``params`` in the engine's terms: without SGLang's parameters for features specjet lacks, where they ask for
+    nothing (a 400 naming one that asks for something), SGLang's ``sampling_seed`` as ``seed``, and a null
+    ``max_new_tokens`` (SGLang's "up to the context") left for the route to fill."""
+    if params and "n" in params:  # 1 here (parallel_samples)
+        params = {k: v for k, v in params.items() if k != "n"}
+    if params and "sampling_seed" in params:
+        if params.get("seed") is not None and params["sampling_seed"] is not None:
+            raise ApiError(400, "give seed or sampling_seed, not both", "invalid_request_error", "sampling_seed",
+                           "invalid_value")
+        seed = params["sampling_seed"] if params["sampling_seed"] is not None else params.get("seed")
+        params = {k: v for k, v in params.items() if k not in ("seed", "sampling_seed")}
+        if seed is not None:
+            params["seed"] = seed
+    if not params or not _SGLANG_DEFAULTS.keys() & params.keys():
+        return params
+    for name, allowed in _SGLANG_DEFAULTS.items():
+        if name in params and not any(params[name] == a and type(params[name]) is type(a) for a in allowed):
+            raise ApiError(400, f"sampling parameter {name}={params[name]!r} is not supported by specjet (only "
+                                f"{allowed[0]!r}, SGLang's default)", "invalid_request_error", name,
+                           "unsupported_value")
+    return {k: v for k, v in params.items() if k not in _SGLANG_DEFAULTS}
+
+
+def up_to_the_context(params, context_len: int):
+    """A null ``max_new_tokens`` as SGLang reads it: as many as the context leaves (the engine stops there)."""
+    def fill(d):
+        return dict(d, max_new_tokens=context_len) if d and "max_new_tokens" in d and d["max_new_tokens"] is None \
+            else d
+    return [fill(d) for d in params] if isinstance(params, list) else fill(params)
