@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjet.engine import QueueFullError
 from specjet.grammar.spec import GrammarError
+from specjet.scheduler.sampling_params import GREEDY_TEMPERATURE
 from specjet.serve import chat
 from specjet.serve.logprobs import TokenTexts, chat_entries, completion_logprobs
 from specjet.serve.errors import ApiError, bad_request, queue_full, unavailable
@@ -210,10 +211,12 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if not strict or meta.get("json_schema_valid") is not False:
             return
         tally.record("error", meta, index)
+        # OpenAI's clients retry a 500; a greedy request would only write the same reply again.
+        greedy = body.temperature is not None and body.temperature < GREEDY_TEMPERATURE
         error = ApiError(500, f"the reply does not validate against response_format's schema, as strict asks: "
                               f"{meta.get('json_schema_message') or 'invalid'} (the grammar enforces the schema's "
                               f"structure; this keyword it does not)", "server_error", "response_format",
-                         "strict_schema_not_kept")
+                         "strict_schema_not_kept", headers={"x-should-retry": "false"} if greedy else None)
         error.recorded = True
         raise error
 
