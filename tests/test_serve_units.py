@@ -709,6 +709,30 @@ def test_a_body_over_the_limit_is_refused_413_before_the_app_reads_it():
     assert reads == [1000, 1000]  # the refused bodies never reached the app
     with pytest.raises(ValueError, match="max_request_bytes"):
         BodyLimit(inner, max_bytes=0)
+
+    # A chunked body that also declares a small Content-Length: uvicorn's parser reads the chunks, so the declared
+    # length is no bound; its bytes are counted (a 50 MB body got through a 10,000-byte limit and was served).
+    async def lying_client():
+        chunks = [{"type": "http.request", "body": b"x" * 600, "more_body": True}] * 3 + [
+            {"type": "http.request", "body": b"", "more_body": False}]
+        sent, reached = [], []
+
+        async def receive():
+            return chunks.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):
+            reached.append(scope)
+
+        scope = {"type": "http", "method": "POST", "path": "/echo",
+                 "headers": [(b"content-length", b"1"), (b"transfer-encoding", b"chunked")]}
+        await BodyLimit(app, max_bytes=1000)(scope, receive, send)
+        return sent, reached
+
+    sent, reached = anyio.run(lying_client)
+    assert sent[0]["status"] == 413 and not reached
     assert build_parser().parse_args([]).max_request_bytes == 32 << 20
 
 

@@ -24,12 +24,16 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:  # the HTTP parser holds the body to its declared length
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        # The HTTP parser holds the body to its declared length, unless it is sent in chunks: a client declaring
+        # both gets its chunks read whole (uvicorn's parser takes them), so then the bytes are counted below.
+        if declared is not None and b"transfer-encoding" not in headers:
             if declared.isdigit() and int(declared) > self.max_bytes:
                 return await self._refuse(send, f"{int(declared)} bytes")
             return await self.app(scope, receive, send)
-        # A body sent in chunks, its length unknown: read it here up to the limit, then hand it on whole (later
+        # A body sent in chunks, its length unknown (whatever a Content-Length beside it says): read it here up to the
+        # limit, then hand it on whole (later
         # receives, a disconnect among them, go to the client as before).
         chunks, size = [], 0
         while True:
