@@ -864,6 +864,36 @@ def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
         assert "can never fit max_queued_requests=1" in error_of(e)["message"]
+        # A streamed request whose client leaves while it waits to start (before its first byte) leaves the queue
+        # then and is never started: it held the queue's one place, turning others away with 503s, until the
+        # engine reached it, prefilled it and found its client gone.
+        def stats():
+            return httpx.get(srv.url + "/get_server_info", timeout=60).json()["stats"]
+
+        for path, payload in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "wait"}]}),
+                              ("/v1/completions", {"prompt": "wait"})):
+            holder = client.completions.create(model="tiny", prompt="hold", max_tokens=4000, temperature=0,
+                                               stream=True)
+            next(iter(holder))
+            prefills = stats()["prefill_batches"]
+            body = json.dumps(dict(payload, model="tiny", max_tokens=2, stream=True)).encode()
+            with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+                sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                deadline = time.monotonic() + 60
+                while parse_prometheus(httpx.get(srv.url + "/metrics").text).get(
+                        "specjet_num_queued_not_started", 0) < 1:
+                    assert time.monotonic() < deadline, "the streamed request never queued"
+                    time.sleep(0.02)
+            deadline = time.monotonic() + 60
+            while parse_prometheus(httpx.get(srv.url + "/metrics").text).get("specjet_num_queued_not_started", 0):
+                assert time.monotonic() < deadline, f"{path}: a client that left still holds its place in the queue"
+                time.sleep(0.05)
+            holder.close()
+            while parse_prometheus(httpx.get(srv.url + "/metrics").text).get("specjet_num_running_reqs", 0):
+                assert time.monotonic() < deadline, "the holder never ended"
+                time.sleep(0.05)
+            assert stats()["prefill_batches"] == prefills, f"{path}: the request of a client that left was started"
         assert httpx.get(srv.url + "/debug/kv", timeout=60).json()["ok"]
     finally:
         srv.stop()

@@ -319,7 +319,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         sp, plan, sps, prompt = await anyio.to_thread.run_sync(prepare_chat, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _stream_chat(body, sps, plan, prompt, rid)
+            return await _stream_chat(body, request, sps, plan, prompt, rid)
         if plan.mode == "tagged" and plan.parallel:
             results = await until_disconnected(request, lambda: collect_calls(sps, prompt))
         else:
@@ -363,11 +363,13 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         finally:
             await stream.aclose()  # aborts what is left after a repeated call
 
-    async def _stream_chat(body: ChatCompletionRequest, sps: list[dict], plan, prompt, rid) -> Response:
+    async def _stream_chat(body: ChatCompletionRequest, request: Request, sps: list[dict], plan, prompt,
+                           rid) -> Response:
         sp, n = sps[0], len(sps)
         stream = await start(sps, True, [prompt])
         tally = metrics.tally(n)
-        first = await first_chunk(stream, sp, tally)
+        # A client that leaves while its request waits for its first token aborts it (queued, it held a place).
+        first = await until_disconnected(request, lambda: first_chunk(stream, sp, tally))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created = int(time.time())
 
@@ -479,7 +481,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if body.stream:
             stream = await start(sps, True, prompts, prompt_param="prompt")
             tally = metrics.tally(n)
-            first = await first_chunk(stream, sp, tally)
+            first = await until_disconnected(request, lambda: first_chunk(stream, sp, tally))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             created = int(time.time())
 
