@@ -833,6 +833,35 @@ def test_a_request_body_over_the_servers_limit_is_a_413(server):
     assert chat(server.client(), "hi", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_shutdown_is_bounded_by_a_client_that_stopped_reading(tiny_model_dir):
+    """SIGTERM while a client holds a long stream it no longer reads: uvicorn waited for its response without limit
+    (the process lived as long as the client's socket). --graceful-shutdown-s bounds the wait; the response is then
+    cancelled, its request aborted, and the process exits."""
+    import signal
+
+    srv = Server(["--model-path", str(tiny_model_dir), "--max-total-tokens", "4096", "--graceful-shutdown-s", "2"])
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        body = json.dumps({"text": "a", "stream": True, "sampling_params": {
+            "max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}).encode()
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")  # streaming, then never read again
+        time.sleep(1.0)
+        srv.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        srv.proc.wait(timeout=60)
+        assert time.monotonic() - start < 30  # the 2 s grace, the engine's shutdown, the interpreter's exit
+    finally:
+        sock.close()
+        srv.stop()
+    from specjet.serve.cli import build_parser
+
+    assert build_parser().parse_args([]).graceful_shutdown_s == 30
+
+
 def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
     """`--max-queued-requests 1 --max-running-requests 1`: one streamed completion runs, a second waits; a third is
     refused with a 503 (the official client's InternalServerError) naming the bound, with Retry-After, and is served

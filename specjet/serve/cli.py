@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
                         help="origins a browser may call the server from (CORS, as SGLang's and vLLM's servers allow "
                              "by default; the API key still applies); none given: no CORS headers (default: *)")
+    parser.add_argument("--graceful-shutdown-s", type=int, default=30, metavar="S",
+                        help="on SIGINT/SIGTERM, how long responses still running may take to end before they are "
+                             "cancelled (their requests aborted) and the process exits; a client that stopped "
+                             "reading would otherwise hold it for ever (default: %(default)s)")
     parser.add_argument("--debug-endpoints", action="store_true",
                         help="expose GET /debug/kv (waits until idle, checks the KV invariant)")
     _add_engine_flags(parser)
@@ -91,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.max_request_bytes < 1:
         print(f"specjet serve: --max-request-bytes must be positive, got {ns.max_request_bytes}", file=sys.stderr)
+        return 2
+    if ns.graceful_shutdown_s < 0:
+        print(f"specjet serve: --graceful-shutdown-s must be >= 0, got {ns.graceful_shutdown_s}", file=sys.stderr)
         return 2
     try:  # before the engine loads: a host that names no address was uvicorn's error after it, without the name
         socket.getaddrinfo(ns.host, ns.port)
@@ -118,7 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     ns.max_request_bytes)
     try:
         # uvicorn's start-up lines say where it listens (the port --port 0 picked); no line per request.
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level="info", access_log=False)
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
+                    timeout_graceful_shutdown=ns.graceful_shutdown_s)
     finally:
         engine.shutdown()
     return 0
