@@ -308,3 +308,46 @@ def test_requests_sharing_cached_prefix_get_the_ids_of_misses(tiny_model_dir, tm
         # the 5 requests' rows (not one request's draft rows) as a cascade: on the torch path only
         assert (max(used, default=0) >= 4) == (cache and path == "torch"), used
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("page_size, pool", [(1, 49), (16, 64)])
+def test_a_repeat_fits_where_its_first_run_did(cyclic_model_dir, page_size, pool):
+    """A request takes less of a cached match than the match holds (its last position is computed again, and with
+    prompt logprobs every position from logprob_start_len): it locked the whole match, so those positions were held
+    twice for its whole life, and a repeat of a request that had just completed in the pool was aborted
+    kv_pool_exhausted. The rest of the match now stays evictable: repeats complete, with the first run's ids."""
+    prompt = ([101, 202, 303, 404, 505, 606, 707] * 3)[:20]
+    greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    scored = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "return_logprob": True,
+              "logprob_start_len": 10}
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, page_size=page_size,
+                        disable_guided_drafting=True) as eng:
+        outs = [eng.generate(input_ids=prompt, sampling_params=greedy) for _ in range(3)]
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3
+        assert outs[1]["meta_info"]["cached_tokens"] > 0 and outs[1]["output_ids"] == outs[0]["output_ids"]
+        assert all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
+        logged = [eng.generate(input_ids=prompt, sampling_params=scored) for _ in range(2)]
+        assert [o["meta_info"]["finish_reason"]["type"] for o in logged] == ["length"] * 2
+        assert logged[1]["meta_info"]["input_token_logprobs"] == logged[0]["meta_info"]["input_token_logprobs"]
+        eng.wait_idle()
+        eng.check_kv_invariant()
+
+
+@pytest.mark.parametrize("algorithm, pool", [("NGRAM", 52)])
+def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_dir, head, algorithm, pool):
+    """Near the end of a reply a speculative request reserved a whole tree's positions though its tree is cut to
+    the tokens it has left: in a pool where plain decoding completes it, it was aborted kv_pool_exhausted. The
+    reservation stops at the output's end; the ids are plain decoding's. (EAGLE and DFLASH also borrow scratch
+    slots a verify; in a pool within a tree and that scratch of one request's whole need they still can be.)"""
+    prompt = ([101, 202, 303, 404, 505, 606, 707] * 3)[:20]
+    greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    kwargs = {"speculative_algorithm": "NGRAM"} if algorithm == "NGRAM" else {
+        "speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head)}
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_guided_drafting=True) as eng:
+        plain = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_radix_cache=True,
+                        **kwargs) as eng:
+        out = eng.generate(input_ids=prompt, sampling_params=greedy)
+        eng.wait_idle()
+        eng.check_kv_invariant()
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and out["output_ids"] == plain

@@ -431,6 +431,10 @@ class Scheduler:
         usable = max(0, min(usable, len(tokens) - 1, self._prompt_logprob_limit(req))) // p * p
         if usable == 0:
             return 0, None
+        if usable < match.length:
+            # Lock only what the request takes: the rest of the match (positions it computes again into its own
+            # slots) stays evictable, not pinned beside the request's copy for its whole life.
+            match = self.cache.match_prefix(tokens[:usable])
         self.cache.lock(match.node)
         return usable, match
 
@@ -559,7 +563,10 @@ class Scheduler:
         """Positions that must have KV slots before this request's next decode iteration: one more,
         or a whole draft tree's worth with speculation, plus as much for each launched iteration the
         host has not processed yet (capped by the context length)."""
-        return min(req.kv_committed_len + self._ahead(req.drafts) * (1 + req.inflight), self.config.context_len)
+        # Never past what its output can reach: a tree is cut to the tokens the request has left (Speculator's
+        # tree_budget), so a reservation beyond them near the end of a reply would only take slots it never writes.
+        return min(req.kv_committed_len + self._ahead(req.drafts) * (1 + req.inflight), self.config.context_len,
+                   len(req.input_ids) + req.sampling.max_new_tokens)
 
     def _may_draft(self, prediction, constrained: bool) -> bool:
         """Whether a request with this prediction (or None), under a grammar or not, may get a draft tree beyond
