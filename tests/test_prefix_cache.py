@@ -333,21 +333,32 @@ def test_a_repeat_fits_where_its_first_run_did(cyclic_model_dir, page_size, pool
         eng.check_kv_invariant()
 
 
-@pytest.mark.parametrize("algorithm, pool", [("NGRAM", 52)])
-def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_dir, head, algorithm, pool):
-    """Near the end of a reply a speculative request reserved a whole tree's positions though its tree is cut to
-    the tokens it has left: in a pool where plain decoding completes it, it was aborted kv_pool_exhausted. The
-    reservation stops at the output's end; the ids are plain decoding's. (EAGLE and DFLASH also borrow scratch
-    slots a verify; in a pool within a tree and that scratch of one request's whole need they still can be.)"""
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "DFLASH"])
+def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_dir, head, draft, algorithm):
+    """A speculative request reserved a whole tree's positions near the end of its reply, though its tree is cut to
+    the tokens it has left, and a request running alone whose tree and the drafter's scratch no longer fitted beside
+    its KV was ended kv_pool_exhausted, in a pool where plain decoding completes it. The reservation now stops at
+    the output's end, and such a request verifies its root alone (a plain step's worth) instead: in the smallest pool
+    the door admits it to, it completes with plain decoding's ids."""
     prompt = ([101, 202, 303, 404, 505, 606, 707] * 3)[:20]
     greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
-    kwargs = {"speculative_algorithm": "NGRAM"} if algorithm == "NGRAM" else {
-        "speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head)}
+    kwargs = {"NGRAM": {"speculative_algorithm": "NGRAM"},
+              "EAGLE": {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head)},
+              "DFLASH": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(draft)}}[algorithm]
+    pool = len(prompt) + 30 - 1  # the smallest pool plain decoding completes it in (the last token needs no KV)
+    while True:  # ... or the smallest the door admits it to, if larger (a tree and the drafter's scratch)
+        with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_radix_cache=True,
+                            **kwargs) as eng:
+            try:
+                out = eng.generate(input_ids=prompt, sampling_params=greedy)
+            except ValueError as error:
+                assert "more than the pool holds" in str(error)
+                pool += 2
+                continue
+            eng.wait_idle()
+            eng.check_kv_invariant()
+        break
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_guided_drafting=True) as eng:
         plain = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
-    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_radix_cache=True,
-                        **kwargs) as eng:
-        out = eng.generate(input_ids=prompt, sampling_params=greedy)
-        eng.wait_idle()
-        eng.check_kv_invariant()
     assert out["meta_info"]["finish_reason"]["type"] == "length" and out["output_ids"] == plain
+    assert pool < len(prompt) + 30 + 16  # a pool that cannot hold the whole reply and a full tree

@@ -93,6 +93,9 @@ class Req:
     inflight: int = 0
     # Its compute-side state has been handed over to be dropped (Scheduler._release): once, at its end.
     state_handed_over: bool = False
+    # This iteration it verifies its root alone: running alone, its tree and the drafter's scratch do not fit the
+    # pool beside its KV (Scheduler._prepare_decode), where one more position does.
+    root_only: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

@@ -535,10 +535,15 @@ class Scheduler:
         prefilled in chunks first (the newest, and it holds its whole prompt's KV while the running
         requests grow between its chunks; its chunks stay in the cache), then the running ones. A
         request is refused for the pool's size only when it is left alone. Retraction decides on
-        the exact state: without it (``exact`` False), ``SETTLE_FIRST``."""
+        the exact state: without it (``exact`` False), ``SETTLE_FIRST``. A request left alone whose tree and the
+        drafter's scratch do not fit verifies its root alone this iteration (``Req.root_only``) rather than end: it
+        needs what a plain step needs, and decodes on where plain decoding would."""
+        for req in self.running:
+            req.root_only = False
         while self.running:
             need = sum(self.allocator.slots_needed(r.kv_allocated_len, self._decode_len(r)) for r in self.running)
-            if self.spec is not None:  # the drafter borrows scratch slots for the tree nodes
+            if self.spec is not None and not all(r.root_only for r in self.running):
+                # the drafter borrows scratch slots for the tree nodes
                 # While a request runs alone (Req.runs_alone) the batch is that one, which may draft alone.
                 alone = any(r.runs_alone for r in self.running)
                 need += self.spec.scratch_slots(1 if alone else len(self.running))
@@ -551,6 +556,9 @@ class Scheduler:
                 continue
             if len(self.running) == 1:
                 req = self.running[0]
+                if req.drafts and not req.root_only:
+                    req.root_only = True
+                    continue
                 self._finish(req, abort_reason(KV_POOL_EXHAUSTED, f"KV pool exhausted: the request needs more than "
                                                                   f"the pool's {self.allocator.size} slots"))
                 return []
@@ -565,8 +573,8 @@ class Scheduler:
         host has not processed yet (capped by the context length)."""
         # Never past what its output can reach: a tree is cut to the tokens the request has left (Speculator's
         # tree_budget), so a reservation beyond them near the end of a reply would only take slots it never writes.
-        return min(req.kv_committed_len + self._ahead(req.drafts) * (1 + req.inflight), self.config.context_len,
-                   len(req.input_ids) + req.sampling.max_new_tokens)
+        return min(req.kv_committed_len + self._ahead(req.drafts and not req.root_only) * (1 + req.inflight),
+                   self.config.context_len, len(req.input_ids) + req.sampling.max_new_tokens)
 
     def _may_draft(self, prediction, constrained: bool) -> bool:
         """Whether a request with this prediction (or None), under a grammar or not, may get a draft tree beyond
@@ -673,10 +681,10 @@ class Scheduler:
                 batch.prefill_ends.append(req.prefill_end)
             elif spec_decode and req.grammar is not None:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.coin_key,
-                                       grammar=forks[req.rid], grammar_len=len(req.output_ids)))
+                                       grammar=forks[req.rid], grammar_len=len(req.output_ids), root_only=req.root_only))
             else:
                 inputs.append(ReqInput(req.rid, req.req_pool_idx, req.sampling, req.coin_key,
-                                       constrained=req.grammar is not None))
+                                       constrained=req.grammar is not None, root_only=spec_decode and req.root_only))
             req.inflight += 1
         batch.launched_at = [req.retract_count for req in batch.reqs]
         if batch.kind is BatchKind.PREFILL:

@@ -63,6 +63,8 @@ class ReqInput:
     grammar_len: int = 0
     # A plain decode: the request decodes under a grammar (the host sends its mask with the sampling).
     constrained: bool = False
+    # Speculative decode: it verifies its root alone this iteration (its tree did not fit the pool; Req.root_only).
+    root_only: bool = False
 
 
 @dataclass
@@ -209,6 +211,8 @@ class ModelWorker:
         spec_inputs = []
         for inp, state in zip(batch.inputs, states):
             remaining = inp.sampling.max_new_tokens - state.num_outputs
+            if inp.root_only:  # a tree of one node: the root, whose verify gives the next token
+                remaining = min(remaining, 1)
             grammar = inp.grammar
             if grammar is not None and not _catch_up(grammar, state.tokens[state.prompt_len + inp.grammar_len:]):
                 remaining = 0  # it has ended here (the host finishes it when it sees the tokens)
