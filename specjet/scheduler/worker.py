@@ -15,7 +15,6 @@ seen yet.
 from __future__ import annotations
 
 import logging
-
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
