@@ -360,5 +360,7 @@ def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_d
         break
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_guided_drafting=True) as eng:
         plain = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+        eng.wait_idle()
+        eng.check_kv_invariant()
     assert out["meta_info"]["finish_reason"]["type"] == "length" and out["output_ids"] == plain
     assert pool < len(prompt) + 30 + 16  # a pool that cannot hold the whole reply and a full tree
