@@ -333,8 +333,9 @@ def test_a_repeat_fits_where_its_first_run_did(cyclic_model_dir, page_size, pool
         eng.check_kv_invariant()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "DFLASH"])
-def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_dir, head, draft, algorithm):
+def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_dir, head, draft, algorithm, overlap):
     """A speculative request reserved a whole tree's positions near the end of its reply, though its tree is cut to
     the tokens it has left, and a request running alone whose tree and the drafter's scratch no longer fitted beside
     its KV was ended kv_pool_exhausted, in a pool where plain decoding completes it. The reservation now stops at
@@ -348,7 +349,7 @@ def test_a_speculative_engine_completes_where_plain_decoding_does(cyclic_model_d
     pool = len(prompt) + 30 - 1  # the smallest pool plain decoding completes it in (the last token needs no KV)
     while True:  # ... or the smallest the door admits it to, if larger (a tree and the drafter's scratch)
         with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=pool, disable_radix_cache=True,
-                            **kwargs) as eng:
+                            disable_overlap_schedule=not overlap, **kwargs) as eng:
             try:
                 out = eng.generate(input_ids=prompt, sampling_params=greedy)
             except ValueError as error:

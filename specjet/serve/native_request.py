@@ -96,9 +96,9 @@ class GenerateRequest(BaseModel):
         n = parallel_samples(self.sampling_params)
         if n > 1:
             return self._expanded(n).engine_kwargs()
-        prompts = self.text if self.text is not None else self.input_ids
-        if isinstance(self.rid, str) and isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
-            return self.model_copy(update={"rid": [f"{self.rid}_{i}" for i in range(len(prompts))]}).engine_kwargs()
+        batch = self._batch()
+        if isinstance(self.rid, str) and batch:
+            return self.model_copy(update={"rid": [f"{self.rid}_{i}" for i in range(len(batch))]}).engine_kwargs()
         params = ([_without_sglang_defaults(d) for d in self.sampling_params]
                   if isinstance(self.sampling_params, list) else _without_sglang_defaults(self.sampling_params))
         wants = self.return_logprob
@@ -106,8 +106,7 @@ class GenerateRequest(BaseModel):
             return self._kwargs(params, None)
         starts = self.logprob_start_len
         if isinstance(starts, list):
-            prompts = self.text if self.text is not None else self.input_ids
-            count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
+            count = 1 if batch is None else len(batch)
             if len(starts) != count:
                 raise ApiError(400, f"{len(starts)} logprob_start_len values for {count} prompts",
                                "invalid_request_error", "logprob_start_len", "invalid_value")
@@ -130,9 +129,8 @@ class GenerateRequest(BaseModel):
             if isinstance(getattr(self, name), list):
                 raise ApiError(400, f"{name} given as a list cannot go with n > 1", "invalid_request_error", name,
                                "invalid_value")
-        prompts = self.text if self.text is not None else self.input_ids
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
-        prompts = [prompts] if single else prompts
+        batch = self._batch()
+        prompts = [self.text if self.text is not None else self.input_ids] if batch is None else batch
         params = self.sampling_params
         if isinstance(params, list) and len(params) != len(prompts):
             raise ApiError(400, f"{len(params)} sampling_params for {len(prompts)} prompts", "invalid_request_error",
@@ -152,6 +150,14 @@ class GenerateRequest(BaseModel):
         choices = [c for sp in per_prompt for c in choice_params(_without_sglang_defaults(sp) or {}, n)]
         field = "text" if self.text is not None else "input_ids"
         return self.model_copy(update={field: expanded, "sampling_params": choices, "rid": rids})
+
+    def _batch(self) -> Optional[list]:
+        """The prompts of a list of them (a list of strings, or of token id lists; an empty list is none), or None
+        for one prompt (a string, or one list of token ids)."""
+        if isinstance(self.text, list):
+            return self.text
+        ids = self.input_ids
+        return ids if isinstance(ids, list) and (not ids or not isinstance(ids[0], int)) else None
 
     def _kwargs(self, params, top_logprobs_num) -> dict[str, Any]:
         return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": params, "rid": self.rid,
