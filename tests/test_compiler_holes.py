@@ -21,8 +21,11 @@ REFUSED = [
     ({"json_schema": {"const": 12345678901234567890}}, "beyond 2**53"),
     ({"json_schema": {"type": "object", "properties": {"n": {"enum": [1, -(2 ** 60)]}}}}, "beyond 2**53"),
     ({"ebnf": 'root ::= "x\\x00"'}, "NUL"),
-    ({"regex": "a$b"}, "anchor '$' at index 1"),
-    ({"regex": "ab^c"}, "anchor '^' at index 2"),
+    ({"regex": "a$b"}, "anchor '$' of 'a$b'"),
+    ({"regex": "ab^c"}, "anchor '^' of 'ab^c'"),
+    ({"regex": "(a$)b"}, "anchor '$' of '(a$)b'"),  # inside a group that consuming text follows
+    ({"regex": "(^a)+"}, "anchor '^' of '(^a)+'"),  # a repeat's second pass follows its first
+    ({"json_schema": {"type": "string", "pattern": "^(a$)b"}}, "pattern the anchor '$' of '^(a$)b'"),
 ]
 
 
@@ -58,8 +61,11 @@ def test_their_neighbours_stay_served_and_obeyed(plain, schema, regex):
 
 def test_the_scanners_by_hand():
     assert [regex_hole(r) is None for r in ("^a$", "^a$|^b$", "(^a|b)$", "[^a]+", "[$^]x", "a\\$b", "^(?:^a)$",
-                                            "^[a-z]+($|,)")] == [True] * 8
-    assert [regex_hole(r) is None for r in ("a$b", "x^y", "a^|b")] == [False] * 3
+                                            "^[a-z]+($|,)", "^(ab|^c)$", "(a$)?", "((a)|(^b))c")] == [True] * 11
+    assert [regex_hole(r) is None for r in ("a$b", "x^y", "a^|b", "(a$)b", "(^a)+", "a(^b)", "(a$)*", "a$b?",
+                                            "(a|b$)c")] == [False] * 9
+    # Syntax Python's parser does not read (a JavaScript named group) is scanned as text instead.
+    assert regex_hole("(?<n>a)$") is None and "at index 7" in regex_hole("(?<n>a)$b")
     holes = [schema_hole({"pattern": p}) is None for p in ("^[a-z]$", "^\\d+$", "^\\.$", '^[^"]*$', '^[^\\\\"]+$',
                                                            '^"$', "^\\\\$", '^["a]$', "^[a\\\\]$")]
     assert holes == [True] * 5 + [False] * 4
