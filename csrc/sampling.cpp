@@ -162,7 +162,12 @@ RowDist select_kept(const float* row, int64_t n, const RowParams& p, Scratch& s,
   }
   const double nucleus = static_cast<double>(p.top_p) * nucleus_of;
   const int64_t limit = p.top_k > 0 ? std::min(p.top_k, n) : n;
-  auto heavier = [&](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
+  // Equal weights are ranked by their logits (a huge temperature rounds every weight to 1, which would rank the
+  // vocabulary by id), then by id. A larger weight always has the larger logit: this is the logits' order.
+  auto heavier = [&](int64_t a, int64_t b) {
+    if (w[a] != w[b]) return w[a] > w[b];
+    return row[a] > row[b] || (row[a] == row[b] && a < b);
+  };
   std::vector<int64_t>& ids = s.ids;
   int64_t k = std::min(limit, kCandidates), kept = 0;
   while (true) {

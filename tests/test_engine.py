@@ -38,6 +38,11 @@ def ids_of(outs):
     return [o["output_ids"] for o in outs]
 
 
+def text_of(engine, ids, **kwargs) -> str:
+    """A finished reply's text: the decode of its ids, less an incomplete character at the end (U+FFFD)."""
+    return engine.tokenizer.decode(ids, **kwargs).rstrip("\ufffd")
+
+
 def test_batched_equals_one_at_a_time(engine):
     batched = engine.generate(PROMPTS, GREEDY)
     single = [engine.generate(p, GREEDY) for p in PROMPTS]
@@ -60,7 +65,7 @@ def test_result_shape_and_meta_info(engine):
     assert info["prompt_tokens"] == len(engine.tokenizer("Hello")["input_ids"])
     assert info["completion_tokens"] == 5
     assert 0 < info["ttft"] <= info["e2e_latency"]
-    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert out["text"] == text_of(engine, out["output_ids"], skip_special_tokens=True)
 
 
 def test_input_ids_and_prompt_agree(engine):
@@ -107,10 +112,10 @@ def test_the_stop_token_is_left_out_of_the_text_unless_no_stop_trim(engine):
     cut = full[: full.index(target) + 1]
     params = dict(GREEDY, stop_token_ids=[target])
     out = engine.generate(PROMPTS[2], params)
-    assert out["output_ids"] == cut and out["text"] == engine.tokenizer.decode(cut[:-1], skip_special_tokens=True)
+    assert out["output_ids"] == cut and out["text"] == text_of(engine, cut[:-1], skip_special_tokens=True)
     assert "".join(c["text"] for c in engine.generate(PROMPTS[2], params, stream=True)) == out["text"]
     kept = engine.generate(PROMPTS[2], dict(params, no_stop_trim=True))
-    assert kept["output_ids"] == cut and kept["text"] == engine.tokenizer.decode(cut, skip_special_tokens=True)
+    assert kept["output_ids"] == cut and kept["text"] == text_of(engine, cut, skip_special_tokens=True)
     assert "".join(c["text"] for c in engine.generate(PROMPTS[2], dict(params, no_stop_trim=True), stream=True)) \
         == kept["text"]
     eos = engine.tokenizer.eos_token_id
@@ -118,7 +123,7 @@ def test_the_stop_token_is_left_out_of_the_text_unless_no_stop_trim(engine):
     first = engine.generate(PROMPTS[2], dict(shown, logit_bias={}, max_new_tokens=1))["output_ids"][0]
     forced = dict(shown, logit_bias={eos: 100.0}, min_new_tokens=1)  # one token, then EOS
     ended = engine.generate(PROMPTS[2], forced)
-    assert ended["output_ids"][-1] == eos and ended["text"] == engine.tokenizer.decode([first])
+    assert ended["output_ids"][-1] == eos and ended["text"] == text_of(engine, [first])
     spelled = engine.generate(PROMPTS[2], dict(forced, no_stop_trim=True))["text"]
     assert spelled == engine.tokenizer.decode([first, eos], skip_special_tokens=False)
     with pytest.raises(TypeError, match="no_stop_trim must be a bool"):
@@ -206,6 +211,39 @@ def test_streaming_concatenates_to_the_full_output(engine):
     assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_reply_cut_inside_a_character_leaves_that_character_out(engine):
+    """A reply that max_new_tokens ends inside a character (here after the first byte of a three-byte one, once or
+    three times) ended its text and its stream's last chunk in U+FFFD; the bytes are left out of the text, as vLLM
+    does and as the stream never sent them; the ids keep them. A reply ending in a whole character keeps it."""
+    tok = engine.tokenizer
+    lead = tok.convert_tokens_to_ids("\u00e4")  # the byte-level token of the byte 0xE4 alone
+    whole = tok("\u4e2d", add_special_tokens=False)["input_ids"]
+    assert tok.decode([lead]) == "\ufffd" and len(whole) == 1
+    for token, count, text in ((lead, 1, ""), (lead, 3, ""), (whole[0], 2, "\u4e2d\u4e2d")):
+        sp = dict(GREEDY, max_new_tokens=count, logit_bias={str(token): 100.0})
+        out = engine.generate(PROMPTS[1], sp)
+        assert out["output_ids"] == [token] * count and out["text"] == text, out
+        chunks = list(engine.generate(PROMPTS[1], sp, stream=True))
+        assert "".join(c["text"] for c in chunks) == text
+        assert [t for c in chunks for t in c["output_ids"]] == [token] * count
+
+
+def test_max_new_tokens_must_fit_the_context_beside_the_prompt(tiny_model_dir):
+    """A prompt that fits with a max_new_tokens that does not was cut short without a word; it is refused naming the
+    numbers (SGLang's and vLLM's rule), before anything of its list is queued. None (SGLang's null) decodes up to
+    the context, as many tokens as the largest number allowed."""
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, context_length=64) as eng:
+        n = len(eng.tokenizer(PROMPTS[1])["input_ids"])
+        with pytest.raises(ValueError, match=f"prompt of {n} tokens and max_new_tokens {65 - n} exceed the context "
+                                             f"length 64: at most {64 - n} new tokens fit"):
+            eng.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, dict(GREEDY, max_new_tokens=65 - n)])
+        assert eng.get_server_info()["stats"]["requests_submitted"] == 0
+        outs = eng.generate([PROMPTS[1]] * 2, [dict(GREEDY, max_new_tokens=64 - n), dict(GREEDY, max_new_tokens=None)])
+        assert outs[0]["output_ids"] == outs[1]["output_ids"] and len(outs[0]["output_ids"]) == 64 - n
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 2
+        eng.check_kv_invariant()
 
 
 def test_kv_exhaustion_retracts_and_keeps_outputs(tiny_model_dir, engine):

@@ -140,6 +140,28 @@ def test_cpu_sampler_draws_the_reference_distribution(temperature, top_k, top_p,
     assert (ids == reference).double().mean() >= 0.99
 
 
+@pytest.mark.parametrize("path", ["reference", "cpu"])
+def test_a_huge_temperature_keeps_the_best_tokens_not_the_lowest_ids(path):
+    """At a temperature of 1e9 or more every weight rounds to the same float: top-k kept token ids 0..k-1 and a tiny
+    top-p token 0 (special tokens), where the model's best tokens are what they keep (ranked by the logits)."""
+    if path == "cpu":
+        _cpu_sampler()
+    draw = sample_reference if path == "reference" else sample
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows = 2000, 64
+    row = torch.randn(vocab, generator=gen)
+    best = row.topk(3).indices.tolist()
+    logits = row.expand(rows, vocab).contiguous()
+    uniforms = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
+    for temperature in (1e9, 1e30):
+        ids = draw(logits, SamplingTensors.from_lists([temperature] * rows, [3] * rows, [1.0] * rows, [0.0] * rows),
+                   uniforms)
+        assert set(ids.tolist()) == set(best), (temperature, ids.unique().tolist(), best)  # uniform over the best 3
+        ids = draw(logits, SamplingTensors.from_lists([temperature] * rows, [0] * rows, [1e-6] * rows, [0.0] * rows),
+                   uniforms)
+        assert set(ids.tolist()) == {best[0]}, temperature
+
+
 def test_cpu_sampler_rows_are_independent_and_greedy_rows_take_the_argmax():
     _cpu_sampler()
     gen = torch.Generator().manual_seed(5)

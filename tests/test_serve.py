@@ -677,6 +677,12 @@ def test_errors_are_openai_shaped_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="word " * 3000, max_tokens=4)
     assert error_of(e)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # a reply that cannot fit beside its prompt: not cut short
+        chat(client, "hi", max_tokens=100_000)
+    assert error_of(e)["code"] == "context_length_exceeded" and "new tokens fit" in error_of(e)["message"], error_of(e)
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's and vLLM's rule
+        chat(client, "hi", stream_options={"include_usage": True})
+    assert error_of(e)["param"] == "stream_options", error_of(e)
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "nope" in error_of(e)["message"]
@@ -722,6 +728,10 @@ def test_openai_fields_that_change_nothing_and_nulls_are_accepted(server):
     assert all('"usage":{' not in line for line in streamed.text.splitlines())  # include_usage null: no usage chunk
     r = post({"modalities": ["text", "audio"]})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("modalities")
+    for max_tokens in ({}, {"max_tokens": None}):  # a completion's null is OpenAI's default, 16 (it was 128)
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json=dict({"prompt": "hi", "ignore_eos": True}, **max_tokens))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, (max_tokens, r.text)
     kv_ok(server)
 
 

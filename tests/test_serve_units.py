@@ -802,9 +802,9 @@ def test_native_generate_answers_a_lone_abort_with_its_status_and_a_list_with_it
     assert dict(app.state.metrics.requests) == {"error": 2, "stop": 1}
 
 
-def test_native_generate_reads_a_null_max_new_tokens_as_up_to_the_context():
-    """SGLang reads max_new_tokens null as "as many as the context leaves": the engine is asked for its context
-    length (where it stops), for one prompt and for each of a list's."""
+def test_native_generate_passes_a_null_max_new_tokens_to_the_engine():
+    """SGLang reads max_new_tokens null as "as many as the context leaves", as the engine reads None (its door
+    makes it that number: test_engine): the null reaches the engine, for one prompt and for each of a list's."""
     seen = []
 
     async def async_generate(stream=False, **kwargs):
@@ -818,4 +818,4 @@ def test_native_generate_reads_a_null_max_new_tokens_as_up_to_the_context():
         client.post("/generate", json={"text": ["a", "b"], "sampling_params": [{"max_new_tokens": None},
                                                                               {"max_new_tokens": 3}]})
         client.post("/generate", json={"text": "a", "sampling_params": {"temperature": 0}})
-    assert seen == [{"max_new_tokens": 100}, [{"max_new_tokens": 100}, {"max_new_tokens": 3}], {"temperature": 0}]
+    assert seen == [{"max_new_tokens": None}, [{"max_new_tokens": None}, {"max_new_tokens": 3}], {"temperature": 0}]

@@ -39,12 +39,14 @@ def spec_kwargs(algorithm, head, copy_draft=None):
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "DFLASH"])
 @pytest.mark.parametrize("context_length", [64, 97])
 def test_context_limit(cyclic_model_dir, head, copy_draft, algorithm, context_length):
+    """Requests that decode up to the context (max_new_tokens None) reach its end in a verify: plain's ids."""
+    params = dict(GREEDY, max_new_tokens=None)
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length) as plain:
-        expected = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
+        expected = [o["output_ids"] for o in plain.generate(PROMPTS, params)]
         plain.check_kv_invariant()
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, context_length=context_length,
                         **spec_kwargs(algorithm, head, copy_draft)) as eng:
-        outs = bounded(eng.generate, PROMPTS, GREEDY)
+        outs = bounded(eng.generate, PROMPTS, params)
         for out, ids in zip(outs, expected):
             assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
             assert out["output_ids"] == ids

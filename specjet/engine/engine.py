@@ -190,6 +190,11 @@ class Engine:
                 raise ValueError(f"input_ids must be ints in [0, {vocab})")
             if len(ids) >= ctx:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length {ctx}")
+            if sp.max_new_tokens is None:  # as many as the context leaves
+                sp.max_new_tokens = ctx - len(ids)
+            elif len(ids) + sp.max_new_tokens > ctx:  # SGLang's and vLLM's refusal, not a silently shorter reply
+                raise ValueError(f"prompt of {len(ids)} tokens and max_new_tokens {sp.max_new_tokens} exceed the "
+                                 f"context length {ctx}: at most {ctx - len(ids)} new tokens fit")
             need = self.scheduler.slots_to_start(len(ids), sp.prediction, sp.grammar_key is not None)
             if need > pool:
                 raise ValueError(f"prompt of {len(ids)} tokens needs {need} KV slots to run (prompt, one "

@@ -52,7 +52,7 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     temps = torch.where(greedy, torch.ones_like(st.temperatures), st.temperatures)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     if st.need_sort:
-        probs = _top_k_top_p(probs, st)
+        probs = _top_k_top_p(probs, logits, st)
     if bool((st.min_ps > 0).any()):
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < st.min_ps[:, None] * max_p, 0.0)
@@ -70,20 +70,23 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 TOP_CANDIDATES = 64
 
 
-def _top_k_top_p(probs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def _top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """``probs`` with each row's tokens outside its top-k and its top-p nucleus set to 0 (top-p keeps the
     smallest prefix of the descending order whose mass reaches p: a token is dropped when the mass before
     it already does; the first is always kept). What filtering the fully sorted rows gives: the running
     sums of the best ``k + 1`` candidates are the first ``k + 1`` of the full ones, and a row is decided
     once its top-k is at most ``k`` or its candidate ``k`` (0-based) is dropped, the tokens after it
-    being dropped too. A row with neither filter is left whole."""
+    being dropped too. A row with neither filter is left whole. The order is the ``logits``' (the
+    probabilities' wherever they differ): at a huge temperature the probabilities round to equal values,
+    which would rank tokens by id."""
     vocab = probs.shape[-1]
     top_ks = torch.where(st.top_ks > 0, st.top_ks.clamp(max=vocab), torch.full_like(st.top_ks, vocab))
     top_ps = st.top_ps.to(probs.dtype)
     filtered = (top_ks < vocab) | (top_ps < 1.0)
     k = min(vocab - 1, TOP_CANDIDATES)
     while True:
-        values, order = probs.topk(k + 1, dim=-1, sorted=True)
+        order = logits.topk(k + 1, dim=-1, sorted=True).indices
+        values = probs.gather(-1, order)
         mass_before = values.cumsum(-1) - values
         if k + 1 == vocab or bool((~filtered | (top_ks <= k) | (mass_before[:, k] >= top_ps)).all()):
             break

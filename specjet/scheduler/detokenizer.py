@@ -16,7 +16,7 @@ are left out of the window (they decode to nothing wherever they are), so a run 
 
 A finished request's text is one full decode of its output (cut at the stop string that ended it; without the stop
 token that ended it unless ``no_stop_trim``, as SGLang's), exactly ``tokenizer.decode(output_ids[:-1] or output_ids,
-skip_special_tokens=...)``: once per request.
+skip_special_tokens=...)`` less an incomplete UTF-8 character at its end: once per request.
 """
 from __future__ import annotations
 
@@ -94,7 +94,9 @@ def _final_text(req: Req, tokenizer) -> str | None:
             req.text = full[:_cut_at(req, index, stop)]
             req.detok_stop = stop
             return stop
-    req.text = full
+    # An incomplete character at the end (a reply cut mid-character by max_new_tokens) is no text: left out, as
+    # the stream never sends it and vLLM's final text has none (the ids keep its bytes).
+    req.text = full.rstrip(_INCOMPLETE)
     return None
 
 

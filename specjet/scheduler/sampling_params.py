@@ -71,7 +71,9 @@ def _real(name: str, value: Any, low: float, high: float, low_open: bool = False
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    # None (SGLang's null): as many as the context leaves; the engine's door makes it that number, and refuses
+    # a number that with the prompt does not fit the context.
+    max_new_tokens: int | None = 128
     # SGLang's min_new_tokens: until the output holds this many tokens, its stop tokens (stop_token_ids, and EOS
     # unless ignore_eos) are not drawn (stop strings still end it, as in SGLang). Not with a grammar, whose end
     # it would contradict.
@@ -145,9 +147,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Type and range of every field; normalises top_k >= TOP_K_ALL to -1 and the lists to lists."""
-        if not _is_int(self.max_new_tokens):
+        if not _is_int(self.max_new_tokens) and self.max_new_tokens is not None:
             raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not _is_int(self.min_new_tokens):
             raise TypeError(f"min_new_tokens must be an int, got {type(self.min_new_tokens).__name__}")

@@ -307,8 +307,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
 
     def prepare_chat(body: ChatCompletionRequest):
         sp, plan = chat.chat_params(body)
-        # OpenAI's default is "until the context is full"; the engine stops there on its own.
-        sp.setdefault("max_new_tokens", engine.scheduler.config.context_len)
+        # OpenAI's default is "until the context is full": the engine's None.
+        sp.setdefault("max_new_tokens", None)
         return sp, plan, chat.choice_params(sp, chat.choice_count(body)), chat.chat_prompt(engine.tokenizer, body)
 
     @v1.post("/v1/chat/completions")

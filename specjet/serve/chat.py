@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 from specjet.serve import logprobs
 from specjet.serve.errors import bad_request
-from specjet.serve.protocol import (AssistantMessage, ChatCompletionRequest, CompletionRequest, FunctionCall,
-                                    ToolCall, _SamplingFields)
+from specjet.serve.protocol import (COMPLETION_MAX_TOKENS, AssistantMessage, ChatCompletionRequest, CompletionRequest,
+                                    FunctionCall, ToolCall, _SamplingFields)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -121,7 +121,7 @@ def completion_params(req: CompletionRequest) -> dict[str, Any]:
         raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
     if req.best_of not in (None, 1):
         raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
-    sp = sampling_params(req, req.max_tokens)
+    sp = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS)
     sp.update(logprobs.engine_params(req.logprobs is not None, req.logprobs, logprobs.MAX_COMPLETION_TOP, "logprobs"))
     if req.echo and sp.get("return_logprob"):  # the echoed prompt's tokens get theirs too
         sp["logprob_start_len"] = 0

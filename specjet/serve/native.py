@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict
 from specjet.models.weights import default_gguf_path
 from specjet.scheduler.finish_reasons import ABORTED
 from specjet.serve.errors import ApiError
-from specjet.serve.native_request import GenerateRequest, parallel_samples, up_to_the_context
+from specjet.serve.native_request import GenerateRequest, parallel_samples
 
 # How long /health_generate waits for the engine to show it computes (SGLang's HEALTH_CHECK_TIMEOUT).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -134,7 +134,6 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
     async def generate(body: GenerateRequest, request: Request):
         calls.check_alive()
         kwargs = body.engine_kwargs()
-        kwargs["sampling_params"] = up_to_the_context(kwargs["sampling_params"], engine.scheduler.config.context_len)
         tally = calls.tally(parallel_samples(body.sampling_params))  # n samples of a prompt: its tokens once
         first_sp = kwargs["sampling_params"]
         first_sp = (first_sp[0] if isinstance(first_sp, list) and first_sp else first_sp) or {}

@@ -181,8 +181,8 @@ def parallel_samples(params) -> int:
 
 def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """``params`` in the engine's terms: without SGLang's parameters for features specjet lacks, where they ask for
-    nothing (a 400 naming one that asks for something), SGLang's ``sampling_seed`` as ``seed``, and a null
-    ``max_new_tokens`` (SGLang's "up to the context") left for the route to fill."""
+    nothing (a 400 naming one that asks for something) and SGLang's ``sampling_seed`` as ``seed`` (a null
+    ``max_new_tokens``, SGLang's "up to the context", means that to the engine too)."""
     if params and "n" in params:  # 1 here (parallel_samples)
         params = {k: v for k, v in params.items() if k != "n"}
     if params and "sampling_seed" in params:
@@ -201,11 +201,3 @@ def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[
                                 f"{allowed[0]!r}, SGLang's default)", "invalid_request_error", name,
                            "unsupported_value")
     return {k: v for k, v in params.items() if k not in _SGLANG_DEFAULTS}
-
-
-def up_to_the_context(params, context_len: int):
-    """A null ``max_new_tokens`` as SGLang reads it: as many as the context leaves (the engine stops there)."""
-    def fill(d):
-        return dict(d, max_new_tokens=context_len) if d and "max_new_tokens" in d and d["max_new_tokens"] is None \
-            else d
-    return [fill(d) for d in params] if isinstance(params, list) else fill(params)

@@ -106,6 +106,14 @@ class _SamplingFields(_Request):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, options, info):
+        """OpenAI's and vLLM's rule: options for a stream that is not asked for are a mistake, not a no-op."""
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
+
 
 # ---------------------------------------------------------------- chat
 class TextPart(_Request):
@@ -262,9 +270,13 @@ class ChatCompletionChunk(BaseModel):
 
 
 # ---------------------------------------------------------------- completions
+# OpenAI's default for a completion's max_tokens (given or null); a chat's is "until the context is full".
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[Annotated[Int, Field(ge=0)]] = 16
+    max_tokens: Optional[Annotated[Int, Field(ge=0)]] = COMPLETION_MAX_TOKENS
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[Int] = None
