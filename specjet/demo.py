@@ -23,7 +23,7 @@ SCHEMA = {
 PROMPT = "Describe a pet as a JSON object with its name, species, age and toys."
 
 
-def main() -> None:
+def main() -> int:
     started = time.perf_counter()
     # SmolLM2-135M-Instruct, embedded; converted once, then cached. Greedy output is plain decoding's.
     with specjet.Engine() as engine:
@@ -32,8 +32,13 @@ def main() -> None:
         params = {"json_schema": SCHEMA, "temperature": 0, "max_new_tokens": 128}
         engine.generate(prompt, dict(params, max_new_tokens=2))  # warm-up: compiles the grammar, first kernels
         out = engine.generate(prompt, params)
-        obj = json.loads(out["text"])
         info = out["meta_info"]
+        if info["finish_reason"]["type"] != "stop":  # cut (max_new_tokens) before its object closed: no JSON yet
+            print(out["text"])
+            print(f"# the reply was cut after {info['completion_tokens']} tokens before its object closed "
+                  f"({info['finish_reason']})")
+            return 1
+        obj = json.loads(out["text"])
         dtype = str(engine.worker.runner.dtype).removeprefix("torch.")
         print(json.dumps(obj, indent=2))
         print(f"# {info['completion_tokens']} tokens in {info['e2e_latency']:.2f}s: "
@@ -41,7 +46,8 @@ def main() -> None:
               f"accept length {info['spec_accept_length']:.2f} (finish: {info['finish_reason']['type']})")
         print(f"# guided drafting, {engine.worker.runner.quantization or dtype} weights on {describe_cpu()}; "
               f"engine start {loaded - started:.1f}s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

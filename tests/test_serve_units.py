@@ -64,6 +64,18 @@ def test_cli_says_none_and_checks_the_port():
             build_parser().parse_args(["--port", port])
 
 
+def test_the_console_script_answers_help_with_success(monkeypatch, capsys):
+    """``specjet --help`` is a question, not a mistake: the usage on stdout and exit 0; a bare or unknown command
+    stays a usage error (2, on stderr)."""
+    from specjet.serve.cli import console_main
+
+    for argv, code in ((["--help"], 0), (["-h"], 0), ([], 2), (["server"], 2)):
+        monkeypatch.setattr("sys.argv", ["specjet", *argv])
+        assert console_main() == code, argv
+        out, err = capsys.readouterr()
+        assert "usage: specjet serve" in (out if code == 0 else err) and not (err if code == 0 else out), argv
+
+
 def request(**kwargs) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kwargs)
 

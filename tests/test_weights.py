@@ -240,6 +240,26 @@ def test_conversion_goes_to_the_overridden_cache_once_under_concurrency(stub_con
     assert len(calls) == 2
 
 
+def test_a_cache_that_cannot_be_written_is_named_with_its_setting(monkeypatch, stub_converter, tmp_path):
+    """A SPECJET_CACHE_DIR (or home) where no folder can be made was a traceback from deep inside pathlib; the
+    error names the folder and the setting. No home at all (a bare uid in a container) too."""
+    gguf, calls = stub_converter
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECJET_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(OSError, match="cache folder .*a-file/cache/models cannot be created .*set SPECJET_CACHE_DIR"):
+        resolve_model_path(gguf)
+    assert calls == []
+    monkeypatch.delenv("SPECJET_CACHE_DIR")
+
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(homeless))
+    with pytest.raises(OSError, match="Could not determine home directory.*set SPECJET_CACHE_DIR"):
+        specjet_cache_dir()
+
+
 def test_failed_conversion_leaves_no_directory(monkeypatch, stub_converter, tmp_path):
     gguf, _calls = stub_converter
 

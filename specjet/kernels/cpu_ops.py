@@ -36,6 +36,10 @@ import torch
 
 from specjet.kernels.attention_metadata import AttentionMetadata
 
+# What a user who has no extension does about it, whether specjet came from a checkout, a path or a wheel.
+REBUILD_HINT = ("Reinstall specjet where a C++ compiler is present, after torch: `pip install --no-build-isolation "
+                "<specjet's source folder>` (scripts/setup.sh in a checkout).")
+
 logger = logging.getLogger(__name__)
 
 ISAS = {"base": 0, "avx2": 1, "avx512": 2, "amx": 3, "bf16dp": 4}
@@ -59,8 +63,7 @@ def extension():
         from specjet.kernels import _cpu_ops
     except ImportError as err:
         logger.warning("specjet's C++ CPU ops are not built (%s); attention and the layers' small ops run as "
-                       "torch ops (slower at small batches). Rebuild with `pip install --no-build-isolation -e .`.",
-                       err)
+                       "torch ops (slower at small batches). %s", err, REBUILD_HINT)
         return None
     return _cpu_ops
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specjet.kernels.cpu_ops import REBUILD_HINT
 from specjet.kernels.dot_layout import DotInt8, DotQ41, DotWeight, pack, unpack
 from specjet.kernels.isa_choice import forced_isa
 from specjet.kernels.linear import PackedLinear, pack_weight
@@ -41,8 +42,7 @@ def extension():
         from specjet.kernels import _cpu_ops
     except ImportError as err:
         logger.warning("specjet's quantized GEMM extension is not built (%s); quantized weights are dequantized "
-                       "to float32 and run through the float kernels. Rebuild with `pip install "
-                       "--no-build-isolation -e .` (or scripts/setup.sh) on a machine with a C++ compiler.", err)
+                       "to float32 and run through the float kernels. %s", err, REBUILD_HINT)
         return None
     return _cpu_ops
 

@@ -43,7 +43,25 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 def specjet_cache_dir() -> pathlib.Path:
     """`$SPECJET_CACHE_DIR` if set, else `~/.cache/specjet`."""
     env = os.environ.get("SPECJET_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjet"
+    if env:
+        return pathlib.Path(env).expanduser()
+    try:
+        return pathlib.Path.home() / ".cache" / "specjet"
+    except RuntimeError as error:  # no HOME and no passwd entry (a container's bare uid)
+        raise OSError(f"specjet's cache: {error}; set SPECJET_CACHE_DIR to a writable folder") from None
+
+
+def _writable_cache(folder: pathlib.Path) -> pathlib.Path:
+    """``folder`` (under the cache) created; an OSError naming the cache and its setting where it cannot be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"specjet's cache folder {folder} cannot be created ({error.strerror or error}); set "
+                      f"SPECJET_CACHE_DIR to a writable folder") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OSError(f"specjet's cache folder {folder} is not writable; set SPECJET_CACHE_DIR to a writable "
+                      f"folder")
+    return folder
 
 
 def default_gguf_path() -> pathlib.Path:
@@ -172,7 +190,7 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
     target = models / _cache_key(gguf, models)
     if (target / "config.json").is_file():
         return target
-    models.mkdir(parents=True, exist_ok=True)
+    _writable_cache(models)
     with _exclusive_lock(models / f".{target.name}.lock"):
         if (target / "config.json").is_file():  # another process finished while we waited
             return target

@@ -134,7 +134,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def console_main() -> int:
     """The ``specjet`` console script: ``specjet serve [flags]``."""
+    usage = "usage: specjet serve [flags]  (specjet serve --help lists them)"
+    if sys.argv[1:] in (["-h"], ["--help"]):  # asked for: the usage on stdout, and success
+        print(usage)
+        return 0
     if sys.argv[1:2] != ["serve"]:
-        print("usage: specjet serve [flags]  (specjet serve --help lists them)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return main(sys.argv[2:])
