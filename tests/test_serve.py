@@ -694,6 +694,9 @@ def test_errors_are_openai_shaped_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[True, False], max_tokens=2)  # not token ids 1 and 0
     assert error_of(e)["param"].startswith("prompt")
+    with pytest.raises(openai.BadRequestError) as e:  # a token id the vocabulary lacks: the engine's door
+        client.completions.create(model="tiny", prompt=[10**9], max_tokens=2)
+    assert error_of(e)["param"] == "prompt" and "input_ids must be ints" in error_of(e)["message"], error_of(e)
     with pytest.raises(openai.BadRequestError) as e:  # compiles, then allows no token: refused, not a 200
         chat(client, "hi", extra_body={"regex": "[^\\x00-\\U0010FFFF]"})
     assert error_of(e)["param"] == "regex" and "allows no token" in error_of(e)["message"], error_of(e)

@@ -165,7 +165,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         except (ValueError, TypeError) as error:
             message = str(error)
             context = "context length" in message or "KV slots" in message
-            raise bad_request(message, prompt_param if context else _param_in(message, sp),
+            about_prompt = context or message.startswith(("input_ids", "empty prompt", "prompt"))
+            raise bad_request(message, prompt_param if about_prompt else _param_in(message, sp),
                               "context_length_exceeded" if context else "invalid_value") from None
         except RuntimeError as error:
             if not engine.is_alive():
