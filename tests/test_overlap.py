@@ -255,7 +255,7 @@ def test_a_rid_reused_at_once_keeps_its_compute_state(tiny_model_dir, algorithm)
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, disable_overlap_schedule=False,
                         **kwargs) as eng:
         expected = eng.generate(PROMPTS[3], short)["output_ids"]
-        background = [eng.generate(p, {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}, stream=True)
+        background = [eng.generate(p, {"temperature": 0, "max_new_tokens": None, "ignore_eos": True}, stream=True)
                       for p in PROMPTS[:2]]  # batches keep going beside the reused rid
         for stream in background:
             next(stream)

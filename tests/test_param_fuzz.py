@@ -58,6 +58,8 @@ def sampling_dicts(draw):
         wild = name == "bogus_name" or draw(st.integers(0, 4)) == 0
         params[name] = draw(_values if wild else _plausible[name])
     params.setdefault("max_new_tokens", 6)
+    if params["max_new_tokens"] is None:  # up to the context (test_engine): thousands of tokens, not a quick example
+        params["max_new_tokens"] = 12
     if isinstance(params["max_new_tokens"], int) and not isinstance(params["max_new_tokens"], bool):
         params["max_new_tokens"] = min(params["max_new_tokens"], 12)  # keep each example quick
     return params

@@ -858,7 +858,7 @@ def test_shutdown_is_bounded_by_a_client_that_stopped_reading(tiny_model_dir):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", srv.port))
         body = json.dumps({"text": "a", "stream": True, "sampling_params": {
-            "max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}).encode()
+            "max_new_tokens": None, "temperature": 0, "ignore_eos": True}}).encode()
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert sock.recv(64).startswith(b"HTTP/1.1 200")  # streaming, then never read again
@@ -885,7 +885,7 @@ def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
                   "--max-running-requests", "1"])
     try:
         client = srv.client()
-        running = client.completions.create(model="tiny", prompt="hold", max_tokens=3000, temperature=0, stream=True)
+        running = client.completions.create(model="tiny", prompt="hold", max_tokens=2000, temperature=0, stream=True)
         next(iter(running))  # it has started
         waiting = {}
         waiter = threading.Thread(target=lambda: waiting.setdefault(
@@ -914,7 +914,7 @@ def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
 
         for path, payload in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "wait"}]}),
                               ("/v1/completions", {"prompt": "wait"})):
-            holder = client.completions.create(model="tiny", prompt="hold", max_tokens=4000, temperature=0,
+            holder = client.completions.create(model="tiny", prompt="hold", max_tokens=2000, temperature=0,
                                                stream=True)
             next(iter(holder))
             prefills = stats()["prefill_batches"]

@@ -187,7 +187,7 @@ def test_abort_request_ends_a_non_streamed_request_with_its_finish_reason(server
     """SGLang answers an aborted request with its output and finish_reason (200), not an error."""
     aborted_before = metric(server, 'specjet_requests_total{finish_reason="aborted"}')
     body = {"text": "count:", "rid": "native-ns-abort",
-            "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+            "sampling_params": {"temperature": 0, "max_new_tokens": None, "ignore_eos": True}}
     answer: list = []
     worker = threading.Thread(target=lambda: answer.append(post(server, "/generate", body)))
     worker.start()
@@ -207,7 +207,7 @@ def test_abort_request_ends_a_non_streamed_request_with_its_finish_reason(server
 
 def test_abort_all_ends_every_running_stream(server):
     body = {"text": ["one:", "two:"], "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+            "sampling_params": {"temperature": 0, "max_new_tokens": None, "ignore_eos": True}}
     last: dict = {}
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -225,7 +225,7 @@ def test_abort_all_ends_every_running_stream(server):
 
 def test_a_client_that_leaves_a_native_stream_aborts_its_request(server):
     gone = metric(server, 'specjet_requests_total{finish_reason="client_disconnected"}')
-    body = {"text": "count:", "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 3000,
+    body = {"text": "count:", "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": None,
                                                                   "ignore_eos": True}}
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
         for i, _ in enumerate(r.iter_lines()):
@@ -243,7 +243,7 @@ def test_a_client_that_leaves_a_native_stream_aborts_its_request(server):
 def test_abort_request_ends_a_running_stream(server):
     """SGLang's POST /abort_request by rid: the stream's last event is the abort, with its kind."""
     body = {"text": "count:", "rid": "native-abort-me", "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+            "sampling_params": {"temperature": 0, "max_new_tokens": None, "ignore_eos": True}}
     got: list = []
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
         for line in r.iter_lines():
