@@ -83,6 +83,27 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert other["output_ids"] != a["output_ids"]  # a different seed draws differently (16 tokens from a flat-ish model)
 
 
+def test_n_choices_are_the_seeded_single_requests(engine):
+    """SGLang's n in the sampling parameters (it was an unknown parameter): each prompt's n choices in a row, choice i
+    sampled with seed + i, the requests one would send apart; one prompt answers a list; streamed chunks carry each
+    choice's index; n of 1 is one answer; an n out of range or differing between prompts is refused."""
+    sp = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 5}
+    singles = [engine.generate(p, dict(sp, seed=5 + i)) for p in PROMPTS[:2] for i in range(3)]
+    assert len({tuple(o["output_ids"]) for o in singles[:3]}) == 3
+    assert ids_of(engine.generate(PROMPTS[:2], dict(sp, n=3))) == ids_of(singles)
+    one = engine.generate(PROMPTS[0], dict(sp, n=2))
+    assert isinstance(one, list) and ids_of(one) == ids_of(singles[:2])
+    assert engine.generate(PROMPTS[0], dict(sp, n=1))["output_ids"] == singles[0]["output_ids"]
+    streamed = {0: [], 1: []}
+    for chunk in engine.generate(PROMPTS[0], dict(sp, n=2), stream=True):
+        streamed[chunk["index"]] += chunk["output_ids"]
+    assert [streamed[0], streamed[1]] == ids_of(singles[:2])
+    with pytest.raises(ValueError, match=re.escape("n must be an integer in [1, 128], got 0")):
+        engine.generate("a", dict(sp, n=0))
+    with pytest.raises(ValueError, match="n must be the same in every sampling_params"):
+        engine.generate(["a", "b"], [dict(sp, n=2), sp])
+
+
 def test_stop_string_cuts_text(engine):
     full = engine.generate(PROMPTS[1], GREEDY)
     text = full["text"]

@@ -15,6 +15,7 @@ import torch
 
 from specjet.engine.args import EngineArgs
 from specjet.engine.async_outputs import STOPPED, AsyncOutputs
+from specjet.engine.choices import choice_params, parallel_samples
 from specjet.engine.streams import AsyncStream, SyncStream
 from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.request import Req
@@ -170,6 +171,12 @@ class Engine:
                 raise ValueError(f"{len(values)} {name} values for {n} prompts")
             # (a value that is not a dict is left for from_dict to refuse)
             dicts = [dict(d or {}, **{name: v}) if d is None or isinstance(d, dict) else d for d, v in zip(dicts, values)]
+        choices = parallel_samples(dicts)
+        if choices > 1 or any(isinstance(d, dict) and "n" in d for d in dicts):  # SGLang's n: each choice a request
+            id_lists = [ids for ids in id_lists for _ in range(choices)]
+            dicts = [c for d in dicts for c in (choice_params(d, choices) if isinstance(d, dict) else [d] * choices)]
+            single = single and choices == 1
+            n = len(id_lists)
         params = [SamplingParams.from_dict(d) for d in dicts]
         for sp in params:
             if sp.prediction is not None:

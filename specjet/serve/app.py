@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specjet.engine import QueueFullError
+from specjet.engine.choices import MAX_CHOICES, choice_params
 from specjet.grammar.spec import GrammarError
 from specjet.scheduler.sampling_params import GREEDY_TEMPERATURE
 from specjet.serve import chat
@@ -310,7 +311,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         sp, plan = chat.chat_params(body)
         # OpenAI's default is "until the context is full": the engine's None.
         sp.setdefault("max_new_tokens", None)
-        return sp, plan, chat.choice_params(sp, chat.choice_count(body)), chat.chat_prompt(engine.tokenizer, body)
+        return sp, plan, choice_params(sp, chat.choice_count(body)), chat.chat_prompt(engine.tokenizer, body)
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -470,11 +471,11 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     async def completions(body: CompletionRequest, request: Request):
         check_alive()
         sp = chat.completion_params(body)
-        sps = chat.choice_params(sp, chat.choice_count(body))
+        sps = choice_params(sp, chat.choice_count(body))
         prompts = _prompts(body.prompt)
         n, count = len(sps), len(prompts) * len(sps)
-        if count > chat.MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts x n={n} is {count} choices; at most {chat.MAX_CHOICES} a request",
+        if count > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={n} is {count} choices; at most {MAX_CHOICES} a request",
                               "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         # echo: each choice's text starts with its prompt's (a token id prompt decoded).

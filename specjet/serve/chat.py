@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specjet.engine.choices import MAX_CHOICES
 from specjet.serve import logprobs
 from specjet.serve.errors import bad_request
 from specjet.serve.protocol import (COMPLETION_MAX_TOKENS, AssistantMessage, ChatCompletionRequest, CompletionRequest,
@@ -62,27 +63,12 @@ def _check_schema(schema: Any, param: str) -> None:
         raise bad_request(f"invalid JSON schema in {param} at {where}: {error.message}", param) from None
 
 
-# OpenAI's upper bound on ``n``. The choices are separate engine requests, admitted as the running-request
-# limit and the KV pool allow; they share the prompt's prefill through the prefix cache.
-MAX_CHOICES = 128
-
-
 def choice_count(req: _SamplingFields) -> int:
     """The request's ``n`` (1 when not given); 400 outside [1, MAX_CHOICES]."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
     return n
-
-
-def choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """The engine's sampling parameters of each of ``n`` choices. With a seed, choice i samples with
-    seed + i (mod 2**64): the choices differ from each other, and the same request gives the same ones. A seed
-    that is no seed the engine takes (not an int in [0, 2**64)) is left as it is, for the engine to refuse."""
-    seed = sp.get("seed")
-    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
-        return [dict(sp) for _ in range(n)]
-    return [dict(sp, seed=(seed + i) % 2**64) for i in range(n)]
 
 
 def sampling_params(req: _SamplingFields, max_tokens: Optional[int]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from specjet.serve.chat import MAX_CHOICES, choice_params
+from specjet.engine import choices
+from specjet.engine.choices import choice_params
 from specjet.serve.errors import ApiError
 
 # SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
@@ -166,17 +167,11 @@ class GenerateRequest(BaseModel):
 
 def parallel_samples(params) -> int:
     """SGLang's ``n`` (parallel samples a prompt): the same in every prompt's sampling parameters, in
-    [1, MAX_CHOICES]; 1 when not given."""
-    dicts = params if isinstance(params, list) else [params]
-    values = [d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts] or [1]
-    n = values[0]
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
-        raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "invalid_request_error", "n",
-                       "invalid_value")
-    if any(v != n or type(v) is not int for v in values):
-        raise ApiError(400, "n must be the same in every sampling_params", "invalid_request_error", "n",
-                       "invalid_value")
-    return n
+    [1, MAX_CHOICES]; 1 when not given (the engine's rule, a 400 naming ``n`` here)."""
+    try:
+        return choices.parallel_samples(params if isinstance(params, list) else [params])
+    except ValueError as error:
+        raise ApiError(400, str(error), "invalid_request_error", "n", "invalid_value") from None
 
 
 def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

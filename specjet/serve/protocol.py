@@ -85,7 +85,7 @@ class _SamplingFields(_Request):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    # The engine's range, checked here: the choices' seeds (seed + i) wrap around modulo 2**64 (chat.choice_params).
+    # The engine's range, checked here: the choices' seeds (seed + i) wrap around modulo 2**64 (engine/choices.py).
     seed: Optional[Annotated[Int, Field(ge=0, lt=2**64)]] = None
     n: Optional[Int] = None
     stream: Optional[bool] = None
