@@ -135,6 +135,38 @@ def test_reply_reads_calls_back():
     assert reason == "length" and message.tool_calls is None
 
 
+# A chat template that reads tool calls itself (as Llama 3.1's, Qwen's and Hermes' do), in a layout a test can read.
+CALLS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}"
+                  "{% if m.name %} name={{ m.name }}{% endif %}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+                  "[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}\n"
+                  "{% endfor %}{% if tools %}tools={{ tools | length }}{% endif %}")
+
+
+def test_a_template_that_reads_tool_calls_gets_them_whole(default_model_dir):
+    """An agent loop's second turn: the earlier call and its result reach a template that reads tool calls as
+    structured fields (they were flattened into this server's text and tool_call_id and name dropped, so such a
+    model saw a layout it was not trained on); a template that does not read them (the default model's) still gets
+    the calls written into the assistant's text."""
+    from transformers import AutoTokenizer
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = ChatCompletionRequest(tools=[weather], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}])
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    flat = chat.chat_prompt(tokenizer, body)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in flat
+    assert "call_1" not in flat
+    tokenizer.chat_template = CALLS_TEMPLATE
+    structured = chat.chat_prompt(tokenizer, body)
+    assert '<assistant>[call call_1 get_weather {"city": "Paris"}]' in structured, structured
+    assert "<tool id=call_1 name=get_weather>sunny" in structured and "tools=1" in structured
+    assert "<tool_call>" not in structured
+
+
 def stand_in_engine(alive: bool):
     return SimpleNamespace(is_alive=lambda: alive, scheduler=SimpleNamespace(closed_reason=None if alive else "boom"))
 

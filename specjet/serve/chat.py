@@ -306,14 +306,38 @@ def _text_of(content) -> str:
     return "".join(parts)
 
 
-def _call_text(call: dict[str, Any]) -> str:
-    fn = call.get("function") or {}
-    args = fn.get("arguments", "{}")
+def _call_arguments(call: dict[str, Any]) -> Any:
+    """An earlier call's arguments as an object where its JSON string parses (as templates expect them)."""
+    args = (call.get("function") or {}).get("arguments", "{}")
     try:
-        args = json.loads(args) if isinstance(args, str) else args
+        return json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
-        pass
-    return f"{TOOL_OPEN}\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n{TOOL_CLOSE}"
+        return args
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    name = (call.get("function") or {}).get("name")
+    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': _call_arguments(call)})}\n{TOOL_CLOSE}"
+
+
+def _template_message(m, structured: bool) -> dict[str, Any]:
+    """One message as the chat template takes it. ``structured``: the template reads tool calls itself (Llama 3.1's,
+    Qwen's, Hermes'), so an assistant's calls go as ``tool_calls`` (arguments as objects) and a tool result keeps
+    its ``tool_call_id`` and ``name``, the layout the model was trained on; else the calls are written into the
+    text as this server's instructions ask the model to write them."""
+    role = "system" if m.role == "developer" else m.role
+    text = _text_of(m.content)
+    message: dict[str, Any] = {"role": role, "content": text}
+    if m.role == "assistant" and m.tool_calls:
+        if not structured:
+            return dict(message, content="\n".join([text] * bool(text) + [_call_text(c) for c in m.tool_calls]))
+        message["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+            "name": (c.get("function") or {}).get("name"), "arguments": _call_arguments(c)}} for c in m.tool_calls]
+    if structured and m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if structured and m.name is not None:
+        message["name"] = m.name
+    return message
 
 
 def tool_instructions(tools: list) -> str:
@@ -327,17 +351,11 @@ def tool_instructions(tools: list) -> str:
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
     """The prompt text: ``messages`` through the tokenizer's chat template. Tools go to the template
-    when it knows about them, else into the system message as instructions."""
-    messages = []
-    for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
-        text = _text_of(m.content)
-        if m.role == "assistant" and m.tool_calls:
-            text = "\n".join([text] * bool(text) + [_call_text(c) for c in m.tool_calls])
-        messages.append({"role": role, "content": text})
+    when it knows about them, else into the system message as instructions; earlier calls likewise."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")  # (a dict of named templates: their texts)
+    messages = [_template_message(m, "tool_calls" in template) for m in req.messages]
     tools = _tools_in_use(req)
     kwargs: dict[str, Any] = {}
-    template = getattr(tokenizer, "chat_template", None) or ""
     if tools and "tools" in template:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     elif tools:
