@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from types import SimpleNamespace
+from typing import Optional
 
 import anyio
 import pytest
@@ -553,8 +554,13 @@ def test_a_reply_cut_by_the_token_limit_returns_what_its_stream_sent(tool_choice
     choice = whole.json()["choices"][0]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"] or []]
     assert choice["finish_reason"] == "length" and (calls, choice["message"]["content"]) == expected
+    assert _assembled(streamed.text) == (expected[1] or "", calls, "length")
+
+
+def _assembled(sse: str) -> tuple[str, list[tuple[str, str]], Optional[str]]:
+    """A streamed chat reply's content, (name, arguments) calls and finish reason, as a client adds them up."""
     content, names, arguments, finish = "", [], {}, None
-    for line in streamed.text.splitlines():
+    for line in sse.splitlines():
         if line.startswith("data: {"):
             for c in json.loads(line[len("data: "):])["choices"]:
                 content += c["delta"].get("content") or ""
@@ -562,8 +568,32 @@ def test_a_reply_cut_by_the_token_limit_returns_what_its_stream_sent(tool_choice
                     names += [t["function"]["name"]] if t["function"].get("name") else []
                     arguments[t["index"]] = arguments.get(t["index"], "") + t["function"].get("arguments", "")
                 finish = c["finish_reason"] or finish
-    assert finish == "length" and list(zip(names, arguments.values())) == calls
-    assert content == (expected[1] or "")
+    return content, list(zip(names, arguments.values())), finish
+
+
+@pytest.mark.parametrize("text, content", [
+    ('\n <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n', None),
+    ('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', "Sure.\n"),
+])
+def test_blank_text_beside_calls_is_no_content_streamed_or_not(text, content):
+    """Whitespace before a call under tool_choice auto: the whole reply's content is null, and the stream sent it as
+    content (a client adding up the stream got "\\n "); prose before a call stays content in both."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": _CUT_TOOLS["add"]}}]
+    body = {"messages": [{"role": "user", "content": "add"}], "tools": tools, "max_tokens": 40}
+    meta = {"prompt_tokens": 3, "completion_tokens": 9}
+    done = dict(meta, finish_reason={"type": "stop", "matched": 0})
+
+    async def async_generate(stream=False, **kwargs):
+        if stream:
+            return _ScriptedStream([{"text": text[k:k + 3], "output_ids": [1], "meta_info": dict(
+                meta, finish_reason=None) if k + 3 < len(text) else done} for k in range(0, len(text), 3)])
+        return {"text": text, "output_ids": [1] * 9, "meta_info": done}
+
+    with TestClient(create_app(_fake_engine(async_generate), "m")) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        streamed = client.post("/v1/chat/completions", json=dict(body, stream=True))
+    assert whole["message"]["content"] == content and whole["finish_reason"] == "tool_calls"
+    assert _assembled(streamed.text) == (content or "", [("add", '{"a": 1}')], "tool_calls")
 
 
 @pytest.mark.parametrize("mode,text", [

@@ -414,6 +414,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                         # Plain text streams as it comes; "auto" tool replies stream their text up to a
                         # <tool_call>; tool calls stream their name, then their arguments as written.
                         end = {None: len(text), "tagged": chat.streamable_end(text)}.get(plan.mode, 0)
+                        if plan.mode == "tagged" and not text[:end].strip():
+                            end = 0  # blank so far: no content if a call follows (chat.reply), else sent at the end
                         if end > sent[i]:
                             yield chunk(i, ChoiceDelta(content=text[sent[i]:end]))
                             sent[i] = end
