@@ -419,6 +419,27 @@ def test_replies_can_be_written_by_the_gguf_engine_for_a_float_target(tmp_path):
     assert [s.ids[s.prompt_len:] for s in samples] == [o["output_ids"] for o in outs]
 
 
+@pytest.mark.parametrize("job", ["eagle", "dflash"])
+def test_data_that_is_not_there_is_named_before_anything_runs(job, tmp_path, capsys):
+    """From an installed copy the default data folder (a checkout's ../shared/data) is not there: the missing file
+    or folder is named at once, not a traceback after the engine loaded; ``--jsonschema-dir ''`` skips the JSON
+    data as its help says (it read ./index.json)."""
+    from specjet.train import dflash, eagle
+    from specjet.train.eagle import cli_main, missing_data
+
+    build_parser = {"eagle": eagle.build_parser, "dflash": dflash.build_parser}[job]
+    train = tmp_path / "train.jsonl"
+    train.write_text("{}\n")
+    no_index = ["--gsm8k", str(train), "--jsonschema-dir", str(tmp_path)]
+    for argv, words in ((["--gsm8k", str(tmp_path / "none.jsonl")], "--gsm8k: no such file"),
+                        (no_index, "--jsonschema-dir: no index.json")):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(job, build_parser, lambda args: pytest.fail("ran"), argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+    args = build_parser().parse_args(["--gsm8k", str(train), "--jsonschema-dir", ""])
+    assert args.jsonschema_dir is None and missing_data(args) is None
+
+
 def test_an_interrupted_trainer_says_how_to_resume(capsys):
     """Ctrl-C printed a KeyboardInterrupt traceback; the command now ends with 130 and says the rerun resumes."""
     from specjet.train.eagle import build_parser, cli_main

@@ -83,8 +83,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--gsm8k", type=existing_file, default=SHARED_DATA / "gsm8k" / "train.jsonl",
                       help="GSM8K *train* jsonl (question, answer); never point this at the test split")
-    data.add_argument("--jsonschema-dir", type=pathlib.Path, default=SHARED_DATA / "jsonschema",
-                      help="folder with index.json (schema files and prompts); '' to skip")
+    data.add_argument("--jsonschema-dir", type=lambda text: pathlib.Path(text) if text else None,
+                      default=SHARED_DATA / "jsonschema", help="folder with index.json (schema files and prompts); '' "
+                                                               "to skip")
     data.add_argument("--extra-jsonl", type=pathlib.Path, action="append", default=[],
                       help='extra training data: lines of {"messages": [...]} or {"text": ...} (repeatable)')
     data.add_argument("--target-quantization", default="none", choices=["none", "gguf", "auto"],
@@ -164,10 +165,25 @@ def main(argv: list[str] | None = None) -> None:
     cli_main("eagle", build_parser, run, argv)
 
 
+def missing_data(args: argparse.Namespace) -> str | None:
+    """The data option whose file or folder is not there, said before anything runs (it was a traceback after the
+    engine had loaded): the defaults are a checkout's ../shared/data, which an installed copy has not."""
+    where = f" (the default is the project checkout's {SHARED_DATA})"
+    if not pathlib.Path(args.gsm8k).is_file():
+        return f"--gsm8k: no such file: {args.gsm8k}{where}"
+    schemas = args.jsonschema_dir
+    if schemas is not None and args.json_per_schema > 0 and not (schemas / "index.json").is_file():
+        return f"--jsonschema-dir: no index.json in {args.jsonschema_dir}{where}; '' skips the JSON data"
+    return None
+
+
 def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
     """A draft trainer's command (``python -m specjet.train <name>``): its arguments parsed, the torch threads set,
     the run, and its data and timings printed."""
     args = parser().parse_args(argv)
+    missing = missing_data(args)
+    if missing:
+        parser().error(missing)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -392,7 +408,7 @@ def collect_samples(args, tokenizer, data_dir: pathlib.Path):
         f"gsm8k_fewshot_train-s{args.seed}-n{mnt}{q}.jsonl":
             gsm8k_few_shot_requests(tokenizer, shots, rest[:args.num_few_shot_replies], mnt, "gsm8k_fewshot_target"),
     }
-    if str(args.jsonschema_dir) and args.json_per_schema > 0:
+    if args.jsonschema_dir is not None and args.json_per_schema > 0:
         schemas = D.load_schemas(args.jsonschema_dir)
         held = [s for i, s in enumerate(schemas) if (i + 1) % args.json_eval_every == 0]
         kept = [s for i, s in enumerate(schemas) if (i + 1) % args.json_eval_every != 0]
