@@ -6,6 +6,7 @@ torch in the build environment, so install with ``pip install --no-build-isolati
 and the kernels run their torch references (specjet/kernels/qgemm.py logs a warning once).
 """
 import glob
+import os
 import sys
 
 from setuptools import setup
@@ -23,7 +24,7 @@ else:
          "csrc/layer_stack.cpp",
          "csrc/draft_ops.cpp", "csrc/argmax_bound.cpp", "csrc/dflash_block.cpp", "csrc/head_loss.cpp", "csrc/sampling.cpp", "csrc/thread_pinning.cpp"],
         # Every header (a list by hand left one out: the sdist lacked it, and a change to it rebuilt nothing).
-        depends=sorted(glob.glob("csrc/*.h")),
+        depends=sorted("csrc/" + h for h in glob.glob("*.h", root_dir=os.path.join(os.path.dirname(__file__) or ".", "csrc"))),
         # No -march: each file compiles each instruction set's kernels under its own target pragma (or
         # target_clones) and picks one at run time, so one build runs on any x86-64 CPU.
         # -fopenmp: at::parallel_for.

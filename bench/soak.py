@@ -237,10 +237,10 @@ class Workload:
                                                    "sampling_params": params}
             return f"input_ids[{kind}]", {"input_ids": ids, "sampling_params": params}
         if r < 0.79 and self.near_limit_ids is not None:  # ends at the context limit: "length", no abort
-            room = rng.randint(1, 24)
+            room = rng.randint(1, 24)  # what the context leaves: asked for exactly, or as None (up to the context)
             return "context_limit", {"input_ids": self.near_limit_ids[: self.context - room],
                                      "sampling_params": {"temperature": rng.choice([0, 0.8]), "ignore_eos": True,
-                                                         "max_new_tokens": room + rng.randint(0, 40)}}
+                                                         "max_new_tokens": rng.choice([room, None])}}
         if r < 0.82:
             return "long_prompt", {"prompt": self.long_prompt,
                                    "sampling_params": {"temperature": 0, "max_new_tokens": rng.randint(1, 16)}}
@@ -276,7 +276,7 @@ class Workload:
             ("frequency_penalty=3", sp(frequency_penalty=3.0)), ("presence_penalty=nan", sp(presence_penalty=float("nan"))),
             ("repetition_penalty=0", sp(repetition_penalty=0.0)), ('repetition_penalty="1.2"', sp(repetition_penalty="1.2")),
             ("max_new_tokens=-1", sp(max_new_tokens=-1)), ('max_new_tokens="8"', sp(max_new_tokens="8")),
-            ("max_new_tokens=8.0", sp(max_new_tokens=8.0)), ("max_new_tokens=None", sp(max_new_tokens=None)),
+            ("max_new_tokens=8.0", sp(max_new_tokens=8.0)), ("max_new_tokens=10**6", sp(max_new_tokens=10**6)),
             ("stop_token_ids=5", sp(stop_token_ids=5)), ("stop_token_ids=[-1]", sp(stop_token_ids=[-1])),
             ("stop_token_ids=[10**9]", sp(stop_token_ids=[10**9])), ('stop_token_ids=["a"]', sp(stop_token_ids=["a"])),
             ("stop_token_ids=[2**70]", sp(stop_token_ids=[2**70])), ("stop_token_ids=[True]", sp(stop_token_ids=[True])),

@@ -12,10 +12,11 @@ import random
 
 import pytest
 
-from specjet.scheduler.detokenizer import streamable_len, update_text
+from specjet.scheduler.detokenizer import skipped_ids, streamable_len, update_text
 from specjet.scheduler.output import final_output, stream_chunk
 from specjet.scheduler.request import Req
 from specjet.scheduler.sampling_params import SamplingParams
+from text_helpers import finished_text
 
 PIECES = ["hello", " world", ",", ".", " the", " naïve", " café", "中文", "日本語の", " 한국어", "😀", "🎉👍",
           " 👨‍👩‍👧", "é", "ß", "  ", "   ", "\n", "\n\n", "\t", " ", "{\"a\": 1}", " x", "123", "∑∫", "<|im_end|>",
@@ -58,22 +59,30 @@ def random_ids(rng: random.Random, tokenizer, partial_ids, kind: str, n: int) ->
     return out
 
 
-def finish(req: Req, tokenizer) -> str | None:
+def finish(req: Req, tokenizer, token_bytes=None) -> str | None:
     req.finished_reason = {"type": "length", "length": len(req.output_ids)}
-    return update_text(req, tokenizer)
+    return update_text(req, tokenizer, token_bytes)
 
 
-def finished(full: str) -> str:
-    """A finished request's text given the full decode of its ids: without the U+FFFD that an incomplete character
-    at the end decodes to (one or more, for as many stray bytes)."""
-    return full.rstrip("\ufffd")
+@pytest.fixture(scope="module")
+def token_bytes(tokenizer) -> list[bytes]:
+    """The bytes each id spells, as the engine's grammar backend has them (xgrammar's decoded vocabulary)."""
+    import xgrammar as xgr
+
+    return [bytes(b) for b in xgr.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab]
+
+
+def finished(tokenizer, token_bytes, ids, skip: bool) -> str:
+    """A finished request's text from its ids, computed apart from the detokenizer (tests/text_helpers.py)."""
+    shown = [t for t in ids if t not in skipped_ids(tokenizer)] if skip else ids
+    return finished_text(tokenizer.decode(ids, skip_special_tokens=skip), b"".join(token_bytes[t] for t in shown))
 
 
 CASES = [(kind, skip, seed) for kind in ("text", "vocab", "broken") for skip in (True, False) for seed in range(12)]
 
 
 @pytest.mark.parametrize("kind,skip,seed", CASES)
-def test_text_is_always_a_prefix_and_ends_exact(tokenizer, partial_ids, kind, skip, seed):
+def test_text_is_always_a_prefix_and_ends_exact(tokenizer, token_bytes, partial_ids, kind, skip, seed):
     rng = random.Random(f"{kind}-{skip}-{seed}")
     ids = random_ids(rng, tokenizer, partial_ids, kind, rng.randrange(1, 120))
     full = tokenizer.decode(ids, skip_special_tokens=skip)
@@ -89,16 +98,17 @@ def test_text_is_always_a_prefix_and_ends_exact(tokenizer, partial_ids, kind, sk
         chunk = stream_chunk(req)
         if chunk is not None:
             streamed.append(chunk["text"])
-    assert finish(req, tokenizer) is None
-    assert req.text == finished(full)
+    assert finish(req, tokenizer, token_bytes) is None
+    expected = finished(tokenizer, token_bytes, ids, skip)
+    assert req.text == expected
     streamed.append(stream_chunk(req)["text"])
-    assert "".join(streamed) == finished(full)
-    assert final_output(req)["text"] == finished(full)
+    assert "".join(streamed) == expected
+    assert final_output(req)["text"] == expected
 
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("step", [2, 3, 7])
-def test_several_tokens_between_updates(tokenizer, partial_ids, skip, step):
+def test_several_tokens_between_updates(tokenizer, token_bytes, partial_ids, skip, step):
     """A caller that appends several ids before updating (a speculative run) gets the same texts."""
     rng = random.Random(step)
     for kind in ("text", "broken"):
@@ -108,8 +118,8 @@ def test_several_tokens_between_updates(tokenizer, partial_ids, skip, step):
             req.output_ids.extend(ids[k:k + step])
             update_text(req, tokenizer)
             assert tokenizer.decode(req.output_ids, skip_special_tokens=skip).startswith(req.text)
-        finish(req, tokenizer)
-        assert req.text == finished(tokenizer.decode(ids, skip_special_tokens=skip))
+        finish(req, tokenizer, token_bytes)
+        assert req.text == finished(tokenizer, token_bytes, ids, skip)
 
 
 def reference_stop(tokenizer, ids, stops, skip):
@@ -225,7 +235,7 @@ class CountingTokenizer:
 
 @pytest.mark.parametrize("stop", [[], ["<never to be seen>", "zq"]])
 @pytest.mark.parametrize("source", ["text", "eos_run", "broken"])
-def test_decode_work_per_token_is_bounded(tokenizer, partial_ids, stop, source):
+def test_decode_work_per_token_is_bounded(tokenizer, token_bytes, partial_ids, stop, source):
     n = 2000
     rng = random.Random(7)
     if source == "text":
@@ -247,10 +257,22 @@ def test_decode_work_per_token_is_bounded(tokenizer, partial_ids, stop, source):
         assert update_text(req, counting) is None
         stream_chunk(req)
     per_token = counting.decoded_ids
-    assert finish(req, counting) is None
-    assert req.text == finished(tokenizer.decode(ids, skip_special_tokens=True))
+    assert finish(req, counting, token_bytes) is None
+    assert req.text == finished(tokenizer, token_bytes, ids, True)
     assert per_token < 10 * n, per_token  # re-decoding everything: n * (n + 1) / 2 = 2,001,000
     assert counting.decoded_ids - per_token == n  # the finish: one full decode
+
+
+def test_a_whole_replacement_character_at_the_end_stays(tokenizer, token_bytes):
+    """U+FFFD written whole (its three bytes) ends a reply as text; a character cut after its first byte does not;
+    without the token bytes the text is the decode as it is."""
+    whole = tokenizer.encode("ok \ufffd", add_special_tokens=False)
+    cut = tokenizer.encode("ok ", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("\u00e4")]
+    for ids, text, bytes_known in ((whole, "ok \ufffd", True), (cut, "ok ", True), (cut, "ok \ufffd", False)):
+        req = make_req()
+        req.output_ids.extend(ids)
+        finish(req, tokenizer, token_bytes if bytes_known else None)
+        assert req.text == text, (ids, bytes_known)
 
 
 def test_output_ids_shrinking_starts_over(tokenizer):

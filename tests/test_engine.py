@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 import specjet
+from text_helpers import finished_text
 
 PROMPTS = [
     "The quick brown fox",
@@ -39,8 +40,9 @@ def ids_of(outs):
 
 
 def text_of(engine, ids, **kwargs) -> str:
-    """A finished reply's text: the decode of its ids, less an incomplete character at the end (U+FFFD)."""
-    return engine.tokenizer.decode(ids, **kwargs).rstrip("\ufffd")
+    """A finished reply's text from its ids (tests/text_helpers.py); the ids here are no special tokens."""
+    token_bytes = engine.scheduler.grammar_backend.token_bytes()
+    return finished_text(engine.tokenizer.decode(ids, **kwargs), b"".join(token_bytes[t] for t in ids))
 
 
 def test_batched_equals_one_at_a_time(engine):
@@ -102,6 +104,12 @@ def test_n_choices_are_the_seeded_single_requests(engine):
         engine.generate("a", dict(sp, n=0))
     with pytest.raises(ValueError, match="n must be the same in every sampling_params"):
         engine.generate(["a", "b"], [dict(sp, n=2), sp])
+    assert len(engine.generate(["a", "b"], [dict(sp, n=1), sp])) == 2  # a dict without n says 1
+    # A rid names its choices r_0, r_1, ... (one a prompt: each prompt's), as SGLang's /generate does.
+    named = engine.generate(PROMPTS[:2], dict(sp, n=2), rid=["p", "q"])
+    assert [o["meta_info"]["id"] for o in named] == ["p_0", "p_1", "q_0", "q_1"] and ids_of(named) == ids_of(
+        [singles[0], singles[1], singles[3], singles[4]])
+    assert [o["meta_info"]["id"] for o in engine.generate(PROMPTS[0], dict(sp, n=2), rid="x")] == ["x_0", "x_1"]
 
 
 def test_stop_string_cuts_text(engine):
@@ -235,14 +243,17 @@ def test_streaming_concatenates_to_the_full_output(engine):
 
 
 def test_a_reply_cut_inside_a_character_leaves_that_character_out(engine):
-    """A reply that max_new_tokens ends inside a character (here after the first byte of a three-byte one, once or
-    three times) ended its text and its stream's last chunk in U+FFFD; the bytes are left out of the text, as vLLM
-    does and as the stream never sent them; the ids keep them. A reply ending in a whole character keeps it."""
+    """A reply that max_new_tokens ends inside a character (here after the first byte of a three-byte one) ended its
+    text and its stream's last chunk in U+FFFD; the cut character is left out of the text, as vLLM does and as the
+    stream never sent it; the ids keep its byte. Bytes no character can continue (the first two of three 0xE4s) stay
+    U+FFFDs, as does a U+FFFD written whole, and a reply ending in a whole character keeps it."""
     tok = engine.tokenizer
     lead = tok.convert_tokens_to_ids("\u00e4")  # the byte-level token of the byte 0xE4 alone
     whole = tok("\u4e2d", add_special_tokens=False)["input_ids"]
-    assert tok.decode([lead]) == "\ufffd" and len(whole) == 1
-    for token, count, text in ((lead, 1, ""), (lead, 3, ""), (whole[0], 2, "\u4e2d\u4e2d")):
+    replacement = tok("\ufffd", add_special_tokens=False)["input_ids"]  # U+FFFD written whole, one token here
+    assert tok.decode([lead]) == "\ufffd" and len(whole) == 1 and len(replacement) == 1
+    for token, count, text in ((lead, 1, ""), (lead, 3, "\ufffd\ufffd"), (whole[0], 2, "\u4e2d\u4e2d"),
+                               (replacement[0], 2, "\ufffd\ufffd")):
         sp = dict(GREEDY, max_new_tokens=count, logit_bias={str(token): 100.0})
         out = engine.generate(PROMPTS[1], sp)
         assert out["output_ids"] == [token] * count and out["text"] == text, out
@@ -254,7 +265,7 @@ def test_a_reply_cut_inside_a_character_leaves_that_character_out(engine):
 def test_max_new_tokens_must_fit_the_context_beside_the_prompt(tiny_model_dir):
     """A prompt that fits with a max_new_tokens that does not was cut short without a word; it is refused naming the
     numbers (SGLang's and vLLM's rule), before anything of its list is queued. None (SGLang's null) decodes up to
-    the context, as many tokens as the largest number allowed."""
+    the context, as many tokens as the largest number allowed; so does the default where the context ends first."""
     with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, context_length=64) as eng:
         n = len(eng.tokenizer(PROMPTS[1])["input_ids"])
         with pytest.raises(ValueError, match=f"prompt of {n} tokens and max_new_tokens {65 - n} exceed the context "
@@ -264,6 +275,10 @@ def test_max_new_tokens_must_fit_the_context_beside_the_prompt(tiny_model_dir):
         outs = eng.generate([PROMPTS[1]] * 2, [dict(GREEDY, max_new_tokens=64 - n), dict(GREEDY, max_new_tokens=None)])
         assert outs[0]["output_ids"] == outs[1]["output_ids"] and len(outs[0]["output_ids"]) == 64 - n
         assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 2
+        # The default (128, not asked for) is not held to the context, as SGLang holds only a given number.
+        default = eng.generate(PROMPTS[1], {"temperature": 0, "ignore_eos": True})
+        assert default["output_ids"] == outs[0]["output_ids"]
+        assert default["meta_info"]["finish_reason"]["message"] == "context length reached"
         eng.check_kv_invariant()
 
 

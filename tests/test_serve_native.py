@@ -346,8 +346,8 @@ def test_min_new_tokens_and_openais_min_tokens(server):
     bad = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "min_tokens": 2,
         "response_format": {"type": "json_object"}})
-    assert bad.status_code == 400 and "min_new_tokens cannot go with" in bad.json()["error"]["message"]
-    assert bad.json()["error"]["param"] == "min_tokens"  # as the client named it
+    assert bad.status_code == 400 and "min_tokens cannot go with" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "min_tokens"  # as the client named it, message too
     kv_ok(server)
 
 

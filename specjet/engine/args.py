@@ -70,15 +70,18 @@ class EngineArgs:
     random_seed: int | None = None
     # Speculative decoding (SGLang's names). None: the algorithm's default; every default and every
     # range check is in one place, specjet/spec_v2/config.py (SpecConfig.from_args).
-    speculative_algorithm: str | None = None  # "EAGLE" or "NGRAM"
-    speculative_draft_model_path: str | None = None  # EAGLE head; None: the head shipped with specjet
+    speculative_algorithm: str | None = None  # "EAGLE", "NGRAM" or "DFLASH"
+    # The EAGLE head's or DFlash draft's directory; None: the one shipped for the default model.
+    speculative_draft_model_path: str | None = None
     # The EAGLE head's / DFlash draft's weights (SGLang's name): "int8", "int4", "gguf" (4-bit blocks),
     # None (float), or "auto": the target's method for a quantized target, int8 beside a float target
     # on a CPU with the vectorised kernels (models/quantize.py choose_draft_method), else float.
     speculative_draft_model_quantization: str | None = "auto"
     speculative_num_steps: int | None = None  # EAGLE: draft forwards per iteration
-    speculative_eagle_topk: int | None = None  # EAGLE: branching per draft step
-    # Nodes of the drafter's tree, root included (EAGLE: the learned tree; NGRAM: the whole tree).
+    # EAGLE: branching per draft step; DFLASH: candidates per block position (1: a chain).
+    speculative_eagle_topk: int | None = None
+    # Nodes of the drafter's tree, root included (EAGLE: the learned tree; NGRAM: the whole tree; DFLASH: its
+    # block, the root and its drafts).
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None

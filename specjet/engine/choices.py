@@ -9,17 +9,28 @@ MAX_CHOICES = 128
 
 
 def parallel_samples(params: list) -> int:
-    """The ``n`` of a call's sampling parameters (one dict a prompt): the same in every dict that gives it, an int in
-    [1, MAX_CHOICES]; 1 where none does. What is not a dict is left for the parameters' own check."""
-    values = [d["n"] for d in params if isinstance(d, dict) and d.get("n") is not None]
-    if not values:
-        return 1
-    n = values[0]
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
-        raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-    if len(values) != len(params) or any(v != n or type(v) is not int for v in values):
+    """The ``n`` of a call's sampling parameters (one dict a prompt): an int in [1, MAX_CHOICES], the same in every
+    dict (1 where a dict gives none). What is not a dict is left for the parameters' own check."""
+    values = [d["n"] if isinstance(d, dict) and d.get("n") is not None else 1 for d in params] or [1]
+    for n in values:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    if len(set(values)) > 1:  # SGLang's rule: one n for the whole call (a dict without one says 1)
         raise ValueError("n must be the same in every sampling_params")
-    return n
+    return values[0]
+
+
+def choice_rids(rid: Any, prompts: int, n: int) -> Any:
+    """The request ids of ``prompts`` x ``n`` choices, prompt-major, from the caller's: a string r names them r_0,
+    r_1, ...; one id a prompt r names its choices r_0 .. r_{n-1}; None (fresh ids) and anything else (for the
+    caller's own check) as given."""
+    if rid is None or n == 1:
+        return rid
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(prompts * n)]
+    if isinstance(rid, (list, tuple)) and len(rid) == prompts and all(isinstance(r, str) for r in rid):
+        return [f"{r}_{j}" for r in rid for j in range(n)]
+    return rid
 
 
 def choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import torch
 
 from specjet.engine.args import EngineArgs
 from specjet.engine.async_outputs import STOPPED, AsyncOutputs
-from specjet.engine.choices import choice_params, parallel_samples
+from specjet.engine.choices import choice_params, choice_rids, parallel_samples
 from specjet.engine.streams import AsyncStream, SyncStream
 from specjet.kernels.openmp_teams import release_calling_thread_team
 from specjet.scheduler.request import Req
@@ -173,6 +173,7 @@ class Engine:
             dicts = [dict(d or {}, **{name: v}) if d is None or isinstance(d, dict) else d for d, v in zip(dicts, values)]
         choices = parallel_samples(dicts)
         if choices > 1 or any(isinstance(d, dict) and "n" in d for d in dicts):  # SGLang's n: each choice a request
+            rid = choice_rids(rid, n, choices)
             id_lists = [ids for ids in id_lists for _ in range(choices)]
             dicts = [c for d in dicts for c in (choice_params(d, choices) if isinstance(d, dict) else [d] * choices)]
             single = single and choices == 1
@@ -190,7 +191,9 @@ class Engine:
         vocab = self.scheduler.vocab_size
         ctx = self.scheduler.config.context_len
         pool = self.scheduler.allocator.size
-        for ids, sp in zip(id_lists, params):
+        # Only a number the caller gave is held to the context (SGLang's check); the default's reply stops there.
+        asked = [isinstance(d, dict) and d.get("max_new_tokens") is not None for d in dicts]
+        for ids, sp, given in zip(id_lists, params, asked):
             if not ids:
                 raise ValueError("empty prompt: at least one input token is needed")
             if any((not _is_int(t)) or t < 0 or t >= vocab for t in ids):
@@ -199,7 +202,7 @@ class Engine:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the context length {ctx}")
             if sp.max_new_tokens is None:  # as many as the context leaves
                 sp.max_new_tokens = ctx - len(ids)
-            elif len(ids) + sp.max_new_tokens > ctx:  # SGLang's and vLLM's refusal, not a silently shorter reply
+            elif given and len(ids) + sp.max_new_tokens > ctx:  # SGLang's and vLLM's refusal, not a cut reply
                 raise ValueError(f"prompt of {len(ids)} tokens and max_new_tokens {sp.max_new_tokens} exceed the "
                                  f"context length {ctx}: at most {ctx - len(ids)} new tokens fit")
             need = self.scheduler.slots_to_start(len(ids), sp.prediction, sp.grammar_key is not None)

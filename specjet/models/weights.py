@@ -43,11 +43,9 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 def specjet_cache_dir() -> pathlib.Path:
     """`$SPECJET_CACHE_DIR` if set, else `~/.cache/specjet`."""
     env = os.environ.get("SPECJET_CACHE_DIR")
-    if env:
-        return pathlib.Path(env).expanduser()
     try:
-        return pathlib.Path.home() / ".cache" / "specjet"
-    except RuntimeError as error:  # no HOME and no passwd entry (a container's bare uid)
+        return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjet"
+    except RuntimeError as error:  # no HOME and no passwd entry (a container's bare uid), for ~ too
         raise OSError(f"specjet's cache: {error}; set SPECJET_CACHE_DIR to a writable folder") from None
 
 

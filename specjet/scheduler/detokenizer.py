@@ -16,11 +16,13 @@ are left out of the window (they decode to nothing wherever they are), so a run 
 
 A finished request's text is one full decode of its output (cut at the stop string that ended it; without the stop
 token that ended it unless ``no_stop_trim``, as SGLang's), exactly ``tokenizer.decode(output_ids[:-1] or output_ids,
-skip_special_tokens=...)`` less an incomplete UTF-8 character at its end: once per request.
+skip_special_tokens=...)`` less a character cut in half at its end (``ends_inside_a_character``): once per request.
 """
 from __future__ import annotations
 
+import codecs
 import weakref
+from typing import Sequence
 
 from specjet.scheduler.request import Req
 
@@ -30,14 +32,16 @@ _INCOMPLETE = "\ufffd"  # what decoding makes of an incomplete UTF-8 character a
 _skipped_ids: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
 
 
-def update_text(req: Req, tokenizer) -> str | None:
+def update_text(req: Req, tokenizer, token_bytes: Sequence[bytes] | None = None) -> str | None:
     """Bring ``req.text`` up to date with ``req.output_ids``; return the stop string that ended it, if
     any (and cut the text there). Called after each appended token (incremental: O(1) a token), and
-    once more when the request has finished (one full decode: the exact final text)."""
+    once more when the request has finished (one full decode: the exact final text). ``token_bytes``: the bytes
+    each token id spells (the grammar backend's), which tell a character cut in half at the end from a whole
+    U+FFFD; without them the final text is the decode as it is."""
     if req.detok_stop is not None:  # already cut at a stop string: nothing more to do
         return req.detok_stop
     if req.finished:
-        return _final_text(req, tokenizer)
+        return _final_text(req, tokenizer, token_bytes)
     skip = req.sampling.skip_special_tokens
     ids = req.output_ids
     if len(ids) < req.detok_seen:  # output ids only grow; should they ever shrink, start over
@@ -76,7 +80,7 @@ def update_text(req: Req, tokenizer) -> str | None:
     return None
 
 
-def _final_text(req: Req, tokenizer) -> str | None:
+def _final_text(req: Req, tokenizer, token_bytes: Sequence[bytes] | None) -> str | None:
     """The finish path: one full decode, searched for a stop string in what no step has searched. A request a stop
     token ended is not searched (stop tokens are checked first, as in SGLang), and its text leaves the token out
     (the last id) unless ``no_stop_trim``: SGLang's trim."""
@@ -96,8 +100,25 @@ def _final_text(req: Req, tokenizer) -> str | None:
             return stop
     # An incomplete character at the end (a reply cut mid-character by max_new_tokens) is no text: left out, as
     # the stream never sends it and vLLM's final text has none (the ids keep its bytes).
-    req.text = full.rstrip(_INCOMPLETE)
+    if full.endswith(_INCOMPLETE) and token_bytes is not None:
+        shown = [t for t in ids if t not in skipped_ids(tokenizer)] if req.sampling.skip_special_tokens else ids
+        if ends_inside_a_character(shown, token_bytes):
+            full = full[:-1]
+    req.text = full
     return None
+
+
+def ends_inside_a_character(ids: Sequence[int], token_bytes: Sequence[bytes]) -> bool:
+    """Whether the bytes ``ids`` spell end part-way through a UTF-8 character (which decoding shows as one U+FFFD):
+    the last few tokens' bytes through Python's incremental UTF-8 decoder, which holds back exactly such a tail.
+    Stray bytes that no character can continue are not that (each is a U+FFFD of its own, for good)."""
+    tail, i = b"", len(ids)
+    while len(tail) < 4 and i > 0:  # a character is at most 4 bytes
+        i -= 1
+        tail = token_bytes[ids[i]] + tail if 0 <= ids[i] < len(token_bytes) else tail
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(tail, final=False)
+    return bool(decoder.getstate()[0])
 
 
 def _cut_at(req: Req, index: int, stop: str) -> int:

@@ -1,9 +1,12 @@
 """The scheduler's two event loops: what runs when, between the scheduler (host) and the worker
 (compute side).
 
-Plain loop (``disable_overlap_schedule=True``): schedule N, run N, process N, one after the other.
+Which one runs: ``disable_overlap_schedule``, by default (None) the overlap loop on CUDA and the plain
+loop on the CPU (engine/loading.py ``use_overlap_schedule``).
 
-Overlap loop (the default), one iteration (docs/architecture.md walks it file by file):
+Plain loop: schedule N, run N, process N, one after the other, the compute inline on the scheduler thread.
+
+Overlap loop, one iteration (docs/architecture.md walks it file by file):
 
 1. schedule batch N from the host's state, which lags by the one batch still in flight (N-1):
    KV is reserved for N-1's possible growth too, and requests N-1 finishes still ride along in N

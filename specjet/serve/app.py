@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from types import SimpleNamespace
@@ -151,6 +152,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                                                               stream=stream), sps[0], prompt_param)
         except ApiError as error:  # named as the client named it
             error.param = _OPENAI_NAMES.get(error.param, error.param)
+            for engine_name, client_name in _OPENAI_NAMES.items():
+                error.message = re.sub(rf"\b{engine_name}\b", client_name, error.message)
             raise
         return result if stream or not single else [result]
 

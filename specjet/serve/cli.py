@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=port, default=30000, help="0: any free port (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("SPECJET_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECJET_API_KEY, else none)")
+                        help="require 'Authorization: Bearer KEY' on /v1 and SGLang's native routes (/health and "
+                             "/metrics stay open) (default: $SPECJET_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id /v1/models reports (default: the model path's name)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,

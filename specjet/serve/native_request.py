@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from specjet.engine import choices
-from specjet.engine.choices import choice_params
+from specjet.engine.choices import choice_params, choice_rids
 from specjet.serve.errors import ApiError
 
 # SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
@@ -137,14 +137,10 @@ class GenerateRequest(BaseModel):
             raise ApiError(400, f"{len(params)} sampling_params for {len(prompts)} prompts", "invalid_request_error",
                            "sampling_params", "invalid_value")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        rids = self.rid
-        if isinstance(rids, list) and len(rids) != len(prompts):
-            raise ApiError(400, f"{len(rids)} rids for {len(prompts)} prompts", "invalid_request_error", "rid",
+        if isinstance(self.rid, list) and len(self.rid) != len(prompts):
+            raise ApiError(400, f"{len(self.rid)} rids for {len(prompts)} prompts", "invalid_request_error", "rid",
                            "invalid_value")
-        if isinstance(rids, str):
-            rids = [f"{rids}_{i}" for i in range(len(prompts) * n)]
-        elif rids is not None:
-            rids = [f"{r}_{j}" for r in rids for j in range(n)]
+        rids = choice_rids(self.rid, len(prompts), n)
         expanded = [p for p in prompts for _ in range(n)]
         # Each prompt's parameters in the engine's terms first (sampling_seed as seed, nulls and n gone): a seed
         # only then is the one each choice offsets.

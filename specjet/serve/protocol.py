@@ -110,7 +110,7 @@ class _SamplingFields(_Request):
     @classmethod
     def _only_streamed(cls, options, info):
         """OpenAI's and vLLM's rule: options for a stream that is not asked for are a mistake, not a no-op."""
-        if options is not None and not info.data.get("stream"):
+        if options is not None and "stream" in info.data and not info.data["stream"]:  # (a bad stream: its error)
             raise ValueError("stream_options is only allowed when stream is true")
         return options
 

@@ -1,12 +1,12 @@
-"""What every drafter is given and what it provides: the protocol EAGLE, NGRAM and the EAGLE +
-n-gram hybrid implement (and the next drafter will), so the speculator (speculator.py) runs any of
+"""What every drafter is given and what it provides: the protocol EAGLE, NGRAM, DFLASH and the hybrid
+(EAGLE's or DFLASH's trees with an n-gram path) implement, so the speculator (speculator.py) runs any of
 them the same way:
 
     after_prefill -> (propose -> [the target verifies] -> after_verify)* -> release
 
-A drafter keeps per-request state keyed by rid (EAGLE's draft state, the n-gram index); it sees
-requests only as ``SpecInput`` values, built on the compute side from the compute side's own
-state, and never writes a request.
+A drafter keeps per-request state keyed by rid (EAGLE's draft state, a root-context DFlash draft's last
+verified context vector, the n-gram index); it sees requests only as ``SpecInput`` values, built on the
+compute side from the compute side's own state, and never writes a request.
 """
 from __future__ import annotations
 
