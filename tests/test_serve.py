@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import jsonschema
@@ -265,6 +266,18 @@ def test_streaming_assembles_to_the_greedy_text(server):
         assert text == expected and text
         assert finish == [full.choices[0].finish_reason]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_usage_counts_the_prompt_tokens_found_cached(server):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens (an agent loop resends its conversation each turn): 0 for a
+    prompt the cache has never seen, most of it when the same prompt comes again."""
+    client = server.client()
+    prompt = f"{uuid.uuid4().hex} is a prompt never sent before, which the cache cannot hold: count to three."
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).usage
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert first.prompt_tokens // 2 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+    kv_ok(server)
 
 
 def test_streamed_tool_replies_match_the_whole_ones(server):

@@ -143,6 +143,41 @@ CALLS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.tool_call_id %} i
                   "{% endfor %}{% if tools %}tools={{ tools | length }}{% endif %}")
 
 
+@pytest.mark.parametrize("tool_choice, parallel, text, stop, expected", [
+    # A ReAct/Hermes agent's stop at the closing tag: the call's JSON is whole, so it is a call (it was lost, and
+    # its markup returned as content).
+    ("required", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n', "</tool_call>",
+     ([("add", '{"a": 1}')], None, "tool_calls")),
+    # A stop string inside the arguments cuts the call as the token limit does: the begun call as streamed.
+    ({"type": "function", "function": {"name": "add"}}, False, '{"name": "add", "arguments": {"a": 1, "b": {"c": 2',
+     "}", ([("add", '{"a": 1, "b": {"c": 2')], None, "stop")),
+    ("auto", False, 'Let me see.<tool_call>\n{"name": "add", "arguments": {"a": ', "Paris",
+     ([("add", '{"a":')], "Let me see.", "stop")),
+])
+def test_a_stop_string_that_cuts_a_call_never_returns_its_markup(tool_choice, parallel, text, stop, expected):
+    """A caller's stop string ending a reply inside or at the end of a call: whole and streamed alike, the call (or
+    as much of it as a stream sends) and never the markup as content (it was content, and the call dropped)."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": _CUT_TOOLS["add"]}}]
+    body = {"messages": [{"role": "user", "content": "add"}], "tools": tools, "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel, "stop": [stop], "max_tokens": 40}
+    meta = {"prompt_tokens": 3, "completion_tokens": 9}
+    done = dict(meta, finish_reason={"type": "stop", "matched": stop})
+
+    async def async_generate(stream=False, **kwargs):
+        if stream:
+            return _ScriptedStream([{"text": text[k:k + 4], "output_ids": [1], "meta_info": dict(
+                meta, finish_reason=None) if k + 4 < len(text) else done} for k in range(0, len(text), 4)])
+        return {"text": text, "output_ids": [1] * 9, "meta_info": done}
+
+    calls, content, reason = expected
+    with TestClient(create_app(_fake_engine(async_generate), "m")) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        streamed = client.post("/v1/chat/completions", json=dict(body, stream=True))
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"] or []]
+    assert (got, whole["message"]["content"], whole["finish_reason"]) == expected, whole
+    assert _assembled(streamed.text) == (content or "", calls, reason)
+
+
 def test_a_template_that_reads_tool_calls_gets_them_whole(default_model_dir):
     """An agent loop's second turn: the earlier call and its result reach a template that reads tool calls as
     structured fields (they were flattened into this server's text and tool_call_id and name dropped, so such a
@@ -511,13 +546,14 @@ _CUT_TOOLS = {"add": {"type": "object", "properties": {"a": {"type": "integer"},
 
 
 @pytest.mark.parametrize("tool_choice,parallel,text,expected", [
-    # required/named without parallel calls: bare JSON. Cut before the name is whole: no call, no content.
-    ("required", False, '{"name": "ad', ([], None)),
+    # required/named without parallel calls: bare JSON. Cut before the name is whole: no call, content "" (never
+    # neither: a client sends the message back, and one with neither is refused).
+    ("required", False, '{"name": "ad', ([], "")),
     # ... after it: the begun call, its arguments so far (less a brace that may be the call's own), as streamed.
     ("required", False, '{"name": "add", "arguments": {"a": 12, "b": {"c": 1}', ([("add", '{"a": 12, "b": {"c": 1')], None)),
     ({"type": "function", "function": {"name": "add"}}, False, '{"name": "add", "arguments": {"a', ([("add", '{"a')], None)),
     # required with parallel calls: <tool_call> blocks only. A block cut before its first call is complete.
-    ("required", True, '<tool_call>\n{"name": "add", "argu', ([], None)),
+    ("required", True, '<tool_call>\n{"name": "add", "argu', ([], "")),
     ("required", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_ca',
      ([("add", '{"a": 1}')], None)),
     # auto: the prose before a cut call is the content; a parallel call goes out only whole.
@@ -723,6 +759,7 @@ def test_one_choice_ends_at_its_repeated_call_and_the_others_go_on(stream):
         assert [c["finish_reason"] for c in choices] == ["tool_calls", "stop"]
         assert len(choices[0]["message"]["tool_calls"]) == 1 and choices[1]["message"]["content"] == "Sure thing."
         assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 2 + 3, "total_tokens": 10,
+                                         "prompt_tokens_details": {"cached_tokens": 0},
                                          "completion_tokens_details": {"accepted_prediction_tokens": 0,
                                                                        "rejected_prediction_tokens": 0}}
 

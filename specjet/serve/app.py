@@ -37,7 +37,7 @@ from specjet.serve.prediction_usage import prediction_details
 from specjet.serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                     ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta, Completion,
                                     CompletionChoice, CompletionRequest, CompletionTokensDetails, ModelCard,
-                                    ModelList, Usage)
+                                    ModelList, PromptTokensDetails, Usage)
 
 logger = logging.getLogger("specjet.serve")
 
@@ -50,7 +50,9 @@ def _usage(metas: list[dict[str, Any]], n: int, details: Optional[CompletionToke
     ``details``: the predicted-output counts, where the request brought a prediction."""
     prompt = sum(m["prompt_tokens"] for m in metas[::n])
     completion = sum(m["completion_tokens"] for m in metas)
+    cached = sum(m.get("cached_tokens", 0) for m in metas[::n])  # the prompt's tokens its prefill found cached
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                  completion_tokens_details=details or CompletionTokensDetails())
 
 
@@ -336,7 +338,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             unkept(body, result, tally, i)
         choices = []
         for i, result in enumerate(results):
-            message, reason = chat.reply(result["text"], chat.finish_reason(result), plan)
+            stopped = plan.mode is not None and chat.stopped_by_string(result)
+            text = chat.closed_at_stop(result["text"], plan) if stopped else result["text"]
+            message, reason = chat.reply(text, chat.finish_reason(result), plan, stopped)
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                       logprobs=chat_logprobs(sp, result["meta_info"])))
             tally.record(reason, result["meta_info"], i)
@@ -452,7 +456,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             pieces = []
             reason = chat.finish_reason(item)
             if plan.mode is not None:
-                message, reason = chat.reply(text, reason, plan)
+                stopped = chat.stopped_by_string(item)
+                text = chat.closed_at_stop(text, plan) if stopped else text
+                message, reason = chat.reply(text, reason, plan, stopped)
                 if message.tool_calls:
                     rest = (message.content or "")[sent:]
                     # A reply cut by the token limit ends its begun call where chat.reply does.

@@ -484,18 +484,38 @@ def _as_call(region: str, plan: ToolPlan) -> Optional[ToolCall]:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=value["name"], arguments=arguments))
 
 
-def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMessage, Optional[str]]:
+def stopped_by_string(result: dict[str, Any]) -> bool:
+    """Whether a caller's stop string ended the reply (it may have cut a call short, as the token limit does)."""
+    return isinstance((result["meta_info"]["finish_reason"] or {}).get("matched"), str)
+
+
+def closed_at_stop(text: str, plan: ToolPlan) -> str:
+    """A reply a stop string ended, with the closing tag of a last call whose JSON is whole (``stop:
+    ["</tool_call>"]``, as ReAct and Hermes agents send: the call was lost and its markup returned as content)."""
+    blocks = call_blocks(text) if plan.mode == "tagged" else []
+    if blocks and not blocks[-1].complete and _as_call(blocks[-1].body, plan) is not None:
+        return text.rstrip() + "\n" + TOOL_CLOSE
+    return text
+
+
+def reply(text: str, reason: Optional[str], plan: ToolPlan,
+          stop_string: bool = False) -> tuple[AssistantMessage, Optional[str]]:
     """The assistant message and finish reason for the model's text: tool calls when the text holds
     complete ones (finish reason "tool_calls"), else the text as content. A reply the token limit cut
-    ("length") keeps its complete calls and the call it had begun as a stream sends it (name, arguments
-    so far), and its content is only the text around the calls: tool markup is never content."""
+    ("length") or a stop string ended (``stop_string``; give ``closed_at_stop``'s text) keeps its complete calls and
+    the call it had begun as a stream sends it (name, arguments so far; its finish reason its own), and its content
+    is only the text around the calls: tool markup is never content. A reply with no call has content, if only ""
+    (an assistant message with neither is refused when a client sends it back)."""
     calls: list[ToolCall] = []
     content: Optional[str] = text
-    cut = reason == "length"
+    cut = reason == "length" or stop_string
+    begun = None
     if plan.mode == "json":
-        call = _as_call(text, plan) if reason == "stop" else _begun_call(text, plan) if cut else None
-        if call is not None or cut:
-            calls, content = [call] if call is not None else [], None
+        call = _as_call(text, plan) if reason == "stop" else None
+        begun = _begun_call(text, plan) if call is None and cut else None
+        calls = [c for c in (call, begun) if c is not None]
+        if calls or cut:
+            content = None
     elif plan.mode == "tagged":
         blocks = call_blocks(text)
         for block in blocks:
@@ -517,9 +537,11 @@ def reply(text: str, reason: Optional[str], plan: ToolPlan) -> tuple[AssistantMe
     if calls:
         if not plan.parallel:
             calls = calls[:1]
-        # Complete calls of a reply cut by max_tokens are returned, but the reason stays "length".
-        return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if reason == "stop" else reason
-    return AssistantMessage(content=content), reason
+        # Complete calls of a reply cut by max_tokens are returned, but the reason stays "length"; one a stop string
+        # cut short, "stop".
+        ended = reason == "stop" and not any(call is begun for call in calls)
+        return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if ended else reason
+    return AssistantMessage(content=content if content is not None else ""), reason
 
 
 def _begun_call(text: str, plan: ToolPlan) -> Optional[ToolCall]:

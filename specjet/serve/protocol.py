@@ -219,10 +219,15 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # found in the prefix cache, not computed again (OpenAI's and vLLM's field)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     # As OpenAI's: always there; the predicted-output counts are zero without a prediction (chat ``prediction``).
     completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
