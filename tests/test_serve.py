@@ -245,6 +245,28 @@ def test_tool_choice_auto_is_text_or_valid_calls(server):
             assert choice.message.content and "<tool_call>" not in choice.message.content
 
 
+def test_a_response_format_beside_tools_gives_the_formats_json_or_calls(server):
+    """An agent's structured final answer beside its tools (it was a 400): every reply is the format's JSON or valid
+    calls, whole and streamed alike (seeded)."""
+    answer = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    kinds = set()
+    for seed in range(4):
+        kwargs = dict(tools=[WEATHER], response_format=fmt, max_tokens=64, temperature=1.0, seed=seed)
+        choice = chat(server.client(), "Weather in Oslo?", **kwargs).choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice, {"get_weather"})
+            kinds.add("calls")
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), answer)
+            kinds.add("answer")
+        streamed = list(chat(server.client(), "Weather in Oslo?", stream=True, **kwargs))
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (choice.message.content or "")
+    assert kinds, "every reply was cut by max_tokens"
+    kv_ok(server)
+
+
 def test_streaming_assembles_to_the_greedy_text(server):
     client = server.client()
     for endpoint in ("chat", "completions"):

@@ -121,6 +121,26 @@ def test_required_and_named_schemas():
     assert sp["json_schema"]["properties"]["arguments"] == ADD["function"]["parameters"] and not plan.parallel
 
 
+def test_a_response_format_beside_tools_shapes_the_answer_and_leaves_the_calls():
+    """OpenAI accepts response_format with tools (an agent's structured final answer, the Agents SDK's output_type);
+    it was a 400. Under auto the reply is the format's JSON or calls, nothing else; where a call must be made the
+    calls' constraint alone applies (the format shapes an answer, and the reply is a call)."""
+    answer = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    for parallel in (True, False):
+        sp, plan = chat.chat_params(request(tools=[ADD], response_format=fmt, parallel_tool_calls=parallel))
+        assert plan.mode == "tagged" and set(sp) == {"ebnf"}
+        grammar = xgr.Grammar.from_ebnf(sp["ebnf"])
+        for text, ok in (('{"total": 3}', True), (call, True), (call + "\n" + call, parallel), ("free text", False),
+                         ('{"total": "3"}', False), ('{"total": 3}' + call, False)):
+            assert _is_grammar_accept_string(grammar, text) == ok, (parallel, text)
+    sp, plan = chat.chat_params(request(tools=[ADD], response_format={"type": "json_object"}, tool_choice="required"))
+    assert plan.mode == "tagged" and _is_grammar_accept_string(xgr.Grammar.from_ebnf(sp["ebnf"]), call)
+    sp, _ = chat.chat_params(request(tools=[ADD], response_format=fmt, tool_choice="none"))
+    assert sp["json_schema"] == answer
+
+
 def test_reply_reads_calls_back():
     plan = chat.ToolPlan(mode="tagged", names={"add"})
     message, reason = chat.reply('Adding.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',

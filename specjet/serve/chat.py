@@ -134,10 +134,13 @@ def chat_params(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolPlan]:
         _check_schema(schema, "response_format.json_schema.schema")
         constraint = ("json_schema", schema, "response_format")
     tool_constraint = _tool_constraint(req, plan)
+    if tool_constraint is not None and constraint is not None and req.tool_choice in (None, "auto"):
+        # An agent's final answer in a format, or its calls (OpenAI's Agents SDK output_type beside tools): the
+        # reply is the format's JSON or calls. Where a call must be made the reply is one, which the format does
+        # not govern (it shapes the answer), so the calls' constraint alone applies.
+        tool_constraint = ("ebnf", _answer_or_calls_grammar(constraint[1], _call_schemas(req), plan.parallel),
+                           "tool_choice")
     if tool_constraint is not None:
-        if constraint is not None:
-            raise bad_request("response_format json output and tool_choice that calls tools cannot be combined",
-                              "tool_choice")
         constraint = tool_constraint
     if constraint is not None:
         if any(k in sp for k in ("json_schema", "regex", "ebnf")):
@@ -151,6 +154,10 @@ def _tools_in_use(req: ChatCompletionRequest) -> list:
     if not req.tools or req.tool_choice == "none":
         return []
     return req.tools
+
+
+def _call_schemas(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    return [_call_schema(t.function) for t in req.tools]
 
 
 def _call_schema(function) -> dict[str, Any]:
@@ -206,7 +213,7 @@ def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tup
         plan.mode, plan.names, plan.parallel = "json", {choice.function.name}, False
         return ("json_schema", _call_schema(tools[0].function), "tool_choice")
     plan.names = set(names)
-    schemas = [_call_schema(t.function) for t in req.tools]
+    schemas = _call_schemas(req)
     if choice == "required":
         grammar = _calls_only_grammar(schemas) if plan.parallel else None
         if grammar is not None:
@@ -273,6 +280,21 @@ def _auto_grammar(schemas: list[dict[str, Any]]) -> str:
 
             raise bad_request(f"the tools' parameters could not be compiled into a grammar: {xgrammar_message(error)}",
                               "tools") from None
+
+
+def _answer_or_calls_grammar(answer: dict[str, Any], schemas: list[dict[str, Any]], parallel: bool) -> str:
+    """EBNF for a reply that is either JSON matching ``answer`` (a response_format's schema) or <tool_call> blocks
+    whose JSON matches one of ``schemas`` (one block unless ``parallel``), nothing else."""
+    try:
+        rules = "\n".join([_call_rules(schemas), _schema_rules(answer, "answer_")])
+    except RuntimeError as error:  # a schema xgrammar cannot compile (e.g. minimum > maximum)
+        from specjet.grammar.backend import xgrammar_message
+
+        raise bad_request(f"response_format and the tools' parameters could not be compiled into one grammar: "
+                          f"{xgrammar_message(error)}", "tools") from None
+    block = f'("{TOOL_OPEN}" {_CALL_BODY})'
+    calls = f'({block} ("\\n" {block})*)' if parallel else block
+    return rules + f"\nroot ::= (answer_root | {calls})"
 
 
 def _calls_only_grammar(schemas: list[dict[str, Any]]) -> Optional[str]:
