@@ -110,6 +110,8 @@ def test_n_choices_are_the_seeded_single_requests(engine):
     assert [o["meta_info"]["id"] for o in named] == ["p_0", "p_1", "q_0", "q_1"] and ids_of(named) == ids_of(
         [singles[0], singles[1], singles[3], singles[4]])
     assert [o["meta_info"]["id"] for o in engine.generate(PROMPTS[0], dict(sp, n=2), rid="x")] == ["x_0", "x_1"]
+    with pytest.raises(ValueError, match="1 rids for 2 prompts"):
+        engine.generate(PROMPTS[:2], dict(sp, n=2), rid=["p"])
 
 
 def test_stop_string_cuts_text(engine):

@@ -22,13 +22,15 @@ def parallel_samples(params: list) -> int:
 
 def choice_rids(rid: Any, prompts: int, n: int) -> Any:
     """The request ids of ``prompts`` x ``n`` choices, prompt-major, from the caller's: a string r names them r_0,
-    r_1, ...; one id a prompt r names its choices r_0 .. r_{n-1}; None (fresh ids) and anything else (for the
-    caller's own check) as given."""
+    r_1, ...; one id a prompt r names its choices r_0 .. r_{n-1}; None (fresh ids) and anything not a string (for
+    the caller's own check) as given. A list of another length than the prompts' is a ValueError."""
     if rid is None or n == 1:
         return rid
     if isinstance(rid, str):
         return [f"{rid}_{i}" for i in range(prompts * n)]
-    if isinstance(rid, (list, tuple)) and len(rid) == prompts and all(isinstance(r, str) for r in rid):
+    if isinstance(rid, (list, tuple)) and len(rid) != prompts:
+        raise ValueError(f"{len(rid)} rids for {prompts} prompts")
+    if isinstance(rid, (list, tuple)) and all(isinstance(r, str) for r in rid):
         return [f"{r}_{j}" for r in rid for j in range(n)]
     return rid
 

@@ -172,7 +172,7 @@ class Engine:
             # (a value that is not a dict is left for from_dict to refuse)
             dicts = [dict(d or {}, **{name: v}) if d is None or isinstance(d, dict) else d for d, v in zip(dicts, values)]
         choices = parallel_samples(dicts)
-        if choices > 1 or any(isinstance(d, dict) and "n" in d for d in dicts):  # SGLang's n: each choice a request
+        if any(isinstance(d, dict) and "n" in d for d in dicts):  # SGLang's n: each choice a request (n gone)
             rid = choice_rids(rid, n, choices)
             id_lists = [ids for ids in id_lists for _ in range(choices)]
             dicts = [c for d in dicts for c in (choice_params(d, choices) if isinstance(d, dict) else [d] * choices)]

@@ -101,21 +101,24 @@ def _final_text(req: Req, tokenizer, token_bytes: Sequence[bytes] | None) -> str
     # An incomplete character at the end (a reply cut mid-character by max_new_tokens) is no text: left out, as
     # the stream never sends it and vLLM's final text has none (the ids keep its bytes).
     if full.endswith(_INCOMPLETE) and token_bytes is not None:
-        shown = [t for t in ids if t not in skipped_ids(tokenizer)] if req.sampling.skip_special_tokens else ids
-        if ends_inside_a_character(shown, token_bytes):
+        hidden = skipped_ids(tokenizer) if req.sampling.skip_special_tokens else frozenset()
+        if ends_inside_a_character(ids, token_bytes, hidden):
             full = full[:-1]
     req.text = full
     return None
 
 
-def ends_inside_a_character(ids: Sequence[int], token_bytes: Sequence[bytes]) -> bool:
-    """Whether the bytes ``ids`` spell end part-way through a UTF-8 character (which decoding shows as one U+FFFD):
-    the last few tokens' bytes through Python's incremental UTF-8 decoder, which holds back exactly such a tail.
-    Stray bytes that no character can continue are not that (each is a U+FFFD of its own, for good)."""
+def ends_inside_a_character(ids: Sequence[int], token_bytes: Sequence[bytes],
+                            hidden: frozenset[int] = frozenset()) -> bool:
+    """Whether the bytes ``ids`` spell (less the ``hidden`` ones, which the text leaves out) end part-way through a
+    UTF-8 character (which decoding shows as one U+FFFD): the last few tokens' bytes through Python's incremental
+    UTF-8 decoder, which holds back exactly such a tail. Stray bytes that no character can continue are not that
+    (each is a U+FFFD of its own, for good)."""
     tail, i = b"", len(ids)
     while len(tail) < 4 and i > 0:  # a character is at most 4 bytes
         i -= 1
-        tail = token_bytes[ids[i]] + tail if 0 <= ids[i] < len(token_bytes) else tail
+        if ids[i] not in hidden and 0 <= ids[i] < len(token_bytes):
+            tail = token_bytes[ids[i]] + tail
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.decode(tail, final=False)
     return bool(decoder.getstate()[0])

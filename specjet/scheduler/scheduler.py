@@ -852,7 +852,7 @@ class Scheduler:
             spent, limit = grammar_clock() - started, self.config.grammar_token_timeout
             req.grammar_slow_streak = req.grammar_slow_streak + 1 if limit is not None and spent > limit else 0
             if req.grammar_slow_streak >= GRAMMAR_SLOW_STREAK:
-                update_text(req, self.tokenizer, self._token_bytes())
+                update_text(req, self.tokenizer)
                 return abort_reason(GRAMMAR_REFUSED, f"the grammar took more than grammar_token_timeout "
                                                      f"({limit * 1e3:.0f} ms) to match each of {GRAMMAR_SLOW_STREAK} "
                                                      f"tokens in a row (the last: {spent * 1e3:.0f} ms): it is too "
@@ -863,7 +863,7 @@ class Scheduler:
             # left out) is not cut at a stop string this token's text would complete.
             return {"type": "stop", "matched": token}
         needs_text = bool(sp.stop) or req.stream
-        stop = update_text(req, self.tokenizer, self._token_bytes()) if needs_text else None
+        stop = update_text(req, self.tokenizer) if needs_text else None
         if stop is not None:
             return {"type": "stop", "matched": stop}
         if len(req.output_ids) >= sp.max_new_tokens:
@@ -871,10 +871,6 @@ class Scheduler:
         if len(req.fill_ids) >= self.config.context_len:
             return {"type": "length", "length": len(req.output_ids), "message": "context length reached"}
         return None
-
-    def _token_bytes(self):
-        """The bytes each token id spells, where the grammar backend has them (the detokenizer's finish reads them)."""
-        return self.grammar_backend.token_bytes() if self.grammar_backend is not None else None
 
     def _json_text(self, req: Req, reason: dict) -> str:
         """The text a json_schema request's object is: its output text without the special token (EOS) that
@@ -899,7 +895,9 @@ class Scheduler:
         req.finished_at = time.perf_counter()
         try:
             if not isinstance(reason.get("matched"), str):  # a stop-string finish has already cut the text
-                update_text(req, self.tokenizer, self._token_bytes())
+                # (the tokens' bytes tell a character cut in half at the end from a whole U+FFFD)
+                backend = self.grammar_backend
+                update_text(req, self.tokenizer, backend.token_bytes() if backend is not None else None)
         except Exception as exc:
             logger.error("request %s: detokenizing its output failed: %r", req.rid, exc)
         if reason["type"] == "stop" and req.sampling.json_schema is not None:

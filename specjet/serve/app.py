@@ -172,7 +172,9 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             message = str(error)
             context = "context length" in message or "KV slots" in message
             about_prompt = context or message.startswith(("input_ids", "empty prompt", "prompt"))
-            raise bad_request(message, prompt_param if about_prompt else _param_in(message, sp),
+            counted = _COUNT_MISMATCH.match(message)  # "1 rids for 2 prompts": the list the count names
+            param = prompt_param if about_prompt else counted.group(1) if counted else _param_in(message, sp)
+            raise bad_request(message, param,
                               "context_length_exceeded" if context else "invalid_value") from None
         except RuntimeError as error:
             if not engine.is_alive():
@@ -338,9 +340,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             unkept(body, result, tally, i)
         choices = []
         for i, result in enumerate(results):
-            stopped = plan.mode is not None and chat.stopped_by_string(result)
-            text = chat.closed_at_stop(result["text"], plan) if stopped else result["text"]
-            message, reason = chat.reply(text, chat.finish_reason(result), plan, stopped)
+            _, message, reason = chat.finished_reply(result["text"], result, plan)
             choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                       logprobs=chat_logprobs(sp, result["meta_info"])))
             tally.record(reason, result["meta_info"], i)
@@ -456,9 +456,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
             pieces = []
             reason = chat.finish_reason(item)
             if plan.mode is not None:
-                stopped = chat.stopped_by_string(item)
-                text = chat.closed_at_stop(text, plan) if stopped else text
-                message, reason = chat.reply(text, reason, plan, stopped)
+                text, message, reason = chat.finished_reply(text, item, plan)
                 if message.tool_calls:
                     rest = (message.content or "")[sent:]
                     # A reply cut by the token limit ends its begun call where chat.reply does.
@@ -626,6 +624,8 @@ def _prompts(prompt) -> list:
 
 
 # The engine's names of the OpenAI endpoints' parameters that it calls otherwise.
+# The engine's refusal of a list whose length is not the prompts' count.
+_COUNT_MISMATCH = re.compile(r"\d+ (rid|sampling_params|return_logprob|top_logprobs_num)s? (?:values )?for \d+ prompts")
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 

@@ -506,9 +506,13 @@ def _as_call(region: str, plan: ToolPlan) -> Optional[ToolCall]:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=value["name"], arguments=arguments))
 
 
-def stopped_by_string(result: dict[str, Any]) -> bool:
-    """Whether a caller's stop string ended the reply (it may have cut a call short, as the token limit does)."""
-    return isinstance((result["meta_info"]["finish_reason"] or {}).get("matched"), str)
+def finished_reply(text: str, result: dict[str, Any], plan: ToolPlan) -> tuple[str, AssistantMessage, Optional[str]]:
+    """``reply`` for a finished choice whose engine result (or last chunk) is ``result`` and text ``text``; also the
+    text the reply was read from (a stop string's cut may have closed a whole last call: ``closed_at_stop``), which a
+    stream's call deltas are finished from."""
+    stopped = isinstance((result["meta_info"]["finish_reason"] or {}).get("matched"), str)  # a caller's stop string
+    text = closed_at_stop(text, plan) if stopped else text
+    return (text, *reply(text, finish_reason(result), plan, stopped))
 
 
 def closed_at_stop(text: str, plan: ToolPlan) -> str:

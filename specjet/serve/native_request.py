@@ -1,8 +1,8 @@
 """SGLang's ``GenerateReqInput`` (the body of ``POST /generate``) as specjet reads it: the fields specjet serves,
 SGLang's fields and sampling parameters for features specjet lacks accepted at the values that ask for nothing
 (a 400 naming any other value), routing and logging labels ignored, and the result turned into
-``Engine.generate``'s arguments (SGLang's ``n`` > 1 expanded prompt-major, ``sampling_seed`` as the seed, a null
-``max_new_tokens`` up to the context, a string ``rid`` for a list of prompts as r_0, r_1, ...)."""
+``Engine.generate``'s arguments (``sampling_seed`` as the seed, a string ``rid`` for a list of prompts as r_0, r_1,
+...; SGLang's ``n`` and a null ``max_new_tokens`` are the engine's own)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -10,7 +10,6 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from specjet.engine import choices
-from specjet.engine.choices import choice_params, choice_rids
 from specjet.serve.errors import ApiError
 
 # SGLang's sampling parameters for features specjet does not have, and the values at which they ask for nothing.
@@ -84,8 +83,8 @@ class GenerateRequest(BaseModel):
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``Engine.generate``'s arguments (``logprob_start_len`` goes into the sampling parameters, where the
-        engine reads it); with SGLang's ``n`` > 1 (parallel sampling) each prompt's ``n`` requests, prompt-major;
-        a string ``rid`` with a list of prompts r_0, r_1, ... (SGLang's ``_normalize_rid``)."""
+        engine reads it, as it reads SGLang's ``n``); a string ``rid`` with a list of prompts r_0, r_1, ... (SGLang's
+        ``_normalize_rid``)."""
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give exactly one of text and input_ids", "invalid_request_error", "text",
                            "invalid_value")
@@ -94,11 +93,13 @@ class GenerateRequest(BaseModel):
             if not any(value == a and type(value) is type(a) for a in allowed):
                 raise ApiError(400, f"{name}={value!r} is not supported by specjet (only {allowed[-1]!r}, SGLang's "
                                     f"default)", "invalid_request_error", name, "unsupported_value")
-        n = parallel_samples(self.sampling_params)
-        if n > 1:
-            return self._expanded(n).engine_kwargs()
+        n = parallel_samples(self.sampling_params)  # the engine expands n itself (engine/choices.py)
+        for name in ("return_logprob", "top_logprobs_num", "logprob_start_len") if n > 1 else ():
+            if isinstance(getattr(self, name), list):  # as SGLang: one a prompt cannot go with several samples
+                raise ApiError(400, f"{name} given as a list cannot go with n > 1", "invalid_request_error", name,
+                               "invalid_value")
         batch = self._batch()
-        if isinstance(self.rid, str) and batch:
+        if isinstance(self.rid, str) and batch and n == 1:  # (with n > 1 the engine names the choices r_0, ...)
             return self.model_copy(update={"rid": [f"{self.rid}_{i}" for i in range(len(batch))]}).engine_kwargs()
         params = ([_without_sglang_defaults(d) for d in self.sampling_params]
                   if isinstance(self.sampling_params, list) else _without_sglang_defaults(self.sampling_params))
@@ -120,33 +121,6 @@ class GenerateRequest(BaseModel):
             params = ([dict(d, logprob_start_len=starts) for d in params] if isinstance(params, list)
                       else dict(params or {}, logprob_start_len=starts))
         return self._kwargs(params, self.top_logprobs_num)
-
-    def _expanded(self, n: int) -> "GenerateRequest":
-        """The request with each prompt given ``n`` times in a row (a batch, also for one prompt: SGLang then answers
-        a list), its sampling parameters each choice's (with a seed, choice i samples with seed + i, as the OpenAI
-        endpoints do: the choices differ, the same request gives the same ones), ``rid`` r as r_0, r_1, ... As in
-        SGLang, the logprob fields given one a prompt are a 400 with ``n`` > 1."""
-        for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
-            if isinstance(getattr(self, name), list):
-                raise ApiError(400, f"{name} given as a list cannot go with n > 1", "invalid_request_error", name,
-                               "invalid_value")
-        batch = self._batch()
-        prompts = [self.text if self.text is not None else self.input_ids] if batch is None else batch
-        params = self.sampling_params
-        if isinstance(params, list) and len(params) != len(prompts):
-            raise ApiError(400, f"{len(params)} sampling_params for {len(prompts)} prompts", "invalid_request_error",
-                           "sampling_params", "invalid_value")
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        if isinstance(self.rid, list) and len(self.rid) != len(prompts):
-            raise ApiError(400, f"{len(self.rid)} rids for {len(prompts)} prompts", "invalid_request_error", "rid",
-                           "invalid_value")
-        rids = choice_rids(self.rid, len(prompts), n)
-        expanded = [p for p in prompts for _ in range(n)]
-        # Each prompt's parameters in the engine's terms first (sampling_seed as seed, nulls and n gone): a seed
-        # only then is the one each choice offsets.
-        choices = [c for sp in per_prompt for c in choice_params(_without_sglang_defaults(sp) or {}, n)]
-        field = "text" if self.text is not None else "input_ids"
-        return self.model_copy(update={field: expanded, "sampling_params": choices, "rid": rids})
 
     def _batch(self) -> Optional[list]:
         """The prompts of a list of them (a list of strings, or of token id lists; an empty list is none), or None
@@ -174,8 +148,6 @@ def _without_sglang_defaults(params: Optional[dict[str, Any]]) -> Optional[dict[
     """``params`` in the engine's terms: without SGLang's parameters for features specjet lacks, where they ask for
     nothing (a 400 naming one that asks for something) and SGLang's ``sampling_seed`` as ``seed`` (a null
     ``max_new_tokens``, SGLang's "up to the context", means that to the engine too)."""
-    if params and "n" in params:  # 1 here (parallel_samples)
-        params = {k: v for k, v in params.items() if k != "n"}
     if params and "sampling_seed" in params:
         if params.get("seed") is not None and params["sampling_seed"] is not None:
             raise ApiError(400, "give seed or sampling_seed, not both", "invalid_request_error", "sampling_seed",
