@@ -77,8 +77,8 @@ def test_the_console_script_answers_help_with_success(monkeypatch, capsys):
         assert "usage: specjet serve" in (out if code == 0 else err) and not (err if code == 0 else out), argv
 
 
-def request(**kwargs) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kwargs)
+def request(messages=None, **kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=messages or [{"role": "user", "content": "hi"}], **kwargs)
 
 
 def test_auto_grammar_allows_text_or_a_valid_call():
@@ -115,10 +115,22 @@ def test_required_and_named_schemas():
     assert _is_grammar_accept_string(grammar, call) and _is_grammar_accept_string(grammar, call + "\n" + call)
     for text in ("", "text " + call, call + " text", call.replace('"b": 2', '"b": "2"')):
         assert not _is_grammar_accept_string(grammar, text), text
-    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice="required", parallel_tool_calls=False))
-    assert sp["json_schema"]["properties"]["name"] == {"const": "add"}
-    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}))
-    assert sp["json_schema"]["properties"]["arguments"] == ADD["function"]["parameters"] and not plan.parallel
+    # One call: written in the same layout (the prompt's, and how the call is rendered in the next turn), one block.
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    weather_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for choice, names in (("required", {"add", "get_weather"}), ({"type": "function", "function": {"name": "add"}},
+                                                                   {"add"})):
+        sp, plan = chat.chat_params(request(tools=[ADD, weather], tool_choice=choice, parallel_tool_calls=False))
+        assert plan.mode == "tagged" and not plan.parallel and plan.names == names and set(sp) == {"ebnf"}
+        grammar = xgr.Grammar.from_ebnf(sp["ebnf"])
+        assert _is_grammar_accept_string(grammar, call)
+        assert _is_grammar_accept_string(grammar, weather_call) == ("get_weather" in names), choice
+        for text in (call + "\n" + call, '{"name": "add", "arguments": {"a": 1, "b": 2}}', "text " + call):
+            assert not _is_grammar_accept_string(grammar, text), (choice, text)
+    named = {"type": "function", "function": {"name": "add"}}
+    sp, plan = chat.chat_params(request(tools=[ADD], tool_choice=named, parallel_tool_calls=True))
+    assert not plan.parallel and not _is_grammar_accept_string(xgr.Grammar.from_ebnf(sp["ebnf"]), call + "\n" + call)
 
 
 def test_a_response_format_beside_tools_shapes_the_answer_and_leaves_the_calls():
@@ -169,7 +181,8 @@ CALLS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.tool_call_id %} i
     ("required", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n', "</tool_call>",
      ([("add", '{"a": 1}')], None, "tool_calls")),
     # A stop string inside the arguments cuts the call as the token limit does: the begun call as streamed.
-    ({"type": "function", "function": {"name": "add"}}, False, '{"name": "add", "arguments": {"a": 1, "b": {"c": 2',
+    ({"type": "function", "function": {"name": "add"}}, False,
+     '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": 2',
      "}", ([("add", '{"a": 1, "b": {"c": 2')], None, "stop")),
     ("auto", False, 'Let me see.<tool_call>\n{"name": "add", "arguments": {"a": ', "Paris",
      ([("add", '{"a":')], "Let me see.", "stop")),
@@ -221,6 +234,33 @@ def test_a_template_that_reads_tool_calls_gets_them_whole(default_model_dir):
     assert '<assistant>[call call_1 get_weather {"city": "Paris"}]' in structured, structured
     assert "<tool id=call_1 name=get_weather>sunny" in structured and "tools=1" in structured
     assert "<tool_call>" not in structured
+
+
+def test_the_next_turns_prompt_spells_the_reply_the_model_wrote(default_model_dir):
+    """An agent loop sends each reply back in the next turn. The call's text the model wrote (tagged, its arguments
+    as written: "1.50", "é") is the text the next prompt renders, so the prefix cache can hold the reply; a named
+    call was written as bare JSON and rendered tagged, and the arguments were re-serialised ("1.5", "\\u00e9")."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    note = {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+        "amount": {"type": "number"}, "text": {"type": "string"}}, "required": ["amount", "text"]}}}
+    written = '<tool_call>\n{"name": "note", "arguments": {"amount": 1.50, "text": "café"}}\n</tool_call>'
+    for choice in ({"type": "function", "function": {"name": "note"}}, "required", "auto"):
+        turn = [{"role": "user", "content": "Note a coffee."}]
+        first = request(messages=turn, tools=[note], tool_choice=choice)
+        sp, plan = chat.chat_params(first)
+        assert _is_grammar_accept_string(xgr.Grammar.from_ebnf(sp["ebnf"]), written), choice
+        message, reason = chat.reply(written, "stop", plan)
+        assert reason == "tool_calls" and message.tool_calls[0].function.arguments == '{"amount": 1.50, "text": "café"}'
+        sent_back = turn + [message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "noted"}]
+        second = chat.chat_prompt(tokenizer, request(messages=sent_back, tools=[note], tool_choice=choice))
+        assert second.startswith(chat.chat_prompt(tokenizer, first) + written), choice
+    # Arguments that are not a JSON object's text are written as before (an object's JSON, re-serialised).
+    odd = request(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "note", "arguments": "not json"}}]}])
+    assert '{"name": "note", "arguments": "not json"}' in chat.chat_prompt(tokenizer, odd)
 
 
 def stand_in_engine(alive: bool):
@@ -566,12 +606,14 @@ _CUT_TOOLS = {"add": {"type": "object", "properties": {"a": {"type": "integer"},
 
 
 @pytest.mark.parametrize("tool_choice,parallel,text,expected", [
-    # required/named without parallel calls: bare JSON. Cut before the name is whole: no call, content "" (never
-    # neither: a client sends the message back, and one with neither is refused).
-    ("required", False, '{"name": "ad', ([], "")),
+    # required/named without parallel calls: one <tool_call> block. Cut before the name is whole: no call, content ""
+    # (never neither: a client sends the message back, and one with neither is refused).
+    ("required", False, '<tool_call>\n{"name": "ad', ([], "")),
     # ... after it: the begun call, its arguments so far (less a brace that may be the call's own), as streamed.
-    ("required", False, '{"name": "add", "arguments": {"a": 12, "b": {"c": 1}', ([("add", '{"a": 12, "b": {"c": 1')], None)),
-    ({"type": "function", "function": {"name": "add"}}, False, '{"name": "add", "arguments": {"a', ([("add", '{"a')], None)),
+    ("required", False, '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": {"c": 1}',
+     ([("add", '{"a": 12, "b": {"c": 1')], None)),
+    ({"type": "function", "function": {"name": "add"}}, False, '<tool_call>\n{"name": "add", "arguments": {"a',
+     ([("add", '{"a')], None)),
     # required with parallel calls: <tool_call> blocks only. A block cut before its first call is complete.
     ("required", True, '<tool_call>\n{"name": "add", "argu', ([], "")),
     ("required", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_ca',

@@ -5,11 +5,11 @@ Tool calls use the Hermes layout most open chat models are trained on: the model
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. How each ``tool_choice`` is
 enforced by decoding:
 
-- a named function, and ``required`` with ``parallel_tool_calls=false``: a JSON schema whose values
-  are exactly the calls allowed (the name a ``const``, ``arguments`` the function's
-  ``parameters``). The reply is one bare JSON call (the engine also checks it with jsonschema).
-- ``required`` with parallel calls (the default): one or more ``<tool_call>`` blocks and nothing
-  else (``_calls_only_grammar``).
+- ``required``: one or more ``<tool_call>`` blocks and nothing else (``_calls_grammar``); one block with
+  ``parallel_tool_calls=false`` or a named function (whose block's JSON can only name it). The calls are
+  written in the layout the prompt asks for and an earlier turn's calls are rendered in, so the next turn's
+  prompt repeats the reply's text and the prefix cache holds it. Where the tools' schemas cannot be spliced
+  into one grammar, a JSON schema of the calls allowed (one bare JSON call) is the fallback.
 - ``auto``: xgrammar's structural tag (free text until the model writes ``<tool_call>``, then the
   call's schema and ``</tool_call>``, then free text again), handed to the engine as EBNF.
 - ``none``: no tools in the prompt, no constraint.
@@ -209,18 +209,13 @@ def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Optional[tup
         if choice.function.name not in names:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools "
                               f"({', '.join(names)})", "tool_choice")
-        tools = [t for t in req.tools if t.function.name == choice.function.name]
-        plan.mode, plan.names, plan.parallel = "json", {choice.function.name}, False
-        return ("json_schema", _call_schema(tools[0].function), "tool_choice")
+        tool = next(t for t in req.tools if t.function.name == choice.function.name)
+        plan.names, plan.parallel = {choice.function.name}, False
+        return _required_calls(plan, [_call_schema(tool.function)])
     plan.names = set(names)
     schemas = _call_schemas(req)
     if choice == "required":
-        grammar = _calls_only_grammar(schemas) if plan.parallel else None
-        if grammar is not None:
-            plan.mode = "tagged"
-            return ("ebnf", grammar, "tool_choice")
-        plan.mode, plan.parallel = "json", False
-        return ("json_schema", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "tool_choice")
+        return _required_calls(plan, schemas)
     plan.mode = "tagged"  # auto
     return ("ebnf", _auto_grammar(schemas), "tool_choice")
 
@@ -292,22 +287,34 @@ def _answer_or_calls_grammar(answer: dict[str, Any], schemas: list[dict[str, Any
 
         raise bad_request(f"response_format and the tools' parameters could not be compiled into one grammar: "
                           f"{xgrammar_message(error)}", "tools") from None
+    return rules + f"\nroot ::= (answer_root | {_calls_expression(parallel)})"
+
+
+def _calls_expression(parallel: bool) -> str:
+    """EBNF of one <tool_call> block (its body the ``_call_rules``' rule), or of one or more if ``parallel``."""
     block = f'("{TOOL_OPEN}" {_CALL_BODY})'
-    calls = f'({block} ("\\n" {block})*)' if parallel else block
-    return rules + f"\nroot ::= (answer_root | {calls})"
+    return f'({block} ("\\n" {block})*)' if parallel else block
 
 
-def _calls_only_grammar(schemas: list[dict[str, Any]]) -> Optional[str]:
-    """EBNF for one or more <tool_call> blocks and nothing else (tool_choice="required" with
-    parallel calls). A model ends after its calls as it was trained to, where a JSON array of calls
-    tempts a small model to add items until the token limit. None if the schemas' rules cannot be
-    built (the caller then asks for a single call)."""
+def _required_calls(plan: ToolPlan, schemas: list[dict[str, Any]]) -> tuple[str, Any, str]:
+    """The constraint of a reply that must be calls (one unless ``plan.parallel``) matching one of ``schemas``."""
+    grammar = _calls_grammar(schemas, plan.parallel)
+    if grammar is not None:
+        plan.mode = "tagged"
+        return ("ebnf", grammar, "tool_choice")
+    plan.mode, plan.parallel = "json", False
+    return ("json_schema", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "tool_choice")
+
+
+def _calls_grammar(schemas: list[dict[str, Any]], parallel: bool) -> Optional[str]:
+    """EBNF for <tool_call> blocks (one or more if ``parallel``, else one) and nothing else. A model ends after
+    its calls as it was trained to, where a JSON array of calls tempts a small model to add items until the
+    token limit. None if the schemas' rules cannot be built (the caller then asks for a bare JSON call)."""
     try:
         rules = _call_rules(schemas)
     except RuntimeError:
         return None
-    block = f'("{TOOL_OPEN}" {_CALL_BODY})'
-    return rules + f'\nroot ::= ({block} ("\\n" {block})*)'
+    return rules + f"\nroot ::= {_calls_expression(parallel)}"
 
 
 # ---------------------------------------------------------------- messages -> prompt
@@ -338,8 +345,17 @@ def _call_arguments(call: dict[str, Any]) -> Any:
 
 
 def _call_text(call: dict[str, Any]) -> str:
+    """An earlier call as the model writes one. Arguments sent back as this server returned them (the model's own
+    JSON text) are kept as written, so the turn's prompt spells the reply it generated and the prefix cache holds
+    it; re-serialising them would respell numbers and non-ASCII characters."""
     name = (call.get("function") or {}).get("name")
-    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': _call_arguments(call)})}\n{TOOL_CLOSE}"
+    args = (call.get("function") or {}).get("arguments", "{}")
+    parsed = _call_arguments(call)
+    if isinstance(args, str) and isinstance(parsed, dict):
+        body = f'{{"name": {json.dumps(name)}, "arguments": {args.strip()}}}'
+    else:
+        body = json.dumps({"name": name, "arguments": parsed})
+    return f"{TOOL_OPEN}\n{body}\n{TOOL_CLOSE}"
 
 
 def _template_message(m, structured: bool) -> dict[str, Any]:
