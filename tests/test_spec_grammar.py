@@ -186,7 +186,7 @@ def test_forced_text_is_split_as_the_tokenizer_splits_it(default_model_dir):
     ``tokenizer.encode`` without special tokens, for the kinds of text a JSON grammar forces."""
     from transformers import AutoTokenizer
 
-    from specjet.spec_v2.speculator import text_to_ids
+    from specjet.grammar.forced_tokens import text_to_ids
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     assert getattr(tokenizer, "backend_tokenizer", None) is not None
@@ -340,19 +340,29 @@ def test_sampling_under_a_grammar_matches_the_masked_target(tiny_model_dir, back
 
 
 def masked_two_token_tv(model_dir, backend, regex, prompt_ids, outs, top_k) -> float:
-    """Total variation between the outputs' first two tokens and the exact grammar-masked top-k
-    distribution of the target (HF transformers) after ``prompt_ids``."""
+    """Total variation between the outputs' two tokens after those the forced-text rule writes first (in every
+    output: asserted; none where the regex starts with a choice) and the exact grammar-masked top-k distribution of
+    the target (HF transformers) after ``prompt_ids`` and them. The masks are the rule's (tests/test_forced_tokens.py
+    checks them against xgrammar's forced text and the tokenizer)."""
     from transformers import AutoModelForCausalLM
 
-    grammar = RequestGrammar(backend.compile("regex", regex).result())
+    grammar = RequestGrammar(backend.compile("regex", regex).result(), backend.forced_tokens)
+    ruled = []
+    while (token := grammar.forced_token()) is not None:
+        grammar.accept_token(token)
+        ruled.append(token)
+    grammar.rollback(len(ruled))
+    k = len(ruled)
+    assert all(o["output_ids"][:k] == ruled for o in outs)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     exact = {}
-    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, [], top_k).items():
-        for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, [t1], top_k).items():
-            exact[(t1, t2)] = p1 * p2
-    counts = collections.Counter(tuple(o["output_ids"][:2]) for o in outs)
+    for t1, p1 in masked_topk_probs(model, grammar, prompt_ids, ruled, top_k).items():
+        if p1 > 0:  # (a top k past the legal tokens holds masked ones at 0)
+            for t2, p2 in masked_topk_probs(model, grammar, prompt_ids, ruled + [t1], top_k).items():
+                exact[(t1, t2)] = p1 * p2
+    counts = collections.Counter(tuple(o["output_ids"][k:k + 2]) for o in outs)
     n = len(outs)
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+    return 0.5 * sum(abs(counts.get(key, 0) / n - exact.get(key, 0.0)) for key in set(exact) | set(counts))
 
 
 # ------------------------------------------------------------------ real model

@@ -62,6 +62,11 @@ class EngineArgs:
     # alone (abort, a message naming it). The limit is ~100x what the dev set's schemas take, and above what a huge
     # enum's first tokens take (bench/RESULTS.md, session 104).
     grammar_token_timeout: float | None = 0.02
+    # Where a grammar forces text (a JSON schema's keys and punctuation, a tool call's name), it is written in the
+    # tokenizer's own tokens: the mask allows only the first token of the forced text's split (the last is left
+    # to the model). True: the model picks any tokens that spell the forced text, as token-by-token masking alone
+    # does (grammar/forced_tokens.py).
+    disable_canonical_forced_text: bool = False
     # SGLang's name: the most requests submitted and not yet started (waiting for a slot) the engine holds; a call
     # that would pass it queues nothing and raises specjet.QueueFullError (the server: 503 with Retry-After), one of
     # more requests than the bound ValueError.

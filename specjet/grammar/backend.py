@@ -26,6 +26,7 @@ import xgrammar as xgr
 
 from specjet.grammar.ebnf_text import ebnf_text
 from specjet.grammar.forced_text import grammar_lengths, mark_jump_forward_safe
+from specjet.grammar.forced_tokens import ForcedTokens, text_to_ids
 from specjet.grammar.spec import (DEFAULT_MAX_SPEC_BYTES, DEFAULT_MAX_SPEC_DEPTH, GRAMMAR_KINDS, GrammarError,
                                   canonical_text)
 from specjet.grammar.timed_runner import Closed, Outcome, Overloaded, TimedOut, TimedRunner
@@ -127,6 +128,7 @@ class GrammarBackend:
         max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
         max_spec_depth: int = DEFAULT_MAX_SPEC_DEPTH,
         max_abandoned_compiles: int = DEFAULT_MAX_ABANDONED_COMPILES,
+        canonical_forced_text: bool = True,
     ) -> None:
         if compile_timeout_s is not None and not compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be positive or None, got {compile_timeout_s!r}")
@@ -140,6 +142,8 @@ class GrammarBackend:
         # (padding rows), and the token bitmask must cover every logit.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._token_bytes: list[bytes] | None = None
+        # The forced-text rule every request's grammar applies (forced_tokens.py), or None: the model chooses.
+        self.forced_tokens = ForcedTokens(text_to_ids(tokenizer)) if canonical_forced_text else None
         # xgrammar's own cache stays on: it shares compiled sub-rules across different schemas
         # (about 2.5x faster over the dev set). max_threads is xgrammar's parallelism inside one
         # compile.

@@ -15,6 +15,7 @@ import torch
 import xgrammar as xgr
 
 from specjet.grammar.forced_text import jump_forward_is_safe
+from specjet.grammar.forced_tokens import ForcedTokens, restrict_row
 from specjet.kernels import cpu_ops
 from specjet.kernels.token_bitmask import allowed_counts
 
@@ -24,11 +25,15 @@ class RequestGrammar:
 
     Rollback is unlimited (xgrammar 0.2.8's Earley matcher keeps the whole history), which is
     what speculative decoding needs to undo a rejected draft.
+
+    With ``forced`` (`forced_tokens`), every mask it gives allows only the forced token where the grammar
+    forces text, so plain decoding and every verified draft write forced text in the tokenizer's tokens.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, *, _matcher: xgr.GrammarMatcher | None = None,
-                 _stop_ids: tuple[int, ...] | None = None):
+    def __init__(self, compiled: xgr.CompiledGrammar, forced: ForcedTokens | None = None, *,
+                 _matcher: xgr.GrammarMatcher | None = None, _stop_ids: tuple[int, ...] | None = None):
         self.compiled = compiled
+        self.forced = forced
         self._matcher = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
         self._stop_ids = _stop_ids  # stop_token_ids(), once looked up
 
@@ -37,7 +42,20 @@ class RequestGrammar:
 
         Returns False when every token is allowed, so the row need not be applied.
         """
-        return self._matcher.fill_next_token_bitmask(bitmask, index)
+        needs_applying = self._matcher.fill_next_token_bitmask(bitmask, index)
+        if self.forced is not None and needs_applying:  # (a state allowing every token forces no text)
+            self.forced.restrict(self._matcher, self.compiled, bitmask, index)
+        return needs_applying
+
+    def forced_token(self) -> int | None:
+        """The token the forced-text rule writes next (None: the model chooses, or no rule)."""
+        if self.forced is None:
+            return None
+        token = self.forced.next_token(self._matcher, self.compiled)
+        if token is None or not self._matcher.accept_token(token):
+            return None
+        self._matcher.rollback(1)
+        return token
 
     def allows_a_token(self) -> bool:
         """Whether any token may come next: False where the grammar matches no text from here (a regex such as
@@ -86,6 +104,29 @@ class RequestGrammar:
         node after the stop token gets an all-zero row; the matcher's state is unchanged.
         """
         self._matcher.traverse_draft_tree(next_token, next_sibling, tokens, bitmask)
+        if self.forced is not None:
+            self._restrict_tree(next_token.tolist(), next_sibling.tolist(), tokens.tolist(), bitmask)
+
+    def _restrict_tree(self, next_token: list[int], next_sibling: list[int], tokens: list[int],
+                       bitmask: torch.Tensor) -> None:
+        """The forced-text rule on a filled tree's rows: each node reached through rows that allow its path (the
+        rule's rows included) gets its state's restriction. A node that the rule's row of its parent now forbids,
+        and its subtree, are not visited, as the walk leaves a forbidden node's (their rows are not read)."""
+        words = bitmask.numpy().view(np.uint32)
+        matcher, forced, compiled = self._matcher, self.forced, self.compiled
+
+        def visit(node: int) -> None:  # the matcher has taken the path root..node
+            forced.restrict(matcher, compiled, bitmask, node)
+            row, child = words[node], next_token[node]
+            while child >= 0:
+                token = tokens[child]
+                if ((token >> 5) < row.shape[0] and (int(row[token >> 5]) >> (token & 31)) & 1
+                        and not matcher.is_terminated() and matcher.accept_token(token)):
+                    visit(child)
+                    matcher.rollback(1)
+                child = next_sibling[child]
+
+        visit(0)
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The tokens that end the grammar (the tokenizer's stop tokens), looked up once per request (forks get
@@ -109,7 +150,7 @@ class RequestGrammar:
 
     def fork(self) -> RequestGrammar:
         """An independent copy of this state (e.g. to walk a draft branch without rollback)."""
-        return RequestGrammar(self.compiled, _matcher=self._matcher.fork(), _stop_ids=self.stop_token_ids())
+        return RequestGrammar(self.compiled, self.forced, _matcher=self._matcher.fork(), _stop_ids=self.stop_token_ids())
 
     def reset(self) -> None:
         """Back to the start of the grammar."""
@@ -125,6 +166,9 @@ _BATCH_MATCHER = xgr.BatchGrammarMatcher(max_threads=1)
 def fill_token_bitmasks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, indices: Sequence[int]) -> None:
     """Row ``indices[i]`` of ``bitmask`` gets the allowed next tokens of ``grammars[i]``."""
     _BATCH_MATCHER.batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, list(indices))
+    for grammar, index in zip(grammars, indices):
+        if grammar.forced is not None:
+            grammar.forced.restrict(grammar._matcher, grammar.compiled, bitmask, index)
 
 
 def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -327,7 +327,7 @@ class Scheduler:
             self._fail_request(req, "compiling its grammar", exc)
             return False
         try:
-            req.grammar = RequestGrammar(compiled)
+            req.grammar = RequestGrammar(compiled, self.grammar_backend.forced_tokens)
         except Exception as exc:
             self._fail_request(req, "making its grammar matcher", exc)
             return False

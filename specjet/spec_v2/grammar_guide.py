@@ -40,8 +40,14 @@ class GrammarGuide:
         The last token of the forced text's tokenization is left out unless the grammar can only
         stop after it: at the text's end the model may merge it with what follows (' "' then
         'web' versus ' "web'), and the drafter, which sees the grammar mask there, proposes that
-        boundary token better than a tokenizer that cannot see past the forced text."""
-        if self.tokenize is None or max_len <= 0 or self.grammar.is_terminated():
+        boundary token better than a tokenizer that cannot see past the forced text. Under the
+        forced-text rule (``grammar.forced``) the chain is the tokens the rule writes, which leaves
+        the boundary token to the model likewise."""
+        if max_len <= 0 or self.grammar.is_terminated():
+            return []
+        if self.grammar.forced is not None:  # the tokens the forced-text rule writes: the target takes them all
+            return self._rule_chain(max_len)
+        if self.tokenize is None:
             return []
         text = self.grammar.find_jump_forward_string()
         if not text:
@@ -55,6 +61,16 @@ class GrammarGuide:
         finally:
             self.grammar.rollback(accepted)
         return ids[:min(keep, max_len)]
+
+    def _rule_chain(self, max_len: int) -> list[int]:
+        ids: list[int] = []
+        try:
+            while len(ids) < max_len and (token := self.grammar.forced_token()) is not None:
+                self.grammar.accept_token(token)
+                ids.append(token)
+        finally:
+            self.grammar.rollback(len(ids))
+        return ids
 
     def _only_stop_allowed(self) -> bool:
         """Whether the grammar allows no token here but its stop tokens (or none at all)."""

@@ -14,7 +14,6 @@ rolled back, and the host advances its own matcher by the accepted tokens.
 """
 from __future__ import annotations
 
-import functools
 
 import time
 from dataclasses import replace
@@ -22,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from specjet.grammar.forced_tokens import text_to_ids
 from specjet.kernels.coins import coins
 from specjet.kernels.sampling import SamplingTensors
 from specjet.models.dflash import default_dflash_path, load_dflash
@@ -91,26 +91,6 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
         return HybridDrafter(dflash, NgramDrafter(replace(cfg.ngram, max_branches=1)), cfg.hybrid_path_nodes,
                              cfg.max_tree_nodes)
     raise ValueError(f"speculative_algorithm {cfg.algorithm!r} is not available")
-
-
-# Forced texts repeat (a schema's keys and punctuation, every object): their splits are kept, up to this many
-# texts of up to this many characters (a bounded cache, ~1 MB at most).
-TOKENIZE_CACHE_TEXTS = 4096
-TOKENIZE_CACHE_CHARS = 256
-
-
-def text_to_ids(tokenizer) -> Callable[[str], list[int]]:
-    """Text -> token ids as ``tokenizer`` splits it, no special tokens: through a fast tokenizer's own
-    backend where it has one (the same split, without transformers' wrapper, which costs more than
-    the split itself on the few characters of forced text every constrained iteration tokenizes).
-    Short texts' splits are cached: a split is a function of the text alone."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        split = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
-    else:
-        split = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    cached = functools.lru_cache(maxsize=TOKENIZE_CACHE_TEXTS)(lambda text: tuple(split(text)))
-    return lambda text: list(cached(text)) if len(text) <= TOKENIZE_CACHE_CHARS else list(split(text))
 
 
 class Speculator:

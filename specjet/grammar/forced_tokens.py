@@ -1,0 +1,90 @@
+"""Forced text in the tokenizer's own tokens: where a grammar allows only one text next, the model does not
+choose how it is split.
+
+A grammar often forces text: a JSON schema's keys and punctuation (``{"name": "``), a tool call's name, a
+const. Decoding token by token under the mask alone lets the model spell that text in any tokens that spell
+it, and a small model pushed off its preferred layout (a newline after ``{``, which the compact layout
+forbids) takes ``{`` then ``"`` where its tokenizer writes ``{"``, or ``g`` then ``et`` for ``get``: on the
+JSON dev set about half of the forced spans came out split so. Every later token is then conditioned on a
+split the model never saw in training, a draft of the tokenizer's split is rejected there, and the text sent
+back in the next turn (re-tokenized) no longer matches the tokens the prefix cache holds.
+
+The rule (SGLang's jump-forward makes the same choice): at a grammar state whose forced text the tokenizer
+splits into two or more tokens, the next token is the first of them, and the mask allows it alone. The last
+token of a forced text is left to the model under the grammar's mask, because it may merge with what follows
+(`` "`` then ``web``, or `` "web``), which the split of the forced text alone cannot see. The rule is a
+function of the grammar state only, so plain decoding and every speculative path (whose per-node masks
+apply it) take the same tokens, and a draft of the forced tokens is always accepted.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from specjet.grammar.forced_text import jump_forward_is_safe
+
+# Forced texts repeat (a schema's keys and punctuation, every object): their splits are kept, up to this many
+# texts of up to this many characters (a bounded cache, ~1 MB at most).
+TOKENIZE_CACHE_TEXTS = 4096
+TOKENIZE_CACHE_CHARS = 256
+# Characters of forced text split to find its first token: the first token of a text is the first token of
+# any long enough prefix of it (no token spells 64 characters of JSON's keys and punctuation), and the split
+# of a kilobyte-long const every iteration would cost more than the step.
+_SPLIT_CHARS = 64
+
+
+def text_to_ids(tokenizer) -> Callable[[str], list[int]]:
+    """Text -> token ids as ``tokenizer`` splits it, no special tokens: through a fast tokenizer's own
+    backend where it has one (the same split, without transformers' wrapper, which costs more than
+    the split itself on the few characters of forced text every constrained iteration tokenizes).
+    Short texts' splits are cached: a split is a function of the text alone."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        split = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
+    else:
+        split = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    cached = functools.lru_cache(maxsize=TOKENIZE_CACHE_TEXTS)(lambda text: tuple(split(text)))
+    return lambda text: list(cached(text)) if len(text) <= TOKENIZE_CACHE_CHARS else list(split(text))
+
+
+class ForcedTokens:
+    """The rule above for one tokenizer: ``next_token`` of a matcher's state, and masks rewritten by it."""
+
+    def __init__(self, tokenize: Callable[[str], list[int]]):
+        self.tokenize = tokenize
+
+    def next_token(self, matcher: xgr.GrammarMatcher, compiled: xgr.CompiledGrammar) -> Optional[int]:
+        """The token the rule forces at ``matcher``'s state, or None where the model chooses. Not checked against
+        the grammar: ``restrict`` keeps it only where the state's mask allows it (a tokenizer that prefixes a
+        space to every split forces nothing)."""
+        if matcher.is_terminated() or not jump_forward_is_safe(compiled):
+            return None
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return None
+        ids = self.tokenize(text[:_SPLIT_CHARS])
+        return ids[0] if len(ids) >= 2 else None
+
+    def restrict(self, matcher: xgr.GrammarMatcher, compiled: xgr.CompiledGrammar, bitmask: torch.Tensor,
+                 index: int) -> None:
+        """Row ``index`` of ``bitmask``, filled for ``matcher``'s state, allows only the forced token if there is
+        one (and the row allows it)."""
+        token = self.next_token(matcher, compiled)
+        if token is not None:
+            restrict_row(bitmask, index, token)
+
+
+def restrict_row(bitmask: torch.Tensor, index: int, token: int) -> bool:
+    """Row ``index`` of a CPU int32 ``bitmask`` -> ``token`` alone, if the row allows it (else unchanged);
+    whether it did."""
+    words = bitmask.numpy().view(np.uint32)[index]
+    word, bit = token >> 5, np.uint32(1 << (token & 31))
+    if word >= words.shape[0] or not words[word] & bit:
+        return False
+    words[:] = 0
+    words[word] = bit
+    return True

@@ -1,0 +1,171 @@
+"""Forced text in the tokenizer's own tokens (grammar/forced_tokens.py): where a grammar forces text that the
+tokenizer splits into two or more tokens, the mask allows only the first of them, in plain decoding's masks and
+in every node of a verified draft tree, so every decoding path writes the same tokens. The oracle throughout is
+xgrammar's own forced text (``find_jump_forward_string`` on a matcher of the test's) and the tokenizer's
+``encode``; the sampled test compares histograms with the exact masked distribution of HF transformers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+
+import specjet
+from specjet.grammar import GrammarBackend, RequestGrammar, allocate_token_bitmask, bitmask_popcount
+from specjet.spec_v2.grammar_guide import GrammarGuide
+from test_spec_grammar import VOCAB_SIZE, check_valid, masked_two_token_tv
+
+# Keys are forced text; the values leave the model a choice (a short string, an enum, a digit).
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "size": {"enum": ["small", "large"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["name", "size", "count"]}
+
+
+@pytest.fixture(scope="module")
+def backend(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    backend = GrammarBackend(tokenizer, VOCAB_SIZE)
+    backend.tokenizer = tokenizer
+    yield backend
+    backend.shutdown()
+
+
+def rule_token(tokenizer, matcher: xgr.GrammarMatcher):
+    """The oracle: the first token of the tokenizer's split of xgrammar's forced text, where it splits in two or
+    more; else None."""
+    text = "" if matcher.is_terminated() else matcher.find_jump_forward_string()
+    split = tokenizer.encode(text, add_special_tokens=False) if text else []
+    return split[0] if len(split) >= 2 else None
+
+
+def allowed(bitmask: torch.Tensor, row: int = 0) -> list[int]:
+    bits = torch.tensor(bitmask[row].numpy().view("uint32").tolist(), dtype=torch.int64)
+    return [w * 32 + b for w in range(bits.shape[0]) for b in range(32) if (int(bits[w]) >> b) & 1]
+
+
+def test_a_mask_allows_only_the_first_token_of_the_forced_texts_split(backend):
+    """A walk through a JSON schema's grammar: at each state the rule's row is the oracle's token alone where it
+    names one, else the plain row (a matcher without the rule, in step)."""
+    compiled = backend.compile("json_schema", json.dumps(SCHEMA)).result()
+    ruled, plain = RequestGrammar(compiled, backend.forced_tokens), RequestGrammar(compiled)
+    oracle = xgr.GrammarMatcher(compiled)
+    row, plain_row = allocate_token_bitmask(1, VOCAB_SIZE), allocate_token_bitmask(1, VOCAB_SIZE)
+    forced = free = spellings = 0
+    for _ in range(200):
+        if oracle.is_terminated():
+            break
+        ruled.fill_next_token_bitmask(row, 0)
+        plain.fill_next_token_bitmask(plain_row, 0)
+        expected = rule_token(backend.tokenizer, oracle)
+        if expected is not None:
+            assert allowed(row) == [expected]
+            spellings += int(bitmask_popcount(plain_row)[0]) > 1  # the model had other spellings of the text
+            assert ruled.forced_token() == expected
+            token, forced = expected, forced + 1
+        else:
+            assert torch.equal(row, plain_row) and ruled.forced_token() is None
+            # a free choice: the longest legal token (ends the string and the object soon)
+            choices = allowed(plain_row)
+            token, free = max(choices, key=lambda t: (len(backend.tokenizer.decode([t])), -t)), free + 1
+        assert ruled.accept_token(token) and plain.accept_token(token) and oracle.accept_token(token)
+    assert oracle.is_terminated() and forced >= 6 and spellings >= 3 and free >= 3, (forced, spellings, free)
+
+
+def test_the_forced_chain_is_the_rules_tokens_and_tree_rows_follow_the_rule(backend):
+    """GrammarGuide's forced chain under the rule is the tokens the rule writes, each the oracle's; in a draft tree,
+    the tokenizer's split survives, another spelling of the same forced text is dropped as illegal, and each kept
+    node's row is the rule's row of a matcher that took its path."""
+    compiled = backend.compile("json_schema", json.dumps(SCHEMA)).result()
+    grammar = RequestGrammar(compiled, backend.forced_tokens)
+    guide = GrammarGuide(grammar, VOCAB_SIZE, None)
+    chain = guide.forced_chain(16)
+    oracle = xgr.GrammarMatcher(compiled)
+    for token in chain:
+        assert rule_token(backend.tokenizer, oracle) == token and oracle.accept_token(token)
+    assert rule_token(backend.tokenizer, oracle) is None and len(chain) >= 3  # ends where the model chooses
+    assert backend.tokenizer.decode(chain).startswith('{"name')
+
+    split = backend.tokenizer.encode('{"', add_special_tokens=False)
+    brace, quote = (backend.tokenizer.encode(c, add_special_tokens=False)[0] for c in '{"')
+    assert split == [chain[0]] and brace != chain[0]  # '{"' is one token, '{' then '"' another spelling
+    tokens = [0, chain[0], brace, chain[1], quote, chain[2]]
+    parents = [-1, 0, 0, 1, 2, 3]
+    kept, kept_parents, bitmask = guide.mask_tree(tokens, parents)
+    assert kept == [0, chain[0], chain[1], chain[2]] and kept_parents == [-1, 0, 1, 2]
+    for i in range(len(kept)):
+        fork = RequestGrammar(compiled, backend.forced_tokens)
+        assert fork.accept_tokens(chain[:i]) == i
+        expected = allocate_token_bitmask(1, VOCAB_SIZE)
+        fork.fill_next_token_bitmask(expected, 0)
+        assert torch.equal(bitmask[i], expected[0]), i
+    assert grammar.accept_tokens([brace, quote]) == 2  # the state is unchanged, and without a mask any spelling goes
+
+
+def forced_states(tokenizer, compiled, ids) -> tuple[int, int]:
+    """(states where the oracle names a token, of them those where ``ids`` took another)."""
+    oracle = xgr.GrammarMatcher(compiled)
+    states = other = 0
+    for token in ids:
+        expected = rule_token(tokenizer, oracle)
+        if expected is not None:
+            states, other = states + 1, other + (token != expected)
+        if not oracle.accept_token(token):
+            break
+    return states, other
+
+
+PROMPTS = ["a b c a b c a b", "The cat sat on the mat. The cat", "Hello", "1 2 3"]
+
+
+def test_engines_write_forced_text_in_the_tokenizers_tokens_and_speculation_stays_exact(tiny_model_dir, backend):
+    """Greedy under the schema on the random model: every forced state takes the oracle's token, plain and
+    speculative alike (the same ids); with ``disable_canonical_forced_text`` the model's own spellings come back."""
+    params = {"json_schema": SCHEMA, "temperature": 0, "max_new_tokens": 64}
+    compiled = backend.compile("json_schema", json.dumps(SCHEMA)).result()
+    outs = {}
+    for name, kw in (("plain", dict(disable_guided_drafting=True)), ("guided", {}),
+                     ("ngram", dict(speculative_algorithm="NGRAM")),
+                     ("off", dict(disable_guided_drafting=True, disable_canonical_forced_text=True))):
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096, **kw) as eng:
+            outs[name] = eng.generate(PROMPTS, [params] * len(PROMPTS))
+            eng.check_kv_invariant()
+        check_valid(outs[name], [params] * len(PROMPTS))
+    ids = {name: [o["output_ids"] for o in out] for name, out in outs.items()}
+    assert ids["guided"] == ids["plain"] and ids["ngram"] == ids["plain"]
+    assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs["ngram"]) > 0
+    for out in ids["plain"]:
+        states, other = forced_states(backend.tokenizer, compiled, out)
+        assert states >= 5 and other == 0, (states, other)
+    assert sum(forced_states(backend.tokenizer, compiled, out)[1] for out in ids["off"]) > 0
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", None])
+def test_sampling_after_forced_text_matches_the_masked_target(tiny_model_dir, backend, algorithm):
+    """1000 seeded draws under a regex that forces '{"ab": ' before free letters: the tokens the rule writes come
+    first in every draw (where the mask alone let the model spell the text otherwise, '{' then '"'), and the next
+    two follow the exact grammar-masked top-k distribution after them."""
+    regex = r'\{"ab": ( ?[abc]){2,8}'
+    prompt = '{"ab": a b c {"ab": acc cb {"ab": b a'
+    compiled = backend.compile("regex", regex).result()
+    oracle, ruled = xgr.GrammarMatcher(compiled), []
+    while (token := rule_token(backend.tokenizer, oracle)) is not None:
+        assert oracle.accept_token(token)
+        ruled.append(token)
+    assert backend.tokenizer.decode(ruled) == '{"ab":'  # the last token (' ' or ' a' ...) is the model's
+    first = allocate_token_bitmask(1, VOCAB_SIZE)
+    RequestGrammar(compiled).fill_next_token_bitmask(first, 0)
+    assert int(bitmask_popcount(first)[0]) > 1  # the mask alone allows other spellings
+    n, k = 1000, len(ruled)
+    kw = dict(speculative_algorithm=algorithm) if algorithm else {}
+    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=8192, dtype="float32", **kw) as eng:
+        prompt_ids = eng.tokenizer(prompt)["input_ids"]
+        params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": k + 2, "regex": regex, "seed": s}
+                  for s in range(n)]
+        outs = eng.generate([prompt] * n, params)
+        eng.check_kv_invariant()
+    assert all(o["output_ids"][:k] == ruled for o in outs)
+    tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs, top_k=3)
+    assert tv < 0.07, tv
