@@ -149,7 +149,7 @@ class Engine:
                 if at_least is not None:
                     raise ValueError(f"prompt of at least {at_least} tokens ({len(p)} characters) does not fit the "
                                      f"context length {self.scheduler.config.context_len}")
-            id_lists = [self.tokenizer(p)["input_ids"] for p in prompts]
+            id_lists = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         else:
             id_lists, single = _token_id_lists(input_ids)
         n = len(id_lists)
@@ -426,3 +426,14 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+def prompt_token_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids as the tokenizer gives them, its special tokens (a BOS) added, except where the text
+    already starts with the BOS they would add: a chat template that writes ``{{ bos_token }}`` itself (Llama's,
+    Mistral's) beside a tokenizer that adds one (theirs) gave every chat prompt two."""
+    ids = tokenizer(text)["input_ids"]
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if bos and bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == bos_id and text.startswith(bos):
+        return ids[1:]
+    return ids

@@ -52,6 +52,22 @@ def _is_default_model(gguf_path) -> bool:
         return False
 
 
+def with_generation_eos(config: ModelConfig, model_dir) -> ModelConfig:
+    """``config`` with the end-of-turn ids of the model's ``generation_config.json`` too (Llama 3's instruct models
+    list ``<|eot_id|>`` only there, and would otherwise run on past every reply to the token limit)."""
+    import dataclasses
+
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json, or one transformers cannot read
+        return config
+    extra = [eos] if isinstance(eos, int) else list(eos or ())
+    ids = tuple(dict.fromkeys([*config.eos_token_ids, *(int(t) for t in extra)]))
+    return dataclasses.replace(config, eos_token_ids=ids) if ids != config.eos_token_ids else config
+
+
 def load_components(args: EngineArgs, device: torch.device) -> Components:
     # Nothing is fetched from a hub: the model directory is local (or converted from a local GGUF).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,13 +75,19 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
 
     model_dir = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    config = with_generation_eos(ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir)), model_dir)
     if args.context_length is not None and args.context_length > config.max_position_embeddings:
         # Positions past the model's were never trained (RoPE extrapolates into garbage), and each running
         # request's row of the token table holds the whole context.
         raise ValueError(f"context_length={args.context_length} is longer than the model's "
                          f"max_position_embeddings ({config.max_position_embeddings})")
-    context_len = args.context_length or config.max_position_embeddings
+    window = config.sliding_window
+    if window is not None and args.context_length is not None and args.context_length > window:
+        raise ValueError(f"context_length={args.context_length} is longer than the model's sliding_window ({window}): "
+                         "specjet attends to the whole context, which is the model's attention only within its window")
+    context_len = args.context_length or min(config.max_position_embeddings, window or config.max_position_embeddings)
+    if window is not None and args.context_length is None and window < config.max_position_embeddings:
+        logger.info("context length %d, the model's sliding window (its attention beyond it is not computed)", window)
     table_bytes = (args.max_running_requests + 1) * context_len * 8  # ReqToTokenPool's int64 rows
     if table_bytes > total_memory_bytes(device):
         raise ValueError(f"max_running_requests={args.max_running_requests} requests of context length {context_len} "

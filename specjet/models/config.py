@@ -34,6 +34,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; specjet runs the Llama family: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        unsupported = _unsupported_variant(hf, model_type)
+        if unsupported:
+            raise ValueError(f"unsupported {model_type} variant: {unsupported}; specjet would compute another model")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = getattr(hf, "eos_token_id", None)
@@ -56,16 +59,50 @@ class ModelConfig:
             hf_config=hf,
         )
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window of a config that sets one (Mistral's ``sliding_window``, Qwen's with
+        ``use_sliding_window``), or None. specjet attends to the whole context, which is the same only while the
+        context is no longer than the window (the engine caps it there)."""
+        window = getattr(self.hf_config, "sliding_window", None)
+        if self.model_type in ("qwen2", "qwen3") and not getattr(self.hf_config, "use_sliding_window", False):
+            return None
+        return int(window) if isinstance(window, int) and window > 0 else None
+
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies and the attention scaling of the config's RoPE variant."""
+        """Inverse frequencies and the attention scaling of the config's RoPE variant, on the CPU whatever device
+        the caller builds under (the model is built on the meta device, where transformers' RoPE functions'
+        tensors would have no data to copy)."""
+        with torch.device("cpu"):
+            return self._rope_inv_freq()
+
+    def _rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         params = getattr(self.hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
+        factors = getattr(self.hf_config, "rope_freq_factors", None)  # a GGUF's rope_freqs (models/weights.py)
+        if rope_type == "default" or factors is not None:
             base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
             dim = self.head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            if factors is not None:  # llama.cpp divides each frequency by its factor
+                if len(factors) != dim // 2:
+                    raise ValueError(f"rope_freq_factors has {len(factors)} values for {dim // 2} frequencies")
+                inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
             return inv_freq.float(), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
+
+
+def _unsupported_variant(hf: Any, model_type: str) -> str | None:
+    """What in a config of a supported family specjet's Llama does not compute (it would drop those weights or
+    compute another activation, and give another model's output without a word), or None."""
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r} (specjet's MLP is SiLU-gated)"
+    if getattr(hf, "mlp_bias", False):
+        return "mlp_bias (biases on the MLP's projections)"
+    if getattr(hf, "attention_bias", False) and model_type != "qwen2":
+        return "attention_bias (a bias on the attention's output projection; specjet has Qwen2's on q, k and v only)"
+    return None

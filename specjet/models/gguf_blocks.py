@@ -3,7 +3,7 @@
 ``quantization="gguf"`` computes with the very blocks llama.cpp reads (Q4_1 layers, a Q8_0 head in
 the default model) instead of the float32 weights they were dequantized into (models/weights.py).
 Two things change on the way: llama.cpp's converter permutes the rows of the q and k projections
-for its RoPE layout, which is undone here row by row (a row's blocks move whole); and q|k|v and
+for its RoPE layout (its "llama" architecture only), which is undone here row by row (a row's blocks move whole); and q|k|v and
 gate|up are concatenated along the output dimension as Llama's fused projections expect.
 
 gguf's reader parses every metadata field in Python before it lists a tensor (the tokenizer's
@@ -35,7 +35,7 @@ SUPPORTED_TYPES = ("Q4_1", "Q8_0")
 # The cache of GGUFs' linear blocks (a file per GGUF content, under specjet's cache directory), and the
 # version of the layout ``read_gguf_linears`` gives them: a file of another version is written again.
 CACHE_DIR = "gguf-linears"
-CACHE_LAYOUT = "1"
+CACHE_LAYOUT = "2"  # 2: q and k unpermuted only for the "llama" architecture
 
 
 def _blocks(tensor) -> QuantWeight:
@@ -75,16 +75,27 @@ def _cat(weights: list[QuantWeight]) -> QuantWeight:
 def _tensors(path: str | pathlib.Path) -> dict:
     """The file's tensors by name. gguf's reader parses all metadata in Python first (the tokenizer's
     vocabulary: seconds), so one reading per file is kept for the process."""
+    return _read(path)[0]
+
+
+def _architecture(path: str | pathlib.Path) -> str:
+    """The file's ``general.architecture`` ("" where it has none)."""
+    return _read(path)[1]
+
+
+def _read(path: str | pathlib.Path) -> tuple[dict, str]:
     path = pathlib.Path(path).resolve()
     stat = path.stat()
-    return _read_tensors(str(path), stat.st_size, stat.st_mtime_ns)
+    return _read_file(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _read_tensors(path: str, size: int, mtime_ns: int) -> dict:  # size and mtime: a changed file is read again
+def _read_file(path: str, size: int, mtime_ns: int) -> tuple[dict, str]:  # size and mtime: a changed file is read again
     from gguf import GGUFReader
 
-    return {t.name: t for t in GGUFReader(path).tensors}
+    reader = GGUFReader(path)
+    field = reader.fields.get("general.architecture")
+    return {t.name: t for t in reader.tensors}, (str(field.contents()) if field is not None else "")
 
 
 _LAYER_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -97,11 +108,15 @@ def _head_name(tensors: dict, config: ModelConfig) -> str:
 def _linears_from_file(path: str | pathlib.Path, config: ModelConfig) -> dict[str, QuantWeight]:
     """``read_gguf_linears`` from the GGUF itself."""
     tensors = _tensors(path)
+    # llama.cpp's converter permutes q and k only for its "llama" architecture (Llama's and Mistral's files), as
+    # transformers' GGUF loader undoes it only there: a Qwen2 file's rows are in Hugging Face's order already.
+    permuted = _architecture(path) == "llama"
+    unpermute = _unpermute_rows if permuted else (lambda weight, num_heads: weight)
     out = {"lm_head": _blocks(tensors[_head_name(tensors, config)])}
     for i in range(config.num_layers):
         get = lambda name: _blocks(tensors[f"blk.{i}.{name}.weight"])  # noqa: E731
-        q = _unpermute_rows(get("attn_q"), config.num_heads)
-        k = _unpermute_rows(get("attn_k"), config.num_kv_heads)
+        q = unpermute(get("attn_q"), config.num_heads)
+        k = unpermute(get("attn_k"), config.num_kv_heads)
         out[f"layers.{i}.self_attn.qkv_proj"] = _cat([q, k, get("attn_v")])
         out[f"layers.{i}.self_attn.o_proj"] = get("attn_output")
         out[f"layers.{i}.mlp.gate_up_proj"] = _cat([get("ffn_gate"), get("ffn_up")])

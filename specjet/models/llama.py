@@ -315,6 +315,36 @@ def run_layers_deferred(layers, stack, x, cos, sin, batch: ForwardBatch, kv_cach
     return x, pending, outputs
 
 
+class _CheckpointTensors(dict):
+    """A checkpoint's tensors by name, which names what is missing and what was never read: a tensor of a variant
+    this model does not compute (an output projection's bias, an MLP's biases) would otherwise be dropped without
+    a word, and the model give another model's output."""
+
+    # Kept by some checkpoints and recomputed here (RoPE's frequencies).
+    IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+    def __init__(self, tensors: dict[str, torch.Tensor], tied: bool):
+        super().__init__(tensors)
+        self.tied = tied
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            hint = (" (config.json's tie_word_embeddings is false; where the checkpoint's head is its embedding, set it "
+                    "true)") if name == "lm_head.weight" and not self.tied else ""
+            raise ValueError(f"weight {name} is missing from the checkpoint{hint}")
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def check_all_read(self) -> None:
+        unread = sorted(n for n in set(self) - self.read
+                        if not n.endswith(self.IGNORED_SUFFIXES) and not (self.tied and n == "lm_head.weight"))
+        if unread:
+            raise ValueError(f"the checkpoint holds weights this model does not compute ({', '.join(unread[:4])}"
+                             f"{', ...' if len(unread) > 4 else ''}): a variant of the architecture specjet does not "
+                             "run, whose output it would get wrong")
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -493,7 +523,8 @@ class LlamaForCausalLM(nn.Module):
         no projection's (nor the head's) weight: each is left a meta tensor, for blocks that replace it whole
         (the GGUF's own)."""
         self.layer_stack = None  # it holds the old packed operands
-        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        sd = _CheckpointTensors({k.removeprefix("model."): v for k, v in state_dict.items()},
+                                self.config.tie_word_embeddings)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -512,6 +543,7 @@ class LlamaForCausalLM(nn.Module):
                 linear = self.get_submodule(name.removesuffix(".weight"))
                 linear.drop_float_weight()
                 loaded.add(name + "_t")
+                sd.read.update(parts)  # (replaced by blocks of the same weights)
                 return
             put(name, sd[parts[0]] if len(parts) == 1 else torch.cat([sd[part] for part in parts]))
 
@@ -535,6 +567,7 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        sd.check_all_read()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = None  # the old operand, for other weights

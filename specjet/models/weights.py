@@ -248,6 +248,7 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
     start = time.perf_counter()
+    rope = _gguf_rope(gguf)  # refuses a file specjet would not run before the long part
     with tqdm(total=3, desc=f"specjet: converting {name}", unit="stage") as bar:
         bar.set_postfix_str("read GGUF (tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
@@ -269,6 +270,8 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.architectures = config.architectures or [_causal_lm_class_name(config)]
+        for key, value in rope.items():
+            setattr(config, key, value)
         config.save_pretrained(out_dir)
         if generation_config is not None:
             generation_config.save_pretrained(out_dir)
@@ -281,6 +284,45 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
         _tidy_tokenizer_config(out_dir / "tokenizer_config.json")
         bar.update()
         bar.set_postfix_str(f"done in {time.perf_counter() - start:.1f} s")
+
+
+def _gguf_rope(gguf: pathlib.Path) -> dict:
+    """Config fields for the GGUF's RoPE scaling, which transformers' GGUF reader drops (a Llama 3.1/3.2 file's
+    ``rope_freqs`` tensor, a ``rope.scaling`` type): ``rope_parameters`` for linear scaling, ``rope_freq_factors``
+    (each frequency's divisor, as llama.cpp applies it) for the tensor. Refuses an architecture specjet does not run,
+    or a scaling it does not know, before anything is converted."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specjet.models.config import SUPPORTED_ARCHITECTURES
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except (ValueError, OSError, IndexError) as exc:  # numpy's errors on a short file ("cannot reshape ...")
+        raise ValueError(f"{gguf.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+    field = reader.fields.get("general.architecture")
+    arch = str(field.contents()) if field is not None else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{gguf.name}: GGUF architecture {arch!r} is not one specjet runs "
+                         f"({', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def value(key: str):
+        found = reader.fields.get(f"{arch}.{key}")
+        return None if found is None else found.contents()
+
+    out: dict = {}
+    kind = value("rope.scaling.type")
+    factor = value("rope.scaling.factor")
+    theta = float(value("rope.freq_base") or 10000.0)
+    if kind == "linear" and factor not in (None, 1.0):
+        out["rope_parameters"] = {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
+    elif kind not in (None, "none", "linear"):
+        raise ValueError(f"{gguf.name}: RoPE scaling {kind!r} is not supported from a GGUF (use the model's Hugging Face "
+                         "directory, whose rope_scaling specjet computes as transformers does)")
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        out["rope_freq_factors"] = [float(f) for f in np.asarray(factors.data, dtype=np.float32).reshape(-1)]
+    return out
 
 
 def _tensors_to_save(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

@@ -85,7 +85,7 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
 
     def texts() -> TokenTexts:
         if not token_texts:
-            token_texts.append(TokenTexts(engine.tokenizer))
+            token_texts.append(TokenTexts(engine.tokenizer, exact_token_bytes(engine)))
         return token_texts[0]
 
     def chat_logprobs(sp: dict, meta: dict) -> Optional[dict]:
@@ -644,3 +644,14 @@ def _param_in(message: str, sp: dict) -> Optional[str]:
         if head.startswith(name) or f" {name}" in head:
             return name
     return None
+
+
+def exact_token_bytes(engine) -> Optional[list[bytes]]:
+    """Each token id's bytes from the engine's grammar backend (xgrammar reads every tokenizer kind), where the
+    tokenizer is not byte-level BPE (whose pieces the byte alphabet reads exactly); None otherwise or without one."""
+    import xgrammar as xgr
+
+    backend = getattr(getattr(engine, "scheduler", None), "grammar_backend", None)
+    if backend is None or backend.tokenizer_info.vocab_type == xgr.VocabType.BYTE_LEVEL:
+        return None
+    return backend.token_bytes()

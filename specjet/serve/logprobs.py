@@ -33,12 +33,19 @@ class TokenTexts:
     token the model wrote, say), whose entries chat's layout leaves out and the completions' layout gives an empty
     text, so a reply's entries spell its text."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, token_bytes: Optional[list[bytes]] = None):
+        """``token_bytes``: each id's exact bytes (the grammar backend's decoded vocabulary), for a tokenizer that is
+        not byte-level BPE: a SentencePiece byte-fallback piece such as ``<0x0A>`` is all ASCII, and read through the
+        byte alphabet it was the text "<0x0A>", not a newline."""
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
         self.lookup = functools.lru_cache(maxsize=65536)(self._compute)
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        if self.token_bytes is not None and token_id not in self.special and 0 <= token_id < len(self.token_bytes):
+            raw = self.token_bytes[token_id]
+            return raw.decode("utf-8", errors="replace"), list(raw)
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         alphabet = _byte_alphabet()
         if isinstance(piece, str) and piece and all(c in alphabet for c in piece):
