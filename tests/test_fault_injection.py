@@ -482,11 +482,11 @@ def test_a_grammar_matcher_that_fails_to_start_ends_its_request_as_an_internal_e
         real = scheduler_module.RequestGrammar
         victims = {"calls": 0}
 
-        def failing_second(compiled):
+        def failing_second(compiled, *rule):
             victims["calls"] += 1
             if victims["calls"] == 2:  # the second request's matcher
                 raise RuntimeError("injected fault: no matcher")
-            return real(compiled)
+            return real(compiled, *rule)
 
         monkeypatch.setattr(scheduler_module, "RequestGrammar", failing_second)
         outs = bounded(eng.generate, ["first", "second"], params, rid=["a", "victim"])

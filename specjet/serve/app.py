@@ -433,9 +433,12 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
                         if item["meta_info"]["finish_reason"] is not None:
                             metas[i] = item["meta_info"]
                             unkept(body, item, tally, i)  # an error event in place of its finish
-                            for piece in finish_choice(i, text, sent[i], calls[i], item):
+                            pieces = finish_choice(i, text, sent[i], calls[i], item)
+                            # Every choice is counted: a client leaving from here on is no disconnect to count too.
+                            finished = all(m is not None for m in metas)
+                            for piece in pieces:
                                 yield piece
-                            if all(m is not None for m in metas):
+                            if finished:
                                 break
                     item = await stream.__anext__()
                 finished = True
