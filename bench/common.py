@@ -55,6 +55,7 @@ _ENGINE_FLAGS = {
     "disable_guided_drafting": "disable_guided_drafting",
     "disable_free_text_drafting": "disable_free_text_drafting",
     "enable_deterministic_inference": "enable_deterministic_inference",
+    "disable_canonical_forced_text": "disable_canonical_forced_text",
 }
 SPECULATIVE_KWARGS = tuple(kw for kw in _ENGINE_FLAGS.values() if kw.startswith("speculative_"))
 
@@ -84,6 +85,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--chunked-prefill-size", type=int, default=None,
                        help="prompts longer than this prefill in chunks (default 2048; -1: off)")
     group.add_argument("--random-seed", type=int, default=None)
+    group.add_argument("--disable-canonical-forced-text", action="store_true", default=None,
+                       help="a grammar's forced text in any tokens the model picks (default: the tokenizer's split)")
     group.add_argument("--enable-deterministic-inference", default=None, type=_parse_bool, metavar="{true,false}",
                        help="batch-invariant attention on CPU (default true; false: SDPA, faster at large batches)")
     spec = parser.add_argument_group("speculative decoding (engine defaults where unset)")

@@ -12,25 +12,14 @@ import torch
 import xgrammar as xgr
 
 import specjet
-from specjet.grammar import GrammarBackend, RequestGrammar, allocate_token_bitmask, bitmask_popcount
+from specjet.grammar import RequestGrammar, allocate_token_bitmask, bitmask_popcount
 from specjet.spec_v2.grammar_guide import GrammarGuide
-from test_spec_grammar import VOCAB_SIZE, check_valid, masked_two_token_tv
+from test_spec_grammar import VOCAB_SIZE, backend, check_valid, masked_two_token_tv  # noqa: F401 (a fixture)
 
 # Keys are forced text; the values leave the model a choice (a short string, an enum, a digit).
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6}, "size": {"enum": ["small", "large"]},
     "count": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["name", "size", "count"]}
-
-
-@pytest.fixture(scope="module")
-def backend(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    backend = GrammarBackend(tokenizer, VOCAB_SIZE)
-    backend.tokenizer = tokenizer
-    yield backend
-    backend.shutdown()
 
 
 def rule_token(tokenizer, matcher: xgr.GrammarMatcher):
@@ -142,11 +131,11 @@ def test_engines_write_forced_text_in_the_tokenizers_tokens_and_speculation_stay
     assert sum(forced_states(backend.tokenizer, compiled, out)[1] for out in ids["off"]) > 0
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", None])
-def test_sampling_after_forced_text_matches_the_masked_target(tiny_model_dir, backend, algorithm):
+def test_sampling_after_forced_text_matches_the_masked_target(tiny_model_dir, backend):
     """1000 seeded draws under a regex that forces '{"ab": ' before free letters: the tokens the rule writes come
-    first in every draw (where the mask alone let the model spell the text otherwise, '{' then '"'), and the next
-    two follow the exact grammar-masked top-k distribution after them."""
+    first in every draw (where the mask alone let the model spell the text otherwise, '{' then '"'), the next two
+    follow the exact grammar-masked top-k distribution after them, and plain decoding, the default engine's guided
+    drafts and NGRAM give the same ids draw for draw (each sampled token has its position's coin)."""
     regex = r'\{"ab": ( ?[abc]){2,8}'
     prompt = '{"ab": a b c {"ab": acc cb {"ab": b a'
     compiled = backend.compile("regex", regex).result()
@@ -159,13 +148,17 @@ def test_sampling_after_forced_text_matches_the_masked_target(tiny_model_dir, ba
     RequestGrammar(compiled).fill_next_token_bitmask(first, 0)
     assert int(bitmask_popcount(first)[0]) > 1  # the mask alone allows other spellings
     n, k = 1000, len(ruled)
-    kw = dict(speculative_algorithm=algorithm) if algorithm else {}
-    with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=8192, dtype="float32", **kw) as eng:
-        prompt_ids = eng.tokenizer(prompt)["input_ids"]
-        params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": k + 2, "regex": regex, "seed": s}
-                  for s in range(n)]
-        outs = eng.generate([prompt] * n, params)
-        eng.check_kv_invariant()
-    assert all(o["output_ids"][:k] == ruled for o in outs)
-    tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs, top_k=3)
+    params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": k + 2, "regex": regex, "seed": s} for s in range(n)]
+    outs = {}
+    for name, kw in (("plain", dict(disable_guided_drafting=True)), ("guided", {}),
+                     ("ngram", dict(speculative_algorithm="NGRAM"))):
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=8192, dtype="float32", **kw) as eng:
+            prompt_ids = eng.tokenizer(prompt)["input_ids"]
+            outs[name] = eng.generate([prompt] * n, params)
+            eng.check_kv_invariant()
+    ids = {name: [o["output_ids"] for o in out] for name, out in outs.items()}
+    assert ids["guided"] == ids["plain"] and ids["ngram"] == ids["plain"]
+    assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in outs["ngram"]) > n // 20  # drafts were taken
+    assert all(out[:k] == ruled for out in ids["plain"])
+    tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs["plain"], top_k=3)
     assert tv < 0.07, tv

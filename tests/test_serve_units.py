@@ -20,6 +20,7 @@ from specjet.serve import chat
 from specjet.serve.app import create_app
 from specjet.serve.body_limit import BodyLimit
 from specjet.serve.cli import build_parser, engine_kwargs
+from specjet.serve.errors import ApiError
 from specjet.serve.protocol import ChatCompletionRequest
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -131,6 +132,18 @@ def test_required_and_named_schemas():
     named = {"type": "function", "function": {"name": "add"}}
     sp, plan = chat.chat_params(request(tools=[ADD], tool_choice=named, parallel_tool_calls=True))
     assert not plan.parallel and not _is_grammar_accept_string(xgr.Grammar.from_ebnf(sp["ebnf"]), call + "\n" + call)
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_schema_the_grammar_would_enforce_as_another_is_refused(choice):
+    """As a json_schema is (grammar/compiler_holes.py): the tools' grammar is spliced from xgrammar's conversion, which
+    would enforce a pattern matching a quote, or an integer const beyond 2**53, as something else."""
+    for params in ({"type": "object", "properties": {"s": {"type": "string", "pattern": '^a"b$'}}},
+                   {"type": "object", "properties": {"n": {"const": 9007199254740993}}}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(ApiError) as refused:
+            chat.chat_params(request(tools=[tool], tool_choice=choice))
+        assert refused.value.param == "tools" and "tools[f].function.parameters" in str(refused.value), refused.value
 
 
 def test_a_response_format_beside_tools_shapes_the_answer_and_leaves_the_calls():

@@ -143,7 +143,7 @@ class GrammarBackend:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._token_bytes: list[bytes] | None = None
         # The forced-text rule every request's grammar applies (forced_tokens.py), or None: the model chooses.
-        self.forced_tokens = ForcedTokens(text_to_ids(tokenizer)) if canonical_forced_text else None
+        self.forced_tokens = ForcedTokens(text_to_ids(tokenizer), self.token_bytes) if canonical_forced_text else None
         # xgrammar's own cache stays on: it shares compiled sub-rules across different schemas
         # (about 2.5x faster over the dev set). max_threads is xgrammar's parallelism inside one
         # compile.

@@ -52,10 +52,25 @@ def text_to_ids(tokenizer) -> Callable[[str], list[int]]:
 
 
 class ForcedTokens:
-    """The rule above for one tokenizer: ``next_token`` of a matcher's state, and masks rewritten by it."""
+    """The rule above for one tokenizer: ``next_token`` of a matcher's state, and masks rewritten by it.
 
-    def __init__(self, tokenize: Callable[[str], list[int]]):
+    ``token_bytes`` (each id's bytes) checks a split: a tokenizer that writes something before every text it splits
+    (SentencePiece's "▁") gives splits that do not spell the forced text, and for those the rule forces nothing."""
+
+    def __init__(self, tokenize: Callable[[str], list[int]], token_bytes: Callable[[], list[bytes]] | None = None):
         self.tokenize = tokenize
+        self.token_bytes = token_bytes
+        self._first = functools.lru_cache(maxsize=TOKENIZE_CACHE_TEXTS)(self._first_of)
+
+    def _first_of(self, text: str) -> Optional[int]:
+        ids = self.tokenize(text)
+        if len(ids) < 2:
+            return None
+        if self.token_bytes is not None:
+            vocab = self.token_bytes()
+            if any(i >= len(vocab) for i in ids) or b"".join(vocab[i] for i in ids) != text.encode("utf-8"):
+                return None
+        return ids[0]
 
     def next_token(self, matcher: xgr.GrammarMatcher, compiled: xgr.CompiledGrammar) -> Optional[int]:
         """The token the rule forces at ``matcher``'s state, or None where the model chooses. Not checked against
@@ -64,10 +79,7 @@ class ForcedTokens:
         if matcher.is_terminated() or not jump_forward_is_safe(compiled):
             return None
         text = matcher.find_jump_forward_string()
-        if not text:
-            return None
-        ids = self.tokenize(text[:_SPLIT_CHARS])
-        return ids[0] if len(ids) >= 2 else None
+        return self._first(text[:_SPLIT_CHARS]) if text else None
 
     def restrict(self, matcher: xgr.GrammarMatcher, compiled: xgr.CompiledGrammar, bitmask: torch.Tensor,
                  index: int) -> None:

@@ -115,18 +115,29 @@ class RequestGrammar:
         words = bitmask.numpy().view(np.uint32)
         matcher, forced, compiled = self._matcher, self.forced, self.compiled
 
-        def visit(node: int) -> None:  # the matcher has taken the path root..node
-            forced.restrict(matcher, compiled, bitmask, node)
-            row, child = words[node], next_token[node]
-            while child >= 0:
-                token = tokens[child]
-                if ((token >> 5) < row.shape[0] and (int(row[token >> 5]) >> (token & 31)) & 1
-                        and not matcher.is_terminated() and matcher.accept_token(token)):
-                    visit(child)
-                    matcher.rollback(1)
-                child = next_sibling[child]
-
-        visit(0)
+        depth = 0  # tokens the matcher has taken on the walk's current path (rolled back at the end, whatever happens)
+        stack = [(0, -1, 0)]  # (node, its parent, the depth its parent's state is at)
+        try:
+            while stack:
+                node, parent, parent_depth = stack.pop()
+                if node > 0:
+                    if depth > parent_depth:
+                        matcher.rollback(depth - parent_depth)
+                        depth = parent_depth
+                    token, row = tokens[node], words[parent]
+                    if not ((token >> 5) < row.shape[0] and (int(row[token >> 5]) >> (token & 31)) & 1
+                            and not matcher.is_terminated() and matcher.accept_token(token)):
+                        continue
+                    depth += 1
+                forced.restrict(matcher, compiled, bitmask, node)
+                children, child = [], next_token[node]
+                while child >= 0:
+                    children.append(child)
+                    child = next_sibling[child]
+                stack.extend((c, node, depth) for c in reversed(children))
+        finally:
+            if depth:
+                matcher.rollback(depth)
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The tokens that end the grammar (the tokenizer's stop tokens), looked up once per request (forks get

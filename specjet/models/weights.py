@@ -185,7 +185,8 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
     """
     gguf = gguf.resolve()
     models = specjet_cache_dir() / "models"
-    target = models / _cache_key(gguf, models)
+    key = _cache_key(gguf, models)
+    target = models / f"{key}-{CONVERSION}"
     if (target / "config.json").is_file():
         return target
     _writable_cache(models)
@@ -204,7 +205,14 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
                 # A process that did not take the lock (e.g. no fcntl) got there first; keep its copy.
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if (models / key / "config.json").is_file():  # an earlier conversion's copy of the same file
+            shutil.rmtree(models / key, ignore_errors=True)
     return target
+
+
+# The conversion's version, in its directory's name: a GGUF converted by an earlier one is converted again (the
+# second kept the file's RoPE scaling, which the first dropped).
+CONVERSION = "c2"
 
 
 def _make_readable(directory: pathlib.Path) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from specjet.engine.choices import MAX_CHOICES
+from specjet.grammar.compiler_holes import schema_hole
 from specjet.serve import logprobs
 from specjet.serve.errors import bad_request
 from specjet.serve.protocol import (COMPLETION_MAX_TOKENS, AssistantMessage, ChatCompletionRequest, CompletionRequest,
@@ -33,8 +34,9 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 @dataclass
 class ToolPlan:
-    """How a chat request's reply is read back: ``mode`` None (plain text), "json" (bare JSON
-    calls, for required / named) or "tagged" (auto: text with <tool_call> blocks)."""
+    """How a chat request's reply is read back: ``mode`` None (plain text), "tagged" (<tool_call> blocks: required,
+    named, and auto's text with them) or "json" (one bare JSON call: required / named where the tools' schemas could
+    not be spliced into one grammar)."""
     mode: Optional[str] = None
     parallel: bool = True
     names: set[str] = field(default_factory=set)
@@ -166,6 +168,11 @@ def _call_schema(function) -> dict[str, Any]:
     they would name its root (a nested pydantic model's tool was refused for a $defs it could not find)."""
     params = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
     _check_schema(params, f"tools[{function.name}].function.parameters")
+    # Refused as a json_schema is (grammar/compiler_holes.py): the tools' EBNF is spliced from xgrammar's own
+    # conversion, which would enforce such a schema as another.
+    hole = schema_hole(params)
+    if hole is not None:
+        raise bad_request(f"tools[{function.name}].function.parameters: {hole}", "tools")
     return {"type": "object", "properties": {"name": {"const": function.name},
                                              "arguments": _rebased_refs(params, "#/properties/arguments")},
             "required": ["name", "arguments"]}
@@ -352,9 +359,9 @@ def _call_text(call: dict[str, Any]) -> str:
     args = (call.get("function") or {}).get("arguments", "{}")
     parsed = _call_arguments(call)
     if isinstance(args, str) and isinstance(parsed, dict):
-        body = f'{{"name": {json.dumps(name)}, "arguments": {args.strip()}}}'
-    else:
-        body = json.dumps({"name": name, "arguments": parsed})
+        body = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args.strip()}}}'
+    else:  # (as the grammar writes JSON: characters as they are)
+        body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
     return f"{TOOL_OPEN}\n{body}\n{TOOL_CLOSE}"
 
 

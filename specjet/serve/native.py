@@ -140,7 +140,9 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         texts = token_text if body.return_text_in_logprobs else None
         if body.stream:
             stream = await calls.door(lambda: engine.async_generate(**kwargs, stream=True), first_sp, "text")
-            return StreamingResponse(_events(stream, tally, texts), media_type="text/event-stream")
+            batch = body._batch()
+            choices = (1 if batch is None else len(batch)) * parallel_samples(body.sampling_params)
+            return StreamingResponse(_events(stream, tally, texts, choices), media_type="text/event-stream")
         result = await calls.until_disconnected(
             request, lambda: calls.door(lambda: engine.async_generate(**kwargs), first_sp, "text"))
         for index, item in enumerate(result if isinstance(result, list) else [result]):
@@ -160,14 +162,16 @@ def add_native_routes(router: APIRouter, engine, calls, model_path: str | None, 
         """A token's text as SGLang's logprobs give it (the tokenizer's decode of the token alone)."""
         return engine.tokenizer.decode([token_id])
 
-    async def _events(stream, tally, texts):
-        accumulator, finished = Accumulator(), False
+    async def _events(stream, tally, texts, choices: int):
+        accumulator, finished, ended = Accumulator(), False, 0
         try:
             async for chunk in stream:
                 event = chunk if incremental else accumulator.whole(chunk)
                 if chunk["meta_info"].get("finish_reason") is not None:
                     # its completion_tokens are the request's, whole or not
                     calls.record(event, tally, chunk.get("index", 0))
+                    ended += 1
+                    finished = ended >= choices  # all counted: a client leaving now is no disconnect to count too
                 if texts is not None:
                     event = with_token_texts(event, texts)
                 yield f"data: {_json(event)}\n\n"

@@ -66,7 +66,8 @@ class GrammarGuide:
         ids: list[int] = []
         try:
             while len(ids) < max_len and (token := self.grammar.forced_token()) is not None:
-                self.grammar.accept_token(token)
+                if not self.grammar.accept_token(token):
+                    break
                 ids.append(token)
         finally:
             self.grammar.rollback(len(ids))
@@ -104,10 +105,24 @@ class GrammarGuide:
         return ChainWalk(self, path)
 
     def legal_prefix_len(self, prefix: list[int], tokens: list[int]) -> int:
-        """How many of `tokens` the grammar accepts after `prefix` (itself assumed legal)."""
-        taken = self.grammar.accept_tokens(list(prefix) + list(tokens))
-        self.grammar.rollback(taken)
-        return max(0, taken - len(prefix))
+        """How many of `tokens` the grammar accepts after `prefix` (itself assumed legal), under the forced-text
+        rule where the grammar has it (a token other than the one it forces is not accepted: its node would be
+        pruned at verification, and an n-gram branch spelling forced text the request's old way is cut there)."""
+        grammar = self.grammar
+        taken = grammar.accept_tokens(prefix)
+        try:
+            if taken < len(prefix):
+                return 0
+            more = 0
+            for token in tokens:
+                forced = grammar.forced_token() if grammar.forced is not None else None
+                if (forced is not None and forced != token) or not grammar.accept_token(token):
+                    break
+                more += 1
+                taken += 1
+            return more
+        finally:
+            grammar.rollback(taken)
 
     # ------------------------------------------------------------------ verification
     def mask_tree(self, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:

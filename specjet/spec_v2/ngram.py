@@ -156,7 +156,9 @@ class NgramDrafter:
         constrained model often spells differently ('a', 'rg', 'um', 'en', 't', 's' where the
         tokenizer says 'a', 'rguments'). So a legal continuation matched from the sequence itself
         that leaves the chain within the chain's length goes first: once the request has written
-        that text before, its own spelling is the better guess. The chain's branch follows.
+        that text before, its own spelling is the better guess. The chain's branch follows. (Under the
+        forced-text rule, grammar/forced_tokens.py, ``legal_len`` cuts a branch where it leaves the rule's
+        tokens, so no other spelling is drafted: the model writes the tokenizer's.)
 
         A request's predicted output, where its last tokens (and the chain) match it, gives the first
         branch after those: the caller's own guess at the reply."""
