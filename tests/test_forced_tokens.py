@@ -162,3 +162,32 @@ def test_sampling_after_forced_text_matches_the_masked_target(tiny_model_dir, ba
     assert all(out[:k] == ruled for out in ids["plain"])
     tv = masked_two_token_tv(tiny_model_dir, backend, regex, prompt_ids, outs["plain"], top_k=3)
     assert tv < 0.07, tv
+
+
+def test_n_gram_branches_keep_to_the_rule_and_a_split_that_does_not_spell_the_text_forces_nothing(backend):
+    """``legal_prefix_len`` stops at a token other than the one the rule forces (such a node is pruned at verify,
+    and its branch only took the budget of the sure chain); a tokenizer whose split of a text is not that text (a
+    SentencePiece "▁" before it) gets no rule: its first token would be illegal, or a lone space where the model
+    writes " x"."""
+    from specjet.grammar.forced_tokens import ForcedTokens, text_to_ids
+
+    compiled = backend.compile("json_schema", json.dumps(SCHEMA)).result()
+    guide = GrammarGuide(RequestGrammar(compiled, backend.forced_tokens), VOCAB_SIZE, None)
+    chain = guide.forced_chain(16)
+    brace, quote = (backend.tokenizer.encode(c, add_special_tokens=False)[0] for c in '{"')
+    assert guide.legal_prefix_len([], chain) == len(chain)
+    assert guide.legal_prefix_len([], [brace, quote]) == 0
+    assert guide.legal_prefix_len(chain[:1], chain[1:]) == len(chain) - 1
+    assert GrammarGuide(RequestGrammar(compiled), VOCAB_SIZE, None).legal_prefix_len([], [brace, quote]) == 2
+
+    split = text_to_ids(backend.tokenizer)
+    space = backend.tokenizer.encode(" ", add_special_tokens=False)[0]
+    prefixed = ForcedTokens(lambda text: [space] + split(text), backend.token_bytes)
+    row, plain_row = allocate_token_bitmask(1, VOCAB_SIZE), allocate_token_bitmask(1, VOCAB_SIZE)
+    ruled, plain = RequestGrammar(compiled, prefixed), RequestGrammar(compiled)
+    assert ruled.accept_tokens(chain) == plain.accept_tokens(chain) == len(chain)  # '{"name":', before ' "'
+    assert xgr.GrammarMatcher(compiled).find_jump_forward_string().startswith('{"name": "')
+    ruled.fill_next_token_bitmask(row, 0)
+    plain.fill_next_token_bitmask(plain_row, 0)
+    assert allowed(plain_row).count(space) == 1  # a lone space is legal here: the prefixed split's first token
+    assert torch.equal(row, plain_row) and int(bitmask_popcount(row)[0]) > 1
