@@ -101,8 +101,10 @@ def test_generation_configs_end_of_turn_ids_end_replies(tmp_path, default_model_
                                                                                             first[1]])))
     with specjet.Engine(model_path=str(model_dir), max_total_tokens=1024) as eng:
         out = eng.generate("Hello there", params)
+        stops = eng.scheduler.grammar_backend.tokenizer_info.stop_token_ids  # a grammar may end with it too
         eng.check_kv_invariant()
     assert out["output_ids"] == first[:2] and out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert first[1] in stops and config["eos_token_id"] in stops
 
 
 def test_a_bos_the_chat_template_wrote_is_not_added_again(tmp_path, default_model_dir):

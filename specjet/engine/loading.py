@@ -102,7 +102,8 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
                          gguf_path=gguf_path if quantization == "gguf" else None, kv_cache_dtype=args.kv_cache_dtype)
     grammar = GrammarBackend(tokenizer, config.vocab_size, compile_timeout_s=args.grammar_compile_timeout,
                              max_spec_bytes=args.grammar_max_spec_bytes,
-                             canonical_forced_text=not args.disable_canonical_forced_text)
+                             canonical_forced_text=not args.disable_canonical_forced_text,
+                             stop_token_ids=config.eos_token_ids)
     sched_config = SchedulerConfig(
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,

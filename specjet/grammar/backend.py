@@ -129,6 +129,7 @@ class GrammarBackend:
         max_spec_depth: int = DEFAULT_MAX_SPEC_DEPTH,
         max_abandoned_compiles: int = DEFAULT_MAX_ABANDONED_COMPILES,
         canonical_forced_text: bool = True,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         if compile_timeout_s is not None and not compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be positive or None, got {compile_timeout_s!r}")
@@ -141,6 +142,12 @@ class GrammarBackend:
         # vocab_size is the model's: its LM head may be wider than the tokenizer's vocabulary
         # (padding rows), and the token bitmask must cover every logit.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # The model's own end-of-turn ids (generation_config.json's: Llama 3's <|eot_id|>) end a grammar too, beside
+        # those xgrammar finds in the tokenizer.
+        stops = sorted(set(self.tokenizer_info.stop_token_ids) | {t for t in stop_token_ids if 0 <= t < vocab_size})
+        if stops != sorted(self.tokenizer_info.stop_token_ids):
+            self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                     stop_token_ids=stops)
         self._token_bytes: list[bytes] | None = None
         # The forced-text rule every request's grammar applies (forced_tokens.py), or None: the model chooses.
         self.forced_tokens = ForcedTokens(text_to_ids(tokenizer), self.token_bytes) if canonical_forced_text else None
