@@ -773,6 +773,28 @@ def test_openai_fields_that_change_nothing_and_nulls_are_accepted(server):
     kv_ok(server)
 
 
+def test_refused_requests_are_counted_by_status_and_code(server):
+    """A request refused at the door has no finish reason: /metrics counted nothing for it, so an operator could not
+    see a client's stream of 400s or a full queue's 503s."""
+    def refused() -> dict:
+        samples = parse_prometheus(httpx.get(server.url + "/metrics").text)
+        return {k: v for k, v in samples.items() if k.startswith("specjet_requests_refused_total")}
+
+    before = refused()
+    hi = [{"role": "user", "content": "hi"}]
+    for body in ({"messages": hi, "seed": -1}, {"messages": hi, "nonsense": 1}, {"messages": hi, "max_tokens": 10**9}):
+        assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 400
+    assert httpx.post(server.url + "/v1/chat/completions", content=b"{", timeout=60,
+                      headers={"content-type": "application/json"}).status_code == 400
+    after = refused()
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew == {'specjet_requests_refused_total{status="400",code="invalid_value"}': 1,
+                    'specjet_requests_refused_total{status="400",code="unknown_parameter"}': 1,
+                    'specjet_requests_refused_total{status="400",code="context_length_exceeded"}': 1,
+                    'specjet_requests_refused_total{status="400",code="invalid_json"}': 1}, grew
+    kv_ok(server)
+
+
 def test_bad_requests_fail_alone_beside_a_running_stream(server):
     """Each body that session 106 turned from a 500 (or a silent wrong answer) into a 400, sent while another
     request streams: each is refused naming its problem, and the stream beside them runs to its end."""

@@ -94,6 +94,8 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
     # ------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError):
+        if not error.recorded:  # (an engine abort's error was counted with its finish reason)
+            metrics.record_refused(error.status, error.code or error.type)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -103,12 +105,14 @@ def create_app(engine, model_name: str, api_key: Optional[str] = None, debug_end
         if first.get("type") == "json_invalid":  # its loc is the character where parsing failed
             where = first.get("loc", ())[-1]
             message = f"the body is not valid JSON ({first.get('msg')} at character {where})"
+            metrics.record_refused(400, "invalid_json")
             return JSONResponse(bad_request(message, None, "invalid_json").body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                             for e in problems[:5])
         code = "unknown_parameter" if first.get("type") == "extra_forbidden" else "invalid_value"
+        metrics.record_refused(400, code)
         return JSONResponse(bad_request(message, param, code).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

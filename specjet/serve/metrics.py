@@ -16,6 +16,13 @@ class Metrics:
         self.requests = Counter()  # finish reason -> requests (stop, length, tool_calls, abort, error)
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.refused = Counter()  # (HTTP status, error code) -> requests answered with an error before any engine work
+
+    def record_refused(self, status: int, code: str | None) -> None:
+        """A request refused at the door (a 400 for a bad body, a 503 for a full queue, a 401): no finish reason of
+        its own, so an operator sees the refusal rate here."""
+        with self._lock:
+            self.refused[(int(status), code or "error")] += 1
 
     def record(self, finish_reason: str | None, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         with self._lock:
@@ -41,9 +48,12 @@ class Metrics:
 
         with self._lock:
             by_reason = sorted(self.requests.items())
+            refused = sorted(self.refused.items())
             prompt, completion = self.prompt_tokens, self.completion_tokens
         metric("requests_total", "counter", "Requests answered, by finish reason.",
                [(f'{{finish_reason="{reason}"}}', n) for reason, n in by_reason])
+        metric("requests_refused_total", "counter", "Requests refused before any engine work, by status and code.",
+               [(f'{{status="{status}",code="{code}"}}', n) for (status, code), n in refused])
         metric("prompt_tokens_total", "counter", "Prompt tokens of answered requests (engine aborts included).",
                [("", prompt)])
         metric("generation_tokens_total", "counter", "Completion tokens of answered requests (engine aborts included).",
