@@ -4,8 +4,8 @@ choose how it is split.
 A grammar often forces text: a JSON schema's keys and punctuation (``{"name": "``), a tool call's name, a
 const. Decoding token by token under the mask alone lets the model spell that text in any tokens that spell
 it, and a small model pushed off its preferred layout (a newline after ``{``, which the compact layout
-forbids) takes ``{`` then ``"`` where its tokenizer writes ``{"``, or ``g`` then ``et`` for ``get``: on the
-JSON dev set about half of the forced spans came out split so. Every later token is then conditioned on a
+forbids) takes ``{`` then ``"`` where its tokenizer writes ``{"``, or ``g`` then ``et`` for ``get`` (how often:
+bench/RESULTS.md, session 111). Every later token is then conditioned on a
 split the model never saw in training, a draft of the tokenizer's split is rejected there, and the text sent
 back in the next turn (re-tokenized) no longer matches the tokens the prefix cache holds.
 

@@ -15,7 +15,7 @@ import torch
 import xgrammar as xgr
 
 from specjet.grammar.forced_text import jump_forward_is_safe
-from specjet.grammar.forced_tokens import ForcedTokens, restrict_row
+from specjet.grammar.forced_tokens import ForcedTokens
 from specjet.kernels import cpu_ops
 from specjet.kernels.token_bitmask import allowed_counts
 
