@@ -146,12 +146,19 @@ def test_a_gguf_computed_with_its_own_blocks_matches_its_float_weights(tmp_path,
     for quantization in (None, "gguf"):
         with specjet.Engine(model_path=str(path), dtype="float32", quantization=quantization,
                             max_total_tokens=1024) as eng:
-            outs[quantization] = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            outs[quantization] = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                              top_logprobs_num=5)
     for float_out, block_out in zip(outs[None], outs["gguf"]):
-        assert float_out["output_ids"][:4] == block_out["output_ids"][:4]
-        first = [lp for lp, _, _ in float_out["meta_info"]["output_token_logprobs"][:4]]
-        blocks = [lp for lp, _, _ in block_out["meta_info"]["output_token_logprobs"][:4]]
-        assert max(abs(a - b) for a, b in zip(first, blocks)) < 0.3, (first, blocks)
+        # The first token's distribution (its top 5 from each path; robust to a near-tie's flip, on any CPU), then
+        # each token's logprob while the two paths agree on the ids.
+        tops = [{t: lp for lp, t, _ in out["meta_info"]["output_top_logprobs"][0]} for out in (float_out, block_out)]
+        shared = set(tops[0]) & set(tops[1])
+        assert len(shared) >= 3 and max(abs(tops[0][t] - tops[1][t]) for t in shared) < 0.3, tops
+        for (a, ta, _), (b, tb, _) in zip(float_out["meta_info"]["output_token_logprobs"],
+                                           block_out["meta_info"]["output_token_logprobs"]):
+            assert abs(a - b) < 0.3, (a, b)
+            if ta != tb:
+                break
 
 
 def test_a_ggufs_rope_frequency_factors_are_applied(tmp_path, default_model_dir, monkeypatch):
