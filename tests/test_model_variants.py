@@ -95,6 +95,7 @@ def test_generation_configs_end_of_turn_ids_end_replies(tmp_path, default_model_
     params = {"temperature": 0, "max_new_tokens": 8}
     with specjet.Engine(model_path=str(model_dir), max_total_tokens=1024) as eng:
         first = eng.generate("Hello there", params)["output_ids"]
+        eng.check_kv_invariant()
     assert len(first) == 8 and first[0] != first[1]
     config = json.loads((model_dir / "generation_config.json").read_text())
     (model_dir / "generation_config.json").write_text(json.dumps(dict(config, eos_token_id=[config["eos_token_id"],
@@ -148,6 +149,7 @@ def test_a_gguf_computed_with_its_own_blocks_matches_its_float_weights(tmp_path,
                             max_total_tokens=1024) as eng:
             outs[quantization] = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
                                               top_logprobs_num=5)
+            eng.check_kv_invariant()
     for float_out, block_out in zip(outs[None], outs["gguf"]):
         # The first token's distribution (its top 5 from each path; robust to a near-tie's flip, on any CPU), then
         # each token's logprob while the two paths agree on the ids.
