@@ -1005,3 +1005,16 @@ def test_native_generate_passes_a_null_max_new_tokens_to_the_engine():
                                                                               {"max_new_tokens": 3}]})
         client.post("/generate", json={"text": "a", "sampling_params": {"temperature": 0}})
     assert seen == [{"max_new_tokens": None}, [{"max_new_tokens": None}, {"max_new_tokens": 3}], {"temperature": 0}]
+
+
+def test_the_served_model_name_is_the_model_paths_last_part_as_it_resolves(tmp_path, monkeypatch):
+    """``specjet serve --model-path .`` answered as model "." (the path's text, not the folder it names)."""
+    from specjet.serve.cli import served_model_name
+
+    model = tmp_path / "my-llama"
+    model.mkdir()
+    monkeypatch.chdir(model)
+    assert served_model_name(None, ".") == "my-llama"
+    assert served_model_name(None, str(model) + "/") == "my-llama"
+    assert served_model_name(None, str(tmp_path / "tiny.Q4_1.gguf")) == "tiny.Q4_1.gguf"
+    assert served_model_name("mine", ".") == "mine" and served_model_name(None, None) == "SmolLM2-135M-Instruct"

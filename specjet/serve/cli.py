@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import pathlib
 import socket
 import sys
 from typing import Any, Optional, Sequence
@@ -118,8 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (TypeError, ValueError, OSError) as error:  # OSError: a model or draft path that is not there
         print(f"specjet serve: {error}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or (os.path.basename(str(kwargs["model_path"]).rstrip("/"))
-                                    if kwargs.get("model_path") else "SmolLM2-135M-Instruct")
+    name = served_model_name(ns.served_model_name, kwargs.get("model_path"))
     app = BodyLimit(create_app(engine, name, api_key=ns.api_key, debug_endpoints=ns.debug_endpoints,
                                incremental_streaming_output=ns.incremental_streaming_output,
                                allowed_origins=ns.allowed_origins),
@@ -143,3 +143,13 @@ def console_main() -> int:
         print(usage, file=sys.stderr)
         return 2
     return main(sys.argv[2:])
+
+
+def served_model_name(given: str | None, model_path: str | None) -> str:
+    """The model id the server answers with: ``--served-model-name``, else the model path's last part as it
+    resolves (``--model-path .`` is the current folder's name, not "."), else the default model's name."""
+    if given:
+        return given
+    if not model_path:
+        return "SmolLM2-135M-Instruct"
+    return pathlib.Path(model_path).expanduser().resolve().name or str(model_path)
