@@ -814,12 +814,16 @@ def test_bad_requests_fail_alone_beside_a_running_stream(server):
         "response_format.json_schema.schema": {"messages": hi, "response_format": {
             "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}},
         "tools": {"messages": hi, "tools": [bad_tool]},
+        # a schema xgrammar would enforce as another (a pattern matching a quote), on the named call's grammar
+        "tools ": {"messages": hi, "tools": [{"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"s": {"type": "string", "pattern": '^a"b$'}}}}}],
+                   "tool_choice": {"type": "function", "function": {"name": "g"}}},
         "tool_choice": {"messages": hi, "tools": [], "tool_choice": "required"},
         "seed": {"messages": hi, "seed": -1},
     }
     for param, body in bodies.items():
         r = httpx.post(server.url + "/v1/chat/completions", json=dict(body, max_tokens=4), timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param.strip(), (param, r.text)
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"content-type": "application/json"},
                    content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}')
     assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text

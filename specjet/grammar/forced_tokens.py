@@ -23,9 +23,6 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-import xgrammar as xgr
-
-from specjet.grammar.forced_text import jump_forward_is_safe
 
 # Forced texts repeat (a schema's keys and punctuation, every object): their splits are kept, up to this many
 # texts of up to this many characters (a bounded cache, ~1 MB at most).
@@ -52,7 +49,7 @@ def text_to_ids(tokenizer) -> Callable[[str], list[int]]:
 
 
 class ForcedTokens:
-    """The rule above for one tokenizer: ``next_token`` of a matcher's state, and masks rewritten by it.
+    """The rule above for one tokenizer: ``first_token`` of a forced text (``RequestGrammar`` applies it to its masks).
 
     ``token_bytes`` (each id's bytes) checks a split: a tokenizer that writes something before every text it splits
     (SentencePiece's "▁") gives splits that do not spell the forced text, and for those the rule forces nothing."""
@@ -72,22 +69,10 @@ class ForcedTokens:
                 return None
         return ids[0]
 
-    def next_token(self, matcher: xgr.GrammarMatcher, compiled: xgr.CompiledGrammar) -> Optional[int]:
-        """The token the rule forces at ``matcher``'s state, or None where the model chooses. Not checked against
-        the grammar: ``restrict`` keeps it only where the state's mask allows it (a tokenizer that prefixes a
-        space to every split forces nothing)."""
-        if matcher.is_terminated() or not jump_forward_is_safe(compiled):
-            return None
-        text = matcher.find_jump_forward_string()
+    def first_token(self, text: str) -> Optional[int]:
+        """The token the rule forces where ``text`` is the grammar's forced text ("" where it forces none), or None
+        where the model chooses. A prefix of the forced text, so the grammar takes it."""
         return self._first(text[:_SPLIT_CHARS]) if text else None
-
-    def restrict(self, matcher: xgr.GrammarMatcher, compiled: xgr.CompiledGrammar, bitmask: torch.Tensor,
-                 index: int) -> None:
-        """Row ``index`` of ``bitmask``, filled for ``matcher``'s state, allows only the forced token if there is
-        one (and the row allows it)."""
-        token = self.next_token(matcher, compiled)
-        if token is not None:
-            restrict_row(bitmask, index, token)
 
 
 def restrict_row(bitmask: torch.Tensor, index: int, token: int) -> bool:

@@ -15,7 +15,7 @@ import torch
 import xgrammar as xgr
 
 from specjet.grammar.forced_text import jump_forward_is_safe
-from specjet.grammar.forced_tokens import ForcedTokens
+from specjet.grammar.forced_tokens import ForcedTokens, restrict_row
 from specjet.kernels import cpu_ops
 from specjet.kernels.token_bitmask import allowed_counts
 
@@ -43,19 +43,23 @@ class RequestGrammar:
         Returns False when every token is allowed, so the row need not be applied.
         """
         needs_applying = self._matcher.fill_next_token_bitmask(bitmask, index)
-        if self.forced is not None and needs_applying:  # (a state allowing every token forces no text)
-            self.forced.restrict(self._matcher, self.compiled, bitmask, index)
+        if needs_applying:  # (a state allowing every token forces no text)
+            self.restrict_to_forced(bitmask, index)
         return needs_applying
 
     def forced_token(self) -> int | None:
-        """The token the forced-text rule writes next (None: the model chooses, or no rule)."""
-        if self.forced is None:
+        """The token the forced-text rule writes next (None: the model chooses, or no rule): the first of the
+        tokenizer's split of the forced text, which spells a prefix of it (``ForcedTokens`` checks), so the grammar
+        takes it."""
+        if self.forced is None or self._matcher.is_terminated():
             return None
-        token = self.forced.next_token(self._matcher, self.compiled)
-        if token is None or not self._matcher.accept_token(token):
-            return None
-        self._matcher.rollback(1)
-        return token
+        return self.forced.first_token(self.find_jump_forward_string())
+
+    def restrict_to_forced(self, bitmask: torch.Tensor, index: int) -> None:
+        """Row ``index`` of ``bitmask``, filled for this state, allows only the forced token where there is one."""
+        token = self.forced_token()
+        if token is not None:
+            restrict_row(bitmask, index, token)
 
     def allows_a_token(self) -> bool:
         """Whether any token may come next: False where the grammar matches no text from here (a regex such as
@@ -113,7 +117,7 @@ class RequestGrammar:
         rule's rows included) gets its state's restriction. A node that the rule's row of its parent now forbids,
         and its subtree, are not visited, as the walk leaves a forbidden node's (their rows are not read)."""
         words = bitmask.numpy().view(np.uint32)
-        matcher, forced, compiled = self._matcher, self.forced, self.compiled
+        matcher = self._matcher
 
         depth = 0  # tokens the matcher has taken on the walk's current path (rolled back at the end, whatever happens)
         stack = [(0, -1, 0)]  # (node, its parent, the depth its parent's state is at)
@@ -129,7 +133,7 @@ class RequestGrammar:
                             and not matcher.is_terminated() and matcher.accept_token(token)):
                         continue
                     depth += 1
-                forced.restrict(matcher, compiled, bitmask, node)
+                self.restrict_to_forced(bitmask, node)
                 children, child = [], next_token[node]
                 while child >= 0:
                     children.append(child)
@@ -179,7 +183,7 @@ def fill_token_bitmasks(grammars: Sequence[RequestGrammar], bitmask: torch.Tenso
     _BATCH_MATCHER.batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, list(indices))
     for grammar, index in zip(grammars, indices):
         if grammar.forced is not None:
-            grammar.forced.restrict(grammar._matcher, grammar.compiled, bitmask, index)
+            grammar.restrict_to_forced(bitmask, index)
 
 
 def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -66,7 +66,7 @@ class GrammarGuide:
         ids: list[int] = []
         try:
             while len(ids) < max_len and (token := self.grammar.forced_token()) is not None:
-                if not self.grammar.accept_token(token):
+                if not self.grammar.accept_token(token):  # (its one accept: the rule's token is the grammar's)
                     break
                 ids.append(token)
         finally:
