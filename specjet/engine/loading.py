@@ -134,7 +134,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     if spec_config is not None and spec_config.solo is not None:
         spec_config = replace(spec_config, solo=replace(
             spec_config.solo, draft_quantization=_draft_quantization(args, quantization, runner.device)))
-    speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenizer=tokenizer,
+    speculator = (Speculator(spec_config, runner, allocator, sched_config.context_len, tokenize=grammar.tokenize,
                              token_bytes=grammar.token_bytes) if spec_config is not None else None)
     if runner.device.type == "cuda" and not args.disable_cuda_graph:
         # The target's decode and verify forwards replay CUDA graphs (models/target_graphs.py), the

@@ -149,8 +149,10 @@ class GrammarBackend:
             self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                      stop_token_ids=stops)
         self._token_bytes: list[bytes] | None = None
+        # Text -> the tokenizer's ids, cached: the forced-text rule's, jump-forward's and the drafters' one split.
+        self.tokenize = text_to_ids(tokenizer)
         # The forced-text rule every request's grammar applies (forced_tokens.py), or None: the model chooses.
-        self.forced_tokens = ForcedTokens(text_to_ids(tokenizer), self.token_bytes) if canonical_forced_text else None
+        self.forced_tokens = ForcedTokens(self.tokenize, self.token_bytes) if canonical_forced_text else None
         # xgrammar's own cache stays on: it shares compiled sub-rules across different schemas
         # (about 2.5x faster over the dev set). max_threads is xgrammar's parallelism inside one
         # compile.
@@ -182,6 +184,13 @@ class GrammarBackend:
         if self._token_bytes is None:
             self._token_bytes = [bytes(b) for b in self.tokenizer_info.decoded_vocab]
         return self._token_bytes
+
+    def exact_token_bytes(self) -> list[bytes] | None:
+        """``token_bytes`` where the tokenizer is not byte-level BPE (a byte-fallback or raw vocabulary, whose
+        pieces a byte alphabet does not read), None where it is (its pieces spell their bytes already)."""
+        if self.tokenizer_info.vocab_type == xgr.VocabType.BYTE_LEVEL:
+            return None
+        return self.token_bytes()
 
     @property
     def abandoned_compiles(self) -> int:

@@ -83,17 +83,28 @@ def _architecture(path: str | pathlib.Path) -> str:
     return _read(path)[1]
 
 
-def _read(path: str | pathlib.Path) -> tuple[dict, str]:
+def gguf_reader(path: str | pathlib.Path):
+    """The file's ``gguf.GGUFReader``, parsed once (its header and tensor table; the data stay memory-mapped) for
+    every reader of it while the file is unchanged: the conversion's RoPE fields, the blocks' table."""
     path = pathlib.Path(path).resolve()
     stat = path.stat()
-    return _read_file(str(path), stat.st_size, stat.st_mtime_ns)
+    return _reader_of(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _read_file(path: str, size: int, mtime_ns: int) -> tuple[dict, str]:  # size and mtime: a changed file is read again
+def _reader_of(path: str, size: int, mtime_ns: int):  # size and mtime: a changed file is read again
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    return GGUFReader(path)
+
+
+def _read(path: str | pathlib.Path) -> tuple[dict, str]:
+    reader = gguf_reader(path)
+    return _table_of(reader)
+
+
+@functools.lru_cache(maxsize=4)
+def _table_of(reader) -> tuple[dict, str]:
     field = reader.fields.get("general.architecture")
     return {t.name: t for t in reader.tensors}, (str(field.contents()) if field is not None else "")
 

@@ -300,12 +300,12 @@ def _gguf_rope(gguf: pathlib.Path) -> dict:
     (each frequency's divisor, as llama.cpp applies it) for the tensor. Refuses an architecture specjet does not run,
     or a scaling it does not know, before anything is converted."""
     import numpy as np
-    from gguf import GGUFReader
 
     from specjet.models.config import SUPPORTED_ARCHITECTURES
+    from specjet.models.gguf_blocks import gguf_reader
 
     try:
-        reader = GGUFReader(str(gguf))
+        reader = gguf_reader(gguf)
     except (ValueError, OSError, IndexError) as exc:  # numpy's errors on a short file ("cannot reshape ...")
         raise ValueError(f"{gguf.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
     field = reader.fields.get("general.architecture")

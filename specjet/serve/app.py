@@ -654,11 +654,7 @@ def _param_in(message: str, sp: dict) -> Optional[str]:
 
 
 def exact_token_bytes(engine) -> Optional[list[bytes]]:
-    """Each token id's bytes from the engine's grammar backend (xgrammar reads every tokenizer kind), where the
-    tokenizer is not byte-level BPE (whose pieces the byte alphabet reads exactly); None otherwise or without one."""
-    import xgrammar as xgr
-
+    """Each token id's bytes where the engine's tokenizer is not byte-level BPE (GrammarBackend.exact_token_bytes);
+    None where it is, or for an engine without a grammar backend."""
     backend = getattr(getattr(engine, "scheduler", None), "grammar_backend", None)
-    if backend is None or backend.tokenizer_info.vocab_type == xgr.VocabType.BYTE_LEVEL:
-        return None
-    return backend.token_bytes()
+    return None if backend is None else backend.exact_token_bytes()

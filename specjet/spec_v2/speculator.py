@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-from specjet.grammar.forced_tokens import text_to_ids
 from specjet.kernels.coins import coins
 from specjet.kernels.sampling import SamplingTensors
 from specjet.models.dflash import default_dflash_path, load_dflash
@@ -94,17 +93,18 @@ def make_drafter(cfg: SpecConfig, runner: ModelRunner, allocator) -> Drafter:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, runner: ModelRunner, allocator, context_len: int, tokenizer=None,
+    def __init__(self, cfg: SpecConfig, runner: ModelRunner, allocator, context_len: int,
+                 tokenize: Callable[[str], list[int]] | None = None,
                  token_bytes: Callable[[], list[bytes]] | None = None):
         self.cfg = cfg
-        # Jump-forward needs the model's tokenizer to turn the grammar's forced text into tokens.
-        self._tokenize = None if tokenizer is None else text_to_ids(tokenizer)
+        # Jump-forward turns the grammar's forced text into tokens with the grammar backend's split (its cache).
+        self._tokenize = tokenize
         self.vocab_size = runner.config.vocab_size
         self.context_len = context_len
         self.draft_model_dir = draft_model_dir(cfg)  # None: a head handed in, or no draft model
         self.drafter = make_drafter(cfg, runner, allocator)
         ngram = self.drafter if isinstance(self.drafter, NgramDrafter) else getattr(self.drafter, "ngram", None)
-        if isinstance(ngram, NgramDrafter) and token_bytes is not None and tokenizer is not None:
+        if isinstance(ngram, NgramDrafter) and token_bytes is not None and tokenize is not None:
             ngram.token_text = TokenText(token_bytes, self._tokenize)  # for predictions given as text
         self.verifier = TreeVerifier(runner, capture_hidden=self.drafter.feature_capture,
                                      static_nodes=cfg.max_tree_nodes)
@@ -118,7 +118,7 @@ class Speculator:
         # side, which keeps it out of speculative batches from then on) makes it stale for good.
         self.solo = None
         if cfg.solo is not None:
-            self.solo = Speculator(cfg.solo, runner, allocator, context_len, tokenizer, token_bytes)
+            self.solo = Speculator(cfg.solo, runner, allocator, context_len, tokenize, token_bytes)
             self.solo.timings = self.timings  # one account of the phases
         self._stale: set[str] = set()
 
