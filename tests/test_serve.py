@@ -936,6 +936,64 @@ def test_shutdown_is_bounded_by_a_client_that_stopped_reading(tiny_model_dir):
     assert build_parser().parse_args([]).graceful_shutdown_s == 30
 
 
+def test_a_graceful_shutdown_answers_the_requests_it_ends():
+    """SIGTERM while a long stream and a long whole reply run (the default model, 7,000 tokens each: far past the
+    grace period): the server stops listening at once, and before its 4 s grace runs out it ends both requests and
+    answers each, the stream with an error event and the whole reply with a 503 engine_not_alive saying the server
+    is shutting down. Before, uvicorn cut both connections at the deadline without a word. Then the process exits."""
+    import signal
+    import threading
+
+    srv = Server(["--max-total-tokens", "16384", "--graceful-shutdown-s", "4"])
+    client = srv.client()
+    long = dict(model="m", max_tokens=7000, temperature=0, extra_body={"ignore_eos": True})
+    outcome: dict = {}
+    first_chunk = threading.Event()
+
+    def stream():
+        chunks = 0
+        try:
+            for _ in client.chat.completions.create(
+                    messages=[{"role": "user", "content": "Tell me a very long story."}], stream=True, **long):
+                chunks += 1
+                first_chunk.set()
+        except Exception as exc:  # what the client is told is the test's subject
+            outcome["stream"] = exc
+        outcome["chunks"] = chunks
+        first_chunk.set()
+
+    def whole():
+        try:
+            outcome["whole"] = client.completions.create(prompt="Once upon a time", **long)
+        except Exception as exc:
+            outcome["whole"] = exc
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    try:
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(120)
+        time.sleep(0.5)  # the whole reply's request is running too
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no longer listening
+            httpx.get(srv.url + "/health", timeout=5)
+        for t in threads:
+            t.join(60)
+        # uvicorn raises the signal it caught again once it has shut down: the exit a SIGTERM'd process has
+        assert srv.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert time.monotonic() - signalled < 30
+    finally:
+        srv.stop()
+    error = outcome.get("stream")
+    assert isinstance(error, openai.APIError) and not isinstance(error, openai.APIConnectionError), repr(error)
+    assert "shutting down" in str(error) and outcome["chunks"] > 1
+    error = outcome["whole"]
+    assert isinstance(error, openai.APIStatusError) and error.status_code == 503, repr(error)
+    assert error.body["code"] == "engine_not_alive" and "shutting down" in error.body["message"], error.body
+
+
 def test_a_full_queue_is_a_503_with_retry_after(tiny_model_dir):
     """`--max-queued-requests 1 --max-running-requests 1`: one streamed completion runs, a second waits; a third is
     refused with a 503 (the official client's InternalServerError) naming the bound, with Retry-After, and is served

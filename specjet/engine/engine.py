@@ -404,13 +404,14 @@ class Engine:
         the KV slots freed."""
         return self._in_loop(self.scheduler.flush_cache)
 
-    def shutdown(self) -> None:
+    def shutdown(self, message: str | None = None) -> None:
         """Stop the engine: every request it holds, running, waiting or still in its inbox, is
-        answered with an abort, and later calls raise RuntimeError."""
+        answered with an abort (a 503's ``engine_not_alive``, saying ``message`` where one is given: a server's
+        drain deadline), and later calls raise RuntimeError."""
         if self._closed:
             return
         self._closed = True
-        self.scheduler.stop()
+        self.scheduler.stop(message)
         self._thread.join(timeout=30)
         self._async_outputs.close(timeout=30)
         self.scheduler.grammar_backend.shutdown()

@@ -26,6 +26,7 @@ import torch
 
 from specjet.kernels.quant_formats import BLOCK, Int8Weight, Q41Weight, QuantWeight
 from specjet.models.config import ModelConfig
+from specjet.models.gguf_file import gguf_reader
 
 logger = logging.getLogger(__name__)
 
@@ -81,21 +82,6 @@ def _tensors(path: str | pathlib.Path) -> dict:
 def _architecture(path: str | pathlib.Path) -> str:
     """The file's ``general.architecture`` ("" where it has none)."""
     return _read(path)[1]
-
-
-def gguf_reader(path: str | pathlib.Path):
-    """The file's ``gguf.GGUFReader``, parsed once (its header and tensor table; the data stay memory-mapped) for
-    every reader of it while the file is unchanged: the conversion's RoPE fields, the blocks' table."""
-    path = pathlib.Path(path).resolve()
-    stat = path.stat()
-    return _reader_of(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _reader_of(path: str, size: int, mtime_ns: int):  # size and mtime: a changed file is read again
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
 
 
 def _read(path: str | pathlib.Path) -> tuple[dict, str]:

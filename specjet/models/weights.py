@@ -302,7 +302,7 @@ def _gguf_rope(gguf: pathlib.Path) -> dict:
     import numpy as np
 
     from specjet.models.config import SUPPORTED_ARCHITECTURES
-    from specjet.models.gguf_blocks import gguf_reader
+    from specjet.models.gguf_file import gguf_reader
 
     try:
         reader = gguf_reader(gguf)

@@ -87,6 +87,7 @@ class EventLoop:
                     self._recover(f"internal error: {exc!r}")
             if last is not None:
                 self._process(last)
+            reason = sched.stop_message or reason
         except BaseException as exc:  # the loop cannot go on (even the last resort failed)
             reason = f"the scheduler stopped after an internal error: {exc!r}"
             logger.critical("scheduler thread stopping: %s", traceback.format_exc())

@@ -111,6 +111,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seed_rng = random.Random(config.random_seed)
         self._stop = threading.Event()
+        self.stop_message: str | None = None  # what the requests the stop ends are told (the first stop's words)
         # Submission and the loop's last drain of the inbox take this lock, so no request can be
         # queued after the loop has stopped answering (it would wait for ever).
         self._submit_lock = threading.RLock()
@@ -186,7 +187,10 @@ class Scheduler:
                 self.inbox.put(("call", (fn, future)))
         return future
 
-    def stop(self) -> None:
+    def stop(self, message: str | None = None) -> None:
+        """Thread-safe: end the loop; every request it holds is answered with an abort saying ``message``."""
+        if self.stop_message is None and message is not None:
+            self.stop_message = message
         self._stop.set()
         self.inbox.put(("stop", None))
 

@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="origins a browser may call the server from (CORS, as SGLang's and vLLM's servers allow "
                              "by default; the API key still applies); none given: no CORS headers (default: *)")
     parser.add_argument("--graceful-shutdown-s", type=int, default=30, metavar="S",
-                        help="on SIGINT/SIGTERM, how long responses still running may take to end before they are "
-                             "cancelled (their requests aborted) and the process exits; a client that stopped "
-                             "reading would otherwise hold it for ever (default: %(default)s)")
+                        help="on SIGINT/SIGTERM, how long responses still running may take to end: shortly "
+                             "before that, requests still running are ended and answered with a 503 "
+                             "(engine_not_alive), then the process exits; a client that stopped reading is cut at the "
+                             "end (default: %(default)s)")
     parser.add_argument("--debug-endpoints", action="store_true",
                         help="expose GET /debug/kv (waits until idle, checks the KV invariant)")
     _add_engine_flags(parser)
@@ -111,6 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import specjet
     from specjet.serve.app import create_app
     from specjet.serve.body_limit import BodyLimit
+    from specjet.serve.draining import AnsweringServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     kwargs = engine_kwargs(ns)
@@ -126,8 +128,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     ns.max_request_bytes)
     try:
         # uvicorn's start-up lines say where it listens (the port --port 0 picked); no line per request.
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
-                    timeout_graceful_shutdown=ns.graceful_shutdown_s)
+        config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
+                                timeout_graceful_shutdown=ns.graceful_shutdown_s)
+        server = AnsweringServer(config, engine.shutdown)
+        try:
+            server.run()
+        except KeyboardInterrupt:  # a second Ctrl-C: uvicorn's forced exit
+            pass
+        if not server.started:  # the port taken, as uvicorn.run answers it
+            print(f"specjet serve: could not listen on {ns.host}:{ns.port} (the log above says why)", file=sys.stderr)
+            return 3
     finally:
         engine.shutdown()
     return 0
