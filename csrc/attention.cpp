@@ -204,7 +204,8 @@ void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, 
   int64_t tokens = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t ql = bt.q_lens[b], kl = bt.kv_lens[b];
-    TORCH_CHECK(ql >= 1 && ql <= kl && kl <= bt.max_kv && bt.q_starts[b] >= 0 && bt.q_starts[b] + ql <= q.size(0),
+    // q_starts[b] <= T - q_len, not q_starts[b] + q_len <= T: the sum of a huge start wraps around and would pass.
+    TORCH_CHECK(ql >= 1 && ql <= kl && kl <= bt.max_kv && bt.q_starts[b] >= 0 && bt.q_starts[b] <= q.size(0) - ql,
                 "attention: request ", b, " has q_len ", ql, ", kv_len ", kl, " outside its tensors");
     for (int64_t p = 0; p < kl; ++p) {
       const int64_t s = bt.kv_indices[b * bt.max_kv + p];

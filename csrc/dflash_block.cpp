@@ -121,6 +121,10 @@ torch::Tensor dflash_block_input(const std::vector<int64_t>& roots, const std::v
     const torch::Tensor rows = prev_tokens.size() == tokens.size() ? embedded : rows_of(embedded, prev_tokens);
     prev_add = (*prev_proj)(rows).to(mask_rows.scalar_type()).contiguous();
   }
+  // assemble reads h values from each row of these: a projection of another width would be read past its rows.
+  for (const auto* add : {&root_add, &prev_add})
+    TORCH_CHECK(!add->has_value() || ((*add)->dim() == 2 && (*add)->size(1) == h), "dflash block: root_proj and "
+                "prev_proj must give ", h, " columns (the rows' width), got ", (*add)->sizes());
   const torch::Tensor* r = root_add ? &*root_add : nullptr;
   const torch::Tensor* p = prev_add ? &*prev_add : nullptr;
   if (mask_rows.scalar_type() == torch::kFloat32) {

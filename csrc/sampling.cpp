@@ -470,7 +470,7 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
   std::vector<int64_t> starts(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t size = n.data_ptr<int64_t>()[b];
-    TORCH_CHECK(size >= 1, "verify_tree_sample: every tree has its root");
+    TORCH_CHECK(size >= 1 && size <= rows, "verify_tree_sample: every tree has its root and at most the logits' rows");
     starts[b + 1] = starts[b] + size;
   }
   check(tokens, starts[batch], torch::kInt64, "tokens");
@@ -488,7 +488,8 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
                 *pa = par.data_ptr<int64_t>();
   int64_t widest = 1;
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(o[b] >= 0 && o[b] + ns[b] <= rows, "verify_tree_sample: request ", b, "'s rows fall outside the logits");
+    // o[b] <= rows - ns[b], not o[b] + ns[b] <= rows: the sum of a huge offset wraps around and would pass.
+    TORCH_CHECK(o[b] >= 0 && o[b] <= rows - ns[b], "verify_tree_sample: request ", b, "'s rows fall outside the logits");
     TORCH_CHECK(t.data_ptr<float>()[b] > 0.0f, "verify_tree_sample: request ", b, " is not sampled (temperature <= 0)");
     for (int64_t j = 0; j < ns[b]; ++j) {
       const int64_t node = starts[b] + j;
@@ -506,7 +507,7 @@ std::vector<torch::Tensor> verify_tree_sample(const torch::Tensor& logits, const
                 "verify_tree_sample: the bitmask must be a CPU int32 [R, W] tensor, its rows the logits rows'");
     TORCH_CHECK(static_cast<int64_t>(masked.size()) == words.size(0), "verify_tree_sample: one masked flag a row");
     for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK(offsets.data_ptr<int64_t>()[b] + n.data_ptr<int64_t>()[b] <= words.size(0),
+      TORCH_CHECK(o[b] <= words.size(0) - ns[b],  // the contiguous copy: offsets may be a strided view
                   "verify_tree_sample: request ", b, "'s rows fall outside the bitmask");
     width = words.size(1);
   }

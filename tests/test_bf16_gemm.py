@@ -129,6 +129,17 @@ def test_a_forced_instruction_set_is_checked(monkeypatch, request):
     assert isinstance(pack_weight(weights(576, 960)), PackedLinear)
 
 
+def test_a_named_instruction_set_the_build_lacks_is_refused_at_build(monkeypatch):
+    """Without the extension (or on a CPU without the set), build(isa=...) is a ValueError naming what is there; it
+    was built, and its first call failed with "'NoneType' object has no attribute 'bf16_gemm'"."""
+    from specjet.kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "extension", lambda: None)
+    for isa in ("avx512_bf16", "amx"):
+        with pytest.raises(ValueError, match=f"isa '{isa}' is not available here"):
+            Bf16Linear.build(weights(64, 32), None, isa)
+
+
 @needs_kernel
 def test_the_kernel_refuses_operands_that_do_not_fit():
     from specjet.kernels import cpu_ops

@@ -578,6 +578,10 @@ def test_bad_metadata_is_refused_not_read_out_of_bounds():
     with pytest.raises(RuntimeError, match="outside the cache"):
         native(q, k, v, meta)
     meta = build_attention_metadata(torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([3]), torch.tensor([1]))
+    for start in (1, 2 ** 63 - 1):  # past q's rows; and a start whose sum with q_len wraps around
+        with pytest.raises(RuntimeError, match="outside its tensors"):
+            cpu_ops.extension().paged_attention(q, k, v, meta.kv_indices, meta.kv_lens, meta.q_lens,
+                                                torch.tensor([start]), None, 0.25, cpu_ops.isa())
     with pytest.raises(RuntimeError, match="dtype"):  # a float32 pool beside bf16 queries (only the reverse is taken)
         native(q.bfloat16(), k, v, meta)
     with pytest.raises(RuntimeError, match="dtype"):  # keys and values of different dtypes

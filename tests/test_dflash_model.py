@@ -13,6 +13,7 @@ import torch
 
 from model_harness import OneRequest, count_stack_runs, load_runner
 from specjet.kernels import cpu_ops
+from specjet.kernels.fp32_gemm import Fp32Linear
 from specjet.models.dflash import (DFlashDraftModel, DFlashShape, default_target_layers, load_dflash,
                                    read_dflash_config, save_dflash)
 from specjet.scheduler.memory_pool import TokenToKVPoolAllocator
@@ -324,6 +325,8 @@ def test_the_cpp_block_from_host_lists_gives_the_forwards_bits(tiny_model_dir, t
     ({"root_ctx": None}, "come together"),
     ({"root_ctx": "wide"}, "root_ctx"),
     ({"mask_rows": "short"}, "mask_rows"),
+    ({"root_proj": "wide"}, "columns"),  # wider than the rows: overflowed the scratch row (heap corruption)
+    ({"prev_proj": "wide"}, "columns"),
 ])
 def test_the_cpp_block_input_refuses_bad_arguments(runner, change, match):
     draft = random_draft(runner.config, root_context=True, prev=True).bind_target(runner.model)
@@ -336,6 +339,10 @@ def test_the_cpp_block_input_refuses_bad_arguments(runner, change, match):
     args.update(change)
     if isinstance(args["root_ctx"], str):
         args["root_ctx"] = torch.randn(1, h + 1)
+    for name in ("root_proj", "prev_proj"):
+        if isinstance(args[name], str):
+            wide = Fp32Linear.build(torch.randn(h, 16 * (h // 16 + 2)))
+            args[name] = cpu_ops.extension().fp32_projection(wide.weight, wide.bias, wide.isa)
     if isinstance(args["mask_rows"], str):
         args["mask_rows"] = draft._mask_rows(BLOCK)[0][:2]
     with pytest.raises(RuntimeError, match=match):

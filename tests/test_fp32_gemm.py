@@ -101,6 +101,15 @@ def test_the_calls_shapes_dtypes_and_refusals():
         Fp32Linear.build(weights(64, 40))  # N not a multiple of 16
 
 
+def test_a_named_instruction_set_the_build_lacks_is_refused_at_build(monkeypatch):
+    """Without the extension (or on a CPU without the set), build(isa=...) is a ValueError naming what is there; it
+    was built, and its first call failed with "'NoneType' object has no attribute 'fp32_gemm'"."""
+    monkeypatch.setattr(cpu_ops, "extension", lambda: None)
+    for isa in ("avx2", "avx512"):
+        with pytest.raises(ValueError, match=f"isa '{isa}' is not available here"):
+            Fp32Linear.build(weights(64, 32), isa=isa)
+
+
 @needs_kernel
 def test_pack_weight_takes_the_kernel_for_float32_and_onednn_elsewhere():
     on_kernel = fp32_gemm.default_isa() != "onednn"

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample, sample_reference
+from specjet.kernels import cpu_ops
+from specjet.kernels.sampling import SamplingTensors, filtered_probs, sample, sample_lists, sample_reference
 
 
 def st(B, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -278,3 +279,14 @@ def test_the_lists_sampler_refuses_bad_inputs():
         call(torch.zeros(2, 2, dtype=torch.int32), [True])
     with pytest.raises(RuntimeError, match="logits must be a CPU float32"):
         ext.sample_rows_lists(logits.double(), *good.values(), None, [])
+
+
+def test_top_p_zero_keeps_the_best_token_in_the_reference_and_the_cpu_op():
+    """top_p = 0 (refused at the engine's door, reachable by direct callers) keeps only the first token in the
+    order, as both paths document: the torch reference dropped every token (0/0, then token V-1 every row)."""
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    uniforms = torch.tensor([0.3, 0.6, 0.99])
+    st = SamplingTensors.from_lists([1.0] * 3, [0] * 3, [0.0] * 3, [0.0] * 3)
+    assert sample_reference(x, st, uniforms).tolist() == x.argmax(-1).tolist()
+    if cpu_ops.extension() is not None:
+        assert sample_lists(x, [1.0] * 3, [0] * 3, [0.0] * 3, [0.0] * 3, uniforms.tolist()) == x.argmax(-1).tolist()

@@ -187,6 +187,8 @@ def test_bad_inputs_are_refused():
         (dict(parents=torch.tensor([-1, 0, 2])), "earlier node"),
         (dict(parents=torch.tensor([0, 0, 1])), "earlier node"),
         (dict(offsets=torch.tensor([1])), "outside the logits"),
+        (dict(offsets=torch.tensor([2 ** 63 - 1])), "outside the logits"),  # offset + size wraps around
+        (dict(sizes=torch.tensor([2 ** 62])), "root"),
         (dict(sizes=torch.tensor([0]), tokens=torch.tensor([], dtype=torch.int64),
               parents=torch.tensor([], dtype=torch.int64), uniforms=torch.rand(0)), "root"),
         (dict(uniforms=torch.rand(3, dtype=torch.float64)), "uniforms"),

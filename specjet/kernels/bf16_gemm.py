@@ -84,6 +84,8 @@ class Bf16Linear:
     @classmethod
     def build(cls, weight_t: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None) -> "Bf16Linear":
         isa = default_isa() if isa is None else isa
+        if isa not in supported_isas():  # a named one this CPU or build lacks: refused here, not at the first call
+            raise ValueError(f"bf16 GEMM: isa {isa!r} is not available here (available: {supported_isas()})")
         if not applies(weight_t, isa):
             raise ValueError(f"bf16 GEMM ({isa}): weight {tuple(weight_t.shape)} {weight_t.dtype} does not apply")
         return cls(pack(weight_t), None if bias is None else bias.detach().float().contiguous(), ISAS[isa])

@@ -92,7 +92,7 @@ def _top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, st: SamplingTensors)
             break
         k = min(vocab - 1, 4 * k)
     ranks = torch.arange(k + 1, device=probs.device)[None, :]
-    keep = (ranks < top_ks[:, None]) & ~(mass_before >= top_ps[:, None])
+    keep = (ranks < top_ks[:, None]) & (~(mass_before >= top_ps[:, None]) | (ranks == 0))  # the first always kept
     kept = torch.zeros_like(probs).scatter_(-1, order, values.masked_fill(~keep, 0.0))
     return torch.where(filtered[:, None], kept, probs)
 
