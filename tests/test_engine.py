@@ -193,6 +193,24 @@ def test_a_stop_token_is_checked_before_a_stop_string_it_completes(engine):
     assert out["output_ids"] == ids[:k + 1] and out["text"] == before
 
 
+def test_ignore_eos_decodes_past_eos_and_max_new_tokens_0_outputs_nothing(engine):
+    """ignore_eos: an EOS the model writes (forced by a bias) is an ordinary token, and the reply runs to
+    max_new_tokens; without it the EOS ends the reply at once. max_new_tokens 0: no token, a length finish of 0."""
+    eos = engine.tokenizer.eos_token_id
+    forced = {"temperature": 0, "max_new_tokens": 5, "logit_bias": {eos: 100.0}}
+    ignored = engine.generate(PROMPTS[0], dict(forced, ignore_eos=True))
+    assert ignored["output_ids"] == [eos] * 5
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    ended = engine.generate(PROMPTS[0], forced)
+    assert ended["output_ids"] == [eos] and ended["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    for stream in (False, True):
+        out = engine.generate(PROMPTS[0], dict(GREEDY, max_new_tokens=0), stream=stream)
+        chunks = list(out) if stream else [out]
+        assert [t for c in chunks for t in c["output_ids"]] == [] and "".join(c["text"] for c in chunks) == ""
+        assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        assert chunks[-1]["meta_info"]["completion_tokens"] == 0
+
+
 def test_get_load_counts_what_requests_hold(engine):
     """SGLang's load report: a running request and the KV it holds; idle, nothing (the prefix cache's slots that
     no request holds are free for the taking)."""

@@ -191,3 +191,32 @@ def test_n_gram_branches_keep_to_the_rule_and_a_split_that_does_not_spell_the_te
     plain.fill_next_token_bitmask(plain_row, 0)
     assert allowed(plain_row).count(space) == 1  # a lone space is legal here: the prefixed split's first token
     assert torch.equal(row, plain_row) and int(bitmask_popcount(row)[0]) > 1
+
+
+def test_restrict_row_narrows_only_a_row_that_allows_the_token():
+    """``restrict_row``: a row that allows the token becomes that token alone; a row that forbids it (or is too narrow
+    to hold it) is left as it was, and the caller is told, so the rule can never force a token the grammar forbids."""
+    from specjet.grammar.forced_tokens import restrict_row
+
+    bitmask = torch.zeros(3, 4, dtype=torch.int32)
+    bitmask[0] = -1  # every token
+    bitmask[1, 1] = 0b1010  # tokens 33 and 35
+    bitmask[2] = -1
+    before = bitmask.clone()
+    assert restrict_row(bitmask, 0, 70) and allowed(bitmask, 0) == [70]
+    assert not restrict_row(bitmask, 1, 34) and torch.equal(bitmask[1], before[1])
+    assert restrict_row(bitmask, 1, 35) and allowed(bitmask, 1) == [35]
+    assert not restrict_row(bitmask, 2, 128) and torch.equal(bitmask[2], before[2])  # past the row's 4 words
+
+
+def test_the_rule_takes_the_first_token_of_the_whole_forced_text_even_a_long_one(backend):
+    """The forced token is the first of the tokenizer's split of the whole forced text (a long key's first token may
+    spell many characters: " responsibilities" is one token), also for a forced text of hundreds of characters."""
+    tokenizer = backend.tokenizer
+    long_value = " " + "x" * 300 + '"'
+    for text in (' responsibilities": "', ' representation of the', '"configuration": {"', long_value,
+                 ' responsibilities": "' + long_value):
+        split = tokenizer.encode(text, add_special_tokens=False)
+        assert len(split) >= 2
+        assert backend.forced_tokens.first_token(text) == split[0], text
+    assert backend.forced_tokens.first_token(" the") is None  # one token: left to the model

@@ -290,3 +290,46 @@ def test_top_p_zero_keeps_the_best_token_in_the_reference_and_the_cpu_op():
     assert sample_reference(x, st, uniforms).tolist() == x.argmax(-1).tolist()
     if cpu_ops.extension() is not None:
         assert sample_lists(x, [1.0] * 3, [0] * 3, [0.0] * 3, [0.0] * 3, uniforms.tolist()) == x.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("path", ["reference", "cpu"])
+def test_the_filters_edges_exact_ties_a_top_k_of_one_and_a_coin_of_zero(path):
+    """The filters at their boundaries, where the rules' ``<`` and ``>=`` decide: four equal tokens (each exactly 1/4)
+    under top-p 0.5 keep two (a token is dropped once the mass before it reaches p: the third's is exactly 0.5); a
+    min-p of 1.0 keeps the best token (one whose probability is min_p times the best's is kept, not dropped: dropping
+    it left no token at all); a top-k of 1 with a temperature keeps the best token alone; and a coin of exactly 0
+    draws the first token of positive mass, never a zero-mass (masked or filtered) token before it."""
+    if path == "cpu":
+        _cpu_sampler()
+    draw = sample_reference if path == "reference" else sample
+    grid = 64
+    uniforms = (torch.arange(grid, dtype=torch.float32) + 0.5) / grid
+
+    def drawn(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, coins=uniforms):
+        rows = logits.expand(len(coins), -1).contiguous()
+        tensors = SamplingTensors.from_lists([temperature] * len(coins), [top_k] * len(coins), [top_p] * len(coins),
+                                             [min_p] * len(coins))
+        return set(draw(rows, tensors, coins).tolist())
+
+    flat = torch.zeros(1, 4)
+    assert len(drawn(flat, top_p=0.5)) == 2
+    assert len(drawn(flat, top_p=0.5 + 1e-3)) == 3
+    peaked = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    assert drawn(peaked, min_p=1.0) == {1}
+    assert drawn(peaked, top_k=1, temperature=1.5) == {1}
+    masked = torch.tensor([[float("-inf"), float("-inf"), 0.5, 0.0, 1.0]])
+    assert drawn(masked, coins=torch.zeros(3)) == {2}
+    if path == "reference":  # the distributions themselves
+        probs = filtered_probs(flat, st(1, top_p=0.5))[0]
+        assert sorted(probs.tolist()) == [0.0, 0.0, 0.5, 0.5]
+        assert filtered_probs(peaked, st(1, min_p=1.0))[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+        assert filtered_probs(peaked, st(1, 1.5, top_k=1))[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_a_greedy_row_of_a_sampled_batch_gets_a_one_hot_distribution():
+    """``filtered_probs``' rule for a temperature-0 row beside sampled ones (the verifier's torch path builds every
+    node's distribution with it): a one-hot at the argmax, not softmax(logits / 0)."""
+    logits = torch.tensor([[0.5, 3.0, 1.0], [0.5, 3.0, 1.0]])
+    probs = filtered_probs(logits, SamplingTensors.from_lists([0.0, 1.0], [-1, -1], [1.0, 1.0], [0.0, 0.0]))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0]
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))

@@ -181,6 +181,49 @@ def test_reply_reads_calls_back():
     assert reason == "length" and message.tool_calls is None
 
 
+def test_a_reply_without_parallel_calls_keeps_its_first_call_alone():
+    """parallel_tool_calls=false (or a named function): a reply holding two complete calls answers with the first
+    alone (the grammar allows one block; a reply read back never gives more); with parallel calls, both."""
+    text = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    message, reason = chat.reply(text, "stop", chat.ToolPlan(mode="tagged", names={"add"}, parallel=False))
+    assert reason == "tool_calls" and [c.function.arguments for c in message.tool_calls] == ['{"a": 1, "b": 2}']
+    message, reason = chat.reply(text, "stop", chat.ToolPlan(mode="tagged", names={"add"}))
+    assert reason == "tool_calls" and [c.function.arguments for c in message.tool_calls] == [
+        '{"a": 1, "b": 2}', '{"a": 3, "b": 4}']
+
+
+def test_usage_counts_each_prompt_and_its_cached_tokens_once_and_every_completion():
+    """OpenAI's usage of n choices a prompt (prompt-major): each prompt's tokens and its cached tokens once (its
+    choices share one prompt), every choice's completion tokens."""
+    from specjet.serve.app import _usage
+
+    metas = [{"prompt_tokens": 10, "cached_tokens": 8, "completion_tokens": c} for c in (3, 4, 5)]
+    metas += [{"prompt_tokens": 6, "cached_tokens": 0, "completion_tokens": c} for c in (1, 2, 7)]
+    usage = _usage(metas, 3)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (16, 22, 38)
+    assert usage.prompt_tokens_details.cached_tokens == 8
+
+
+def test_logprob_alternatives_up_to_each_endpoints_limit_are_taken():
+    """OpenAI's limits are inclusive: chat's top_logprobs 20 and the completions' logprobs 5 are taken, one more is a
+    400 naming the parameter; alternatives without logprobs are refused."""
+    from specjet.serve.logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP, engine_params
+
+    assert (MAX_CHAT_TOP, MAX_COMPLETION_TOP) == (20, 5)
+    for limit, param in ((MAX_CHAT_TOP, "top_logprobs"), (MAX_COMPLETION_TOP, "logprobs")):
+        for top in (0, 1, limit):
+            assert engine_params(True, top, limit, param) == {"return_logprob": True, "top_logprobs_num": top}
+        for bad in (-1, limit + 1):
+            with pytest.raises(ApiError) as error:
+                engine_params(True, bad, limit, param)
+            assert (error.value.status, error.value.param) == (400, param)
+    assert engine_params(True, None, 20, "top_logprobs") == {"return_logprob": True, "top_logprobs_num": 0}
+    assert engine_params(False, None, 20, "top_logprobs") == {} and engine_params(False, 0, 20, "top_logprobs") == {}
+    with pytest.raises(ApiError):
+        engine_params(False, 2, 20, "top_logprobs")
+
+
 # A chat template that reads tool calls itself (as Llama 3.1's, Qwen's and Hermes' do), in a layout a test can read.
 CALLS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}"
                   "{% if m.name %} name={{ m.name }}{% endif %}>{{ m.content }}{% for c in m.tool_calls or [] %}"

@@ -128,6 +128,49 @@ def test_cuts_at_max_new_tokens_and_stops_mid_run(cyclic_model_dir):
     assert stats["spec_accepted_tokens"] > 2 * stats["spec_verify_ct"], stats  # long runs were taken
 
 
+def test_a_stop_inside_an_accepted_run_drops_the_rest_of_the_run(cyclic_model_dir):
+    """A stop token or stop string met inside a run of accepted draft tokens ends the reply there: the run's later
+    tokens are not output. The prompt already holds the reply's cycle, so the n-gram drafter drafts it from the
+    first step and the stops below fall inside long accepted runs (the cyclic model repeats itself)."""
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=4096, disable_guided_drafting=True,
+                        disable_free_text_drafting=True) as plain:
+        prompt = plain.tokenizer(PROMPTS[0])["input_ids"]
+        prompt += plain.generate(input_ids=prompt, sampling_params=greedy(40))["output_ids"]
+        cont = plain.generate(input_ids=prompt, sampling_params=greedy(24))
+        ids, text = cont["output_ids"], cont["text"]
+        targets = sorted(set(ids[3:]))
+        params = [greedy(24, stop_token_ids=[t]) for t in targets]
+        params += [greedy(24, stop=[text[k:k + 2]]) for k in range(4, len(text) - 2, 5) if text[k:k + 2].strip()]
+        expected = plain.generate(input_ids=[prompt] * len(params), sampling_params=params)
+        plain.check_kv_invariant()
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in expected)
+    with ngram_engine(cyclic_model_dir) as eng:
+        outs = [eng.generate(input_ids=prompt, sampling_params=sp) for sp in params]
+        eng.check_kv_invariant()
+        long_runs = eng.generate(input_ids=prompt, sampling_params=greedy(24))
+        eng.check_kv_invariant()
+    assert long_runs["output_ids"] == ids and long_runs["meta_info"]["spec_verify_ct"] <= len(ids) // 3
+    for sp, out, ref in zip(params, outs, expected):
+        assert out["output_ids"] == ref["output_ids"], sp
+        assert out["text"] == ref["text"] and out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+
+
+def test_a_tree_never_drafts_past_max_new_tokens(cyclic_model_dir):
+    """A request's tree is cut to the tokens it may still produce (Speculator.tree_budget): its verifies' accepted
+    runs (the accept histogram) add up to exactly the reply's tokens after the prefill's, however long the runs the
+    cyclic model's n-gram drafts would give, and never to more that the token limit then throws away."""
+    with ngram_engine(cyclic_model_dir) as eng:
+        for n in (2, 5, 9, 16, 31):
+            out = eng.generate(PROMPTS[0], greedy(n))
+            meta = out["meta_info"]
+            assert len(out["output_ids"]) == n and meta["finish_reason"] == {"type": "length", "length": n}
+            accepted = sum(k * count for k, count in meta["spec_accept_histogram"].items())
+            assert accepted == n - 1, (n, meta["spec_accept_histogram"])
+        eng.check_kv_invariant()
+        stats = eng.get_server_info()["stats"]
+    assert stats["spec_accepted_tokens"] > 2 * stats["spec_verify_ct"], stats  # long runs were taken
+
+
 def test_retraction_under_kv_pressure_keeps_outputs(tiny_model_dir, plain):
     expected = [o["output_ids"] for o in plain.generate(PROMPTS * 2, greedy(40))]
     with ngram_engine(tiny_model_dir, max_total_tokens=256, page_size=16) as eng:
