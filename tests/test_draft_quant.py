@@ -202,3 +202,17 @@ def test_bind_target_repacks_a_loaded_draft_for_another_method(algorithm, cyclic
         for a, b in pairs:
             x = torch.randn(5, a.weight_t.shape[0], generator=gen)
             assert torch.equal(a.packed(x), b.packed(x))
+
+
+def test_the_default_engines_free_text_draft_takes_the_method_asked_for():
+    """The default engine (no algorithm) drafts free text with the default model's DFlash draft: its weights' method
+    is speculative_draft_model_quantization's (it was refused as needing an algorithm), and the reply is the same
+    greedy ids whatever the draft's weights."""
+    params = {"temperature": 0, "max_new_tokens": 24}
+    outs = {}
+    for method in (None, "int8"):
+        with specjet.Engine(max_total_tokens=2048, speculative_draft_model_quantization=method) as eng:
+            assert eng.get_server_info()["draft_quantization"] == method
+            outs[method] = eng.generate("The capital of France is", params)["output_ids"]
+            eng.check_kv_invariant()
+    assert outs[None] == outs["int8"]

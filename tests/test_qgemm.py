@@ -292,6 +292,25 @@ def test_masked_rows_get_the_full_gemms_bits_on_their_allowed_columns(group, mon
         assert torch.equal(nothing[1], qgemm.gemm(x[1:2].contiguous(), covered.weight, covered.bias)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked_rows_of_low_precision_activations_are_rounded_as_the_full_call(dtype):
+    """With bf16 / fp16 activations (a quantized model in dtype bfloat16) ``self(x)`` rounds its sums to x's dtype:
+    ``masked`` gives every row those same values (as float32), so a free row's logits, and its greedy token where
+    two round alike, do not depend on whether a grammar-masked row shares its batch."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 1000, 96
+    layer = qgemm.QuantizedLinear.build(quantize_int8(0.05 * torch.randn(n, k, generator=gen), 32))
+    x = torch.randn(3, k, generator=gen).to(dtype)
+    allowed = torch.zeros(3, 992, dtype=torch.bool)
+    allowed[0, [3, 40, 500]] = True  # sparse
+    masked = torch.tensor([True, False, False])
+    got = layer.masked(x, token_bitmask(allowed), masked)
+    full = layer(x).float()
+    assert got.dtype == torch.float32
+    assert torch.equal(got[1:], full[1:])  # the unmasked rows: the full call's rounded values
+    assert torch.equal(got[0, [3, 40, 500]], full[0, [3, 40, 500]])
+
+
 @pytest.mark.skipif(platform.system() != "Linux", reason="AMX is asked for from the Linux kernel")
 def test_amx_tiles_are_offered_where_the_cpu_has_them():
     """Linux lists AMX flags only where it manages the tile state; there the kernels must get the

@@ -132,3 +132,54 @@ def test_a_projection_without_blocks_or_weight_is_refused(tiny_model_dir):
     model.layers[1].mlp.down_proj.drop_float_weight()
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj has neither blocks of its own nor a float weight"):
         quantize_linears(model, "int8")
+
+
+def test_a_model_none_of_whose_projections_can_be_quantized_is_refused(tmp_path, default_model_dir, caplog):
+    """Input widths that are not whole 32-weight blocks stay float: where that is every projection, the method
+    asked for would compute nothing (while the engine reported it), so the engine refuses it; where it is some,
+    a warning says how many."""
+    import logging
+
+    from conftest import make_tiny_model_dir
+
+    odd = make_tiny_model_dir(tmp_path / "odd", default_model_dir, hidden_size=80, intermediate_size=200)
+    with pytest.raises(ValueError, match="none of the model's 9 projections"):
+        specjet.Engine(model_path=str(odd), quantization="int4", max_total_tokens=1024)
+    some = make_tiny_model_dir(tmp_path / "some", default_model_dir, intermediate_size=80)  # down_proj stays float
+    with caplog.at_level(logging.WARNING, logger="specjet.models.quantize"):
+        with specjet.Engine(model_path=str(some), quantization="int8", max_total_tokens=1024) as eng:
+            assert eng.get_server_info()["quantization"] == "int8"
+    assert "2 of 9 projections stay float" in caplog.text
+
+
+def test_a_cpu_engine_gives_the_heap_its_load_freed_back(cyclic_model_dir, monkeypatch):
+    """Quantizing frees each weight's float temporaries; glibc kept them resident (~0.6 GB of the default model's
+    int8 engine, which then held about what its float32 engine did): the load gives them back once (malloc_trim)."""
+    from specjet.engine import loading
+
+    calls = []
+    real = loading.release_freed_heap
+    monkeypatch.setattr(loading, "release_freed_heap", lambda: calls.append(1) or real())
+    with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=1024, quantization="int8") as eng:
+        assert eng.generate("a b c", {"temperature": 0, "max_new_tokens": 2})["output_ids"]
+    assert calls == [1]
+
+
+def test_a_free_rows_tokens_do_not_depend_on_grammar_rows_beside_it_in_bf16(cyclic_model_dir):
+    """int4 weights with bfloat16 activations: a batch holding a grammar row takes the LM head's masked call for
+    every row, which gave float32 sums where the full call rounds them to bf16, so a free request's greedy tokens
+    changed where two logits round alike (the cyclic model's at its 20th token). Alone, beside free requests, beside
+    a regex and beside a JSON schema: the same ids."""
+    free = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+    regex = dict(free, ignore_eos=False, regex="(ab|cd|[0-9]){3,20}")
+    schema = dict(free, ignore_eos=False, json_schema={
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+        "required": ["a", "b"], "additionalProperties": False})
+    prompts = ["a b c a b c a b c a b", "The cat sat on the mat. The cat", "1 2 3 4 1 2", "Hello"]
+    with specjet.Engine(model_path=str(cyclic_model_dir), quantization="int4", dtype="bfloat16",
+                        max_total_tokens=4096, disable_guided_drafting=True) as eng:
+        alone = eng.generate(prompts[0], free)["output_ids"]
+        for batch, params in ((prompts, [free] * 4), (prompts[:1] * 2, [free, regex]), (prompts[:2], [free, schema]),
+                              (prompts + prompts[:2], [free] * 4 + [regex, schema])):
+            assert eng.generate(batch, params)[0]["output_ids"] == alone, params[1:]
+        eng.check_kv_invariant()

@@ -187,6 +187,16 @@ def test_cache_dir_override(monkeypatch, tmp_path):
     assert specjet_cache_dir() == pathlib.Path.home() / ".cache" / "specjet"
 
 
+def _write_stub_conversion(out_dir: pathlib.Path) -> None:
+    """What a start reads of a converted directory (weights._whole): a config, weights, the tokenizer's files."""
+    from safetensors.torch import save_file
+
+    (out_dir / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, str(out_dir / "model.safetensors"))
+    (out_dir / "tokenizer_config.json").write_text("{}")
+    (out_dir / "tokenizer.json").write_text("{}")
+
+
 @pytest.fixture
 def stub_converter(monkeypatch, tmp_path):
     """A cache under tmp_path and a converter that takes a moment and counts its calls."""
@@ -196,7 +206,7 @@ def stub_converter(monkeypatch, tmp_path):
     def convert(gguf, out_dir):
         calls.append(gguf)
         time.sleep(0.3)  # long enough for a second caller to arrive mid-conversion
-        (out_dir / "config.json").write_text("{}")
+        _write_stub_conversion(out_dir)
 
     monkeypatch.setattr(weights, "_convert_gguf", convert)
     gguf = tmp_path / "tiny.gguf"
@@ -290,3 +300,26 @@ def test_load_state_dict_reads_shards(tmp_path):
 def test_load_state_dict_without_weights_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_state_dict(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["weights cut short", "weights lost", "config emptied", "tokenizer lost"])
+def test_a_damaged_conversion_is_converted_again(stub_converter, damage):
+    """A converted directory whose weights were cut short (a crash before they reached the disk) or lost, or whose
+    config no longer parses, was taken as whole: every later start failed deep in safetensors or transformers
+    without naming the cache. It is converted again."""
+    gguf, calls = stub_converter
+    target = resolve_model_path(gguf)
+    weights_file = target / "model.safetensors"
+    if damage == "weights cut short":
+        with open(weights_file, "r+b") as handle:
+            handle.truncate(weights_file.stat().st_size - 4)
+    elif damage == "weights lost":
+        weights_file.unlink()
+    elif damage == "tokenizer lost":
+        (target / "tokenizer.json").unlink()
+    else:
+        (target / "config.json").write_text("")
+    assert resolve_model_path(gguf) == target
+    assert len(calls) == 2
+    load_state_dict(target)  # whole again
+    assert not [p for p in target.parent.iterdir() if ".broken-" in p.name or ".tmp-" in p.name]

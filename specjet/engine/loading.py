@@ -17,7 +17,7 @@ from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
 from specjet.scheduler.worker import ModelWorker
-from specjet.spec_v2.config import HYBRID_ALGORITHMS, SpecConfig
+from specjet.spec_v2.config import DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT, HYBRID_ALGORITHMS, SpecConfig
 from specjet.spec_v2.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,20 @@ def _draft_quantization(args: EngineArgs, quantization: str | None, device: torc
     draft_quantization, why = choose_draft_method(args.speculative_draft_model_quantization, quantization, device)
     logger.info("draft quantization %s (%s)", draft_quantization, why)
     return draft_quantization
+
+
+def release_freed_heap() -> None:
+    """Give the C heap's free pages back to the system. glibc keeps what a process frees for its later allocations:
+    quantizing a model frees its float weights' temporaries (each weight's float32 copy and quantization
+    intermediates, ~0.6 GB for the default model in int8), which otherwise stayed resident for the engine's life.
+    A C library without malloc_trim (not glibc) keeps its own policy."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _is_default_model(gguf_path) -> bool:
@@ -129,6 +143,9 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
                                             free_text=free_text, tiled_bf16_target=runner.tiled_rows)
         logger.info("guided drafting%s", " and free-text drafting alone (DFLASH)" if free_text else "")
+    learned = spec_config is not None and (spec_config.algorithm in HYBRID_ALGORITHMS or spec_config.solo is not None)
+    if args.speculative_draft_model_quantization != "auto" and not learned:
+        raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
         spec_config = replace(spec_config, draft_quantization=_draft_quantization(args, quantization, runner.device))
     if spec_config is not None and spec_config.solo is not None:
@@ -144,6 +161,8 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
             graphs.capture_buckets()
         if speculator is not None:
             graphs.capture_buckets(speculator.max_nodes, speculator.target_capture)
+    if runner.device.type == "cpu":
+        release_freed_heap()  # the float temporaries of quantizing the target's and draft's weights
     worker = ModelWorker(runner, req_to_token_pool.table, speculator)
     scheduler = Scheduler(tokenizer, grammar, sched_config, allocator, req_to_token_pool, config.vocab_size,
                           config.eos_token_ids, spec=speculator)

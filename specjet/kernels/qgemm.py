@@ -117,7 +117,7 @@ class QuantizedLinear:
 
     def masked(self, x: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor,
                max_allowed: int = MASKED_MAX_ALLOWED) -> torch.Tensor | None:
-        """``self(x)`` for rows x [R, K] whose outputs a grammar restricts (an LM head's): a row with
+        """``self(x).float()`` for rows x [R, K] whose outputs a grammar restricts (an LM head's): a row with
         ``masked`` set whose ``bitmask`` row (int32 [R, W], token t = bit t % 32 of word t // 32) allows at
         most ``max_allowed`` columns gets those columns, with the bits ``self(x)`` gives them, and -inf
         elsewhere (where the mask puts -inf anyway); the other rows are ``self(x)``'s. Where every row is
@@ -126,11 +126,16 @@ class QuantizedLinear:
         if not self.has_masked_kernel:
             return None
         ext = extension()
+        dtype = x.dtype
         if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
             x = x.reshape(-1, x.shape[-1]).float().contiguous()
         w = self.weight
-        return ext.int8_gemm_masked(x, w.q, w.s, w.wsum, w.group, w.n, self.bias, ISAS[default_isa()],
-                                    bitmask.contiguous(), masked.contiguous(), max_allowed)
+        y = ext.int8_gemm_masked(x, w.q, w.s, w.wsum, w.group, w.n, self.bias, ISAS[default_isa()],
+                                 bitmask.contiguous(), masked.contiguous(), max_allowed)
+        # ``self(x)`` rounds its float32 sums to x's dtype (bf16, fp16 activations): so must every row here, or a
+        # row's logits (and its greedy token, where two round to one value) depend on whether a grammar row shares
+        # its batch. Returned as float32, as the LM head's logits are.
+        return y if dtype == torch.float32 else y.to(dtype).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():

@@ -135,5 +135,15 @@ def quantize_model(model: torch.nn.Module, method: str, gguf_path=None) -> None:
 
         given = read_gguf_linears(gguf_path, model.config)
     count = quantize_linears(model, method, given)
+    from specjet.models.llama import Linear
+
+    total = sum(isinstance(m, Linear) for m in model.modules())
+    if count == 0:  # nothing would compute with the method asked for, while the engine reported it in effect
+        raise ValueError(f"quantization={method!r}: none of the model's {total} projections has an input width of "
+                         f"whole {BLOCK}-weight blocks (hidden_size {model.config.hidden_size}, intermediate_size "
+                         f"{model.config.intermediate_size}), so none can be quantized; use quantization=None")
+    if count < total:
+        logger.warning("quantization %s: %d of %d projections stay float (their input width is not whole blocks of "
+                       "%d; log_level='info' names them)", method, total - count, total, BLOCK)
     model.quantization = method
     logger.info("quantization %s: %d projections (%s)", method, count, describe_kernels())

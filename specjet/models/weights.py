@@ -187,12 +187,17 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
     models = specjet_cache_dir() / "models"
     key = _cache_key(gguf, models)
     target = models / f"{key}-{CONVERSION}"
-    if (target / "config.json").is_file():
+    if _whole(target):
         return target
     _writable_cache(models)
     with _exclusive_lock(models / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process finished while we waited
+        if _whole(target):  # another process finished while we waited
             return target
+        if target.exists():  # a file cut or lost since (a crash before the data reached the disk, a hand's delete)
+            print(f"specjet: the converted model in {target} is damaged (a file cut short or missing); converting again")
+            broken = models / f".{target.name}.broken-{os.getpid()}"
+            os.rename(target, broken)
+            shutil.rmtree(broken, ignore_errors=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models))
         try:
             _convert_gguf(gguf, tmp)
@@ -208,6 +213,20 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
         if (models / key / "config.json").is_file():  # an earlier conversion's copy of the same file
             shutil.rmtree(models / key, ignore_errors=True)
     return target
+
+
+def _whole(directory: pathlib.Path) -> bool:
+    """Whether a converted directory holds what a start reads: a config that parses, weights whose header covers
+    their file (safetensors checks that: a file cut short fails) and the tokenizer's files (a GGUF's is a fast one)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        json.loads((directory / "config.json").read_text())
+        with safe_open(str(directory / WEIGHTS_NAME), "pt"):
+            pass
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return all((directory / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json"))
 
 
 # The conversion's version, in its directory's name: a GGUF converted by an earlier one is converted again (the

@@ -117,6 +117,10 @@ QUANTIZED_FREE_TEXT_DRAFT_BATCH = 1
 # on GSM8K (bf16); 32 made it 0.93-0.97x and left JSON schemas at or above the full trees (2.69 -> 2.82x,
 # 3.09 -> 3.10x), and changes nothing at batch 1, whose trees are smaller (bench/RESULTS.md, session 21).
 FLOAT_CPU_MAX_VERIFY_NODES = 32
+DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT = (
+    "speculative_draft_model_quantization sets a learned draft's weights: it needs speculative_algorithm='EAGLE' or "
+    "'DFLASH', or the default engine's free-text drafting (on a CPU, with the default model or "
+    "speculative_draft_model_path, free-text drafting not disabled)")
 MIN_PROB_NEEDS_LEARNED_DRAFT = ("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
                                 "speculative_algorithm='EAGLE' or 'DFLASH'")
 
@@ -308,9 +312,13 @@ class SpecConfig:
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_draft_min_prob is not None and algorithm not in HYBRID_ALGORITHMS:
             raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
-        if args.speculative_draft_model_quantization != "auto" and algorithm not in HYBRID_ALGORITHMS:
-            raise ValueError("speculative_draft_model_quantization sets a learned draft's weights: it needs "
-                             "speculative_algorithm='EAGLE' or 'DFLASH'")
+        # Without an algorithm the default engine may still load a learned draft (free-text drafting: the default
+        # model's own, or speculative_draft_model_path's); the engine's load refuses the argument where it does not.
+        free_text_draft = algorithm is None and (getattr(args, "model_path", None) is None
+                                                 or args.speculative_draft_model_path is not None)
+        if (args.speculative_draft_model_quantization != "auto" and algorithm not in HYBRID_ALGORITHMS
+                and not free_text_draft):
+            raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
         if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
             raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
                              "speculative_algorithm='DFLASH'")
@@ -374,8 +382,9 @@ class SpecConfig:
         ``speculative_grammar_aware``, apply) for those requests alone; every other decode batch is plain.
         ``free_text``: a request without either also drafts while it decodes alone, with DFLASH's defaults for this
         target (the draft at ``speculative_draft_model_path``, else the one shipped for the default model)."""
-        config = cls.from_args(replace(args, speculative_algorithm="NGRAM"), quantized_cpu_target,
-                               cpu_target)
+        # (the draft's weights' method is the free-text draft's: NGRAM's trees have no learned draft)
+        config = cls.from_args(replace(args, speculative_algorithm="NGRAM", speculative_draft_model_quantization="auto"),
+                               quantized_cpu_target, cpu_target)
         solo = None
         if free_text:  # speculative_num_draft_tokens sizes the NGRAM trees: the block is DFLASH's default
             solo = cls.from_args(replace(args, speculative_algorithm="DFLASH", speculative_num_draft_tokens=None),
