@@ -208,11 +208,33 @@ def test_the_default_engines_free_text_draft_takes_the_method_asked_for():
     """The default engine (no algorithm) drafts free text with the default model's DFlash draft: its weights' method
     is speculative_draft_model_quantization's (it was refused as needing an algorithm), and the reply is the same
     greedy ids whatever the draft's weights."""
+    from specjet.models.weights import default_gguf_path
+
     params = {"temperature": 0, "max_new_tokens": 24}
     outs = {}
-    for method in (None, "int8"):
-        with specjet.Engine(max_total_tokens=2048, speculative_draft_model_quantization=method) as eng:
+    for method, model_path in ((None, None), ("int8", str(default_gguf_path()))):  # the default model named too
+        with specjet.Engine(model_path=model_path, max_total_tokens=2048,
+                            speculative_draft_model_quantization=method) as eng:
             assert eng.get_server_info()["draft_quantization"] == method
             outs[method] = eng.generate("The capital of France is", params)["output_ids"]
             eng.check_kv_invariant()
     assert outs[None] == outs["int8"]
+
+
+@pytest.mark.parametrize("change", [{}, {"disable_free_text_drafting": True}, {"disable_guided_drafting": True},
+                                    {"enable_deterministic_inference": False}, {"model_path": "TINY"}])
+def test_a_draft_method_no_free_text_draft_would_take_is_refused_at_the_door(tiny_model_dir, change):
+    """Without an algorithm the method applies to the default engine's free-text draft alone: where none would load
+    (a model without a draft, or free-text drafting off), the arguments are refused before any model loads."""
+    from specjet.engine.args import EngineArgs
+
+    kwargs = dict({"speculative_draft_model_quantization": "int8"}, **change)
+    if kwargs.get("model_path") == "TINY":
+        kwargs["model_path"] = str(tiny_model_dir)
+    args = EngineArgs(**kwargs)
+    if not change:  # the default model with its draft: taken
+        args.validate()
+        assert args.drafts_free_text("cpu") and not args.drafts_free_text("cuda")
+        return
+    with pytest.raises(ValueError, match="speculative_draft_model_quantization sets a learned draft's weights"):
+        args.validate()

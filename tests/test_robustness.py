@@ -6,6 +6,7 @@ alive, idle, KV invariant)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -183,6 +184,29 @@ def test_shutdown_answers_calls_still_in_the_inbox(tiny_model_dir):
     eng.scheduler.check_kv_invariant()  # the loop's thread has ended: nothing owns a slot any more
     eng.scheduler.flush_cache()  # nor holds a cached prefix: the cache can give every slot back
     assert eng.scheduler.allocator.num_free_slots == eng.scheduler.allocator.size
+
+
+def test_shutdown_with_a_message_tells_every_request_it_ends(tiny_model_dir):
+    """shutdown(message) (a server's drain deadline): each request it ends is an abort 503 engine_not_alive saying
+    the message, a stream's last chunk included, and nothing is left holding a slot."""
+    import threading
+
+    eng = specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=4096)
+    long = dict(GREEDY, max_new_tokens=None, ignore_eos=True)
+    stream = eng.generate("streamed", long, stream=True)
+    first = next(stream)
+    results: list = []
+    whole = threading.Thread(target=lambda: results.append(eng.generate("whole", long)))
+    whole.start()
+    while eng.get_server_info()["stats"]["requests_submitted"] < 2:
+        time.sleep(0.01)
+    eng.shutdown("the server is shutting down (a test)")
+    whole.join(30)
+    chunks = [first, *stream]
+    for reason in (results[0]["meta_info"]["finish_reason"], chunks[-1]["meta_info"]["finish_reason"]):
+        assert reason == {"type": "abort", "message": "the server is shutting down (a test)", "status_code": 503,
+                          "err_type": "engine_not_alive"}, reason
+    eng.scheduler.check_kv_invariant()
 
 
 def specjet_call(eng, i):

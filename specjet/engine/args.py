@@ -170,6 +170,17 @@ class EngineArgs:
         args.validate()
         return args
 
+    def drafts_free_text(self, device_type: str) -> bool:
+        """Whether an engine without ``speculative_algorithm`` on a ``device_type`` device drafts free text with a
+        learned draft (DFLASH, for a request decoding alone): on a CPU, with guided and free-text drafting on and
+        batch-invariant kernels, for a model that has a draft (``speculative_draft_model_path``'s, or the one shipped
+        for the default model). The door and the load ask the same question."""
+        from specjet.models.weights import is_default_model
+
+        return (self.speculative_algorithm is None and device_type == "cpu" and not self.disable_guided_drafting
+                and not self.disable_free_text_drafting and self.enable_deterministic_inference
+                and (self.speculative_draft_model_path is not None or is_default_model(self.model_path)))
+
     def validate(self) -> None:
         self._check_types()
         if self.page_size < 1:
@@ -220,9 +231,16 @@ class EngineArgs:
             raise ValueError(f"speculative_draft_model_{err}") from None
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"grammar_backend {self.grammar_backend!r} is not supported; specjet uses 'xgrammar'")
-        from specjet.spec_v2.config import SpecConfig
+        from specjet.spec_v2.config import DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT, SpecConfig
 
         SpecConfig.from_args(self)  # raises naming the speculative argument that is out of range
+        if self.speculative_algorithm is None and self.speculative_draft_model_quantization != "auto":
+            import torch
+
+            device = "cuda" if self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available()) \
+                else "cpu"
+            if not self.drafts_free_text(device):
+                raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
         if self.speculative_algorithm is not None and not self.enable_deterministic_inference:
             # Without batch-invariant attention a verify forward rounds differently from a decode step
             # (bench/RESULTS.md counts the diverging outputs), so speculation would change the output.

@@ -12,7 +12,7 @@ from specjet.grammar import GrammarBackend
 from specjet.models.config import ModelConfig
 from specjet.models.quantize import choose_draft_method, choose_method
 from specjet.models.runner import ModelRunner, total_memory_bytes
-from specjet.models.weights import default_gguf_path, gguf_source, load_state_dict, resolve_model_path
+from specjet.models.weights import gguf_source, load_state_dict, resolve_model_path
 from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -53,17 +53,9 @@ def release_freed_heap() -> None:
 
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL takes no None
         return
     trim(0)
-
-
-def _is_default_model(gguf_path) -> bool:
-    """Whether the model is the embedded default one, for which specjet ships a DFlash draft."""
-    try:
-        return gguf_path is not None and gguf_path.resolve() == default_gguf_path().resolve()
-    except FileNotFoundError:  # the default model's package is not installed
-        return False
 
 
 def with_generation_eos(config: ModelConfig, model_dir) -> ModelConfig:
@@ -138,8 +130,7 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
     if spec_config is None and not args.disable_guided_drafting and args.enable_deterministic_inference:
         # requests with a prediction or a grammar still draft (NGRAM's trees), the others take plain steps, or on
         # a CPU with a DFlash draft for the model draft while they decode alone
-        free_text = cpu and not args.disable_free_text_drafting and (
-            args.speculative_draft_model_path is not None or _is_default_model(gguf_path))
+        free_text = args.drafts_free_text(runner.device.type)
         spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
                                             free_text=free_text, tiled_bf16_target=runner.tiled_rows)
         logger.info("guided drafting%s", " and free-text drafting alone (DFLASH)" if free_text else "")

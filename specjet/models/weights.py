@@ -100,6 +100,16 @@ def gguf_source(model_path: str | os.PathLike | None) -> pathlib.Path | None:
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
+def is_default_model(model_path: str | os.PathLike | None) -> bool:
+    """Whether ``model_path`` is the embedded default model (None, or a path to its GGUF), for which specjet ships a
+    DFlash draft; False where the default model's package is not installed."""
+    try:
+        gguf = gguf_source(model_path)
+        return gguf is not None and gguf.resolve() == default_gguf_path().resolve()
+    except FileNotFoundError:
+        return False
+
+
 def load_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors` (or of the shards a `model.safetensors.index.json` lists),
     on CPU, in the dtype stored, under Hugging Face names. A checkpoint with tied embeddings has no
@@ -202,10 +212,11 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
         try:
             _convert_gguf(gguf, tmp)
             _make_readable(tmp)
+            _sync_files(tmp)  # on the disk before the rename makes the directory the cache's: a crash leaves no cut file
             try:
                 os.rename(tmp, target)
             except OSError:
-                if not (target / "config.json").is_file():
+                if not _whole(target):
                     raise
                 # A process that did not take the lock (e.g. no fcntl) got there first; keep its copy.
         finally:
@@ -213,6 +224,14 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
         if (models / key / "config.json").is_file():  # an earlier conversion's copy of the same file
             shutil.rmtree(models / key, ignore_errors=True)
     return target
+
+
+def _sync_files(directory: pathlib.Path) -> None:
+    """fsync every file of ``directory`` (a conversion's; a few hundred MB once per model)."""
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
 
 
 def _whole(directory: pathlib.Path) -> bool:

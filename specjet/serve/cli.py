@@ -133,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server = AnsweringServer(config, engine.shutdown)
         try:
             server.run()
-        except KeyboardInterrupt:  # a second Ctrl-C: uvicorn's forced exit
+        except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down
             pass
         if not server.started:  # the port taken, as uvicorn.run answers it
             print(f"specjet serve: could not listen on {ns.host}:{ns.port} (the log above says why)", file=sys.stderr)

@@ -48,6 +48,8 @@ class AnsweringServer(uvicorn.Server):
 
     async def _end_requests_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
+        if not self.server_state.tasks and not self.server_state.connections:  # every response has finished
+            return
         grace = self.config.timeout_graceful_shutdown
         logger.warning("graceful shutdown: requests still running %.1f s after the signal; ending them "
                        "(each is answered with a 503) before the %s s deadline", delay, grace)

@@ -119,8 +119,9 @@ QUANTIZED_FREE_TEXT_DRAFT_BATCH = 1
 FLOAT_CPU_MAX_VERIFY_NODES = 32
 DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT = (
     "speculative_draft_model_quantization sets a learned draft's weights: it needs speculative_algorithm='EAGLE' or "
-    "'DFLASH', or the default engine's free-text drafting (on a CPU, with the default model or "
-    "speculative_draft_model_path, free-text drafting not disabled)")
+    "'DFLASH', or the default engine's free-text drafting (on a CPU, for the default model or with "
+    "speculative_draft_model_path, with disable_guided_drafting and disable_free_text_drafting False and "
+    "enable_deterministic_inference True)")
 MIN_PROB_NEEDS_LEARNED_DRAFT = ("speculative_draft_min_prob cuts a learned draft's unlikely nodes: it needs "
                                 "speculative_algorithm='EAGLE' or 'DFLASH'")
 
@@ -312,12 +313,10 @@ class SpecConfig:
                              "speculative_algorithm='EAGLE' or 'DFLASH'")
         if args.speculative_draft_min_prob is not None and algorithm not in HYBRID_ALGORITHMS:
             raise ValueError(MIN_PROB_NEEDS_LEARNED_DRAFT)
-        # Without an algorithm the default engine may still load a learned draft (free-text drafting: the default
-        # model's own, or speculative_draft_model_path's); the engine's load refuses the argument where it does not.
-        free_text_draft = algorithm is None and (getattr(args, "model_path", None) is None
-                                                 or args.speculative_draft_model_path is not None)
-        if (args.speculative_draft_model_quantization != "auto" and algorithm not in HYBRID_ALGORITHMS
-                and not free_text_draft):
+        # Without an algorithm the default engine may still load a learned draft for free text (EngineArgs
+        # checks that one will: drafts_free_text).
+        if (args.speculative_draft_model_quantization != "auto" and algorithm is not None
+                and algorithm not in HYBRID_ALGORITHMS):
             raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
         if args.speculative_dflash_draft_window_size is not None and algorithm != "DFLASH":
             raise ValueError("speculative_dflash_draft_window_size limits a DFlash draft's context: it needs "
