@@ -81,6 +81,25 @@ def test_a_damaged_or_outdated_cache_is_written_again(config, from_file, cache_d
     assert gguf_blocks._cached_header(file)["layout"] == gguf_blocks.CACHE_LAYOUT
 
 
+def test_a_cache_whose_data_changed_on_the_disk_is_read_again(config, from_file, cache_dir):
+    """A page of the cache's data flipped (its header and length intact, so it still reads as safetensors): the
+    blocks were computed with as they were (the model's replies became whitespace); the checksum finds it, the GGUF
+    gives the blocks, and the cache is written again."""
+    gguf_blocks.read_gguf_linears(default_gguf_path(), config)
+    file = gguf_blocks.cache_path(default_gguf_path())
+    size = file.stat().st_size
+    with open(file, "r+b") as handle:
+        handle.seek(size // 2)
+        page = handle.read(4096)
+        handle.seek(size // 2)
+        handle.write(bytes(b ^ 0xFF for b in page))
+    _assert_same(gguf_blocks.read_gguf_linears(default_gguf_path(), config), from_file)
+    with open(file, "rb") as handle:  # written again: the page as the GGUF has it
+        handle.seek(size // 2)
+        assert handle.read(4096) == page
+    _assert_same(gguf_blocks.read_gguf_linears(default_gguf_path(), config), from_file)
+
+
 def test_an_unwritable_cache_costs_only_time(config, from_file, tmp_path, monkeypatch):
     blocked = tmp_path / "a file, not a directory"
     blocked.write_text("")
