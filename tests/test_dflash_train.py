@@ -295,7 +295,30 @@ def test_generated_samples_say_whether_the_engine_wrote_them_greedily(tiny_model
         engine.check_kv_invariant()
     (cached,) = generate_cached(lambda: pytest.fail("every reply is cached"), jobs).values()
     assert [s.greedy for s in fresh] == [True, False] and cached == fresh
-    assert all(set(json.loads(line)) == {"index", "ids", "prompt_len", "source"} for line in cache.read_text().splitlines())
+    assert all(set(json.loads(line)) == {"index", "ids", "prompt_len", "source", "params"}
+               for line in cache.read_text().splitlines())
+
+
+def test_a_cached_reply_is_taken_only_for_its_own_sampling_parameters(tmp_path):
+    """A JSON instance cached under one schema was taken for a request with the same prompt under another (an edited
+    schema, another --jsonschema-dir whose prompt reads the same): the reply cache keeps each request's parameters.
+    A record from before they were kept stands for a GSM8K request (no schema) only."""
+    import json
+
+    from specjet.train.generate import _read_cache, params_key
+
+    prompt = [1, 2, 3]
+    old = {"json_schema": {"type": "object"}, "temperature": 0, "max_new_tokens": 8, "seed": 0}
+    new = dict(old, json_schema={"type": "array"})
+    greedy = {"temperature": 0, "max_new_tokens": 8}
+    cache = tmp_path / "replies.jsonl"
+    record = {"index": 0, "ids": prompt + [7, 2], "prompt_len": 3, "source": "json_target"}
+    cache.write_text(json.dumps(dict(record, params=params_key(old))) + "\n")
+    assert set(_read_cache(cache, [(prompt, old, "json_target")])) == {0}
+    assert _read_cache(cache, [(prompt, new, "json_target")]) == {}
+    cache.write_text(json.dumps(record) + "\n")  # written before the parameters were kept
+    assert _read_cache(cache, [(prompt, old, "json_target")]) == {}
+    assert set(_read_cache(cache, [(prompt, greedy, "gsm8k_target")])) == {0}
 
 
 def test_bf16_collation_keeps_the_fp16_features_values(sequences):
@@ -516,3 +539,17 @@ def test_parser_defaults_are_the_shipped_drafts_recipe():
         assert " ".join(values) == expected, name
         checked.add(name)
     assert {"num_layers", "steps", "num_target_replies", "json_per_schema", "block_size"} <= checked
+
+
+def test_a_run_under_another_thread_count_is_another_run():
+    """The draft's bits depend on the torch thread count, which its config's command records: a run resumed (or a
+    finished one taken again) under another --threads went on from the other count's checkpoint, writing a draft
+    that the recorded command does not reproduce. The count names the checkpoint as the other settings do."""
+    from specjet.train.dflash import dflash_run_key
+
+    shape = DFlashShape(1, (0,), BLOCK, 7, True)
+    cfg = T.DFlashTrainConfig(steps=10)
+    assert dflash_run_key(cfg, shape, 300, 2) == dflash_run_key(T.DFlashTrainConfig(steps=10, checkpoint_every=3),
+                                                                 shape, 300, 2)
+    assert dflash_run_key(cfg, shape, 300, 1) != dflash_run_key(cfg, shape, 300, 2)
+    assert dflash_run_key(cfg, shape, 300, 2) != dflash_run_key(T.DFlashTrainConfig(steps=11), shape, 300, 2)

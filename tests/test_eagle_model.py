@@ -222,6 +222,38 @@ def test_save_load_round_trip(runner, tmp_path, feature_layers):
     assert config["target"]["hidden_size"] == runner.config.hidden_size
 
 
+def test_a_draft_written_over_another_is_never_half_of_each(runner, tmp_path, monkeypatch):
+    """The weights were written in place, then the config: a run killed (or a disk full) between the two left the new
+    weights beside the old config, which loaded without a word (its training summary another run's). Both files are
+    now written whole beside the old ones, then put in place; a write that fails leaves the old draft and no
+    leftovers."""
+    import pathlib
+
+    out = tmp_path / "head"
+    old, new = make_head(runner, seed=1), make_head(runner, seed=2)
+    save_eagle(old, out, training={"steps": 1})
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    write_text = pathlib.Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name.startswith("config.json"):
+            raise OSError(28, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save_eagle(new, out, training={"steps": 2})
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    save_eagle(new, out, training={"steps": 2})
+    from safetensors.torch import load_file
+
+    load_eagle(out, runner.config)
+    assert read_eagle_config(out)["training"] == {"steps": 2} and sorted(f.name for f in out.iterdir()) == [
+        "config.json", "model.safetensors"]
+    assert torch.equal(load_file(out / "model.safetensors")["fc.weight_t"], new.fc.weight_t.detach().half())
+
+
 def test_eagle3_feature_capture_is_the_residuals_then_the_final_hidden_state(runner):
     """``FeatureLayers`` gives every row's residual after the chosen layers and the final normed
     hidden state, concatenated, even when only some rows need logits (a verify, an extend)."""

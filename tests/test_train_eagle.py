@@ -450,3 +450,48 @@ def test_an_interrupted_trainer_says_how_to_resume(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli_main("eagle", build_parser, interrupted, ["--threads", "1"])
     assert exit_.value.code == 130 and "the same command resumes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job", ["eagle", "dflash"])
+def test_no_training_data_is_said_before_anything_runs(job, capsys):
+    """Every count at 0 and no --extra-jsonl: a ZeroDivisionError (EAGLE) or a torch.cat error (DFlash) after the
+    data and feature stages; now the parser's error."""
+    from specjet.train import dflash, eagle
+    from specjet.train.eagle import cli_main
+
+    build_parser = {"eagle": eagle.build_parser, "dflash": dflash.build_parser}[job]
+    argv = ["--num-target-replies", "0", "--num-few-shot-replies", "0", "--num-human-replies", "0",
+            "--jsonschema-dir", ""]
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(job, build_parser, lambda args: pytest.fail("ran"), argv)
+    assert exit_.value.code == 2 and "no training data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job,flags", [("eagle", ["--feature-layers", "5"]), ("eagle", ["--feature-layers", "1", "0"]),
+                                       ("dflash", ["--target-layers", "0", "5"]), ("dflash", ["--mask-token-id", "-1"])])
+def test_a_layer_list_the_target_lacks_is_refused_before_the_data(tiny_model_dir, tmp_path, capsys, job, flags):
+    """The README's promise: layer lists and the mask token id are checked once the model is read. They were checked
+    when the draft was made, after the data and feature stages (the EAGLE default, layers 1 and 14, on a target of
+    fewer layers: a traceback after them)."""
+    from specjet.train.__main__ import main
+
+    argv = [job, "--model-path", str(tiny_model_dir), "--work-dir", str(tmp_path / "work"), "--out",
+            str(tmp_path / "out"), "--threads", "1", *flags]
+    if job == "dflash":
+        argv += ["--data-dir", str(tmp_path / "data")]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "must " in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.jsonl")) and not (tmp_path / "work" / "features").exists()
+
+
+def test_a_run_under_another_thread_count_is_another_run():
+    """The head's bits depend on the torch thread count (on the default model's sizes: one step's sums split by
+    thread), which its config's command records: a run resumed (or a finished one taken again) under another
+    --threads went on from the other count's checkpoint. The count names the checkpoint as the other settings do."""
+    from specjet.train.eagle import eagle_run_key
+
+    cfg = T.TrainConfig(steps=10)
+    assert eagle_run_key(cfg, 300, 2) == eagle_run_key(T.TrainConfig(steps=10, checkpoint_every=3), 300, 2)
+    assert eagle_run_key(cfg, 300, 1) != eagle_run_key(cfg, 300, 2)
+    assert eagle_run_key(cfg, 300, 2) != eagle_run_key(T.TrainConfig(steps=11), 300, 2)

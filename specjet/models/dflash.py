@@ -68,9 +68,9 @@ from specjet.kernels.layer_stack import stack_projection
 from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
-from specjet.models.eagle import (FOLLOW_TARGET, HotVocabDraft, SharedTarget, check_hot_token_ids, check_target_shape,
-                                  check_trained_for, compute_with, draft_method, fill_draft, hot_lm_head, pack_linears,
-                                  read_draft_config, write_draft)
+from specjet.models.eagle import (FOLLOW_TARGET, HotVocabDraft, SharedTarget, check_hot_token_ids, check_layer_ids,
+                                  check_target_shape, check_trained_for, compute_with, draft_method, fill_draft,
+                                  hot_lm_head, pack_linears, read_draft_config, write_draft)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
@@ -124,17 +124,21 @@ def default_target_layers(num_target_layers: int, count: int) -> tuple[int, ...]
     return tuple(ids)
 
 
+def check_shape_for(shape: DFlashShape, config: ModelConfig, names: tuple[str, str] = ("target_layers",
+                                                                                        "mask_token_id")) -> None:
+    """A ValueError unless ``shape``'s target layers and mask token id fit a target of ``config``'s (``names``: how
+    the message names the two)."""
+    check_layer_ids(shape.target_layers, config.num_layers, names[0], empty=False)
+    if not 0 <= shape.mask_token_id < config.vocab_size:
+        raise ValueError(f"{names[1]} must lie in [0, {config.vocab_size}), got {shape.mask_token_id}")
+
+
 class DFlashDraftModel(HotVocabDraft):
     def __init__(self, config: ModelConfig, shape: DFlashShape, hot_token_ids: torch.Tensor | None = None):
         super().__init__()
         self.config, self.shape = config, shape
         layers = shape.target_layers
-        if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or any(
-                not 0 <= i < config.num_layers - 1 for i in layers):
-            raise ValueError(f"target_layers must be increasing layer ids in [0, {config.num_layers - 1}), "
-                             f"got {list(layers)}")
-        if not 0 <= shape.mask_token_id < config.vocab_size:
-            raise ValueError(f"mask_token_id must lie in [0, {config.vocab_size}), got {shape.mask_token_id}")
+        check_shape_for(shape, config)
         h = config.hidden_size
         self.fc = Linear((len(layers) + 1) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)

@@ -27,6 +27,7 @@ logits have K columns, and ``hot_to_full`` maps a column index back to the targe
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from dataclasses import dataclass
 
@@ -128,6 +129,15 @@ def hot_lm_head(target: LlamaForCausalLM, hot_token_ids: torch.Tensor | None, me
     return hot
 
 
+def check_layer_ids(layers, num_layers: int, name: str, empty: bool = True) -> None:
+    """A draft's target layer list (``name`` for the message): increasing ids of ``FeatureLayers`` (< L - 1); none
+    at all where ``empty``."""
+    layers = list(layers)
+    if (not layers and not empty) or any(b <= a for a, b in zip(layers, layers[1:])) or any(
+            not 0 <= i < num_layers - 1 for i in layers):
+        raise ValueError(f"{name} must be increasing layer ids in [0, {num_layers - 1}), got {layers}")
+
+
 class HotVocabDraft(nn.Module):
     """What EAGLE's head and DFlash's draft share: a (hot) vocabulary of the target's ids and the target
     references ``bind_target`` sets. Subclasses set ``config``, the ``hot_token_ids`` buffer and ``target``."""
@@ -153,10 +163,7 @@ class EagleDraftModel(HotVocabDraft):
         self.config = config
         h = config.hidden_size
         self.feature_layers = tuple(int(i) for i in feature_layers)
-        if any(b <= a for a, b in zip(self.feature_layers, self.feature_layers[1:])) or any(
-                not 0 <= i < config.num_layers - 1 for i in self.feature_layers):
-            raise ValueError(f"feature_layers must be increasing layer ids in [0, {config.num_layers - 1}), "
-                             f"got {list(self.feature_layers)}")
+        check_layer_ids(self.feature_layers, config.num_layers, "feature_layers")
         if self.feature_layers:
             self.feature_norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in self.feature_layers)
             self.fuse = Linear(self.feature_width, h, bias=False)
@@ -396,8 +403,6 @@ def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torc
     tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
     if model.hot_token_ids is not None:
         tensors["hot_token_ids"] = model.hot_token_ids.detach().to("cpu", torch.int64).contiguous()
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": fmt})
-    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors creates it owner-only; a draft is package data
     config = {
         "format": fmt,
         "format_version": version,
@@ -407,7 +412,23 @@ def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torc
         "target": target_identity(model.config, target_gguf),
         "training": training or {},
     }
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    # Both files are written whole beside the draft they replace, then put in place one after the other: an
+    # interruption or a full disk while writing leaves the previous draft as it was (its weights beside its own
+    # config), never one file of each.
+    weights, config_file = directory / (WEIGHTS_NAME + ".tmp"), directory / (CONFIG_NAME + ".tmp")
+    try:
+        save_file(tensors, str(weights), metadata={"format": fmt})
+        weights.chmod(0o644)  # safetensors creates it owner-only; a draft is package data
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        for f in (weights, config_file):
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+    except BaseException:
+        weights.unlink(missing_ok=True)
+        config_file.unlink(missing_ok=True)
+        raise
+    weights.replace(directory / WEIGHTS_NAME)
+    config_file.replace(directory / CONFIG_NAME)
     return directory
 
 

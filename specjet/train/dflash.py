@@ -30,9 +30,9 @@ import time
 
 from specjet.arg_types import (block_size, fraction, non_negative_float, non_negative_int, positive_float,
                               positive_int)
-from specjet.train.eagle import (_gguf_name, _threads, add_data_arguments, claim_work_dir, cli_main, default_work_dir,
-                                 describe, frozen_target, generate_dtype, target_features, target_fingerprint,
-                                 target_quantization, timed_samples)
+from specjet.train.eagle import (_gguf_name, _threads, add_data_arguments, check_flag, claim_work_dir, cli_main,
+                                 default_work_dir, describe, frozen_target, generate_dtype, target_features,
+                                 target_fingerprint, target_quantization, timed_samples)
 
 
 EVAL_KNOWN = 2  # known tokens of the held-out report's second table
@@ -126,13 +126,12 @@ def run(args: argparse.Namespace) -> dict:
 
     from specjet.models.config import ModelConfig
     from specjet.models.dflash import FORMAT as DFLASH_FORMAT
-    from specjet.models.dflash import DFlashDraftModel, DFlashShape, default_target_layers, save_dflash
+    from specjet.models.dflash import DFlashDraftModel, DFlashShape, check_shape_for, default_target_layers, save_dflash
     from specjet.models.eagle import check_draft_dir
     from specjet.models.forward_batch import FeatureLayers
     from specjet.models.weights import resolve_model_path
     from specjet.train import data as D
     from specjet.train.dflash_trainer import DFlashTrainConfig, evaluate, format_report, train
-    from specjet.train.trainer import result_config
 
     model_dir = resolve_model_path(args.model_path)
     target = target_fingerprint(model_dir)
@@ -149,6 +148,7 @@ def run(args: argparse.Namespace) -> dict:
     shape = DFlashShape(args.num_layers, target_layers, args.block_size, mask_id, args.root_context,
                         known_prefix=args.known_prefix_rate > 0, prev_token_input=args.prev_token_input,
                         position_masks=args.position_masks)
+    check_flag(check_shape_for, shape, config, ("--target-layers", "--mask-token-id"))  # not after the data
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -171,8 +171,7 @@ def run(args: argparse.Namespace) -> dict:
                             autocast_bf16=_autocast(args.autocast),
                             warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
                             known_prefix_rate=args.known_prefix_rate, distill=args.distill)
-    run_key = hashlib.sha256(json.dumps([result_config(cfg), dataclasses.asdict(shape),
-                                         args.hot_vocab]).encode()).hexdigest()[:12]
+    run_key = dflash_run_key(cfg, shape, args.hot_vocab, torch.get_num_threads())
     t0 = time.perf_counter()
     result = train(draft, train_seqs, cfg, train_dir / f"checkpoint-dflash-{run_key}.pt")
     timings["train"] = round(time.perf_counter() - t0, 1)
@@ -210,6 +209,16 @@ def run(args: argparse.Namespace) -> dict:
     save_dflash(draft, out, target_gguf=_gguf_name(args.model_path), training=summary)
     print(f"wrote {out}")
     return summary
+
+
+def dflash_run_key(cfg, shape, hot_vocab: int, threads: int) -> str:
+    """12 hex digits naming a training run's checkpoint: what changes its result, the torch thread count included
+    (the draft's bits depend on it: a run resumed, or a finished one taken again, under another count would write
+    a draft that its recorded command does not reproduce)."""
+    from specjet.train.trainer import result_config
+
+    return hashlib.sha256(json.dumps([result_config(cfg), dataclasses.asdict(shape), hot_vocab, threads])
+                          .encode()).hexdigest()[:12]
 
 
 def _autocast(choice: str) -> bool:

@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--eval-steps", type=positive_int, default=5, help="draft steps k evaluated: 1..n")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads (default: the cores this process may use; the DFlash draft's bits depend "
-                        "on the count, which the draft's config records)")
+                   help="torch threads (default: the cores this process may use; the head's bits depend on the "
+                        "count, which the head's config records)")
     return p
 
 
@@ -119,7 +119,7 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_threads() -> int:
-    """The cores this process may run on. Not fewer on a busy machine: the DFlash draft's bits depend on the thread
+    """The cores this process may run on. Not fewer on a busy machine: a draft's bits depend on the thread
     count (its training step's sums split by thread), so the same command must give the same draft at any load,
     and a run resumed must go on as it began. On a shared machine, pass --threads."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -167,14 +167,32 @@ def main(argv: list[str] | None = None) -> None:
 
 def missing_data(args: argparse.Namespace) -> str | None:
     """The data option whose file or folder is not there, said before anything runs (it was a traceback after the
-    engine had loaded): the defaults are a checkout's ../shared/data, which an installed copy has not."""
+    engine had loaded): the defaults are a checkout's ../shared/data, which an installed copy has not. Also no
+    training data at all (a traceback after the data and feature stages)."""
     where = f" (the default is the project checkout's {SHARED_DATA})"
     if not pathlib.Path(args.gsm8k).is_file():
         return f"--gsm8k: no such file: {args.gsm8k}{where}"
     schemas = args.jsonschema_dir
     if schemas is not None and args.json_per_schema > 0 and not (schemas / "index.json").is_file():
         return f"--jsonschema-dir: no index.json in {args.jsonschema_dir}{where}; '' skips the JSON data"
+    if (args.num_target_replies + args.num_few_shot_replies + args.num_human_replies == 0 and not args.extra_jsonl
+            and (schemas is None or args.json_per_schema == 0)):
+        return ("no training data: --num-target-replies, --num-few-shot-replies, --num-human-replies and "
+                "--json-per-schema are 0 (or --jsonschema-dir '') and no --extra-jsonl is given")
     return None
+
+
+class TrainArgumentError(ValueError):
+    """A flag's value that only the target's config shows wrong (a layer list, the mask token id), said before any
+    work as the parser says a range error."""
+
+
+def check_flag(check, *args) -> None:
+    """``check(*args)``, its ValueError a ``TrainArgumentError``."""
+    try:
+        check(*args)
+    except ValueError as error:
+        raise TrainArgumentError(str(error)) from None
 
 
 def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
@@ -194,6 +212,9 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
     except FileExistsError as error:  # a folder that holds something else: nothing was overwritten
         print(f"python -m specjet.train {name}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainArgumentError as error:
+        print(f"python -m specjet.train {name}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         print(f"python -m specjet.train {name}: interrupted; the same command resumes from what is cached and the "
               f"last checkpoint", file=sys.stderr)
@@ -207,12 +228,12 @@ def run(args: argparse.Namespace) -> dict:
 
     from specjet.models.config import ModelConfig
     from specjet.models.eagle import FORMAT as EAGLE_FORMAT
-    from specjet.models.eagle import EagleDraftModel, check_draft_dir, save_eagle
+    from specjet.models.eagle import EagleDraftModel, check_draft_dir, check_layer_ids, save_eagle
     from specjet.models.forward_batch import FeatureLayers
     from specjet.models.weights import resolve_model_path
     from specjet.train import data as D
     from specjet.train.evaluate import evaluate, format_report
-    from specjet.train.trainer import TrainConfig, result_config, train
+    from specjet.train.trainer import TrainConfig, train
 
     model_dir = resolve_model_path(args.model_path)
     work = args.work_dir or default_work_dir("eagle", model_dir)
@@ -221,6 +242,7 @@ def run(args: argparse.Namespace) -> dict:
     check_draft_dir(out, EAGLE_FORMAT)  # before the hour of work, not after
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    check_flag(check_layer_ids, args.feature_layers, config.num_layers, "--feature-layers")  # not after the data
     timings: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -245,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
                       noise=args.noise, p_weight=args.p_weight, seed=args.seed, checkpoint_every=args.checkpoint_every,
                       depths=args.depths, depth_decay=args.depth_decay)
     t0 = time.perf_counter()
-    run_key = hashlib.sha256(json.dumps([result_config(cfg), args.hot_vocab]).encode()).hexdigest()[:12]
+    run_key = eagle_run_key(cfg, args.hot_vocab, torch.get_num_threads())
     result = train(head, train_seqs, cfg, train_dir / f"checkpoint-{run_key}.pt")
     timings["train"] = round(time.perf_counter() - t0, 1)
     print(f"training: {result['steps']} steps, first step {result['first']}, last steps (mean) {result['final']}")
@@ -275,6 +297,15 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def eagle_run_key(cfg, hot_vocab: int, threads: int) -> str:
+    """12 hex digits naming a training run's checkpoint: what changes its result, the torch thread count included
+    (the head's bits depend on it: a run resumed, or a finished one taken again, under another count would write a
+    head that its recorded command does not reproduce)."""
+    from specjet.train.trainer import result_config
+
+    return hashlib.sha256(json.dumps([result_config(cfg), hot_vocab, threads]).encode()).hexdigest()[:12]
+
+
 def timed_samples(args, tokenizer, data_dir: pathlib.Path, timings: dict) -> tuple[list, list]:
     """A draft trainer's stage 1: the (train, eval) samples (``collect_samples``), timed and described."""
     t0 = time.perf_counter()
@@ -282,6 +313,9 @@ def timed_samples(args, tokenizer, data_dir: pathlib.Path, timings: dict) -> tup
     timings["data"] = round(time.perf_counter() - t0, 1)
     for name, samples in (("train", train_samples), ("eval", eval_samples)):
         print(f"{name}: {describe(samples)}")
+    if not train_samples:  # (a traceback in the training loop, after the feature stage)
+        raise TrainArgumentError("the data stage gave no training sample (every reply empty, or an --extra-jsonl "
+                                 "without one)")
     return train_samples, eval_samples
 
 
@@ -494,7 +528,7 @@ def _argv_for_summary(args) -> list[str]:
 
 
 def _threads() -> int:
-    """The torch threads the run had (the DFlash draft's bits depend on them)."""
+    """The torch threads the run had (a draft's bits depend on them)."""
     import torch
 
     return torch.get_num_threads()

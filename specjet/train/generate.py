@@ -6,6 +6,7 @@ jsonl cache as it finishes, so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import time
@@ -42,7 +43,8 @@ def generate_cached(get_engine, jobs: dict[pathlib.Path, list[tuple[list[int], d
             sample = Sample(ids=ids + ([] if aborted else list(out["output_ids"])), prompt_len=len(ids), source=source,
                             greedy=writes_greedy_choices(params))
             done[cache][i] = sample
-            record = {"index": i, "ids": sample.ids, "prompt_len": sample.prompt_len, "source": sample.source}
+            record = {"index": i, "ids": sample.ids, "prompt_len": sample.prompt_len, "source": sample.source,
+                      "params": params_key(params)}
             files[cache].write(json.dumps(record) + "\n")
             files[cache].flush()
             new_tokens += len(out["output_ids"])
@@ -76,8 +78,17 @@ def writes_greedy_choices(params: dict) -> bool:
     return params.get("temperature") == 0 and set(params) <= _GREEDY_KEYS
 
 
+def params_key(params: dict) -> str:
+    """12 hex digits naming a request's sampling parameters (its schema, temperature, seed, limits), kept with its
+    cached reply: a reply written under other parameters for the same prompt is not this request's."""
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def _read_cache(cache: pathlib.Path, requests: list[tuple]) -> dict[int, Sample]:
-    """The cached replies whose request (index and prompt) is still asked for."""
+    """The cached replies whose request (index, prompt and sampling parameters) is still asked for. A record
+    written before the parameters were kept is taken for a request without a schema only (a GSM8K reply, whose
+    parameters the cache's name and the prompt fix); a JSON instance's schema could have changed under the same
+    prompt."""
     done: dict[int, Sample] = {}
     if cache.is_file():
         with open(cache, encoding="utf-8") as f:
@@ -88,7 +99,10 @@ def _read_cache(cache: pathlib.Path, requests: list[tuple]) -> dict[int, Sample]
                     continue
                 index = record.pop("index")
                 sample = Sample(ids=record["ids"], prompt_len=record["prompt_len"], source=record["source"])
-                if index < len(requests) and sample.ids[:sample.prompt_len] == requests[index][0]:
+                if index >= len(requests) or sample.ids[:sample.prompt_len] != requests[index][0]:
+                    continue
+                params, kept = requests[index][1], record.get("params")
+                if kept == params_key(params) or (kept is None and "json_schema" not in params):
                     sample.greedy = writes_greedy_choices(requests[index][1])
                     done[index] = sample
     return done
