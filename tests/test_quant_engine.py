@@ -162,6 +162,7 @@ def test_a_cpu_engine_gives_the_heap_its_load_freed_back(cyclic_model_dir, monke
     monkeypatch.setattr(loading, "release_freed_heap", lambda: calls.append(1) or real())
     with specjet.Engine(model_path=str(cyclic_model_dir), max_total_tokens=1024, quantization="int8") as eng:
         assert eng.generate("a b c", {"temperature": 0, "max_new_tokens": 2})["output_ids"]
+        eng.check_kv_invariant()
     assert calls == [1]
 
 

@@ -198,10 +198,13 @@ def test_shutdown_with_a_message_tells_every_request_it_ends(tiny_model_dir):
     results: list = []
     whole = threading.Thread(target=lambda: results.append(eng.generate("whole", long)))
     whole.start()
+    deadline = time.monotonic() + 60
     while eng.get_server_info()["stats"]["requests_submitted"] < 2:
+        assert time.monotonic() < deadline, "the whole reply's request never reached the engine"
         time.sleep(0.01)
     eng.shutdown("the server is shutting down (a test)")
     whole.join(30)
+    assert not whole.is_alive()
     chunks = [first, *stream]
     for reason in (results[0]["meta_info"]["finish_reason"], chunks[-1]["meta_info"]["finish_reason"]):
         assert reason == {"type": "abort", "message": "the server is shutting down (a test)", "status_code": 503,
