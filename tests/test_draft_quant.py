@@ -206,8 +206,8 @@ def test_bind_target_repacks_a_loaded_draft_for_another_method(algorithm, cyclic
 
 def test_the_default_engines_free_text_draft_takes_the_method_asked_for():
     """The default engine (no algorithm) drafts free text with the default model's DFlash draft: its weights' method
-    is speculative_draft_model_quantization's (it was refused as needing an algorithm), and the reply is the same
-    greedy ids whatever the draft's weights."""
+    is speculative_draft_model_quantization's (it was refused as needing an algorithm), and the reply is plain
+    decoding's greedy ids whatever the draft's weights."""
     from specjet.models.weights import default_gguf_path
 
     params = {"temperature": 0, "max_new_tokens": 24}
@@ -218,7 +218,10 @@ def test_the_default_engines_free_text_draft_takes_the_method_asked_for():
             assert eng.get_server_info()["draft_quantization"] == method
             outs[method] = eng.generate("The capital of France is", params)["output_ids"]
             eng.check_kv_invariant()
-    assert outs[None] == outs["int8"]
+    with specjet.Engine(max_total_tokens=2048, disable_free_text_drafting=True) as plain:
+        expected = plain.generate("The capital of France is", params)["output_ids"]
+        plain.check_kv_invariant()
+    assert outs[None] == expected and outs["int8"] == expected
 
 
 @pytest.mark.parametrize("change", [{}, {"disable_free_text_drafting": True}, {"disable_guided_drafting": True},

@@ -18,6 +18,15 @@ _TYPE_CHECKS = {
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
+def resolve_device(device: str):
+    """The torch device an engine's ``device`` names ("auto": CUDA where torch sees one, else the CPU)."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 @dataclass
 class EngineArgs:
     model_path: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
@@ -234,13 +243,9 @@ class EngineArgs:
         from specjet.spec_v2.config import DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT, SpecConfig
 
         SpecConfig.from_args(self)  # raises naming the speculative argument that is out of range
-        if self.speculative_algorithm is None and self.speculative_draft_model_quantization != "auto":
-            import torch
-
-            device = "cuda" if self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available()) \
-                else "cpu"
-            if not self.drafts_free_text(device):
-                raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
+        if (self.speculative_algorithm is None and self.speculative_draft_model_quantization != "auto"
+                and not self.drafts_free_text(resolve_device(self.device).type)):
+            raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
         if self.speculative_algorithm is not None and not self.enable_deterministic_inference:
             # Without batch-invariant attention a verify forward rounds differently from a decode step
             # (bench/RESULTS.md counts the diverging outputs), so speculation would change the output.

@@ -11,9 +11,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import torch
 
-from specjet.engine.args import EngineArgs
+from specjet.engine.args import EngineArgs, resolve_device
 from specjet.engine.async_outputs import STOPPED, AsyncOutputs
 from specjet.engine.choices import choice_params, choice_rids, parallel_samples
 from specjet.engine.streams import AsyncStream, SyncStream
@@ -35,12 +34,6 @@ def _show_logs(level: str) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         specjet_logger.addHandler(handler)
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 # How often a sync caller waiting for output (and the async callers' one watcher, engine/async_outputs.py)
@@ -83,7 +76,7 @@ class Engine:
         _show_logs(self.args.log_level)
         from specjet.engine.loading import load_components
 
-        parts = load_components(self.args, _resolve_device(self.args.device))
+        parts = load_components(self.args, resolve_device(self.args.device))
         # Loading opened an OpenMP team on this thread; with it alive, libgomp stops its workers
         # spinning between the compute thread's parallel regions (kernels/openmp_teams.py).
         release_calling_thread_team()

@@ -17,7 +17,7 @@ from specjet.scheduler.event_loops import EventLoop
 from specjet.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from specjet.scheduler.scheduler import Scheduler, SchedulerConfig
 from specjet.scheduler.worker import ModelWorker
-from specjet.spec_v2.config import DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT, HYBRID_ALGORITHMS, SpecConfig
+from specjet.spec_v2.config import HYBRID_ALGORITHMS, SpecConfig
 from specjet.spec_v2.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -134,9 +134,6 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
                                             free_text=free_text, tiled_bf16_target=runner.tiled_rows)
         logger.info("guided drafting%s", " and free-text drafting alone (DFLASH)" if free_text else "")
-    learned = spec_config is not None and (spec_config.algorithm in HYBRID_ALGORITHMS or spec_config.solo is not None)
-    if args.speculative_draft_model_quantization != "auto" and not learned:
-        raise ValueError(DRAFT_QUANTIZATION_NEEDS_LEARNED_DRAFT)
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
         spec_config = replace(spec_config, draft_quantization=_draft_quantization(args, quantization, runner.device))
     if spec_config is not None and spec_config.solo is not None:

@@ -27,7 +27,6 @@ logits have K columns, and ``hot_to_full`` maps a column index back to the targe
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from specjet.models.kv_cache import KVCache
 from specjet.models.llama import (DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
                                   native_layer_stack, run_layers, set_native_ops)
 from specjet.models.quantize import quantize_linears, quantize_weight
+from specjet.models.weights import sync_files
 
 FORMAT = "specjet-eagle"
 FORMAT_VERSION = 1
@@ -420,9 +420,7 @@ def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torc
         save_file(tensors, str(weights), metadata={"format": fmt})
         weights.chmod(0o644)  # safetensors creates it owner-only; a draft is package data
         config_file.write_text(json.dumps(config, indent=2) + "\n")
-        for f in (weights, config_file):
-            with open(f, "rb") as handle:
-                os.fsync(handle.fileno())
+        sync_files((weights, config_file))
     except BaseException:
         weights.unlink(missing_ok=True)
         config_file.unlink(missing_ok=True)

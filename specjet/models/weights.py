@@ -212,7 +212,7 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
         try:
             _convert_gguf(gguf, tmp)
             _make_readable(tmp)
-            _sync_files(tmp)  # on the disk before the rename makes the directory the cache's: a crash leaves no cut file
+            sync_files(p for p in tmp.iterdir() if p.is_file())
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -226,12 +226,12 @@ def _converted_dir(gguf: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def _sync_files(directory: pathlib.Path) -> None:
-    """fsync every file of ``directory`` (a conversion's; a few hundred MB once per model)."""
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+def sync_files(paths) -> None:
+    """fsync each file of ``paths``: on the disk before a rename makes them what readers take (a crash then leaves
+    the old files or the whole new ones, never one cut short)."""
+    for path in paths:
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def _whole(directory: pathlib.Path) -> bool:
