@@ -171,59 +171,91 @@ namespace specjet_cpu {
 // float32 q (a bf16 KV cache: keys and values widened to float as they are read); kv_indices [B, max_kv],
 // kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
 // tokens). Returns [T, H, D] in q's dtype.
-void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                          const torch::Tensor& kv_indices, const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
-                          const torch::Tensor& q_starts, const c10::optional<torch::Tensor>& custom_mask, double scale,
-                          int64_t isa, torch::Tensor& out) {
-  TORCH_CHECK(isa_supported(isa), "attention: instruction set ", isa, " is not supported by this CPU");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "attention: q must be contiguous [T, H, D] on CPU");
-  const auto dtype = q.scalar_type();
+namespace {
+
+// The checks of paged_attention_into's arguments for q [tokens, H, D] of `dtype` (q's own layout checked by the
+// caller), so that nothing outside the tensors is read or written. Returns the batch's view with its mask.
+Batch checked_attention_batch(int64_t tokens, int64_t H, int64_t D, c10::ScalarType dtype, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& kv_indices,
+                              const torch::Tensor& kv_lens, const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+                              const c10::optional<torch::Tensor>& custom_mask, double scale) {
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "attention: float32 or bfloat16 only");
   const auto cache_dtype = k_cache.scalar_type();
   for (const auto* c : {&k_cache, &v_cache}) {
-    TORCH_CHECK(c->scalar_type() == cache_dtype && (cache_dtype == dtype || cache_dtype == torch::kBFloat16) &&
-                    c->dim() == 3 && c->size(2) == q.size(2) && c->sizes() == k_cache.sizes() &&
-                    c->strides() == k_cache.strides() && specjet_cpu::kv_rows_unit_stride(*c),
+    TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == cache_dtype &&
+                    (cache_dtype == dtype || cache_dtype == torch::kBFloat16) && c->dim() == 3 && c->size(2) == D &&
+                    c->sizes() == k_cache.sizes() && c->strides() == k_cache.strides() &&
+                    specjet_cpu::kv_rows_unit_stride(*c),
                 "attention: the KV caches must be [slots, H_kv, D] of q's dtype or bfloat16, rows of D contiguous, "
                 "both strided alike");
   }
   const int64_t batch = kv_lens.numel();
   for (const auto* t : {&kv_lens, &q_lens, &q_starts}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == batch,
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == batch,
                 "attention: kv_lens, q_lens and q_starts must be contiguous int64 [B]");
   }
-  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && kv_indices.is_contiguous() && kv_indices.dim() == 2 &&
-                  kv_indices.size(0) == batch,
+  TORCH_CHECK(kv_indices.device().is_cpu() && kv_indices.scalar_type() == torch::kInt64 && kv_indices.is_contiguous() &&
+                  kv_indices.dim() == 2 && kv_indices.size(0) == batch,
               "attention: kv_indices must be contiguous int64 [B, max_kv]");
-  const int64_t H = q.size(1), KV = k_cache.size(1);
+  const int64_t KV = k_cache.size(1);
   TORCH_CHECK(KV > 0 && H % KV == 0, "attention: heads ", H, " not a multiple of KV heads ", KV);
-  Batch bt{H, KV, q.size(2), kv_indices.size(1), 0, kv_indices.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
+  Batch bt{H, KV, D, kv_indices.size(1), 0, kv_indices.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
            q_lens.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), nullptr, scale, k_cache.stride(0),
            k_cache.stride(1)};
   const int64_t slots = k_cache.size(0);
-  int64_t tokens = 0;
+  int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t ql = bt.q_lens[b], kl = bt.kv_lens[b];
     // q_starts[b] <= T - q_len, not q_starts[b] + q_len <= T: the sum of a huge start wraps around and would pass.
-    TORCH_CHECK(ql >= 1 && ql <= kl && kl <= bt.max_kv && bt.q_starts[b] >= 0 && bt.q_starts[b] <= q.size(0) - ql,
+    TORCH_CHECK(ql >= 1 && ql <= kl && kl <= bt.max_kv && bt.q_starts[b] >= 0 && bt.q_starts[b] <= tokens - ql,
                 "attention: request ", b, " has q_len ", ql, ", kv_len ", kl, " outside its tensors");
     for (int64_t p = 0; p < kl; ++p) {
       const int64_t s = bt.kv_indices[b * bt.max_kv + p];
       TORCH_CHECK(s >= 0 && s < slots, "attention: KV slot ", s, " outside the cache of ", slots);
     }
     bt.max_q = std::max(bt.max_q, ql);
-    tokens += ql;
+    total += ql;
   }
-  TORCH_CHECK(tokens == q.size(0), "attention: q has ", q.size(0), " tokens, the requests ", tokens);
-  torch::Tensor mask;
+  TORCH_CHECK(total == tokens, "attention: q has ", tokens, " tokens, the requests ", total);
   if (custom_mask) {
-    mask = *custom_mask;
-    TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 3 &&
-                    mask.size(0) == batch && mask.size(1) == mask.size(2) && mask.size(1) >= bt.max_q,
+    const torch::Tensor& mask = *custom_mask;
+    TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == torch::kBool && mask.is_contiguous() &&
+                    mask.dim() == 3 && mask.size(0) == batch && mask.size(1) == mask.size(2) &&
+                    mask.size(1) >= bt.max_q,
                 "attention: custom_mask must be contiguous bool [B, max_q, max_q]");
     bt.max_q = mask.size(1);
     bt.mask = mask.data_ptr<bool>();
   }
+  return bt;
+}
+
+}  // namespace
+
+// The same checks for a caller that writes the KV pools before its attention runs (LayerStack.run, before its
+// first layer), so that a bad batch fails with nothing written.
+void check_attention_batch(int64_t tokens, int64_t num_heads, int64_t head_dim, c10::ScalarType dtype,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& kv_indices,
+                           const torch::Tensor& kv_lens, const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+                           const c10::optional<torch::Tensor>& custom_mask) {
+  checked_attention_batch(tokens, num_heads, head_dim, dtype, k_cache, v_cache, kv_indices, kv_lens, q_lens, q_starts,
+                          custom_mask, 1.0);
+}
+
+// q [T, H, D]; k_cache, v_cache [slots, H_kv, D] (each (slot, head) row of D contiguous, the two pools
+// strided alike: slot-major or a head-major pool's view) of q's dtype (float32 or bfloat16), or bfloat16 beside a
+// float32 q (a bf16 KV cache: keys and values widened to float as they are read); kv_indices [B, max_kv],
+// kv_lens, q_lens, q_starts [B] int64; custom_mask [B, max_q, max_q] bool or None (causal among the new
+// tokens). Returns [T, H, D] in q's dtype.
+void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& kv_indices, const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
+                          const torch::Tensor& q_starts, const c10::optional<torch::Tensor>& custom_mask, double scale,
+                          int64_t isa, torch::Tensor& out) {
+  TORCH_CHECK(isa_supported(isa), "attention: instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "attention: q must be contiguous [T, H, D] on CPU");
+  const auto dtype = q.scalar_type(), cache_dtype = k_cache.scalar_type();
+  const Batch bt = checked_attention_batch(q.size(0), q.size(1), q.size(2), dtype, k_cache, v_cache, kv_indices,
+                                           kv_lens, q_lens, q_starts, custom_mask, scale);
+  const int64_t batch = kv_lens.numel();
   fit_output(out, q.sizes(), q.options());
   if (dtype == torch::kFloat32 && cache_dtype == torch::kFloat32) {
     dispatch(isa, bt, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),

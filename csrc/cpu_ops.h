@@ -133,6 +133,10 @@ int64_t bf16dp_tile_products(int64_t mode);
 // the bf16dp build relies on (dpbf16_order.h).
 torch::Tensor dpbf16_words(const torch::Tensor& acc, const torch::Tensor& hi_a, const torch::Tensor& hi_b,
                            const torch::Tensor& lo_a, const torch::Tensor& lo_b);
+void check_attention_batch(int64_t tokens, int64_t num_heads, int64_t head_dim, c10::ScalarType dtype,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& kv_indices,
+                           const torch::Tensor& kv_lens, const torch::Tensor& q_lens, const torch::Tensor& q_starts,
+                           const c10::optional<torch::Tensor>& custom_mask);
 void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           const torch::Tensor& kv_indices, const torch::Tensor& kv_lens, const torch::Tensor& q_lens,
                           const torch::Tensor& q_starts, const c10::optional<torch::Tensor>& custom_mask, double scale,

@@ -162,7 +162,12 @@ int64_t topk_row(const float* row, int64_t cols, const uint32_t* words, int64_t 
   float* top_value = s.top_value.data();
   int64_t* top_col = s.top_col.data();
   s.block_max.resize((n + kBlock - 1) / kBlock);
-  block_maxima_or_nan(values, n, s.block_max.data());  // NaNs are skipped by the scan itself
+  // A NaN among the allowed logits makes the softmax NaN: the row has no candidates, as in the torch reference
+  // (its log_softmax is NaN throughout), so a drafter's tree is the same on every device.
+  if (block_maxima_or_nan(values, n, s.block_max.data()) && std::any_of(values, values + n, [](float v) {
+        return std::isnan(v);
+      }))
+    return n;
   float max_value = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < static_cast<int64_t>(s.block_max.size()); ++b) {
     if (s.block_max[b] > max_value) max_value = s.block_max[b];

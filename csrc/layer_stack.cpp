@@ -65,9 +65,13 @@ class LayerStack {
       TORCH_CHECK(capture[i] >= 0 && capture[i] < size() && (i == 0 || capture[i] > capture[i - 1]),
                   "layer stack: capture must list increasing layer indices below ", size());
     }
+    const int64_t tokens = x.size(0);
+    // The attention's metadata too: layer 0 writes its keys and values before its attention would check them.
+    if (size() > 0)
+      specjet_cpu::check_attention_batch(tokens, num_heads_, head_dim_, x.scalar_type(), k_cache.select(0, 0),
+                                         v_cache.select(0, 0), kv_indices, kv_lens, q_lens, q_starts, mask);
     std::vector<torch::Tensor> taken;
     size_t next = 0;
-    const int64_t tokens = x.size(0);
     // Every intermediate of a layer in a tensor of the run's, written again by the next layer (cpu_ops.h's _into
     // ops): one allocation per run instead of a dozen per layer. The residual stream alternates between two
     // sums, so a norm never writes the tensor it reads; each layer's MLP output is added by the next layer's

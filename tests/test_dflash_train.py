@@ -459,6 +459,38 @@ def test_acceptance_counts_the_oracles_leading_matches(runner, sequences):
     assert "k=3" in T.format_report(report)
 
 
+def test_the_held_out_acceptance_is_the_chains_not_the_positions(runner):
+    """The engine accepts a block's drafts up to the first miss, plus the bonus token: the report must count leading
+    matches, never matches anywhere in the block. A hand-built case where the two differ: a draft whose final norm is
+    zero gives every logit 0, so every block position drafts column 0 (argmax's first of equals): token 0 (no hot
+    vocabulary). The text after the prompt [5] is 0 7 0 0 0 7 0; blocks of 4 (3 drafts) rooted at positions 1..6:
+
+      root pos  next tokens   leading 0s (chain)   0s anywhere (per position)
+         1      7 0 0              0                     2
+         2      0 0 0              3                     3
+         3      0 0 7              2                     2
+         4      0 7 0              1                     2
+         5      7 0 (end)          0                     1
+         6      0   (end)          1                     1
+
+    chain: 7 accepted over 6 blocks, accept length 1 + 7/6 = 2.167 (per position it would read 1 + 11/6 = 2.833);
+    cut at 2 drafts: 0+2+2+1+0+1 = 6, 1 + 6/6 = 2.0; cut at 1: 4 blocks start with a hit, 1 + 4/6 = 1.667 = the
+    top-1 rate 0.6667 plus the bonus."""
+    draft = new_draft(runner)
+    with torch.no_grad():
+        draft.norm.weight.zero_()
+    ids = torch.tensor([5, 0, 7, 0, 0, 0, 7, 0])
+    width = 2 * runner.config.hidden_size  # target layer 0 and the final normed hidden state
+    seq = Sequence(ids=ids, features=torch.randn(len(ids), width).half(), prompt_len=1, source="hand")
+    drafts, accepted = T.draft_every_position(draft, seq)
+    assert drafts.tolist() == [[0, 0, 0]] * 6  # the construction: every position drafts token 0
+    assert accepted.tolist() == [0, 3, 2, 1, 0, 1]
+    report = T.evaluate(draft, [seq])["all"]
+    assert report["positions"] == 6
+    assert report["accept_length"] == {1: 1.667, 2: 2.0, 3: 2.167}
+    assert report["top1"] == 0.6667
+
+
 def test_cli_end_to_end(tiny_model_dir, tmp_path):
     """Generation through the Engine, features, training, evaluation, the saved draft; a rerun finds
     it all cached; a run from nothing in other caches writes the same draft; the draft drafts in a

@@ -220,3 +220,74 @@ def test_the_rule_takes_the_first_token_of_the_whole_forced_text_even_a_long_one
         assert len(split) >= 2
         assert backend.forced_tokens.first_token(text) == split[0], text
     assert backend.forced_tokens.first_token(" the") is None  # one token: left to the model
+
+
+# Forced text of every kind: keys, a long const (kilobytes, written in many tokens), an enum's shared prefix, a
+# unicode const (tokens that split a character), a regex with a counted repeat.
+REMEMBERED_CASES = [
+    ("json_schema", json.dumps({"type": "object", "properties": {
+        "note": {"const": "remember " * 300 + "the end"}, "tag": {"enum": ["alpha-one", "alpha-two"]},
+        "city": {"const": "Zürich, Genève — 東京"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["note", "tag", "city", "n"]})),
+    ("json_schema", json.dumps(SCHEMA)),
+    ("regex", r"(ab){40}c[de]f{3}"),
+]
+
+
+@pytest.mark.parametrize("kind,spec", REMEMBERED_CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_remembered_forced_text_is_xgrammars_search_at_every_state(backend, kind, spec, seed):
+    """RequestGrammar remembers the forced text along its path (the rest of it after a token that spells its
+    beginning; restored by a rollback) instead of xgrammar's search at every state. At every state of random walks
+    (tokens the mask allows, the forced token or not, rollbacks of 1-5 tokens, forks, draft trees walked through
+    the rule) its forced text and forced token are a fresh matcher's search, given the same tokens."""
+    import random
+
+    compiled = backend.compile(kind, spec).result()
+    rng = random.Random(seed)
+    grammar = RequestGrammar(compiled, backend.forced_tokens)
+    taken: list[int] = []
+    row = allocate_token_bitmask(1, VOCAB_SIZE)
+    remembered = 0
+
+    def check(g: RequestGrammar, path: list[int]):
+        nonlocal remembered
+        fresh = xgr.GrammarMatcher(compiled)
+        assert all(fresh.accept_token(t) for t in path)
+        if fresh.is_terminated():  # (xgrammar refuses a search after the stop token; the rule forces nothing)
+            assert g.is_terminated() and g.forced_token() is None
+            return
+        remembered += g._forced_text is not None
+        expected = fresh.find_jump_forward_string()
+        assert g.find_jump_forward_string() == expected, path
+        assert g.forced_token() == backend.forced_tokens.first_token(expected)
+
+    for _ in range(400):
+        check(grammar, taken)
+        move = rng.random()
+        if (move < 0.15 or grammar.is_terminated()) and taken:
+            n = min(len(taken), rng.randint(1, 5))
+            grammar.rollback(n)
+            del taken[-n:]
+        elif move < 0.2:
+            fork = grammar.fork()
+            check(fork, taken)
+            token = fork.forced_token()
+            if token is not None:
+                assert fork.accept_token(token)
+                check(fork, taken + [token])
+        elif move < 0.25:  # a draft tree's walk: the rule's restriction at every node, the state kept
+            guide = GrammarGuide(grammar, VOCAB_SIZE, None)
+            chain = guide.forced_chain(6)
+            tokens = [taken[-1] if taken else 0] + chain
+            if len(tokens) > 1:
+                guide.mask_tree(tokens, [-1] + list(range(len(chain))))
+        else:
+            grammar.fill_next_token_bitmask(row, 0)
+            choices = allowed(row)
+            token = grammar.forced_token()
+            if token is None or rng.random() < 0.2:  # also a token other than the forced one, where allowed
+                token = rng.choice(choices)
+            if grammar.accept_token(token):
+                taken.append(token)
+    assert remembered > 50, remembered  # the walk went through remembered text, not only fresh searches

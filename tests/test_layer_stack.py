@@ -233,8 +233,9 @@ def test_the_stack_refuses_bad_arguments_before_writing_anything(tiny_model_dir)
     k.zero_()
     v.zero_()
 
-    def run(k_pool, v_pool, capture):
-        return stack.run(x, cos, sin, k_pool, v_pool, one, one.view(1, 1), one, one, zero, None, cpu_ops.isa(), capture)
+    def run(k_pool, v_pool, capture, kv_indices=one.view(1, 1), kv_lens=one, q_lens=one, q_starts=zero, mask=None):
+        return stack.run(x, cos, sin, k_pool, v_pool, one, kv_indices, kv_lens, q_lens, q_starts, mask, cpu_ops.isa(),
+                         capture)
 
     wrong = torch.zeros(layers + 1, 8, cfg.num_kv_heads, cfg.head_dim)
     with pytest.raises(RuntimeError, match="KV caches"):
@@ -242,6 +243,16 @@ def test_the_stack_refuses_bad_arguments_before_writing_anything(tiny_model_dir)
     for capture in ([layers], [-1], [1, 0], [0, 0]):
         with pytest.raises(RuntimeError, match="capture must list increasing layer indices"):
             run(k, v, capture)
+    # The attention's metadata is checked before layer 0 writes its keys and values (slot 1, in bounds): a slot
+    # outside the pool, a query longer than its context, a start past the tokens, a mask of another shape.
+    slots = k.shape[1]
+    bad_metadata = [({"kv_indices": torch.tensor([[slots]])}, "outside the cache"),
+                    ({"kv_lens": torch.zeros(1, dtype=torch.int64)}, "outside its tensors"),
+                    ({"q_starts": one}, "outside its tensors"),
+                    ({"mask": torch.ones(2, 1, 1, dtype=torch.bool)}, "custom_mask")]
+    for metadata, message in bad_metadata:
+        with pytest.raises(RuntimeError, match=message):
+            run(k, v, [], **metadata)
     assert k.abs().sum() == 0 and v.abs().sum() == 0, "a refused call wrote the KV pools"
     out, taken = run(k, v, [0, layers - 1])  # the same call with a good capture list runs
     assert len(taken) == 2 and torch.equal(taken[1], out) and k.abs().sum() > 0

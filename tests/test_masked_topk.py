@@ -124,6 +124,32 @@ def test_argument_checks():
         masked_topk_row(logits[0], bitmask[:1], torch.arange(10), 2)
 
 
+@pytest.mark.parametrize("impl", ["reference", "dispatch"])
+@pytest.mark.parametrize("cols,masked", [(4, False), (4, True), (200, False), (200, True)])
+def test_a_nan_among_the_allowed_logits_leaves_the_row_no_candidates(impl, cols, masked, monkeypatch):
+    """A drafter's row whose allowed logits hold a NaN has no softmax: no candidates (ids -1, log-probs -inf) on
+    every path, so a draft tree does not depend on the device. A NaN in a forbidden column changes nothing."""
+    if impl == "dispatch" and cpu_ops.extension() is None:
+        pytest.skip("the C++ CPU ops are not built")
+    if impl == "reference":
+        monkeypatch.setattr(cpu_ops, "extension", lambda: None)
+    logits = torch.arange(cols, dtype=torch.float32)[None].repeat(2, 1) / 10
+    logits[0, cols // 2] = float("nan")  # row 0: the NaN allowed
+    logits[1, 1] = float("nan")  # row 1: the NaN in a column its mask forbids (or allowed without a mask)
+    words = torch.full((2, (cols + 31) // 32), -1, dtype=torch.int32)
+    words[1, 0] = -1 ^ 2  # token 1 forbidden in row 1
+    bitmask = words if masked else None
+    ids, logp, allowed = masked_topk_logp(logits, bitmask, None, 3)
+    assert ids[0].tolist() == [-1, -1, -1] and torch.isneginf(logp[0]).all() and int(allowed[0]) == cols
+    assert masked_topk_row(logits[0], None if bitmask is None else bitmask[:1], None, 3) == ([], cols)
+    if masked:  # the forbidden NaN is not among the allowed: the row's three best, renormalised over the rest
+        rest = torch.cat([logits[1, :1], logits[1, 2:]]).double()
+        assert ids[1].tolist() == sorted([0, *range(2, cols)], reverse=True)[:3] and int(allowed[1]) == cols - 1
+        torch.testing.assert_close(logp[1].double(), rest[-3:].flip(0) - torch.logsumexp(rest, 0), rtol=0, atol=1e-5)
+    else:
+        assert ids[1].tolist() == [-1, -1, -1]
+
+
 @pytest.mark.skipif(cpu_ops.extension() is None, reason="the C++ CPU ops are not built")
 @pytest.mark.parametrize("cols", [8192, 1000, 17, 5])
 def test_tokens_outside_the_bitmask_are_not_allowed(cols):

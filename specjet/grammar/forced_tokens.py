@@ -69,6 +69,20 @@ class ForcedTokens:
                 return None
         return ids[0]
 
+    def token_text(self, token: int) -> Optional[str]:
+        """The text token ``token`` spells, or None where that is unknown or no whole text (no ``token_bytes``, an
+        id past the vocabulary, bytes that are not whole UTF-8 characters, an empty piece such as a special
+        token's)."""
+        if self.token_bytes is None:
+            return None
+        vocab = self.token_bytes()
+        if not 0 <= token < len(vocab) or not vocab[token]:
+            return None
+        try:
+            return vocab[token].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
     def first_token(self, text: str) -> Optional[int]:
         """The token the rule forces where ``text`` is the grammar's forced text ("" where it forces none), or None
         where the model chooses. A prefix of the forced text, so the grammar takes it."""

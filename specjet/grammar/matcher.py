@@ -8,6 +8,7 @@ filled on the CPU by `RequestGrammar.fill_next_token_bitmask` and applied to the
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -20,6 +21,11 @@ from specjet.kernels import cpu_ops
 from specjet.kernels.token_bitmask import allowed_counts
 
 
+# Accepted tokens whose state's forced text a RequestGrammar remembers for a rollback (a draft tree's depth is far
+# less); a deeper rollback searches again.
+FORCED_TEXT_HISTORY = 64
+
+
 class RequestGrammar:
     """One request's position in its grammar: which tokens may come next, and the tokens taken.
 
@@ -28,14 +34,24 @@ class RequestGrammar:
 
     With ``forced`` (`forced_tokens`), every mask it gives allows only the forced token where the grammar
     forces text, so plain decoding and every verified draft write forced text in the tokenizer's tokens.
+
+    The forced text is asked for at every state (each step's mask, each node of a draft tree), and xgrammar's
+    search builds all of it each time: kilobytes of a long const or of a thousand required keys, rebuilt for
+    every token written into it. So the text is remembered along the path: the grammar allows one byte at a
+    time through forced text, so after a token that spells its beginning the forced text is the rest of it
+    (the state the token reaches is the one the search passed through). A rollback restores what its state
+    had; anything else (a token past the forced text, a fork's rollback, a reset) searches again.
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, forced: ForcedTokens | None = None, *,
-                 _matcher: xgr.GrammarMatcher | None = None, _stop_ids: tuple[int, ...] | None = None):
+                 _matcher: xgr.GrammarMatcher | None = None, _stop_ids: tuple[int, ...] | None = None,
+                 _forced_text: str | None = None):
         self.compiled = compiled
         self.forced = forced
         self._matcher = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
         self._stop_ids = _stop_ids  # stop_token_ids(), once looked up
+        self._forced_text = _forced_text  # find_jump_forward_string() at the current state; None: not known
+        self._forced_before: deque[str | None] = deque(maxlen=FORCED_TEXT_HISTORY)  # ... before each accepted token
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
         """Write the allowed next tokens into row `index` of `bitmask` (CPU int32).
@@ -73,14 +89,17 @@ class RequestGrammar:
         """Advance by one token; False (state unchanged) if the grammar forbids it, or has ended (xgrammar
         would log a warning for every token offered after the stop token: drafts run past it routinely)."""
         matcher = self._matcher
-        return not matcher.is_terminated() and matcher.accept_token(token_id)
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            return False
+        self._forced_text_after(token_id)
+        return True
 
     def accept_tokens(self, token_ids: Iterable[int]) -> int:
         """Advance token by token; return how many were accepted before the first rejection (a token after
         the grammar's end is one)."""
-        matcher, accepted = self._matcher, 0
+        accepted = 0
         for token_id in token_ids:
-            if matcher.is_terminated() or not matcher.accept_token(int(token_id)):
+            if not self.accept_token(int(token_id)):
                 break
             accepted += 1
         return accepted
@@ -89,6 +108,24 @@ class RequestGrammar:
         """Undo the last `num_tokens` accepted tokens (the stop token included)."""
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
+            history = self._forced_before
+            if num_tokens > len(history):  # a state older than the history keeps: searched again when asked
+                history.clear()
+                self._forced_text = None
+            else:
+                for _ in range(num_tokens):
+                    self._forced_text = history.pop()
+
+    def _forced_text_after(self, token_id: int) -> None:
+        """The forced text after accepting ``token_id``, where the text before it is known and the token spells a
+        proper beginning of it (the rest is then forced: see the class's note); else not known."""
+        before = self._forced_text
+        self._forced_before.append(before)
+        self._forced_text = None
+        if before and self.forced is not None:
+            text = self.forced.token_text(token_id)
+            if text is not None and len(text) < len(before) and before.startswith(text):
+                self._forced_text = before[len(text):]
 
     def fill_draft_tree_bitmask(
         self,
@@ -117,8 +154,6 @@ class RequestGrammar:
         rule's rows included) gets its state's restriction. A node that the rule's row of its parent now forbids,
         and its subtree, are not visited, as the walk leaves a forbidden node's (their rows are not read)."""
         words = bitmask.numpy().view(np.uint32)
-        matcher = self._matcher
-
         depth = 0  # tokens the matcher has taken on the walk's current path (rolled back at the end, whatever happens)
         stack = [(0, -1, 0)]  # (node, its parent, the depth its parent's state is at)
         try:
@@ -126,11 +161,11 @@ class RequestGrammar:
                 node, parent, parent_depth = stack.pop()
                 if node > 0:
                     if depth > parent_depth:
-                        matcher.rollback(depth - parent_depth)
+                        self.rollback(depth - parent_depth)
                         depth = parent_depth
                     token, row = tokens[node], words[parent]
                     if not ((token >> 5) < row.shape[0] and (int(row[token >> 5]) >> (token & 31)) & 1
-                            and not matcher.is_terminated() and matcher.accept_token(token)):
+                            and self.accept_token(token)):
                         continue
                     depth += 1
                 self.restrict_to_forced(bitmask, node)
@@ -141,7 +176,7 @@ class RequestGrammar:
                 stack.extend((c, node, depth) for c in reversed(children))
         finally:
             if depth:
-                matcher.rollback(depth)
+                self.rollback(depth)
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The tokens that end the grammar (the tokenizer's stop tokens), looked up once per request (forks get
@@ -159,17 +194,20 @@ class RequestGrammar:
         """The longest string the grammar forces from here (state unchanged); "" for a grammar whose forced text
         was not shown to be bounded (`forced_text`): xgrammar's search has no length limit, and on a grammar
         whose forced text never ends it grows its string until memory runs out."""
-        if not jump_forward_is_safe(self.compiled):
-            return ""
-        return self._matcher.find_jump_forward_string()
+        if self._forced_text is None:
+            self._forced_text = self._matcher.find_jump_forward_string() if jump_forward_is_safe(self.compiled) else ""
+        return self._forced_text
 
     def fork(self) -> RequestGrammar:
         """An independent copy of this state (e.g. to walk a draft branch without rollback)."""
-        return RequestGrammar(self.compiled, self.forced, _matcher=self._matcher.fork(), _stop_ids=self.stop_token_ids())
+        return RequestGrammar(self.compiled, self.forced, _matcher=self._matcher.fork(), _stop_ids=self.stop_token_ids(),
+                              _forced_text=self._forced_text)
 
     def reset(self) -> None:
         """Back to the start of the grammar."""
         self._matcher.reset()
+        self._forced_before.clear()
+        self._forced_text = None
 
 
 # One native call fills a whole batch's rows. Measured on the 2-core dev box (a JSON schema, 32

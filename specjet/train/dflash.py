@@ -30,8 +30,8 @@ import time
 
 from specjet.arg_types import (block_size, fraction, non_negative_float, non_negative_int, positive_float,
                               positive_int)
-from specjet.train.eagle import (_gguf_name, _threads, add_data_arguments, check_flag, claim_work_dir, cli_main,
-                                 default_work_dir, describe, frozen_target, generate_dtype, target_features,
+from specjet.train.eagle import (_gguf_name, _threads, add_data_arguments, check_flag, check_writable, claim_work_dir,
+                                 cli_main, default_work_dir, describe, frozen_target, generate_dtype, target_features,
                                  target_fingerprint, target_quantization, timed_samples)
 
 
@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
         claim_work_dir(folder, target, model_dir)
     out = args.out or work / "draft"
     check_draft_dir(out, DFLASH_FORMAT)  # before the hour of work, not after
+    check_writable(out, "--out")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     target_layers = tuple(args.target_layers) if args.target_layers else default_target_layers(config.num_layers, 5)

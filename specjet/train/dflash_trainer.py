@@ -40,9 +40,10 @@ from specjet.kernels import fp32_gemm
 from specjet.kernels.bf16_gemm import Bf16x3Linear
 from specjet.kernels.linear import PackedLinear, pack_onednn, pack_weight
 from specjet.models.dflash import DFlashDraftModel
-from specjet.train.features import Sequence
+from specjet.train.features import DamagedFileError, Sequence
 from specjet.train.head_loss import head_cross_entropy
-from specjet.train.trainer import _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume, run_summary
+from specjet.train.trainer import (Stopped, _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume,
+                                   run_summary, stop_requests)
 
 
 @dataclass
@@ -234,9 +235,13 @@ def cached_target_labels(model: DFlashDraftModel, seqs: list[Sequence], path: pa
     key = digest.hexdigest()
     lengths = [len(s.ids) for s in seqs]
     if path.is_file():
-        with safe_open(str(path), "pt") as f:
-            if f.metadata().get("key") == key:
-                return list(f.get_tensor("labels").split(lengths))
+        try:
+            with safe_open(str(path), "pt") as f:
+                if f.metadata().get("key") == key:
+                    return list(f.get_tensor("labels").split(lengths))
+        except Exception as error:  # safetensors' error names no file
+            raise DamagedFileError(path, "label cache", error,
+                                   "remove it and run the same command again: the label pass runs anew") from error
     labels = target_labels(model, seqs)
     tmp = path.with_suffix(".tmp")
     save_file({"labels": torch.cat(labels)}, str(tmp), metadata={"key": key})
@@ -315,32 +320,37 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="train dflash", unit="step")
     order, epoch = None, -1
-    while step < cfg.steps:
-        if step // len(groups) != epoch:
-            # Each epoch's order is fixed by (seed, epoch), so a resumed run sees the same batches.
-            epoch = step // len(groups)
-            order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
-        members = groups[int(order[step % len(groups)])]
-        batch = [seqs[i] for i in members]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        anchors = sample_anchors(batch, cfg.blocks_per_seq, anchor_gen)
-        ids, feats, lengths = collate(batch, torch.bfloat16 if cfg.autocast_bf16 else torch.float32)
-        known = sample_known(anchors, lengths, cfg.known_prefix_rate, model.shape.block_size, anchor_gen)
-        source = collate_labels([labels[i] for i in members], ids.shape[1])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            losses = batch_loss(model, ids, feats, lengths, anchors, cfg, source, known)
-        optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
-        mean = _mean(history[-50:])
-        bar.update()
-        bar.set_postfix(loss=f"{mean['loss']:.3f}", top1=f"{mean['top1']:.3f}", accept=f"{mean['accept_length']:.2f}")
-        if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            _save_checkpoint(checkpoint, model, optimizer, anchor_gen, step, history, cfg)
+    with stop_requests() as stop:
+        while step < cfg.steps:
+            if step // len(groups) != epoch:
+                # Each epoch's order is fixed by (seed, epoch), so a resumed run sees the same batches.
+                epoch = step // len(groups)
+                order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+            members = groups[int(order[step % len(groups)])]
+            batch = [seqs[i] for i in members]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            anchors = sample_anchors(batch, cfg.blocks_per_seq, anchor_gen)
+            ids, feats, lengths = collate(batch, torch.bfloat16 if cfg.autocast_bf16 else torch.float32)
+            known = sample_known(anchors, lengths, cfg.known_prefix_rate, model.shape.block_size, anchor_gen)
+            source = collate_labels([labels[i] for i in members], ids.shape[1])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+                losses = batch_loss(model, ids, feats, lengths, anchors, cfg, source, known)
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            step += 1
+            history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
+            mean = _mean(history[-50:])
+            bar.update()
+            bar.set_postfix(loss=f"{mean['loss']:.3f}", top1=f"{mean['top1']:.3f}",
+                            accept=f"{mean['accept_length']:.2f}")
+            if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
+                _save_checkpoint(checkpoint, model, optimizer, anchor_gen, step, history, cfg)
+            if stop:  # SIGINT or SIGTERM during this step: it is done and saved (trainer.stop_requests)
+                bar.close()
+                raise Stopped(stop[0], step, checkpoint)
     bar.close()
     model.eval()
     return run_summary(cfg, history, start)

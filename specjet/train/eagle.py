@@ -21,7 +21,9 @@ import hashlib
 import json
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 
 from specjet.arg_types import (existing_file, non_negative_float, non_negative_int, positive_float,
@@ -154,6 +156,29 @@ def claim_work_dir(directory: pathlib.Path, fingerprint: str, model_dir: pathlib
     marker.write_text(json.dumps({"fingerprint": fingerprint, "model": str(model_dir)}) + "\n")
 
 
+def check_writable(directory: pathlib.Path, flag: str) -> None:
+    """``TrainArgumentError`` unless a file can be made in ``directory`` or, while it does not exist, in its nearest
+    existing parent (where it will be made): an unwritable ``--out`` was found by the save, after the whole run. Probed
+    by making a file and removing it (permission bits say nothing of a read-only mount or an immutable folder, and
+    nothing to root)."""
+    import tempfile
+
+    directory = pathlib.Path(directory)
+    probe = directory.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise TrainArgumentError(f"{flag} {directory}: cannot be made, {probe} is not a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".specjet-write-probe-", dir=probe)
+    except OSError as error:
+        where = "" if probe == directory.absolute() else f" (its nearest existing parent, {probe})"
+        raise TrainArgumentError(f"{flag} {directory}: not writable{where}: {error.strerror or error}; choose a "
+                                 f"folder this user can write to") from None
+    os.close(fd)
+    os.unlink(name)
+
+
 def default_work_dir(kind: str, model_dir: pathlib.Path) -> pathlib.Path:
     """<specjet cache>/train/<kind>-<model folder's name>-<target_fingerprint>."""
     from specjet.models.weights import specjet_cache_dir
@@ -207,6 +232,14 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
 
     torch.set_num_threads(args.threads or default_threads())
     print(f"specjet.train {name}: {torch.get_num_threads()} torch thread(s)")
+    from specjet.train.features import DamagedFileError
+    from specjet.train.trainer import Stopped
+
+    def stop(signum, frame):  # SIGTERM ended the process with no word; the training loop itself stops at a step's end
+        raise Stopped(signal.Signals(signum).name)
+
+    in_main = threading.current_thread() is threading.main_thread()  # (signal handlers are the main thread's)
+    previous = signal.signal(signal.SIGTERM, stop) if in_main else None
     try:
         summary = run_args(args)
     except FileExistsError as error:  # a folder that holds something else: nothing was overwritten
@@ -215,11 +248,35 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
     except TrainArgumentError as error:
         print(f"python -m specjet.train {name}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        print(f"python -m specjet.train {name}: interrupted; the same command resumes from what is cached and the "
-              f"last checkpoint", file=sys.stderr)
-        raise SystemExit(130) from None
+    except DamagedFileError as error:  # left in place: the message says what to remove
+        print(f"python -m specjet.train {name}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt as error:  # Ctrl-C, or a Stopped: SIGINT or SIGTERM
+        signal_name = error.signal_name if isinstance(error, Stopped) else "SIGINT"
+        saved = ""
+        if isinstance(error, Stopped) and error.step is not None:
+            saved = (f" after step {error.step}, its checkpoint written to {error.checkpoint}"
+                     if error.checkpoint is not None else f" after step {error.step} (no checkpoint kept)")
+        print(f"python -m specjet.train {name}: stopped by {signal_name}{saved}. To resume, run the same command "
+              f"again (the same command resumes from what is cached and the last checkpoint):\n"
+              f"  {resume_command(name, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        raise SystemExit(128 + signal.Signals[signal_name].value) from None
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(json.dumps({k: summary[k] for k in ("data", "timings_s")}, indent=2))
+
+
+def resume_command(name: str, argv: list[str]) -> str:
+    """The command that resumes a run of ``argv``: the same, with the thread count it ran under when none was
+    given (the default follows the cores the process may use, and a run under another count is another run)."""
+    import shlex
+
+    import torch
+
+    if not any(a == "--threads" or a.startswith("--threads=") for a in argv):
+        argv = [*argv, "--threads", str(torch.get_num_threads())]
+    return shlex.join(["python", "-m", "specjet.train", name, *argv])
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -240,6 +297,7 @@ def run(args: argparse.Namespace) -> dict:
     claim_work_dir(work, target_fingerprint(model_dir), model_dir)
     out = args.out or work / "head"
     check_draft_dir(out, EAGLE_FORMAT)  # before the hour of work, not after
+    check_writable(out, "--out")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     check_flag(check_layer_ids, args.feature_layers, config.num_layers, "--feature-layers")  # not after the data

@@ -25,6 +25,17 @@ from specjet.models.runner import ModelRunner
 from specjet.train.data import Sample
 
 
+class DamagedFileError(RuntimeError):
+    """A cached file of a training run (a feature shard, a checkpoint, the label cache) that cannot be read. The
+    reader's own error (safetensors', torch's unpickler) names no file; this one names it and says what to do. The
+    file is left where it is: removing it is the user's call."""
+
+    def __init__(self, path, what: str, error: BaseException, remedy: str):
+        self.path = pathlib.Path(path)
+        super().__init__(f"{what} {self.path} is damaged and cannot be read ({type(error).__name__}: {error}); "
+                         f"{remedy}")
+
+
 @dataclass
 class Sequence:
     ids: torch.Tensor  # [L] int64
@@ -149,12 +160,18 @@ def load_sequences(out_dir: pathlib.Path) -> list[Sequence]:
 
     out = []
     for path in sorted(out_dir.glob("shard_*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            sources = f.metadata()["sources"].split(",")
-            ids, features = f.get_tensor("ids").long(), f.get_tensor("features")
-            lens, prompt_lens = f.get_tensor("lengths").tolist(), f.get_tensor("prompt_lens").tolist()
-        for i, (a, b) in enumerate(zip(ids.split(lens), features.split(lens))):
-            out.append(Sequence(ids=a, features=b, prompt_len=prompt_lens[i], source=sources[i]))
+        try:
+            with safe_open(str(path), "pt") as f:
+                sources = f.metadata()["sources"].split(",")
+                ids, features = f.get_tensor("ids").long(), f.get_tensor("features")
+                lens, prompt_lens = f.get_tensor("lengths").tolist(), f.get_tensor("prompt_lens").tolist()
+            shard = [Sequence(ids=a, features=b, prompt_len=prompt_lens[i], source=sources[i])
+                     for i, (a, b) in enumerate(zip(ids.split(lens), features.split(lens)))]
+        except Exception as error:  # safetensors' header error, a missing tensor, lengths that do not add up
+            raise DamagedFileError(path, "feature shard", error,
+                                   "remove it (or its folder) and run the same command again: the missing shards "
+                                   "are computed anew") from error
+        out += shard
     return out
 
 

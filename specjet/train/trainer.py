@@ -18,12 +18,16 @@ the verified prefix and its chain), and depth d's losses, against the same targe
 makes itself; at depth d it learns to draft from them (EAGLE-3's observation).
 
 Seeded and resumable: batches are fixed by the seed, and a checkpoint every ``checkpoint_every``
-steps holds the weights, the optimizer, the schedule position and the noise generator.
+steps (and at the step a SIGINT or SIGTERM came in: ``stop_requests``) holds the weights, the optimizer,
+the schedule position and the noise generator.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specjet.models.eagle import EagleDraftModel
-from specjet.train.features import Sequence
+from specjet.train.features import DamagedFileError, Sequence
 
 
 @dataclass
@@ -156,15 +160,64 @@ def resume(checkpoint, cfg, model, optimizer, generator: torch.Generator) -> tup
     generator (refused when written under another config), or (0, []) without one."""
     if checkpoint is None or not checkpoint.is_file():
         return 0, []
-    state = torch.load(checkpoint, weights_only=False)
-    if result_config(state["config"]) != result_config(cfg):
+    try:
+        state = torch.load(checkpoint, weights_only=False)
+        saved_config = result_config(state["config"])
+    except Exception as error:  # a truncated or overwritten file: torch's error names no file
+        raise DamagedFileError(checkpoint, "checkpoint", error,
+                               "delete it to train this run from step 0 (the data and features stay cached)") from error
+    if saved_config != result_config(cfg):
         raise ValueError(f"checkpoint {checkpoint} was written with another training config; "
                          "delete it (or the work dir) to start over")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    generator.set_state(state["noise_generator"])
-    print(f"resuming from step {state['step']} ({checkpoint})")
-    return state["step"], state["history"]
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["noise_generator"])
+        step, history = state["step"], state["history"]
+    except Exception as error:  # the right config but missing or misshapen parts
+        raise DamagedFileError(checkpoint, "checkpoint", error,
+                               "delete it to train this run from step 0 (the data and features stay cached)") from error
+    print(f"resuming from step {step} ({checkpoint})")
+    return step, history
+
+
+class Stopped(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM (``signal_name``). The training loop raises it at the end of the step the
+    signal came in, after writing its checkpoint there (``step``, ``checkpoint``); elsewhere (the data, feature or
+    evaluation stage) it is raised where the signal came (``step`` None: what the stages finished stays cached,
+    training goes on from its last checkpoint). A KeyboardInterrupt, so what cleans up after Ctrl-C (the generation
+    engine's shutdown) runs after SIGTERM too."""
+
+    def __init__(self, signal_name: str, step: int | None = None, checkpoint: pathlib.Path | None = None):
+        super().__init__(signal_name)
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """While a training loop runs: SIGINT and SIGTERM are noted in the list yielded, not raised mid-step, so the loop
+    ends its step, writes a checkpoint there and raises ``Stopped`` (a stop mid-step lost every step since the last
+    checkpoint, up to ``checkpoint_every``; SIGTERM killed the process with no word). A second signal stops at once.
+    Signal handlers belong to the main thread: elsewhere nothing is caught."""
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def note(signum, frame):
+        if received:
+            raise Stopped(signal.Signals(signum).name)
+        received.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkpoint: pathlib.Path | None) -> dict:
@@ -183,28 +236,32 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
     bar = tqdm(total=cfg.steps, initial=step, desc="train eagle", unit="step")
     groups = length_groups(lengths, cfg.batch_tokens)
     order, epoch = None, -1
-    while step < cfg.steps:
-        if step // len(groups) != epoch:
-            # Each epoch's order is fixed by (seed, epoch), so a resumed run sees the same batches.
-            epoch = step // len(groups)
-            order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
-        batch = [seqs[i] for i in groups[int(order[step % len(groups)])]]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        losses = batch_loss(model, *collate(batch), cfg, noise_gen)
-        optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
-        mean = _mean(history[-50:])
-        bar.update()
-        bar.set_postfix(loss=f"{mean['loss']:.3f}", reg=f"{mean['regression']:.3f}",
-                        ce=f"{mean['cross_entropy']:.2f}", top1=f"{mean['top1']:.3f}",
-                        **({"top1_d1": f"{mean['top1_d1']:.3f}"} if "top1_d1" in mean else {}))
-        if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            _save_checkpoint(checkpoint, model, optimizer, noise_gen, step, history, cfg)
+    with stop_requests() as stop:
+        while step < cfg.steps:
+            if step // len(groups) != epoch:
+                # Each epoch's order is fixed by (seed, epoch), so a resumed run sees the same batches.
+                epoch = step // len(groups)
+                order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+            batch = [seqs[i] for i in groups[int(order[step % len(groups)])]]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            losses = batch_loss(model, *collate(batch), cfg, noise_gen)
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            step += 1
+            history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
+            mean = _mean(history[-50:])
+            bar.update()
+            bar.set_postfix(loss=f"{mean['loss']:.3f}", reg=f"{mean['regression']:.3f}",
+                            ce=f"{mean['cross_entropy']:.2f}", top1=f"{mean['top1']:.3f}",
+                            **({"top1_d1": f"{mean['top1_d1']:.3f}"} if "top1_d1" in mean else {}))
+            if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
+                _save_checkpoint(checkpoint, model, optimizer, noise_gen, step, history, cfg)
+            if stop:  # SIGINT or SIGTERM during this step: it is done and saved
+                bar.close()
+                raise Stopped(stop[0], step, checkpoint)
     bar.close()
     model.eval()
     return run_summary(cfg, history, start)
