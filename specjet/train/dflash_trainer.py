@@ -42,8 +42,8 @@ from specjet.kernels.linear import PackedLinear, pack_onednn, pack_weight
 from specjet.models.dflash import DFlashDraftModel
 from specjet.train.features import DamagedFileError, Sequence
 from specjet.train.head_loss import head_cross_entropy
-from specjet.train.trainer import (Stopped, _mean, _save_checkpoint, crop_prompt, length_groups, lr_at, resume,
-                                   run_summary, stop_requests)
+from specjet.train.trainer import (Stopped, _save_checkpoint, crop_prompt, length_groups, lr_at, resume, run_summary,
+                                   stop_requests, take_step)
 
 
 @dataclass
@@ -336,13 +336,8 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
             source = collate_labels([labels[i] for i in members], ids.shape[1])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
                 losses = batch_loss(model, ids, feats, lengths, anchors, cfg, source, known)
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
+            mean = take_step(optimizer, params, losses, cfg.grad_clip, history)
             step += 1
-            history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
-            mean = _mean(history[-50:])
             bar.update()
             bar.set_postfix(loss=f"{mean['loss']:.3f}", top1=f"{mean['top1']:.3f}",
                             accept=f"{mean['accept_length']:.2f}")

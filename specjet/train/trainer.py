@@ -246,13 +246,8 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
             losses = batch_loss(model, *collate(batch), cfg, noise_gen)
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
+            mean = take_step(optimizer, params, losses, cfg.grad_clip, history)
             step += 1
-            history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
-            mean = _mean(history[-50:])
             bar.update()
             bar.set_postfix(loss=f"{mean['loss']:.3f}", reg=f"{mean['regression']:.3f}",
                             ce=f"{mean['cross_entropy']:.2f}", top1=f"{mean['top1']:.3f}",
@@ -278,6 +273,17 @@ def run_summary(cfg, history: list[dict], start: float) -> dict:
         "seconds_this_run": round(time.perf_counter() - start, 1),
         "config": asdict(cfg),
     }
+
+
+def take_step(optimizer, params, losses: dict, grad_clip: float, history: list[dict]) -> dict:
+    """One optimizer step on ``losses["loss"]`` (gradients clipped to ``grad_clip``), the step's losses logged in
+    ``history``; returns the mean of the last 50 steps' (the progress bar's figures)."""
+    optimizer.zero_grad(set_to_none=True)
+    losses["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    history.append({k: round(float(v.detach()), 5) for k, v in losses.items()})
+    return _mean(history[-50:])
 
 
 def _mean(history: list[dict]) -> dict:
