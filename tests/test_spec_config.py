@@ -254,6 +254,7 @@ def test_ngram_defaults():
     ({"speculative_algorithm": "EAGLE", "speculative_max_verify_tokens": 0}, ValueError, "max_verify_tokens"),
     ({"speculative_algorithm": "MEDUSA"}, ValueError, "MEDUSA"),
     ({"speculative_algorithm": "eagle"}, ValueError, "available: "),
+    ({"speculative_algorithm": "EAGLE3"}, ValueError, r"available: .*\(an EAGLE-3 head runs as 'EAGLE'\)"),  # SGLang's
     ({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 100000}, ValueError, "<= 256"),
     ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 5000}, ValueError, "speculative_num_steps must be <="),
     ({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 1}, ValueError, "block size"),

@@ -69,8 +69,9 @@ from specjet.kernels.linear import pack_weight
 from specjet.kernels.qgemm import QuantizedLinear
 from specjet.models.config import ModelConfig
 from specjet.models.eagle import (FOLLOW_TARGET, HotVocabDraft, SharedTarget, check_hot_token_ids, check_layer_ids,
-                                  check_target_shape, check_trained_for, compute_with, draft_method, fill_draft,
-                                  hot_lm_head, pack_linears, read_draft_config, write_draft)
+                                  check_target_shape, check_trained_for, compute_with, draft_method, draft_named,
+                                  fill_draft, hot_lm_head, pack_linears, read_draft_config, read_draft_tensors,
+                                  write_draft)
 from specjet.models.forward_batch import FeatureLayers, ForwardBatch
 from specjet.models.kv_cache import KVCache
 from specjet.models.llama import (Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, Rotary, apply_rotary,
@@ -577,17 +578,39 @@ def load_dflash(directory, target_config: ModelConfig, dtype=torch.float32, devi
     """Load a draft saved by ``save_dflash``, its projections packed for inference (quantized with
     ``quantization``, a method ``draft_method`` resolved); fails loudly if it was trained for another target
     shape. Call ``bind_target`` on the result before running it."""
-    from safetensors.torch import load_file
-
     directory = pathlib.Path(directory)
     config = read_dflash_config(directory)
     check_trained_for(config, target_config, directory, "DFlash draft")
-    shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(config["target_layers"]),
-                        block_size=config["block_size"], mask_token_id=config["mask_token_id"],
-                        root_context=config.get("root_context", False),
-                        known_prefix=config.get("known_prefix", False),
-                        prev_token_input=config.get("prev_token_input", False),
-                        position_masks=config.get("position_masks", False))
-    tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
-    model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
+    what = f"DFlash draft {directory}"
+    for name in ("num_layers", "block_size", "mask_token_id"):
+        if type(config.get(name)) is not int:
+            raise ValueError(f"{what}: {name} must be an integer, got {config.get(name)!r}")
+    layers = config.get("target_layers")
+    if not isinstance(layers, list) or not all(type(i) is int for i in layers):
+        raise ValueError(f"{what}: target_layers must be a list of layer ids, got {layers!r}")
+    flags = {name: config.get(name, False) for name in ("root_context", "known_prefix", "prev_token_input",
+                                                         "position_masks")}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{what}: {name} must be true or false, got {value!r}")
+    with draft_named(directory, "DFlash draft"):
+        shape = DFlashShape(num_layers=config["num_layers"], target_layers=tuple(layers),
+                            block_size=config["block_size"], mask_token_id=config["mask_token_id"], **flags)
+        check_shape_for(shape, target_config)
+    tensors = read_draft_tensors(directory, "DFlash draft")
+    # What the weights hold, checked before the model is built: a config's layer count or block size is a size
+    # to allocate (a million layers, a position mask per row of a block of 10**9), which no file of this draft's
+    # tensors could fill.
+    held = {int(name.split(".")[1]) for name in tensors if name.startswith("layers.") and name.split(".")[1].isdigit()}
+    if held != set(range(shape.num_layers)):
+        raise ValueError(f"{what}: config.json says num_layers={shape.num_layers}, {WEIGHTS_NAME} holds "
+                         f"{len(held)} layer(s)")
+    mask = tensors.get("mask_embedding")
+    want = (shape.block_size - 1, target_config.hidden_size) if shape.position_masks else (target_config.hidden_size,)
+    if mask is None or tuple(mask.shape) != want:
+        held_shape = "is missing" if mask is None else f"has shape {list(mask.shape)}"
+        raise ValueError(f"{what}: mask_embedding {held_shape}, its config (block_size="
+                         f"{shape.block_size}, position_masks={str(shape.position_masks).lower()}) needs {list(want)}")
+    with draft_named(directory, "DFlash draft"):
+        model = DFlashDraftModel(target_config, shape, hot_token_ids=tensors.get("hot_token_ids"))
     return fill_draft(model, tensors, dtype, device, directory, "DFlash draft", quantization)

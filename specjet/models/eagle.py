@@ -26,6 +26,7 @@ logits have K columns, and ``hot_to_full`` maps a column index back to the targe
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ def check_hot_token_ids(hot_token_ids, vocab_size: int) -> torch.Tensor | None:
     hot_token_ids = torch.as_tensor(hot_token_ids, dtype=torch.int64)
     if hot_token_ids.dim() != 1 or not bool((hot_token_ids[1:] > hot_token_ids[:-1]).all()):
         raise ValueError("hot_token_ids must be a 1-D, strictly increasing list of target token ids")
+    if hot_token_ids.numel() == 0:  # a draft that could propose no token
+        raise ValueError("hot_token_ids must hold at least one target token id, got none")
     if int(hot_token_ids.min()) < 0 or int(hot_token_ids.max()) >= vocab_size:
         raise ValueError(f"hot_token_ids must lie in [0, {vocab_size})")
     return hot_token_ids
@@ -430,16 +433,32 @@ def write_draft(model: nn.Module, directory, fmt: str, version: int, dtype: torc
     return directory
 
 
+# The draft formats by name, for a message that names the kind a directory holds instead.
+DRAFT_KINDS = {"specjet-eagle": "an EAGLE head (speculative_algorithm='EAGLE')",
+               "specjet-dflash": "a DFlash draft (speculative_algorithm='DFLASH')"}
+
+
 def read_draft_config(directory, fmt: str, version: int, what: str) -> dict:
-    """A draft directory's config.json, refused unless it is of format ``fmt`` v``version``
-    (``what``: "EAGLE head", "DFlash draft", for the messages)."""
+    """A draft directory's config.json, refused unless it is of format ``fmt`` v``version`` and names the target it
+    was trained for (``what``: "EAGLE head", "DFlash draft", for the messages)."""
     path = pathlib.Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no {what} at {directory} (missing {CONFIG_NAME})")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} does not read as JSON ({err}): the {what}'s config is damaged") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a {fmt} v{version} {what.split()[-1]} (a JSON {type(config).__name__}, "
+                         "not an object)")
     if config.get("format") != fmt or config.get("format_version") != version:
+        held = config.get("format")
+        other = f": it holds {DRAFT_KINDS[held]}" if held != fmt and held in DRAFT_KINDS else ""
         raise ValueError(f"{path} is not a {fmt} v{version} {what.split()[-1]} "
-                         f"(format {config.get('format')!r} v{config.get('format_version')!r})")
+                         f"(format {held!r} v{config.get('format_version')!r}){other}")
+    if not isinstance(config.get("target"), dict):
+        raise ValueError(f"{path} does not name the target the {what} was trained for "
+                         f"('target' is {config.get('target')!r}): an incomplete {what}")
     return config
 
 
@@ -452,33 +471,83 @@ def load_eagle(directory, target_config: ModelConfig, dtype=torch.float32, devic
     """Load a head saved by ``save_eagle``, its projections packed for inference (quantized with ``quantization``,
     a method ``draft_method`` resolved); fails loudly if it was trained for another target shape. Call
     ``bind_target`` on the result before running it."""
-    from safetensors.torch import load_file
-
     directory = pathlib.Path(directory)
     config = read_eagle_config(directory)
     check_trained_for(config, target_config, directory, "EAGLE head")
-    tensors = load_file(directory / WEIGHTS_NAME, device="cpu")
-    model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"),
-                            feature_layers=tuple(config.get("feature_layers", ())))
+    feature_layers = config.get("feature_layers", [])
+    if not isinstance(feature_layers, list) or not all(type(i) is int for i in feature_layers):
+        raise ValueError(f"EAGLE head {directory}: feature_layers must be a list of layer ids, got {feature_layers!r}")
+    tensors = read_draft_tensors(directory, "EAGLE head")
+    with draft_named(directory, "EAGLE head"):
+        model = EagleDraftModel(target_config, hot_token_ids=tensors.get("hot_token_ids"),
+                                feature_layers=tuple(feature_layers))
     return fill_draft(model, tensors, dtype, device, directory, "EAGLE head", quantization)
 
 
 def check_trained_for(config: dict, target_config: ModelConfig, directory, what: str) -> None:
-    """A saved draft (``config``: its config.json) refused unless it was trained for a target of this shape."""
+    """A saved draft (``config``: its config.json) refused unless it was trained for a target of this shape and
+    family (``model_type``, where the draft records it: a Qwen2 target's layers have q/k/v biases, a Llama's none)."""
     trained_for = config["target"]
-    for name in TARGET_SHAPE_FIELDS + ("num_layers",):
+    names = TARGET_SHAPE_FIELDS + ("num_layers",) + (("model_type",) if "model_type" in trained_for else ())
+    for name in names:
         if trained_for.get(name) != getattr(target_config, name):
-            raise ValueError(f"{what} {directory} was trained for a target with {name}={trained_for.get(name)}, "
-                             f"this target has {getattr(target_config, name)}")
+            raise ValueError(f"{what} {directory} was trained for a target with {name}={trained_for.get(name)!r}, "
+                             f"this target has {getattr(target_config, name)!r}")
+
+
+@contextlib.contextmanager
+def draft_named(directory, what: str):
+    """A ValueError raised inside (a draft's setting out of range for its target) names the draft's directory."""
+    prefix = f"{what} {directory}: "
+    try:
+        yield
+    except ValueError as err:
+        if str(err).startswith(prefix):
+            raise
+        raise ValueError(prefix + str(err)) from None
+
+
+def read_draft_tensors(directory, what: str) -> dict:
+    """A draft directory's ``model.safetensors``: refused, naming the file and the tensor, unless it reads whole and
+    holds floating-point, finite weights and integer hot token ids (a truncated copy, an integer cast or a diverged
+    training run's NaN would otherwise load as a draft whose every proposal is rejected)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(directory) / WEIGHTS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {directory} has no weights (missing {WEIGHTS_NAME})")
+    try:
+        tensors = load_file(path, device="cpu")
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{what} {directory}: {WEIGHTS_NAME} does not read as safetensors, damaged or cut short "
+                         f"({err})") from None
+    for name, tensor in tensors.items():
+        if name == "hot_token_ids":
+            if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+                raise ValueError(f"{what} {directory}: hot_token_ids must be integer token ids, got {tensor.dtype}")
+        elif not tensor.is_floating_point():
+            raise ValueError(f"{what} {directory}: tensor {name} is {tensor.dtype}; a draft's weights are floating "
+                             "point")
+        elif not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{what} {directory}: tensor {name} holds NaN or infinite values (a diverged training "
+                             "run?)")
+    return tensors
 
 
 def fill_draft(model: nn.Module, tensors: dict, dtype, device, directory, what: str, quantization: str | None = None):
-    """``model`` with its saved ``tensors`` (every one of its parameters, nothing else), on ``device`` in ``dtype``,
-    packed for inference (``pack_for_decode(quantization)``)."""
+    """``model`` with its saved ``tensors`` (every one of its parameters, nothing else, each of its shape), on
+    ``device`` in ``dtype``, packed for inference (``pack_for_decode(quantization)``)."""
+    own = model.state_dict()
+    for name, tensor in tensors.items():
+        if name in own and tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"{what} {directory}: tensor {name} has shape {list(tensor.shape)}, a draft of this "
+                             f"config for this target has {list(own[name].shape)}")
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{what} {directory}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"{what} {directory}: missing {missing[:5]}, unexpected {unexpected[:5]} (its tensors are "
+                         "not those its config.json describes for this target)")
     model = model.to(device=device, dtype=dtype).eval()
     model.pack_for_decode(quantization)
     return model

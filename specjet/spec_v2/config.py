@@ -220,8 +220,10 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
+            # SGLang's EAGLE3 is specjet's EAGLE: an EAGLE-3 head says what it is itself (its feature_layers).
+            eagle3 = " (an EAGLE-3 head runs as 'EAGLE')" if str(self.algorithm).upper() == "EAGLE3" else ""
             raise ValueError(f"speculative_algorithm={self.algorithm!r} is not available "
-                             f"(available: {', '.join(ALGORITHMS)})")
+                             f"(available: {', '.join(ALGORITHMS)}){eagle3}")
         e, n = self.eagle, self.ngram
         for name, value in (("max_tree_nodes", self.max_tree_nodes), ("speculative_num_steps", e.num_steps),
                             ("speculative_eagle_topk", e.topk), ("EAGLE tree nodes", e.tree_nodes),

@@ -15,6 +15,7 @@ rolled back, and the host advances its own matcher by the accepted tokens.
 from __future__ import annotations
 
 
+import pathlib
 import time
 from dataclasses import replace
 from typing import Callable
@@ -41,12 +42,14 @@ from specjet.spec_v2.tree_verifier import TreeVerifier, VerifyInput, VerifyResul
 
 
 def draft_model_dir(cfg: SpecConfig):
-    """The directory the EAGLE head or DFlash draft loads from: ``cfg.draft_model_path``, else the one
-    shipped for the default model; None for drafters without a model or with one handed in."""
+    """The directory the EAGLE head or DFlash draft loads from: ``cfg.draft_model_path`` (``~`` expanded, as
+    ``model_path``'s is), else the one shipped for the default model; None for drafters without a model or with one
+    handed in."""
+    given = pathlib.Path(cfg.draft_model_path).expanduser() if cfg.draft_model_path else None
     if cfg.algorithm == "EAGLE" and cfg.eagle_head is None:
-        return cfg.draft_model_path or default_eagle_path()
+        return given or default_eagle_path()
     if cfg.algorithm == "DFLASH" and cfg.dflash_draft is None:
-        return cfg.draft_model_path or default_dflash_path()
+        return given or default_dflash_path()
     return None
 
 
