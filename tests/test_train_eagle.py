@@ -274,11 +274,11 @@ def test_cli_end_to_end(tiny_model_dir, tmp_path):
             "--extra-jsonl", str(extra), "--num-target-replies", "3", "--num-human-replies", "4", "--num-eval", "2",
             "--num-few-shot-replies", "2", "--num-few-shot-eval", "1", "--max-new-tokens", "12",
             "--json-max-new-tokens", "12", "--steps", "6", "--batch-tokens", "512", "--hot-vocab", "300",
-            "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1", "--feature-layers", "0",
-            "--feature-dtype", "bfloat16"]
+            "--warmup-steps", "2", "--eval-steps", "3", "--threads", "1", "--feature-dtype", "bfloat16"]
     main(argv)
     meta = read_eagle_config(out)
-    assert meta["feature_layers"] == [0]  # an EAGLE-3 head: trained on fused features, loads as one
+    # An EAGLE-3 head (trained on fused features, loads as one) on --feature-layers' default for a 2-layer target
+    assert meta["feature_layers"] == [0]
     # Features from a bf16 target, cached apart from fp32 ones.
     assert "--feature-dtype bfloat16" in meta["training"]["command"]
     assert [p.name.endswith("-L0-bfloat16") for p in (tmp_path / "work" / "features").iterdir()] == [True, True]
@@ -495,3 +495,19 @@ def test_a_run_under_another_thread_count_is_another_run():
     assert eagle_run_key(cfg, 300, 2) == eagle_run_key(T.TrainConfig(steps=10, checkpoint_every=3), 300, 2)
     assert eagle_run_key(cfg, 300, 1) != eagle_run_key(cfg, 300, 2)
     assert eagle_run_key(cfg, 300, 2) != eagle_run_key(T.TrainConfig(steps=11), 300, 2)
+
+
+def test_the_default_feature_layers_fit_any_depth():
+    """``--feature-layers`` by default: the default model's 1 and 14 of 30 (the shipped head's), a low and a middle
+    layer of any other depth, never a layer the target lacks (a fixed 1 14 refused every model under 15 layers)."""
+    from specjet.models.eagle import check_layer_ids
+    from specjet.train.eagle import default_feature_layers
+
+    assert default_feature_layers(30) == [1, 14]
+    assert default_feature_layers(16) == [1, 7]
+    assert default_feature_layers(4) == [1]
+    assert default_feature_layers(3) == [0, 1]
+    assert default_feature_layers(2) == [0]
+    assert default_feature_layers(1) == []  # the final hidden state alone
+    for layers in range(1, 80):  # raises for an id out of range or out of order
+        check_layer_ids(default_feature_layers(layers), layers, "--feature-layers")

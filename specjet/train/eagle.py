@@ -46,10 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(p)
     model = p.add_argument_group("head and training")
     model.add_argument("--hot-vocab", type=non_negative_int, default=8192, help="hot token head size (0: the full vocabulary)")
-    model.add_argument("--feature-layers", type=int, nargs="*", default=[1, 14],
+    model.add_argument("--feature-layers", type=int, nargs="*", default=None,
                        help="EAGLE-3 features: the head also reads the target's residual stream after these layers "
-                            "(default: a low and a middle layer of the 30; give the flag alone for the final hidden "
-                            "state only, EAGLE-1)")
+                            "(default: a low and a middle layer, 1 and L/2 - 1: 1 14 of the default model's 30; give "
+                            "the flag alone for the final hidden state only, EAGLE-1)")
     model.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="dtype of the target whose features the head learns from (bf16 features drafted no "
                             "better in a bf16 engine: bench/RESULTS.md)")
@@ -300,6 +300,8 @@ def run(args: argparse.Namespace) -> dict:
     check_writable(out, "--out")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    if args.feature_layers is None:
+        args.feature_layers = default_feature_layers(config.num_layers)
     check_flag(check_layer_ids, args.feature_layers, config.num_layers, "--feature-layers")  # not after the data
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -583,6 +585,13 @@ def _argv_for_summary(args) -> list[str]:
         value = generate_dtype(args) if key == "generate_dtype" else getattr(args, key)  # "auto" as resolved
         flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags + ["--feature-layers", *map(str, args.feature_layers), "--threads", str(_threads())]
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """``--feature-layers``' default for a target of ``num_layers``: a low layer and a middle one (1 and 14 of the
+    default model's 30, the shipped head's), those of them a target of this depth has before its last layer (none
+    for one layer: the final hidden state alone, EAGLE-1)."""
+    return sorted({i for i in (1, num_layers // 2 - 1) if 0 <= i < num_layers - 1})
 
 
 def _threads() -> int:
