@@ -237,3 +237,25 @@ def test_a_draft_path_under_the_home_folder_is_read_as_model_path_is(tiny_model_
                         speculative_draft_model_path=f"~/{kind}", device="cpu") as eng:
         assert [o["output_ids"] for o in eng.generate(PROMPTS, PARAMS)] == expected
         eng.check_kv_invariant()
+
+
+@pytest.mark.parametrize("kwargs,warned", [({"speculative_algorithm": "NGRAM"}, True),
+                                           ({"disable_free_text_drafting": True}, True),
+                                           ({"speculative_algorithm": "DFLASH"}, False), ({}, False)])
+def test_a_draft_path_no_learned_draft_reads_is_named_in_a_warning(tiny_model_dir, drafts, expected, caplog, kwargs,
+                                                                   warned):
+    """NGRAM's trees or an engine without free-text drafting load no draft: the path given is named in a warning
+    (it was ignored without a word), and the engine decodes plain decoding's ids; where the draft runs, no warning."""
+    import logging
+
+    import specjet
+
+    with caplog.at_level(logging.WARNING, logger="specjet"):
+        with specjet.Engine(model_path=str(tiny_model_dir), max_total_tokens=1024, device="cpu",
+                            speculative_draft_model_path=str(drafts["dflash"]), **kwargs) as eng:
+            assert [o["output_ids"] for o in eng.generate(PROMPTS, PARAMS)] == expected
+            eng.check_kv_invariant()
+    said = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert bool(said) == warned, said
+    if warned:
+        assert str(drafts["dflash"]) in said[0] and "speculative_algorithm 'EAGLE' or 'DFLASH'" in said[0]

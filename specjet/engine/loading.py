@@ -134,6 +134,11 @@ def load_components(args: EngineArgs, device: torch.device) -> Components:
         spec_config = SpecConfig.for_guided(args, quantized_cpu_target=quantized_cpu, cpu_target=cpu,
                                             free_text=free_text, tiled_bf16_target=runner.tiled_rows)
         logger.info("guided drafting%s", " and free-text drafting alone (DFLASH)" if free_text else "")
+    loads_draft = spec_config is not None and (spec_config.algorithm in HYBRID_ALGORITHMS or spec_config.solo is not None)
+    if args.speculative_draft_model_path is not None and not loads_draft:
+        logger.warning("speculative_draft_model_path %s is not used: no learned draft runs on this engine (it needs "
+                       "speculative_algorithm 'EAGLE' or 'DFLASH', or the default engine's free-text drafting)",
+                       args.speculative_draft_model_path)
     if spec_config is not None and spec_config.algorithm in HYBRID_ALGORITHMS:
         spec_config = replace(spec_config, draft_quantization=_draft_quantization(args, quantization, runner.device))
     if spec_config is not None and spec_config.solo is not None:
