@@ -1,10 +1,12 @@
 """Small GGUF files for tests, written from a tiny Hugging Face model as llama.cpp's converter lays them out (its
-"llama" architecture's q and k rows permuted for its RoPE), with the default model's tokenizer."""
+"llama" architecture's q and k rows permuted for its RoPE; Qwen3's per-head q/k norms and ``attention.key_length``),
+with the default model's tokenizer."""
 from __future__ import annotations
 
 import functools
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import torch
@@ -25,11 +27,24 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _fake_q4_k(rows: int, cols: int) -> np.ndarray:
+    """Q4_K bytes for a [rows, cols] matrix (gguf-py has no Q4_K quantizer): random nibbles and 6-bit scales under
+    small fp16 super-block scales. What they mean is gguf-py's dequantization, which the reference directory holds."""
+    blocks = rows * cols // 256
+    rng = np.random.default_rng(rows * 7919 + cols)
+    raw = rng.integers(0, 256, size=(blocks, 144), dtype=np.uint8)
+    raw[:, 0:2] = np.full(blocks, 0.004, dtype=np.float16).view(np.uint8).reshape(blocks, 2)  # d
+    raw[:, 2:4] = np.full(blocks, 0.002, dtype=np.float16).view(np.uint8).reshape(blocks, 2)  # dmin
+    return raw.reshape(rows, cols // 256 * 144)
+
+
 def write_gguf(hf_dir: pathlib.Path, path: pathlib.Path, arch: str, kind: str = "Q8_0",
-               rope_freqs: list[float] | None = None) -> pathlib.Path:
-    """``hf_dir``'s weights as a GGUF of architecture ``arch``, its matrices in ``kind`` ("Q8_0" or "F32")."""
+               rope_freqs: list[float] | None = None, reference_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """``hf_dir``'s weights as a GGUF of architecture ``arch``, its matrices in ``kind`` ("Q8_0", "Q4_1", "Q4_K",
+    "F16" or "F32"). ``reference_dir``: a copy of ``hf_dir`` whose weights are the file's, dequantized by gguf-py
+    (what the file's numbers mean, independently of specjet), for transformers to compute the expected output."""
     import gguf
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     sd = {}
@@ -47,12 +62,17 @@ def write_gguf(hf_dir: pathlib.Path, path: pathlib.Path, arch: str, kind: str = 
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":  # as llama.cpp's converter: the config's head_dim as key/value lengths, no vocab_size (the
+        writer.add_key_length(head_dim)  # token list's length is the vocabulary) and no RoPE dimension count
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_vocab_size(cfg["vocab_size"])
+        writer.add_rope_dimension_count(head_dim)
     writer.add_file_type(1)
     fields = _tokenizer_fields()
     writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    # Qwen's files name their pre-tokenizer "qwen2" (a GPT-2 style BPE with Qwen's split pattern)
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else fields["tokenizer.ggml.pre"])
     writer.add_token_list(fields["tokenizer.ggml.tokens"])
     writer.add_token_types(fields["tokenizer.ggml.token_type"])
     writer.add_token_merges(fields["tokenizer.ggml.merges"])
@@ -61,15 +81,25 @@ def write_gguf(hf_dir: pathlib.Path, path: pathlib.Path, arch: str, kind: str = 
     writer.add_add_bos_token(False)
     writer.add_chat_template(fields["tokenizer.chat_template"])
     qtype = getattr(gguf.GGMLQuantizationType, kind)
+    reference = dict(sd)
 
     def matrix(name: str, key: str, permute_heads: int | None = None) -> None:
-        w = sd[key].numpy().astype(np.float32)
-        if permute_heads is not None and arch == "llama":
-            w = _permute(w, permute_heads)
+        w = np.ascontiguousarray(sd[key].numpy().astype(np.float32))
+        permuted = permute_heads is not None and arch == "llama"
+        stored = np.ascontiguousarray(_permute(w, permute_heads)) if permuted else w
         if kind == "F32":
-            writer.add_tensor(name, np.ascontiguousarray(w))
+            data, raw, meaning = stored, None, stored
+        elif kind == "F16":
+            data, raw = stored.astype(np.float16), None
+            meaning = data.astype(np.float32)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+            data = _fake_q4_k(*stored.shape) if kind == "Q4_K" else gguf.quants.quantize(stored, qtype)
+            raw, meaning = qtype, gguf.quants.dequantize(data, qtype).reshape(stored.shape).astype(np.float32)
+        if permuted:  # the reference holds Hugging Face's row order
+            heads = permute_heads
+            meaning = meaning.reshape(heads, meaning.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+        reference[key] = torch.from_numpy(np.ascontiguousarray(meaning))
+        writer.add_tensor(name, data, raw_dtype=raw)
 
     def vector(name: str, key: str) -> None:
         writer.add_tensor(name, sd[key].numpy().astype(np.float32))
@@ -94,10 +124,24 @@ def write_gguf(hf_dir: pathlib.Path, path: pathlib.Path, arch: str, kind: str = 
         for n in "qkv":
             if p + f"self_attn.{n}_proj.bias" in sd:
                 vector(b + f"attn_{n}.bias", p + f"self_attn.{n}_proj.bias")
+        for n in "qk":  # Qwen3's per-head RMSNorm weights
+            if p + f"self_attn.{n}_norm.weight" in sd:
+                vector(b + f"attn_{n}_norm.weight", p + f"self_attn.{n}_norm.weight")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if reference_dir is not None:
+        shutil.copytree(hf_dir, reference_dir)
+        for f in pathlib.Path(reference_dir).glob("model*.safetensors*"):
+            f.unlink()
+        if cfg.get("tie_word_embeddings", False):  # the head is the embedding's (dequantized) matrix
+            reference.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in reference.items()},
+                  str(pathlib.Path(reference_dir) / "model.safetensors"), metadata={"format": "pt"})
+        # the file holds the epsilon as a float32
+        config_file = pathlib.Path(reference_dir) / "config.json"
+        config_file.write_text(json.dumps(dict(cfg, rms_norm_eps=float(np.float32(cfg["rms_norm_eps"]))), indent=2))
     return path
 
 

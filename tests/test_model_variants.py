@@ -175,3 +175,124 @@ def test_a_ggufs_rope_frequency_factors_are_applied(tmp_path, default_model_dir,
 
     ours = OneRequest(load_runner(resolve_model_path(path))).extend(IDS).logits  # the GGUF converted
     torch.testing.assert_close(ours, hf_logits(hf_dir, IDS).logits[0], atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dirs(tmp_path_factory, default_model_dir):
+    """Tiny Qwen3 models whose heads are 32 wide where hidden_size / heads is 16 (so the file's attention.key_length
+    decides the shapes, as a real Qwen3's 128 does), with Qwen3's RoPE base 1e6 (not its config class's default) and
+    random norm weights (q_norm and k_norm among them: one dropped, swapped or applied at the wrong width changes the
+    output): untied, tied, and "cyclic" (untied, its matrices a third as large, so that its greedy text falls into
+    cycles and n-gram drafts are taken)."""
+    root = tmp_path_factory.mktemp("qwen3")
+    dirs = {}
+    for name, tie, scale in (("untied", False, 1.0), ("tied", True, 1.0), ("cyclic", False, 1 / 3)):
+        path = tiny_dir(root / name, default_model_dir, model_type="qwen3", tie=tie, head_dim=32, rope_theta=1e6)
+        tensors = load_file(path / "model.safetensors")
+        generator = torch.Generator().manual_seed(1)
+        for key, tensor in tensors.items():
+            if key.endswith("norm.weight"):
+                tensors[key] = 1 + 0.3 * torch.randn(tensor.shape, generator=generator)
+            elif tensor.dim() == 2:
+                tensors[key] = tensor * scale
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        dirs[name] = path
+    return dirs
+
+
+def _hf_greedy(model_dir, prompt, n):
+    """transformers' greedy ids and each chosen token's logprob (and the first step's top 5) on ``model_dir``, by a
+    full forward per token: the expected output, computed without specjet."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, logprobs, first_top = list(prompt), [], None
+    with torch.no_grad():
+        for _ in range(n):
+            row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            token = int(row.argmax())
+            if first_top is None:
+                values, indices = row.topk(5)
+                first_top = dict(zip(indices.tolist(), values.tolist()))
+            ids.append(token)
+            logprobs.append(float(row[token]))
+    return ids[len(prompt):], logprobs, first_top
+
+
+QWEN3_PARAMS = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+QWEN3_PROMPTS = [IDS, IDS[:6], IDS[:6] * 3]  # the last repeats itself: n-grams to draft from on any CPU
+
+
+def _run(path, alone=False, **engine_kw):
+    with specjet.Engine(model_path=str(path), dtype="float32", max_total_tokens=1024, **engine_kw) as eng:
+        kw = {"sampling_params": QWEN3_PARAMS, "return_logprob": True, "top_logprobs_num": 5}
+        outs = ([eng.generate(input_ids=prompt, **kw) for prompt in QWEN3_PROMPTS] if alone
+                else eng.generate(input_ids=QWEN3_PROMPTS, **kw))
+        eng.check_kv_invariant()
+        return outs, eng.worker.runner.config, eng.get_server_info(), eng.tokenizer
+
+
+@pytest.mark.parametrize("kind, model", [("F32", "untied"), ("F16", "tied")])
+def test_a_qwen3_gguf_gives_transformers_output_on_its_weights(tmp_path, qwen3_dirs, monkeypatch, kind, model):
+    """transformers' GGUF reader maps no head_dim for Qwen3 (its config kept the class's 128, and loading a file of
+    any other width failed on the attention weights' shapes). A float file dequantized by specjet computes what
+    transformers computes on the same numbers: the same greedy ids, logprobs within float32 rounding."""
+    monkeypatch.setenv("SPECJET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(qwen3_dirs[model], tmp_path / f"tiny-qwen3-{kind}.gguf", "qwen3", kind=kind,
+                      reference_dir=tmp_path / "reference")
+    outs, config, _, tokenizer = _run(path, quantization=None)
+    shape = (config.model_type, config.head_dim, config.qk_norm, config.tie_word_embeddings)
+    assert shape == ("qwen3", 32, True, model == "tied")
+    for prompt, out in zip(QWEN3_PROMPTS, outs):
+        expected, logprobs, _ = _hf_greedy(tmp_path / "reference", prompt, QWEN3_PARAMS["max_new_tokens"])
+        assert out["output_ids"] == expected
+        ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3, (ours, logprobs)
+    # The file's GPT-2 style BPE under its "qwen2" pre-tokenizer: Qwen's pattern keeps a run of newlines whole (the
+    # default model's own tokenizer splits it), its chat markers are single tokens, and text decodes back.
+    text = "<|im_start|>user\nHi, it's 2024.\n\nBye<|im_end|>"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert "\u010a\u010a" in tokenizer.convert_ids_to_tokens(ids)  # "\n\n" as one byte-level token
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and tokenizer.decode(ids) == text
+
+
+def test_a_quantized_qwen3_gguf_runs_on_its_own_blocks_and_speculates_losslessly(tmp_path, qwen3_dirs, monkeypatch):
+    """A Q8_0 Qwen3 file: dequantized (quantization=None) it gives transformers' ids on the dequantized weights;
+    on its own blocks (quantization="gguf"; Qwen's q/k rows are not permuted, as for Qwen2) it follows that output
+    within the blocks' rounding; NGRAM speculation on the blocks gives the plain blocks' ids."""
+    monkeypatch.setenv("SPECJET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(qwen3_dirs["cyclic"], tmp_path / "tiny-qwen3-Q8_0.gguf", "qwen3", kind="Q8_0",
+                      reference_dir=tmp_path / "reference")
+    expected = [_hf_greedy(tmp_path / "reference", p, QWEN3_PARAMS["max_new_tokens"]) for p in QWEN3_PROMPTS]
+    floats, *_ = _run(path, quantization=None)
+    # dequantized, the file's numbers are the reference's (both gguf-py's and transformers' Q8_0 decoding are exact)
+    assert [o["output_ids"] for o in floats] == [ids for ids, _, _ in expected]
+    blocks, _, info, _ = _run(path, quantization="gguf")
+    assert info["quantization"] == "gguf"
+    for out, (ids, logprobs, first_top) in zip(blocks, expected):
+        # As the blocks-against-floats test above: the first token's top 5 against transformers' (robust to a
+        # near-tie's flip), then each token's logprob while the ids agree.
+        top = {t: lp for lp, t, _ in out["meta_info"]["output_top_logprobs"][0]}
+        shared = set(top) & set(first_top)
+        assert len(shared) >= 3 and max(abs(top[t] - first_top[t]) for t in shared) < 0.3, (top, first_top)
+        for (lp, token, _), want, want_lp in zip(out["meta_info"]["output_token_logprobs"], ids, logprobs):
+            assert abs(lp - want_lp) < 0.3, (lp, want_lp)
+            if token != want:
+                break
+    speculative, _, info, _ = _run(path, alone=True, quantization="gguf", speculative_algorithm="NGRAM")
+    assert [o["output_ids"] for o in speculative] == [o["output_ids"] for o in blocks]
+    assert info["stats"]["spec_phases"]["tree_nodes"] > 1, info["stats"]  # drafts were verified, not only roots
+
+
+def test_a_gguf_whose_keys_and_values_differ_in_width_is_refused(tmp_path, qwen3_dirs, monkeypatch):
+    """specjet's attention has one head width; a file stating another for the values is refused before converting."""
+    import gguf
+
+    from specjet.models.weights import resolve_model_path
+
+    monkeypatch.setenv("SPECJET_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_value_length",
+                        lambda writer, width: writer.add_uint32(f"{writer.arch}.attention.value_length", 2 * width))
+    path = write_gguf(qwen3_dirs["untied"], tmp_path / "tiny-qwen3-kv.gguf", "qwen3", kind="F32")
+    with pytest.raises(ValueError, match="keys 32 wide and values 64 wide"):
+        resolve_model_path(path)

@@ -286,7 +286,7 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
     """
     import transformers
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
     # `dtype` replaced `torch_dtype` in transformers 4.56; v5 warns on the old name.
@@ -295,14 +295,19 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
 
     start = time.perf_counter()
     rope = _gguf_rope(gguf)  # refuses a file specjet would not run before the long part
+    head_dim = _gguf_head_dim(gguf)
     with tqdm(total=3, desc=f"specjet: converting {name}", unit="stage") as bar:
         bar.set_postfix_str("read GGUF (tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         bar.update()
 
         bar.set_postfix_str("dequantize")
+        # The config is read first so that what transformers' reader leaves out is set before the model's shapes are.
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        if head_dim is not None:
+            config.head_dim = head_dim
         model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, local_files_only=True, **{dtype_kw: torch.float32}
+            folder, gguf_file=name, config=config, local_files_only=True, **{dtype_kw: torch.float32}
         )
         bar.update()
 
@@ -369,6 +374,33 @@ def _gguf_rope(gguf: pathlib.Path) -> dict:
     if factors is not None:
         out["rope_freq_factors"] = [float(f) for f in np.asarray(factors.data, dtype=np.float32).reshape(-1)]
     return out
+
+
+def _gguf_head_dim(gguf: pathlib.Path) -> int | None:
+    """The attention heads' width the GGUF states, where transformers' reader may not take it: llama.cpp writes a
+    config's ``head_dim`` as ``attention.key_length`` (and ``value_length``), which transformers maps for Llama's and
+    Mistral's files (from ``rope.dimension_count``) but not for Qwen3's, whose config then keeps its class's default
+    (128) and every attention weight of another width fails to load. A Qwen3 file without the field is
+    ``embedding_length / head_count`` wide, as llama.cpp reads it. None: transformers' own value stands."""
+    from specjet.models.gguf_file import gguf_reader
+
+    reader = gguf_reader(gguf)
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def value(key: str):
+        found = reader.fields.get(f"{arch}.{key}")
+        return None if found is None else found.contents()
+
+    key_length, value_length = value("attention.key_length"), value("attention.value_length")
+    if key_length is not None and value_length is not None and int(key_length) != int(value_length):
+        raise ValueError(f"{gguf.name}: keys {key_length} wide and values {value_length} wide; specjet's attention "
+                         "has one head width")
+    if key_length is not None:
+        return int(key_length)
+    heads, hidden = value("attention.head_count"), value("embedding_length")
+    if arch == "qwen3" and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        return hidden // heads
+    return None
 
 
 def _tensors_to_save(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
