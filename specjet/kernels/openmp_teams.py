@@ -21,7 +21,7 @@ computes (another engine in the process, whose workers would otherwise sleep) or
 ``KEEP_IDLE_TEAM_S`` of idling. And it binds its team's threads to one CPU each (``pin_calling_team``,
 what OMP_PROC_BIND=true does for a process that sets it before OpenMP starts): unbound, the workers
 that slept through an idle spell wake on whatever CPU the kernel picks, often their master's, and the
-first forward after the pause ran ~5x slower; ``SPECJET_PIN_THREADS=0`` leaves them unbound.
+first forward after the pause ran several times slower (session 54); ``SPECJET_PIN_THREADS=0`` leaves them unbound.
 """
 from __future__ import annotations
 
