@@ -191,6 +191,32 @@ def test_check_spec_parses_a_regex_or_ebnf_as_its_compile_does(backend, monkeypa
     assert parses == [("regex", "(yes|no|maybe)")] and len(compiles) == 6
 
 
+def test_an_ebnf_token_budget_is_refused_at_the_door(backend, tokenizer):
+    """xgrammar enforces ``[max_tokens=N]`` through what its mask fills left: after fills along the path to a state
+    past the budget its forced text is longer than a search from the same state without them (``h!`` against ``h``
+    below), and a draft tree's walk accepts without fills, so a budgeted grammar cannot be decoded speculatively as plainly. It
+    is refused with the rule named; the same rule without the budget, and a char budget, compile."""
+    budgeted = 'root ::= r "gh!"\nr[max_tokens=2] ::= "abcdef" | "abcdefgh"'
+    # What the refusal rests on, in xgrammar itself: the same state, two forced texts.
+    compiled = xgr.GrammarCompiler(backend.tokenizer_info).compile_grammar(budgeted)
+    filled, unfilled = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)
+    for piece in ("ab", "cd", "ef", "g"):  # a fill before every token (and after the last) on one, as decoding does
+        filled.fill_next_token_bitmask(allocate_token_bitmask(1, VOCAB_SIZE))
+        (token,) = tokenizer.encode(piece, add_special_tokens=False)
+        assert filled.accept_token(token) and unfilled.accept_token(token)
+    filled.fill_next_token_bitmask(allocate_token_bitmask(1, VOCAB_SIZE))
+    assert (filled.find_jump_forward_string(), unfilled.find_jump_forward_string()) == ("h!", "h")
+
+    for spec in (budgeted, 'root ::= r\nr[max_tokens=5] ::= "a" other\nother ::= "b"'):
+        with pytest.raises(GrammarError, match=r"^ebnf rule budgets in tokens are not supported \(\[max_tokens=\.\.\.\] on r\)"):
+            backend.check_spec("ebnf", spec)
+        with pytest.raises(GrammarError, match=r"max_tokens"):
+            backend.compile("ebnf", spec).result()
+    for spec in (budgeted.replace("[max_tokens=2]", ""), budgeted.replace("max_tokens", "max_chars")):
+        backend.check_spec("ebnf", spec)
+        assert isinstance(backend.compile("ebnf", spec).result(), xgr.CompiledGrammar)
+
+
 def test_unsupported_schema_bad_regex_and_unknown_kind(backend):
     with pytest.raises(GrammarError, match=r'^json_schema could not be compiled: Unsupported type "foo"'):
         backend.compile("json_schema", {"type": "foo"}).result()

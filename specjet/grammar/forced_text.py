@@ -35,7 +35,7 @@ import xgrammar as xgr
 MAX_FORCED_TEXT_SPAN = 64 << 10
 
 # Serialization layouts read here, and their expression types (xgrammar's GrammarExprType).
-_KNOWN_VERSIONS = ("v18",)
+KNOWN_LAYOUTS = ("v18",)
 (_BYTE_STRING, _CHAR_CLASS, _CHAR_CLASS_STAR, _EMPTY, _RULE_REF, _SEQUENCE, _CHOICES, _TAG_DISPATCH, _REPEAT,
  _TOKEN, _EXCLUDE_TOKEN, _TOKEN_TAG_DISPATCH, _REGEX, _SUBSTRING) = range(14)
 # Atoms counted as deriving nothing: a dispatch reads free text until a trigger (and may end there), the token
@@ -66,7 +66,7 @@ class _UnknownLayout(Exception):
 def grammar_lengths(grammar: xgr.Grammar) -> GrammarLengths | None:
     """The grammar's length bounds, or None if this xgrammar's serialization is not one read here."""
     data = json.loads(grammar.serialize_json())
-    if data.get("__VERSION__") not in _KNOWN_VERSIONS:
+    if data.get("__VERSION__") not in KNOWN_LAYOUTS:
         return None
     try:
         return _lengths(data)
