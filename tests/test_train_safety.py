@@ -262,6 +262,37 @@ def test_a_signal_during_training_ends_the_step_saves_it_and_resumes_exactly(job
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
 
 
+class Steps(int):
+    """A step count whose loop test after the last step (``step < cfg.steps`` asks ``Steps.__gt__``: a subclass's
+    reflected operator goes first) raises SIGTERM: a signal after that step's own check. (At module level: the
+    checkpoint pickles the config.)"""
+
+    def __gt__(self, step):
+        if step == int(self):
+            signal.raise_signal(signal.SIGTERM)
+        return int(self) > step
+
+
+@pytest.mark.parametrize("job", ["eagle", "dflash"])
+def test_a_signal_after_the_last_steps_check_still_stops_the_run(job, runner, samples, tmp_path):
+    """A signal that comes once the last step was checked (here: as the loop tests its bound after that step) is not
+    dropped with the loop's handlers: the run stops there, its last checkpoint written, instead of going on to its
+    evaluation and save as if nothing had come."""
+    module = T if job == "eagle" else DT
+    capture = "last" if job == "eagle" else FeatureLayers((0,))
+    seqs = load_sequences(_features(runner, samples, tmp_path, capture))
+
+    cfg = (T.TrainConfig(steps=Steps(4), batch_tokens=256, warmup_steps=1, checkpoint_every=3) if job == "eagle" else
+           DT.DFlashTrainConfig(steps=Steps(4), batch_tokens=256, blocks_per_seq=4, warmup_steps=1,
+                                checkpoint_every=3))
+    model = _eagle(runner) if job == "eagle" else _dflash(runner)
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(T.Stopped) as stopped:
+        module.train(model, seqs, cfg, checkpoint)
+    assert stopped.value.signal_name == "SIGTERM" and stopped.value.step == 4
+    assert torch.load(checkpoint, weights_only=False)["step"] == 4
+
+
 def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 240.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -349,3 +380,62 @@ def test_the_resume_command_keeps_the_thread_count():
         "python -m specjet.train dflash --out '/tmp/a b' --threads 3"
     assert resume_command("eagle", ["--steps", "9"]) == \
         f"python -m specjet.train eagle --steps 9 --threads {torch.get_num_threads()}"
+
+
+# ---- 4. The data files a run reads
+
+@pytest.mark.parametrize("content,says", [
+    ('{"text": "fine"}\n{"text": "cut\n', r":2: not a JSON line"),
+    ('{"text": "fine"}\n["a", "list"]\n', r":2: a JSON object per line expected, got a list"),
+    ('{"messages": "hello"}\n', r":1: 'messages' must be a non-empty list of messages"),
+    ('{"messages": [{"role": "user", "content": "Hi"}]}\n', r":1: the last message must be the assistant's reply"),
+    ('{"text": 5}\n', r":1: 'text' must be a string"),
+    ('{"prompt": "x"}\n', r":1: expected a 'messages' or a 'text' field"),
+    (b"\xff\xfe not utf-8\n", r": cannot be read as UTF-8 text")])
+def test_a_bad_extra_jsonl_is_named_with_its_line(tiny_model_dir, tmp_path, content, says):
+    """A user's --extra-jsonl that does not read as the trainers expect: an InputFileError naming the file and the
+    line (json, torch and the chat template's errors named neither)."""
+    from transformers import AutoTokenizer
+
+    from specjet.train.data import InputFileError, extra_samples
+
+    path = tmp_path / "extra.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(InputFileError, match=re.escape(str(path)) + says):
+        extra_samples(AutoTokenizer.from_pretrained(tiny_model_dir), path, 64)
+
+
+def test_bad_gsm8k_and_schema_files_are_named(tmp_path):
+    """--gsm8k records without their fields and a schema set whose index or schema does not parse: named."""
+    from specjet.train.data import InputFileError, gsm8k_split, load_schemas
+
+    gsm8k = tmp_path / "train.jsonl"
+    gsm8k.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "no answer"}\n')
+    with pytest.raises(InputFileError, match=re.escape(f"{gsm8k}: record 2 lacks the GSM8K fields")):
+        gsm8k_split(gsm8k, 1, 0)
+    folder = tmp_path / "schemas"
+    folder.mkdir()
+    (folder / "index.json").write_text('{"schemas": [{"file": "a.json", "prompt": "A"}]}')
+    (folder / "a.json").write_text('{"type": "object",')
+    with pytest.raises(InputFileError, match=re.escape(f"{folder / 'a.json'}: does not read as JSON")):
+        load_schemas(folder)
+    (folder / "index.json").write_text('{"entries": []}')
+    with pytest.raises(InputFileError, match=re.escape(f"{folder / 'index.json'}: expected")):
+        load_schemas(folder)
+    (folder / "a.json").write_text('{"type": "object"}')
+    (folder / "index.json").write_text('{"schemas": [{"file": "a.json", "prompt": "A"}]}')
+    assert load_schemas(folder) == [{"file": "a.json", "prompt": "A", "schema": {"type": "object"}}]
+
+
+def test_the_trainer_command_names_a_bad_data_file(tiny_model_dir, tmp_path, capsys):
+    """Through the command: exit 2 with the file and line, no traceback."""
+    from specjet.train.__main__ import main
+
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text('{"text": "The quick brown fox."}\n{"text": "cut\n')
+    argv = tiny_flags("eagle", tiny_model_dir, tmp_path) + ["--steps", "2", "--out", str(tmp_path / "head"),
+                                                            "--extra-jsonl", str(extra)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{extra}:2: not a JSON line" in err and "Traceback" not in err, err

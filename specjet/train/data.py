@@ -31,9 +31,37 @@ class Sample:
     greedy: bool = False
 
 
+class InputFileError(ValueError):
+    """A data file the trainer reads (``--gsm8k``, ``--extra-jsonl``, the schema set) that does not read as it should:
+    the message names the file (and line)."""
+
+
 def read_jsonl(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The JSON objects of a jsonl file, one a non-empty line; InputFileError naming the file and line otherwise."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as error:
+                    raise InputFileError(f"{path}:{number}: not a JSON line ({error})") from None
+                if not isinstance(record, dict):
+                    raise InputFileError(f"{path}:{number}: a JSON object per line expected, got a "
+                                         f"{type(record).__name__}")
+                records.append(record)
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputFileError(f"{path}: cannot be read as UTF-8 text ({error})") from None
+    return records
+
+
+def _read_json(path: pathlib.Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise InputFileError(f"{path}: does not read as JSON ({error})") from None
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -63,6 +91,9 @@ def gsm8k_split(path, num_eval: int, seed: int) -> tuple[list[dict], list[dict],
 
     The GSM8K test split is the benchmark; nothing here reads it."""
     records = read_jsonl(path)
+    for number, record in enumerate(records, 1):
+        if not (isinstance(record.get("question"), str) and isinstance(record.get("answer"), str)):
+            raise InputFileError(f"{path}: record {number} lacks the GSM8K fields 'question' and 'answer' (strings)")
     shots = records[:NUM_SHOTS]
     shuffled = list(records)
     random.Random(seed).shuffle(shuffled)
@@ -99,21 +130,32 @@ def extra_samples(tokenizer, path, max_len: int) -> list[Sample]:
     for i, record in enumerate(read_jsonl(path)):
         where = f"{path}:{i + 1}"
         if "messages" in record:
-            out.append(conversation_sample(tokenizer, record["messages"], "extra", max_len))
+            messages = record["messages"]
+            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+                raise InputFileError(f"{where}: 'messages' must be a non-empty list of messages")
+            try:
+                out.append(conversation_sample(tokenizer, messages, "extra", max_len))
+            except ValueError as error:  # (its message names the source "extra", not the line)
+                raise InputFileError(f"{where}: {str(error).removeprefix('extra: ')}") from None
         elif "text" in record:
+            if not isinstance(record["text"], str):
+                raise InputFileError(f"{where}: 'text' must be a string")
             ids = tokenizer(record["text"])["input_ids"][:max_len]
             if len(ids) >= 2:
                 out.append(Sample(ids=ids, prompt_len=0, source="extra"))
         else:
-            raise ValueError(f"{where}: expected a 'messages' or a 'text' field")
+            raise InputFileError(f"{where}: expected a 'messages' or a 'text' field")
     return out
 
 
 def load_schemas(folder) -> list[dict]:
     """The JSON-schema set (index.json lists each schema file with a prompt), in index order."""
     folder = pathlib.Path(folder)
-    entries = json.loads((folder / "index.json").read_text())["schemas"]
-    return [dict(e, schema=json.loads((folder / e["file"]).read_text())) for e in entries]
+    index = _read_json(folder / "index.json")
+    entries = index.get("schemas") if isinstance(index, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("file"), str) for e in entries):
+        raise InputFileError(f"{folder / 'index.json'}: expected {{\"schemas\": [{{\"file\": ..., \"prompt\": ...}}, ...]}}")
+    return [dict(e, schema=_read_json(folder / e["file"])) for e in entries]
 
 
 def hot_token_ids(samples: list[Sample], k: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:

@@ -347,6 +347,8 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
                 bar.close()
                 raise Stopped(stop[0], step, checkpoint)
     bar.close()
+    if stop:  # a signal after the last step's check (its checkpoint, the run's last, is written)
+        raise Stopped(stop[0], step, checkpoint)
     model.eval()
     return run_summary(cfg, history, start)
 

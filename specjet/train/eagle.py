@@ -232,6 +232,7 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
 
     torch.set_num_threads(args.threads or default_threads())
     print(f"specjet.train {name}: {torch.get_num_threads()} torch thread(s)")
+    from specjet.train.data import InputFileError
     from specjet.train.features import DamagedFileError
     from specjet.train.trainer import Stopped
 
@@ -245,7 +246,7 @@ def cli_main(name: str, parser, run_args, argv: list[str] | None) -> None:
     except FileExistsError as error:  # a folder that holds something else: nothing was overwritten
         print(f"python -m specjet.train {name}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except TrainArgumentError as error:
+    except (TrainArgumentError, InputFileError) as error:
         print(f"python -m specjet.train {name}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except DamagedFileError as error:  # left in place: the message says what to remove
