@@ -390,6 +390,7 @@ def test_speculation_without_batch_invariance_is_refused(tiny_model_dir):
     ("json_schema", '{"type": "object", "properties": ', "invalid json_schema"),  # not JSON
     ("regex", "(yes|no", "regex could not be parsed: .*parenthesis is not closed"),
     ("ebnf", 'root ::= "a" value', 'ebnf could not be parsed: .*Rule "value" is not defined'),
+    ("ebnf", 'root ::= r "!"\nr[max_tokens=2] ::= "ab" | "abcd"', r"ebnf rule budgets in tokens are not supported"),
 ])
 def test_a_spec_xgrammar_cannot_parse_is_refused_at_the_door(engine, kind, spec, words):
     """Known before anything is queued, so the call raises for the whole list, with xgrammar's reason (it was an

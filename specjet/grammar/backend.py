@@ -15,7 +15,6 @@ grammar (see `timed_runner`). The engine's door also waits a moment for the comp
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import xgrammar as xgr
 
 from specjet.grammar.ebnf_text import ebnf_text
-from specjet.grammar.forced_text import KNOWN_LAYOUTS, grammar_lengths, mark_jump_forward_safe
+from specjet.grammar.forced_text import grammar_lengths, mark_jump_forward_safe, token_budget_rules
 from specjet.grammar.forced_tokens import ForcedTokens, text_to_ids
 from specjet.grammar.spec import (DEFAULT_MAX_SPEC_BYTES, DEFAULT_MAX_SPEC_DEPTH, GRAMMAR_KINDS, GrammarError,
                                   canonical_text)
@@ -98,16 +97,6 @@ class _Compile:
         self.waiters: list[Future] = []  # the futures handed to requests while it runs
         self.grammar: xgr.CompiledGrammar | None = None
         self.done = False
-
-
-def token_budget_rules(grammar: xgr.Grammar) -> list[str]:
-    """The rules of ``grammar`` with a token budget (EBNF's ``name[max_tokens=N]``), read from its serialization
-    (a rule is [name, body, ..., max_tokens, max_chars, ...] in the layouts `forced_text` reads; -1: none). A layout
-    not read there is searched in the grammar's printed form."""
-    data = json.loads(grammar.serialize_json())
-    if data.get("__VERSION__") in KNOWN_LAYOUTS:
-        return [rule[0] for rule in data["rules"] if rule[4] != -1]
-    return re.findall(r"^(\S+)\[[^\]]*max_tokens=", str(grammar), flags=re.MULTILINE)
 
 
 class GrammarBackend:

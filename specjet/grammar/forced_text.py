@@ -16,6 +16,8 @@ finite and at most `MAX_FORCED_TEXT_SPAN`, the search ends soon; otherwise the r
 A grammar whose root derives no finite text has no valid output at all, and is refused where it compiles
 (`backend.py`).
 
+The same serialization gives the rules that carry a token budget (`token_budget_rules`), which the backend refuses.
+
 The grammar is read through `Grammar.serialize_json`, whose layout xgrammar versions (``__VERSION__``); an
 unknown version or expression type gives `None` (the caller treats the grammar as unsafe for the search).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ import xgrammar as xgr
 MAX_FORCED_TEXT_SPAN = 64 << 10
 
 # Serialization layouts read here, and their expression types (xgrammar's GrammarExprType).
-KNOWN_LAYOUTS = ("v18",)
+_KNOWN_VERSIONS = ("v18",)
 (_BYTE_STRING, _CHAR_CLASS, _CHAR_CLASS_STAR, _EMPTY, _RULE_REF, _SEQUENCE, _CHOICES, _TAG_DISPATCH, _REPEAT,
  _TOKEN, _EXCLUDE_TOKEN, _TOKEN_TAG_DISPATCH, _REGEX, _SUBSTRING) = range(14)
 # Atoms counted as deriving nothing: a dispatch reads free text until a trigger (and may end there), the token
@@ -66,12 +69,22 @@ class _UnknownLayout(Exception):
 def grammar_lengths(grammar: xgr.Grammar) -> GrammarLengths | None:
     """The grammar's length bounds, or None if this xgrammar's serialization is not one read here."""
     data = json.loads(grammar.serialize_json())
-    if data.get("__VERSION__") not in KNOWN_LAYOUTS:
+    if data.get("__VERSION__") not in _KNOWN_VERSIONS:
         return None
     try:
         return _lengths(data)
     except (_UnknownLayout, KeyError, IndexError, TypeError):
         return None
+
+
+def token_budget_rules(grammar: xgr.Grammar) -> list[str]:
+    """The rules of ``grammar`` with a token budget (EBNF's ``name[max_tokens=N]``), read from its serialization (a
+    rule is [name, body, ..., max_tokens, max_chars, ...] in the layouts read here; -1: none); in another layout,
+    searched for in the grammar's printed form."""
+    data = json.loads(grammar.serialize_json())
+    if data.get("__VERSION__") in _KNOWN_VERSIONS:
+        return [rule[0] for rule in data["rules"] if rule[4] != -1]
+    return re.findall(r"^(\S+)\[[^\]]*max_tokens=", str(grammar), flags=re.MULTILINE)
 
 
 def _lengths(data: dict) -> GrammarLengths:

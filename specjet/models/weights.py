@@ -294,8 +294,8 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
     start = time.perf_counter()
-    rope = _gguf_rope(gguf)  # refuses a file specjet would not run before the long part
-    head_dim = _gguf_head_dim(gguf)
+    dropped = _gguf_dropped_fields(gguf)  # refuses a file specjet would not run before the long part
+    head_dim = dropped.pop("head_dim", None)
     with tqdm(total=3, desc=f"specjet: converting {name}", unit="stage") as bar:
         bar.set_postfix_str("read GGUF (tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
@@ -321,7 +321,7 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.architectures = config.architectures or [_causal_lm_class_name(config)]
-        for key, value in rope.items():
+        for key, value in dropped.items():
             setattr(config, key, value)
         config.save_pretrained(out_dir)
         if generation_config is not None:
@@ -337,11 +337,15 @@ def _convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
         bar.set_postfix_str(f"done in {time.perf_counter() - start:.1f} s")
 
 
-def _gguf_rope(gguf: pathlib.Path) -> dict:
-    """Config fields for the GGUF's RoPE scaling, which transformers' GGUF reader drops (a Llama 3.1/3.2 file's
+def _gguf_dropped_fields(gguf: pathlib.Path) -> dict:
+    """Config fields the GGUF states and transformers' GGUF reader drops. Its RoPE scaling (a Llama 3.1/3.2 file's
     ``rope_freqs`` tensor, a ``rope.scaling`` type): ``rope_parameters`` for linear scaling, ``rope_freq_factors``
-    (each frequency's divisor, as llama.cpp applies it) for the tensor. Refuses an architecture specjet does not run,
-    or a scaling it does not know, before anything is converted."""
+    (each frequency's divisor, as llama.cpp applies it) for the tensor. Its heads' width, ``head_dim``: llama.cpp
+    writes a config's ``head_dim`` as ``attention.key_length`` (and ``value_length``), which transformers maps for
+    Llama's and Mistral's files but not for Qwen3's, whose config then keeps its class's default (128), and every
+    attention weight of another width fails to load; a Qwen3 file without the field is ``embedding_length /
+    head_count`` wide, as llama.cpp reads it. Refuses an architecture specjet does not run, a scaling it does not
+    know, or keys and values of different widths, before anything is converted."""
     import numpy as np
 
     from specjet.models.config import SUPPORTED_ARCHITECTURES
@@ -373,34 +377,16 @@ def _gguf_rope(gguf: pathlib.Path) -> dict:
     factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if factors is not None:
         out["rope_freq_factors"] = [float(f) for f in np.asarray(factors.data, dtype=np.float32).reshape(-1)]
-    return out
-
-
-def _gguf_head_dim(gguf: pathlib.Path) -> int | None:
-    """The attention heads' width the GGUF states, where transformers' reader may not take it: llama.cpp writes a
-    config's ``head_dim`` as ``attention.key_length`` (and ``value_length``), which transformers maps for Llama's and
-    Mistral's files (from ``rope.dimension_count``) but not for Qwen3's, whose config then keeps its class's default
-    (128) and every attention weight of another width fails to load. A Qwen3 file without the field is
-    ``embedding_length / head_count`` wide, as llama.cpp reads it. None: transformers' own value stands."""
-    from specjet.models.gguf_file import gguf_reader
-
-    reader = gguf_reader(gguf)
-    arch = str(reader.fields["general.architecture"].contents())
-
-    def value(key: str):
-        found = reader.fields.get(f"{arch}.{key}")
-        return None if found is None else found.contents()
-
     key_length, value_length = value("attention.key_length"), value("attention.value_length")
     if key_length is not None and value_length is not None and int(key_length) != int(value_length):
         raise ValueError(f"{gguf.name}: keys {key_length} wide and values {value_length} wide; specjet's attention "
                          "has one head width")
-    if key_length is not None:
-        return int(key_length)
     heads, hidden = value("attention.head_count"), value("embedding_length")
-    if arch == "qwen3" and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-        return hidden // heads
-    return None
+    if key_length is not None:
+        out["head_dim"] = int(key_length)
+    elif arch == "qwen3" and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        out["head_dim"] = hidden // heads
+    return out
 
 
 def _tensors_to_save(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

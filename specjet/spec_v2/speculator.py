@@ -14,7 +14,6 @@ rolled back, and the host advances its own matcher by the accepted tokens.
 """
 from __future__ import annotations
 
-
 import pathlib
 import time
 from dataclasses import replace

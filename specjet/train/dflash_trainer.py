@@ -344,10 +344,9 @@ def train(model: DFlashDraftModel, seqs: list[Sequence], cfg: DFlashTrainConfig,
             if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 _save_checkpoint(checkpoint, model, optimizer, anchor_gen, step, history, cfg)
             if stop:  # SIGINT or SIGTERM during this step: it is done and saved (trainer.stop_requests)
-                bar.close()
-                raise Stopped(stop[0], step, checkpoint)
+                break
     bar.close()
-    if stop:  # a signal after the last step's check (its checkpoint, the run's last, is written)
+    if stop:  # (also a signal after the last step's check: its checkpoint, the run's last, is written)
         raise Stopped(stop[0], step, checkpoint)
     model.eval()
     return run_summary(cfg, history, start)

@@ -254,11 +254,10 @@ def train(model: EagleDraftModel, seqs: list[Sequence], cfg: TrainConfig, checkp
                             **({"top1_d1": f"{mean['top1_d1']:.3f}"} if "top1_d1" in mean else {}))
             if checkpoint is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 _save_checkpoint(checkpoint, model, optimizer, noise_gen, step, history, cfg)
-            if stop:  # SIGINT or SIGTERM during this step: it is done and saved
-                bar.close()
-                raise Stopped(stop[0], step, checkpoint)
+            if stop:  # SIGINT or SIGTERM during this step: it is done and saved (trainer.stop_requests)
+                break
     bar.close()
-    if stop:  # a signal after the last step's check (its checkpoint, the run's last, is written)
+    if stop:  # (also a signal after the last step's check: its checkpoint, the run's last, is written)
         raise Stopped(stop[0], step, checkpoint)
     model.eval()
     return run_summary(cfg, history, start)
